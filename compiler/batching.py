@@ -1,0 +1,57 @@
+"""Split a batch into microbatches along dimension 0.
+
+Every tensor input (and every tensor in the target) must have the batch as its first
+dimension; non-tensor values are given to every microbatch unchanged. The batch must split into
+equal microbatches: then the mean of the microbatch losses is the full batch's mean loss and the
+gradients equal those of the unsplit model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from pipecut.errors import InputError
+
+
+def batch_size(values: Sequence[Any]) -> int:
+    sizes = {
+        t.shape[0] for t in pytree.tree_leaves(list(values)) if isinstance(t, torch.Tensor) and t.dim() > 0
+    }
+    if not sizes:
+        raise InputError("no tensor with a batch dimension among the inputs")
+    if len(sizes) > 1:
+        raise InputError(
+            f"inputs disagree on the batch size (first dimension): {sorted(sizes)}; pipecut "
+            f"splits every tensor input along dimension 0"
+        )
+    return sizes.pop()
+
+
+def split_microbatches(value: Any, microbatches: int, size: int, what: str = "inputs") -> list[Any]:
+    """``microbatches`` copies of ``value`` with every batched tensor cut into equal chunks."""
+    if microbatches < 1:
+        raise InputError(f"microbatches must be at least 1, got {microbatches}")
+    if size % microbatches:
+        raise InputError(
+            f"a batch of {size} does not split into {microbatches} equal microbatches; "
+            f"use a batch size that is a multiple of {microbatches} or change microbatches"
+        )
+    leaves, spec = pytree.tree_flatten(value)
+    chunks: list[list[Any]] = [[] for _ in range(microbatches)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            if leaf.shape[0] != size:
+                raise InputError(
+                    f"{what}: a tensor of shape {tuple(leaf.shape)} does not have the batch "
+                    f"size {size} as its first dimension"
+                )
+            for i, part in enumerate(leaf.chunk(microbatches)):
+                chunks[i].append(part)
+        else:
+            for c in chunks:
+                c.append(leaf)
+    return [pytree.tree_unflatten(c, spec) for c in chunks]

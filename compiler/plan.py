@@ -1,0 +1,283 @@
+"""The partition plan: frozen dataclasses, names not objects, JSON that diffs well.
+
+The plan is the only thing that crosses from compile time to run time. It holds the cost table
+(so anyone can recompute the partition from it), the stages, the cut edges and the prediction.
+Times are per microbatch in milliseconds; shapes are per microbatch.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipecut.errors import PlanError
+from pipecut.serde import from_data, to_data
+
+FORMAT_VERSION = 1
+
+
+class NodeOp(enum.Enum):
+    """The six torch.fx opcodes."""
+
+    PLACEHOLDER = "placeholder"
+    GET_ATTR = "get_attr"
+    CALL_FUNCTION = "call_function"
+    CALL_METHOD = "call_method"
+    CALL_MODULE = "call_module"
+    OUTPUT = "output"
+
+
+class CaptureMethod(enum.Enum):
+    SYMBOLIC_TRACE = "symbolic_trace"
+    EXPORT = "export"
+
+
+class ScheduleKind(enum.Enum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+
+
+class Recompute(enum.Enum):
+    NONE = "none"
+    FULL = "full"
+
+
+class LeafKind(enum.Enum):
+    TENSOR = "tensor"
+    CONSTANT = "constant"
+
+
+class Partitioner(enum.Enum):
+    DP = "dp"
+    ILP = "ilp"
+    GIVEN = "given"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Leaf:
+    """One leaf of a node's output after pytree flattening."""
+
+    kind: LeafKind
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    requires_grad: bool = False
+    """True when the tensor depends on a parameter, so its gradient crosses cuts backwards."""
+    value: Any = None
+    """JSON encoding of a non-tensor leaf (see ``pipecut.values``); None if not encodable."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeCost:
+    """One row of the cost table: a node of the captured graph, in topological order."""
+
+    name: str
+    op: NodeOp
+    target: str
+    module: str = ""
+    """Module path the node came from (for grouping and coarsening)."""
+    inputs: tuple[str, ...] = ()
+    """Names of the nodes whose values this node reads."""
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    output_bytes: int = 0
+    param_bytes: int = 0
+    parameters: tuple[str, ...] = ()
+    """Canonical FQNs of the parameters this node reads directly."""
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    leaves: tuple[Leaf, ...] = ()
+    treespec: str | None = None
+    """Serialized pytree structure of the output (``torch.utils._pytree.treespec_dumps``)."""
+
+    def __post_init__(self) -> None:
+        if self.forward_ms < 0 or self.backward_ms < 0:
+            raise ValueError(f"node {self.name}: negative time")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceSpec:
+    name: str
+    memory_bytes: int | None = None
+    """Capacity for the memory check; None means unlimited."""
+    speed: float = 1.0
+    """Relative speed: node times measured on the profiling device are divided by it."""
+
+    def __post_init__(self) -> None:
+        if self.speed <= 0:
+            raise ValueError(f"device {self.name}: speed must be > 0, got {self.speed}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Link:
+    bandwidth_bytes_per_ms: float
+    latency_ms: float = 0.0
+    measured: bool = False
+
+    def transfer_ms(self, nbytes: int) -> float:
+        return 0.0 if nbytes == 0 else self.latency_ms + nbytes / self.bandwidth_bytes_per_ms
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stage:
+    index: int
+    device: str
+    nodes: tuple[str, ...]
+    parameters: tuple[str, ...]
+    recompute: Recompute = Recompute.NONE
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    comm_ms: float = 0.0
+    param_bytes: int = 0
+    activation_bytes: int = 0
+    """Bytes of activations one microbatch keeps alive until its backward."""
+    peak_memory_bytes: int = 0
+    send_bytes: int = 0
+    recv_bytes: int = 0
+    inputs: tuple[str, ...] = ()
+    """Values received from the previous stage, in wire order."""
+    outputs: tuple[str, ...] = ()
+    """Values sent to the next stage, in wire order."""
+
+    @property
+    def time_ms(self) -> float:
+        """Predicted time of one microbatch's forward and backward, communication included."""
+        return self.forward_ms + self.backward_ms + self.comm_ms
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Edge:
+    src_node: str
+    src_stage: int
+    dst_stages: tuple[int, ...]
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TiedGroup:
+    """A parameter used by several stages: kept on each, gradients summed after backward."""
+
+    fqn: str
+    """Canonical name (the first of its aliases in ``named_parameters``)."""
+    stages: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Predicted:
+    step_ms: float
+    bubble_fraction: float
+    bottleneck_stage: int
+    stage_ms: tuple[float, ...] = ()
+    single_device_ms: float = 0.0
+    """Forward + backward of the whole batch on one device (for the speedup estimate)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Solver:
+    method: Partitioner
+    solve_ms: float = 0.0
+    optimal: bool = True
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    fingerprint: str
+    capture: CaptureMethod
+    schedule: ScheduleKind
+    microbatches: int
+    batch_size: int
+    inputs: tuple[str, ...]
+    """Names of the graph's input placeholders, in the order inputs are flattened."""
+    nodes: tuple[NodeCost, ...]
+    stages: tuple[Stage, ...]
+    edges: tuple[Edge, ...]
+    devices: tuple[DeviceSpec, ...]
+    link: Link
+    predicted: Predicted
+    solver: Solver
+    tied: tuple[TiedGroup, ...] = ()
+    format_version: int = FORMAT_VERSION
+    pipecut_version: str = ""
+    torch_version: str = ""
+    _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.format_version != FORMAT_VERSION:
+            raise PlanError(
+                f"plan format_version {self.format_version} is not supported by this pipecut "
+                f"(it reads version {FORMAT_VERSION}); re-plan with pipecut.plan(...)"
+            )
+        if len(self.stages) != len(self.devices):
+            raise PlanError(f"{len(self.stages)} stages but {len(self.devices)} devices")
+        if self.microbatches < 1 or self.batch_size % self.microbatches:
+            raise PlanError(
+                f"batch size {self.batch_size} does not split into {self.microbatches} microbatches"
+            )
+        self._index.update({n.name: i for i, n in enumerate(self.nodes)})
+        if len(self._index) != len(self.nodes):
+            raise PlanError("duplicate node names in the cost table")
+        for s in self.stages:
+            for name in s.nodes:
+                if name not in self._index:
+                    raise PlanError(f"stage {s.index} lists node {name!r}, not in the cost table")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def node(self, name: str) -> NodeCost:
+        return self.nodes[self._index[name]]
+
+    def stage_of(self) -> dict[str, int]:
+        """Map every partitioned node name to its stage index."""
+        return {name: s.index for s in self.stages for name in s.nodes}
+
+    # --- JSON -------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = to_data(self)
+        data.pop("_index")
+        return data
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), sort_keys=True, indent=1)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        if not isinstance(data, dict):
+            raise PlanError(f"a plan is a JSON object, got {type(data).__name__}")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise PlanError(
+                f"plan format_version {version!r} is not supported (this pipecut reads "
+                f"{FORMAT_VERSION}); re-plan with pipecut.plan(...) or `pipecut plan`"
+            )
+        return from_data(cls, data)
+
+    @classmethod
+    def from_json(cls, path_or_text: str | Path) -> Plan:
+        """Load a plan from a file path or a JSON string; errors name the bad field's path."""
+        text = str(path_or_text)
+        if not text.lstrip().startswith("{"):
+            try:
+                text = Path(path_or_text).read_text()
+            except OSError as e:
+                raise PlanError(f"cannot read plan {path_or_text}: {e}") from e
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan is not valid JSON ({e}); re-plan or restore the file") from e
+        return cls.from_dict(data)
+
+    def summary(self) -> str:
+        """A table: stage, nodes, params, fwd/bwd ms, comm ms, memory, send/recv bytes."""
+        from pipecut.report import summary_table
+
+        return summary_table(self)

@@ -1,0 +1,199 @@
+"""``pipecut.plan``: capture, profile and partition a model into a :class:`~pipecut.plan.Plan`.
+
+Planning runs in one process and needs no torch.distributed. :func:`partition_costs` is the
+pure part (cost table in, plan out), so a saved plan's cost table can be re-partitioned for
+other devices without profiling again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+import pipecut
+from pipecut.batching import batch_size, split_microbatches
+from pipecut.capture import Captured, Inputs, capture, fingerprint
+from pipecut.errors import InputError, PartitionError
+from pipecut.passes.chain import boundary_bytes, boundary_ms, is_unit, liveness
+from pipecut.passes.partition import Chain, partition_dp
+from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, build_stages, inflight_microbatches
+from pipecut.plan import (
+    CaptureMethod,
+    DeviceSpec,
+    Link,
+    NodeCost,
+    NodeOp,
+    Partitioner,
+    Plan,
+    ScheduleKind,
+    Solver,
+)
+from pipecut.profile import LossFn, profile
+
+DEFAULT_LINK = Link(bandwidth_bytes_per_ms=2e6, latency_ms=0.05, measured=False)
+"""2 GB/s and 50 µs per message: the order of gloo over loopback on a small CPU machine."""
+
+Devices = int | Sequence[str | DeviceSpec]
+
+
+def as_schedule(schedule: str | ScheduleKind) -> ScheduleKind:
+    if isinstance(schedule, ScheduleKind):
+        return schedule
+    try:
+        return ScheduleKind(str(schedule).lower())
+    except ValueError:
+        valid = [s.value for s in ScheduleKind]
+        raise InputError(f"unknown schedule {schedule!r}; choose one of {valid}") from None
+
+
+def as_devices(devices: Devices) -> tuple[DeviceSpec, ...]:
+    """Normalise an int K, device names or :class:`DeviceSpec` objects."""
+    if isinstance(devices, bool) or not isinstance(devices, (int, Sequence)) or isinstance(devices, str):
+        raise InputError(
+            f"devices must be an int, a list of device names or DeviceSpec, got {devices!r}"
+        )
+    if isinstance(devices, int):
+        if devices < 1:
+            raise PartitionError(f"the number of stages (devices) must be at least 1, got {devices}")
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+        return tuple(DeviceSpec(name=kind) for _ in range(devices))
+    specs = tuple(d if isinstance(d, DeviceSpec) else DeviceSpec(name=str(d)) for d in devices)
+    if not specs:
+        raise PartitionError("the number of stages (devices) must be at least 1, got 0")
+    return specs
+
+
+def _chain(nodes: Sequence[NodeCost], link: Link) -> tuple[Chain, Any]:
+    live = liveness(nodes)
+    fwd, bwd, allowed = boundary_bytes(nodes, live)
+    by_name = {n.name: n for n in nodes}
+    fixed, act = [], []
+    for u in live.units:
+        n = by_name[u]
+        params = n.param_bytes + sum(
+            by_name[i].param_bytes for i in n.inputs if by_name[i].op is NodeOp.GET_ATTR
+        )
+        fixed.append(params * (2 + OPTIMIZER_STATE_FACTOR))
+        act.append(n.output_bytes)
+    chain = Chain(
+        names=live.units,
+        compute_ms=tuple(by_name[u].forward_ms + by_name[u].backward_ms for u in live.units),
+        boundary_ms=tuple(boundary_ms(fwd, bwd, allowed, link)),
+        fixed_bytes=tuple(fixed),
+        activation_bytes=tuple(act),
+    )
+    return chain, (live, allowed)
+
+
+def partition_costs(
+    nodes: Sequence[NodeCost],
+    *,
+    devices: Devices,
+    microbatches: int,
+    batch_size: int,
+    schedule: str | ScheduleKind = ScheduleKind.GPIPE,
+    link: Link = DEFAULT_LINK,
+    fingerprint: str = "",
+    capture: CaptureMethod = CaptureMethod.SYMBOLIC_TRACE,
+    inputs: Sequence[str] = (),
+) -> Plan:
+    """Partition a cost table (pure data) into a plan."""
+    specs = as_devices(devices)
+    kind = as_schedule(schedule)
+    k = len(specs)
+    chain, (live, allowed) = _chain(nodes, link)
+    cuttable = sum(allowed[1:-1])
+    if k - 1 > cuttable:
+        raise PartitionError(
+            f"cannot cut this graph into {k} stages: it has {len(chain.names)} partitionable "
+            f"nodes and only {cuttable} places where every live value can cross a cut; "
+            f"use at most {cuttable + 1} devices"
+        )
+    start = time.perf_counter()
+    part = partition_dp(
+        chain,
+        k,
+        speeds=[d.speed for d in specs],
+        capacities=[d.memory_bytes for d in specs],
+        inflight=inflight_microbatches(kind, k, microbatches),
+    )
+    solve_ms = (time.perf_counter() - start) * 1e3
+    facts = build_stages(
+        nodes, live, part.bounds, devices=specs, link=link, schedule=kind, microbatches=microbatches
+    )
+    return Plan(
+        fingerprint=fingerprint,
+        capture=capture,
+        schedule=kind,
+        microbatches=microbatches,
+        batch_size=batch_size,
+        inputs=tuple(inputs),
+        nodes=tuple(nodes),
+        stages=facts.stages,
+        edges=facts.edges,
+        devices=specs,
+        link=link,
+        predicted=facts.predicted,
+        solver=Solver(method=Partitioner.DP, solve_ms=solve_ms, optimal=True),
+        tied=facts.tied,
+        pipecut_version=pipecut.__version__,
+        torch_version=torch.__version__,
+    )
+
+
+def plan(
+    model: torch.nn.Module,
+    example_inputs: Inputs,
+    devices: Devices = 2,
+    *,
+    loss_fn: LossFn | None = None,
+    target: Any = None,
+    microbatches: int = 1,
+    schedule: str | ScheduleKind = ScheduleKind.GPIPE,
+    link: Link = DEFAULT_LINK,
+    capture_method: CaptureMethod | None = None,
+    leaf_modules: tuple[type, ...] = (),
+    repeats: int = 5,
+    warmup: int = 2,
+    captured: Captured | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Plan:
+    """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
+
+    ``example_inputs`` is one full batch (a tuple of positional tensors or a dict of keyword
+    tensors); ``target`` is the matching target for ``loss_fn(output, target)``.
+    """
+    specs = as_devices(devices)
+    kind = as_schedule(schedule)
+    if not isinstance(example_inputs, (tuple, list, Mapping)):
+        raise InputError(
+            f"example_inputs must be a tuple of positional tensors or a dict of keyword tensors, "
+            f"got {type(example_inputs).__name__}; wrap a single tensor as (x,)"
+        )
+    size = batch_size(list(example_inputs.values()) if isinstance(example_inputs, Mapping) else example_inputs)
+    # Capture on one microbatch: the stages run microbatches, and torch.export specialises shapes.
+    first_inputs = split_microbatches(example_inputs, microbatches, size)[0]
+    if captured is None:
+        captured = capture(model, first_inputs, method=capture_method, leaf_modules=leaf_modules)
+    first = captured.flatten_inputs(first_inputs)
+    first_target = split_microbatches(target, microbatches, size, "target")[0] if target is not None else None
+    nodes = profile(
+        captured, first, loss_fn=loss_fn, target=first_target, repeats=repeats, warmup=warmup,
+        progress=progress,
+    )
+    if not any(is_unit(n) and n.op is not NodeOp.OUTPUT for n in nodes):
+        raise PartitionError("the captured graph has no operations to partition")
+    return partition_costs(
+        nodes,
+        devices=specs,
+        microbatches=microbatches,
+        batch_size=size,
+        schedule=kind,
+        link=link,
+        fingerprint=fingerprint(captured.gm),
+        capture=captured.method,
+        inputs=captured.input_names,
+    )

@@ -1,0 +1,209 @@
+"""Measure every node of a captured graph on one microbatch: time, output and parameter bytes.
+
+Each node is run on its real inputs (interpreting the graph once, in order). Forward time is the
+median of ``repeats`` runs after ``warmup``; backward time is the median of
+``torch.autograd.grad`` of the node's output with respect to its floating inputs and parameters,
+taken on detached copies so that no ``.grad`` is touched. Profiling leaves the model as it was:
+buffers (BatchNorm statistics) and the RNG state are saved and restored, parameters are never
+written, and gradients are computed with ``autograd.grad`` instead of ``backward``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from pipecut.capture import Captured
+from pipecut.fxutil import canonical_names, module_path, mutates_first_arg, node_parameters, target_name
+from pipecut.plan import NodeCost, NodeOp
+from pipecut.values import describe, tensor_bytes
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@contextlib.contextmanager
+def preserved_state(module: torch.nn.Module) -> Iterator[None]:
+    """Restore buffers and RNG state on exit: running a model must not change it."""
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _sync(values: Any) -> None:
+    for leaf in pytree.tree_leaves(values):
+        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+            torch.cuda.synchronize(leaf.device)
+            return
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        _sync(fn())
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _sync(fn())
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+class _NodeRunner(fx.Interpreter):
+    """Runs single nodes with explicit args (fx.Interpreter dispatches per opcode)."""
+
+    def call(self, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return getattr(self, node.op)(node.target, args, kwargs)
+
+
+def _grad_leaves(args: tuple[Any, ...], kwargs: dict[str, Any], clone: bool) -> tuple[Any, Any, list[torch.Tensor]]:
+    """Detached copies of the floating tensors in args/kwargs that require grad."""
+    leaves: list[torch.Tensor] = []
+
+    def swap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            leaf = x.detach().requires_grad_(True)
+            leaves.append(leaf)
+            return leaf.clone() if clone else leaf
+        if isinstance(x, torch.Tensor) and clone:
+            return x.clone()
+        return x
+
+    new_args, new_kwargs = pytree.tree_map(swap, (args, kwargs))
+    return new_args, new_kwargs, leaves
+
+
+def _backward_ms(
+    runner: _NodeRunner, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any],
+    params: list[torch.Tensor], inplace: bool, repeats: int, warmup: int,
+) -> float:
+    args2, kwargs2, leaves = _grad_leaves(args, kwargs, clone=inplace)
+    out = runner.call(node, args2, kwargs2)
+    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    wrt = leaves + [p for p in params if p.requires_grad]
+    if not outs or not wrt:
+        return 0.0
+    grads = [torch.ones_like(t) for t in outs]
+
+    def backward() -> Any:
+        return torch.autograd.grad(outs, wrt, grads, retain_graph=True, allow_unused=True)
+
+    return _median_ms(backward, repeats, warmup)
+
+
+def _time_loss(loss_fn: LossFn, output: Any, target: Any, repeats: int, warmup: int) -> tuple[float, float]:
+    def detach(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            return x.detach().requires_grad_(True)
+        return x
+
+    output = pytree.tree_map(detach, output)
+    forward_ms = _median_ms(lambda: loss_fn(output, target), repeats, warmup)
+    loss = loss_fn(output, target)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError(
+            f"loss_fn must return a scalar tensor, got "
+            f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
+        )
+    wrt = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not wrt or not loss.requires_grad:
+        return forward_ms, 0.0
+    backward_ms = _median_ms(
+        lambda: torch.autograd.grad(loss, wrt, retain_graph=True, allow_unused=True), repeats, warmup
+    )
+    return forward_ms, backward_ms
+
+
+def profile(
+    captured: Captured,
+    inputs: Sequence[Any],
+    *,
+    loss_fn: LossFn | None = None,
+    target: Any = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[NodeCost, ...]:
+    """Cost table of ``captured`` on flat placeholder ``inputs`` (one microbatch)."""
+    gm = captured.gm
+    canonical = canonical_names(gm)
+    runner = _NodeRunner(gm)
+    env: dict[fx.Node, Any] = {}
+    placeholders = iter(inputs)
+    rows: list[NodeCost] = []
+    nodes = list(gm.graph.nodes)
+    with preserved_state(gm), torch.enable_grad():
+        for i, node in enumerate(nodes):
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            forward_ms = backward_ms = 0.0
+            if node.op == "placeholder":
+                value = next(placeholders)
+            elif node.op == "output":
+                value = args[0]
+                if loss_fn is not None:
+                    output = captured.unflatten_output(value)
+                    forward_ms, backward_ms = _time_loss(loss_fn, output, target, repeats, warmup)
+            elif node.op == "get_attr":
+                value = runner.call(node, args, kwargs)
+            else:
+                inplace = mutates_first_arg(node, gm)
+                if inplace:  # time on copies so repeats do not compound the mutation
+                    def run_copy() -> Any:
+                        a, k = pytree.tree_map(
+                            lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, (args, kwargs)
+                        )
+                        with torch.no_grad():
+                            return runner.call(node, a, k)
+
+                    forward_ms = _median_ms(run_copy, repeats, warmup)
+                else:
+                    forward_ms = _median_ms(lambda: runner.call(node, args, kwargs), repeats, warmup)
+                params = [p for _, p in node_parameters(node, gm)]
+                backward_ms = _backward_ms(runner, node, args, kwargs, params, inplace, repeats, warmup)
+                value = runner.call(node, args, kwargs)
+            env[node] = value
+            rows.append(_row(node, value, gm, canonical, forward_ms, backward_ms))
+            if progress is not None:
+                progress(i + 1, len(nodes))
+    return tuple(rows)
+
+
+def _row(
+    node: fx.Node, value: Any, gm: fx.GraphModule, canonical: dict[int, str],
+    forward_ms: float, backward_ms: float,
+) -> NodeCost:
+    params = node_parameters(node, gm)
+    unique = {id(p): p for _, p in params}
+    leaves, treespec = ((), None) if node.op == "output" else describe(value)
+    first = next((leaf for leaf in leaves if leaf.shape or leaf.dtype), None)
+    return NodeCost(
+        name=node.name,
+        op=NodeOp(node.op),
+        target=target_name(node) if node.op != "output" else "output+loss",
+        module=module_path(node),
+        inputs=tuple(n.name for n in node.all_input_nodes),
+        forward_ms=forward_ms,
+        backward_ms=backward_ms,
+        output_bytes=0 if node.op in ("output", "get_attr") else tensor_bytes(value),
+        param_bytes=sum(p.numel() * p.element_size() for p in unique.values()),
+        parameters=tuple(dict.fromkeys(canonical[id(p)] for _, p in params if id(p) in canonical)),
+        shape=first.shape if first is not None else None,
+        dtype=first.dtype if first is not None else None,
+        leaves=leaves,
+        treespec=treespec,
+    )

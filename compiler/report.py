@@ -1,0 +1,44 @@
+"""Plain-text views of a plan: the summary table printed by ``plan.summary()``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipecut.plan import Plan
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def summary_table(plan: Plan) -> str:
+    header = ("stage", "device", "nodes", "params", "fwd ms", "bwd ms", "comm ms", "total ms",
+              "memory", "send", "recv", "recompute")
+    rows = [header]
+    for s in plan.stages:
+        rows.append((
+            str(s.index), s.device, str(len(s.nodes)), human_bytes(s.param_bytes),
+            f"{s.forward_ms:.3f}", f"{s.backward_ms:.3f}", f"{s.comm_ms:.3f}", f"{s.time_ms:.3f}",
+            human_bytes(s.peak_memory_bytes), human_bytes(s.send_bytes), human_bytes(s.recv_bytes),
+            s.recompute.value,
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    p = plan.predicted
+    speedup = p.single_device_ms / p.step_ms if p.step_ms else float("nan")
+    lines.append(
+        f"schedule {plan.schedule.value}, {plan.microbatches} microbatches of "
+        f"{plan.batch_size // plan.microbatches}; predicted step {p.step_ms:.2f} ms "
+        f"(one device {p.single_device_ms:.2f} ms, {speedup:.2f}x), bubble "
+        f"{p.bubble_fraction:.1%}, bottleneck stage {p.bottleneck_stage}; "
+        f"{plan.solver.method.value} solved in {plan.solver.solve_ms:.1f} ms"
+    )
+    if plan.tied:
+        lines.append("tied parameters: " + ", ".join(f"{t.fqn} on stages {list(t.stages)}" for t in plan.tied))
+    return "\n".join(lines)

@@ -1,0 +1,110 @@
+"""Split a captured graph into one GraphModule per stage, as the plan says.
+
+Stage ``s`` gets placeholders for the values it receives (``plan.stages[s].inputs``, wire
+order) followed by the model inputs it reads; ``get_attr`` nodes are copied into every stage
+that reads them, so parameters keep their fully qualified names and a tied weight lives on each
+stage that uses it. Every stage but the last returns the tuple of values it sends
+(``plan.stages[s].outputs``); the last returns the model's output. The input graph is never
+modified: stage graphs are built from copies of its nodes.
+
+    >>> programs = split(captured.gm, plan)
+    >>> sent = programs[0].module(*received, *model_inputs)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from pipecut.errors import PlanError
+from pipecut.fxutil import canonical_names, mutates_first_arg
+from pipecut.plan import LeafKind, Plan
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    index: int
+    module: fx.GraphModule
+    received: tuple[str, ...]
+    """Values received from the previous stage, in wire order (first placeholders)."""
+    model_inputs: tuple[str, ...]
+    """Model input placeholders this stage reads (after the received ones)."""
+    sent: tuple[str, ...]
+    """Values sent to the next stage, in wire order (the module's outputs, unless last)."""
+    is_last: bool
+
+
+def split(gm: fx.GraphModule, plan: Plan) -> tuple[StageProgram, ...]:
+    """One :class:`StageProgram` per stage of ``plan``."""
+    return tuple(split_stage(gm, plan, s) for s in range(plan.num_stages))
+
+
+def split_stage(gm: fx.GraphModule, plan: Plan, index: int) -> StageProgram:
+    """The program of one stage (a rank only builds its own)."""
+    stage = plan.stages[index]
+    is_last = index == plan.num_stages - 1
+    nodes = {n.name: n for n in gm.graph.nodes}
+    missing = [name for name in (*stage.nodes, *stage.inputs) if name not in nodes]
+    if missing:
+        raise PlanError(
+            f"stage {index} refers to node(s) {missing[:5]} that the captured graph lacks; "
+            f"the plan was made for another graph: re-plan"
+        )
+    members = set(stage.nodes)
+    needed = {a.name for name in stage.nodes for a in nodes[name].all_input_nodes}
+    mutating = any(mutates_first_arg(nodes[name], gm) for name in stage.nodes)
+
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for name in stage.inputs:
+        ph = graph.placeholder(name)
+        ph.meta.update(nodes[name].meta)
+        # An in-place op on a received leaf that requires grad is an autograd error; a clone
+        # makes it a non-leaf and keeps the original's semantics (later readers see the write).
+        leaves = plan.node(name).leaves
+        is_tensor = len(leaves) == 1 and leaves[0].kind is LeafKind.TENSOR
+        env[name] = graph.call_method("clone", (ph,)) if mutating and is_tensor else ph
+    model_inputs = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name in needed and node.name not in env:
+            env[node.name] = graph.placeholder(node.name)
+            model_inputs.append(node.name)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.name in needed:
+            env[node.name] = graph.node_copy(node)
+        elif node.name in members:
+            env[node.name] = graph.node_copy(node, lambda n: env[n.name])
+    if not is_last:
+        graph.output(tuple(env[name] for name in stage.outputs))
+    elif not any(n.op == "output" for n in graph.nodes):
+        raise PlanError(f"the last stage ({index}) does not hold the graph's output node")
+    graph.lint()
+    module = fx.GraphModule(gm, graph, f"Stage{index}")
+    return StageProgram(
+        index=index,
+        module=module,
+        received=tuple(stage.inputs),
+        model_inputs=tuple(model_inputs),
+        sent=tuple(stage.outputs),
+        is_last=is_last,
+    )
+
+
+def verify(gm: fx.GraphModule, programs: tuple[StageProgram, ...], plan: Plan) -> None:
+    """Invariants checked after the pass in tests: wiring and parameter placement."""
+    canonical = canonical_names(gm)
+    for prog in programs:
+        prog.module.graph.lint()
+        if prog.index > 0 and prog.received != programs[prog.index - 1].sent:
+            raise AssertionError(
+                f"stage {prog.index} receives {prog.received}, "
+                f"stage {prog.index - 1} sends {programs[prog.index - 1].sent}"
+            )
+        held = {canonical[id(p)] for p in prog.module.parameters()}
+        planned = set(plan.stages[prog.index].parameters)
+        if held != planned:
+            raise AssertionError(
+                f"stage {prog.index} holds parameters {sorted(held ^ planned)[:5]} differently "
+                f"from the plan"
+            )

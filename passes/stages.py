@@ -1,0 +1,159 @@
+"""Turn a split of the unit chain into the plan's stages, cut edges, tied groups and prediction.
+
+Pure data in, pure data out: everything here reads the cost table, never a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipecut.passes.chain import Liveness, boundary_bytes, boundary_ms, value_bytes
+from pipecut.plan import (
+    DeviceSpec,
+    Edge,
+    Link,
+    NodeCost,
+    NodeOp,
+    Predicted,
+    Recompute,
+    ScheduleKind,
+    Stage,
+    TiedGroup,
+)
+
+OPTIMIZER_STATE_FACTOR = 2
+"""Optimizer state per parameter byte (AdamW keeps two moments)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageFacts:
+    stages: tuple[Stage, ...]
+    edges: tuple[Edge, ...]
+    tied: tuple[TiedGroup, ...]
+    predicted: Predicted
+
+
+def inflight_microbatches(schedule: ScheduleKind, stages: int, microbatches: int) -> list[int]:
+    """How many microbatches' activations each stage holds at its peak."""
+    if schedule is ScheduleKind.GPIPE:
+        return [microbatches] * stages
+    return [min(microbatches, stages - s) for s in range(stages)]
+
+
+def stage_params(units: Sequence[NodeCost], by_name: dict[str, NodeCost]) -> tuple[tuple[str, ...], int]:
+    """Canonical parameter FQNs a group of units reads, and their bytes (each source once)."""
+    fqns: dict[str, None] = {}
+    sources: dict[tuple[NodeOp, str], int] = {}
+    for u in units:
+        readers = [u] + [by_name[i] for i in u.inputs if by_name[i].op is NodeOp.GET_ATTR]
+        for r in readers:
+            if r.parameters:
+                fqns.update(dict.fromkeys(r.parameters))
+                sources[(r.op, r.target)] = r.param_bytes
+    return tuple(fqns), sum(sources.values())
+
+
+def build_stages(
+    nodes: Sequence[NodeCost],
+    live: Liveness,
+    bounds: Sequence[int],
+    *,
+    devices: Sequence[DeviceSpec],
+    link: Link,
+    schedule: ScheduleKind,
+    microbatches: int,
+    recompute: Sequence[Recompute] | None = None,
+) -> StageFacts:
+    k = len(bounds) - 1
+    by_name = {n.name: n for n in nodes}
+    fwd, bwd, allowed = boundary_bytes(nodes, live)
+    cut_ms = boundary_ms(fwd, bwd, allowed, link)
+    inflight = inflight_microbatches(schedule, k, microbatches)
+    recompute = list(recompute) if recompute is not None else [Recompute.NONE] * k
+    stage_of = {name: s for s in range(k) for name in live.units[bounds[s] : bounds[s + 1]]}
+
+    stages = []
+    for s in range(k):
+        units = [by_name[u] for u in live.units[bounds[s] : bounds[s + 1]]]
+        inputs = tuple(live.crossing(bounds[s]))
+        outputs = tuple(live.crossing(bounds[s + 1]))
+        fqns, pbytes = stage_params(units, by_name)
+        speed = devices[s].speed
+        fwd_ms = sum(u.forward_ms for u in units) / speed
+        bwd_ms = sum(u.backward_ms for u in units) / speed
+        in_bytes = sum(value_bytes(by_name[v])[0] for v in inputs)
+        if recompute[s] is Recompute.FULL:
+            act = in_bytes  # only the stage inputs are kept; the rest is recomputed in backward
+            bwd_ms += fwd_ms
+        else:
+            act = in_bytes + sum(u.output_bytes for u in units)
+        fixed = pbytes * (2 + OPTIMIZER_STATE_FACTOR)
+        stages.append(
+            Stage(
+                index=s,
+                device=devices[s].name,
+                nodes=tuple(u.name for u in units),
+                parameters=fqns,
+                recompute=recompute[s],
+                forward_ms=fwd_ms,
+                backward_ms=bwd_ms,
+                comm_ms=cut_ms[bounds[s]] + cut_ms[bounds[s + 1]],
+                param_bytes=pbytes,
+                activation_bytes=act,
+                peak_memory_bytes=fixed + inflight[s] * act,
+                send_bytes=fwd[bounds[s + 1]] if s < k - 1 else 0,
+                recv_bytes=fwd[bounds[s]] if s > 0 else 0,
+                inputs=inputs,
+                outputs=outputs,
+            )
+        )
+
+    users: dict[str, list[str]] = {}
+    for n in nodes:
+        for src in n.inputs:
+            users.setdefault(src, []).append(n.name)
+    edges = []
+    for name in live.units:
+        consumers = {stage_of[c] for c in users.get(name, ()) if c in stage_of} - {stage_of[name]}
+        if consumers:
+            node = by_name[name]
+            edges.append(
+                Edge(
+                    src_node=name,
+                    src_stage=stage_of[name],
+                    dst_stages=tuple(sorted(consumers)),
+                    shape=node.shape,
+                    dtype=node.dtype,
+                    bytes=value_bytes(node)[0],
+                )
+            )
+
+    owners: dict[str, set[int]] = {}
+    for st in stages:
+        for fqn in st.parameters:
+            owners.setdefault(fqn, set()).add(st.index)
+    tied = tuple(
+        TiedGroup(fqn=fqn, stages=tuple(sorted(ss))) for fqn, ss in owners.items() if len(ss) > 1
+    )
+    return StageFacts(
+        stages=tuple(stages),
+        edges=tuple(edges),
+        tied=tied,
+        predicted=predict(stages, microbatches, nodes),
+    )
+
+
+def predict(stages: Sequence[Stage], microbatches: int, nodes: Sequence[NodeCost]) -> Predicted:
+    """Fill-drain estimate: (M + K - 1) slots of the slowest stage."""
+    k = len(stages)
+    stage_ms = tuple(s.time_ms for s in stages)
+    bottleneck = max(range(k), key=lambda s: stage_ms[s])
+    step = (microbatches + k - 1) * stage_ms[bottleneck]
+    return Predicted(
+        step_ms=step,
+        bubble_fraction=(k - 1) / (microbatches + k - 1),
+        bottleneck_stage=bottleneck,
+        stage_ms=stage_ms,
+        single_device_ms=microbatches * sum(n.forward_ms + n.backward_ms for n in nodes),
+    )

@@ -1,0 +1,125 @@
+"""Point-to-point transfers between neighbouring stages, shaped by the plan.
+
+Every value crossing a cut is pytree-flattened; its tensor leaves go over the wire with the
+shape and dtype the plan records (so receivers allocate without a handshake), its constant
+leaves come from the plan. Each message has its own tag (microbatch, direction, leaf), so
+messages never match the wrong receive whatever order the schedule posts them in. Sends are
+non-blocking and waited on at the end of the step; every receive has a deadline.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipecut.errors import PipelineRuntimeError
+from pipecut.plan import LeafKind, NodeCost
+from pipecut.values import decode_constant, dtype_from_name, encode_constant, flatten, unflatten
+
+FORWARD, BACKWARD = 0, 1
+_LEAF_BITS = 16
+
+
+def tag(microbatch: int, direction: int, leaf: int) -> int:
+    return ((microbatch * 2 + direction) << _LEAF_BITS) | leaf
+
+
+@dataclass(frozen=True, slots=True)
+class WireSpec:
+    """How the values of one cut travel: per value, its leaves; tensor leaves numbered in order."""
+
+    values: tuple[NodeCost, ...]
+
+    def tensor_leaves(self) -> list[tuple[int, int, tuple[int, ...], torch.dtype, bool]]:
+        """(value index, leaf index, shape, dtype, requires_grad) of every tensor leaf."""
+        out = []
+        for v, node in enumerate(self.values):
+            for i, leaf in enumerate(node.leaves):
+                if leaf.kind is LeafKind.TENSOR:
+                    out.append((v, i, leaf.shape, dtype_from_name(leaf.dtype), leaf.requires_grad))
+        return out
+
+    def grad_leaves(self) -> list[tuple[int, int, tuple[int, ...], torch.dtype, bool]]:
+        return [t for t in self.tensor_leaves() if t[4]]
+
+
+class Peer:
+    """Sends to and receives from one neighbouring rank, with deadlines."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, timeout: datetime.timedelta, me: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.timeout = timeout
+        self.me = me
+
+    def send(self, tensors: Sequence[torch.Tensor], microbatch: int, direction: int) -> list[tuple[Any, torch.Tensor]]:
+        works = []
+        for i, t in enumerate(tensors):
+            t = t.detach().contiguous()  # gloo requires contiguous buffers
+            works.append((dist.isend(t, self.rank, group=self.group, tag=tag(microbatch, direction, i)), t))
+        return works
+
+    def recv(
+        self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]], microbatch: int, direction: int,
+        device: torch.device,
+    ) -> list[torch.Tensor]:
+        bufs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
+        works = [
+            dist.irecv(b, self.rank, group=self.group, tag=tag(microbatch, direction, i))
+            for i, b in enumerate(bufs)
+        ]
+        for w in works:
+            self.wait(w, "receiving from")
+        return bufs
+
+    def wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait(timeout=self.timeout)
+        except RuntimeError as e:
+            raise PipelineRuntimeError(
+                f"rank {self.me}: failed {what} rank {self.rank} "
+                f"(timeout {self.timeout.total_seconds():.0f} s): {str(e).splitlines()[0][:300]}. "
+                f"Rank {self.rank} probably failed; see its log."
+            ) from e
+
+
+def pack(values: Sequence[Any], spec: WireSpec, stage: int) -> list[torch.Tensor]:
+    """Tensor leaves of the values to send, after checking constants match the plan."""
+    tensors = []
+    for value, node in zip(values, spec.values):
+        leaves = flatten(value)
+        if len(leaves) != len(node.leaves):
+            raise PipelineRuntimeError(
+                f"stage {stage}: value {node.name} has {len(leaves)} leaves, the plan has "
+                f"{len(node.leaves)}; re-plan for these inputs"
+            )
+        for leaf, planned in zip(leaves, node.leaves):
+            if planned.kind is LeafKind.TENSOR:
+                if not isinstance(leaf, torch.Tensor) or tuple(leaf.shape) != planned.shape:
+                    got = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+                    raise PipelineRuntimeError(
+                        f"stage {stage}: value {node.name} is {got}, the plan has shape "
+                        f"{planned.shape}; step inputs must have the planned shapes"
+                    )
+                tensors.append(leaf)
+            elif encode_constant(leaf) != planned.value:
+                raise PipelineRuntimeError(
+                    f"stage {stage}: value {node.name} is {leaf!r}, the plan fixed it to "
+                    f"{decode_constant(planned.value)!r}; step inputs must have the planned shapes"
+                )
+    return tensors
+
+
+def unpack(tensors: Sequence[torch.Tensor], spec: WireSpec) -> list[Any]:
+    """Rebuild the values of a cut from received tensor leaves and the plan's constants."""
+    it = iter(tensors)
+    values = []
+    for node in spec.values:
+        leaves = [next(it) if leaf.kind is LeafKind.TENSOR else decode_constant(leaf.value) for leaf in node.leaves]
+        values.append(unflatten(leaves, node.treespec))
+    return values

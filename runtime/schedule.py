@@ -1,0 +1,159 @@
+"""Pipeline schedules as data: per-rank lists of actions with a compact text form.
+
+An action is ``<stage><kind><microbatch>``: ``1F3`` is stage 1's forward of microbatch 3,
+``0B2`` stage 0's backward of microbatch 2. Receives and sends are implied by the plan's wiring
+(a forward receives from the previous stage and sends to the next; a backward the reverse), so a
+schedule only orders computation. GPipe on 3 stages and 4 microbatches (time runs right)::
+
+    stage 0: 0F0 0F1 0F2 0F3                     0B3 0B2 0B1 0B0
+    stage 1:     1F0 1F1 1F2 1F3         1B3 1B2 1B1 1B0
+    stage 2:         2F0 2F1 2F2 2F3 2B3 2B2 2B1 2B0
+
+1F1B keeps at most K - s microbatches in flight on stage s::
+
+    stage 0: 0F0 0F1 0F2         0B0     0F3 0B1     0B2     0B3
+    stage 1:     1F0 1F1     1B0     1F2 1B1     1F3 1B2     1B3
+    stage 2:         2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipecut.errors import ScheduleError
+from pipecut.plan import ScheduleKind
+
+
+class ActionKind(enum.Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    stage: int
+    kind: ActionKind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        m = re.fullmatch(r"(\d+)([FB])(\d+)", text.strip())
+        if m is None:
+            raise ScheduleError(f"cannot parse action {text!r}: expected e.g. '1F3' or '0B2'")
+        return cls(int(m.group(1)), ActionKind(m.group(2)), int(m.group(3)))
+
+
+Schedule = tuple[tuple[Action, ...], ...]
+"""One tuple of actions per rank, in execution order."""
+
+
+def gpipe(stages: int, microbatches: int) -> Schedule:
+    """Fill-drain: all forwards, then all backwards in reverse microbatch order."""
+    return tuple(
+        tuple(Action(s, ActionKind.FORWARD, i) for i in range(microbatches))
+        + tuple(Action(s, ActionKind.BACKWARD, i) for i in reversed(range(microbatches)))
+        for s in range(stages)
+    )
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+    """Warm-up forwards, then alternate one forward and one backward, then drain backwards."""
+    ranks = []
+    for s in range(stages):
+        warmup = min(stages - s - 1, microbatches)
+        actions = [Action(s, ActionKind.FORWARD, i) for i in range(warmup)]
+        fwd, bwd = warmup, 0
+        while bwd < microbatches:
+            if fwd < microbatches:
+                actions.append(Action(s, ActionKind.FORWARD, fwd))
+                fwd += 1
+            actions.append(Action(s, ActionKind.BACKWARD, bwd))
+            bwd += 1
+        ranks.append(tuple(actions))
+    return tuple(ranks)
+
+
+def build(kind: ScheduleKind, stages: int, microbatches: int) -> Schedule:
+    if kind is ScheduleKind.GPIPE:
+        return gpipe(stages, microbatches)
+    if kind is ScheduleKind.ONE_F_ONE_B:
+        return one_f_one_b(stages, microbatches)
+    raise ScheduleError(f"no generator for schedule {kind}")
+
+
+def format_schedule(schedule: Schedule) -> str:
+    """One line per rank, actions separated by spaces; :func:`parse_schedule` reads it back."""
+    return "\n".join(" ".join(str(a) for a in rank) for rank in schedule)
+
+
+def parse_schedule(text: str) -> Schedule:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return tuple(tuple(Action.parse(tok) for tok in line.split()) for line in lines)
+
+
+def validate(schedule: Schedule, microbatches: int) -> None:
+    """Each rank runs every microbatch's forward once, then its backward once, on its own stage."""
+    for rank, actions in enumerate(schedule):
+        done: set[tuple[ActionKind, int]] = set()
+        for a in actions:
+            if a.stage != rank:
+                raise ScheduleError(f"rank {rank} holds action {a} of stage {a.stage}")
+            if not 0 <= a.microbatch < microbatches:
+                raise ScheduleError(f"rank {rank}: action {a} is outside microbatches 0..{microbatches - 1}")
+            if (a.kind, a.microbatch) in done:
+                raise ScheduleError(f"rank {rank}: action {a} appears twice")
+            if a.kind is ActionKind.BACKWARD and (ActionKind.FORWARD, a.microbatch) not in done:
+                raise ScheduleError(f"rank {rank}: {a} runs before its forward")
+            done.add((a.kind, a.microbatch))
+        if len(done) != 2 * microbatches:
+            raise ScheduleError(f"rank {rank} runs {len(done)} actions, expected {2 * microbatches}")
+
+
+def simulate(
+    schedule: Schedule,
+    forward_ms: Sequence[float],
+    backward_ms: Sequence[float],
+    comm_ms: Sequence[float] = (),
+) -> float:
+    """Predicted step time; raises :class:`ScheduleError` if the schedule deadlocks.
+
+    ``comm_ms[s]`` is the one-way transfer time between stage s and s+1. A forward waits for the
+    previous stage's forward of the same microbatch, a backward for the next stage's backward.
+    """
+    k = len(schedule)
+    comm = list(comm_ms) or [0.0] * max(k - 1, 0)
+    finish: dict[tuple[int, ActionKind, int], float] = {}
+    clock = [0.0] * k
+    pos = [0] * k
+    remaining = sum(len(r) for r in schedule)
+    while remaining:
+        progressed = False
+        for s in range(k):
+            while pos[s] < len(schedule[s]):
+                a = schedule[s][pos[s]]
+                if a.kind is ActionKind.FORWARD:
+                    dep = (s - 1, ActionKind.FORWARD, a.microbatch) if s > 0 else None
+                    link = comm[s - 1] if s > 0 else 0.0
+                    cost = forward_ms[s]
+                else:
+                    dep = (s + 1, ActionKind.BACKWARD, a.microbatch) if s < k - 1 else None
+                    link = comm[s] if s < k - 1 else 0.0
+                    cost = backward_ms[s]
+                if dep is not None and dep not in finish:
+                    break
+                ready = finish[dep] + link if dep is not None else 0.0
+                clock[s] = max(clock[s], ready) + cost
+                finish[(s, a.kind, a.microbatch)] = clock[s]
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [str(schedule[s][pos[s]]) for s in range(k) if pos[s] < len(schedule[s])]
+            raise ScheduleError(f"schedule deadlocks: ranks wait at {stuck}")
+    return max(clock)

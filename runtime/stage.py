@@ -1,0 +1,177 @@
+"""Execute one rank's schedule: one method per action kind, state per microbatch.
+
+A forward receives the cut values from the previous stage, runs the stage module and sends its
+cut values on (the last stage computes the loss instead). A backward receives the gradients of
+what this stage sent, runs autograd from there, and sends the gradients of what it received.
+Received floating leaves that require grad in the plan become autograd leaves, so their
+``.grad`` after backward is exactly what the previous stage needs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from pipecut.errors import PipelineRuntimeError
+from pipecut.passes.split import StageProgram
+from pipecut.plan import Plan
+from pipecut.runtime.comm import BACKWARD, FORWARD, Peer, WireSpec, pack, unpack
+from pipecut.runtime.schedule import Action, ActionKind
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass
+class _Microbatch:
+    received: list[torch.Tensor] = field(default_factory=list)
+    """Tensor leaves received (autograd leaves where they require grad)."""
+    sent: list[torch.Tensor] = field(default_factory=list)
+    """Tensor leaves sent, to backpropagate from."""
+    loss: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One action's span on this rank, for timelines (seconds since the step started)."""
+
+    action: str
+    start: float
+    end: float
+
+
+class StageWorker:
+    def __init__(
+        self,
+        program: StageProgram,
+        plan: Plan,
+        *,
+        rank: int,
+        ranks: Sequence[int],
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        loss_fn: LossFn | None,
+        unflatten_output: Callable[[Any], Any],
+        timeout: datetime.timedelta,
+    ) -> None:
+        self.program = program
+        self.plan = plan
+        self.stage = program.index
+        self.rank = rank
+        self.device = device
+        self.loss_fn = loss_fn
+        self.unflatten_output = unflatten_output
+        last = plan.num_stages - 1
+        if program.is_last and loss_fn is None:
+            raise PipelineRuntimeError("the last stage needs a loss_fn to start the backward pass")
+        self.prev = Peer(group, ranks[self.stage - 1], timeout, rank) if self.stage > 0 else None
+        self.next = Peer(group, ranks[self.stage + 1], timeout, rank) if self.stage < last else None
+        stage = plan.stages[self.stage]
+        self.in_spec = WireSpec(tuple(plan.node(n) for n in stage.inputs))
+        self.out_spec = WireSpec(tuple(plan.node(n) for n in stage.outputs))
+        self.state: dict[int, _Microbatch] = {}
+        self.pending: list[tuple[Peer, Any, torch.Tensor]] = []
+        self.events: list[Event] = []
+
+    def run(
+        self,
+        actions: Sequence[Action],
+        inputs: Sequence[dict[str, Any]],
+        targets: Sequence[Any],
+        record: bool = False,
+    ) -> torch.Tensor | None:
+        """Run one step; returns the sum of microbatch losses / M on the last stage, else None."""
+        self.state = {}
+        self.events = []
+        t0 = time.perf_counter()
+        for action in actions:
+            start = time.perf_counter()
+            if action.kind is ActionKind.FORWARD:
+                self.forward(action.microbatch, inputs[action.microbatch], targets[action.microbatch])
+            else:
+                self.backward(action.microbatch)
+            if record:
+                self.events.append(Event(str(action), start - t0, time.perf_counter() - t0))
+        for peer, work, _ in self.pending:
+            peer.wait(work, "sending to")
+        self.pending = []
+        if not self.program.is_last:
+            return None
+        losses = [mb.loss for mb in self.state.values() if mb.loss is not None]
+        return torch.stack(losses).sum()
+
+    def forward(self, mb: int, model_inputs: dict[str, Any], target: Any) -> None:
+        state = self.state.setdefault(mb, _Microbatch())
+        received: list[Any] = []
+        if self.prev is not None:
+            leaves = self.in_spec.tensor_leaves()
+            tensors = self.prev.recv([(shape, dtype) for _, _, shape, dtype, _ in leaves], mb, FORWARD, self.device)
+            for t, (_, _, _, _, grad) in zip(tensors, leaves):
+                if grad:
+                    t.requires_grad_(True)
+            state.received = tensors
+            received = unpack(tensors, self.in_spec)
+        args = received + [model_inputs[name] for name in self.program.model_inputs]
+        out = self.program.module(*args)
+        if self.program.is_last:
+            loss = self.loss_fn(self.unflatten_output(out), target)  # type: ignore[misc]
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise PipelineRuntimeError(
+                    f"stage {self.stage}: loss_fn must return a scalar tensor, got "
+                    f"{getattr(loss, 'shape', type(loss).__name__)}"
+                )
+            state.loss = loss / self.plan.microbatches
+            return
+        tensors = pack(out, self.out_spec, self.stage)
+        state.sent = [t for t, spec in zip(tensors, self.out_spec.tensor_leaves()) if spec[4]]
+        self._send(self.next, tensors, mb, FORWARD)
+
+    def backward(self, mb: int) -> None:
+        state = self.state[mb]
+        if self.program.is_last:
+            assert state.loss is not None
+            state.loss.backward()
+            state.loss = state.loss.detach()
+        else:
+            specs = [(shape, dtype) for _, _, shape, dtype, _ in self.out_spec.grad_leaves()]
+            grads = self.next.recv(specs, mb, BACKWARD, self.device)  # type: ignore[union-attr]
+            pairs = [(t, g) for t, g in zip(state.sent, grads) if t.requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        if self.prev is not None:
+            grads = [
+                t.grad if t.grad is not None else torch.zeros_like(t)
+                for t in state.received
+                if t.requires_grad
+            ]
+            self._send(self.prev, grads, mb, BACKWARD)
+        state.received = []
+        state.sent = []
+
+    def _send(self, peer: Peer | None, tensors: list[torch.Tensor], mb: int, direction: int) -> None:
+        assert peer is not None
+        self.pending += [(peer, work, t) for work, t in peer.send(tensors, mb, direction)]
+
+
+def reduce_tied_grads(
+    module: torch.nn.Module, canonical: dict[int, str], groups: Sequence[tuple[str, dist.ProcessGroup | None]]
+) -> None:
+    """Sum the gradients of parameters held by several stages over the stages holding them."""
+    by_name = {canonical[id(p)]: p for p in module.parameters() if id(p) in canonical}
+    for fqn, group in groups:
+        p = by_name.get(fqn)
+        if p is None:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)
+
+
+def tree_to(value: Any, device: torch.device) -> Any:
+    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, value)
