@@ -23,6 +23,7 @@ from pipecut.plan import (  # noqa: E402
 )
 from pipecut.planner import plan  # noqa: E402
 from pipecut.api import compile  # noqa: E402
+from pipecut.render import render  # noqa: E402
 
 __all__ = [
     "CaptureError",
@@ -41,4 +42,5 @@ __all__ = [
     "__version__",
     "compile",
     "plan",
+    "render",
 ]

@@ -259,6 +259,9 @@ class Plan:
                 f"plan format_version {version!r} is not supported (this pipecut reads "
                 f"{FORMAT_VERSION}); re-plan with pipecut.plan(...) or `pipecut plan`"
             )
+        from pipecut.schema import validate_plan_dict  # the schema module imports this one
+
+        validate_plan_dict(data)
         return from_data(cls, data)
 
     @classmethod

@@ -1,0 +1,7 @@
+"""``python -m pipecut``: the same as the ``pipecut`` command."""
+
+import sys
+
+from pipecut.cli import main
+
+sys.exit(main())
