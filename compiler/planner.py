@@ -17,7 +17,12 @@ import pipecut
 from pipecut.batching import batch_size, split_microbatches
 from pipecut.capture import Captured, Inputs, capture, fingerprint
 from pipecut.errors import InputError, PartitionError
+from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.chain import boundary_bytes, boundary_ms, is_unit, liveness
+from pipecut.passes.coarsen import candidate_cuts
+from pipecut.passes.fit import infeasible_error
+from pipecut.passes.formulate import formulate
+from pipecut.passes.multilevel import partition_ilp
 from pipecut.passes.partition import Chain, partition_dp
 from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, build_stages, inflight_microbatches
 from pipecut.plan import (
@@ -28,10 +33,14 @@ from pipecut.plan import (
     NodeOp,
     Partitioner,
     Plan,
+    Recompute,
     ScheduleKind,
     Solver,
 )
 from pipecut.profile import LossFn, profile
+
+LARGE_GRAPH_UNITS = 2000
+"""Above this many units the DP prunes its search with a bound (same optimum, far faster)."""
 
 DEFAULT_LINK = Link(bandwidth_bytes_per_ms=2e6, latency_ms=0.05, measured=False)
 """2 GB/s and 50 µs per message: the order of gloo over loopback on a small CPU machine."""
@@ -88,6 +97,15 @@ def _chain(nodes: Sequence[NodeCost], link: Link) -> tuple[Chain, Any]:
     return chain, (live, allowed)
 
 
+def _use_ilp(specs: Sequence[DeviceSpec], recompute: bool) -> bool:
+    """The DP is exact and fast for equal devices without memory limits or recompute."""
+    return (
+        recompute
+        or any(d.memory_bytes is not None for d in specs)
+        or len({d.speed for d in specs}) > 1
+    )
+
+
 def partition_costs(
     nodes: Sequence[NodeCost],
     *,
@@ -99,30 +117,87 @@ def partition_costs(
     fingerprint: str = "",
     capture: CaptureMethod = CaptureMethod.SYMBOLIC_TRACE,
     inputs: Sequence[str] = (),
+    recompute: bool | None = None,
+    partitioner: Partitioner | None = None,
+    ilp_time_limit: float = 5.0,
 ) -> Plan:
-    """Partition a cost table (pure data) into a plan."""
+    """Partition a cost table (pure data) into a plan.
+
+    ``recompute``: may a stage recompute its forward in backward to fit in memory? None (the
+    default) allows it when some device has a memory capacity. ``partitioner``: None picks the
+    exact DP for equal devices without memory limits or recompute and the ILP otherwise; DP or
+    ILP forces one. ``ilp_time_limit``: seconds CBC may spend in total; the plan's solver
+    record says whether the ILP proved its answer optimal.
+    """
     specs = as_devices(devices)
     kind = as_schedule(schedule)
     k = len(specs)
-    chain, (live, allowed) = _chain(nodes, link)
-    cuttable = sum(allowed[1:-1])
-    if k - 1 > cuttable:
-        raise PartitionError(
-            f"cannot cut this graph into {k} stages: it has {len(chain.names)} partitionable "
-            f"nodes and only {cuttable} places where every live value can cross a cut; "
-            f"use at most {cuttable + 1} devices"
-        )
+    allow = any(d.memory_bytes is not None for d in specs) if recompute is None else recompute
+    method = partitioner or (Partitioner.ILP if _use_ilp(specs, allow) else Partitioner.DP)
+    if method is Partitioner.GIVEN:
+        raise InputError("partitioner must be Partitioner.DP, Partitioner.ILP or None")
     start = time.perf_counter()
-    part = partition_dp(
-        chain,
-        k,
-        speeds=[d.speed for d in specs],
-        capacities=[d.memory_bytes for d in specs],
-        inflight=inflight_microbatches(kind, k, microbatches),
-    )
-    solve_ms = (time.perf_counter() - start) * 1e3
+    units = sum(1 for n in nodes if is_unit(n))
+    if method is Partitioner.DP and units > LARGE_GRAPH_UNITS:
+        # Same optimum as partition_dp (tests check), pruned by a bound: 10,000 units in 0.1 s.
+        form = formulate(
+            nodes, devices=specs, link=link, schedule=kind, microbatches=microbatches,
+            recompute=False,
+        )
+        live = form.live
+        coarse = candidate_cuts(form.modules, form.problem.compute_ms, form.problem.boundary_ms)
+        best = partition_bounded(form.problem, coarse=coarse)
+        if best is None:
+            raise infeasible_error(
+                form.problem,
+                inflight_for=lambda m: inflight_microbatches(kind, m, microbatches),
+                positions=coarse,
+            )
+        bounds, recomputes = best.bounds, [Recompute.NONE] * k
+        solver = Solver(
+            method=Partitioner.DP, solve_ms=(time.perf_counter() - start) * 1e3, optimal=True,
+            detail=f"bounded exact DP over {units} units",
+        )
+    elif method is Partitioner.DP:
+        chain, (live, allowed) = _chain(nodes, link)
+        cuttable = sum(allowed[1:-1])
+        if k - 1 > cuttable:
+            raise PartitionError(
+                f"cannot cut this graph into {k} stages: it has {len(chain.names)} partitionable "
+                f"nodes and only {cuttable} places where every live value can cross a cut; "
+                f"use at most {cuttable + 1} devices"
+            )
+        part = partition_dp(
+            chain,
+            k,
+            speeds=[d.speed for d in specs],
+            capacities=[d.memory_bytes for d in specs],
+            inflight=inflight_microbatches(kind, k, microbatches),
+        )
+        bounds, recomputes = part.bounds, [Recompute.NONE] * k
+        solver = Solver(
+            method=Partitioner.DP, solve_ms=(time.perf_counter() - start) * 1e3, optimal=True
+        )
+    else:
+        form = formulate(
+            nodes, devices=specs, link=link, schedule=kind, microbatches=microbatches,
+            recompute=allow,
+        )
+        live = form.live
+        result = partition_ilp(
+            form.problem,
+            modules=form.modules,
+            inflight_for=lambda n: inflight_microbatches(kind, n, microbatches),
+            time_limit_s=ilp_time_limit,
+        )
+        bounds, recomputes = result.evaluation.bounds, list(result.evaluation.recompute)
+        solver = Solver(
+            method=Partitioner.ILP, solve_ms=result.solve_ms, optimal=result.optimal,
+            detail=result.detail,
+        )
     facts = build_stages(
-        nodes, live, part.bounds, devices=specs, link=link, schedule=kind, microbatches=microbatches
+        nodes, live, bounds, devices=specs, link=link, schedule=kind, microbatches=microbatches,
+        recompute=recomputes,
     )
     return Plan(
         fingerprint=fingerprint,
@@ -137,7 +212,7 @@ def partition_costs(
         devices=specs,
         link=link,
         predicted=facts.predicted,
-        solver=Solver(method=Partitioner.DP, solve_ms=solve_ms, optimal=True),
+        solver=solver,
         tied=facts.tied,
         pipecut_version=pipecut.__version__,
         torch_version=torch.__version__,
@@ -160,11 +235,15 @@ def plan(
     warmup: int = 2,
     captured: Captured | None = None,
     progress: Callable[[int, int], None] | None = None,
+    recompute: bool | None = None,
+    partitioner: Partitioner | None = None,
+    ilp_time_limit: float = 5.0,
 ) -> Plan:
     """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
 
     ``example_inputs`` is one full batch (a tuple of positional tensors or a dict of keyword
     tensors); ``target`` is the matching target for ``loss_fn(output, target)``.
+    ``recompute``, ``partitioner`` and ``ilp_time_limit`` are as in :func:`partition_costs`.
     """
     specs = as_devices(devices)
     kind = as_schedule(schedule)
@@ -196,4 +275,7 @@ def plan(
         fingerprint=fingerprint(captured.gm),
         capture=captured.method,
         inputs=captured.input_names,
+        recompute=recompute,
+        partitioner=partitioner,
+        ilp_time_limit=ilp_time_limit,
     )

@@ -1,0 +1,186 @@
+"""Memory-aware partition of a chain as an integer linear program (pulp + CBC).
+
+Variables, for the K - 1 cuts ``s = 1..K-1`` and the positions ``p`` cut ``s`` may take:
+
+    c[s, p] ∈ {0, 1}     stage s starts at unit p           Σ_p c[s, p] = 1
+    r[s]    ∈ {0, 1}     stage s recomputes its forward     (only where it may help: a capacity)
+    T ≥ 0                the slowest stage's time per microbatch (minimised)
+
+With ``at(A, s) = Σ_p A[p]·c[s, p]`` (``A[0]`` for s = 0 and ``A[N]`` for s = K) any prefix sum
+over the units of stage s is ``at(A, s+1) - at(A, s)``, so each stage is a few linear terms:
+
+    pos(s+1) ≥ pos(s) + 1                                        non-empty stages in unit order
+    T ≥ Δcompute_s / speed_s + at(boundary, s) + at(boundary, s+1) + R_s
+    R_s ≥ Δforward_s / speed_s - F·(1 - r_s),  R_s ≥ 0            recompute time
+    (Δfixed_s + inflight_s·(at(input, s) + A_s)) / cap_s ≤ 1     memory
+    A_s ≥ Δactivation_s - Amax·r_s,  A_s ≥ 0                     kept activations
+
+Stage order follows the topological unit order, which respects every data dependency, and the
+answer is a set of contiguous ranges, which is what the split pass and the runtime execute.
+Windows restrict each cut to a subset of positions; that is how coarsening and refinement
+(see :mod:`pipecut.passes.coarsen`) keep the program small.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pulp
+from pipecut.passes.problem import Evaluation, Problem, evaluate
+
+
+class IlpStatus(enum.Enum):
+    OPTIMAL = "optimal"
+    """CBC proved the solution optimal over the allowed cut positions."""
+    FEASIBLE = "feasible"
+    """The time limit was hit with a solution in hand."""
+    INFEASIBLE = "infeasible"
+    """No split over the allowed positions fits in memory."""
+    NO_SOLUTION = "no_solution"
+    """The time limit was hit before any solution was found."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IlpResult:
+    status: IlpStatus
+    evaluation: Evaluation | None
+    solve_ms: float
+    binaries: int
+
+
+def default_windows(problem: Problem, positions: Sequence[int] | None = None) -> list[list[int]]:
+    """For each cut 1..K-1, the candidate positions that leave room for the other stages."""
+    cand = sorted(set(problem.allowed_cuts() if positions is None else positions))
+    k = problem.stages
+    return [cand[s - 1 : len(cand) - (k - 1 - s)] for s in range(1, k)]
+
+
+def _prefix(values: Sequence[float]) -> np.ndarray:
+    return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
+
+
+def solve_ilp(
+    problem: Problem,
+    *,
+    windows: Sequence[Sequence[int]] | None = None,
+    time_limit_s: float | None = 10.0,
+    warm_start: Sequence[int] | None = None,
+) -> IlpResult:
+    """Minimise the slowest stage subject to memory, with a recompute choice per stage."""
+    p, k, n = problem, problem.stages, problem.units
+    wins = [sorted(set(w)) for w in (windows if windows is not None else default_windows(p))]
+    if len(wins) != k - 1:
+        raise ValueError(f"{k} stages need {k - 1} windows of cut positions, got {len(wins)}")
+    start = time.perf_counter()
+    if any(not w for w in wins):
+        return IlpResult(status=IlpStatus.INFEASIBLE, evaluation=None, solve_ms=0.0, binaries=0)
+    compute, forward = _prefix(p.compute_ms), _prefix(p.forward_ms)
+    fixed, act = _prefix(p.fixed_bytes), _prefix(p.activation_bytes)
+    boundary = [0.0 if b in (0, n) else p.boundary_ms[b] for b in range(n + 1)]
+
+    lp = pulp.LpProblem("pipecut_partition", pulp.LpMinimize)
+    cut = [
+        {b: pulp.LpVariable(f"c_{s}_{b}", cat=pulp.LpBinary) for b in wins[s - 1]}
+        for s in range(1, k)
+    ]
+    top = pulp.LpVariable("T", lowBound=0)
+    lp += top
+
+    def at(values: Sequence[float], s: int) -> pulp.LpAffineExpression:
+        if s == 0:
+            return pulp.LpAffineExpression(constant=float(values[0]))
+        if s == k:
+            return pulp.LpAffineExpression(constant=float(values[n]))
+        return pulp.lpSum(float(values[b]) * v for b, v in cut[s - 1].items())
+
+    positions = list(range(n + 1))
+    for s in range(1, k):
+        lp += pulp.lpSum(cut[s - 1].values()) == 1, f"one_cut_{s}"
+    for s in range(1, k - 1):
+        lp += at(positions, s + 1) - at(positions, s) >= 1, f"order_{s}"
+
+    recompute_vars = {}
+    for s in range(k):
+        speed, cap = p.speeds[s], p.capacities[s]
+        stage_time = (at(compute, s + 1) - at(compute, s)) * (1.0 / speed)
+        stage_time += at(boundary, s) + at(boundary, s + 1)
+        kept = at(act, s + 1) - at(act, s)
+        if cap is not None and p.recompute:
+            r = pulp.LpVariable(f"r_{s}", cat=pulp.LpBinary)
+            recompute_vars[s] = r
+            extra = pulp.LpVariable(f"R_{s}", lowBound=0)
+            big_f = float(forward[n]) / speed
+            lp += extra >= (at(forward, s + 1) - at(forward, s)) * (1.0 / speed) - big_f * (1 - r)
+            stage_time += extra
+            kept_var = pulp.LpVariable(f"A_{s}", lowBound=0)
+            lp += kept_var >= kept - float(act[n]) * r, f"kept_{s}"
+            kept = kept_var
+        if cap is not None:
+            if cap <= 0:
+                return IlpResult(
+                    status=IlpStatus.INFEASIBLE, evaluation=None, solve_ms=0.0, binaries=0
+                )
+            mem = (at(fixed, s + 1) - at(fixed, s)) + p.inflight[s] * (at(p.input_bytes, s) + kept)
+            lp += mem * (1.0 / cap) <= 1, f"memory_{s}"
+        lp += top >= stage_time, f"time_{s}"
+
+    warm = _set_warm_start(problem, cut, recompute_vars, warm_start)
+    solver = pulp.PULP_CBC_CMD(
+        msg=False, timeLimit=time_limit_s, warmStart=warm, gapRel=0.0, gapAbs=1e-9
+    )
+    lp.solve(solver)
+    solve_ms = (time.perf_counter() - start) * 1e3
+    binaries = sum(len(c) for c in cut) + len(recompute_vars)
+    if lp.status == pulp.LpStatusInfeasible or lp.sol_status == pulp.LpSolutionInfeasible:
+        return IlpResult(
+            status=IlpStatus.INFEASIBLE, evaluation=None, solve_ms=solve_ms, binaries=binaries
+        )
+    bounds = _read_bounds(cut, n)
+    if bounds is None:
+        return IlpResult(
+            status=IlpStatus.NO_SOLUTION, evaluation=None, solve_ms=solve_ms, binaries=binaries
+        )
+    ev = evaluate(problem, bounds)
+    status = IlpStatus.OPTIMAL if lp.sol_status == pulp.LpSolutionOptimal else IlpStatus.FEASIBLE
+    return IlpResult(status=status, evaluation=ev, solve_ms=solve_ms, binaries=binaries)
+
+
+def _read_bounds(cut: list[dict[int, pulp.LpVariable]], n: int) -> tuple[int, ...] | None:
+    bounds = [0]
+    for c in cut:
+        chosen = [b for b, v in c.items() if v.varValue is not None and v.varValue > 0.5]
+        if len(chosen) != 1:
+            return None
+        bounds.append(chosen[0])
+    bounds.append(n)
+    if any(a >= b for a, b in itertools.pairwise(bounds)):
+        return None
+    return tuple(bounds)
+
+
+def _set_warm_start(
+    problem: Problem,
+    cut: list[dict[int, pulp.LpVariable]],
+    recompute_vars: dict[int, pulp.LpVariable],
+    bounds: Sequence[int] | None,
+) -> bool:
+    """Give CBC a starting split when it lies in the windows and fits; True if one was set."""
+    if bounds is None or len(bounds) != problem.stages + 1:
+        return False
+    if any(bounds[s] not in cut[s - 1] for s in range(1, problem.stages)):
+        return False
+    ev = evaluate(problem, bounds)
+    if not ev.fits or not math.isfinite(ev.bottleneck_ms):
+        return False
+    for s, c in enumerate(cut, start=1):
+        for b, v in c.items():
+            v.setInitialValue(1 if b == bounds[s] else 0)
+    for s, r in recompute_vars.items():
+        r.setInitialValue(1 if ev.stages[s].recompute.value == "full" else 0)
+    return True

@@ -1,0 +1,169 @@
+"""The partitioning problem with memory and recompute, as plain numbers, and its exact cost model.
+
+A chain of N units (topological order) is cut into K contiguous stages; stage ``s`` runs on
+device ``s`` and holds units ``[i, j)``. Its time per microbatch and its peak memory are
+
+    time_s   = compute[i:j] / speed_s + boundary_ms[i] + boundary_ms[j]   (+ forward[i:j] / speed_s
+                                                                           again if it recomputes)
+    memory_s = fixed[i:j] + inflight_s * (input_bytes[i] + activation[i:j])   (no recompute)
+             = fixed[i:j] + inflight_s *  input_bytes[i]                      (recompute: only the
+                                                                           stage inputs are kept)
+
+which is the model of :func:`pipecut.passes.stages.build_stages`. Every solver (DP, ILP,
+baselines, brute force) is judged by :func:`evaluate`, so they can be compared number for number.
+No torch here: tests build problems by hand.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipecut.plan import Recompute
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Problem:
+    """Cut N units into K stages; per-unit arrays have N entries, per-cut arrays N + 1."""
+
+    compute_ms: tuple[float, ...]
+    """Forward + backward time of each unit on a speed-1 device."""
+    forward_ms: tuple[float, ...]
+    """Forward time of each unit: paid again in backward by a stage that recomputes."""
+    boundary_ms: tuple[float, ...]
+    """Communication time of a cut before unit b (inf where a live value cannot cross)."""
+    input_bytes: tuple[int, ...]
+    """Activation bytes live across the cut before unit b: what a stage starting there receives."""
+    fixed_bytes: tuple[int, ...]
+    """Parameter, gradient and optimizer-state bytes of each unit."""
+    activation_bytes: tuple[int, ...]
+    """Bytes of each unit's output kept per microbatch until its backward."""
+    speeds: tuple[float, ...]
+    """Relative speed of the device of each stage (K entries)."""
+    capacities: tuple[float | None, ...]
+    """Memory capacity of each stage's device; None is unlimited."""
+    inflight: tuple[int, ...]
+    """Microbatches whose activations each stage holds at its peak (set by the schedule)."""
+    recompute: bool = False
+    """Whether a stage may recompute its forward in backward to keep only its inputs."""
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        n, k = len(self.compute_ms), len(self.speeds)
+        per_unit = (self.forward_ms, self.fixed_bytes, self.activation_bytes)
+        if any(len(a) != n for a in per_unit) or (self.names and len(self.names) != n):
+            raise ValueError(f"a problem of {n} units needs {n} entries in every per-unit array")
+        if len(self.boundary_ms) != n + 1 or len(self.input_bytes) != n + 1:
+            raise ValueError(f"a problem of {n} units needs {n + 1} entries per cut array")
+        if len(self.capacities) != k or len(self.inflight) != k:
+            raise ValueError(f"{k} stages need {k} capacities and {k} inflight counts")
+        if k < 1:
+            raise ValueError("a problem needs at least one stage")
+
+    @property
+    def units(self) -> int:
+        return len(self.compute_ms)
+
+    @property
+    def stages(self) -> int:
+        return len(self.speeds)
+
+    @property
+    def constrained(self) -> bool:
+        """True when the plain DP does not apply: memory limits, recompute or unequal speeds."""
+        return (
+            self.recompute
+            or any(c is not None for c in self.capacities)
+            or len(set(self.speeds)) > 1
+        )
+
+    def allowed_cuts(self) -> tuple[int, ...]:
+        """Cut positions 1..N-1 where every live value can cross."""
+        return tuple(b for b in range(1, self.units) if math.isfinite(self.boundary_ms[b]))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageEval:
+    time_ms: float
+    memory_bytes: float
+    recompute: Recompute
+    fits: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Evaluation:
+    bounds: tuple[int, ...]
+    stages: tuple[StageEval, ...]
+
+    @property
+    def fits(self) -> bool:
+        return all(s.fits for s in self.stages)
+
+    @property
+    def bottleneck_ms(self) -> float:
+        return max(s.time_ms for s in self.stages)
+
+    @property
+    def stage_ms(self) -> tuple[float, ...]:
+        return tuple(s.time_ms for s in self.stages)
+
+    @property
+    def recompute(self) -> tuple[Recompute, ...]:
+        return tuple(s.recompute for s in self.stages)
+
+
+def stage_options(problem: Problem, s: int, i: int, j: int) -> list[StageEval]:
+    """The ways stage ``s`` can run units ``[i, j)``: without recompute, then with (if allowed)."""
+    p = problem
+    speed = p.speeds[s]
+    comm = p.boundary_ms[i] + p.boundary_ms[j]
+    base = math.fsum(p.compute_ms[i:j]) / speed + comm
+    fixed = sum(p.fixed_bytes[i:j])
+    kept = p.input_bytes[i] + sum(p.activation_bytes[i:j])
+    cap = p.capacities[s]
+    options = []
+    for rc in (Recompute.NONE, Recompute.FULL) if p.recompute else (Recompute.NONE,):
+        if rc is Recompute.FULL:
+            time = base + math.fsum(p.forward_ms[i:j]) / speed
+            mem = fixed + p.inflight[s] * p.input_bytes[i]
+        else:
+            time, mem = base, fixed + p.inflight[s] * kept
+        options.append(
+            StageEval(time_ms=time, memory_bytes=mem, recompute=rc, fits=cap is None or mem <= cap)
+        )
+    return options
+
+
+def best_stage(problem: Problem, s: int, i: int, j: int) -> StageEval:
+    """The fastest option that fits; if none fits, the one that needs the least memory."""
+    options = stage_options(problem, s, i, j)
+    fitting = [o for o in options if o.fits]
+    if fitting:
+        return min(fitting, key=lambda o: o.time_ms)
+    return min(options, key=lambda o: o.memory_bytes)
+
+
+def evaluate(
+    problem: Problem, bounds: Sequence[int], recompute: Sequence[Recompute] | None = None
+) -> Evaluation:
+    """Score a split; with ``recompute`` None each stage takes its fastest option that fits."""
+    k = len(bounds) - 1
+    if k != problem.stages or bounds[0] != 0 or bounds[-1] != problem.units:
+        raise ValueError(
+            f"bounds {tuple(bounds)} must run from 0 to {problem.units} in {problem.stages} stages"
+        )
+    if any(a >= b for a, b in itertools.pairwise(bounds)):
+        raise ValueError(f"bounds {tuple(bounds)} must increase strictly (no empty stage)")
+    stages = []
+    for s in range(k):
+        i, j = bounds[s], bounds[s + 1]
+        if recompute is None:
+            stages.append(best_stage(problem, s, i, j))
+        else:
+            opts = {o.recompute: o for o in stage_options(problem, s, i, j)}
+            if recompute[s] not in opts:
+                raise ValueError(f"stage {s}: recompute {recompute[s].value} is not allowed")
+            stages.append(opts[recompute[s]])
+    return Evaluation(bounds=tuple(bounds), stages=tuple(stages))
