@@ -4,7 +4,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from pipecut.errors import (  # noqa: E402
+from pipecut.api import compile
+from pipecut.errors import (
     CaptureError,
     InputError,
     PartitionError,
@@ -13,7 +14,7 @@ from pipecut.errors import (  # noqa: E402
     PlanError,
     ScheduleError,
 )
-from pipecut.plan import (  # noqa: E402
+from pipecut.plan import (
     CaptureMethod,
     DeviceSpec,
     Link,
@@ -21,9 +22,8 @@ from pipecut.plan import (  # noqa: E402
     Recompute,
     ScheduleKind,
 )
-from pipecut.planner import plan  # noqa: E402
-from pipecut.api import compile  # noqa: E402
-from pipecut.render import render  # noqa: E402
+from pipecut.planner import plan
+from pipecut.render import render
 
 __all__ = [
     "CaptureError",

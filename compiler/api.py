@@ -15,7 +15,8 @@ from pipecut.capture import Inputs, capture, fingerprint
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
 from pipecut.passes.split import split_stage
 from pipecut.plan import CaptureMethod, Link, Plan, ScheduleKind
-from pipecut.planner import DEFAULT_LINK, Devices, as_devices, plan as make_plan
+from pipecut.planner import DEFAULT_LINK, Devices, as_devices
+from pipecut.planner import plan as make_plan
 from pipecut.profile import LossFn
 from pipecut.runtime.launch import ensure_process_group, local_device
 from pipecut.runtime.pipeline import Pipeline
@@ -44,7 +45,7 @@ def _load_plan(plan: Plan | str | Path, expected: str) -> Plan:
     return loaded
 
 
-def compile(  # noqa: A001 - the public name the design fixes
+def compile(
     model: torch.nn.Module,
     devices: Devices | Any,
     *,

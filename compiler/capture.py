@@ -108,6 +108,8 @@ def _flatten_for_export(inputs: Inputs, in_spec: pytree.TreeSpec | None) -> list
 
 def _trace_fx(model: torch.nn.Module, leaf_modules: tuple[type, ...]) -> fx.GraphModule:
     class Tracer(fx.Tracer):
+        proxy_buffer_attributes = True  # buffers become get_attr nodes, sliceable by traced sizes
+
         def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
             return isinstance(m, leaf_modules) or super().is_leaf_module(m, qualname)
 

@@ -21,7 +21,13 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from pipecut.capture import Captured
-from pipecut.fxutil import canonical_names, module_path, mutates_first_arg, node_parameters, target_name
+from pipecut.fxutil import (
+    canonical_names,
+    module_path,
+    mutates_first_arg,
+    node_parameters,
+    target_name,
+)
 from pipecut.plan import NodeCost, NodeOp
 from pipecut.values import describe, tensor_bytes
 
@@ -88,9 +94,24 @@ def _grad_leaves(args: tuple[Any, ...], kwargs: dict[str, Any], clone: bool) -> 
     return new_args, new_kwargs, leaves
 
 
+def _forward_ms(
+    runner: _NodeRunner, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any],
+    inplace: bool, repeats: int, warmup: int,
+) -> float:
+    if not inplace:
+        return _median_ms(lambda: runner.call(node, args, kwargs), repeats, warmup)
+
+    def run_on_copies() -> Any:  # repeats must not compound an in-place write
+        a, k = pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        with torch.no_grad():
+            return runner.call(node, a, k)
+
+    return _median_ms(run_on_copies, repeats, warmup)
+
+
 def _backward_ms(
     runner: _NodeRunner, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any],
-    params: list[torch.Tensor], inplace: bool, repeats: int, warmup: int,
+    params: Sequence[torch.Tensor], inplace: bool, repeats: int, warmup: int,
 ) -> float:
     args2, kwargs2, leaves = _grad_leaves(args, kwargs, clone=inplace)
     out = runner.call(node, args2, kwargs2)
@@ -162,17 +183,7 @@ def profile(
                 value = runner.call(node, args, kwargs)
             else:
                 inplace = mutates_first_arg(node, gm)
-                if inplace:  # time on copies so repeats do not compound the mutation
-                    def run_copy() -> Any:
-                        a, k = pytree.tree_map(
-                            lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, (args, kwargs)
-                        )
-                        with torch.no_grad():
-                            return runner.call(node, a, k)
-
-                    forward_ms = _median_ms(run_copy, repeats, warmup)
-                else:
-                    forward_ms = _median_ms(lambda: runner.call(node, args, kwargs), repeats, warmup)
+                forward_ms = _forward_ms(runner, node, args, kwargs, inplace, repeats, warmup)
                 params = [p for _, p in node_parameters(node, gm)]
                 backward_ms = _backward_ms(runner, node, args, kwargs, params, inplace, repeats, warmup)
                 value = runner.call(node, args, kwargs)

@@ -1,0 +1,72 @@
+"""The single-process reference every parity test compares against, and the comparison itself."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pipecut.batching import split_microbatches
+from pipecut.fxutil import canonical_names
+
+# fp32 tolerances: the pipeline runs the same kernels on the same microbatches; what differs is
+# the order in which per-microbatch gradients (and, against a full-batch reference, the
+# reduction inside each matmul) are summed. Those reorderings change results by a few ulps per
+# addition, ~1e-6 relative over the reductions of these small models; 1e-5 leaves a margin of
+# 10x while still catching any real error (a missing or doubled term is O(1) relative).
+RTOL = 1e-5
+ATOL = 1e-6
+
+
+def reference(
+    build: Callable[[], tuple[torch.nn.Module, Any, Callable[..., torch.Tensor], Any]],
+    microbatches: int,
+    per_microbatch: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and gradients of the unsplit model: full batch, or microbatch by microbatch
+    (GPipe semantics, needed where BatchNorm statistics depend on the batch)."""
+    model, inputs, loss_fn, target = build()
+    names = canonical_names(model)
+    if per_microbatch:
+        size = target.shape[0]
+        xs = split_microbatches(inputs, microbatches, size)
+        ts = split_microbatches(target, microbatches, size)
+        loss = sum(_call(model, x, loss_fn, t) for x, t in zip(xs, ts)) / microbatches
+    else:
+        loss = _call(model, inputs, loss_fn, target)
+    loss.backward()
+    grads = {names[id(p)]: p.grad for p in model.parameters() if p.requires_grad}
+    return loss.detach(), grads
+
+
+def _call(model: torch.nn.Module, inputs: Any, loss_fn: Callable[..., torch.Tensor], target: Any) -> torch.Tensor:
+    out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    return loss_fn(out, target)
+
+
+def pipeline_grads(model: torch.nn.Module, pipe: Any) -> dict[str, torch.Tensor]:
+    """This rank's gradients keyed by canonical parameter name."""
+    names = canonical_names(model)
+    return {names[id(p)]: p.grad.detach().clone() for p in pipe.parameters() if p.grad is not None}
+
+
+def assert_parity(
+    ref_loss: torch.Tensor,
+    ref_grads: dict[str, torch.Tensor],
+    rank_results: list[dict[str, Any]],
+    rtol: float = RTOL,
+    atol: float = ATOL,
+) -> None:
+    """Every rank returned the reference loss; every parameter's gradient matches."""
+    merged: dict[str, torch.Tensor] = {}
+    for r, res in enumerate(rank_results):
+        torch.testing.assert_close(res["loss"], ref_loss, rtol=rtol, atol=atol, msg=lambda m, r=r: f"rank {r} loss: {m}")
+        for name, g in res["grads"].items():
+            if name in merged:  # a tied parameter: both stages must hold the summed gradient
+                torch.testing.assert_close(g, merged[name], rtol=rtol, atol=atol)
+            merged[name] = g
+    missing = sorted(set(ref_grads) - set(merged))
+    assert not missing, f"no rank returned gradients for {missing}"
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(merged[name], ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")

@@ -1,0 +1,54 @@
+"""Liveness, cut sizes and the DP's promised errors."""
+
+from __future__ import annotations
+
+import pytest
+
+import pipecut
+from examples import gpt, resnet
+from pipecut.errors import InputError, PartitionError
+from pipecut.passes.chain import boundary_bytes, liveness
+from pipecut.passes.partition import Chain, partition_dp
+from pipecut.planner import partition_costs
+
+
+def _nodes(build, **kw):  # type: ignore[no-untyped-def]
+    model, inputs, loss_fn, target = build(batch_size=2)
+    return pipecut.plan(model, inputs, 1, loss_fn=loss_fn, target=target, repeats=1, warmup=0, **kw).nodes
+
+
+def test_residual_stream_is_live_across_block_interiors() -> None:
+    nodes = _nodes(resnet.build)
+    live = liveness(nodes)
+    fwd, _, allowed = boundary_bytes(nodes, live)
+    assert fwd[0] == 0 and fwd[-1] == 0
+    # Inside a residual block both the block input (identity) and the branch are live.
+    assert max(len(live.crossing(b)) for b in range(len(live.units) + 1)) >= 2
+    assert all(allowed)
+
+
+def test_dp_is_exact_on_a_small_chain() -> None:
+    chain = Chain(names=tuple("abcde"), compute_ms=(4, 1, 1, 1, 4), boundary_ms=(0, 0, 0, 0, 0, 0))
+    part = partition_dp(chain, 3)
+    assert part.bounds == (0, 1, 4, 5) and part.bottleneck_ms == 4
+
+
+def test_dp_counts_communication() -> None:
+    # Cutting after 'b' is free, after 'a' costs 10: the DP takes the free cut.
+    chain = Chain(names=tuple("abc"), compute_ms=(1, 1, 1), boundary_ms=(0, 10, 0, 0))
+    assert partition_dp(chain, 2).bounds == (0, 2, 3)
+
+
+def test_stage_count_errors_carry_numbers() -> None:
+    nodes = _nodes(gpt.build)
+    units = len(liveness(nodes).units)
+    with pytest.raises(PartitionError, match="at least 1, got 0"):
+        partition_costs(nodes, devices=0, microbatches=1, batch_size=2)
+    with pytest.raises(PartitionError, match=f"{units} partitionable nodes"):
+        partition_costs(nodes, devices=units + 1, microbatches=1, batch_size=2)
+
+
+def test_batch_must_split_into_microbatches() -> None:
+    model, inputs, loss_fn, target = gpt.build(batch_size=6)
+    with pytest.raises(InputError, match="batch of 6 does not split into 4"):
+        pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=4)

@@ -1,0 +1,75 @@
+"""The plan round-trips through JSON and refuses what it cannot trust."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import pipecut
+from examples import mlp
+from pipecut.api import _load_plan
+from pipecut.errors import PlanError
+from pipecut.plan import Plan
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    model, inputs, loss_fn, target = mlp.build()
+    return pipecut.plan(model, inputs, 3, loss_fn=loss_fn, target=target, microbatches=4, repeats=1, warmup=0)
+
+
+def test_round_trip(plan: Plan, tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    again = Plan.from_json(path)
+    assert again == plan
+    assert again.to_json() == plan.to_json()
+
+
+def test_design_keys_present(plan: Plan) -> None:
+    data = json.loads(plan.to_json())
+    for key in ("format_version", "fingerprint", "schedule", "microbatches", "nodes", "stages", "edges", "predicted"):
+        assert key in data
+    assert set(data["nodes"][0]) >= {"name", "op", "target", "forward_ms", "backward_ms", "output_bytes", "param_bytes"}
+    assert set(data["stages"][0]) >= {
+        "index", "device", "nodes", "parameters", "recompute", "forward_ms", "backward_ms",
+        "peak_memory_bytes", "send_bytes", "recv_bytes",
+    }
+    assert set(data["edges"][0]) >= {"src_node", "src_stage", "dst_stages", "shape", "dtype", "bytes"}
+    assert set(data["predicted"]) >= {"step_ms", "bubble_fraction", "bottleneck_stage"}
+
+
+def test_unknown_version_refused(plan: Plan) -> None:
+    data = json.loads(plan.to_json())
+    data["format_version"] = 99
+    with pytest.raises(PlanError, match="format_version 99 is not supported"):
+        Plan.from_json(json.dumps(data))
+
+
+def test_corrupt_file_refused(plan: Plan, tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json()[:-40])
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.from_json(path)
+
+
+def test_bad_field_names_its_path(plan: Plan) -> None:
+    data = json.loads(plan.to_json())
+    data["stages"][1]["forward_ms"] = "fast"
+    with pytest.raises(PlanError, match=r"stages\[1\]\.forward_ms"):
+        Plan.from_dict(data)
+
+
+def test_plan_for_another_model_refused(plan: Plan) -> None:
+    with pytest.raises(PlanError, match="made for another model"):
+        _load_plan(plan, "0123456789abcdef")
+
+
+def test_summary_lists_every_stage(plan: Plan) -> None:
+    text = plan.summary()
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["stage", "device", "nodes"]
+    assert [line.split()[0] for line in lines[2:5]] == ["0", "1", "2"]
+    assert "predicted step" in text
