@@ -1,0 +1,254 @@
+"""Real model families, built from Hugging Face configs with random weights (nothing downloaded).
+
+Each factory is ``name(batch_size=8, seed=0) -> (model, inputs, loss_fn, target)`` like the
+other examples, with small sizes (2 layers, hidden 64) and every dropout at 0 so a pipelined
+run can be compared exactly with the plain model. The loss functions take the model's
+``ModelOutput``. :data:`ZOO` maps a name to its factory, for tests, the CLI and benchmarks.
+
+Each model exercises something the toy examples do not:
+
+========  ==========================================================================
+resnet    BatchNorm buffers updated in training mode, ``ModelOutput`` output
+vit       patch embedding, CLS token parameter, position embeddings
+gpt2      tied input/output embeddings (one weight on two stages), keyword input
+bert      keyword inputs ``input_ids`` + ``attention_mask``, tied MLM decoder
+llama     rotary embeddings (a non-persistent ``inv_freq`` buffer), grouped-query attention
+qwen2     rotary embeddings with attention biases
+t5        encoder-decoder with two inputs; the encoder output crosses into the decoder
+========  ==========================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Built = tuple[nn.Module, Any, Callable[[Any, Any], torch.Tensor], torch.Tensor]
+
+VOCAB = 128
+SEQ = 16
+HIDDEN = 64
+LAYERS = 2
+HEADS = 4
+IMAGE = 32
+CLASSES = 10
+
+
+def logits_ce(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``out.logits`` (any leading dims) against integer targets."""
+    logits = out.logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _tokens(batch_size: int, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (batch_size, seq + 1))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _images(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch_size, 3, IMAGE, IMAGE), torch.randint(0, CLASSES, (batch_size,))
+
+
+def resnet(batch_size: int = 8, seed: int = 0) -> Built:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(seed)
+    config = ResNetConfig(
+        num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+        layer_type="basic", num_labels=CLASSES,
+    )
+    model = ResNetForImageClassification(config)
+    x, y = _images(batch_size)
+    return model, {"pixel_values": x}, logits_ce, y
+
+
+def vit(batch_size: int = 8, seed: int = 0) -> Built:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(seed)
+    config = ViTConfig(
+        hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN, image_size=IMAGE, patch_size=8, num_labels=CLASSES,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager",
+    )
+    model = ViTForImageClassification(config)
+    x, y = _images(batch_size)
+    return model, {"pixel_values": x}, logits_ce, y
+
+
+def gpt2(batch_size: int = 8, seed: int = 0) -> Built:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        bos_token_id=0, eos_token_id=0, attn_implementation="eager",
+    )
+    model = GPT2LMHeadModel(config)
+    ids, target = _tokens(batch_size)
+    return model, {"input_ids": ids}, logits_ce, target
+
+
+def bert(batch_size: int = 8, seed: int = 0) -> Built:
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, attn_implementation="eager",
+    )
+    model = BertForMaskedLM(config)
+    ids, target = _tokens(batch_size)
+    mask = torch.ones_like(ids)
+    mask[: batch_size // 2, SEQ - 4 :] = 0  # some padding, so the mask matters
+    return model, {"input_ids": ids, "attention_mask": mask}, logits_ce, target
+
+
+def llama(batch_size: int = 8, seed: int = 0) -> Built:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=2,
+        max_position_embeddings=SEQ, use_cache=False, attention_dropout=0.0,
+        attn_implementation="eager",
+    )
+    model = LlamaForCausalLM(config)
+    ids, target = _tokens(batch_size)
+    return model, {"input_ids": ids}, logits_ce, target
+
+
+def qwen2(batch_size: int = 8, seed: int = 0) -> Built:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=2,
+        max_position_embeddings=SEQ, use_cache=False, attention_dropout=0.0,
+        attn_implementation="eager",
+    )
+    model = Qwen2ForCausalLM(config)
+    ids, target = _tokens(batch_size)
+    return model, {"input_ids": ids}, logits_ce, target
+
+
+def t5(batch_size: int = 8, seed: int = 0) -> Built:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = T5Config(
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=2 * HIDDEN,
+        num_layers=LAYERS, num_decoder_layers=LAYERS, num_heads=HEADS, dropout_rate=0.0,
+        use_cache=False, decoder_start_token_id=0, pad_token_id=0,
+        attn_implementation="eager",
+    )
+    model = T5ForConditionalGeneration(config)
+    src = torch.randint(1, VOCAB, (batch_size, SEQ))
+    labels = torch.randint(1, VOCAB, (batch_size, SEQ))
+    decoder_ids = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], dim=1)
+    inputs = {"input_ids": src, "decoder_input_ids": decoder_ids}
+    return model, inputs, logits_ce, labels
+
+
+ZOO: dict[str, Callable[..., Built]] = {
+    "resnet": resnet,
+    "vit": vit,
+    "gpt2": gpt2,
+    "bert": bert,
+    "llama": llama,
+    "qwen2": qwen2,
+    "t5": t5,
+}
+"""Factories by name: ``ZOO["gpt2"](batch_size=8, seed=0)``."""
+
+HAS_BATCHNORM = frozenset({"resnet"})
+"""Models whose reference must run microbatch by microbatch (batch statistics differ)."""
+
+
+# --- parity: a pipelined step against the plain model ---------------------------------------
+
+
+def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_size: int = 8,
+                   seed: int = 0, timeout: float = 60.0) -> dict[str, Any]:
+    """On one rank: compile zoo model ``name`` over ``world`` stages, run one step.
+
+    Returns what the parity check compares: the loss, this stage's gradients and buffers by
+    parameter/buffer name, and how the model was captured.
+    """
+    import pipecut
+
+    model, inputs, loss_fn, target = ZOO[name](batch_size=batch_size, seed=seed)
+    pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+                           microbatches=microbatches, timeout=timeout)
+    loss = pipe.step(inputs, target)
+    return {
+        "loss": loss,
+        "grads": {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None},
+        "buffers": {n: b.clone() for n, b in pipe.module.named_buffers()},
+        "capture": pipe.plan.capture.value,
+        "stages": [len(s.nodes) for s in pipe.plan.stages],
+    }
+
+
+def reference_step(name: str, microbatches: int, batch_size: int = 8,
+                   seed: int = 0) -> tuple[torch.Tensor, nn.Module]:
+    """The plain model's step: mean over microbatches of the loss, backward per microbatch.
+
+    Microbatch by microbatch, as the pipeline runs it, so BatchNorm sees the same batches and
+    updates its running statistics the same number of times.
+    """
+    from pipecut.batching import split_microbatches
+
+    model, inputs, loss_fn, target = ZOO[name](batch_size=batch_size, seed=seed)
+    total = torch.zeros(())
+    mbs = split_microbatches(inputs, microbatches, batch_size)
+    targets = split_microbatches(target, microbatches, batch_size, "target")
+    for mb, t in zip(mbs, targets):
+        out = model(**mb) if isinstance(mb, dict) else model(*mb)
+        loss = loss_fn(out, t) / microbatches
+        loss.backward()
+        total += loss.detach()
+    return total, model
+
+
+def compare(reference: tuple[torch.Tensor, nn.Module], ranks: list[dict[str, Any]],
+            atol: float, rtol: float) -> dict[str, Any]:
+    """Check every rank's loss, gradients and buffers against the reference; report the errors.
+
+    Raises ``AssertionError`` naming the tensor when one differs beyond the tolerances or a
+    reference parameter got no gradient on any rank.
+    """
+    ref_loss, model = reference
+    worst = {"max_abs": 0.0, "max_rel": 0.0}
+
+    def check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+        if want.is_floating_point() and want.numel():
+            diff = (got.double() - want.double()).abs()
+            worst["max_abs"] = max(worst["max_abs"], diff.max().item())
+            rel = diff / want.double().abs().clamp_min(atol)
+            worst["max_rel"] = max(worst["max_rel"], rel.max().item())
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers())
+    covered: set[int] = set()
+    for rank, result in enumerate(ranks):
+        check(result["loss"], ref_loss, f"rank {rank} loss")
+        for fqn, grad in result["grads"].items():
+            p = params[fqn]
+            assert p.grad is not None, f"rank {rank}: {fqn} has a gradient, the reference none"
+            check(grad, p.grad, f"rank {rank} grad {fqn}")
+            covered.add(id(p))
+        for fqn, buf in result["buffers"].items():
+            check(buf, buffers[fqn], f"rank {rank} buffer {fqn}")
+    missed = sorted({n for n, p in params.items() if p.grad is not None and id(p) not in covered})
+    assert not missed, f"parameters with a reference gradient on no rank: {missed}"
+    return {"capture": ranks[0]["capture"], "stages": ranks[0]["stages"], **worst}
