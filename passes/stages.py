@@ -21,6 +21,8 @@ from pipecut.plan import (
     Stage,
     TiedGroup,
 )
+from pipecut.runtime.schedule import build as build_schedule
+from pipecut.runtime.schedule import simulate
 
 OPTIMIZER_STATE_FACTOR = 2
 """Optimizer state per parameter byte (AdamW keeps two moments)."""
@@ -140,20 +142,42 @@ def build_stages(
         stages=tuple(stages),
         edges=tuple(edges),
         tied=tied,
-        predicted=predict(stages, microbatches, nodes),
+        predicted=predict(
+            stages,
+            microbatches,
+            nodes,
+            schedule,
+            forward_link_ms=[link.transfer_ms(fwd[b]) for b in bounds[1:-1]],
+            backward_link_ms=[link.transfer_ms(bwd[b]) for b in bounds[1:-1]],
+        ),
     )
 
 
-def predict(stages: Sequence[Stage], microbatches: int, nodes: Sequence[NodeCost]) -> Predicted:
-    """Fill-drain estimate: (M + K - 1) slots of the slowest stage."""
+def predict(
+    stages: Sequence[Stage],
+    microbatches: int,
+    nodes: Sequence[NodeCost],
+    schedule: ScheduleKind,
+    *,
+    forward_link_ms: Sequence[float] = (),
+    backward_link_ms: Sequence[float] = (),
+) -> Predicted:
+    """Step time of the schedule, simulated action by action on the per-stage costs.
+
+    ``forward_link_ms[s]`` / ``backward_link_ms[s]``: transfer time of the cut between stage s
+    and s + 1, activations forward and gradients backward.
+    """
     k = len(stages)
+    sched = build_schedule(schedule, k, microbatches)
+    forward = [s.forward_ms for s in stages]
+    backward = [s.backward_ms for s in stages]
+    step = simulate(sched, forward, backward, forward_link_ms, backward_link_ms)
+    busy = microbatches * sum(f + b for f, b in zip(forward, backward))
     stage_ms = tuple(s.time_ms for s in stages)
-    bottleneck = max(range(k), key=lambda s: stage_ms[s])
-    step = (microbatches + k - 1) * stage_ms[bottleneck]
     return Predicted(
         step_ms=step,
-        bubble_fraction=(k - 1) / (microbatches + k - 1),
-        bottleneck_stage=bottleneck,
+        bubble_fraction=max(0.0, 1.0 - busy / (k * step)) if step > 0 else 0.0,
+        bottleneck_stage=max(range(k), key=lambda s: stage_ms[s]),
         stage_ms=stage_ms,
         single_device_ms=microbatches * sum(n.forward_ms + n.backward_ms for n in nodes),
     )

@@ -119,18 +119,35 @@ def simulate(
     schedule: Schedule,
     forward_ms: Sequence[float],
     backward_ms: Sequence[float],
-    comm_ms: Sequence[float] = (),
+    forward_link_ms: Sequence[float] = (),
+    backward_link_ms: Sequence[float] = (),
 ) -> float:
     """Predicted step time; raises :class:`ScheduleError` if the schedule deadlocks.
 
-    ``comm_ms[s]`` is the one-way transfer time between stage s and s+1. A forward waits for the
-    previous stage's forward of the same microbatch, a backward for the next stage's backward.
+    A forward of stage s waits for stage s-1's forward of the same microbatch plus
+    ``forward_link_ms[s-1]``; a backward waits for stage s+1's backward plus
+    ``backward_link_ms[s]`` (defaults to ``forward_link_ms``). Each rank runs its actions in
+    order, one at a time.
     """
+    return max((end for _, _, end in timeline(schedule, forward_ms, backward_ms,
+                                              forward_link_ms, backward_link_ms)), default=0.0)
+
+
+def timeline(
+    schedule: Schedule,
+    forward_ms: Sequence[float],
+    backward_ms: Sequence[float],
+    forward_link_ms: Sequence[float] = (),
+    backward_link_ms: Sequence[float] = (),
+) -> list[tuple[Action, float, float]]:
+    """(action, start, end) of every action, in the order the simulation runs them."""
     k = len(schedule)
-    comm = list(comm_ms) or [0.0] * max(k - 1, 0)
+    fwd_link = list(forward_link_ms) or [0.0] * max(k - 1, 0)
+    bwd_link = list(backward_link_ms) or fwd_link  # one link time for both directions
     finish: dict[tuple[int, ActionKind, int], float] = {}
     clock = [0.0] * k
     pos = [0] * k
+    spans: list[tuple[Action, float, float]] = []
     remaining = sum(len(r) for r in schedule)
     while remaining:
         progressed = False
@@ -139,21 +156,22 @@ def simulate(
                 a = schedule[s][pos[s]]
                 if a.kind is ActionKind.FORWARD:
                     dep = (s - 1, ActionKind.FORWARD, a.microbatch) if s > 0 else None
-                    link = comm[s - 1] if s > 0 else 0.0
+                    link = fwd_link[s - 1] if s > 0 else 0.0
                     cost = forward_ms[s]
                 else:
                     dep = (s + 1, ActionKind.BACKWARD, a.microbatch) if s < k - 1 else None
-                    link = comm[s] if s < k - 1 else 0.0
+                    link = bwd_link[s] if s < k - 1 else 0.0
                     cost = backward_ms[s]
                 if dep is not None and dep not in finish:
                     break
-                ready = finish[dep] + link if dep is not None else 0.0
-                clock[s] = max(clock[s], ready) + cost
+                start = max(clock[s], finish[dep] + link if dep is not None else 0.0)
+                clock[s] = start + cost
                 finish[(s, a.kind, a.microbatch)] = clock[s]
+                spans.append((a, start, clock[s]))
                 pos[s] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             stuck = [str(schedule[s][pos[s]]) for s in range(k) if pos[s] < len(schedule[s])]
             raise ScheduleError(f"schedule deadlocks: ranks wait at {stuck}")
-    return max(clock)
+    return spans
