@@ -27,6 +27,7 @@ import enum
 import itertools
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -86,10 +87,10 @@ def solve_ilp(
 
     lp = pulp.LpProblem("pipecut_partition", pulp.LpMinimize)
     cut = [
-        {b: pulp.LpVariable(f"c_{s}_{b}", cat=pulp.LpBinary) for b in wins[s - 1]}
+        {b: lp.add_variable(f"c_{s}_{b}", cat=pulp.LpBinary) for b in wins[s - 1]}
         for s in range(1, k)
     ]
-    top = pulp.LpVariable("T", lowBound=0)
+    top = lp.add_variable("T", lowBound=0)
     lp += top
 
     def at(values: Sequence[float], s: int) -> pulp.LpAffineExpression:
@@ -112,13 +113,13 @@ def solve_ilp(
         stage_time += at(boundary, s) + at(boundary, s + 1)
         kept = at(act, s + 1) - at(act, s)
         if cap is not None and p.recompute:
-            r = pulp.LpVariable(f"r_{s}", cat=pulp.LpBinary)
+            r = lp.add_variable(f"r_{s}", cat=pulp.LpBinary)
             recompute_vars[s] = r
-            extra = pulp.LpVariable(f"R_{s}", lowBound=0)
+            extra = lp.add_variable(f"R_{s}", lowBound=0)
             big_f = float(forward[n]) / speed
             lp += extra >= (at(forward, s + 1) - at(forward, s)) * (1.0 / speed) - big_f * (1 - r)
             stage_time += extra
-            kept_var = pulp.LpVariable(f"A_{s}", lowBound=0)
+            kept_var = lp.add_variable(f"A_{s}", lowBound=0)
             lp += kept_var >= kept - float(act[n]) * r, f"kept_{s}"
             kept = kept_var
         if cap is not None:
@@ -131,9 +132,12 @@ def solve_ilp(
         lp += top >= stage_time, f"time_{s}"
 
     warm = _set_warm_start(problem, cut, recompute_vars, warm_start)
-    solver = pulp.PULP_CBC_CMD(
-        msg=False, timeLimit=time_limit_s, warmStart=warm, gapRel=0.0, gapAbs=1e-9
-    )
+    with warnings.catch_warnings():
+        # PuLP 3.3 flags its bundled CBC as deprecated for 4.0; it is the solver we pin (<4).
+        warnings.simplefilter("ignore", DeprecationWarning)
+        solver = pulp.PULP_CBC_CMD(
+            msg=False, timeLimit=time_limit_s, warmStart=warm, gapRel=0.0, gapAbs=1e-9
+        )
     lp.solve(solver)
     solve_ms = (time.perf_counter() - start) * 1e3
     binaries = sum(len(c) for c in cut) + len(recompute_vars)
