@@ -15,6 +15,7 @@ bert      keyword inputs ``input_ids`` + ``attention_mask``, tied MLM decoder
 llama     rotary embeddings (a non-persistent ``inv_freq`` buffer), grouped-query attention
 qwen2     rotary embeddings with attention biases
 t5        encoder-decoder with two inputs; the encoder output crosses into the decoder
+tagger    captured by symbolic_trace: dict output, ``torch.Size`` and ints crossing cuts
 ========  ==========================================================================
 """
 
@@ -158,7 +159,50 @@ def t5(batch_size: int = 8, seed: int = 0) -> Built:
     return model, inputs, logits_ce, labels
 
 
+class Tagger(nn.Module):
+    """A token tagger that ``torch.fx.symbolic_trace`` captures (no Hugging Face code).
+
+    Keyword inputs, a dict output, BatchNorm and a constant buffer; the batch shape is read at
+    the start and used at the end, so a ``torch.Size`` and ints cross every cut.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
+            for _ in range(LAYERS)
+        )
+        self.norm = nn.BatchNorm1d(HIDDEN)
+        self.head = nn.Linear(HIDDEN, CLASSES)
+        self.register_buffer("scale", torch.tensor(HIDDEN**-0.5))
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        shape = tokens.shape
+        batch, seq = tokens.size(0), tokens.size(1)
+        x = self.embed(tokens) * mask.unsqueeze(-1)
+        for layer in self.layers:
+            x = x + layer(x) * self.scale
+        x = self.norm(x.reshape(batch * seq, HIDDEN))
+        logits = self.head(x).reshape(shape + (CLASSES,))  # noqa: RUF005 - a Proxy has no len for *
+        return {"logits": logits, "pooled": x.reshape(batch, seq, HIDDEN).mean(1)}
+
+
+def tagger(batch_size: int = 8, seed: int = 0) -> Built:
+    torch.manual_seed(seed)
+    model = Tagger()
+    tokens = torch.randint(0, VOCAB, (batch_size, SEQ))
+    mask = (torch.rand(batch_size, SEQ) > 0.2).float()
+    target = torch.randint(0, CLASSES, (batch_size, SEQ))
+    return model, {"tokens": tokens, "mask": mask}, dict_logits_ce, target
+
+
+def dict_logits_ce(out: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out["logits"].flatten(0, 1), target.flatten())
+
+
 ZOO: dict[str, Callable[..., Built]] = {
+    "tagger": tagger,
     "resnet": resnet,
     "vit": vit,
     "gpt2": gpt2,
@@ -169,8 +213,6 @@ ZOO: dict[str, Callable[..., Built]] = {
 }
 """Factories by name: ``ZOO["gpt2"](batch_size=8, seed=0)``."""
 
-HAS_BATCHNORM = frozenset({"resnet"})
-"""Models whose reference must run microbatch by microbatch (batch statistics differ)."""
 
 
 # --- parity: a pipelined step against the plain model ---------------------------------------
@@ -195,7 +237,18 @@ def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_si
         "buffers": {n: b.clone() for n, b in pipe.module.named_buffers()},
         "capture": pipe.plan.capture.value,
         "stages": [len(s.nodes) for s in pipe.plan.stages],
+        "cut_constants": cut_constants(pipe.plan),
     }
+
+
+def cut_constants(plan: Any) -> int:
+    """How many non-tensor leaves (sizes, ints, dtypes…) cross a cut in ``plan``."""
+    from pipecut.plan import LeafKind
+
+    return sum(
+        leaf.kind is LeafKind.CONSTANT
+        for stage in plan.stages for name in stage.inputs for leaf in plan.node(name).leaves
+    )
 
 
 def reference_step(name: str, microbatches: int, batch_size: int = 8,
@@ -251,4 +304,6 @@ def compare(reference: tuple[torch.Tensor, nn.Module], ranks: list[dict[str, Any
             check(buf, buffers[fqn], f"rank {rank} buffer {fqn}")
     missed = sorted({n for n, p in params.items() if p.grad is not None and id(p) not in covered})
     assert not missed, f"parameters with a reference gradient on no rank: {missed}"
-    return {"capture": ranks[0]["capture"], "stages": ranks[0]["stages"], **worst}
+    first = ranks[0]
+    return {"capture": first["capture"], "stages": first["stages"],
+            "cut_constants": first["cut_constants"], **worst}
