@@ -30,8 +30,13 @@ def _q(text: str) -> str:
 
 
 def edge_label(shape: Iterable[int] | None, dtype: str | None, nbytes: int) -> str:
-    """``[4, 64, 128] float32 · 128.0 KiB``: the label of a cut edge, here and in the HTML."""
-    dims = "?" if shape is None else "[" + ", ".join(str(d) for d in shape) + "]"
+    """``[4, 64, 128] float32 · 128.0 KiB``: the label of a cut edge, here and in the HTML.
+
+    Values that are not one tensor (sizes, tuples) have no shape: "value · 0 B".
+    """
+    if shape is None:
+        return f"{dtype or 'value'} · {human_bytes(nbytes)}"
+    dims = "[" + ", ".join(str(d) for d in shape) + "]"
     return f"{dims} {dtype or ''} · {human_bytes(nbytes)}".replace("  ", " ")
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from pipecut.errors import InputError
 
 SHIPPED = ("examples.mlp:build", "examples.gpt:build", "examples.resnet:build")

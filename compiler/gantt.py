@@ -135,8 +135,8 @@ def load_trace(path_or_data: str | Path | dict[str, Any] | list[Any]) -> tuple[S
     if isinstance(path_or_data, (str, Path)):
         try:
             data = json.loads(Path(path_or_data).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise PlanError(f"cannot read timeline {path_or_data}: {e}") from e
+        except (OSError, json.JSONDecodeError) as err:
+            raise PlanError(f"cannot read timeline {path_or_data}: {err}") from err
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise PlanError("a timeline is a Chrome trace: an object with a 'traceEvents' list")

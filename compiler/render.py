@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+
 from pipecut.dot import edge_label, stage_colour, to_dot
 from pipecut.gantt import Span, load_trace, predicted_spans, recompute_ms
 from pipecut.plan import Plan
@@ -159,7 +160,8 @@ def graph_data(plan: Plan) -> dict[str, Any]:
     stage_of = plan.stage_of()
     names = [n.name for n in plan.nodes if n.name in stage_of]
     index = {name: i for i, name in enumerate(names)}
-    nodes, edges = [], []
+    nodes: list[dict[str, Any]] = []
+    edges: list[list[int]] = []
     for name in names:
         n = plan.node(name)
         nodes.append({

@@ -24,6 +24,7 @@ from importlib import resources
 from typing import Any, get_args, get_origin, get_type_hints
 
 import jsonschema
+
 from pipecut.errors import PlanError
 from pipecut.plan import FORMAT_VERSION, Plan
 

@@ -5,7 +5,7 @@
 (function () {
   "use strict";
   var NS = "http://www.w3.org/2000/svg";
-  var COL_W = 270, GAP = 250, ROW_H = 24, INDENT = 12, TOP = 40, BUDGET = 28, CHAR_W = 6.3;
+  var COL_W = 260, GAP = 230, ROW_H = 24, INDENT = 12, TOP = 40, BUDGET = 28, CHAR_W = 6.3;
   var data = JSON.parse(document.getElementById("graph-data").textContent);
   var svg = document.getElementById("graph");
   var tip = document.getElementById("tip");
@@ -166,7 +166,7 @@
         flows[key] = {a: a, b: b};
       }
     });
-    var perSource = {};
+    var taken = {};  // stage -> y of the cut labels in the gap after it
     Object.keys(cuts).forEach(function (key) {
       var c = cuts[key], p = pos[c.a], q = pos[c.b];
       var x1 = p.x + p.w, y1 = p.y + ROW_H / 2 - 2, x2 = q.x, y2 = q.y + ROW_H / 2 - 2, dx = Math.max((x2 - x1) / 2, 40);
@@ -177,9 +177,14 @@
       el("title", {}, path).textContent = names.map(function (name) {
         return name + ": " + (data.cuts[name] ? data.cuts[name].label : "");
       }).join("\n");
-      var j = perSource[c.a] = (perSource[c.a] || 0) + 1;
+      // Labels sit right of their source box; one that would overlap another in the same gap
+      // moves down a little, or is left out (the curve's tooltip still lists its tensors).
+      var used = taken[p.stage] || (taken[p.stage] = []), y = y1 - 4;
+      while (used.some(function (u) { return Math.abs(u - y) < 11; }) && y < y1 + 20) { y += 11; }
+      if (used.some(function (u) { return Math.abs(u - y) < 11; })) { return; }
+      used.push(y);
       var bg = el("rect", {"class": "cut-label-bg"}, labelLayer);
-      var t = el("text", {"class": "cut-label", x: x1 + 6, y: y1 - 4 + (j - 1) * 12}, labelLayer);
+      var t = el("text", {"class": "cut-label", x: x1 + 6, y: y}, labelLayer);
       t.textContent = fit(label, GAP - 10);
       var bb = t.getBBox();
       bg.setAttribute("x", bb.x - 2); bg.setAttribute("y", bb.y);

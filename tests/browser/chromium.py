@@ -8,6 +8,7 @@ thread queues what arrives; :meth:`Browser.call` waits for the reply with the sa
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import queue
@@ -144,16 +145,20 @@ def launch(binary: str, timeout: float = 30.0) -> Iterator[Browser]:
     profile = tempfile.mkdtemp(prefix="pipecut-chromium-")
     to_child_r, to_child_w = os.pipe()
     from_child_r, from_child_w = os.pipe()
-    # Chromium reads fd 3 and writes fd 4: a shell moves the pipe ends there, then execs it.
-    # (via fds 8 and 9, since the pipe ends may themselves be 3 or 4).
-    wire = f'exec 8<&{to_child_r} 9>&{from_child_w}; exec "$@" 3<&8 4>&9 8<&- 9>&-'
+    # Chromium reads fd 3 and writes fd 4. Move the child's ends to fds >= 10 first, so that
+    # bash's redirections below cannot clobber one with the other, then exec Chromium.
+    child_r = fcntl.fcntl(to_child_r, fcntl.F_DUPFD_CLOEXEC, 10)
+    child_w = fcntl.fcntl(from_child_w, fcntl.F_DUPFD_CLOEXEC, 10)
+    for fd in (to_child_r, from_child_w):
+        os.close(fd)
     proc = subprocess.Popen(
-        ["/bin/sh", "-c", wire, "sh", binary, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+        ["bash", "-c", f'exec "$@" 3<&{child_r} 4>&{child_w} {child_r}<&- {child_w}>&-', "bash",
+         binary, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        pass_fds=(to_child_r, from_child_w),
+        pass_fds=(child_r, child_w),
     )
-    os.close(to_child_r)
-    os.close(from_child_w)
+    os.close(child_r)
+    os.close(child_w)
     browser = Browser(proc, to_child_w, from_child_r)
     try:
         browser.call("Browser.getVersion", timeout=timeout)

@@ -1,0 +1,240 @@
+"""The ``pipecut`` command, factories, plan diffs, logging and progress bars."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pipecut
+from pipecut import logs
+from pipecut.cli import main, parse_bytes
+from pipecut.diff import diff_plans, format_diff
+from pipecut.errors import InputError
+from pipecut.factory import SHIPPED, call_factory, load_factory
+from pipecut.schema import validate_plan_dict
+from tests.browser.plans import synthetic_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def in_repo(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """One real `pipecut plan` run of the MLP example, shared by the tests that read its output."""
+    out = tmp_path_factory.mktemp("cli")
+    argv = ["plan", "examples.mlp:build", "--devices", "2", "--microbatches", "2",
+            "--schedule", "gpipe", "--memory-limit", "2GiB", "--batch-size", "8",
+            "--out", str(out / "plan.json"), "--html", str(out / "plan.html"),
+            "--dot", str(out / "plan.dot")]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(ROOT)
+        assert main(argv) == 0
+    return out
+
+
+def test_plan_writes_json_html_and_dot(planned):
+    data = json.loads((planned / "plan.json").read_text())
+    validate_plan_dict(data)
+    plan = pipecut.Plan.from_dict(data)
+    assert plan.num_stages == 2 and plan.microbatches == 2 and plan.batch_size == 8
+    assert plan.schedule is pipecut.ScheduleKind.GPIPE
+    assert all(d.memory_bytes == 2 * 2**30 for d in plan.devices)
+    html = (planned / "plan.html").read_text()
+    assert "pipecut plan of examples.mlp:build" in html
+    assert all(f'data-stage="{s}"' in html for s in range(2))
+    assert (planned / "plan.dot").read_text().startswith("digraph plan {")
+
+
+def test_plan_accepts_a_file_path_factory(in_repo, tmp_path, capsys):
+    code = main(["plan", "examples/mlp.py:build", "-k", "2", "-m", "1", "--batch-size", "2",
+                 "-o", str(tmp_path / "p.json"), "-q"])
+    assert code == 0
+    assert "predicted step" in capsys.readouterr().out
+    assert pipecut.Plan.from_json(tmp_path / "p.json").num_stages == 2
+
+
+def test_show_prints_the_summary_table(planned, capsys):
+    assert main(["show", str(planned / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[:3] == ["stage", "device", "nodes"]
+    assert "predicted step" in out
+
+
+def test_render_with_timeline_and_dot(planned, tmp_path, capsys):
+    from pipecut.gantt import predicted_spans, to_trace
+
+    plan = pipecut.Plan.from_json(planned / "plan.json")
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps(to_trace(predicted_spans(plan))))
+    assert main(["render", str(planned / "plan.json"), "--timeline", str(trace),
+                 "-o", str(tmp_path / "r.html")]) == 0
+    assert "Measured timeline" in (tmp_path / "r.html").read_text()
+    assert main(["render", str(planned / "plan.json"), "-o", str(tmp_path / "r.dot")]) == 0
+    assert "cluster_stage_1" in (tmp_path / "r.dot").read_text()
+
+
+def test_diff_names_moved_nodes_and_the_predicted_effect(tmp_path, capsys):
+    a, b = synthetic_plan(layers=6, stages=2), synthetic_plan(layers=6, stages=3)
+    a.to_json(tmp_path / "a.json")
+    b.to_json(tmp_path / "b.json")
+    assert main(["diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    assert "stages: 2 → 3" in out
+    assert re.search(r"\d+ node\(s\) moved between stages", out)
+    assert re.search(r"layers.*stage 1 → 2", out)
+    assert "predicted step" in out and "bottleneck stage" in out
+
+
+def test_diff_of_a_plan_with_itself_moves_nothing():
+    plan = synthetic_plan(layers=3, stages=2)
+    d = diff_plans(plan, plan)
+    assert d.moves == () and d.settings == () and d.same_graph
+    assert "no node moved between stages" in format_diff(d)
+
+
+def test_diff_groups_consecutive_moves_by_their_common_module():
+    a, b = synthetic_plan(layers=6, stages=2), synthetic_plan(layers=6, stages=3)
+    d = diff_plans(a, b)
+    sa, sb = a.stage_of(), b.stage_of()
+    moved = {n for n in sa if sa[n] != sb[n]}
+    assert {n for m in d.moves for n in m.nodes} == moved
+    assert all(m.module.startswith("layers") or m.module in ("head", "") or "," in m.module
+               for m in d.moves)
+    assert len(d.moves) < len(moved)
+
+
+# --- errors and usage -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "examples.mlp"], "expected MODULE:FACTORY"),
+        (["plan", "no_such_module:build"], "cannot import module 'no_such_module'"),
+        (["plan", "examples.mlp:nope"], r"has no function 'nope'; its functions are \['build'\]"),
+        (["plan", "missing.py:build"], "does not exist"),
+        (["show", "does-not-exist.json"], "cannot read plan"),
+    ],
+)
+def test_refused_input_exits_1_with_a_message(in_repo, argv, message, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"pipecut {argv[0]}: error:")
+    assert re.search(message, err)
+
+
+def test_invalid_plan_field_is_reported_with_its_path(tmp_path, capsys):
+    data = json.loads(synthetic_plan(layers=2, stages=2).to_json())
+    data["stages"][1]["forward_ms"] = "slow"
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    assert main(["show", str(tmp_path / "bad.json")]) == 1
+    assert "$.stages[1].forward_ms" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "examples.mlp:build", "--memory-limit", "lots"])
+    assert e.value.code == 2
+    assert "write e.g. 2GiB" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "examples.mlp:build", "--schedule", "zigzag"])
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("1000", 1000),
+     ("64 kib", 65536)],
+)
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+def test_parse_bytes_refuses_nonsense():
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes("2 parsecs")
+
+
+def test_python_dash_m_runs_the_cli():
+    out = subprocess.run([sys.executable, "-m", "pipecut", "--help"], capture_output=True,
+                         text=True, check=True, cwd=ROOT)
+    for command in ("plan", "show", "diff", "render"):
+        assert command in out.stdout
+
+
+# --- factories --------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", SHIPPED)
+def test_shipped_factories_load(in_repo, spec):
+    example = call_factory(load_factory(spec), batch_size=4, seed=1, spec=spec)
+    assert isinstance(example.model, __import__("torch").nn.Module)
+    assert isinstance(example.inputs, tuple) and example.loss_fn is not None
+
+
+def test_factory_must_return_the_four_things(tmp_path, monkeypatch):
+    (tmp_path / "bad_factory.py").write_text("def build():\n    return 1, 2, 3\n")
+    monkeypatch.chdir(tmp_path)
+    fn = load_factory("bad_factory.py:build")
+    with pytest.raises(InputError, match=r"must return \(model, example_inputs, loss_fn, target\)"):
+        call_factory(fn, spec="bad_factory.py:build")
+    with pytest.raises(InputError, match="does not take batch_size="):
+        call_factory(fn, batch_size=4, spec="bad_factory.py:build")
+
+
+# --- logging and progress ---------------------------------------------------------------------
+def test_log_lines_carry_the_rank():
+    stream = io.StringIO()
+    logger = logs.configure(1, rank=3, stream=stream)
+    logging.getLogger("pipecut.test").warning("stage %d is slow", 2)
+    assert stream.getvalue() == "[rank 3] WARNING pipecut.test: stage 2 is slow\n"
+    assert logger.level == logging.WARNING  # -v is info on rank 0 only
+    logs.configure(0, rank=0, stream=io.StringIO())
+
+
+@pytest.mark.parametrize(
+    ("verbosity", "rank", "level"),
+    [(-1, 0, logging.ERROR), (0, 0, logging.WARNING), (1, 0, logging.INFO), (2, 0, logging.DEBUG),
+     (1, 1, logging.WARNING), (2, 1, logging.DEBUG), (-1, 1, logging.ERROR)],
+)
+def test_verbosity_levels(verbosity, rank, level):
+    assert logs.level_for(verbosity, rank) == level
+
+
+def test_verbose_flag_works_before_and_after_the_command(planned, capsys):
+    for argv in (["-v", "show"], ["show", "-v"]):
+        main([*argv, str(planned / "plan.json")])
+        assert logging.getLogger("pipecut").level == logging.INFO
+    main(["show", "-q", str(planned / "plan.json")])
+    assert logging.getLogger("pipecut").level == logging.ERROR
+    logs.configure(0, rank=0)
+
+
+def test_progress_bar_draws_only_when_enabled():
+    shown, hidden = io.StringIO(), io.StringIO()
+    with logs.progress("profiling", enabled=True, stream=shown) as cb:
+        for i in range(5):
+            cb(i + 1, 5)
+    with logs.progress("profiling", enabled=False, stream=hidden) as cb:
+        cb(1, 5)
+    assert "profiling" in shown.getvalue() and "/5 " in shown.getvalue()
+    assert hidden.getvalue() == ""
+
+
+def test_progress_only_on_a_terminal_of_rank_0():
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert logs.show_progress(0, Tty())
+    assert not logs.show_progress(1, Tty())
+    assert not logs.show_progress(0, io.StringIO())
+    assert not logs.show_progress(0, Tty(), verbosity=-1)
+
