@@ -1,0 +1,110 @@
+"""Bounded exact DP vs the plain DP, coarsening, baselines, and planning through partition_costs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipecut.errors import PartitionError
+from pipecut.passes.baselines import balanced, block_partition, equal_layers, layer_starts
+from pipecut.passes.bounded import partition_bounded
+from pipecut.passes.coarsen import candidate_cuts
+from pipecut.passes.fit import min_peak_memory
+from pipecut.passes.formulate import formulate
+from pipecut.passes.partition import Chain, partition_dp
+from pipecut.passes.problem import Problem
+from pipecut.passes.synthetic import transformer_costs
+from pipecut.plan import DeviceSpec, Partitioner, Plan, Recompute, ScheduleKind
+from pipecut.planner import DEFAULT_LINK, partition_costs
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_bounded_dp_equals_plain_dp(data: st.DataObject) -> None:
+    n = data.draw(st.integers(1, 40))
+    k = data.draw(st.integers(1, min(6, n)))
+    compute = data.draw(st.lists(st.floats(0, 100), min_size=n, max_size=n))
+    inner = data.draw(st.lists(st.floats(0, 5), min_size=n - 1, max_size=n - 1))
+    speeds = data.draw(st.lists(st.sampled_from([1.0, 1.5, 3.0]), min_size=k, max_size=k))
+    chain = Chain(names=tuple(map(str, range(n))), compute_ms=tuple(compute),
+                  boundary_ms=(0.0, *inner, 0.0))
+    problem = Problem(compute_ms=tuple(compute), forward_ms=(0.0,) * n,
+                      boundary_ms=(0.0, *inner, 0.0), input_bytes=(0,) * (n + 1),
+                      fixed_bytes=(0,) * n, activation_bytes=(0,) * n, speeds=tuple(speeds),
+                      capacities=(None,) * k, inflight=(1,) * k)
+    ev = partition_bounded(problem)
+    assert ev is not None
+    assert math.isclose(ev.bottleneck_ms, partition_dp(chain, k, speeds=speeds).bottleneck_ms,
+                        rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_candidate_cuts_prefer_module_boundaries_and_skip_blocked_cuts() -> None:
+    modules = [f"h.{i // 10}.op{i % 10}" for i in range(100)]
+    boundary = [0.0] + [1.0] * 99 + [0.0]
+    boundary[30] = math.inf
+    cuts = candidate_cuts(modules, [1.0] * 100, boundary, max_positions=12)
+    assert set(cuts) == {10, 20, 40, 50, 60, 70, 80, 90}
+    assert 30 not in candidate_cuts(modules, [1.0] * 100, boundary, max_positions=200)
+
+
+def test_baselines() -> None:
+    assert equal_layers(10, 4) == [0, 2, 5, 8, 10]
+    assert balanced([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [0, 5, 7, 9]  # sums 15, 13, 17
+    parts = block_partition([1, 2, 3, 4, 5, 6, 7, 8, 9], 3)
+    assert parts[0] == 0 and parts[-1] == 9 and len(parts) == 4
+    assert layer_starts(["wte", "", "h.0.a", "h.0.b", "h.1.a", "", "ln_f"]) == [0, 2, 4, 6]
+
+
+def _plan(nodes, devices, **kw) -> Plan:
+    return partition_costs(nodes, devices=devices, microbatches=4, batch_size=8,
+                           schedule="1f1b", **kw)
+
+
+def test_dp_is_default_and_ilp_agrees_when_unconstrained() -> None:
+    nodes = transformer_costs(4, nodes_per_layer=40)
+    dp = _plan(nodes, 3)
+    ilp = _plan(nodes, 3, partitioner=Partitioner.ILP)
+    assert dp.solver.method is Partitioner.DP and ilp.solver.method is Partitioner.ILP
+    assert ilp.solver.optimal
+    assert math.isclose(max(dp.predicted.stage_ms), max(ilp.predicted.stage_ms), rel_tol=1e-9)
+
+
+def test_memory_limit_uses_ilp_with_recompute_and_fits() -> None:
+    nodes = transformer_costs(4, nodes_per_layer=40)
+    need = {}
+    for rc in (False, True):
+        form = formulate(nodes, devices=[DeviceSpec(name="d")] * 3, link=DEFAULT_LINK,
+                         schedule=ScheduleKind.ONE_F_ONE_B, microbatches=4, recompute=rc)
+        need[rc] = min_peak_memory(form.problem)[0]
+    assert need[True] < need[False]
+    cap = int((need[True] + need[False]) / 2)  # fits only with recompute somewhere
+    plan = _plan(nodes, [DeviceSpec(name=f"d{i}", memory_bytes=cap) for i in range(3)])
+    assert plan.solver.method is Partitioner.ILP and plan.solver.optimal
+    assert "agrees with the DP" in plan.solver.detail
+    assert Recompute.FULL in {s.recompute for s in plan.stages}
+    assert all(s.peak_memory_bytes <= cap for s in plan.stages)
+    assert Plan.from_json(plan.to_json()) == plan
+    with pytest.raises(PartitionError, match="or allow recompute"):
+        _plan(nodes, [DeviceSpec(name=f"d{i}", memory_bytes=cap) for i in range(3)],
+              recompute=False)
+
+
+def test_faster_device_gets_more_work() -> None:
+    nodes = transformer_costs(4, nodes_per_layer=40)
+    plan = _plan(nodes, [DeviceSpec(name="slow"), DeviceSpec(name="fast", speed=3.0)])
+    assert plan.solver.method is Partitioner.ILP
+    fast_work = plan.stages[1].forward_ms * 3.0  # stage times are already divided by speed
+    assert fast_work > 2 * plan.stages[0].forward_ms
+
+
+def test_ten_thousand_nodes_plan_with_ilp_and_coarsening() -> None:
+    nodes = transformer_costs(48)
+    assert len(nodes) > 10_000
+    devices = [DeviceSpec(name=f"d{i}", speed=1.0 + (i % 2)) for i in range(8)]
+    plan = _plan(nodes, devices)
+    assert plan.solver.method is Partitioner.ILP
+    assert plan.solver.solve_ms > 0 and "cut positions" in plan.solver.detail
+    assert "agrees with the DP" in plan.solver.detail
