@@ -15,14 +15,15 @@ from pipecut.plan import (
     Link,
     NodeCost,
     NodeOp,
+    Plan,
     Predicted,
     Recompute,
     ScheduleKind,
     Stage,
     TiedGroup,
 )
+from pipecut.runtime.schedule import Action, simulate, timeline
 from pipecut.runtime.schedule import build as build_schedule
-from pipecut.runtime.schedule import simulate
 
 OPTIMIZER_STATE_FACTOR = 2
 """Optimizer state per parameter byte (AdamW keeps two moments)."""
@@ -147,8 +148,7 @@ def build_stages(
             microbatches,
             nodes,
             schedule,
-            forward_link_ms=[link.transfer_ms(fwd[b]) for b in bounds[1:-1]],
-            backward_link_ms=[link.transfer_ms(bwd[b]) for b in bounds[1:-1]],
+            *link_times(stages, nodes, link),
         ),
     )
 
@@ -158,7 +158,6 @@ def predict(
     microbatches: int,
     nodes: Sequence[NodeCost],
     schedule: ScheduleKind,
-    *,
     forward_link_ms: Sequence[float] = (),
     backward_link_ms: Sequence[float] = (),
 ) -> Predicted:
@@ -180,4 +179,27 @@ def predict(
         bottleneck_stage=max(range(k), key=lambda s: stage_ms[s]),
         stage_ms=stage_ms,
         single_device_ms=microbatches * sum(n.forward_ms + n.backward_ms for n in nodes),
+    )
+
+
+def link_times(stages: Sequence[Stage], nodes: Sequence[NodeCost], link: Link) -> tuple[list[float], list[float]]:
+    """Per cut between stage s and s + 1: (activation transfer ms, gradient transfer ms)."""
+    by_name = {n.name: n for n in nodes}
+    forward, backward = [], []
+    for st in stages[:-1]:
+        sizes = [value_bytes(by_name[v]) for v in st.outputs]
+        forward.append(link.transfer_ms(sum(f for f, _ in sizes)))
+        backward.append(link.transfer_ms(sum(b for _, b in sizes)))
+    return forward, backward
+
+
+def predicted_timeline(plan: Plan) -> list[tuple[Action, float, float]]:
+    """The simulator's (action, start ms, end ms) for the plan's schedule and stage costs."""
+    forward, backward = link_times(plan.stages, plan.nodes, plan.link)
+    return timeline(
+        build_schedule(plan.schedule, plan.num_stages, plan.microbatches),
+        [s.forward_ms for s in plan.stages],
+        [s.backward_ms for s in plan.stages],
+        forward,
+        backward,
     )

@@ -48,6 +48,12 @@ class WireSpec:
         return [t for t in self.tensor_leaves() if t[4]]
 
 
+@dataclass(frozen=True, slots=True)
+class PostedRecv:
+    works: list[Any]
+    buffers: list[torch.Tensor]
+
+
 class Peer:
     """Sends to and receives from one neighbouring rank, with deadlines."""
 
@@ -64,18 +70,22 @@ class Peer:
             works.append((dist.isend(t, self.rank, group=self.group, tag=tag(microbatch, direction, i)), t))
         return works
 
-    def recv(
+    def post_recv(
         self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]], microbatch: int, direction: int,
         device: torch.device,
-    ) -> list[torch.Tensor]:
+    ) -> PostedRecv:
+        """Post receives now (so the transfer overlaps compute); :meth:`finish` waits for them."""
         bufs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
         works = [
             dist.irecv(b, self.rank, group=self.group, tag=tag(microbatch, direction, i))
             for i, b in enumerate(bufs)
         ]
-        for w in works:
+        return PostedRecv(works, bufs)
+
+    def finish(self, posted: PostedRecv) -> list[torch.Tensor]:
+        for w in posted.works:
             self.wait(w, "receiving from")
-        return bufs
+        return posted.buffers
 
     def wait(self, work: Any, what: str) -> None:
         try:

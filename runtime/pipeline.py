@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,9 +13,12 @@ from pipecut.batching import batch_size, split_microbatches
 from pipecut.capture import Captured, Inputs
 from pipecut.errors import InputError
 from pipecut.fxutil import canonical_names
+from pipecut.passes.stages import predicted_timeline
 from pipecut.plan import LeafKind, Plan
+from pipecut.runtime.failure import abort
 from pipecut.runtime.schedule import Schedule
 from pipecut.runtime.stage import Event, StageWorker, reduce_tied_grads, tree_to
+from pipecut.runtime.trace import chrome_trace, write_chrome_trace
 
 
 class Pipeline:
@@ -67,6 +71,24 @@ class Pipeline:
         """This rank's actions in the last step run with ``record=True``."""
         return list(self.worker.events)
 
+    @property
+    def peak_activation_bytes(self) -> int:
+        """Peak bytes of activations this stage kept for backward during the last step."""
+        return self.worker.meter.peak
+
+    def trace(self, path: str | Path | None = None) -> dict[str, Any] | None:
+        """Gather every rank's timeline of the last recorded step; rank 0 returns (and writes)
+        Chrome trace JSON with the measured and the predicted schedule side by side."""
+        spans = [(e.action, e.start, e.end) for e in self.worker.events]
+        gathered: list[Any] = [None] * len(self.ranks) if self.stage == 0 else []
+        dist.gather_object(spans, gathered if self.stage == 0 else None, dst=self.ranks[0], group=self.group)
+        if self.stage != 0:
+            return None
+        trace = chrome_trace(gathered, predicted_timeline(self.plan))
+        if path is not None:
+            write_chrome_trace(path, trace)
+        return trace
+
     def _microbatches(self, inputs: Inputs) -> list[dict[str, Any]]:
         flat = self.captured.flatten_inputs(inputs)
         size = batch_size(flat)
@@ -94,7 +116,18 @@ class Pipeline:
         """Forward and backward one full batch; returns the mean microbatch loss on every rank.
 
         Gradients accumulate into this stage's parameters' ``.grad`` as with ``loss.backward()``.
+        ``record=True`` keeps this rank's action timeline (see :meth:`trace`). If anything fails
+        on this rank, the pipeline's process group is torn down so that the other ranks fail
+        at once with an error naming this rank, instead of waiting for their timeout.
         """
+        try:
+            return self._step(inputs, target, record)
+        except InputError:
+            raise  # raised identically on every rank before any communication
+        except BaseException as e:
+            raise abort(self.worker.rank, e) from e
+
+    def _step(self, inputs: Inputs, target: Any, record: bool) -> torch.Tensor:
         mb_inputs = self._microbatches(inputs)
         m = self.plan.microbatches
         targets = (
@@ -102,6 +135,8 @@ class Pipeline:
             if target is not None
             else [None] * m
         )
+        if record:
+            dist.barrier(group=self.group)  # align the ranks' clocks for the timeline
         loss = self.worker.run(self.schedule[self.stage], mb_inputs, targets, record=record)
         reduce_tied_grads(self.module, self._canonical, self.tied_groups)
         out = loss.detach().float() if loss is not None else torch.zeros((), device=self.worker.device)

@@ -4,7 +4,8 @@ A forward receives the cut values from the previous stage, runs the stage module
 cut values on (the last stage computes the loss instead). A backward receives the gradients of
 what this stage sent, runs autograd from there, and sends the gradients of what it received.
 Received floating leaves that require grad in the plan become autograd leaves, so their
-``.grad`` after backward is exactly what the previous stage needs.
+``.grad`` after backward is exactly what the previous stage needs. Receives for the next action
+are posted before the current one computes, so transfers overlap compute; sends never block.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch.utils.checkpoint import checkpoint
 
 from pipecut.errors import PipelineRuntimeError
 from pipecut.passes.split import StageProgram
-from pipecut.plan import Plan
-from pipecut.runtime.comm import BACKWARD, FORWARD, Peer, WireSpec, pack, unpack
+from pipecut.plan import Plan, Recompute
+from pipecut.runtime.comm import BACKWARD, FORWARD, Peer, PostedRecv, WireSpec, pack, unpack
+from pipecut.runtime.memory import ActivationMeter
 from pipecut.runtime.schedule import Action, ActionKind
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -33,13 +36,13 @@ class _Microbatch:
     received: list[torch.Tensor] = field(default_factory=list)
     """Tensor leaves received (autograd leaves where they require grad)."""
     sent: list[torch.Tensor] = field(default_factory=list)
-    """Tensor leaves sent, to backpropagate from."""
+    """Tensor leaves sent that carry gradients back, to backpropagate from."""
     loss: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One action's span on this rank, for timelines (seconds since the step started)."""
+    """One action's span on this rank, in seconds since the step started."""
 
     action: str
     start: float
@@ -67,15 +70,18 @@ class StageWorker:
         self.device = device
         self.loss_fn = loss_fn
         self.unflatten_output = unflatten_output
-        last = plan.num_stages - 1
         if program.is_last and loss_fn is None:
             raise PipelineRuntimeError("the last stage needs a loss_fn to start the backward pass")
+        last = plan.num_stages - 1
         self.prev = Peer(group, ranks[self.stage - 1], timeout, rank) if self.stage > 0 else None
         self.next = Peer(group, ranks[self.stage + 1], timeout, rank) if self.stage < last else None
         stage = plan.stages[self.stage]
+        self.recompute = stage.recompute is Recompute.FULL
         self.in_spec = WireSpec(tuple(plan.node(n) for n in stage.inputs))
         self.out_spec = WireSpec(tuple(plan.node(n) for n in stage.outputs))
+        self.meter = ActivationMeter(program.module.parameters())
         self.state: dict[int, _Microbatch] = {}
+        self.posted: dict[tuple[int, int], PostedRecv] = {}
         self.pending: list[tuple[Peer, Any, torch.Tensor]] = []
         self.events: list[Event] = []
 
@@ -87,10 +93,12 @@ class StageWorker:
         record: bool = False,
     ) -> torch.Tensor | None:
         """Run one step; returns the sum of microbatch losses / M on the last stage, else None."""
-        self.state = {}
-        self.events = []
+        self.state, self.events, self.posted = {}, [], {}
+        self.meter.reset()
         t0 = time.perf_counter()
-        for action in actions:
+        for i, action in enumerate(actions):
+            for ahead in actions[i : i + 2]:
+                self._post(ahead)
             start = time.perf_counter()
             if action.kind is ActionKind.FORWARD:
                 self.forward(action.microbatch, inputs[action.microbatch], targets[action.microbatch])
@@ -103,34 +111,54 @@ class StageWorker:
         self.pending = []
         if not self.program.is_last:
             return None
-        losses = [mb.loss for mb in self.state.values() if mb.loss is not None]
-        return torch.stack(losses).sum()
+        return torch.stack([mb.loss for mb in self.state.values() if mb.loss is not None]).sum()
+
+    def _post(self, action: Action) -> None:
+        """Post the receive an action needs, once."""
+        if action.kind is ActionKind.FORWARD and self.prev is not None:
+            key, peer, leaves = (action.microbatch, FORWARD), self.prev, self.in_spec.tensor_leaves()
+        elif action.kind is ActionKind.BACKWARD and self.next is not None:
+            key, peer, leaves = (action.microbatch, BACKWARD), self.next, self.out_spec.grad_leaves()
+        else:
+            return
+        if key not in self.posted:
+            specs = [(shape, dtype) for _, _, shape, dtype, _ in leaves]
+            self.posted[key] = peer.post_recv(specs, key[0], key[1], self.device)
+
+    def _received(self, peer: Peer, mb: int, direction: int) -> list[torch.Tensor]:
+        return peer.finish(self.posted.pop((mb, direction)))
 
     def forward(self, mb: int, model_inputs: dict[str, Any], target: Any) -> None:
         state = self.state.setdefault(mb, _Microbatch())
         received: list[Any] = []
         if self.prev is not None:
-            leaves = self.in_spec.tensor_leaves()
-            tensors = self.prev.recv([(shape, dtype) for _, _, shape, dtype, _ in leaves], mb, FORWARD, self.device)
-            for t, (_, _, _, _, grad) in zip(tensors, leaves):
-                if grad:
-                    t.requires_grad_(True)
+            tensors = self._received(self.prev, mb, FORWARD)
+            for t, leaf in zip(tensors, self.in_spec.tensor_leaves()):
+                t.requires_grad_(leaf[4])
             state.received = tensors
             received = unpack(tensors, self.in_spec)
         args = received + [model_inputs[name] for name in self.program.model_inputs]
-        out = self.program.module(*args)
-        if self.program.is_last:
-            loss = self.loss_fn(self.unflatten_output(out), target)  # type: ignore[misc]
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise PipelineRuntimeError(
-                    f"stage {self.stage}: loss_fn must return a scalar tensor, got "
-                    f"{getattr(loss, 'shape', type(loss).__name__)}"
-                )
-            state.loss = loss / self.plan.microbatches
-            return
+        kept = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)] if self.recompute else []
+        with self.meter.forward(mb, kept):
+            if self.recompute:  # keep only the inputs; the forward runs again inside backward
+                out = checkpoint(self.program.module, *args, use_reentrant=False)
+            else:
+                out = self.program.module(*args)
+            if self.program.is_last:
+                state.loss = self._loss(out, target) / self.plan.microbatches
+                return
         tensors = pack(out, self.out_spec, self.stage)
-        state.sent = [t for t, spec in zip(tensors, self.out_spec.tensor_leaves()) if spec[4]]
+        state.sent = [t for t, leaf in zip(tensors, self.out_spec.tensor_leaves()) if leaf[4]]
         self._send(self.next, tensors, mb, FORWARD)
+
+    def _loss(self, out: Any, target: Any) -> torch.Tensor:
+        loss = self.loss_fn(self.unflatten_output(out), target)  # type: ignore[misc]
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise PipelineRuntimeError(
+                f"stage {self.stage}: loss_fn must return a scalar tensor, got "
+                f"{getattr(loss, 'shape', type(loss).__name__)}; reduce it (e.g. .mean())"
+            )
+        return loss
 
     def backward(self, mb: int) -> None:
         state = self.state[mb]
@@ -139,11 +167,11 @@ class StageWorker:
             state.loss.backward()
             state.loss = state.loss.detach()
         else:
-            specs = [(shape, dtype) for _, _, shape, dtype, _ in self.out_spec.grad_leaves()]
-            grads = self.next.recv(specs, mb, BACKWARD, self.device)  # type: ignore[union-attr]
+            grads = self._received(self.next, mb, BACKWARD)  # type: ignore[arg-type]
             pairs = [(t, g) for t, g in zip(state.sent, grads) if t.requires_grad]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        self.meter.release(mb)
         if self.prev is not None:
             grads = [
                 t.grad if t.grad is not None else torch.zeros_like(t)

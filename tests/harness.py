@@ -42,8 +42,11 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, store: str, out: s
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0,
-              collective_timeout: float = 60.0) -> list[Any]:
-    """``[fn(rank, world, *args) for rank in range(world)]``, each on its own forked process."""
+              collective_timeout: float = 60.0, allow_missing: bool = False) -> list[Any]:
+    """``[fn(rank, world, *args) for rank in range(world)]``, each on its own forked process.
+
+    ``allow_missing``: a rank that died without a result gives None instead of an error.
+    """
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
         store, out = f"{tmp}/store", f"{tmp}/out"
@@ -66,7 +69,10 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
         errors = []
         for r in range(world):
             path = Path(f"{out}/{r}.pt")
-            data = torch.load(path, weights_only=False) if path.exists() else {"error": "no result"}
+            if path.exists():
+                data = torch.load(path, weights_only=False)
+            else:
+                data = {} if allow_missing else {"error": "no result"}
             if "error" in data:
                 errors.append(f"--- rank {r} (exit code {procs[r].exitcode}) ---\n{data['error']}")
             results.append(data.get("ok"))

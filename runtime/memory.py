@@ -1,0 +1,54 @@
+"""Activation memory a stage keeps between forward and backward, measured as it runs.
+
+Autograd's saved-tensor hooks see every tensor a forward keeps for its backward. Counting each
+storage once per microbatch (parameters excluded: they are not activations) and summing over
+the microbatches in flight gives the stage's live activation bytes; the peak over a step is
+what the schedule costs in memory. With recompute the stage keeps only its inputs, which are
+counted explicitly (``torch.utils.checkpoint`` holds them outside autograd's saved tensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+
+class ActivationMeter:
+    def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in parameters}
+        self._per_mb: dict[int, dict[int, int]] = {}
+        self.live = 0
+        self.peak = 0
+
+    def reset(self) -> None:
+        self._per_mb.clear()
+        self.live = self.peak = 0
+
+    def _add(self, mb: int, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        seen = self._per_mb.setdefault(mb, {})
+        if ptr in self._params or ptr in seen or ptr == 0:
+            return
+        seen[ptr] = storage.nbytes()
+        self.live += seen[ptr]
+        self.peak = max(self.peak, self.live)
+
+    @contextlib.contextmanager
+    def forward(self, mb: int, kept_inputs: Iterable[torch.Tensor] = ()) -> Iterator[None]:
+        """Count what this microbatch's forward keeps (and ``kept_inputs``, for recompute)."""
+        for t in kept_inputs:
+            self._add(mb, t)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            self._add(mb, t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def release(self, mb: int) -> None:
+        """The microbatch's backward has run: its activations are freed."""
+        self.live -= sum(self._per_mb.pop(mb, {}).values())
