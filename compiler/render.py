@@ -125,7 +125,8 @@ def memory_bars(plan: Plan) -> Chart:
             marks.append(Rect(x=cap * scale - 1, y=y, w=2, h=ROW, fill="#d93025",
                               tip=f"device {s.index} capacity {limit}"))
         rows.append((y + ROW / 2, f"stage {s.index}"))
-    step = nice_ticks(widest)
+    unit = 1024 ** min(max(int(math.log(widest, 1024)), 0), 3)  # round steps of KiB, MiB, GiB
+    step = [t * unit for t in nice_ticks(widest / unit)]
     ticks = tuple((t * scale, human_bytes(t)) for t in step if t * scale <= CHART_WIDTH + 1)
     return Chart(height=len(plan.stages) * ROW, rects=tuple(rects), rows=tuple(rows),
                  ticks=ticks, marks=tuple(marks))

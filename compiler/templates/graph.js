@@ -180,8 +180,8 @@
       // Labels sit right of their source box; one that would overlap another in the same gap
       // moves down a little, or is left out (the curve's tooltip still lists its tensors).
       var used = taken[p.stage] || (taken[p.stage] = []), y = y1 - 4;
-      while (used.some(function (u) { return Math.abs(u - y) < 11; }) && y < y1 + 20) { y += 11; }
-      if (used.some(function (u) { return Math.abs(u - y) < 11; })) { return; }
+      while (used.some(function (u) { return Math.abs(u - y) < 12; }) && y < y1 + 24) { y += 12; }
+      if (used.some(function (u) { return Math.abs(u - y) < 12; })) { return; }
       used.push(y);
       var bg = el("rect", {"class": "cut-label-bg"}, labelLayer);
       var t = el("text", {"class": "cut-label", x: x1 + 6, y: y}, labelLayer);

@@ -26,7 +26,7 @@ FLAGS = (
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
     "--disable-extensions", "--disable-default-apps", "--mute-audio", "--hide-scrollbars",
-    "--remote-debugging-pipe",
+    "--disable-dev-shm-usage", "--remote-debugging-pipe",
 )
 
 

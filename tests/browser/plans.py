@@ -66,4 +66,4 @@ def example_plan(stages: int = 3, microbatches: int = 4) -> Plan:
     import pipecut
 
     return pipecut.plan(model, inputs, stages, loss_fn=loss_fn, target=target,
-                        microbatches=microbatches, schedule="1f1b", repeats=2, warmup=1)
+                        microbatches=microbatches, schedule="1f1b")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import pipecut
 from pipecut.dot import edge_label, to_dot
-from pipecut.gantt import Span, layout, link_ms, load_trace, predicted_spans, to_trace
+from pipecut.gantt import Span, layout, load_trace, predicted_spans, to_trace
 from pipecut.plan import Recompute, ScheduleKind
 from pipecut.render import gantt, graph_data, memory_bars, nice_ticks, render_html, time_bars
 from pipecut.runtime.schedule import build, simulate
@@ -132,20 +132,10 @@ def test_layout_ends_when_simulate_says_and_respects_dependencies(kind, k, m, da
         assert all(a.end <= b.start + 1e-9 for a, b in itertools.pairwise(mine))
 
 
-def test_link_times_add_up_to_each_stages_communication(plan):
-    fwd, grad = link_ms(plan)
-    assert len(fwd) == plan.num_stages - 1
-    round_trips = [f + g for f, g in zip(fwd, grad)]
-    for s in plan.stages:
-        left = round_trips[s.index - 1] if s.index > 0 else 0.0
-        right = round_trips[s.index] if s.index < plan.num_stages - 1 else 0.0
-        assert left + right == pytest.approx(s.comm_ms)
-    assert fwd[0] == pytest.approx(plan.link.transfer_ms(plan.stages[0].send_bytes))
-
-
 def test_predicted_spans_follow_the_plans_schedule(plan):
     spans = predicted_spans(plan)
     assert len(spans) == 2 * plan.num_stages * plan.microbatches
+    assert max(s.end for s in spans) == pytest.approx(plan.predicted.step_ms)
     first = [s.action for s in spans if s.rank == plan.num_stages - 1][:2]
     assert first == ["2F0", "2B0"]  # 1F1B: the last stage goes backward at once
     chart = gantt(spans, plan.num_stages)
@@ -177,6 +167,17 @@ def test_trace_ranks_from_tid_and_os_pids():
                      Span(rank=1, action="1F0", start=0.6, end=1.1))
     by_pid = load_trace([dict(e, pid=9000 + e["tid"]) for e in events[:2]])
     assert [s.rank for s in by_pid] == [0, 1]
+
+
+def test_runtime_chrome_trace_keeps_the_measured_ranks(plan):
+    from pipecut.passes.stages import predicted_timeline
+
+    chrome_trace = pytest.importorskip("pipecut.runtime.trace").chrome_trace
+
+    measured = [[("0F0", 0.0, 0.002), ("0B0", 0.004, 0.007)], [("1F0", 0.0025, 0.0035), ("1B0", 0.0035, 0.0039)]]
+    spans = load_trace(chrome_trace(measured, predicted_timeline(plan)))
+    assert [(s.rank, s.action) for s in spans] == [(0, "0F0"), (0, "0B0"), (1, "1F0"), (1, "1B0")]
+    assert spans[1].start == pytest.approx(4.0) and spans[1].end == pytest.approx(7.0)
 
 
 def test_bad_trace_says_what_is_missing(tmp_path):
