@@ -1,0 +1,198 @@
+"""Runtime benchmark: pipecut's schedules against torch.distributed.pipelining and one process.
+
+    .venv/bin/python benchmarks/runtime.py [--steps 5] [--models gpt,mlp,...] [--out benchmarks/runtime.json]
+
+Two forked CPU ranks on gloo, one thread each; batch 16 in 8 microbatches. For each model:
+one plain process on the full batch (one thread), pipecut under each schedule, and
+torch.distributed.pipelining's GPipe cut at the module boundary nearest pipecut's cut. Step time
+is the median over ``--steps`` timed steps after two warm-up steps (forward + backward; no
+optimizer step in any of them). Prints a table and writes JSON. Not a test: numbers depend on
+the machine and on whatever else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pipecut
+from examples import gpt, mlp, resnet
+from tests.harness import run_ranks
+
+BATCH, MICROBATCHES, WORLD = 16, 8, 2
+
+
+def hf_gpt2(batch_size: int = BATCH, seed: int = 0) -> tuple[Any, Any, Any, Any]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=2048, n_positions=128, n_embd=256, n_layer=6, n_head=8,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                        bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    tokens = torch.randint(0, 2048, (batch_size, 129))
+
+    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    return model, {"input_ids": tokens[:, :-1]}, loss_fn, tokens[:, 1:]
+
+
+MODELS: dict[str, Callable[..., Any]] = {
+    "gpt": gpt.build_demo,
+    "mlp": lambda batch_size=BATCH, seed=0: mlp.build(batch_size, seed, width=1024, depth=8),
+    "resnet": lambda batch_size=BATCH, seed=0: resnet.build(batch_size, seed, image=64),
+    "hf_gpt2": hf_gpt2,
+}
+
+
+def _call(model: Any, inputs: Any) -> Any:
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def _timed(step: Callable[[], Any], steps: int, warmup: int = 2) -> list[float]:
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        step()
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def single_process(name: str, steps: int) -> float:
+    torch.set_num_threads(1)
+    model, inputs, loss_fn, target = MODELS[name]()
+
+    def step() -> None:
+        loss_fn(_call(model, inputs), target).backward()
+        model.zero_grad()
+
+    return statistics.median(_timed(step, steps))
+
+
+def _pipecut_rank(rank: int, world: int, name: str, schedule: str, steps: int) -> dict[str, Any]:
+    model, inputs, loss_fn, target = MODELS[name]()
+    pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+                           microbatches=MICROBATCHES, schedule=schedule, timeout=300)
+
+    def step() -> None:
+        pipe.step(inputs, target)
+        pipe.module.zero_grad()
+
+    times = _timed(step, steps)
+    pipe.step(inputs, target, record=True)
+    pipe.trace()
+    plan = pipe.plan
+    first = plan.nodes[plan._index[plan.stages[1].nodes[0]]]
+    return {"ms": statistics.median(times), "predicted_ms": plan.predicted.step_ms,
+            "bubble": plan.predicted.bubble_fraction, "peak_activation_bytes": pipe.peak_activation_bytes,
+            "capture": plan.capture.value, "cut_module": first.module,
+            "stage_nodes": [len(s.nodes) for s in plan.stages]}
+
+
+def _split_point(module_path: str, model: torch.nn.Module) -> str:
+    """The outermost module boundary at or above ``module_path`` that is a child of a ModuleList
+    or Sequential (where torch.distributed.pipelining can split)."""
+    parts = module_path.split(".")
+    for i in range(1, len(parts) + 1):
+        candidate = ".".join(parts[:i])
+        parent = model.get_submodule(".".join(parts[: i - 1])) if i > 1 else model
+        if isinstance(parent, (torch.nn.ModuleList, torch.nn.Sequential)):
+            return candidate
+    return module_path
+
+
+def _pippy_rank(rank: int, world: int, name: str, split: str, steps: int) -> dict[str, Any]:
+    from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
+
+    model, inputs, loss_fn, target = MODELS[name]()
+    args, kwargs = ((), {k: v.chunk(MICROBATCHES)[0] for k, v in inputs.items()}) if isinstance(inputs, dict) \
+        else (tuple(x.chunk(MICROBATCHES)[0] for x in inputs), {})
+    pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec={split: SplitPoint.BEGINNING})
+    stage = pipe.build_stage(rank, torch.device("cpu"))
+    sched = ScheduleGPipe(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
+
+    def step() -> None:
+        if rank == 0:
+            if isinstance(inputs, dict):
+                sched.step(**inputs)
+            else:
+                sched.step(*inputs)
+        else:
+            sched.step(target=target, losses=[])
+        stage.submod.zero_grad()
+
+    return {"ms": statistics.median(_timed(step, steps))}
+
+
+def run(names: list[str], steps: int) -> list[dict[str, Any]]:
+    rows = []
+    for name in names:
+        single = single_process(name, steps)
+        rows.append({"model": name, "runner": "one process", "ms": single, "speedup": 1.0})
+        cut_module = ""
+        for schedule in ("gpipe", "1f1b"):
+            res = run_ranks(_pipecut_rank, WORLD, name, schedule, steps, timeout=1800, collective_timeout=600)
+            r0 = res[0]
+            cut_module = r0["cut_module"]
+            rows.append({
+                "model": name, "runner": f"pipecut {schedule}", "ms": r0["ms"],
+                "speedup": single / r0["ms"], "predicted_ms": r0["predicted_ms"],
+                "prediction_error": (r0["predicted_ms"] - r0["ms"]) / r0["ms"], "bubble": r0["bubble"],
+                "peak_activation_mib": [round(r["peak_activation_bytes"] / 2**20, 1) for r in res],
+                "capture": r0["capture"], "stage_nodes": r0["stage_nodes"],
+            })
+        model = MODELS[name]()[0]
+        split = _split_point(cut_module, model) if cut_module else ""
+        try:
+            res = run_ranks(_pippy_rank, WORLD, name, split, steps, timeout=1800, collective_timeout=600)
+            ms = max(r["ms"] for r in res)
+            rows.append({"model": name, "runner": f"torch.distributed.pipelining gpipe (split {split})",
+                         "ms": ms, "speedup": single / ms})
+        except Exception as e:  # recorded, not hidden
+            rows.append({"model": name, "runner": f"torch.distributed.pipelining gpipe (split {split})",
+                         "error": str(e).strip().splitlines()[-1][:200]})
+        print_table(rows[-4:])
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        if "error" in r:
+            print(f"{r['model']:8} {r['runner']:52} failed: {r['error']}")
+            continue
+        extra = ""
+        if "predicted_ms" in r:
+            extra = (f"  predicted {r['predicted_ms']:8.1f} ms ({r['prediction_error']:+.0%})  bubble "
+                     f"{r['bubble']:.0%}  activations MiB {r['peak_activation_mib']}")
+        print(f"{r['model']:8} {r['runner']:52} {r['ms']:9.1f} ms  {r['speedup']:5.2f}x{extra}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--out", default=str(Path(__file__).with_name("runtime.json")))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = run(args.models.split(","), args.steps)
+    Path(args.out).write_text(json.dumps({"batch": BATCH, "microbatches": MICROBATCHES, "ranks": WORLD,
+                                          "torch": torch.__version__, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
