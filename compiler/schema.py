@@ -146,10 +146,26 @@ def schema() -> dict[str, Any]:
     return json.loads(resources.files("pipecut").joinpath(SCHEMA_FILE).read_text())
 
 
+def inline_refs(node: Any, defs: dict[str, Any]) -> Any:
+    """The schema with every ``$ref`` to ``$defs`` replaced by its target (ours are acyclic).
+
+    Validating against it gives the same verdicts and paths, about twice as fast: resolving
+    references dominates jsonschema's time on a plan with thousands of nodes.
+    """
+    if isinstance(node, dict):
+        if "$ref" in node:
+            target = inline_refs(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+            return {**target, **{k: inline_refs(v, defs) for k, v in node.items() if k != "$ref"}}
+        return {k: inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [inline_refs(v, defs) for v in node]
+    return node
+
+
 @functools.cache
 def _validator() -> jsonschema.protocols.Validator:
     cls = jsonschema.validators.validator_for(schema())
-    return cls(schema())
+    return cls(inline_refs(schema(), schema()["$defs"]))
 
 
 def json_path(path: typing.Iterable[str | int]) -> str:
@@ -178,9 +194,9 @@ def validate_plan_dict(data: Any) -> None:
     Traceback (most recent call last):
     pipecut.errors.PlanError: plan does not match its schema: $: 'batch_size' is a required ...
     """
-    errors = sorted(_validator().iter_errors(data), key=lambda e: (list(map(str, e.absolute_path)), str(e.validator)))
-    if not errors:
+    if _validator().is_valid(data):
         return
+    errors = sorted(_validator().iter_errors(data), key=lambda e: (list(map(str, e.absolute_path)), str(e.validator)))
     best = jsonschema.exceptions.best_match(errors)
     # anyOf errors (nullable fields) hide the useful message one level down
     while best.context:
