@@ -184,6 +184,9 @@ def _describe(error: jsonschema.ValidationError) -> str:
                 f"to pipecut.plan, regenerate the schema: {REGENERATE})")
     if error.validator == "required":
         return f"{where}: {error.message}"
+    if error.validator in ("enum", "const"):
+        return (f"{where}: {error.instance!r:.80} is invalid: {error.message} (if you added a "
+                f"value to an enum of pipecut.plan, regenerate the schema: {REGENERATE})")
     return f"{where}: {error.instance!r:.80} is invalid: {error.message}"
 
 
