@@ -202,7 +202,6 @@ def dict_logits_ce(out: dict[str, torch.Tensor], target: torch.Tensor) -> torch.
 
 
 ZOO: dict[str, Callable[..., Built]] = {
-    "tagger": tagger,
     "resnet": resnet,
     "vit": vit,
     "gpt2": gpt2,
@@ -210,6 +209,7 @@ ZOO: dict[str, Callable[..., Built]] = {
     "llama": llama,
     "qwen2": qwen2,
     "t5": t5,
+    "tagger": tagger,
 }
 """Factories by name: ``ZOO["gpt2"](batch_size=8, seed=0)``."""
 
@@ -219,7 +219,7 @@ ZOO: dict[str, Callable[..., Built]] = {
 
 
 def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_size: int = 8,
-                   seed: int = 0, timeout: float = 60.0) -> dict[str, Any]:
+                   seed: int = 0, timeout: float = 60.0, schedule: str = "gpipe") -> dict[str, Any]:
     """On one rank: compile zoo model ``name`` over ``world`` stages, run one step.
 
     Returns what the parity check compares: the loss, this stage's gradients and buffers by
@@ -229,7 +229,7 @@ def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_si
 
     model, inputs, loss_fn, target = ZOO[name](batch_size=batch_size, seed=seed)
     pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=microbatches, timeout=timeout)
+                           microbatches=microbatches, timeout=timeout, schedule=schedule)
     loss = pipe.step(inputs, target)
     return {
         "loss": loss,
@@ -277,7 +277,8 @@ def compare(reference: tuple[torch.Tensor, nn.Module], ranks: list[dict[str, Any
     """Check every rank's loss, gradients and buffers against the reference; report the errors.
 
     Raises ``AssertionError`` naming the tensor when one differs beyond the tolerances or a
-    reference parameter got no gradient on any rank.
+    reference parameter got no gradient on any rank. The report's ``max_rel`` is normwise:
+    the largest ``max|got - want| / max|want|`` over the tensors compared.
     """
     ref_loss, model = reference
     worst = {"max_abs": 0.0, "max_rel": 0.0}
@@ -287,8 +288,9 @@ def compare(reference: tuple[torch.Tensor, nn.Module], ranks: list[dict[str, Any
         if want.is_floating_point() and want.numel():
             diff = (got.double() - want.double()).abs()
             worst["max_abs"] = max(worst["max_abs"], diff.max().item())
-            rel = diff / want.double().abs().clamp_min(atol)
-            worst["max_rel"] = max(worst["max_rel"], rel.max().item())
+            scale = want.double().abs().max().item()
+            if scale > 0:
+                worst["max_rel"] = max(worst["max_rel"], diff.max().item() / scale)
 
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
