@@ -50,6 +50,15 @@ class LeafKind(enum.Enum):
     CONSTANT = "constant"
 
 
+class CostSource(enum.Enum):
+    """Where a node's times came from."""
+
+    MEASURED = "measured"
+    """Timed by running the node (``pipecut.profile``)."""
+    ESTIMATED = "estimated"
+    """Roofline estimate from FLOP and byte counts and a device profile (``pipecut.devices``)."""
+
+
 class Partitioner(enum.Enum):
     DP = "dp"
     ILP = "ilp"
@@ -91,6 +100,8 @@ class NodeCost:
     leaves: tuple[Leaf, ...] = ()
     treespec: str | None = None
     """Serialized pytree structure of the output (``torch.utils._pytree.treespec_dumps``)."""
+    source: CostSource = CostSource.MEASURED
+    """Whether forward_ms/backward_ms were measured or estimated for a device that is not here."""
 
     def __post_init__(self) -> None:
         if self.forward_ms < 0 or self.backward_ms < 0:
