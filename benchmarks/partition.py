@@ -150,10 +150,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="examples and the synthetic model only")
     ap.add_argument("--repeats", type=int, default=3, help="profiling repeats per node")
+    ap.add_argument("--only", default="", help="only models whose name starts with this")
     ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
     args = ap.parse_args()
     torch.set_num_threads(2)
     builders = {**_examples(), **({} if args.quick else {**_hf(), **_vision()})}
+    builders = {k: v for k, v in builders.items() if k.startswith(args.only)}
     tables: dict[str, tuple[tuple[NodeCost, ...], int]] = {}
     for name, build in builders.items():
         try:
@@ -163,7 +165,8 @@ def main() -> None:
             continue
         print(f"profiled {name}: {len(nodes)} nodes in {secs:.1f} s", file=sys.stderr)
         tables[name] = (nodes, batch)
-    tables["synthetic/transformer-48L"] = (transformer_costs(48), 16)
+    if "synthetic/transformer-48L".startswith(args.only):
+        tables["synthetic/transformer-48L"] = (transformer_costs(48), 16)
 
     free, limited = [], []
     for name, (nodes, batch) in tables.items():
