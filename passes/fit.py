@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
 from pipecut.errors import PartitionError
 from pipecut.passes.problem import Problem
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pulp
+
 from pipecut.passes.problem import Evaluation, Problem, evaluate
 
 
