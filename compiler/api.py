@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +25,30 @@ from pipecut.runtime.schedule import build, validate
 from pipecut.runtime.stage import StageWorker
 
 
-def _pp_group(devices: Any) -> tuple[Any, Devices]:
-    """(process group, device description) from an int, a list, or a DeviceMesh with "pp"."""
+@dataclass(frozen=True)
+class _Layout:
+    """Where this rank sits: its pipeline group and, with data parallelism, its replica group."""
+
+    pp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    replicas: tuple[tuple[int, ...], ...]
+    """Global ranks of every pipeline replica, stage-rank order; this rank's replica included."""
+    devices: Any
+
+
+def _layout(devices: Any) -> _Layout:
+    """From an int, a list of devices, or a DeviceMesh with a "pp" (and maybe "dp") dimension."""
     names = getattr(devices, "mesh_dim_names", None)
-    if names is not None:
-        if "pp" not in names:
-            raise InputError(f"the DeviceMesh needs a 'pp' dimension, it has {names}")
-        group = devices.get_group("pp")
-        return group, dist.get_world_size(group)
-    return None, devices
+    if names is None:
+        world = dist.get_world_size()
+        return _Layout(None, None, (tuple(range(world)),), devices)
+    if "pp" not in names or not set(names) <= {"dp", "pp"}:
+        raise InputError(f"the DeviceMesh needs dimensions ('dp', 'pp') or ('pp',), it has {names}")
+    pp = devices.get_group("pp")
+    dp = devices.get_group("dp") if "dp" in names else None
+    mesh = devices.mesh if names.index("pp") == len(names) - 1 else devices.mesh.transpose(0, 1)
+    replicas = tuple(tuple(int(r) for r in row) for row in mesh.reshape(-1, mesh.shape[-1]).tolist())
+    return _Layout(pp, dp, replicas, dist.get_world_size(pp))
 
 
 def _load_plan(plan: Plan | str | Path, expected: str) -> Plan:
@@ -59,19 +75,25 @@ def compile(
     timeout: float = 300.0,
     capture_method: CaptureMethod | None = None,
     leaf_modules: tuple[type, ...] = (),
+    stages_per_rank: int = 1,
 ) -> Pipeline:
     """Build this rank's stage of ``model`` pipelined over the ranks of the process group.
 
-    Run the same call on every rank (under torchrun). ``plan`` replays a saved plan (a
-    :class:`Plan` or a JSON path) without profiling; otherwise rank 0 plans and broadcasts.
+    Run the same call on every rank (under torchrun). ``devices``: K (one stage per rank of the
+    default group), a list of K devices, or a DeviceMesh with dimensions ("dp", "pp"), where
+    each of the D replicas of the pipeline trains on its own share of the batch and gradients
+    are averaged over replicas. ``plan`` replays a saved plan (a :class:`Plan` or a JSON path)
+    without profiling; otherwise global rank 0 plans and broadcasts. ``stages_per_rank`` > 1
+    with ``schedule="interleaved-1f1b"`` gives each rank several virtual stages.
     """
     wait = datetime.timedelta(seconds=timeout)
     ensure_process_group(wait)
-    group, devices = _pp_group(devices)
+    layout = _layout(devices)
+    group = layout.pp_group
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(world)]
-    specs = as_devices(devices)
+    specs = as_devices(layout.devices)
     if len(specs) != world:
         raise InputError(
             f"{len(specs)} devices (stages) asked for, but the pipeline process group has "
@@ -89,51 +111,67 @@ def compile(
 
     if plan is not None:
         chosen = _load_plan(plan, expected)
-    else:
+    else:  # global rank 0 plans; every rank of every replica gets the same plan
         payload: list[Any] = [None]
         error: BaseException | None = None
-        if rank == 0:
+        if dist.get_rank() == 0:
             try:
                 made = make_plan(
                     model, example_inputs, specs, loss_fn=loss_fn, target=target,
                     microbatches=microbatches, schedule=schedule, link=link, captured=captured,
+                    stages_per_rank=stages_per_rank,
                 )
                 payload = [("ok", made.to_json())]
             except Exception as e:  # every rank must learn of it, or they wait forever
                 error = e
                 payload = [("error", f"{type(e).__name__}: {e}")]
-        dist.broadcast_object_list(payload, src=ranks[0], group=group)
+        dist.broadcast_object_list(payload, src=0)
         status, text = payload[0]
         if error is not None:
             raise error
         if status != "ok":
-            raise PipelineRuntimeError(f"rank {rank}: rank 0 failed to plan: {text}")
+            raise PipelineRuntimeError(f"rank {dist.get_rank()}: rank 0 failed to plan: {text}")
         chosen = _load_plan(text, expected)
-    if chosen.num_stages != world:
+    if chosen.num_ranks != world:
         raise PlanError(
-            f"the plan has {chosen.num_stages} stages but the process group has {world} ranks; "
-            f"launch with --nproc_per_node={chosen.num_stages} or re-plan for {world} devices"
+            f"the plan is for {chosen.num_ranks} ranks ({chosen.num_stages} stages) but the "
+            f"pipeline process group has {world} ranks; launch with "
+            f"--nproc_per_node={chosen.num_ranks} or re-plan for {world} devices"
         )
     if chosen.microbatches != microbatches and plan is None:
         raise PlanError(f"plan has {chosen.microbatches} microbatches, asked for {microbatches}")
 
     device = local_device()
-    program = split_stage(captured.gm, chosen, rank)
-    program.module.to(device)
-    sched = build(chosen.schedule, chosen.num_stages, chosen.microbatches)
+    sched = build(chosen.schedule, world, chosen.microbatches, chosen.stages_per_rank)
     validate(sched, chosen.microbatches)
-    worker = StageWorker(
-        program, chosen, rank=rank, ranks=ranks, group=group, device=device, loss_fn=loss_fn,
-        unflatten_output=captured.unflatten_output, timeout=wait,
-    )
-    tied_groups = []
-    made_groups: dict[tuple[int, ...], Any] = {}
-    for tied in chosen.tied:  # every rank creates every group, in plan order
-        if tied.stages not in made_groups:
-            made_groups[tied.stages] = dist.new_group([ranks[s] for s in tied.stages], timeout=wait)
-        if rank in tied.stages:
-            tied_groups.append((tied.fqn, made_groups[tied.stages]))
+    workers = {}
+    for stage in range(rank, chosen.num_stages, world):
+        program = split_stage(captured.gm, chosen, stage)
+        program.module.to(device)
+        workers[stage] = StageWorker(
+            program, chosen, rank=rank, ranks=ranks, group=group, device=device, loss_fn=loss_fn,
+            unflatten_output=captured.unflatten_output, timeout=wait,
+        )
     return Pipeline(
-        plan=chosen, captured=captured, worker=worker, schedule=sched, ranks=ranks, group=group,
-        tied_groups=tied_groups,
+        plan=chosen, captured=captured, workers=workers, schedule=sched, rank=rank, ranks=ranks,
+        group=group, tied_groups=_tied_groups(chosen, layout, rank, wait), dp_group=layout.dp_group,
     )
+
+
+def _tied_groups(plan: Plan, layout: _Layout, rank: int, wait: datetime.timedelta) -> list[tuple[str, Any]]:
+    """Process groups over the ranks that hold each tied parameter. Every rank creates every
+    group (new_group is collective), in plan order, replica by replica."""
+    k = plan.num_ranks
+    mine = []
+    made: dict[tuple[int, ...], Any] = {}
+    for replica in layout.replicas:
+        for tied in plan.tied:
+            holders = tuple(sorted({s % k for s in tied.stages}))
+            if len(holders) < 2:
+                continue  # the stages holding it share one rank, and so one parameter object
+            global_ranks = tuple(replica[h] for h in holders)
+            if global_ranks not in made:
+                made[global_ranks] = dist.new_group(list(global_ranks), timeout=wait)
+            if dist.get_rank() in global_ranks:
+                mine.append((tied.fqn, made[global_ranks]))
+    return mine

@@ -38,6 +38,7 @@ class CaptureMethod(enum.Enum):
 class ScheduleKind(enum.Enum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved-1f1b"
 
 
 class Recompute(enum.Enum):
@@ -212,6 +213,8 @@ class Plan:
     predicted: Predicted
     solver: Solver
     tied: tuple[TiedGroup, ...] = ()
+    stages_per_rank: int = 1
+    """Virtual stages per rank (interleaved schedules): stage s runs on rank s mod K."""
     format_version: int = FORMAT_VERSION
     pipecut_version: str = ""
     torch_version: str = ""
@@ -225,6 +228,10 @@ class Plan:
             )
         if len(self.stages) != len(self.devices):
             raise PlanError(f"{len(self.stages)} stages but {len(self.devices)} devices")
+        if self.stages_per_rank < 1 or len(self.stages) % self.stages_per_rank:
+            raise PlanError(
+                f"{len(self.stages)} stages do not divide into {self.stages_per_rank} per rank"
+            )
         if self.microbatches < 1 or self.batch_size % self.microbatches:
             raise PlanError(
                 f"batch size {self.batch_size} does not split into {self.microbatches} microbatches"
@@ -240,6 +247,11 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks of the pipeline: stages / stages per rank."""
+        return len(self.stages) // self.stages_per_rank
 
     def node(self, name: str) -> NodeCost:
         return self.nodes[self._index[name]]

@@ -120,8 +120,12 @@ def partition_costs(
     recompute: bool | None = None,
     partitioner: Partitioner | None = None,
     ilp_time_limit: float = 5.0,
+    stages_per_rank: int = 1,
 ) -> Plan:
     """Partition a cost table (pure data) into a plan.
+
+    ``devices`` are the ranks; with ``stages_per_rank`` V > 1 (interleaved schedules) the graph
+    is cut into K * V stages and stage s runs on device s mod K.
 
     ``recompute``: may a stage recompute its forward in backward to fit in memory? None (the
     default) allows it when some device has a memory capacity. ``partitioner``: None picks the
@@ -129,8 +133,14 @@ def partition_costs(
     ILP forces one. ``ilp_time_limit``: seconds CBC may spend in total; the plan's solver
     record says whether the ILP proved its answer optimal.
     """
-    specs = as_devices(devices)
     kind = as_schedule(schedule)
+    if stages_per_rank < 1 or (stages_per_rank > 1 and kind is not ScheduleKind.INTERLEAVED_1F1B):
+        raise InputError(
+            f"stages_per_rank={stages_per_rank}: several stages per rank need "
+            f"schedule='interleaved-1f1b'; use 1 otherwise"
+        )
+    ranks = as_devices(devices)
+    specs = tuple(ranks[s % len(ranks)] for s in range(len(ranks) * stages_per_rank))
     k = len(specs)
     allow = any(d.memory_bytes is not None for d in specs) if recompute is None else recompute
     method = partitioner or (Partitioner.ILP if _use_ilp(specs, allow) else Partitioner.DP)
@@ -197,7 +207,7 @@ def partition_costs(
         )
     facts = build_stages(
         nodes, live, bounds, devices=specs, link=link, schedule=kind, microbatches=microbatches,
-        recompute=recomputes,
+        recompute=recomputes, stages_per_rank=stages_per_rank,
     )
     return Plan(
         fingerprint=fingerprint,
@@ -214,6 +224,7 @@ def partition_costs(
         predicted=facts.predicted,
         solver=solver,
         tied=facts.tied,
+        stages_per_rank=stages_per_rank,
         pipecut_version=pipecut.__version__,
         torch_version=torch.__version__,
     )
@@ -238,12 +249,14 @@ def plan(
     recompute: bool | None = None,
     partitioner: Partitioner | None = None,
     ilp_time_limit: float = 5.0,
+    stages_per_rank: int = 1,
 ) -> Plan:
     """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
 
     ``example_inputs`` is one full batch (a tuple of positional tensors or a dict of keyword
     tensors); ``target`` is the matching target for ``loss_fn(output, target)``.
-    ``recompute``, ``partitioner`` and ``ilp_time_limit`` are as in :func:`partition_costs`.
+    ``recompute``, ``partitioner``, ``ilp_time_limit`` and ``stages_per_rank`` are as in
+    :func:`partition_costs`.
     """
     specs = as_devices(devices)
     kind = as_schedule(schedule)
@@ -278,4 +291,5 @@ def plan(
         recompute=recompute,
         partitioner=partitioner,
         ilp_time_limit=ilp_time_limit,
+        stages_per_rank=stages_per_rank,
     )

@@ -67,6 +67,7 @@ def build_stages(
     schedule: ScheduleKind,
     microbatches: int,
     recompute: Sequence[Recompute] | None = None,
+    stages_per_rank: int = 1,
 ) -> StageFacts:
     k = len(bounds) - 1
     by_name = {n.name: n for n in nodes}
@@ -149,6 +150,7 @@ def build_stages(
             nodes,
             schedule,
             *link_times(stages, nodes, link),
+            stages_per_rank=stages_per_rank,
         ),
     )
 
@@ -160,6 +162,7 @@ def predict(
     schedule: ScheduleKind,
     forward_link_ms: Sequence[float] = (),
     backward_link_ms: Sequence[float] = (),
+    stages_per_rank: int = 1,
 ) -> Predicted:
     """Step time of the schedule, simulated action by action on the per-stage costs.
 
@@ -167,7 +170,8 @@ def predict(
     and s + 1, activations forward and gradients backward.
     """
     k = len(stages)
-    sched = build_schedule(schedule, k, microbatches)
+    ranks = k // stages_per_rank
+    sched = build_schedule(schedule, ranks, microbatches, stages_per_rank)
     forward = [s.forward_ms for s in stages]
     backward = [s.backward_ms for s in stages]
     step = simulate(sched, forward, backward, forward_link_ms, backward_link_ms)
@@ -175,7 +179,7 @@ def predict(
     stage_ms = tuple(s.time_ms for s in stages)
     return Predicted(
         step_ms=step,
-        bubble_fraction=max(0.0, 1.0 - busy / (k * step)) if step > 0 else 0.0,
+        bubble_fraction=max(0.0, 1.0 - busy / (ranks * step)) if step > 0 else 0.0,
         bottleneck_stage=max(range(k), key=lambda s: stage_ms[s]),
         stage_ms=stage_ms,
         single_device_ms=microbatches * sum(n.forward_ms + n.backward_ms for n in nodes),
@@ -197,7 +201,7 @@ def predicted_timeline(plan: Plan) -> list[tuple[Action, float, float]]:
     """The simulator's (action, start ms, end ms) for the plan's schedule and stage costs."""
     forward, backward = link_times(plan.stages, plan.nodes, plan.link)
     return timeline(
-        build_schedule(plan.schedule, plan.num_stages, plan.microbatches),
+        build_schedule(plan.schedule, plan.num_ranks, plan.microbatches, plan.stages_per_rank),
         [s.forward_ms for s in plan.stages],
         [s.backward_ms for s in plan.stages],
         forward,

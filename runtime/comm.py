@@ -22,11 +22,19 @@ from pipecut.plan import LeafKind, NodeCost
 from pipecut.values import decode_constant, dtype_from_name, encode_constant, flatten, unflatten
 
 FORWARD, BACKWARD = 0, 1
-_LEAF_BITS = 16
+_LEAF_BITS, _CUT_BITS, _MB_BITS = 10, 8, 12  # gloo tags are 31-bit
 
 
-def tag(microbatch: int, direction: int, leaf: int) -> int:
-    return ((microbatch * 2 + direction) << _LEAF_BITS) | leaf
+def tag(cut: int, microbatch: int, direction: int, leaf: int) -> int:
+    """A unique tag per message of a step: cut (between stage cut-1 and cut), microbatch,
+    direction and leaf. Raises when a plan is too large to tag (never silently aliases)."""
+    if cut >= 1 << _CUT_BITS or microbatch >= 1 << _MB_BITS or leaf >= 1 << _LEAF_BITS:
+        raise PipelineRuntimeError(
+            f"cannot tag message (cut {cut}, microbatch {microbatch}, leaf {leaf}): at most "
+            f"{1 << _CUT_BITS} stages, {1 << _MB_BITS} microbatches and {1 << _LEAF_BITS} "
+            f"tensors per cut"
+        )
+    return (((microbatch << 1 | direction) << _CUT_BITS | cut) << _LEAF_BITS) | leaf
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,9 +65,13 @@ class PostedRecv:
 class Peer:
     """Sends to and receives from one neighbouring rank, with deadlines."""
 
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, timeout: datetime.timedelta, me: int) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None, rank: int, cut: int, timeout: datetime.timedelta, me: int
+    ) -> None:
         self.group = group
         self.rank = rank
+        self.cut = cut
+        """The cut this peer is across: between stage ``cut - 1`` and stage ``cut``."""
         self.timeout = timeout
         self.me = me
 
@@ -67,7 +79,7 @@ class Peer:
         works = []
         for i, t in enumerate(tensors):
             t = t.detach().contiguous()  # gloo requires contiguous buffers
-            works.append((dist.isend(t, self.rank, group=self.group, tag=tag(microbatch, direction, i)), t))
+            works.append((dist.isend(t, self.rank, group=self.group, tag=tag(self.cut, microbatch, direction, i)), t))
         return works
 
     def post_recv(
@@ -77,7 +89,7 @@ class Peer:
         """Post receives now (so the transfer overlaps compute); :meth:`finish` waits for them."""
         bufs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
         works = [
-            dist.irecv(b, self.rank, group=self.group, tag=tag(microbatch, direction, i))
+            dist.irecv(b, self.rank, group=self.group, tag=tag(self.cut, microbatch, direction, i))
             for i, b in enumerate(bufs)
         ]
         return PostedRecv(works, bufs)

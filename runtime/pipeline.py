@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,74 +16,118 @@ from pipecut.errors import InputError
 from pipecut.fxutil import canonical_names
 from pipecut.passes.stages import predicted_timeline
 from pipecut.plan import LeafKind, Plan
+from pipecut.runtime.executor import Event, run_actions
 from pipecut.runtime.failure import abort
 from pipecut.runtime.schedule import Schedule
-from pipecut.runtime.stage import Event, StageWorker, reduce_tied_grads, tree_to
+from pipecut.runtime.stage import StageWorker, reduce_tied_grads, tree_to
 from pipecut.runtime.trace import chrome_trace, write_chrome_trace
 
 
 class Pipeline:
-    """This rank's stage of a pipelined model. Every rank calls :meth:`step` with the same batch."""
+    """This rank's stage(s) of a pipelined model.
+
+    Every rank of a pipeline calls :meth:`step` with the same batch; with data parallelism
+    (a ``("dp", "pp")`` DeviceMesh), the ranks of each replica pass that replica's own share.
+    """
 
     def __init__(
         self,
         *,
         plan: Plan,
         captured: Captured,
-        worker: StageWorker,
+        workers: Mapping[int, StageWorker],
         schedule: Schedule,
+        rank: int,
         ranks: Sequence[int],
         group: dist.ProcessGroup | None,
         tied_groups: Sequence[tuple[str, dist.ProcessGroup | None]],
+        dp_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.plan = plan
         self.captured = captured
-        self.worker = worker
+        self.workers = dict(workers)
         self.schedule = schedule
+        self.rank = rank
+        """This rank's index in the pipeline group."""
         self.ranks = tuple(ranks)
         self.group = group
         self.tied_groups = tuple(tied_groups)
+        self.dp_group = dp_group
+        self.events: list[Event] = []
         self._canonical = canonical_names(captured.gm)
+        self._device = next(iter(self.workers.values())).device
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The stages this rank runs (several with an interleaved schedule)."""
+        return tuple(sorted(self.workers))
 
     @property
     def stage(self) -> int:
-        return self.worker.stage
+        """This rank's (first) stage."""
+        return self.stages[0]
+
+    @property
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        """This rank's stage GraphModules; their parameters carry the original model's names."""
+        return tuple(self.workers[s].program.module for s in self.stages)
 
     @property
     def module(self) -> torch.nn.Module:
-        """This stage's GraphModule; its parameters carry the original model's names."""
-        return self.worker.program.module
-
-    def parameters(self) -> Iterator[torch.nn.Parameter]:
-        return self.module.parameters()
+        """This rank's stage GraphModule (one stage per rank; see :attr:`modules` otherwise)."""
+        if len(self.workers) != 1:
+            raise AttributeError(
+                f"rank {self.rank} runs stages {self.stages}: use pipe.modules, "
+                f"pipe.named_parameters() or pipe.state_dict()"
+            )
+        return self.modules[0]
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        return self.module.named_parameters()
+        seen: set[int] = set()
+        for name, p in itertools.chain.from_iterable(m.named_parameters() for m in self.modules):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        return (p for _, p in self.named_parameters())
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        seen: set[int] = set()
+        for name, b in itertools.chain.from_iterable(m.named_buffers() for m in self.modules):
+            if id(b) not in seen:
+                seen.add(id(b))
+                yield name, b
 
     def state_dict(self) -> dict[str, Any]:
-        return self.module.state_dict()
+        """This rank's parameters and persistent buffers under their original names."""
+        out: dict[str, Any] = {}
+        for m in self.modules:
+            out.update(m.state_dict())
+        return out
 
     def train(self, mode: bool = True) -> Pipeline:
-        self.module.train(mode)
+        for m in self.modules:
+            m.train(mode)
         return self
 
     @property
     def timeline(self) -> list[Event]:
         """This rank's actions in the last step run with ``record=True``."""
-        return list(self.worker.events)
+        return list(self.events)
 
     @property
     def peak_activation_bytes(self) -> int:
-        """Peak bytes of activations this stage kept for backward during the last step."""
-        return self.worker.meter.peak
+        """Peak bytes of activations this rank's stages kept for backward in the last step."""
+        return sum(w.meter.peak for w in self.workers.values())
 
     def trace(self, path: str | Path | None = None) -> dict[str, Any] | None:
-        """Gather every rank's timeline of the last recorded step; rank 0 returns (and writes)
-        Chrome trace JSON with the measured and the predicted schedule side by side."""
-        spans = [(e.action, e.start, e.end) for e in self.worker.events]
-        gathered: list[Any] = [None] * len(self.ranks) if self.stage == 0 else []
-        dist.gather_object(spans, gathered if self.stage == 0 else None, dst=self.ranks[0], group=self.group)
-        if self.stage != 0:
+        """Gather every rank's timeline of the last recorded step; pipeline rank 0 returns (and
+        writes) Chrome trace JSON with the measured and the predicted schedule side by side."""
+        spans = [(e.action, e.start, e.end) for e in self.events]
+        gathered: list[Any] = [None] * len(self.ranks) if self.rank == 0 else []
+        dist.gather_object(spans, gathered if self.rank == 0 else None, dst=self.ranks[0], group=self.group)
+        if self.rank != 0:
             return None
         trace = chrome_trace(gathered, predicted_timeline(self.plan))
         if path is not None:
@@ -109,36 +154,55 @@ class Pipeline:
                         f"input {name!r} has microbatch shape {tuple(value.shape)}, the plan has "
                         f"{planned}; pass inputs of the planned shape or re-plan"
                     )
-        device = self.worker.device
-        return [dict(zip(names, tree_to(mb, device))) for mb in mbs]
+        return [dict(zip(names, tree_to(mb, self._device))) for mb in mbs]
 
     def step(self, inputs: Inputs, target: Any = None, *, record: bool = False) -> torch.Tensor:
         """Forward and backward one full batch; returns the mean microbatch loss on every rank.
 
-        Gradients accumulate into this stage's parameters' ``.grad`` as with ``loss.backward()``.
+        Gradients accumulate into this rank's parameters' ``.grad`` as with ``loss.backward()``.
         ``record=True`` keeps this rank's action timeline (see :meth:`trace`). If anything fails
-        on this rank, the pipeline's process group is torn down so that the other ranks fail
-        at once with an error naming this rank, instead of waiting for their timeout.
+        on this rank, its process groups are torn down so that the other ranks fail at once
+        with an error naming this rank, instead of waiting for their timeout.
         """
         try:
             return self._step(inputs, target, record)
         except InputError:
             raise  # raised identically on every rank before any communication
         except BaseException as e:
-            raise abort(self.worker.rank, e) from e
+            raise abort(dist.get_rank(), e) from e
 
     def _step(self, inputs: Inputs, target: Any, record: bool) -> torch.Tensor:
         mb_inputs = self._microbatches(inputs)
         m = self.plan.microbatches
         targets = (
-            [tree_to(t, self.worker.device) for t in split_microbatches(target, m, self.plan.batch_size, "target")]
+            [tree_to(t, self._device) for t in split_microbatches(target, m, self.plan.batch_size, "target")]
             if target is not None
             else [None] * m
         )
         if record:
             dist.barrier(group=self.group)  # align the ranks' clocks for the timeline
-        loss = self.worker.run(self.schedule[self.stage], mb_inputs, targets, record=record)
-        reduce_tied_grads(self.module, self._canonical, self.tied_groups)
-        out = loss.detach().float() if loss is not None else torch.zeros((), device=self.worker.device)
+        loss, events = run_actions(self.workers, self.schedule[self.rank], mb_inputs, targets, record)
+        self.events = events
+        reduce_tied_grads(self.parameters(), self._canonical, self.tied_groups)
+        out = loss.detach().float() if loss is not None else torch.zeros((), device=self._device)
         dist.broadcast(out, src=self.ranks[-1], group=self.group)
+        if self.dp_group is not None:
+            self._average_over_replicas(out)
         return out
+
+    def _average_over_replicas(self, loss: torch.Tensor) -> None:
+        """Data parallelism: average gradients (and the loss) over the replicas of this stage."""
+        replicas = dist.get_world_size(self.dp_group)
+        params = list(self.parameters())
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.reshape(1)])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= replicas
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n
+        loss.copy_(flat[-1])

@@ -64,26 +64,56 @@ def gpipe(stages: int, microbatches: int) -> Schedule:
 
 def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     """Warm-up forwards, then alternate one forward and one backward, then drain backwards."""
-    ranks = []
-    for s in range(stages):
-        warmup = min(stages - s - 1, microbatches)
-        actions = [Action(s, ActionKind.FORWARD, i) for i in range(warmup)]
+    return interleaved_1f1b(stages, 1, microbatches)
+
+
+def interleaved_1f1b(ranks: int, chunks: int, microbatches: int) -> Schedule:
+    """1F1B over ``chunks`` virtual stages per rank (stage ``c * ranks + r`` on rank r).
+
+    Forwards go through microbatches in groups of ``ranks``, chunk by chunk; backwards the same
+    with the chunks reversed. Rank r first runs ``2 (K - r - 1) + (V - 1) K`` forwards, then
+    alternates, which shrinks the bubble by about V against plain 1F1B at the same memory
+    order. With one chunk this is plain 1F1B.
+    """
+    if chunks > 1 and microbatches % ranks:
+        raise ScheduleError(
+            f"interleaved 1F1B needs the microbatches ({microbatches}) to be a multiple of the "
+            f"ranks ({ranks}); change microbatches or use 1f1b"
+        )
+    total = microbatches * chunks
+    group = ranks * chunks
+
+    def nth(rank: int, k: int, kind: ActionKind) -> Action:
+        g, pos = divmod(k, group)
+        chunk = pos // ranks if kind is ActionKind.FORWARD else chunks - 1 - pos // ranks
+        mb = g * ranks + pos % ranks if chunks > 1 else k
+        return Action(chunk * ranks + rank, kind, mb)
+
+    schedule = []
+    for r in range(ranks):
+        warmup = min((ranks - r - 1) * (2 if chunks > 1 else 1) + (chunks - 1) * ranks, total)
+        actions = [nth(r, k, ActionKind.FORWARD) for k in range(warmup)]
         fwd, bwd = warmup, 0
-        while bwd < microbatches:
-            if fwd < microbatches:
-                actions.append(Action(s, ActionKind.FORWARD, fwd))
+        while bwd < total:
+            if fwd < total:
+                actions.append(nth(r, fwd, ActionKind.FORWARD))
                 fwd += 1
-            actions.append(Action(s, ActionKind.BACKWARD, bwd))
+            actions.append(nth(r, bwd, ActionKind.BACKWARD))
             bwd += 1
-        ranks.append(tuple(actions))
-    return tuple(ranks)
+        schedule.append(tuple(actions))
+    return tuple(schedule)
 
 
-def build(kind: ScheduleKind, stages: int, microbatches: int) -> Schedule:
+def build(kind: ScheduleKind, ranks: int, microbatches: int, chunks: int = 1) -> Schedule:
+    """The schedule of ``kind`` for ``ranks`` ranks holding ``chunks`` stages each."""
+    if kind is ScheduleKind.INTERLEAVED_1F1B:
+        return interleaved_1f1b(ranks, chunks, microbatches)
+    if chunks != 1:
+        raise ScheduleError(f"{kind.value} runs one stage per rank; use interleaved-1f1b for {chunks}")
     if kind is ScheduleKind.GPIPE:
-        return gpipe(stages, microbatches)
+        return gpipe(ranks, microbatches)
     if kind is ScheduleKind.ONE_F_ONE_B:
-        return one_f_one_b(stages, microbatches)
+        return one_f_one_b(ranks, microbatches)
     raise ScheduleError(f"no generator for schedule {kind}")
 
 
@@ -98,21 +128,27 @@ def parse_schedule(text: str) -> Schedule:
 
 
 def validate(schedule: Schedule, microbatches: int) -> None:
-    """Each rank runs every microbatch's forward once, then its backward once, on its own stage."""
+    """Rank r runs stages r, r + K, …; each stage runs every microbatch's forward once, then
+    its backward once."""
+    ranks = len(schedule)
     for rank, actions in enumerate(schedule):
-        done: set[tuple[ActionKind, int]] = set()
+        done: set[tuple[int, ActionKind, int]] = set()
         for a in actions:
-            if a.stage != rank:
-                raise ScheduleError(f"rank {rank} holds action {a} of stage {a.stage}")
+            if a.stage % ranks != rank:
+                raise ScheduleError(f"rank {rank} holds action {a} of stage {a.stage} (rank {a.stage % ranks})")
             if not 0 <= a.microbatch < microbatches:
                 raise ScheduleError(f"rank {rank}: action {a} is outside microbatches 0..{microbatches - 1}")
-            if (a.kind, a.microbatch) in done:
+            key = (a.stage, a.kind, a.microbatch)
+            if key in done:
                 raise ScheduleError(f"rank {rank}: action {a} appears twice")
-            if a.kind is ActionKind.BACKWARD and (ActionKind.FORWARD, a.microbatch) not in done:
+            if a.kind is ActionKind.BACKWARD and (a.stage, ActionKind.FORWARD, a.microbatch) not in done:
                 raise ScheduleError(f"rank {rank}: {a} runs before its forward")
-            done.add((a.kind, a.microbatch))
-        if len(done) != 2 * microbatches:
-            raise ScheduleError(f"rank {rank} runs {len(done)} actions, expected {2 * microbatches}")
+            done.add(key)
+        stages = {a.stage for a in actions}
+        if len(done) != 2 * microbatches * len(stages):
+            raise ScheduleError(
+                f"rank {rank} runs {len(done)} actions, expected {2 * microbatches * len(stages)}"
+            )
 
 
 def simulate(
@@ -124,8 +160,8 @@ def simulate(
 ) -> float:
     """Predicted step time; raises :class:`ScheduleError` if the schedule deadlocks.
 
-    A forward of stage s waits for stage s-1's forward of the same microbatch plus
-    ``forward_link_ms[s-1]``; a backward waits for stage s+1's backward plus
+    Costs are per stage. A forward of stage s waits for stage s-1's forward of the same
+    microbatch plus ``forward_link_ms[s-1]``; a backward waits for stage s+1's backward plus
     ``backward_link_ms[s]`` (defaults to ``forward_link_ms``). Each rank runs its actions in
     order, one at a time.
     """
@@ -141,37 +177,39 @@ def timeline(
     backward_link_ms: Sequence[float] = (),
 ) -> list[tuple[Action, float, float]]:
     """(action, start, end) of every action, in the order the simulation runs them."""
-    k = len(schedule)
-    fwd_link = list(forward_link_ms) or [0.0] * max(k - 1, 0)
+    ranks = len(schedule)
+    last = len(forward_ms) - 1
+    fwd_link = list(forward_link_ms) or [0.0] * max(last, 0)
     bwd_link = list(backward_link_ms) or fwd_link  # one link time for both directions
     finish: dict[tuple[int, ActionKind, int], float] = {}
-    clock = [0.0] * k
-    pos = [0] * k
+    clock = [0.0] * ranks
+    pos = [0] * ranks
     spans: list[tuple[Action, float, float]] = []
     remaining = sum(len(r) for r in schedule)
     while remaining:
         progressed = False
-        for s in range(k):
-            while pos[s] < len(schedule[s]):
-                a = schedule[s][pos[s]]
+        for r in range(ranks):
+            while pos[r] < len(schedule[r]):
+                a = schedule[r][pos[r]]
+                s = a.stage
                 if a.kind is ActionKind.FORWARD:
                     dep = (s - 1, ActionKind.FORWARD, a.microbatch) if s > 0 else None
                     link = fwd_link[s - 1] if s > 0 else 0.0
                     cost = forward_ms[s]
                 else:
-                    dep = (s + 1, ActionKind.BACKWARD, a.microbatch) if s < k - 1 else None
-                    link = bwd_link[s] if s < k - 1 else 0.0
+                    dep = (s + 1, ActionKind.BACKWARD, a.microbatch) if s < last else None
+                    link = bwd_link[s] if s < last else 0.0
                     cost = backward_ms[s]
                 if dep is not None and dep not in finish:
                     break
-                start = max(clock[s], finish[dep] + link if dep is not None else 0.0)
-                clock[s] = start + cost
-                finish[(s, a.kind, a.microbatch)] = clock[s]
-                spans.append((a, start, clock[s]))
-                pos[s] += 1
+                start = max(clock[r], finish[dep] + link if dep is not None else 0.0)
+                clock[r] = start + cost
+                finish[(s, a.kind, a.microbatch)] = clock[r]
+                spans.append((a, start, clock[r]))
+                pos[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = [str(schedule[s][pos[s]]) for s in range(k) if pos[s] < len(schedule[s])]
+            stuck = [str(schedule[r][pos[r]]) for r in range(ranks) if pos[r] < len(schedule[r])]
             raise ScheduleError(f"schedule deadlocks: ranks wait at {stuck}")
     return spans

@@ -11,8 +11,7 @@ are posted before the current one computes, so transfers overlap compute; sends 
 from __future__ import annotations
 
 import datetime
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,15 +39,6 @@ class _Microbatch:
     loss: torch.Tensor | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One action's span on this rank, in seconds since the step started."""
-
-    action: str
-    start: float
-    end: float
-
-
 class StageWorker:
     def __init__(
         self,
@@ -73,8 +63,10 @@ class StageWorker:
         if program.is_last and loss_fn is None:
             raise PipelineRuntimeError("the last stage needs a loss_fn to start the backward pass")
         last = plan.num_stages - 1
-        self.prev = Peer(group, ranks[self.stage - 1], timeout, rank) if self.stage > 0 else None
-        self.next = Peer(group, ranks[self.stage + 1], timeout, rank) if self.stage < last else None
+        k = len(ranks)  # stage s runs on rank s mod K (several stages per rank when interleaved)
+        s = self.stage
+        self.prev = Peer(group, ranks[(s - 1) % k], s, timeout, rank) if s > 0 else None
+        self.next = Peer(group, ranks[(s + 1) % k], s + 1, timeout, rank) if s < last else None
         stage = plan.stages[self.stage]
         self.recompute = stage.recompute is Recompute.FULL
         self.in_spec = WireSpec(tuple(plan.node(n) for n in stage.inputs))
@@ -83,37 +75,24 @@ class StageWorker:
         self.state: dict[int, _Microbatch] = {}
         self.posted: dict[tuple[int, int], PostedRecv] = {}
         self.pending: list[tuple[Peer, Any, torch.Tensor]] = []
-        self.events: list[Event] = []
 
-    def run(
-        self,
-        actions: Sequence[Action],
-        inputs: Sequence[dict[str, Any]],
-        targets: Sequence[Any],
-        record: bool = False,
-    ) -> torch.Tensor | None:
-        """Run one step; returns the sum of microbatch losses / M on the last stage, else None."""
-        self.state, self.events, self.posted = {}, [], {}
+    def begin(self) -> None:
+        """Forget the previous step."""
+        self.state, self.posted = {}, {}
         self.meter.reset()
-        t0 = time.perf_counter()
-        for i, action in enumerate(actions):
-            for ahead in actions[i : i + 2]:
-                self._post(ahead)
-            start = time.perf_counter()
-            if action.kind is ActionKind.FORWARD:
-                self.forward(action.microbatch, inputs[action.microbatch], targets[action.microbatch])
-            else:
-                self.backward(action.microbatch)
-            if record:
-                self.events.append(Event(str(action), start - t0, time.perf_counter() - t0))
+
+    def finish_sends(self) -> None:
         for peer, work, _ in self.pending:
             peer.wait(work, "sending to")
         self.pending = []
+
+    def loss(self) -> torch.Tensor | None:
+        """Sum of this step's microbatch losses / M on the last stage, else None."""
         if not self.program.is_last:
             return None
         return torch.stack([mb.loss for mb in self.state.values() if mb.loss is not None]).sum()
 
-    def _post(self, action: Action) -> None:
+    def post(self, action: Action) -> None:
         """Post the receive an action needs, once."""
         if action.kind is ActionKind.FORWARD and self.prev is not None:
             key, peer, leaves = (action.microbatch, FORWARD), self.prev, self.in_spec.tensor_leaves()
@@ -188,10 +167,12 @@ class StageWorker:
 
 
 def reduce_tied_grads(
-    module: torch.nn.Module, canonical: dict[int, str], groups: Sequence[tuple[str, dist.ProcessGroup | None]]
+    params: Iterable[torch.nn.Parameter],
+    canonical: dict[int, str],
+    groups: Sequence[tuple[str, dist.ProcessGroup | None]],
 ) -> None:
-    """Sum the gradients of parameters held by several stages over the stages holding them."""
-    by_name = {canonical[id(p)]: p for p in module.parameters() if id(p) in canonical}
+    """Sum the gradients of parameters held by several ranks over the ranks holding them."""
+    by_name = {canonical[id(p)]: p for p in params if id(p) in canonical}
     for fqn, group in groups:
         p = by_name.get(fqn)
         if p is None:

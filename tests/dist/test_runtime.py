@@ -111,7 +111,7 @@ def _fault(rank: int, world: int, where: str, bad_rank: int) -> dict[str, Any]:
     pipe = _compile(model, world, inputs, loss_fn, target, timeout=float(os.environ.get("PIPECUT_TEST_TIMEOUT", 4)))
     pipe.step(inputs, target)  # a healthy step first
     if rank == bad_rank:
-        worker = pipe.worker
+        worker = pipe.workers[pipe.stage]
         if where in ("forward", "backward", "hang", "kill"):
             original = getattr(worker, "backward" if where == "backward" else "forward")
 

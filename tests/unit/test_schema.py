@@ -9,7 +9,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from pipecut import Plan, PlanError
+from pipecut import Plan, PlanError, ScheduleKind
 from pipecut.schema import REGENERATE, dumps, generate, json_path, schema, validate_plan_dict
 from tests.browser.plans import synthetic_plan
 
@@ -34,7 +34,7 @@ def test_schema_is_valid_draft_2020_12():
 def test_schema_documents_fields_from_their_docstrings():
     props = schema()["$defs"]["NodeCost"]["properties"]
     assert "Module path" in props["module"]["description"]
-    assert schema()["$defs"]["ScheduleKind"]["enum"] == ["gpipe", "1f1b"]
+    assert schema()["$defs"]["ScheduleKind"]["enum"] == [s.value for s in ScheduleKind]
 
 
 @pytest.mark.parametrize(
