@@ -94,7 +94,7 @@ def solve_ilp(
     top = lp.add_variable("T", lowBound=0)
     lp += top
 
-    def at(values: Sequence[float], s: int) -> pulp.LpAffineExpression:
+    def at(values: Sequence[float] | np.ndarray, s: int) -> pulp.LpAffineExpression:
         if s == 0:
             return pulp.LpAffineExpression(constant=float(values[0]))
         if s == k:

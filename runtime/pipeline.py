@@ -193,16 +193,16 @@ class Pipeline:
     def _average_over_replicas(self, loss: torch.Tensor) -> None:
         """Data parallelism: average gradients (and the loss) over the replicas of this stage."""
         replicas = dist.get_world_size(self.dp_group)
-        params = list(self.parameters())
-        for p in params:
+        grads = []
+        for p in self.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.reshape(1)])
-        dist.all_reduce(flat, group=self.dp_group)
+            grads.append(p.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.reshape(1)])
+        dist.all_reduce(flat, group=self.dp_group)  # one message for the whole stage
         flat /= replicas
         offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
         loss.copy_(flat[-1])
