@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecut.batching import batch_size, split_microbatches
+from pipecut.batching import first_microbatch
 from pipecut.capture import Inputs, capture, fingerprint
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
 from pipecut.passes.split import split_stage
@@ -99,13 +98,7 @@ def compile(
             f"{len(specs)} devices (stages) asked for, but the pipeline process group has "
             f"{world} ranks; launch with --nproc_per_node={len(specs)} or pass devices={world}"
         )
-    if not isinstance(example_inputs, (tuple, list, Mapping)):
-        raise InputError(
-            f"example_inputs must be a tuple of positional tensors or a dict of keyword tensors, "
-            f"got {type(example_inputs).__name__}; wrap a single tensor as (x,)"
-        )
-    size = batch_size(list(example_inputs.values()) if isinstance(example_inputs, Mapping) else example_inputs)
-    first = split_microbatches(example_inputs, microbatches, size)[0]
+    _, first = first_microbatch(example_inputs, microbatches)
     captured = capture(model, first, method=capture_method, leaf_modules=leaf_modules)
     expected = fingerprint(captured.gm)
 

@@ -8,13 +8,30 @@ gradients equal those of the unsplit model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 from pipecut.errors import InputError
+
+
+def check_inputs(inputs: Any, what: str = "inputs") -> None:
+    """Inputs are a tuple (or list) of positional values or a dict of keyword values."""
+    if not isinstance(inputs, (tuple, list, Mapping)):
+        raise InputError(
+            f"{what} must be a tuple of positional tensors or a dict of keyword tensors, "
+            f"got {type(inputs).__name__}; wrap a single tensor as (x,)"
+        )
+
+
+def first_microbatch(example_inputs: Any, microbatches: int) -> tuple[int, Any]:
+    """(batch size, the first microbatch in the inputs' own structure)."""
+    check_inputs(example_inputs, "example_inputs")
+    values = list(example_inputs.values()) if isinstance(example_inputs, Mapping) else example_inputs
+    size = batch_size(values)
+    return size, split_microbatches(example_inputs, microbatches, size)[0]
 
 
 def batch_size(values: Sequence[Any]) -> int:

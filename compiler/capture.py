@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from pipecut.batching import check_inputs
 from pipecut.errors import CaptureError, InputError
 from pipecut.fxutil import target_name
 from pipecut.plan import CaptureMethod
@@ -44,11 +45,7 @@ class Captured:
 
     def flatten_inputs(self, inputs: Inputs) -> list[Any]:
         """Map user inputs (a tuple of positionals or a dict of keywords) to placeholder values."""
-        if not isinstance(inputs, (tuple, list, Mapping)):
-            raise InputError(
-                f"inputs must be a tuple of positional tensors or a dict of keyword tensors, "
-                f"got {type(inputs).__name__}; wrap a single tensor as (x,)"
-            )
+        check_inputs(inputs)
         if self.method is CaptureMethod.EXPORT:
             return _flatten_for_export(inputs, self.in_spec)
         return _flatten_for_fx(inputs, self.input_names, self.defaults)
@@ -128,11 +125,7 @@ def capture(
     """Capture ``model``; try symbolic_trace, then torch.export, unless ``method`` forces one."""
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(example_inputs, (tuple, list, Mapping)):
-        raise InputError(
-            f"example_inputs must be a tuple of positional tensors or a dict of keyword tensors, "
-            f"got {type(example_inputs).__name__}; wrap a single tensor as (x,)"
-        )
+    check_inputs(example_inputs, "example_inputs")
     attempts: list[str] = []
     if method in (None, CaptureMethod.SYMBOLIC_TRACE):
         try:

@@ -8,13 +8,13 @@ other devices without profiling again.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 import pipecut
-from pipecut.batching import batch_size, split_microbatches
+from pipecut.batching import first_microbatch, split_microbatches
 from pipecut.capture import Captured, Inputs, capture, fingerprint
 from pipecut.errors import InputError, PartitionError
 from pipecut.passes.bounded import partition_bounded
@@ -260,14 +260,8 @@ def plan(
     """
     specs = as_devices(devices)
     kind = as_schedule(schedule)
-    if not isinstance(example_inputs, (tuple, list, Mapping)):
-        raise InputError(
-            f"example_inputs must be a tuple of positional tensors or a dict of keyword tensors, "
-            f"got {type(example_inputs).__name__}; wrap a single tensor as (x,)"
-        )
-    size = batch_size(list(example_inputs.values()) if isinstance(example_inputs, Mapping) else example_inputs)
     # Capture on one microbatch: the stages run microbatches, and torch.export specialises shapes.
-    first_inputs = split_microbatches(example_inputs, microbatches, size)[0]
+    size, first_inputs = first_microbatch(example_inputs, microbatches)
     if captured is None:
         captured = capture(model, first_inputs, method=capture_method, leaf_modules=leaf_modules)
     first = captured.flatten_inputs(first_inputs)
