@@ -6,8 +6,8 @@ microbatch by microbatch and compares (``examples.zoo.compare``). A model that f
 rank is reported with its error instead of stopping the others. The table goes to a JSON file
 and to the "## Coverage" section of ``benchmarks/RESULTS.md`` (other sections are left alone).
 
-    .venv/bin/python benchmarks/coverage.py                 # all models, K = 2 and 4
-    .venv/bin/python benchmarks/coverage.py --models gpt2 t5 --stages 2
+    .venv/bin/python benchmarks/coverage.py     # all models, K = 2 and 4, GPipe and 1F1B
+    .venv/bin/python benchmarks/coverage.py --models gpt2 t5 --stages 2 --schedules 1f1b
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ def _models_on_rank(rank: int, world: int, names: list[str], microbatches: int,
 
 
 def run(names: list[str], stages: list[int], microbatches: int,
-        schedule: str = "gpipe") -> list[dict[str, Any]]:
+        schedules: tuple[str, ...] = ("gpipe",)) -> list[dict[str, Any]]:
     rows = []
-    for k in stages:
+    for schedule, k in [(s, k) for s in schedules for k in stages]:
         results = run_ranks(_models_on_rank, k, names, microbatches, schedule, timeout=600)
         for name in names:
             per_rank = [r[name] for r in results]
@@ -87,9 +87,9 @@ def run(names: list[str], stages: list[int], microbatches: int,
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | capture | K | nodes per stage | constants crossing cuts | max abs err | "
-        "max rel err | parity | notes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | capture | K | schedule | nodes per stage | constants crossing cuts | "
+        "max abs err | max rel err | parity | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["parity"] == "pass":
@@ -97,16 +97,16 @@ def table(rows: list[dict[str, Any]]) -> str:
                      f"{r['max_abs']:.1e}", f"{r['max_rel']:.1e}", "pass", r["note"]]
         else:
             cells = ["-", "-", "-", "-", "**fail**", r["error"].replace("|", "\\|")]
-        lines.append("| " + " | ".join([r["model"], r["capture"], str(r["K"]), *cells]) + " |")
+        lines.append("| " + " | ".join([r["model"], r["capture"], str(r["K"]), r["schedule"], *cells]) + " |")
     return "\n".join(lines)
 
 
-def section(rows: list[dict[str, Any]], microbatches: int, schedule: str) -> str:
+def section(rows: list[dict[str, Any]], microbatches: int) -> str:
     passed = sum(r["parity"] == "pass" for r in rows)
     return (
         "## Coverage\n\n"
         f"Real models from `examples/zoo.py` (Hugging Face configs, random weights, 2 layers, "
-        f"hidden 64, dropout 0, batch 8, {microbatches} microbatches, schedule {schedule}), captured, planned "
+        f"hidden 64, dropout 0, batch 8, {microbatches} microbatches), captured, planned "
         f"and trained one step on K forked gloo ranks (CPU), then compared with the plain model "
         f"run microbatch by microbatch: loss on every rank, every parameter's gradient, every "
         f"buffer. Parity means `assert_close(atol={ATOL:g}, rtol={RTOL:g})` on all of them (the "
@@ -135,16 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(zoo.ZOO), choices=list(zoo.ZOO))
     parser.add_argument("--stages", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"])
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "coverage.json")
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "RESULTS.md",
                         help="markdown file whose '## Coverage' section is rewritten ('' to skip)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    rows = run(args.models, args.stages, args.microbatches, args.schedule)
+    rows = run(args.models, args.stages, args.microbatches, tuple(args.schedules))
     meta = {"torch": torch.__version__, "transformers": __import__("transformers").__version__}
     args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, sort_keys=True) + "\n")
-    text = section(rows, args.microbatches, args.schedule)
+    text = section(rows, args.microbatches)
     print(text)
     if str(args.results):
         write_section(args.results, text)
