@@ -131,14 +131,16 @@ class Killed(Exception):
 def _run(rank, world, root, kill_after, resume, plan):
     model, inputs, loss_fn, target = zoo.gpt2(batch_size=8, seed=0)
     last = ckpt.latest(root) if resume else None
+    # The killed run's survivors notice the dead rank by their receive deadline: keep it short.
     pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=M, timeout=60, plan=plan or (last and last / ckpt.PLAN_FILE))
+                           microbatches=M, timeout=10 if kill_after else 60,
+                           plan=plan or (last and last / ckpt.PLAN_FILE))
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     start = ckpt.load(pipe, last, opt).step if last else 0
     losses = {}
     for step in range(start + 1, STEPS + 1):
-        if kill_after is not None and step == kill_after + 1:
-            raise Killed(f"rank {rank} killed before step {step}")
+        if kill_after is not None and step == kill_after + 1 and rank == world - 1:
+            raise Killed(f"rank {rank} killed before step {step}")  # the others are mid-step
         losses[step] = _train(pipe, opt, inputs, target)
         ckpt.save(pipe, ckpt.step_dir(root, step), opt, step=step)
     return losses, {n: t.detach().clone() for n, t in ckpt.stage_tensors(pipe).items()}
