@@ -1,0 +1,347 @@
+"""Data × pipeline parallelism: choose D replicas of a K-stage pipeline for N = D·K devices.
+
+Pure numbers, no torch. The model, kept simple on purpose:
+
+* The cost table is measured at microbatch size ``b = B / M`` (global batch B, M microbatches).
+  With D replicas every replica runs the same M microbatches, each of ``b / D`` samples, so
+  compute times and activation bytes scale **linearly** by ``1 / D``. (Real devices lose some
+  efficiency on small microbatches; this model does not, so it favours large D slightly.)
+  ``b`` must split into D whole samples; other D are skipped with the reason.
+* The K stages of a pipeline are the exact min-bottleneck split of
+  :func:`pipecut.passes.bounded.partition_bounded` at the scaled costs (memory capacities,
+  cut communication and the schedule's in-flight activations included). Above
+  ``COARSE_ABOVE`` units the split is first found over module-boundary positions
+  (:func:`pipecut.passes.coarsen.candidate_cuts`); a D × K with no fitting split there is
+  skipped as not fitting, and ``refine`` then searches every position, bounded by the coarse
+  answer. (Without the coarse pass, proving that nothing fits takes a minute at 4,000 units.)
+* The step of one pipeline is simulated action by action (:mod:`pipecut.passes.fastsim`), with
+  activations and gradients crossing each cut at ``bytes / D`` over the point-to-point link.
+* After its **last backward**, stage s all-reduces its gradients across its D replicas with a
+  ring: ``2·(D−1)·latency + 2·(D−1)/D · param_bytes_s / bandwidth``. The all-reduce of a stage
+  overlaps the drain of the other stages but not its own backward (PyTorch DDP overlaps buckets
+  with backward as well; not counting that makes the estimate conservative for large D).
+  Replica groups of different stages use disjoint devices and run at the same time, so
+
+      step = max over stages s of (end of stage s's last action + all-reduce of stage s).
+
+* Efficiency is ``single / (N · step)`` where ``single = M · Σ (forward + backward)`` is the
+  whole batch on one device (memory ignored for that reference).
+
+Candidates are evaluated in increasing order of a lower bound on their step,
+``max(T / D, M · T / (D · K))`` with ``T`` the compute of one microbatch, and one whose bound is
+no better than the best step found is skipped (``prune=False`` evaluates all of them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipecut.errors import PartitionError
+from pipecut.passes.bounded import partition_bounded
+from pipecut.passes.chain import boundary_bytes, liveness
+from pipecut.passes.coarsen import candidate_cuts
+from pipecut.passes.fastsim import simulate_kind
+from pipecut.passes.problem import Problem
+from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, inflight_microbatches
+from pipecut.plan import Link, NodeCost, NodeOp, ScheduleKind
+
+COARSE_ABOVE = 600
+"""Above this many units a coarse split (at module boundaries) first bounds the exact search."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    """N units in topological order, costs at microbatch size ``B / M``."""
+
+    forward_ms: tuple[float, ...]
+    backward_ms: tuple[float, ...]
+    param_bytes: tuple[int, ...]
+    """Gradient bytes of each unit (what its stage all-reduces)."""
+    activation_bytes: tuple[int, ...] = ()
+    """Bytes of each unit's output kept per microbatch until its backward (default 0)."""
+    cut_forward_bytes: tuple[int, ...] = ()
+    """N + 1 entries: activation bytes crossing the cut before unit b (default 0)."""
+    cut_backward_bytes: tuple[int, ...] = ()
+    """N + 1 entries: gradient bytes crossing the cut before unit b backwards (default 0)."""
+    crossable: tuple[bool, ...] = ()
+    """N + 1 entries: whether every value live at the cut can be sent (default all)."""
+    modules: tuple[str, ...] = ()
+    """Module path of each unit, for coarsening large graphs at module boundaries."""
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.forward_ms)
+        for name in ("backward_ms", "param_bytes", "activation_bytes", "modules", "names"):
+            value = getattr(self, name)
+            if (name in ("backward_ms", "param_bytes") or value) and len(value) != n:
+                raise ValueError(f"a workload of {n} units needs {n} {name}, got {len(value)}")
+        for name in ("cut_forward_bytes", "cut_backward_bytes", "crossable"):
+            value = getattr(self, name)
+            if value and len(value) != n + 1:
+                raise ValueError(f"a workload of {n} units needs {n + 1} {name}, got {len(value)}")
+        if n == 0:
+            raise ValueError("a workload needs at least one unit")
+
+    @property
+    def units(self) -> int:
+        return len(self.forward_ms)
+
+    @property
+    def compute_ms(self) -> float:
+        """Forward + backward of one microbatch on one device."""
+        return sum(self.forward_ms) + sum(self.backward_ms)
+
+
+def workload(nodes: Sequence[NodeCost]) -> Workload:
+    """The hybrid planner's view of a cost table (placeholders and parameters are not units)."""
+    live = liveness(nodes)
+    fwd, bwd, allowed = boundary_bytes(nodes, live)
+    by_name = {n.name: n for n in nodes}
+    units = [by_name[u] for u in live.units]
+    params = tuple(
+        u.param_bytes
+        + sum(by_name[i].param_bytes for i in u.inputs if by_name[i].op is NodeOp.GET_ATTR)
+        for u in units
+    )
+    return Workload(
+        names=live.units,
+        forward_ms=tuple(u.forward_ms for u in units),
+        backward_ms=tuple(u.backward_ms for u in units),
+        param_bytes=params,
+        activation_bytes=tuple(u.output_bytes for u in units),
+        cut_forward_bytes=tuple(fwd),
+        cut_backward_bytes=tuple(bwd),
+        crossable=tuple(allowed),
+        modules=tuple(u.module for u in units),
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """D replicas of a K-stage pipeline, and its predicted step."""
+
+    replicas: int
+    stages: int
+    bounds: tuple[int, ...]
+    """K + 1 unit indices: stage s holds units [bounds[s], bounds[s+1])."""
+    forward_ms: tuple[float, ...]
+    """Per stage, one microbatch of B / (D·M) samples."""
+    backward_ms: tuple[float, ...]
+    allreduce_ms: tuple[float, ...]
+    """Per stage: ring all-reduce of its gradients over its D replicas."""
+    pipeline_ms: float
+    """Simulated step of one pipeline, without the all-reduce."""
+    step_ms: float
+    efficiency: float
+    """Single-device step / (N · step): 1.0 is perfect scaling."""
+    peak_memory_bytes: float
+    """Largest per-device memory: parameters, gradients, optimizer state, in-flight activations."""
+
+    @property
+    def devices(self) -> int:
+        return self.replicas * self.stages
+
+    @property
+    def speedup(self) -> float:
+        return self.efficiency * self.devices
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Skipped:
+    replicas: int
+    stages: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HybridPlan:
+    devices: int
+    microbatches: int
+    batch_size: int
+    schedule: ScheduleKind
+    single_device_ms: float
+    """M microbatches of B / M samples, forward and backward, on one device."""
+    candidates: tuple[Candidate, ...]
+    """Evaluated candidates, best (shortest predicted step) first."""
+    skipped: tuple[Skipped, ...]
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+
+def ring_allreduce_ms(nbytes: float, replicas: int, link: Link) -> float:
+    """Ring all-reduce: 2·(D−1) steps, each sending 1/D of the buffer to the next replica."""
+    if replicas <= 1 or nbytes <= 0:
+        return 0.0
+    steps = 2 * (replicas - 1)
+    return steps * link.latency_ms + steps / replicas * nbytes / link.bandwidth_bytes_per_ms
+
+
+def _problem(
+    work: Workload, replicas: int, stages: int, *, link: Link, memory_bytes: int | None,
+    inflight: Sequence[int],
+) -> Problem:
+    n, d = work.units, replicas
+    fwd = work.cut_forward_bytes or (0,) * (n + 1)
+    bwd = work.cut_backward_bytes or (0,) * (n + 1)
+    ok = work.crossable or (True,) * (n + 1)
+    boundary = [
+        0.0 if b in (0, n) else
+        math.inf if not ok[b] else
+        link.transfer_ms(math.ceil(fwd[b] / d)) + link.transfer_ms(math.ceil(bwd[b] / d))
+        for b in range(n + 1)
+    ]
+    return Problem(
+        compute_ms=tuple((f + b) / d for f, b in zip(work.forward_ms, work.backward_ms)),
+        forward_ms=tuple(f / d for f in work.forward_ms),
+        boundary_ms=tuple(boundary),
+        input_bytes=tuple(x // d for x in fwd),
+        fixed_bytes=tuple(p * (2 + OPTIMIZER_STATE_FACTOR) for p in work.param_bytes),
+        activation_bytes=tuple(a // d for a in (work.activation_bytes or (0,) * n)),
+        speeds=(1.0,) * stages,
+        capacities=(memory_bytes,) * stages,
+        inflight=tuple(inflight),
+    )
+
+
+def evaluate(
+    work: Workload,
+    replicas: int,
+    stages: int,
+    *,
+    microbatches: int,
+    batch_size: int,
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B,
+    link: Link,
+    allreduce: Link,
+    memory_bytes: int | None = None,
+    refine: bool = True,
+) -> Candidate | Skipped:
+    """Split ``work`` into ``stages`` stages for ``replicas`` replicas and predict its step."""
+    d, k, m = replicas, stages, microbatches
+    if batch_size % m or (batch_size // m) % d:
+        return Skipped(
+            replicas=d, stages=k,
+            reason=f"a microbatch of {batch_size / m:g} samples does not split over {d} replicas",
+        )
+    inflight = inflight_microbatches(schedule, k, m)
+    problem = _problem(work, d, k, link=link, memory_bytes=memory_bytes, inflight=inflight)
+    cuts = problem.allowed_cuts()
+    if len(cuts) < k - 1:
+        return Skipped(
+            replicas=d, stages=k,
+            reason=f"only {len(cuts)} places to cut, {k} stages need {k - 1}",
+        )
+    coarse: tuple[int, ...] = ()
+    if work.units > COARSE_ABOVE:
+        coarse = candidate_cuts(
+            work.modules or ("",) * work.units, problem.compute_ms, problem.boundary_ms,
+            max_positions=max(240, 2 * k),
+        )
+    split = partition_bounded(problem, positions=coarse or None)
+    if split is not None and coarse and refine:
+        # Exact over every position, bounded by the coarse answer (so it cannot be worse).
+        split = partition_bounded(problem, coarse=coarse) or split
+    if split is None or not split.fits:
+        return Skipped(
+            replicas=d, stages=k,
+            reason=f"no split into {k} stages fits {memory_bytes} bytes per device",
+        )
+    b = split.bounds
+    fwd = work.cut_forward_bytes or (0,) * (work.units + 1)
+    bwd = work.cut_backward_bytes or (0,) * (work.units + 1)
+    f_ms = tuple(sum(work.forward_ms[b[s]:b[s + 1]]) / d for s in range(k))
+    b_ms = tuple(sum(work.backward_ms[b[s]:b[s + 1]]) / d for s in range(k))
+    f_link = [link.transfer_ms(math.ceil(fwd[c] / d)) for c in b[1:-1]]
+    b_link = [link.transfer_ms(math.ceil(bwd[c] / d)) for c in b[1:-1]]
+    sim = simulate_kind(schedule, f_ms, b_ms, m, f_link, b_link)
+    reduce_ms = tuple(
+        ring_allreduce_ms(sum(work.param_bytes[b[s]:b[s + 1]]), d, allreduce) for s in range(k)
+    )
+    step = max(end + r for end, r in zip(sim.rank_end_ms, reduce_ms))
+    single = m * work.compute_ms
+    return Candidate(
+        replicas=d,
+        stages=k,
+        bounds=b,
+        forward_ms=f_ms,
+        backward_ms=b_ms,
+        allreduce_ms=reduce_ms,
+        pipeline_ms=sim.step_ms,
+        step_ms=step,
+        efficiency=single / (d * k * step) if step > 0 else 1.0,
+        peak_memory_bytes=max(s.memory_bytes for s in split.stages),
+    )
+
+
+def lower_bound_ms(work: Workload, replicas: int, stages: int, microbatches: int) -> float:
+    """No candidate beats one microbatch's path through all stages, nor perfect balance."""
+    per_mb = work.compute_ms / replicas
+    return max(per_mb, microbatches * per_mb / stages)
+
+
+def plan_hybrid(
+    work: Workload,
+    *,
+    devices: int,
+    microbatches: int,
+    batch_size: int,
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B,
+    link: Link,
+    allreduce: Link,
+    memory_bytes: int | None = None,
+    prune: bool = True,
+    refine: bool = True,
+) -> HybridPlan:
+    """Every factorisation ``devices = D × K``, ranked by predicted step (best first).
+
+    ``link``: point-to-point link between consecutive stages; ``allreduce``: the per-device
+    link of the ring all-reduce inside a stage's replica group (bandwidth in bytes/ms, latency
+    per ring step); ``memory_bytes``: capacity of every device, None for unlimited.
+    """
+    if devices < 1:
+        raise PartitionError(f"devices must be at least 1, got {devices}")
+    if microbatches < 1 or batch_size % microbatches:
+        raise PartitionError(
+            f"batch size {batch_size} does not split into {microbatches} microbatches; "
+            f"choose a batch size that is a multiple of the microbatch count"
+        )
+    shapes = [(devices // k, k) for k in range(1, devices + 1) if devices % k == 0]
+    shapes.sort(key=lambda dk: (lower_bound_ms(work, *dk, microbatches), dk[1]))
+    found: list[Candidate] = []
+    skipped: list[Skipped] = []
+    for d, k in shapes:
+        bound = lower_bound_ms(work, d, k, microbatches)
+        if prune and found and bound >= min(c.step_ms for c in found):
+            skipped.append(Skipped(
+                replicas=d, stages=k,
+                reason=f"pruned: lower bound {bound:.4g} ms ≥ best step {found[0].step_ms:.4g} ms",
+            ))
+            continue
+        result = evaluate(
+            work, d, k, microbatches=microbatches, batch_size=batch_size, schedule=schedule,
+            link=link, allreduce=allreduce, memory_bytes=memory_bytes, refine=refine,
+        )
+        if isinstance(result, Skipped):
+            skipped.append(result)
+        else:
+            found.append(result)
+            found.sort(key=lambda c: (c.step_ms, c.stages))
+    if not found:
+        reasons = "; ".join(f"D={s.replicas} K={s.stages}: {s.reason}" for s in skipped)
+        raise PartitionError(
+            f"no way to run this model on {devices} devices ({reasons}); give the devices more "
+            f"memory, use more devices, or change the batch size"
+        )
+    return HybridPlan(
+        devices=devices,
+        microbatches=microbatches,
+        batch_size=batch_size,
+        schedule=schedule,
+        single_device_ms=microbatches * work.compute_ms,
+        candidates=tuple(found),
+        skipped=tuple(skipped),
+    )
