@@ -93,7 +93,7 @@ def _flatten_for_export(inputs: Inputs, in_spec: pytree.TreeSpec | None) -> list
     args, kwargs = _split_args(inputs)
     if in_spec is not None and kwargs:
         # pytree flattens dicts in insertion order: follow the order the graph was traced with.
-        traced_keys = in_spec.children_specs[1].context
+        traced_keys = in_spec.child(1).context
         if set(traced_keys) != set(kwargs):
             raise InputError(f"inputs have keys {sorted(kwargs)}, the plan has {sorted(traced_keys)}")
         kwargs = {k: kwargs[k] for k in traced_keys}

@@ -100,7 +100,7 @@ def stage_tensors(pipe: Pipeline) -> dict[str, torch.Tensor]:
     """This stage's parameters and buffers by their name in the original model."""
     canonical = _canonical(pipe.captured.gm)
     out: dict[str, torch.Tensor] = {}
-    for name, t in [*pipe.module.named_parameters(), *pipe.module.named_buffers()]:
+    for name, t in [*pipe.named_parameters(), *pipe.named_buffers()]:
         out.setdefault(canonical.get(id(t), name), t)
     return out
 
@@ -108,14 +108,15 @@ def stage_tensors(pipe: Pipeline) -> dict[str, torch.Tensor]:
 def _written_in_place(pipe: Pipeline) -> set[str]:
     """Names of the buffers this stage's graph writes in place (``copy_`` of a BN statistic)."""
     canonical = _canonical(pipe.captured.gm)
-    module = pipe.module
-    buffers = dict(module.named_buffers())
     written = set()
-    for node in module.graph.nodes:
-        first = node.args[0] if node.args else None
-        if (isinstance(first, torch.fx.Node) and first.op == "get_attr"
-                and str(first.target) in buffers and mutates_first_arg(node, module)):
-            written.add(canonical.get(id(buffers[str(first.target)]), str(first.target)))
+    for module in pipe.modules:  # one per stage this rank runs
+        assert isinstance(module, torch.fx.GraphModule)
+        buffers = dict(module.named_buffers())
+        for node in module.graph.nodes:
+            first = node.args[0] if node.args else None
+            if (isinstance(first, torch.fx.Node) and first.op == "get_attr"
+                    and str(first.target) in buffers and mutates_first_arg(node, module)):
+                written.add(canonical.get(id(buffers[str(first.target)]), str(first.target)))
     return written
 
 
