@@ -5,6 +5,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from pipecut.api import compile
+from pipecut.devices import estimate_costs
 from pipecut.errors import (
     CaptureError,
     InputError,
@@ -41,6 +42,7 @@ __all__ = [
     "ScheduleKind",
     "__version__",
     "compile",
+    "estimate_costs",
     "plan",
     "render",
 ]

@@ -1,0 +1,204 @@
+"""Plan for devices that are not here: cost tables estimated from FLOPs, bytes and a device profile.
+
+Profiles of common GPUs ship as data (``device_profiles.json``): nominal datasheet peaks, not
+measurements. A node's estimated time is the roofline
+
+    time = max(flops / (peak_flops · compute_efficiency), bytes / (bandwidth · memory_efficiency))
+
+with FLOPs and bytes counted per node by :mod:`pipecut.flops`. The rows of the cost table are
+marked ``CostSource.ESTIMATED`` so a plan says which times were measured and which were not::
+
+    nodes = pipecut.estimate_costs(model, (x,), device="A100-80GB", microbatches=8,
+                                   loss_fn=loss_fn, target=y)
+    plan = partition_costs(nodes, devices=device_specs("A100-80GB", 8),
+                           link=device_link("A100-80GB"), microbatches=8, batch_size=len(x))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import torch
+
+from pipecut.batching import batch_size, split_microbatches
+from pipecut.capture import Inputs, capture
+from pipecut.errors import InputError
+from pipecut.flops import NodeWork, count_work
+from pipecut.plan import CostSource, DeviceSpec, Link, NodeCost
+from pipecut.profile import LossFn, profile
+
+COMPUTE_EFFICIENCY = 0.6
+"""Fraction of peak FLOP/s a large matrix product reaches (typical of cuBLAS on big shapes)."""
+MEMORY_EFFICIENCY = 0.8
+"""Fraction of peak memory bandwidth a streaming elementwise kernel reaches."""
+LINK_LATENCY_MS = 0.01
+"""10 µs per message: the order of NCCL point-to-point latency inside a node."""
+
+
+class Precision(enum.Enum):
+    FP32 = "fp32"
+    TF32 = "tf32"
+    """FP32 storage, matrix products on TF32 tensor cores."""
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceProfile:
+    """Nominal figures of one device model (see ``datasheet`` for where they come from)."""
+
+    name: str
+    memory_bytes: int
+    memory_bandwidth_bytes_per_s: float
+    flops: tuple[tuple[Precision, float], ...]
+    """Peak dense FLOP/s per precision the device supports."""
+    interconnect: str
+    link_bytes_per_s: float
+    """Device-to-device bandwidth per direction (NVLink or PCIe)."""
+    datasheet: str
+
+    def peak_flops(self, precision: Precision) -> float:
+        for p, value in self.flops:
+            if p is precision:
+                return value
+        valid = [p.value for p, _ in self.flops]
+        raise InputError(
+            f"{self.name} has no {precision.value} peak in its profile; choose one of {valid}"
+        )
+
+
+@functools.cache
+def _load() -> tuple[DeviceProfile, ...]:
+    text = resources.files("pipecut").joinpath("device_profiles.json").read_text()
+    out = []
+    for d in json.loads(text)["devices"]:
+        out.append(DeviceProfile(
+            name=d["name"],
+            memory_bytes=int(d["memory_bytes"]),
+            memory_bandwidth_bytes_per_s=float(d["memory_bandwidth_bytes_per_s"]),
+            flops=tuple((Precision(k), float(v)) for k, v in d["flops"].items() if v is not None),
+            interconnect=d["interconnect"],
+            link_bytes_per_s=float(d["link_bytes_per_s"]),
+            datasheet=d["datasheet"],
+        ))
+    return tuple(out)
+
+
+def device_profiles() -> tuple[DeviceProfile, ...]:
+    """Every shipped profile."""
+    return _load()
+
+
+def device_profile(name: str | DeviceProfile) -> DeviceProfile:
+    if isinstance(name, DeviceProfile):
+        return name
+    for p in _load():
+        if p.name.lower() == name.lower():
+            return p
+    raise InputError(
+        f"no device profile named {name!r}; choose one of {[p.name for p in _load()]} or pass "
+        f"a DeviceProfile"
+    )
+
+
+def device_specs(name: str | DeviceProfile, count: int) -> tuple[DeviceSpec, ...]:
+    """``count`` devices of a profile, with its memory capacity, for ``partition_costs``."""
+    p = device_profile(name)
+    return tuple(DeviceSpec(name=p.name, memory_bytes=p.memory_bytes) for _ in range(count))
+
+
+def device_link(name: str | DeviceProfile, latency_ms: float = LINK_LATENCY_MS) -> Link:
+    """The profile's interconnect as a :class:`Link` (not measured)."""
+    p = device_profile(name)
+    return Link(bandwidth_bytes_per_ms=p.link_bytes_per_s / 1e3, latency_ms=latency_ms, measured=False)
+
+
+def roofline_ms(
+    flops: float, nbytes: float, profile: DeviceProfile, precision: Precision, *,
+    compute_efficiency: float = COMPUTE_EFFICIENCY, memory_efficiency: float = MEMORY_EFFICIENCY,
+) -> float:
+    compute = flops / (profile.peak_flops(precision) * compute_efficiency)
+    memory = nbytes / (profile.memory_bandwidth_bytes_per_s * memory_efficiency)
+    return max(compute, memory) * 1e3
+
+
+def estimate_rows(
+    rows: tuple[NodeCost, ...], work: Mapping[str, NodeWork], profile: DeviceProfile,
+    precision: Precision, *, compute_efficiency: float = COMPUTE_EFFICIENCY,
+    memory_efficiency: float = MEMORY_EFFICIENCY,
+) -> tuple[NodeCost, ...]:
+    """Replace the times of a cost table by roofline estimates; mark the rows estimated."""
+    kw: dict[str, Any] = dict(
+        compute_efficiency=compute_efficiency, memory_efficiency=memory_efficiency
+    )
+    out = []
+    for row in rows:
+        w = work.get(row.name, NodeWork())
+        out.append(dataclasses.replace(
+            row,
+            forward_ms=roofline_ms(w.forward_flops, w.forward_bytes, profile, precision, **kw),
+            backward_ms=roofline_ms(w.backward_flops, w.backward_bytes, profile, precision, **kw),
+            source=CostSource.ESTIMATED,
+        ))
+    return tuple(out)
+
+
+def _precision(model: torch.nn.Module) -> Precision:
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return {torch.bfloat16: Precision.BF16, torch.float16: Precision.FP16}.get(dtype, Precision.FP32)
+
+
+def estimate_costs(
+    model: torch.nn.Module,
+    example_inputs: Inputs,
+    device: str | DeviceProfile = "A100-80GB",
+    *,
+    precision: Precision | str | None = None,
+    microbatches: int = 1,
+    loss_fn: LossFn | None = None,
+    target: Any = None,
+    compute_efficiency: float = COMPUTE_EFFICIENCY,
+    memory_efficiency: float = MEMORY_EFFICIENCY,
+) -> tuple[NodeCost, ...]:
+    """Cost table of ``model`` on one microbatch, with times estimated for ``device``.
+
+    The model runs here (on CPU is fine) once to capture it, record shapes and count FLOPs and
+    bytes; no time is measured. ``precision``: the arithmetic the device would use; default from
+    the model's parameter dtype (float32 -> fp32; pass "tf32" for TF32 tensor cores). Bytes are
+    those of the model's own dtypes: cast the model (``model.to(torch.bfloat16)``) to plan BF16.
+    """
+    prof = device_profile(device)
+    try:
+        prec = Precision(precision) if precision is not None else _precision(model)
+    except ValueError:
+        raise InputError(
+            f"unknown precision {precision!r}; choose one of {[p.value for p in Precision]}"
+        ) from None
+    prof.peak_flops(prec)  # fail before running anything
+    if not isinstance(example_inputs, (tuple, list, Mapping)):
+        raise InputError(
+            f"example_inputs must be a tuple of positional tensors or a dict of keyword tensors, "
+            f"got {type(example_inputs).__name__}; wrap a single tensor as (x,)"
+        )
+    size = batch_size(
+        list(example_inputs.values()) if isinstance(example_inputs, Mapping) else example_inputs
+    )
+    first_inputs = split_microbatches(example_inputs, microbatches, size)[0]
+    first_target = (
+        split_microbatches(target, microbatches, size, "target")[0] if target is not None else None
+    )
+    captured = capture(model, first_inputs)
+    flat = captured.flatten_inputs(first_inputs)
+    rows = profile(captured, flat, loss_fn=loss_fn, target=first_target, repeats=1, warmup=0)
+    work = count_work(captured, flat, loss_fn=loss_fn, target=first_target)
+    return estimate_rows(
+        rows, work, prof, prec, compute_efficiency=compute_efficiency,
+        memory_efficiency=memory_efficiency,
+    )

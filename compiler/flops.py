@@ -1,0 +1,153 @@
+"""Count the work of every node of a captured graph: FLOPs and bytes, forward and backward.
+
+The graph is interpreted once on one microbatch (as :mod:`pipecut.profile` does). Each node runs
+under ``torch.utils.flop_counter.FlopCounterMode``, then its backward (``torch.autograd.grad`` of
+its output with respect to its floating inputs and parameters) runs under the counter too, so
+backward FLOPs are counted, not guessed. The counter knows matrix products, convolutions and
+attention; elementwise operations count zero FLOPs and are priced by their bytes instead.
+
+Bytes moved: the tensors a node reads plus the tensors it writes. A node whose output shares
+storage with one of its inputs (a view: ``view``, ``transpose``, ``getitem`` of a tuple) moves
+nothing. A backward reads the output gradient and the saved inputs and writes the input
+gradients: counted as twice the forward bytes when the node has a backward at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from pipecut.capture import Captured
+from pipecut.fxutil import mutates_first_arg, node_parameters
+from pipecut.profile import LossFn, preserved_state
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeWork:
+    forward_flops: int = 0
+    backward_flops: int = 0
+    forward_bytes: int = 0
+    backward_bytes: int = 0
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return -1
+
+
+def moved_bytes(inputs: Any, output: Any) -> int:
+    """Bytes read plus bytes written; 0 when every output aliases an input (a view)."""
+    ins, outs = _tensors(inputs), _tensors(output)
+    seen = {_storage(t) for t in ins}
+    written = [t for t in outs if _storage(t) not in seen]
+    if not written:
+        return 0
+    return sum(t.numel() * t.element_size() for t in ins + written)
+
+
+def _count(fn: Any, *args: Any) -> tuple[Any, int]:
+    with FlopCounterMode(display=False) as counter:
+        value = fn(*args)
+    return value, int(counter.get_total_flops())
+
+
+def _detached(args: Any, clone: bool = False) -> tuple[Any, list[torch.Tensor]]:
+    """Fresh autograd leaves for the tensors that require grad (copies if the node writes)."""
+    leaves: list[torch.Tensor] = []
+
+    def swap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            leaf = x.detach().requires_grad_(True)
+            leaves.append(leaf)
+            return leaf.clone() if clone else leaf
+        if isinstance(x, torch.Tensor) and clone:
+            return x.clone()
+        return x
+
+    return pytree.tree_map(swap, args), leaves
+
+
+def _backward_flops(outputs: Any, wrt: Sequence[torch.Tensor]) -> int | None:
+    """FLOPs of the backward of ``outputs`` w.r.t. ``wrt``; None when there is no backward."""
+    outs = [t for t in _tensors(outputs) if t.requires_grad]
+    wrt = [t for t in wrt if t.requires_grad]
+    if not outs or not wrt:
+        return None
+    grads = [torch.ones_like(t) for t in outs]
+    _, flops = _count(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+    return flops
+
+
+class _Runner(fx.Interpreter):
+    def call(self, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return getattr(self, node.op)(node.target, args, kwargs)
+
+
+def count_work(
+    captured: Captured,
+    inputs: Sequence[Any],
+    *,
+    loss_fn: LossFn | None = None,
+    target: Any = None,
+) -> dict[str, NodeWork]:
+    """FLOPs and bytes of every node of ``captured`` on flat placeholder ``inputs``."""
+    gm = captured.gm
+    runner = _Runner(gm)
+    env: dict[fx.Node, Any] = {}
+    work: dict[str, NodeWork] = {}
+    placeholders = iter(inputs)
+    with preserved_state(gm), torch.enable_grad():
+        for node in gm.graph.nodes:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            if node.op == "placeholder":
+                env[node] = next(placeholders)
+                work[node.name] = NodeWork()
+                continue
+            if node.op == "get_attr":
+                env[node] = runner.call(node, args, kwargs)
+                work[node.name] = NodeWork()
+                continue
+            if node.op == "output":
+                env[node] = args[0]
+                work[node.name] = _loss_work(captured, args[0], loss_fn, target)
+                continue
+            (dargs, dkwargs), leaves = _detached((args, kwargs), clone=mutates_first_arg(node, gm))
+            params = [p for _, p in node_parameters(node, gm)]
+            out, fwd_flops = _count(runner.call, node, dargs, dkwargs)
+            bwd_flops = _backward_flops(out, leaves + params)
+            fwd_bytes = moved_bytes((args, kwargs, params), out)
+            work[node.name] = NodeWork(
+                forward_flops=fwd_flops,
+                backward_flops=bwd_flops or 0,
+                forward_bytes=fwd_bytes,
+                backward_bytes=2 * fwd_bytes if bwd_flops is not None else 0,
+            )
+            env[node] = runner.call(node, args, kwargs)
+    return work
+
+
+def _loss_work(captured: Captured, value: Any, loss_fn: LossFn | None, target: Any) -> NodeWork:
+    if loss_fn is None:
+        return NodeWork()
+    output, leaves = _detached(captured.unflatten_output(value))
+    loss, flops = _count(lambda: loss_fn(output, target))
+    nbytes = moved_bytes((output, target), loss)
+    bwd = _backward_flops(loss, leaves)
+    return NodeWork(
+        forward_flops=flops,
+        backward_flops=bwd or 0,
+        forward_bytes=nbytes,
+        backward_bytes=2 * nbytes if bwd is not None else 0,
+    )

@@ -1,0 +1,52 @@
+"""FLOP and byte counts per node: matrix products counted forward and backward, views free."""
+
+from __future__ import annotations
+
+import torch
+
+from pipecut.capture import capture
+from pipecut.flops import count_work, moved_bytes
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 32, bias=False)
+        self.fc2 = torch.nn.Linear(32, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return self.fc2(torch.relu(y)).view(-1)
+
+
+def test_linear_flops_and_bytes_by_hand():
+    x = torch.randn(4, 16)
+    captured = capture(Tiny(), (x,))
+    work = count_work(captured, captured.flatten_inputs((x,)))
+    fc = work["fc"]
+    assert fc.forward_flops == 2 * 4 * 16 * 32
+    # backward: the batch needs no gradient, so only the weight's (32x4 @ 4x16): one forward
+    assert fc.backward_flops == fc.forward_flops
+    # fc2's input needs a gradient too: input and weight gradients, twice its forward
+    assert work["fc2"].backward_flops == 2 * work["fc2"].forward_flops == 2 * (2 * 4 * 32 * 32)
+    assert fc.forward_bytes == 4 * (4 * 16 + 16 * 32 + 4 * 32)
+    assert fc.backward_bytes == 2 * fc.forward_bytes
+    relu = work["relu"]
+    assert relu.forward_flops == 0 and relu.forward_bytes == 4 * 2 * 4 * 32
+    assert work["view"].forward_bytes == 0  # a view moves nothing
+    assert work["x"].forward_flops == 0
+
+
+def test_loss_is_counted_on_the_output_node():
+    x, y = torch.randn(4, 16), torch.randn(128)
+    captured = capture(Tiny(), (x,))
+    work = count_work(
+        captured, captured.flatten_inputs((x,)), loss_fn=torch.nn.functional.mse_loss, target=y
+    )
+    assert work["output"].forward_bytes > 0 and work["output"].backward_bytes > 0
+
+
+def test_moved_bytes_counts_reads_and_writes():
+    a = torch.zeros(10)
+    assert moved_bytes((a,), a + 1) == 80
+    assert moved_bytes((a,), a[2:]) == 0
