@@ -248,7 +248,7 @@ def evaluate(
     if split is None or not split.fits:
         return Skipped(
             replicas=d, stages=k,
-            reason=f"no split into {k} stages fits {memory_bytes} bytes per device",
+            reason=f"no split into {k} stages fits in {memory_bytes / 1e9:g} GB per device",
         )
     b = split.bounds
     fwd = work.cut_forward_bytes or (0,) * (work.units + 1)
