@@ -248,7 +248,7 @@ def evaluate(
     if split is None or not split.fits:
         return Skipped(
             replicas=d, stages=k,
-            reason=f"no split into {k} stages fits in {memory_bytes / 1e9:g} GB per device",
+            reason=f"no split into {k} stages fits in {_gb(memory_bytes)} per device",
         )
     b = split.bounds
     fwd = work.cut_forward_bytes or (0,) * (work.units + 1)
@@ -275,6 +275,10 @@ def evaluate(
         efficiency=single / (d * k * step) if step > 0 else 1.0,
         peak_memory_bytes=max(s.memory_bytes for s in split.stages),
     )
+
+
+def _gb(nbytes: int | None) -> str:
+    return "unlimited memory" if nbytes is None else f"{nbytes / 1e9:g} GB"
 
 
 def lower_bound_ms(work: Workload, replicas: int, stages: int, microbatches: int) -> float:
@@ -310,7 +314,7 @@ def plan_hybrid(
             f"choose a batch size that is a multiple of the microbatch count"
         )
     shapes = [(devices // k, k) for k in range(1, devices + 1) if devices % k == 0]
-    shapes.sort(key=lambda dk: (lower_bound_ms(work, *dk, microbatches), dk[1]))
+    shapes.sort(key=lambda dk: (lower_bound_ms(work, dk[0], dk[1], microbatches), dk[1]))
     found: list[Candidate] = []
     skipped: list[Skipped] = []
     for d, k in shapes:
