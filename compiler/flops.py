@@ -124,7 +124,7 @@ def count_work(
                 work[node.name] = _loss_work(captured, args[0], loss_fn, target)
                 continue
             (dargs, dkwargs), leaves = _detached((args, kwargs), clone=mutates_first_arg(node, gm))
-            params = [p for _, p in node_parameters(node, gm)]
+            params: list[torch.Tensor] = [p for _, p in node_parameters(node, gm)]
             out, fwd_flops = _count(runner.call, node, dargs, dkwargs)
             bwd_flops = _backward_flops(out, leaves + params)
             fwd_bytes = moved_bytes((args, kwargs, params), out)
