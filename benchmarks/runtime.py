@@ -1,6 +1,6 @@
 """Runtime benchmark: pipecut's schedules against torch.distributed.pipelining and one process.
 
-    .venv/bin/python benchmarks/runtime.py [--steps 5] [--models gpt,mlp,...] [--out benchmarks/runtime.json]
+    .venv/bin/python benchmarks/runtime.py [--rounds 5] [--steps 2] [--models gpt,mlp,...]
 
 Two forked CPU ranks on gloo, one thread each; batch 16 in 8 microbatches. For each model:
 one plain process on the full batch (one thread), pipecut under each schedule, and
@@ -13,6 +13,7 @@ the machine and on whatever else runs on it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -44,7 +45,9 @@ def hf_gpt2(batch_size: int = BATCH, seed: int = 0) -> tuple[Any, Any, Any, Any]
     tokens = torch.randint(0, 2048, (batch_size, 129))
 
     def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
-        logits = out.logits if hasattr(out, "logits") else out[0]
+        # pipecut hands the loss the model's ModelOutput; torch.distributed.pipelining its
+        # flattened first output (the logits tensor).
+        logits = out.logits if hasattr(out, "logits") else out if isinstance(out, torch.Tensor) else out[0]
         return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
     return model, {"input_ids": tokens[:, :-1]}, loss_fn, tokens[:, 1:]
@@ -62,7 +65,7 @@ def _call(model: Any, inputs: Any) -> Any:
     return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
 
 
-def _timed(step: Callable[[], Any], steps: int, warmup: int = 2) -> list[float]:
+def _timed(step: Callable[[], Any], steps: int, warmup: int = 0) -> list[float]:
     times = []
     for i in range(warmup + steps):
         start = time.perf_counter()
@@ -72,32 +75,54 @@ def _timed(step: Callable[[], Any], steps: int, warmup: int = 2) -> list[float]:
     return times
 
 
-def single_process(name: str, steps: int) -> float:
-    torch.set_num_threads(1)
+def _paired(rank: int, name: str, pipeline_step: Callable[[], Any], rounds: int, steps: int) -> dict[str, Any]:
+    """Alternate pipelined steps (all ranks) with plain single-process steps (rank 0, the other
+    ranks idle in a barrier), round after round, so both see the same machine conditions; this
+    machine's speed drifts by 20% or more between minutes."""
     model, inputs, loss_fn, target = MODELS[name]()
 
-    def step() -> None:
+    def single_step() -> None:
         loss_fn(_call(model, inputs), target).backward()
         model.zero_grad()
 
-    return statistics.median(_timed(step, steps))
+    _timed(pipeline_step, 2)  # warm-up
+    if rank == 0:
+        _timed(single_step, 2)
+    pipe_ms: list[float] = []
+    single_ms: list[float] = []
+    for _ in range(rounds):
+        torch.distributed.barrier()
+        pipe_ms += _timed(pipeline_step, steps)
+        torch.distributed.barrier()
+        if rank == 0:
+            single_ms += _timed(single_step, steps)
+    torch.distributed.barrier()
+    return {"ms": statistics.median(pipe_ms), "single_ms": statistics.median(single_ms) if single_ms else None}
 
 
-def _pipecut_rank(rank: int, world: int, name: str, schedule: str, steps: int) -> dict[str, Any]:
+def _pipecut_rank(rank: int, world: int, name: str, schedule: str, rounds: int, steps: int) -> dict[str, Any]:
     model, inputs, loss_fn, target = MODELS[name]()
+    recompute = schedule.endswith("+recompute")
     pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=MICROBATCHES, schedule=schedule, timeout=300)
+                           microbatches=MICROBATCHES, schedule=schedule.removesuffix("+recompute"),
+                           timeout=300)
+    if recompute:  # the same plan with every stage recomputing its forward in backward
+        plan = pipe.plan
+        plan = dataclasses.replace(plan, stages=tuple(
+            dataclasses.replace(st, recompute=pipecut.Recompute.FULL) for st in plan.stages))
+        pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+                               microbatches=MICROBATCHES, plan=plan, timeout=300)
 
     def step() -> None:
         pipe.step(inputs, target)
         pipe.module.zero_grad()
 
-    times = _timed(step, steps)
+    out = _paired(rank, name, step, rounds, steps)
     pipe.step(inputs, target, record=True)
     pipe.trace()
     plan = pipe.plan
     first = plan.nodes[plan._index[plan.stages[1].nodes[0]]]
-    return {"ms": statistics.median(times), "predicted_ms": plan.predicted.step_ms,
+    return {**out, "predicted_ms": plan.predicted.step_ms,
             "bubble": plan.predicted.bubble_fraction, "peak_activation_bytes": pipe.peak_activation_bytes,
             "capture": plan.capture.value, "cut_module": first.module,
             "stage_nodes": [len(s.nodes) for s in plan.stages]}
@@ -115,7 +140,7 @@ def _split_point(module_path: str, model: torch.nn.Module) -> str:
     return module_path
 
 
-def _pippy_rank(rank: int, world: int, name: str, split: str, steps: int) -> dict[str, Any]:
+def _pippy_rank(rank: int, world: int, name: str, split: str, rounds: int, steps: int) -> dict[str, Any]:
     from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 
     model, inputs, loss_fn, target = MODELS[name]()
@@ -135,60 +160,63 @@ def _pippy_rank(rank: int, world: int, name: str, split: str, steps: int) -> dic
             sched.step(target=target, losses=[])
         stage.submod.zero_grad()
 
-    return {"ms": statistics.median(_timed(step, steps))}
+    return _paired(rank, name, step, rounds, steps)
 
 
-def run(names: list[str], steps: int) -> list[dict[str, Any]]:
+def run(names: list[str], rounds: int, steps: int) -> list[dict[str, Any]]:
     rows = []
     for name in names:
-        single = single_process(name, steps)
-        rows.append({"model": name, "runner": "one process", "ms": single, "speedup": 1.0})
         cut_module = ""
-        for schedule in ("gpipe", "1f1b"):
-            res = run_ranks(_pipecut_rank, WORLD, name, schedule, steps, timeout=1800, collective_timeout=600)
+        for schedule in ("gpipe", "1f1b", *(("gpipe+recompute",) if name == "gpt" else ())):
+            res = run_ranks(_pipecut_rank, WORLD, name, schedule, rounds, steps, timeout=1800,
+                            collective_timeout=600)
             r0 = res[0]
             cut_module = r0["cut_module"]
             rows.append({
                 "model": name, "runner": f"pipecut {schedule}", "ms": r0["ms"],
-                "speedup": single / r0["ms"], "predicted_ms": r0["predicted_ms"],
+                "single_ms": r0["single_ms"], "speedup": r0["single_ms"] / r0["ms"],
+                "predicted_ms": r0["predicted_ms"],
                 "prediction_error": (r0["predicted_ms"] - r0["ms"]) / r0["ms"], "bubble": r0["bubble"],
                 "peak_activation_mib": [round(r["peak_activation_bytes"] / 2**20, 1) for r in res],
                 "capture": r0["capture"], "stage_nodes": r0["stage_nodes"],
             })
         model = MODELS[name]()[0]
         split = _split_point(cut_module, model) if cut_module else ""
+        runner = f"torch.distributed.pipelining gpipe (split {split})"
         try:
-            res = run_ranks(_pippy_rank, WORLD, name, split, steps, timeout=1800, collective_timeout=600)
-            ms = max(r["ms"] for r in res)
-            rows.append({"model": name, "runner": f"torch.distributed.pipelining gpipe (split {split})",
-                         "ms": ms, "speedup": single / ms})
+            res = run_ranks(_pippy_rank, WORLD, name, split, rounds, steps, timeout=1800,
+                            collective_timeout=600)
+            r0 = res[0]
+            rows.append({"model": name, "runner": runner, "ms": r0["ms"], "single_ms": r0["single_ms"],
+                         "speedup": r0["single_ms"] / r0["ms"]})
         except Exception as e:  # recorded, not hidden
-            rows.append({"model": name, "runner": f"torch.distributed.pipelining gpipe (split {split})",
-                         "error": str(e).strip().splitlines()[-1][:200]})
-        print_table(rows[-4:])
+            rows.append({"model": name, "runner": runner, "error": str(e).strip().splitlines()[-1][:200]})
+        print_table([r for r in rows if r["model"] == name])
     return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if "error" in r:
-            print(f"{r['model']:8} {r['runner']:52} failed: {r['error']}")
+            print(f"{r['model']:8} {r['runner']:58} failed: {r['error']}")
             continue
         extra = ""
         if "predicted_ms" in r:
-            extra = (f"  predicted {r['predicted_ms']:8.1f} ms ({r['prediction_error']:+.0%})  bubble "
+            extra = (f"  predicted {r['predicted_ms']:7.1f} ms ({r['prediction_error']:+.0%})  bubble "
                      f"{r['bubble']:.0%}  activations MiB {r['peak_activation_mib']}")
-        print(f"{r['model']:8} {r['runner']:52} {r['ms']:9.1f} ms  {r['speedup']:5.2f}x{extra}", flush=True)
+        print(f"{r['model']:8} {r['runner']:58} {r['ms']:8.1f} ms  one process {r['single_ms']:8.1f} ms  "
+              f"{r['speedup']:5.2f}x{extra}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2, help="steps per round and runner")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--out", default=str(Path(__file__).with_name("runtime.json")))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = run(args.models.split(","), args.steps)
+    rows = run(args.models.split(","), args.rounds, args.steps)
     Path(args.out).write_text(json.dumps({"batch": BATCH, "microbatches": MICROBATCHES, "ranks": WORLD,
                                           "torch": torch.__version__, "rows": rows}, indent=1))
     print(f"wrote {args.out}")

@@ -21,6 +21,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from pipecut.capture import Captured
+from pipecut.errors import InputError
 from pipecut.fxutil import (
     canonical_names,
     module_path,
@@ -113,6 +114,8 @@ def _backward_ms(
     runner: _NodeRunner, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any],
     params: Sequence[torch.Tensor], inplace: bool, repeats: int, warmup: int,
 ) -> float:
+    """Gradient computation plus the accumulation of parameter gradients into ``.grad``
+    (training adds every microbatch's weight gradient into it)."""
     args2, kwargs2, leaves = _grad_leaves(args, kwargs, clone=inplace)
     out = runner.call(node, args2, kwargs2)
     outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -124,7 +127,19 @@ def _backward_ms(
     def backward() -> Any:
         return torch.autograd.grad(outs, wrt, grads, retain_graph=True, allow_unused=True)
 
-    return _median_ms(backward, repeats, warmup)
+    compute_ms = _median_ms(backward, repeats, warmup)
+    originals = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.requires_grad]
+    is_param = [isinstance(x, torch.nn.Parameter) for x in originals] + [True] * (len(wrt) - len(leaves))
+    weight_grads = [g for g, p in zip(backward(), is_param) if p and g is not None]
+    if not weight_grads:
+        return compute_ms
+    sums = [torch.zeros_like(g) for g in weight_grads]
+
+    def accumulate() -> None:
+        for acc, g in zip(sums, weight_grads):
+            acc.add_(g)
+
+    return compute_ms + _median_ms(accumulate, repeats, warmup)
 
 
 def _time_loss(loss_fn: LossFn, output: Any, target: Any, repeats: int, warmup: int) -> tuple[float, float]:
@@ -137,9 +152,10 @@ def _time_loss(loss_fn: LossFn, output: Any, target: Any, repeats: int, warmup: 
     forward_ms = _median_ms(lambda: loss_fn(output, target), repeats, warmup)
     loss = loss_fn(output, target)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise TypeError(
-            f"loss_fn must return a scalar tensor, got "
-            f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise InputError(
+            f"loss_fn must return a scalar tensor, got {got}; reduce it (e.g. .mean(), or "
+            f"reduction='mean') so that the step's loss is the mean over the batch"
         )
     wrt = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not wrt or not loss.requires_grad:

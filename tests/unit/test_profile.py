@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+import pipecut
 from examples import gpt, resnet
 from pipecut.capture import capture
+from pipecut.errors import InputError
 from pipecut.plan import LeafKind, NodeOp
 from pipecut.profile import profile
 
@@ -49,3 +52,13 @@ def test_rows_describe_every_node() -> None:
     assert size.leaves[0].kind is LeafKind.CONSTANT and size.leaves[0].value == {"t": "int", "v": 64}  # idx.size(1)
     out = by_name["output"]
     assert out.forward_ms > 0  # the loss is timed on the output node
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused() -> None:
+    model, inputs, _, target = resnet.build(batch_size=4)
+
+    def per_sample(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out, y, reduction="none")
+
+    with pytest.raises(InputError, match=r"scalar tensor, got a tensor of shape \(2,\); reduce it"):
+        pipecut.plan(model, inputs, 2, loss_fn=per_sample, target=target, microbatches=2, repeats=1, warmup=0)
