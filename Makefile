@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 SOURCES := compiler passes runtime tests examples benchmarks
 
-.PHONY: setup demo lint typecheck test test-fast clean
+.PHONY: setup demo lint typecheck test test-fast vision clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -37,6 +37,17 @@ test: lint
 
 test-fast: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q tests/unit
+
+# Optional: torchvision models (benchmarks/partition.py --only tv/, coverage.py --models tv_...).
+# torchvision does not import beside the torch 2.13.0 CPU build; 2.14.1 is a CUDA build that
+# runs on the CPU (about 5.5 GB), so it lives in a venv of its own.
+vision: .venv-vision/.installed
+.venv-vision/.installed: pyproject.toml
+	python3 -m venv .venv-vision
+	.venv-vision/bin/python -m pip install -q --upgrade pip
+	.venv-vision/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1
+	.venv-vision/bin/python -m pip install -q -e '.[test]'
+	touch $@
 
 clean:
 	rm -rf $(VENV) build *.egg-info plan.json

@@ -214,6 +214,38 @@ ZOO: dict[str, Callable[..., Built]] = {
 """Factories by name: ``ZOO["gpt2"](batch_size=8, seed=0)``."""
 
 
+def tv_resnet18(batch_size: int = 8, seed: int = 0) -> Built:
+    """torchvision's ResNet-18 (BatchNorm, in-place ReLU and ``+=``), random weights."""
+    from torchvision.models import resnet18
+
+    torch.manual_seed(seed)
+    model = resnet18(weights=None, num_classes=CLASSES)
+    x, y = _images(batch_size)
+    return model, (x,), F.cross_entropy, y
+
+
+def tv_vit(batch_size: int = 8, seed: int = 0) -> Built:
+    """torchvision's VisionTransformer built from a small config, random weights."""
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(seed)
+    model = VisionTransformer(image_size=IMAGE, patch_size=8, num_layers=2, num_heads=2,
+                              hidden_dim=64, mlp_dim=128, num_classes=CLASSES)
+    x, y = _images(batch_size)
+    return model, (x,), F.cross_entropy, y
+
+
+VISION: dict[str, Callable[..., Built]] = {"tv_resnet18": tv_resnet18, "tv_vit": tv_vit}
+"""torchvision models: in ZOO only where torchvision imports (not beside torch 2.13.0, whose
+CPU build it does not match; see the README for the torch 2.14.1 + torchvision set-up)."""
+try:
+    import torchvision  # noqa: F401
+
+    ZOO.update(VISION)
+except Exception:  # not installed, or built for another torch
+    pass
+
+
 
 # --- parity: a pipelined step against the plain model ---------------------------------------
 
