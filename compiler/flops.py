@@ -25,7 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pipecut.capture import Captured
 from pipecut.fxutil import mutates_first_arg, node_parameters
-from pipecut.profile import LossFn, preserved_state
+from pipecut.profile import LossFn, detached_leaves, preserved_state
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,22 +61,6 @@ def _count(fn: Any, *args: Any) -> tuple[Any, int]:
     with FlopCounterMode(display=False) as counter:
         value = fn(*args)
     return value, int(counter.get_total_flops())
-
-
-def _detached(args: Any, clone: bool = False) -> tuple[Any, list[torch.Tensor]]:
-    """Fresh autograd leaves for the tensors that require grad (copies if the node writes)."""
-    leaves: list[torch.Tensor] = []
-
-    def swap(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            leaf = x.detach().requires_grad_(True)
-            leaves.append(leaf)
-            return leaf.clone() if clone else leaf
-        if isinstance(x, torch.Tensor) and clone:
-            return x.clone()
-        return x
-
-    return pytree.tree_map(swap, args), leaves
 
 
 def _backward_flops(outputs: Any, wrt: Sequence[torch.Tensor]) -> int | None:
@@ -123,7 +107,7 @@ def count_work(
                 env[node] = args[0]
                 work[node.name] = _loss_work(captured, args[0], loss_fn, target)
                 continue
-            (dargs, dkwargs), leaves = _detached((args, kwargs), clone=mutates_first_arg(node, gm))
+            (dargs, dkwargs), leaves = detached_leaves((args, kwargs), clone=mutates_first_arg(node, gm))
             params: list[torch.Tensor] = [p for _, p in node_parameters(node, gm)]
             out, fwd_flops = _count(runner.call, node, dargs, dkwargs)
             bwd_flops = _backward_flops(out, leaves + params)
@@ -141,7 +125,7 @@ def count_work(
 def _loss_work(captured: Captured, value: Any, loss_fn: LossFn | None, target: Any) -> NodeWork:
     if loss_fn is None:
         return NodeWork()
-    output, leaves = _detached(captured.unflatten_output(value))
+    output, leaves = detached_leaves(captured.unflatten_output(value))
     loss, flops = _count(lambda: loss_fn(output, target))
     nbytes = moved_bytes((output, target), loss)
     bwd = _backward_flops(loss, leaves)

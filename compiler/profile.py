@@ -78,8 +78,9 @@ class _NodeRunner(fx.Interpreter):
         return getattr(self, node.op)(node.target, args, kwargs)
 
 
-def _grad_leaves(args: tuple[Any, ...], kwargs: dict[str, Any], clone: bool) -> tuple[Any, Any, list[torch.Tensor]]:
-    """Detached copies of the floating tensors in args/kwargs that require grad."""
+def detached_leaves(tree: Any, clone: bool = False) -> tuple[Any, list[torch.Tensor]]:
+    """``tree`` with fresh autograd leaves for its tensors that require grad (copies if the
+    node writes into its inputs), and those leaves."""
     leaves: list[torch.Tensor] = []
 
     def swap(x: Any) -> Any:
@@ -91,8 +92,7 @@ def _grad_leaves(args: tuple[Any, ...], kwargs: dict[str, Any], clone: bool) -> 
             return x.clone()
         return x
 
-    new_args, new_kwargs = pytree.tree_map(swap, (args, kwargs))
-    return new_args, new_kwargs, leaves
+    return pytree.tree_map(swap, tree), leaves
 
 
 def _forward_ms(
@@ -116,7 +116,7 @@ def _backward_ms(
 ) -> float:
     """Gradient computation plus the accumulation of parameter gradients into ``.grad``
     (training adds every microbatch's weight gradient into it)."""
-    args2, kwargs2, leaves = _grad_leaves(args, kwargs, clone=inplace)
+    (args2, kwargs2), leaves = detached_leaves((args, kwargs), clone=inplace)
     out = runner.call(node, args2, kwargs2)
     outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
     wrt = leaves + [p for p in params if p.requires_grad]
