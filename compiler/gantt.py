@@ -56,16 +56,11 @@ def predicted_spans(plan: Plan) -> tuple[Span, ...]:
 
     With virtual stages (interleaved schedules) stage s runs on rank s mod ranks.
     """
-    ranks = num_ranks(plan)
+    ranks = plan.num_ranks
     return tuple(
         Span(rank=a.stage % ranks, action=str(a), start=start, end=end)
         for a, start, end in predicted_timeline(plan)
     )
-
-
-def num_ranks(plan: Plan) -> int:
-    """Processes in the pipeline: the stages divided by the virtual stages per rank."""
-    return plan.num_stages // max(int(getattr(plan, "stages_per_rank", 1)), 1)
 
 
 def recompute_ms(plan: Plan, stage: int) -> float:

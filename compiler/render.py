@@ -23,7 +23,7 @@ from typing import Any
 import jinja2
 
 from pipecut.dot import edge_label, stage_colour, to_dot
-from pipecut.gantt import Span, load_trace, num_ranks, predicted_spans, recompute_ms
+from pipecut.gantt import Span, load_trace, predicted_spans, recompute_ms
 from pipecut.plan import Plan
 from pipecut.report import human_bytes
 from pipecut.runtime.schedule import Action, ActionKind
@@ -198,7 +198,7 @@ def render_html(plan: Plan, timeline: Sequence[Span] | None = None, title: str |
     simulated = max((s.end for s in predicted), default=0.0)
     measured = None
     if timeline:
-        ranks = max(max(s.rank for s in timeline) + 1, num_ranks(plan))
+        ranks = max(max(s.rank for s in timeline) + 1, plan.num_ranks)
         measured = {"chart": gantt(timeline, ranks), "end": max(s.end for s in timeline)}
     p = plan.predicted
     return _environment().get_template("plan.html.j2").render(
@@ -208,7 +208,7 @@ def render_html(plan: Plan, timeline: Sequence[Span] | None = None, title: str |
         stage_colour=stage_colour,
         time_chart=time_bars(plan),
         memory_chart=memory_bars(plan),
-        gantt_chart=gantt(predicted, num_ranks(plan)),
+        gantt_chart=gantt(predicted, plan.num_ranks),
         simulated_ms=simulated,
         measured=measured,
         graph=graph_data(plan),
