@@ -121,7 +121,7 @@ def _pipecut_rank(rank: int, world: int, name: str, schedule: str, rounds: int, 
     pipe.step(inputs, target, record=True)
     pipe.trace()
     plan = pipe.plan
-    first = plan.nodes[plan._index[plan.stages[1].nodes[0]]]
+    first = plan.node(plan.stages[1].nodes[0])
     return {**out, "predicted_ms": plan.predicted.step_ms,
             "bubble": plan.predicted.bubble_fraction, "peak_activation_bytes": pipe.peak_activation_bytes,
             "capture": plan.capture.value, "cut_module": first.module,
