@@ -40,82 +40,18 @@ from dataclasses import dataclass
 
 from pipecut.errors import PartitionError
 from pipecut.passes.bounded import partition_bounded
-from pipecut.passes.chain import boundary_bytes, liveness
 from pipecut.passes.coarsen import candidate_cuts
 from pipecut.passes.fastsim import simulate_kind
 from pipecut.passes.problem import Problem
+from pipecut.passes.replication import ReplicatedPlan, ReplicationKind, plan_replicated
 from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, inflight_microbatches
-from pipecut.plan import Link, NodeCost, NodeOp, ScheduleKind
+from pipecut.passes.workload import Workload as Workload
+from pipecut.passes.workload import ring_allreduce_ms as ring_allreduce_ms
+from pipecut.passes.workload import workload as workload
+from pipecut.plan import Link, ScheduleKind
 
 COARSE_ABOVE = 600
 """Above this many units a coarse split (at module boundaries) first bounds the exact search."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Workload:
-    """N units in topological order, costs at microbatch size ``B / M``."""
-
-    forward_ms: tuple[float, ...]
-    backward_ms: tuple[float, ...]
-    param_bytes: tuple[int, ...]
-    """Gradient bytes of each unit (what its stage all-reduces)."""
-    activation_bytes: tuple[int, ...] = ()
-    """Bytes of each unit's output kept per microbatch until its backward (default 0)."""
-    cut_forward_bytes: tuple[int, ...] = ()
-    """N + 1 entries: activation bytes crossing the cut before unit b (default 0)."""
-    cut_backward_bytes: tuple[int, ...] = ()
-    """N + 1 entries: gradient bytes crossing the cut before unit b backwards (default 0)."""
-    crossable: tuple[bool, ...] = ()
-    """N + 1 entries: whether every value live at the cut can be sent (default all)."""
-    modules: tuple[str, ...] = ()
-    """Module path of each unit, for coarsening large graphs at module boundaries."""
-    names: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        n = len(self.forward_ms)
-        for name in ("backward_ms", "param_bytes", "activation_bytes", "modules", "names"):
-            value = getattr(self, name)
-            if (name in ("backward_ms", "param_bytes") or value) and len(value) != n:
-                raise ValueError(f"a workload of {n} units needs {n} {name}, got {len(value)}")
-        for name in ("cut_forward_bytes", "cut_backward_bytes", "crossable"):
-            value = getattr(self, name)
-            if value and len(value) != n + 1:
-                raise ValueError(f"a workload of {n} units needs {n + 1} {name}, got {len(value)}")
-        if n == 0:
-            raise ValueError("a workload needs at least one unit")
-
-    @property
-    def units(self) -> int:
-        return len(self.forward_ms)
-
-    @property
-    def compute_ms(self) -> float:
-        """Forward + backward of one microbatch on one device."""
-        return sum(self.forward_ms) + sum(self.backward_ms)
-
-
-def workload(nodes: Sequence[NodeCost]) -> Workload:
-    """The hybrid planner's view of a cost table (placeholders and parameters are not units)."""
-    live = liveness(nodes)
-    fwd, bwd, allowed = boundary_bytes(nodes, live)
-    by_name = {n.name: n for n in nodes}
-    units = [by_name[u] for u in live.units]
-    params = tuple(
-        u.param_bytes
-        + sum(by_name[i].param_bytes for i in u.inputs if by_name[i].op is NodeOp.GET_ATTR)
-        for u in units
-    )
-    return Workload(
-        names=live.units,
-        forward_ms=tuple(u.forward_ms for u in units),
-        backward_ms=tuple(u.backward_ms for u in units),
-        param_bytes=params,
-        activation_bytes=tuple(u.output_bytes for u in units),
-        cut_forward_bytes=tuple(fwd),
-        cut_backward_bytes=tuple(bwd),
-        crossable=tuple(allowed),
-        modules=tuple(u.module for u in units),
-    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -166,18 +102,22 @@ class HybridPlan:
     candidates: tuple[Candidate, ...]
     """Evaluated candidates, best (shortest predicted step) first."""
     skipped: tuple[Skipped, ...]
+    per_stage: ReplicatedPlan | None = None
+    """With ``ReplicationKind.PER_STAGE``: the best split with a replica count per stage."""
+    per_stage_reason: str = ""
+    """Why ``per_stage`` is None although it was asked for."""
 
     @property
     def best(self) -> Candidate:
+        """The best uniform D × K candidate."""
         return self.candidates[0]
 
-
-def ring_allreduce_ms(nbytes: float, replicas: int, link: Link) -> float:
-    """Ring all-reduce: 2·(D−1) steps, each sending 1/D of the buffer to the next replica."""
-    if replicas <= 1 or nbytes <= 0:
-        return 0.0
-    steps = 2 * (replicas - 1)
-    return steps * link.latency_ms + steps / replicas * nbytes / link.bandwidth_bytes_per_ms
+    @property
+    def fastest(self) -> Candidate | ReplicatedPlan:
+        """The shorter predicted step of the best uniform candidate and the per-stage plan."""
+        if self.per_stage is not None and self.per_stage.step_ms < self.best.step_ms:
+            return self.per_stage
+        return self.best
 
 
 def _problem(
@@ -299,8 +239,13 @@ def plan_hybrid(
     memory_bytes: int | None = None,
     prune: bool = True,
     refine: bool = True,
+    replication: ReplicationKind = ReplicationKind.UNIFORM,
 ) -> HybridPlan:
     """Every factorisation ``devices = D × K``, ranked by predicted step (best first).
+
+    ``replication=ReplicationKind.PER_STAGE`` also runs the per-stage replication DP
+    (:func:`pipecut.passes.replication.plan_replicated`) on the same cost model; the result is
+    ``per_stage`` and :attr:`HybridPlan.fastest` picks between it and the best uniform one.
 
     ``link``: point-to-point link between consecutive stages; ``allreduce``: the per-device
     link of the ring all-reduce inside a stage's replica group (bandwidth in bytes/ms, latency
@@ -340,6 +285,15 @@ def plan_hybrid(
             f"no way to run this model on {devices} devices ({reasons}); give the devices more "
             f"memory, use more devices, or change the batch size"
         )
+    per_stage, why = None, ""
+    if replication is ReplicationKind.PER_STAGE:
+        try:
+            per_stage = plan_replicated(
+                work, devices=devices, microbatches=microbatches, batch_size=batch_size,
+                schedule=schedule, link=link, allreduce=allreduce, memory_bytes=memory_bytes,
+            )
+        except PartitionError as error:  # uniform candidates exist: report, do not fail
+            why = str(error)
     return HybridPlan(
         devices=devices,
         microbatches=microbatches,
@@ -348,4 +302,6 @@ def plan_hybrid(
         single_device_ms=microbatches * work.compute_ms,
         candidates=tuple(found),
         skipped=tuple(skipped),
+        per_stage=per_stage,
+        per_stage_reason=why,
     )

@@ -1,0 +1,88 @@
+"""The planners' view of a model: a chain of units with costs, and the ring all-reduce cost.
+
+Shared by the uniform D × K planner (:mod:`pipecut.passes.hybrid`) and the per-stage
+replication DP (:mod:`pipecut.passes.replication`). Pure numbers, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipecut.passes.chain import boundary_bytes, liveness
+from pipecut.plan import Link, NodeCost, NodeOp
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    """N units in topological order, costs at microbatch size ``B / M``."""
+
+    forward_ms: tuple[float, ...]
+    backward_ms: tuple[float, ...]
+    param_bytes: tuple[int, ...]
+    """Gradient bytes of each unit (what its stage all-reduces)."""
+    activation_bytes: tuple[int, ...] = ()
+    """Bytes of each unit's output kept per microbatch until its backward (default 0)."""
+    cut_forward_bytes: tuple[int, ...] = ()
+    """N + 1 entries: activation bytes crossing the cut before unit b (default 0)."""
+    cut_backward_bytes: tuple[int, ...] = ()
+    """N + 1 entries: gradient bytes crossing the cut before unit b backwards (default 0)."""
+    crossable: tuple[bool, ...] = ()
+    """N + 1 entries: whether every value live at the cut can be sent (default all)."""
+    modules: tuple[str, ...] = ()
+    """Module path of each unit, for coarsening large graphs at module boundaries."""
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.forward_ms)
+        for name in ("backward_ms", "param_bytes", "activation_bytes", "modules", "names"):
+            value = getattr(self, name)
+            if (name in ("backward_ms", "param_bytes") or value) and len(value) != n:
+                raise ValueError(f"a workload of {n} units needs {n} {name}, got {len(value)}")
+        for name in ("cut_forward_bytes", "cut_backward_bytes", "crossable"):
+            value = getattr(self, name)
+            if value and len(value) != n + 1:
+                raise ValueError(f"a workload of {n} units needs {n + 1} {name}, got {len(value)}")
+        if n == 0:
+            raise ValueError("a workload needs at least one unit")
+
+    @property
+    def units(self) -> int:
+        return len(self.forward_ms)
+
+    @property
+    def compute_ms(self) -> float:
+        """Forward + backward of one microbatch on one device."""
+        return sum(self.forward_ms) + sum(self.backward_ms)
+
+
+def workload(nodes: Sequence[NodeCost]) -> Workload:
+    """The hybrid planner's view of a cost table (placeholders and parameters are not units)."""
+    live = liveness(nodes)
+    fwd, bwd, allowed = boundary_bytes(nodes, live)
+    by_name = {n.name: n for n in nodes}
+    units = [by_name[u] for u in live.units]
+    params = tuple(
+        u.param_bytes
+        + sum(by_name[i].param_bytes for i in u.inputs if by_name[i].op is NodeOp.GET_ATTR)
+        for u in units
+    )
+    return Workload(
+        names=live.units,
+        forward_ms=tuple(u.forward_ms for u in units),
+        backward_ms=tuple(u.backward_ms for u in units),
+        param_bytes=params,
+        activation_bytes=tuple(u.output_bytes for u in units),
+        cut_forward_bytes=tuple(fwd),
+        cut_backward_bytes=tuple(bwd),
+        crossable=tuple(allowed),
+        modules=tuple(u.module for u in units),
+    )
+
+
+def ring_allreduce_ms(nbytes: float, replicas: int, link: Link) -> float:
+    """Ring all-reduce: 2·(D−1) steps, each sending 1/D of the buffer to the next replica."""
+    if replicas <= 1 or nbytes <= 0:
+        return 0.0
+    steps = 2 * (replicas - 1)
+    return steps * link.latency_ms + steps / replicas * nbytes / link.bandwidth_bytes_per_ms
