@@ -88,26 +88,29 @@ def test_inflight_bound():
     assert inflight(ScheduleKind.ONE_F_ONE_B, 2, 4, 1) == 2
 
 
+def bottleneck(work, bounds, reps, devices, memory, schedule, **kw):
+    """max stage_ms of one split and replica vector; inf if a stage does not fit in memory."""
+    worst, used = 0.0, 0
+    for s, r in enumerate(reps):
+        used += r
+        held = inflight(schedule, kw["microbatches"], devices, used)
+        if memory is not None and stage_memory_bytes(
+                work, bounds[s], bounds[s + 1], r, held) > memory:
+            return float("inf")
+        worst = max(worst, stage_ms(work, bounds[s], bounds[s + 1], r, **kw))
+    return worst
+
+
 def brute_force(work, devices, choices, memory, schedule, **kw):
     """Min over every split and replica vector of max stage_ms; None if nothing fits."""
-    n, best = work.units, None
+    n, best = work.units, float("inf")
     for k in range(1, min(n, devices) + 1):
         for inner in itertools.combinations(range(1, n), k - 1):
-            bounds = (0, *inner, n)
             for reps in itertools.product(choices, repeat=k):
-                if sum(reps) != devices:
-                    continue
-                worst, used = 0.0, 0
-                for s, r in enumerate(reps):
-                    used += r
-                    held = inflight(schedule, kw["microbatches"], devices, used)
-                    if memory is not None and stage_memory_bytes(
-                            work, bounds[s], bounds[s + 1], r, held) > memory:
-                        worst = float("inf")
-                    worst = max(worst, stage_ms(work, bounds[s], bounds[s + 1], r, **kw))
-                if worst < float("inf") and (best is None or worst < best):
-                    best = worst
-    return best
+                if sum(reps) == devices:
+                    best = min(best, bottleneck(work, (0, *inner, n), reps, devices, memory,
+                                                schedule, **kw))
+    return None if best == float("inf") else best
 
 
 units = st.lists(
@@ -153,8 +156,8 @@ def test_equals_brute_force(us, devices, size, m, p2p, ring, memory, schedule, c
         if devices % d == 0:
             k = devices // d
             for inner in itertools.combinations(range(1, n), k - 1):
-                b = (0, *inner, n)
-                uniform = max(stage_ms(work, b[s], b[s + 1], d, **kw) for s in range(k))
+                uniform = bottleneck(work, (0, *inner, n), (d,) * k, devices, memory,
+                                     schedule, **kw)
                 assert plan.bottleneck_ms <= uniform + 1e-9
 
 
@@ -171,3 +174,17 @@ def test_fastest_never_worse_than_best_uniform(us, devices, schedule):
         return
     assert isinstance(plan.best, Candidate) and plan.per_stage is not None
     assert plan.fastest.step_ms <= plan.best.step_ms
+
+
+def test_one_f_one_b_memory_counts_devices_after_the_stage():
+    # Two units of 2 ms, 10 activation bytes each, 1F1B with 4 microbatches on 2 devices.
+    # Split 1 + 1: stage 0 keeps min(4, 1 + 1 device after it) = 2 microbatches -> 20 bytes.
+    # One stage on 2 replicas keeps 1 microbatch of 20 bytes, half per replica -> 10 bytes.
+    work = Workload(forward_ms=(1.0, 1.0), backward_ms=(1.0, 1.0), param_bytes=(0, 0),
+                    activation_bytes=(10, 10))
+    kw = dict(devices=2, microbatches=4, batch_size=8, link=INSTANT, allreduce=INSTANT)
+    assert plan_replicated(work, memory_bytes=20, **kw).peak_memory_bytes == 20
+    plan = plan_replicated(work, memory_bytes=12, **kw)
+    assert plan.replicas == (2,) and plan.peak_memory_bytes == 10
+    with pytest.raises(PartitionError, match="no split of 2 units over exactly 2 devices"):
+        plan_replicated(work, memory_bytes=9, **kw)
