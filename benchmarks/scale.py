@@ -10,18 +10,29 @@
    microbatches, 1F1B, 25 GB/s and 10 µs per message between stages and in the all-reduce
    ring (one InfiniBand HDR port per GPU). The synthetic times model a 50 GFLOP/s CPU; they are
    divided by 3,000 (matrix products at 150 TFLOP/s, about half an A100's BF16 peak).
+3. Replication: uniform D × K (``plan_hybrid``) against per-stage replica counts
+   (``passes.replication.plan_replicated``, PipeDream's DP) on the same cost model: the synthetic
+   transformer above (with and without the 80 GB limit), and the profiled cost table of ``examples/gpt.py`` (batch 64 in 8
+   microbatches of 8, 1F1B, 1 GB/s and 50 µs per message, unlimited memory).
 Times are wall-clock on this machine (2 shared cores); predictions are the planner's model.
+
+    .venv/bin/python benchmarks/scale.py --table replication   # only the third table
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
+from pathlib import Path
 
+import pipecut
 from pipecut.passes.fastsim import simulate_kind
-from pipecut.passes.hybrid import plan_hybrid, workload
+from pipecut.passes.hybrid import HybridPlan, plan_hybrid, workload
+from pipecut.passes.replication import ReplicationKind
 from pipecut.passes.synthetic import Shape, transformer_costs
+from pipecut.passes.workload import Workload
 from pipecut.plan import Link, ScheduleKind
 from pipecut.runtime.schedule import build, simulate
 
@@ -50,14 +61,18 @@ def simulator_table(microbatches: int) -> list[str]:
     return rows
 
 
-def planner_table(microbatches: int, batch: int) -> list[str]:
+def synthetic(microbatches: int, batch: int) -> tuple[Workload, Shape]:
     shape = Shape(batch=batch // microbatches, seq=512, dim=4096, vocab=32000, dtype_bytes=2)
     nodes = transformer_costs(96, nodes_per_layer=40, shape=shape)
     nodes = tuple(
         dataclasses.replace(n, forward_ms=n.forward_ms / SPEEDUP, backward_ms=n.backward_ms / SPEEDUP)
         for n in nodes
     )
-    work = workload(nodes)
+    return workload(nodes), shape
+
+
+def planner_table(microbatches: int, batch: int) -> list[str]:
+    work, shape = synthetic(microbatches, batch)
     rows = [
         f"Model: {work.units} units, {sum(work.param_bytes) / 1e9:.1f} GB of parameters, "
         f"{work.compute_ms:.0f} ms forward + backward per microbatch of {shape.batch} on one device.",
@@ -84,15 +99,81 @@ def planner_table(microbatches: int, batch: int) -> list[str]:
     return rows
 
 
+def _replicas(reps: tuple[int, ...]) -> str:
+    """Run-length replica counts: (4, 4, 1) -> 4×2, 1."""
+    runs: list[list[int]] = []
+    for r in reps:
+        if runs and runs[-1][0] == r:
+            runs[-1][1] += 1
+        else:
+            runs.append([r, 1])
+    return ", ".join(f"{r}×{n}" if n > 1 else f"{r}" for r, n in runs)
+
+
+def _compare(name: str, plan: HybridPlan, seconds: float) -> str:
+    uni, per = plan.best, plan.per_stage
+    if per is None:
+        return (
+            f"| {name} | {plan.devices} | {uni.replicas} × {uni.stages} | {uni.step_ms:.1f} | "
+            f"none: {plan.per_stage_reason} | | | | | {seconds:.1f} |"
+        )
+    return (
+        f"| {name} | {plan.devices} | {uni.replicas} × {uni.stages} | {uni.step_ms:.1f} | "
+        f"{per.stages} stages: {_replicas(per.replicas)} | {per.bottleneck_ms:.2f} | {per.step_ms:.1f} | "
+        f"{uni.step_ms / per.step_ms:.3f} | {per.efficiency:.2f} | {seconds:.1f} |"
+    )
+
+
+def replication_table(microbatches: int, batch: int) -> list[str]:
+    rows = [
+        "| model | devices | uniform D × K | uniform step ms | per-stage replicas (stage order) "
+        "| per-stage bottleneck ms/mb | per-stage step ms | uniform / per-stage | per-stage efficiency | planning s |",
+        "|---|---:|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    work, _ = synthetic(microbatches, batch)
+    for memory, label in ((MEMORY, "synthetic, 80 GB"), (None, "synthetic, no limit")):
+        for n in (64, 256, 1024):
+            start = time.perf_counter()
+            plan = plan_hybrid(
+                work, devices=n, microbatches=microbatches, batch_size=batch,
+                schedule=ScheduleKind.ONE_F_ONE_B, link=NETWORK, allreduce=NETWORK,
+                memory_bytes=memory, replication=ReplicationKind.PER_STAGE,
+            )
+            rows.append(_compare(label, plan, time.perf_counter() - start))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples/
+    from examples import gpt
+
+    model, inputs, loss_fn, target = gpt.build(batch_size=64)
+    nodes = pipecut.plan(model, inputs, 1, loss_fn=loss_fn, target=target, microbatches=8,
+                         repeats=3, warmup=1).nodes
+    slow = Link(bandwidth_bytes_per_ms=1e6, latency_ms=0.05)
+    gpt_work = workload(nodes)
+    for n in (4, 8, 16):
+        start = time.perf_counter()
+        plan = plan_hybrid(
+            gpt_work, devices=n, microbatches=8, batch_size=64, schedule=ScheduleKind.ONE_F_ONE_B,
+            link=slow, allreduce=slow, replication=ReplicationKind.PER_STAGE,
+        )
+        rows.append(_compare("examples/gpt", plan, time.perf_counter() - start))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--sim-microbatches", type=int, default=64)
+    parser.add_argument("--table", choices=("all", "simulator", "planner", "replication"),
+                        default="all")
     args = parser.parse_args()
-    print("\n".join(simulator_table(args.sim_microbatches)))
-    print()
-    print("\n".join(planner_table(args.microbatches, args.batch)))
+    if args.table in ("all", "simulator"):
+        print("\n".join(simulator_table(args.sim_microbatches)))
+        print()
+    if args.table in ("all", "planner"):
+        print("\n".join(planner_table(args.microbatches, args.batch)))
+        print()
+    if args.table in ("all", "replication"):
+        print("\n".join(replication_table(args.microbatches, args.batch)))
 
 
 if __name__ == "__main__":
