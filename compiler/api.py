@@ -14,13 +14,14 @@ from pipecut.batching import first_microbatch
 from pipecut.capture import Inputs, capture, fingerprint
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
 from pipecut.passes.split import split_stage
-from pipecut.plan import CaptureMethod, Link, Plan, ScheduleKind
+from pipecut.passes.stages import plan_schedule
+from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
 from pipecut.planner import DEFAULT_LINK, Devices, as_devices
 from pipecut.planner import plan as make_plan
 from pipecut.profile import LossFn
 from pipecut.runtime.launch import ensure_process_group, local_device
 from pipecut.runtime.pipeline import Pipeline
-from pipecut.runtime.schedule import build, validate
+from pipecut.runtime.schedule import validate
 from pipecut.runtime.stage import StageWorker
 
 
@@ -135,7 +136,12 @@ def compile(
         raise PlanError(f"plan has {chosen.microbatches} microbatches, asked for {microbatches}")
 
     device = local_device()
-    sched = build(chosen.schedule, world, chosen.microbatches, chosen.stages_per_rank)
+    if chosen.schedule is ScheduleKind.ZERO_BUBBLE and any(s.recompute is not Recompute.NONE for s in chosen.stages):
+        raise PlanError(
+            "the zero-bubble schedule cannot yet run stages that recompute; use schedule='1f1b' "
+            "or plan without recompute"
+        )
+    sched = plan_schedule(chosen)
     validate(sched, chosen.microbatches)
     workers = {}
     for stage in range(rank, chosen.num_stages, world):

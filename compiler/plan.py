@@ -39,6 +39,7 @@ class ScheduleKind(enum.Enum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved-1f1b"
+    ZERO_BUBBLE = "zero-bubble"
 
 
 class Recompute(enum.Enum):
@@ -141,6 +142,9 @@ class Stage:
     recompute: Recompute = Recompute.NONE
     forward_ms: float = 0.0
     backward_ms: float = 0.0
+    weight_ms: float = 0.0
+    """The part of ``backward_ms`` that computes weight gradients (estimated as half the
+    backward of the nodes that read parameters); zero-bubble schedules run it separately."""
     comm_ms: float = 0.0
     param_bytes: int = 0
     activation_bytes: int = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipecut.errors import ScheduleError
 from pipecut.passes.chain import Liveness, boundary_bytes, boundary_ms, value_bytes
 from pipecut.plan import (
     DeviceSpec,
@@ -22,8 +23,9 @@ from pipecut.plan import (
     Stage,
     TiedGroup,
 )
-from pipecut.runtime.schedule import Action, simulate, timeline
+from pipecut.runtime.schedule import Action, Schedule, simulate, timeline
 from pipecut.runtime.schedule import build as build_schedule
+from pipecut.runtime.zb_schedule import zero_bubble
 
 OPTIMIZER_STATE_FACTOR = 2
 """Optimizer state per parameter byte (AdamW keeps two moments)."""
@@ -42,6 +44,12 @@ def inflight_microbatches(schedule: ScheduleKind, stages: int, microbatches: int
     if schedule is ScheduleKind.GPIPE:
         return [microbatches] * stages
     return [min(microbatches, stages - s) for s in range(stages)]
+
+
+def _reads_params(unit: NodeCost, by_name: dict[str, NodeCost]) -> bool:
+    return bool(unit.parameters) or any(
+        by_name[i].op is NodeOp.GET_ATTR and by_name[i].parameters for i in unit.inputs
+    )
 
 
 def stage_params(units: Sequence[NodeCost], by_name: dict[str, NodeCost]) -> tuple[tuple[str, ...], int]:
@@ -86,6 +94,8 @@ def build_stages(
         speed = devices[s].speed
         fwd_ms = sum(u.forward_ms for u in units) / speed
         bwd_ms = sum(u.backward_ms for u in units) / speed
+        # dW and dX of a product cost the same: half the backward of a node reading weights.
+        wgt_ms = sum(u.backward_ms for u in units if _reads_params(u, by_name)) / (2 * speed)
         in_bytes = sum(value_bytes(by_name[v])[0] for v in inputs)
         if recompute[s] is Recompute.FULL:
             act = in_bytes  # only the stage inputs are kept; the rest is recomputed in backward
@@ -102,6 +112,7 @@ def build_stages(
                 recompute=recompute[s],
                 forward_ms=fwd_ms,
                 backward_ms=bwd_ms,
+                weight_ms=wgt_ms if recompute[s] is Recompute.NONE else 0.0,
                 comm_ms=cut_ms[bounds[s]] + cut_ms[bounds[s + 1]],
                 param_bytes=pbytes,
                 activation_bytes=act,
@@ -144,15 +155,55 @@ def build_stages(
         stages=tuple(stages),
         edges=tuple(edges),
         tied=tied,
-        predicted=predict(
-            stages,
-            microbatches,
-            nodes,
-            schedule,
-            *link_times(stages, nodes, link),
-            stages_per_rank=stages_per_rank,
-        ),
+        predicted=predict(stages, microbatches, nodes, schedule, link, stages_per_rank),
     )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageCosts:
+    """Per-stage costs the schedule is generated from and simulated on (ms per microbatch)."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    weight: tuple[float, ...]
+    forward_link: tuple[float, ...]
+    """Per cut between stage s and s + 1: activation transfer."""
+    backward_link: tuple[float, ...]
+    """Per cut: gradient transfer."""
+
+
+def stage_costs(stages: Sequence[Stage], nodes: Sequence[NodeCost], link: Link) -> StageCosts:
+    by_name = {n.name: n for n in nodes}
+    forward, backward = [], []
+    for st in stages[:-1]:
+        sizes = [value_bytes(by_name[v]) for v in st.outputs]
+        forward.append(link.transfer_ms(sum(f for f, _ in sizes)))
+        backward.append(link.transfer_ms(sum(b for _, b in sizes)))
+    return StageCosts(
+        forward=tuple(s.forward_ms for s in stages),
+        backward=tuple(s.backward_ms for s in stages),
+        weight=tuple(s.weight_ms for s in stages),
+        forward_link=tuple(forward),
+        backward_link=tuple(backward),
+    )
+
+
+def make_schedule(
+    kind: ScheduleKind, ranks: int, microbatches: int, stages_per_rank: int, costs: StageCosts
+) -> Schedule:
+    """The schedule of ``kind``; a zero-bubble order is list-scheduled on ``costs``."""
+    if kind is ScheduleKind.ZERO_BUBBLE:
+        if stages_per_rank != 1:
+            raise ScheduleError("the zero-bubble schedule runs one stage per rank; use stages_per_rank=1")
+        return zero_bubble(ranks, microbatches, costs.forward, costs.backward, costs.weight,
+                           costs.forward_link, costs.backward_link)
+    return build_schedule(kind, ranks, microbatches, stages_per_rank)
+
+
+def plan_schedule(plan: Plan) -> Schedule:
+    """The schedule every rank runs for ``plan`` (deterministic: it depends only on the plan)."""
+    costs = stage_costs(plan.stages, plan.nodes, plan.link)
+    return make_schedule(plan.schedule, plan.num_ranks, plan.microbatches, plan.stages_per_rank, costs)
 
 
 def predict(
@@ -160,22 +211,17 @@ def predict(
     microbatches: int,
     nodes: Sequence[NodeCost],
     schedule: ScheduleKind,
-    forward_link_ms: Sequence[float] = (),
-    backward_link_ms: Sequence[float] = (),
+    link: Link,
     stages_per_rank: int = 1,
 ) -> Predicted:
-    """Step time of the schedule, simulated action by action on the per-stage costs.
-
-    ``forward_link_ms[s]`` / ``backward_link_ms[s]``: transfer time of the cut between stage s
-    and s + 1, activations forward and gradients backward.
-    """
+    """Step time of the schedule, simulated action by action on the per-stage costs."""
     k = len(stages)
     ranks = k // stages_per_rank
-    sched = build_schedule(schedule, ranks, microbatches, stages_per_rank)
-    forward = [s.forward_ms for s in stages]
-    backward = [s.backward_ms for s in stages]
-    step = simulate(sched, forward, backward, forward_link_ms, backward_link_ms)
-    busy = microbatches * sum(f + b for f, b in zip(forward, backward))
+    costs = stage_costs(stages, nodes, link)
+    sched = make_schedule(schedule, ranks, microbatches, stages_per_rank, costs)
+    step = simulate(sched, costs.forward, costs.backward, costs.forward_link, costs.backward_link,
+                    costs.weight)
+    busy = microbatches * sum(f + b for f, b in zip(costs.forward, costs.backward))
     stage_ms = tuple(s.time_ms for s in stages)
     return Predicted(
         step_ms=step,
@@ -186,24 +232,8 @@ def predict(
     )
 
 
-def link_times(stages: Sequence[Stage], nodes: Sequence[NodeCost], link: Link) -> tuple[list[float], list[float]]:
-    """Per cut between stage s and s + 1: (activation transfer ms, gradient transfer ms)."""
-    by_name = {n.name: n for n in nodes}
-    forward, backward = [], []
-    for st in stages[:-1]:
-        sizes = [value_bytes(by_name[v]) for v in st.outputs]
-        forward.append(link.transfer_ms(sum(f for f, _ in sizes)))
-        backward.append(link.transfer_ms(sum(b for _, b in sizes)))
-    return forward, backward
-
-
 def predicted_timeline(plan: Plan) -> list[tuple[Action, float, float]]:
     """The simulator's (action, start ms, end ms) for the plan's schedule and stage costs."""
-    forward, backward = link_times(plan.stages, plan.nodes, plan.link)
-    return timeline(
-        build_schedule(plan.schedule, plan.num_ranks, plan.microbatches, plan.stages_per_rank),
-        [s.forward_ms for s in plan.stages],
-        [s.backward_ms for s in plan.stages],
-        forward,
-        backward,
-    )
+    costs = stage_costs(plan.stages, plan.nodes, plan.link)
+    return timeline(plan_schedule(plan), costs.forward, costs.backward, costs.forward_link,
+                    costs.backward_link, costs.weight)

@@ -42,8 +42,12 @@ def run_actions(
         start = time.perf_counter()
         if action.kind is ActionKind.FORWARD:
             worker.forward(action.microbatch, inputs[action.microbatch], targets[action.microbatch])
-        else:
+        elif action.kind is ActionKind.BACKWARD:
             worker.backward(action.microbatch)
+        elif action.kind is ActionKind.INPUT:
+            worker.backward(action.microbatch, weights_later=True)
+        else:
+            worker.backward_weight(action.microbatch)
         if record:
             events.append(Event(str(action), start - t0, time.perf_counter() - t0))
     for w in workers.values():

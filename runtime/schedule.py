@@ -30,6 +30,11 @@ from pipecut.plan import ScheduleKind
 class ActionKind(enum.Enum):
     FORWARD = "F"
     BACKWARD = "B"
+    """The whole backward of a microbatch."""
+    INPUT = "I"
+    """The input-gradient part of a backward (zero-bubble schedules): sends gradients upstream."""
+    WEIGHT = "W"
+    """The weight-gradient part, run later, when the rank would otherwise wait."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +48,9 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        m = re.fullmatch(r"(\d+)([FB])(\d+)", text.strip())
+        m = re.fullmatch(r"(\d+)([FBIW])(\d+)", text.strip())
         if m is None:
-            raise ScheduleError(f"cannot parse action {text!r}: expected e.g. '1F3' or '0B2'")
+            raise ScheduleError(f"cannot parse action {text!r}: expected e.g. '1F3', '0B2', '0I2', '0W2'")
         return cls(int(m.group(1)), ActionKind(m.group(2)), int(m.group(3)))
 
 
@@ -108,6 +113,12 @@ def build(kind: ScheduleKind, ranks: int, microbatches: int, chunks: int = 1) ->
     """The schedule of ``kind`` for ``ranks`` ranks holding ``chunks`` stages each."""
     if kind is ScheduleKind.INTERLEAVED_1F1B:
         return interleaved_1f1b(ranks, chunks, microbatches)
+    if kind is ScheduleKind.ZERO_BUBBLE and chunks == 1:
+        # Without a plan's costs: the order list scheduling gives for F = I = W everywhere
+        # (plans use pipecut.passes.stages.plan_schedule, which schedules on their costs).
+        from pipecut.runtime.zb_schedule import zero_bubble
+
+        return zero_bubble(ranks, microbatches, [1.0] * ranks, [2.0] * ranks, [1.0] * ranks)
     if chunks != 1:
         raise ScheduleError(f"{kind.value} runs one stage per rank; use interleaved-1f1b for {chunks}")
     if kind is ScheduleKind.GPIPE:
@@ -129,7 +140,7 @@ def parse_schedule(text: str) -> Schedule:
 
 def validate(schedule: Schedule, microbatches: int) -> None:
     """Rank r runs stages r, r + K, …; each stage runs every microbatch's forward once, then
-    its backward once."""
+    either its backward (B) or its input-gradient part (I) followed by its weight part (W)."""
     ranks = len(schedule)
     for rank, actions in enumerate(schedule):
         done: set[tuple[int, ActionKind, int]] = set()
@@ -141,14 +152,27 @@ def validate(schedule: Schedule, microbatches: int) -> None:
             key = (a.stage, a.kind, a.microbatch)
             if key in done:
                 raise ScheduleError(f"rank {rank}: action {a} appears twice")
-            if a.kind is ActionKind.BACKWARD and (a.stage, ActionKind.FORWARD, a.microbatch) not in done:
-                raise ScheduleError(f"rank {rank}: {a} runs before its forward")
+            needs = {
+                ActionKind.BACKWARD: ActionKind.FORWARD,
+                ActionKind.INPUT: ActionKind.FORWARD,
+                ActionKind.WEIGHT: ActionKind.INPUT,
+            }.get(a.kind)
+            if needs is not None and (a.stage, needs, a.microbatch) not in done:
+                raise ScheduleError(f"rank {rank}: {a} runs before its {needs.name.lower()} part")
+            if a.kind in (ActionKind.BACKWARD, ActionKind.INPUT):
+                other = ActionKind.INPUT if a.kind is ActionKind.BACKWARD else ActionKind.BACKWARD
+                if (a.stage, other, a.microbatch) in done:
+                    raise ScheduleError(f"rank {rank}: {a} repeats a backward already run")
             done.add(key)
-        stages = {a.stage for a in actions}
-        if len(done) != 2 * microbatches * len(stages):
-            raise ScheduleError(
-                f"rank {rank} runs {len(done)} actions, expected {2 * microbatches * len(stages)}"
-            )
+        for stage in {a.stage for a in actions}:
+            for mb in range(microbatches):
+                kinds = {k for (st, k, m) in done if st == stage and m == mb}
+                if kinds not in ({ActionKind.FORWARD, ActionKind.BACKWARD},
+                                 {ActionKind.FORWARD, ActionKind.INPUT, ActionKind.WEIGHT}):
+                    raise ScheduleError(
+                        f"rank {rank}: stage {stage} microbatch {mb} runs {sorted(k.value for k in kinds)}, "
+                        f"expected F and B, or F, I and W"
+                    )
 
 
 def simulate(
@@ -157,16 +181,18 @@ def simulate(
     backward_ms: Sequence[float],
     forward_link_ms: Sequence[float] = (),
     backward_link_ms: Sequence[float] = (),
+    weight_ms: Sequence[float] = (),
 ) -> float:
     """Predicted step time; raises :class:`ScheduleError` if the schedule deadlocks.
 
     Costs are per stage. A forward of stage s waits for stage s-1's forward of the same
     microbatch plus ``forward_link_ms[s-1]``; a backward waits for stage s+1's backward plus
     ``backward_link_ms[s]`` (defaults to ``forward_link_ms``). Each rank runs its actions in
-    order, one at a time.
+    order, one at a time. With a split backward, I costs ``backward_ms - weight_ms`` and waits
+    like a backward; W costs ``weight_ms`` and waits only for its own I.
     """
     return max((end for _, _, end in timeline(schedule, forward_ms, backward_ms,
-                                              forward_link_ms, backward_link_ms)), default=0.0)
+                                              forward_link_ms, backward_link_ms, weight_ms)), default=0.0)
 
 
 def timeline(
@@ -175,12 +201,14 @@ def timeline(
     backward_ms: Sequence[float],
     forward_link_ms: Sequence[float] = (),
     backward_link_ms: Sequence[float] = (),
+    weight_ms: Sequence[float] = (),
 ) -> list[tuple[Action, float, float]]:
     """(action, start, end) of every action, in the order the simulation runs them."""
     ranks = len(schedule)
     last = len(forward_ms) - 1
     fwd_link = list(forward_link_ms) or [0.0] * max(last, 0)
     bwd_link = list(backward_link_ms) or fwd_link  # one link time for both directions
+    weight = list(weight_ms) or [0.0] * len(forward_ms)
     finish: dict[tuple[int, ActionKind, int], float] = {}
     clock = [0.0] * ranks
     pos = [0] * ranks
@@ -196,15 +224,18 @@ def timeline(
                     dep = (s - 1, ActionKind.FORWARD, a.microbatch) if s > 0 else None
                     link = fwd_link[s - 1] if s > 0 else 0.0
                     cost = forward_ms[s]
-                else:
+                elif a.kind is ActionKind.WEIGHT:
+                    dep, link, cost = None, 0.0, weight[s]
+                else:  # B or I: gradients come from the next stage (recorded as B either way)
                     dep = (s + 1, ActionKind.BACKWARD, a.microbatch) if s < last else None
                     link = bwd_link[s] if s < last else 0.0
-                    cost = backward_ms[s]
+                    cost = backward_ms[s] - (weight[s] if a.kind is ActionKind.INPUT else 0.0)
                 if dep is not None and dep not in finish:
                     break
                 start = max(clock[r], finish[dep] + link if dep is not None else 0.0)
                 clock[r] = start + cost
-                finish[(s, a.kind, a.microbatch)] = clock[r]
+                kind = ActionKind.BACKWARD if a.kind is ActionKind.INPUT else a.kind
+                finish[(s, kind, a.microbatch)] = clock[r]
                 spans.append((a, start, clock[r]))
                 pos[r] += 1
                 remaining -= 1

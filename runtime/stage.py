@@ -26,6 +26,7 @@ from pipecut.plan import Plan, Recompute
 from pipecut.runtime.comm import BACKWARD, FORWARD, Peer, PostedRecv, WireSpec, pack, unpack
 from pipecut.runtime.memory import ActivationMeter
 from pipecut.runtime.schedule import Action, ActionKind
+from pipecut.runtime.zero_bubble import split_backward
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -37,6 +38,8 @@ class _Microbatch:
     sent: list[torch.Tensor] = field(default_factory=list)
     """Tensor leaves sent that carry gradients back, to backpropagate from."""
     loss: torch.Tensor | None = None
+    weight_pass: Callable[[], None] | None = None
+    """Zero-bubble schedules: the deferred weight-gradient pass of this microbatch."""
 
 
 class StageWorker:
@@ -96,7 +99,7 @@ class StageWorker:
         """Post the receive an action needs, once."""
         if action.kind is ActionKind.FORWARD and self.prev is not None:
             key, peer, leaves = (action.microbatch, FORWARD), self.prev, self.in_spec.tensor_leaves()
-        elif action.kind is ActionKind.BACKWARD and self.next is not None:
+        elif action.kind in (ActionKind.BACKWARD, ActionKind.INPUT) and self.next is not None:
             key, peer, leaves = (action.microbatch, BACKWARD), self.next, self.out_spec.grad_leaves()
         else:
             return
@@ -139,27 +142,42 @@ class StageWorker:
             )
         return loss
 
-    def backward(self, mb: int) -> None:
+    def backward(self, mb: int, weights_later: bool = False) -> None:
+        """The microbatch's backward; with ``weights_later`` only its input-gradient part, the
+        weight gradients being left to :meth:`backward_weight` (zero-bubble schedules)."""
         state = self.state[mb]
         if self.program.is_last:
             assert state.loss is not None
-            state.loss.backward()
-            state.loss = state.loss.detach()
+            outputs, grads = [state.loss], [torch.ones_like(state.loss)]
         else:
-            grads = self._received(self.next, mb, BACKWARD)  # type: ignore[arg-type]
-            pairs = [(t, g) for t, g in zip(state.sent, grads) if t.requires_grad]
-            if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        self.meter.release(mb)
+            received = self._received(self.next, mb, BACKWARD)  # type: ignore[arg-type]
+            pairs = [(t, g) for t, g in zip(state.sent, received) if t.requires_grad]
+            outputs, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        inputs = [t for t in state.received if t.requires_grad]
+        if weights_later:
+            params = list(self.program.module.parameters())
+            input_grads, state.weight_pass = split_backward(outputs, grads, inputs, params)
+        else:
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+            input_grads = [t.grad for t in inputs]
+            self.meter.release(mb)
+        if state.loss is not None:
+            state.loss = state.loss.detach()
         if self.prev is not None:
-            grads = [
-                t.grad if t.grad is not None else torch.zeros_like(t)
-                for t in state.received
-                if t.requires_grad
-            ]
-            self._send(self.prev, grads, mb, BACKWARD)
+            self._send(self.prev, [g if g is not None else torch.zeros_like(t)
+                                   for g, t in zip(input_grads, inputs)], mb, BACKWARD)
         state.received = []
         state.sent = []
+
+    def backward_weight(self, mb: int) -> None:
+        """The weight-gradient part of a backward whose input part has run."""
+        state = self.state[mb]
+        if state.weight_pass is None:
+            raise PipelineRuntimeError(f"stage {self.stage}: {mb}W runs before {mb}I")
+        state.weight_pass()
+        state.weight_pass = None
+        self.meter.release(mb)
 
     def _send(self, peer: Peer | None, tensors: list[torch.Tensor], mb: int, direction: int) -> None:
         assert peer is not None

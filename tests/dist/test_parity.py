@@ -44,7 +44,9 @@ SCENARIOS = [
     ("mlp", "gpipe", 4, False),
     ("gpt", "gpipe", 4, False),
     ("gpt", "1f1b", 8, False),
+    ("gpt", "zero-bubble", 8, False),
     ("resnet", "gpipe", 4, True),  # BatchNorm: GPipe semantics, statistics per microbatch
+    ("resnet", "zero-bubble", 4, True),
     ("hf_gpt2", "gpipe", 4, False),
 ]
 

@@ -1,0 +1,118 @@
+"""Backward in two parts: input gradients now, weight gradients later (zero-bubble schedules).
+
+The input-gradient pass (``I``) runs autograd only towards the stage's received inputs, so the
+previous stage gets its gradients as early as possible. On the way, every autograd node that
+lies on a path to the inputs *and* has a child leading only to parameters (a *frontier* node:
+the matmul of a linear layer, whose child ``t()`` leads to the weight) has the gradient of its
+output captured by a pre-hook. The weight pass (``W``) later re-enters the graph at those
+frontier nodes with the captured gradients and asks only for the parameters below them, so each
+product is computed once: ``dy·Wᵀ`` in ``I``, ``xᵀ·dy`` in ``W``. Subgraphs that reach no input
+at all (the first stage) are left entirely to ``W``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+def _reaches(targets: set[Node]) -> Callable[[Node | None], bool]:
+    memo: dict[Node, bool] = {}
+
+    def reaches(node: Node | None) -> bool:
+        if node is None:
+            return False
+        if node not in memo:
+            memo[node] = False  # the graph is a DAG; this only guards re-entry
+            memo[node] = node in targets or any(reaches(child) for child, _ in node.next_functions)
+        return memo[node]
+
+    return reaches
+
+
+def _params_below(node: Node, accumulators: dict[Node, torch.Tensor], out: dict[int, torch.Tensor]) -> None:
+    stack = [node]
+    seen: set[Node] = set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in accumulators:
+            p = accumulators[n]
+            out[id(p)] = p
+        stack += [child for child, _ in n.next_functions if child is not None]
+
+
+def split_backward(
+    outputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], Callable[[], None]]:
+    """Input gradients of ``inputs`` now; a function that adds the weight gradients into
+    ``p.grad`` for every ``p`` of ``params`` later (call it once)."""
+    params = [p for p in params if p.requires_grad]
+    accumulators = {get_gradient_edge(p).node: p for p in params}
+    reaches_input = _reaches({get_gradient_edge(t).node for t in inputs})
+    reaches_param = _reaches(set(accumulators))
+
+    frontier: list[Node] = []
+    roots: list[tuple[Node, torch.Tensor, torch.Tensor]] = []  # outputs reaching no input
+    seen: set[Node] = set()
+    stack = []
+    for out, grad in zip(outputs, grads):
+        if out.grad_fn is None:
+            continue
+        if reaches_input(out.grad_fn):
+            stack.append(out.grad_fn)
+        elif reaches_param(out.grad_fn):
+            roots.append((out.grad_fn, out, grad))
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        children = [child for child, _ in node.next_functions if child is not None]
+        if any(not reaches_input(c) and reaches_param(c) for c in children):
+            frontier.append(node)
+        stack += [c for c in children if reaches_input(c)]
+
+    captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    hooks = [n.register_prehook(lambda g, n=n: captured.__setitem__(n, tuple(g))) for n in frontier]
+    input_grads: list[torch.Tensor | None] = []
+    try:
+        if inputs:
+            input_grads = list(torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True))
+    finally:
+        for h in hooks:
+            h.remove()
+
+    def weight_pass() -> None:
+        jobs: list[tuple[Sequence[Any], list[torch.Tensor], dict[int, torch.Tensor]]] = []
+        for node, node_grads in captured.items():
+            below: dict[int, torch.Tensor] = {}
+            for child, _ in node.next_functions:
+                if child is not None and not reaches_input(child) and reaches_param(child):
+                    _params_below(child, accumulators, below)
+            edges = [(GradientEdge(node, i), g) for i, g in enumerate(node_grads) if g is not None]
+            jobs.append(([e for e, _ in edges], [g for _, g in edges], below))
+        if roots:
+            below = {}
+            for fn, _, _ in roots:
+                _params_below(fn, accumulators, below)
+            jobs.append(([o for _, o, _ in roots], [g for _, _, g in roots], below))
+        for outs, outs_grads, below in jobs:
+            targets = list(below.values())
+            if not targets or not outs:
+                continue
+            found = torch.autograd.grad(outs, targets, outs_grads, retain_graph=True, allow_unused=True)
+            for p, g in zip(targets, found):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+        captured.clear()
+
+    return input_grads, weight_pass
