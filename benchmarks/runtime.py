@@ -167,7 +167,7 @@ def run(names: list[str], rounds: int, steps: int) -> list[dict[str, Any]]:
     rows = []
     for name in names:
         cut_module = ""
-        for schedule in ("gpipe", "1f1b", *(("gpipe+recompute",) if name == "gpt" else ())):
+        for schedule in ("gpipe", "1f1b", "zero-bubble", *(("gpipe+recompute",) if name == "gpt" else ())):
             res = run_ranks(_pipecut_rank, WORLD, name, schedule, rounds, steps, timeout=1800,
                             collective_timeout=600)
             r0 = res[0]
