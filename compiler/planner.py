@@ -7,6 +7,7 @@ other devices without profiling again.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,6 +16,8 @@ import torch
 
 import pipecut
 from pipecut.batching import first_microbatch, split_microbatches
+from pipecut.calibrate import calibrate as calibrate_costs
+from pipecut.calibrate import stage_times
 from pipecut.capture import Captured, Inputs, capture, fingerprint
 from pipecut.errors import InputError, PartitionError
 from pipecut.passes.bounded import partition_bounded
@@ -250,13 +253,15 @@ def plan(
     partitioner: Partitioner | None = None,
     ilp_time_limit: float = 5.0,
     stages_per_rank: int = 1,
+    calibrate: bool = True,
 ) -> Plan:
     """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
 
     ``example_inputs`` is one full batch (a tuple of positional tensors or a dict of keyword
     tensors); ``target`` is the matching target for ``loss_fn(output, target)``.
     ``recompute``, ``partitioner``, ``ilp_time_limit`` and ``stages_per_rank`` are as in
-    :func:`partition_costs`.
+    :func:`partition_costs`. ``calibrate``: time the first split's stages whole, scale the node
+    costs to match (see :mod:`pipecut.calibrate`) and partition again.
     """
     specs = as_devices(devices)
     kind = as_schedule(schedule)
@@ -272,18 +277,29 @@ def plan(
     )
     if not any(is_unit(n) and n.op is not NodeOp.OUTPUT for n in nodes):
         raise PartitionError("the captured graph has no operations to partition")
-    return partition_costs(
-        nodes,
-        devices=specs,
-        microbatches=microbatches,
-        batch_size=size,
-        schedule=kind,
-        link=link,
-        fingerprint=fingerprint(captured.gm),
-        capture=captured.method,
-        inputs=captured.input_names,
-        recompute=recompute,
-        partitioner=partitioner,
-        ilp_time_limit=ilp_time_limit,
-        stages_per_rank=stages_per_rank,
-    )
+
+    def partition(costs: Sequence[NodeCost]) -> Plan:
+        return partition_costs(
+            costs,
+            devices=specs,
+            microbatches=microbatches,
+            batch_size=size,
+            schedule=kind,
+            link=link,
+            fingerprint=fingerprint(captured.gm),
+            capture=captured.method,
+            inputs=captured.input_names,
+            recompute=recompute,
+            partitioner=partitioner,
+            ilp_time_limit=ilp_time_limit,
+            stages_per_rank=stages_per_rank,
+        )
+
+    first_plan = partition(nodes)
+    if not calibrate:
+        return first_plan
+    times = stage_times(captured, first_plan, first, loss_fn, first_target, repeats=max(1, repeats // 2))
+    calibrated = partition(calibrate_costs(nodes, first_plan, times))
+    note = "node costs calibrated on whole stages"
+    detail = f"{calibrated.solver.detail}; {note}" if calibrated.solver.detail else note
+    return dataclasses.replace(calibrated, solver=dataclasses.replace(calibrated.solver, detail=detail))
