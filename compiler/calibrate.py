@@ -50,6 +50,17 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return statistics.median(samples), result
 
 
+def _backward_ms(outputs: list[torch.Tensor], wrt: list[torch.Tensor], repeats: int) -> float:
+    if not wrt:
+        return 0.0
+    grads = [torch.ones_like(t) for t in outputs]
+
+    def backward() -> Any:
+        return torch.autograd.grad(outputs, wrt, grads, retain_graph=True, allow_unused=True)
+
+    return _median_ms(backward, repeats)[0]
+
+
 def stage_times(
     captured: Captured, plan: Plan, inputs: Sequence[Any], loss_fn: LossFn | None, target: Any,
     repeats: int = 3,
@@ -71,17 +82,7 @@ def stage_times(
 
             _median_ms(forward, 1)  # warm-up
             forward_ms, (outputs, out) = _median_ms(forward, repeats)
-            wrt = leaves + params
-            if outputs and wrt:
-                grads = [torch.ones_like(t) for t in outputs]
-                backward_ms, _ = _median_ms(
-                    lambda outputs=outputs, grads=grads, wrt=wrt: torch.autograd.grad(
-                        outputs, wrt, grads, retain_graph=True, allow_unused=True
-                    ),
-                    repeats,
-                )
-            else:
-                backward_ms = 0.0
+            backward_ms = _backward_ms(outputs, leaves + params, repeats) if outputs else 0.0
             times.append((forward_ms, backward_ms))
             received = list(out) if not prog.is_last else []
     return times
