@@ -72,7 +72,7 @@ def stage_times(
     with preserved_state(captured.gm), torch.enable_grad():
         for prog in split(captured.gm, plan):
             args, leaves = _float_leaves(received)
-            params = [p for p in prog.module.parameters() if p.requires_grad]
+            params: list[torch.Tensor] = [p for p in prog.module.parameters() if p.requires_grad]
 
             def forward(prog: Any = prog, args: list[Any] = args) -> Any:
                 out = prog.module(*args, *(flat[n] for n in prog.model_inputs))
