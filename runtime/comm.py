@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,22 +38,35 @@ def tag(cut: int, microbatch: int, direction: int, leaf: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class TensorLeaf:
+    value: int
+    """Index of the value in the cut."""
+    leaf: int
+    """Index of the leaf in the value's flattened leaves."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass(frozen=True, slots=True)
 class WireSpec:
-    """How the values of one cut travel: per value, its leaves; tensor leaves numbered in order."""
+    """How the values of one cut travel: their tensor leaves, in wire order (computed once)."""
 
     values: tuple[NodeCost, ...]
+    tensors: tuple[TensorLeaf, ...] = field(init=False)
+    grads: tuple[TensorLeaf, ...] = field(init=False)
+    """The tensor leaves whose gradients travel back."""
 
-    def tensor_leaves(self) -> list[tuple[int, int, tuple[int, ...], torch.dtype, bool]]:
-        """(value index, leaf index, shape, dtype, requires_grad) of every tensor leaf."""
-        out = []
-        for v, node in enumerate(self.values):
-            for i, leaf in enumerate(node.leaves):
-                if leaf.kind is LeafKind.TENSOR:
-                    out.append((v, i, leaf.shape, dtype_from_name(leaf.dtype), leaf.requires_grad))
-        return out
-
-    def grad_leaves(self) -> list[tuple[int, int, tuple[int, ...], torch.dtype, bool]]:
-        return [t for t in self.tensor_leaves() if t[4]]
+    def __post_init__(self) -> None:
+        tensors = tuple(
+            TensorLeaf(value=v, leaf=i, shape=leaf.shape, dtype=dtype_from_name(leaf.dtype),
+                       requires_grad=leaf.requires_grad)
+            for v, node in enumerate(self.values)
+            for i, leaf in enumerate(node.leaves)
+            if leaf.kind is LeafKind.TENSOR
+        )
+        object.__setattr__(self, "tensors", tensors)
+        object.__setattr__(self, "grads", tuple(t for t in tensors if t.requires_grad))
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,13 +98,13 @@ class StageWorker:
     def post(self, action: Action) -> None:
         """Post the receive an action needs, once."""
         if action.kind is ActionKind.FORWARD and self.prev is not None:
-            key, peer, leaves = (action.microbatch, FORWARD), self.prev, self.in_spec.tensor_leaves()
+            key, peer, leaves = (action.microbatch, FORWARD), self.prev, self.in_spec.tensors
         elif action.kind in (ActionKind.BACKWARD, ActionKind.INPUT) and self.next is not None:
-            key, peer, leaves = (action.microbatch, BACKWARD), self.next, self.out_spec.grad_leaves()
+            key, peer, leaves = (action.microbatch, BACKWARD), self.next, self.out_spec.grads
         else:
             return
         if key not in self.posted:
-            specs = [(shape, dtype) for _, _, shape, dtype, _ in leaves]
+            specs = [(leaf.shape, leaf.dtype) for leaf in leaves]
             self.posted[key] = peer.post_recv(specs, key[0], key[1], self.device)
 
     def _received(self, peer: Peer, mb: int, direction: int) -> list[torch.Tensor]:
@@ -115,8 +115,8 @@ class StageWorker:
         received: list[Any] = []
         if self.prev is not None:
             tensors = self._received(self.prev, mb, FORWARD)
-            for t, leaf in zip(tensors, self.in_spec.tensor_leaves()):
-                t.requires_grad_(leaf[4])
+            for t, leaf in zip(tensors, self.in_spec.tensors):
+                t.requires_grad_(leaf.requires_grad)
             state.received = tensors
             received = unpack(tensors, self.in_spec)
         args = received + [model_inputs[name] for name in self.program.model_inputs]
@@ -130,7 +130,7 @@ class StageWorker:
                 state.loss = self._loss(out, target) / self.plan.microbatches
                 return
         tensors = pack(out, self.out_spec, self.stage)
-        state.sent = [t for t, leaf in zip(tensors, self.out_spec.tensor_leaves()) if leaf[4]]
+        state.sent = [t for t, leaf in zip(tensors, self.out_spec.tensors) if leaf.requires_grad]
         self._send(self.next, tensors, mb, FORWARD)
 
     def _loss(self, out: Any, target: Any) -> torch.Tensor:
