@@ -111,9 +111,3 @@ def leaf_bytes(leaf: Leaf) -> int:
 
 def flatten(value: Any) -> list[Any]:
     return pytree.tree_leaves(value)
-
-
-def unflatten(leaves: list[Any], treespec: str | None) -> Any:
-    if treespec is None:
-        raise ValueError("value has no serializable structure")
-    return pytree.tree_unflatten(leaves, pytree.treespec_loads(treespec))

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from pipecut.errors import PipelineRuntimeError
 from pipecut.plan import LeafKind, NodeCost
-from pipecut.values import decode_constant, dtype_from_name, encode_constant, flatten, unflatten
+from pipecut.values import decode_constant, dtype_from_name, encode_constant, flatten
 
 FORWARD, BACKWARD = 0, 1
 _LEAF_BITS, _CUT_BITS, _MB_BITS = 10, 8, 12  # gloo tags are 31-bit
@@ -56,6 +57,8 @@ class WireSpec:
     tensors: tuple[TensorLeaf, ...] = field(init=False)
     grads: tuple[TensorLeaf, ...] = field(init=False)
     """The tensor leaves whose gradients travel back."""
+    structures: tuple[Any, ...] = field(init=False)
+    """Per value: its pytree structure and its leaves, constants decoded, tensors as None."""
 
     def __post_init__(self) -> None:
         tensors = tuple(
@@ -67,6 +70,13 @@ class WireSpec:
         )
         object.__setattr__(self, "tensors", tensors)
         object.__setattr__(self, "grads", tuple(t for t in tensors if t.requires_grad))
+        object.__setattr__(self, "structures", tuple(
+            (
+                None if node.treespec is None else pytree.treespec_loads(node.treespec),
+                tuple(None if leaf.kind is LeafKind.TENSOR else decode_constant(leaf.value) for leaf in node.leaves),
+            )
+            for node in self.values
+        ))
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +164,9 @@ def unpack(tensors: Sequence[torch.Tensor], spec: WireSpec) -> list[Any]:
     """Rebuild the values of a cut from received tensor leaves and the plan's constants."""
     it = iter(tensors)
     values = []
-    for node in spec.values:
-        leaves = [next(it) if leaf.kind is LeafKind.TENSOR else decode_constant(leaf.value) for leaf in node.leaves]
-        values.append(unflatten(leaves, node.treespec))
+    for node, (structure, constants) in zip(spec.values, spec.structures):
+        if structure is None:
+            raise PipelineRuntimeError(f"value {node.name} has no serializable structure; it cannot cross a cut")
+        leaves = [next(it) if leaf.kind is LeafKind.TENSOR else c for leaf, c in zip(node.leaves, constants)]
+        values.append(pytree.tree_unflatten(leaves, structure))
     return values
