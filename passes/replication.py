@@ -123,15 +123,6 @@ def _boundary(work: Workload, replicas: int, link: Link) -> np.ndarray:
     return out
 
 
-def _ring(nbytes: np.ndarray, replicas: int, link: Link) -> np.ndarray:
-    """:func:`ring_allreduce_ms` over an array of byte counts."""
-    if replicas <= 1:
-        return np.zeros_like(nbytes)
-    steps = 2 * (replicas - 1)
-    cost = steps * link.latency_ms + steps / replicas * nbytes / link.bandwidth_bytes_per_ms
-    return np.where(nbytes > 0, cost, 0.0)
-
-
 def stage_ms(
     work: Workload, start: int, end: int, replicas: int, *, microbatches: int, link: Link,
     allreduce: Link,
@@ -177,7 +168,7 @@ def _solve(
         params = par[jj] - par[:jj]
         acts = inb[:jj] + act[jj] - act[:jj]
         for r in choices:
-            t = compute / r + bnd[r][:jj] + bnd[r][jj] + _ring(params, r, allreduce) / m
+            t = compute / r + bnd[r][:jj] + bnd[r][jj] + ring_allreduce_ms(params, r, allreduce) / m
             # column c is n = r + c devices used through this stage, after best[i][n − r]
             cand = np.maximum(best[:jj, : big + 1 - r], t[:, None])
             if memory_bytes is not None:
