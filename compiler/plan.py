@@ -189,7 +189,22 @@ class Predicted:
     bottleneck_stage: int
     stage_ms: tuple[float, ...] = ()
     single_device_ms: float = 0.0
+    optimum_step_ms: float = 0.0
+    """pipecut's own best split's predicted step for the same devices and schedule: equal to
+    ``step_ms`` unless the split was given (then the difference is what the choice costs)."""
     """Forward + backward of the whole batch on one device (for the speedup estimate)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """One (microbatches, schedule) pair the planner weighed when asked to choose ("auto")."""
+
+    microbatches: int
+    schedule: ScheduleKind
+    step_ms: float | None
+    """Predicted step time of the best split for this pair; None where nothing fits."""
+    note: str = ""
+    """Why a pair was ruled out, or "chosen"."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -219,6 +234,8 @@ class Plan:
     tied: tuple[TiedGroup, ...] = ()
     stages_per_rank: int = 1
     """Virtual stages per rank (interleaved schedules): stage s runs on rank s mod K."""
+    candidates: tuple[Candidate, ...] = ()
+    """With microbatches="auto" or schedule="auto": every pair considered and its prediction."""
     format_version: int = FORMAT_VERSION
     pipecut_version: str = ""
     torch_version: str = ""

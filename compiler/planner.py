@@ -15,18 +15,20 @@ from typing import Any
 import torch
 
 import pipecut
+from pipecut.autoplan import AUTO, choose
 from pipecut.batching import first_microbatch, split_microbatches
 from pipecut.calibrate import calibrate as calibrate_costs
 from pipecut.calibrate import stage_times
 from pipecut.capture import Captured, Inputs, capture, fingerprint
 from pipecut.errors import InputError, PartitionError
 from pipecut.passes.bounded import partition_bounded
-from pipecut.passes.chain import boundary_bytes, boundary_ms, is_unit, liveness
+from pipecut.passes.chain import boundary_bytes, boundary_ms, can_cross, is_unit, liveness
 from pipecut.passes.coarsen import candidate_cuts
 from pipecut.passes.fit import infeasible_error
 from pipecut.passes.formulate import formulate
 from pipecut.passes.multilevel import partition_ilp
 from pipecut.passes.partition import Chain, partition_dp
+from pipecut.passes.pinned import bounds_from_modules, bounds_from_split_points, is_split_points
 from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, build_stages, inflight_microbatches
 from pipecut.plan import (
     CaptureMethod,
@@ -49,6 +51,8 @@ DEFAULT_LINK = Link(bandwidth_bytes_per_ms=2e6, latency_ms=0.05, measured=False)
 """2 GB/s and 50 µs per message: the order of gloo over loopback on a small CPU machine."""
 
 Devices = int | Sequence[str | DeviceSpec]
+Split = Sequence[str] | Sequence[Sequence[str]]
+"""Module names where stages 1.. begin, or module names per stage."""
 
 
 def as_schedule(schedule: str | ScheduleKind) -> ScheduleKind:
@@ -124,6 +128,7 @@ def partition_costs(
     partitioner: Partitioner | None = None,
     ilp_time_limit: float = 5.0,
     stages_per_rank: int = 1,
+    split: Split | None = None,
 ) -> Plan:
     """Partition a cost table (pure data) into a plan.
 
@@ -135,6 +140,10 @@ def partition_costs(
     exact DP for equal devices without memory limits or recompute and the ILP otherwise; DP or
     ILP forces one. ``ilp_time_limit``: seconds CBC may spend in total; the plan's solver
     record says whether the ILP proved its answer optimal.
+
+    ``split`` pins the split instead: module FQNs per stage (``[["emb", "blocks.0"],
+    ["blocks.1", "head"]]``) or the modules where stages 1.. begin (``["blocks.1"]``). The plan
+    then reports pipecut's own optimum beside it (``predicted.optimum_step_ms``).
     """
     kind = as_schedule(schedule)
     if stages_per_rank < 1 or (stages_per_rank > 1 and kind is not ScheduleKind.INTERLEAVED_1F1B):
@@ -151,7 +160,21 @@ def partition_costs(
         raise InputError("partitioner must be Partitioner.DP, Partitioner.ILP or None")
     start = time.perf_counter()
     units = sum(1 for n in nodes if is_unit(n))
-    if method is Partitioner.DP and units > LARGE_GRAPH_UNITS:
+    optimum_ms = 0.0
+    if split is not None:
+        live = liveness(nodes)
+        bounds, recomputes = _given_bounds(nodes, live, split, k, link), [Recompute.NONE] * k
+        optimum = partition_costs(
+            nodes, devices=ranks, microbatches=microbatches, batch_size=batch_size,
+            schedule=kind, link=link, recompute=recompute, partitioner=partitioner,
+            ilp_time_limit=ilp_time_limit, stages_per_rank=stages_per_rank,
+        )
+        optimum_ms = optimum.predicted.step_ms
+        solver = Solver(
+            method=Partitioner.GIVEN, solve_ms=(time.perf_counter() - start) * 1e3,
+            optimal=False, detail=f"split given: {_describe_split(split)}",
+        )
+    elif method is Partitioner.DP and units > LARGE_GRAPH_UNITS:
         # Same optimum as partition_dp (tests check), pruned by a bound: 10,000 units in 0.1 s.
         form = formulate(
             nodes, devices=specs, link=link, schedule=kind, microbatches=microbatches,
@@ -212,6 +235,7 @@ def partition_costs(
         nodes, live, bounds, devices=specs, link=link, schedule=kind, microbatches=microbatches,
         recompute=recomputes, stages_per_rank=stages_per_rank,
     )
+    predicted = dataclasses.replace(facts.predicted, optimum_step_ms=optimum_ms or facts.predicted.step_ms)
     return Plan(
         fingerprint=fingerprint,
         capture=capture,
@@ -224,13 +248,53 @@ def partition_costs(
         edges=facts.edges,
         devices=specs,
         link=link,
-        predicted=facts.predicted,
+        predicted=predicted,
         solver=solver,
         tied=facts.tied,
         stages_per_rank=stages_per_rank,
         pipecut_version=pipecut.__version__,
         torch_version=torch.__version__,
     )
+
+
+def _profile_fresh(
+    model: torch.nn.Module, first: Any, loss_fn: LossFn | None, first_target: Any,
+    capture_method: CaptureMethod | None, leaf_modules: tuple[type, ...], repeats: int, warmup: int,
+) -> tuple[NodeCost, ...]:
+    """Capture and profile at one microbatch size (export specialises shapes per size)."""
+    captured = capture(model, first, method=capture_method, leaf_modules=leaf_modules)
+    return profile(captured, captured.flatten_inputs(first), loss_fn=loss_fn, target=first_target,
+                   repeats=repeats, warmup=warmup)
+
+
+def _given_bounds(
+    nodes: Sequence[NodeCost], live: Any, split: Split, stages: int, link: Link
+) -> tuple[int, ...]:
+    units = [n for n in nodes if is_unit(n)]
+    if is_split_points(split):
+        bounds = bounds_from_split_points(units, split)  # type: ignore[arg-type]
+    else:
+        bounds = bounds_from_modules(units, split)  # type: ignore[arg-type]
+    if len(bounds) - 1 != stages:
+        raise PartitionError(
+            f"the given split has {len(bounds) - 1} stages but {stages} are planned "
+            f"(devices x stages_per_rank); give {stages} module lists or {stages - 1} split points"
+        )
+    _, _, allowed = boundary_bytes(nodes, live)
+    for b in bounds[1:-1]:
+        if not allowed[b]:
+            blocked = [v for v in live.crossing(b) if not can_cross(next(n for n in nodes if n.name == v))]
+            raise PartitionError(
+                f"the given split cuts before node {units[b].name}, where value(s) {blocked[:3]} "
+                f"cannot cross a cut (not serializable); move that split point"
+            )
+    return bounds
+
+
+def _describe_split(split: Split) -> str:
+    if is_split_points(split):
+        return "stages begin at " + ", ".join(split)  # type: ignore[arg-type]
+    return " | ".join(",".join(stage) for stage in split)
 
 
 def plan(
@@ -240,7 +304,7 @@ def plan(
     *,
     loss_fn: LossFn | None = None,
     target: Any = None,
-    microbatches: int = 1,
+    microbatches: int | str = 1,
     schedule: str | ScheduleKind = ScheduleKind.GPIPE,
     link: Link = DEFAULT_LINK,
     capture_method: CaptureMethod | None = None,
@@ -254,16 +318,42 @@ def plan(
     ilp_time_limit: float = 5.0,
     stages_per_rank: int = 1,
     calibrate: bool = True,
+    split: Split | None = None,
 ) -> Plan:
     """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
 
     ``example_inputs`` is one full batch (a tuple of positional tensors or a dict of keyword
     tensors); ``target`` is the matching target for ``loss_fn(output, target)``.
+    ``microbatches="auto"`` / ``schedule="auto"``: pick them by predicted step time (see
+    :mod:`pipecut.autoplan`); the plan lists every pair considered (``plan.candidates``).
     ``recompute``, ``partitioner``, ``ilp_time_limit`` and ``stages_per_rank`` are as in
-    :func:`partition_costs`. ``calibrate``: time the first split's stages whole, scale the node
+    :func:`partition_costs`, and so is ``split`` (a split you choose; the plan reports its cost
+    beside pipecut's optimum). ``calibrate``: time the first split's stages whole, scale the node
     costs to match (see :mod:`pipecut.calibrate`) and partition again.
     """
     specs = as_devices(devices)
+    if microbatches == AUTO or schedule == AUTO:
+        full, _ = first_microbatch(example_inputs, 1)
+        m, chosen_kind, candidates = choose(
+            example_inputs, target, ranks=len(specs), microbatches=microbatches, schedule=schedule,
+            stages_per_rank=stages_per_rank,
+            profile_at=lambda first, first_target: _profile_fresh(
+                model, first, loss_fn, first_target, capture_method, leaf_modules, repeats, warmup),
+            partition=lambda costs, m, k: partition_costs(
+                costs, devices=specs, microbatches=m, batch_size=full,
+                schedule=k, link=link, recompute=recompute, partitioner=partitioner,
+                ilp_time_limit=ilp_time_limit, stages_per_rank=stages_per_rank, split=split),
+        )
+        chosen = plan(
+            model, example_inputs, specs, loss_fn=loss_fn, target=target, microbatches=m,
+            schedule=chosen_kind, link=link, capture_method=capture_method,
+            leaf_modules=leaf_modules, repeats=repeats, warmup=warmup, progress=progress,
+            recompute=recompute, partitioner=partitioner, ilp_time_limit=ilp_time_limit,
+            stages_per_rank=stages_per_rank, calibrate=calibrate, split=split,
+        )
+        return dataclasses.replace(chosen, candidates=candidates)
+    if not isinstance(microbatches, int):
+        raise InputError(f"microbatches must be an int or 'auto', got {microbatches!r}")
     kind = as_schedule(schedule)
     # Capture on one microbatch: the stages run microbatches, and torch.export specialises shapes.
     size, first_inputs = first_microbatch(example_inputs, microbatches)
@@ -293,6 +383,7 @@ def plan(
             partitioner=partitioner,
             ilp_time_limit=ilp_time_limit,
             stages_per_rank=stages_per_rank,
+            split=split,
         )
 
     first_plan = partition(nodes)
