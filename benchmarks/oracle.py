@@ -1,0 +1,138 @@
+"""The split proven against the clock: pipecut's chosen split among every block-boundary split.
+
+    .venv/bin/python benchmarks/oracle.py [--models gpt,hf_gpt2,resnet] [--ranks 2] [--rounds 3]
+
+For each model: plan once (pipecut's partitioner, 1F1B, batch 16 in 8 microbatches), then
+build, from the same cost table, the plan of every split at the boundaries of the model's trunk
+(the children of its longest ModuleList/Sequential: transformer blocks, residual blocks) with
+``split=`` — for K = 2 every boundary, for K > 2 every combination or a seeded sample of
+``--max-splits``. All candidates run with pipecut's own runtime on forked CPU ranks (gloo, one
+thread each), round-robin over several rounds so that the machine's drift hits every candidate
+alike; each is scored by the median of its step times. Reports where pipecut's split ranks and
+how far it is from the measured best. Prints a table and writes JSON. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pipecut
+from benchmarks.runtime import MODELS
+from pipecut.planner import partition_costs
+from tests.harness import run_ranks
+
+BATCH, MICROBATCHES, SCHEDULE = 16, 8, "1f1b"
+
+
+def trunk(model: torch.nn.Module) -> list[str]:
+    """FQNs of the children of the model's longest ModuleList/Sequential (its repeated blocks)."""
+    best: tuple[int, str] = (0, "")
+    for name, m in model.named_modules():
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) > best[0]:
+            best = (len(m), name)
+    prefix = f"{best[1]}." if best[1] else ""
+    return [f"{prefix}{i}" for i in range(best[0])]
+
+
+def candidate_splits(blocks: list[str], ranks: int, most: int, seed: int = 0) -> list[tuple[str, ...]]:
+    """Split points (modules where stages 1.. begin) at block boundaries."""
+    combos = list(itertools.combinations(blocks[1:], ranks - 1))
+    if len(combos) > most:
+        combos = random.Random(seed).sample(combos, most)
+    return combos
+
+
+def _measure(rank: int, world: int, name: str, plans: list[str], rounds: int, steps: int) -> list[list[float]]:
+    model, inputs, loss_fn, target = MODELS[name]()
+    pipes = [pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+                             plan=pipecut.Plan.from_json(p), timeout=600) for p in plans]
+    times: list[list[float]] = [[] for _ in pipes]
+    for pipe in pipes:  # warm-up
+        pipe.step(inputs, target)
+    for _ in range(rounds):
+        for i, pipe in enumerate(pipes):
+            for _ in range(steps):
+                torch.distributed.barrier()
+                start = time.perf_counter()
+                pipe.step(inputs, target)
+                times[i].append((time.perf_counter() - start) * 1e3)
+                for p in pipe.parameters():
+                    p.grad = None
+    return times
+
+
+def run(name: str, ranks: int, rounds: int, steps: int, most: int) -> dict[str, Any]:
+    model, inputs, loss_fn, target = MODELS[name]()
+    chosen = pipecut.plan(model, inputs, ranks, loss_fn=loss_fn, target=target,
+                          microbatches=MICROBATCHES, schedule=SCHEDULE)
+    units = [n for n in chosen.nodes if n.op.value not in ("placeholder", "get_attr")]
+    chosen_starts = tuple(units[[u.name for u in units].index(s.nodes[0])].module for s in chosen.stages[1:])
+    splits = candidate_splits(trunk(model), ranks, most)
+    given = [
+        partition_costs(chosen.nodes, devices=chosen.devices, microbatches=MICROBATCHES, batch_size=BATCH,
+                        schedule=SCHEDULE, link=chosen.link, fingerprint=chosen.fingerprint,
+                        capture=chosen.capture, inputs=chosen.inputs, split=list(points))
+        for points in splits
+    ]
+    # A block-boundary split identical to pipecut's is measured once, as pipecut's.
+    keep = [i for i, p in enumerate(given) if [s.nodes for s in p.stages] != [s.nodes for s in chosen.stages]]
+    splits, plans = [splits[i] for i in keep], [chosen] + [given[i] for i in keep]
+    times = run_ranks(_measure, ranks, name, [p.to_json() for p in plans], rounds, steps,
+                      timeout=3600, collective_timeout=900)[0]
+    rows = [
+        {"split": "pipecut: " + ", ".join(chosen_starts) if i == 0 else ", ".join(splits[i - 1]),
+         "predicted_ms": p.predicted.step_ms, "ms": statistics.median(t), "samples": len(t)}
+        for i, (p, t) in enumerate(zip(plans, times))
+    ]
+    best = min(r["ms"] for r in rows)
+    order = sorted(range(len(rows)), key=lambda i: rows[i]["ms"])
+    for r in rows:
+        r["vs_best"] = r["ms"] / best - 1
+    return {"model": name, "ranks": ranks, "candidates": len(rows) - 1, "rows": rows,
+            "pipecut_split_is_a_block_boundary": len(keep) < len(given),
+            "pipecut_rank": order.index(0) + 1, "pipecut_vs_best": rows[0]["vs_best"]}
+
+
+def print_result(res: dict[str, Any]) -> None:
+    print(f"\n{res['model']}  K={res['ranks']}  {res['candidates']} block-boundary splits; pipecut's "
+          f"split ranks {res['pipecut_rank']} of {res['candidates'] + 1}, "
+          f"{res['pipecut_vs_best']:+.1%} from the measured best")
+    for r in sorted(res["rows"], key=lambda r: r["ms"]):
+        print(f"  {r['split'][:70]:70} measured {r['ms']:8.1f} ms ({r['vs_best']:+6.1%})  "
+              f"predicted {r['predicted_ms']:8.1f} ms", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt,hf_gpt2,resnet")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per candidate and round")
+    parser.add_argument("--max-splits", type=int, default=12, help="sample at most this many splits")
+    parser.add_argument("--out", default=str(Path(__file__).with_name("oracle.json")))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = []
+    for name in args.models.split(","):
+        res = run(name, args.ranks, args.rounds, args.steps, args.max_splits)
+        print_result(res)
+        results.append(res)
+    Path(args.out).write_text(json.dumps({"batch": BATCH, "microbatches": MICROBATCHES, "schedule": SCHEDULE,
+                                          "torch": torch.__version__, "results": results}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
