@@ -13,6 +13,7 @@ import torch.distributed as dist
 from pipecut.batching import first_microbatch
 from pipecut.capture import Inputs, capture, fingerprint
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
+from pipecut.live_calibration import measure_stages, recalibrate
 from pipecut.passes.split import split_stage
 from pipecut.passes.stages import plan_schedule
 from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
@@ -76,6 +77,7 @@ def compile(
     capture_method: CaptureMethod | None = None,
     leaf_modules: tuple[type, ...] = (),
     stages_per_rank: int = 1,
+    calibration_steps: int = 2,
 ) -> Pipeline:
     """Build this rank's stage of ``model`` pipelined over the ranks of the process group.
 
@@ -85,6 +87,10 @@ def compile(
     are averaged over replicas. ``plan`` replays a saved plan (a :class:`Plan` or a JSON path)
     without profiling; otherwise global rank 0 plans and broadcasts. ``stages_per_rank`` > 1
     with ``schedule="interleaved-1f1b"`` gives each rank several virtual stages.
+    ``calibration_steps``: when planning, run this many timed steps of the compiled pipeline
+    (after one warm-up; the model is left as it was), scale the plan's costs to what each stage
+    took while all ranks ran together, and plan again (see :mod:`pipecut.live_calibration`);
+    0 skips it.
     """
     wait = datetime.timedelta(seconds=timeout)
     ensure_process_group(wait)
@@ -151,9 +157,20 @@ def compile(
             program, chosen, rank=rank, ranks=ranks, group=group, device=device, loss_fn=loss_fn,
             unflatten_output=captured.unflatten_output, timeout=wait,
         )
-    return Pipeline(
+    pipe = Pipeline(
         plan=chosen, captured=captured, workers=workers, schedule=sched, rank=rank, ranks=ranks,
         group=group, tied_groups=_tied_groups(chosen, layout, rank, wait), dp_group=layout.dp_group,
+    )
+    if plan is not None or calibration_steps <= 0:
+        return pipe
+    times = measure_stages(pipe, example_inputs, target, calibration_steps)
+    payload: list[Any] = [recalibrate(chosen, times).to_json() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(payload, src=0)
+    return compile(
+        model, devices, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
+        microbatches=microbatches, schedule=schedule, plan=Plan.from_json(payload[0]), link=link,
+        timeout=timeout, capture_method=capture_method, leaf_modules=leaf_modules,
+        stages_per_rank=stages_per_rank,
     )
 
 
