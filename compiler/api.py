@@ -164,11 +164,11 @@ def compile(
     if plan is not None or calibration_steps <= 0:
         return pipe
     times = measure_stages(pipe, example_inputs, target, calibration_steps)
-    payload: list[Any] = [recalibrate(chosen, times).to_json() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(payload, src=0)
+    again: list[Any] = [recalibrate(chosen, times).to_json() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(again, src=0)
     return compile(
         model, devices, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
-        microbatches=microbatches, schedule=schedule, plan=Plan.from_json(payload[0]), link=link,
+        microbatches=microbatches, schedule=schedule, plan=Plan.from_json(again[0]), link=link,
         timeout=timeout, capture_method=capture_method, leaf_modules=leaf_modules,
         stages_per_rank=stages_per_rank,
     )
