@@ -19,6 +19,7 @@ from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
 from pipecut.planner import DEFAULT_LINK, Devices, as_devices
 from pipecut.planner import plan as make_plan
 from pipecut.profile import LossFn
+from pipecut.runtime.grads import LossReduction, parse_loss_reduction
 from pipecut.runtime.launch import ensure_process_group, local_device
 from pipecut.runtime.pipeline import Pipeline
 from pipecut.runtime.schedule import validate
@@ -76,6 +77,7 @@ def compile(
     capture_method: CaptureMethod | None = None,
     leaf_modules: tuple[type, ...] = (),
     stages_per_rank: int = 1,
+    loss_reduction: str | LossReduction = LossReduction.MEAN,
 ) -> Pipeline:
     """Build this rank's stage of ``model`` pipelined over the ranks of the process group.
 
@@ -85,7 +87,11 @@ def compile(
     are averaged over replicas. ``plan`` replays a saved plan (a :class:`Plan` or a JSON path)
     without profiling; otherwise global rank 0 plans and broadcasts. ``stages_per_rank`` > 1
     with ``schedule="interleaved-1f1b"`` gives each rank several virtual stages.
+    ``loss_reduction``: "mean" (``loss_fn`` returns a mean; the step's loss is the mean over
+    microbatches) or "sum" (``loss_fn`` returns a sum; ``step(..., normalizer=n)`` divides the
+    sum over microbatches by n, e.g. the number of valid tokens in the whole batch).
     """
+    reduction = parse_loss_reduction(loss_reduction)
     wait = datetime.timedelta(seconds=timeout)
     ensure_process_group(wait)
     layout = _layout(devices)
@@ -154,6 +160,7 @@ def compile(
     return Pipeline(
         plan=chosen, captured=captured, workers=workers, schedule=sched, rank=rank, ranks=ranks,
         group=group, tied_groups=_tied_groups(chosen, layout, rank, wait), dp_group=layout.dp_group,
+        loss_reduction=reduction,
     )
 
 
