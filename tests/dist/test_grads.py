@@ -3,10 +3,12 @@
 - ``pipe.clip_grad_norm_`` returns ``torch.nn.utils.clip_grad_norm_``'s total norm of the plain
   model on every rank (bitwise the same on all ranks), for norm types 2, 1 and inf, counts the
   tied GPT embedding once, and leaves every gradient clipped as torch clips the plain model's;
-  max_norm is half the norm, so clipping is active. GPipe, 1F1B, zero-bubble; K=2 and K=4.
+  max_norm is half the norm, so clipping is active. GPipe, 1F1B, zero-bubble, interleaved
+  (4 virtual stages on 2 ranks); K=2 and K=4.
 - ``pipe.grad_scaler()``: an inf (then a NaN) injected into ONE stage's gradients makes every
   rank skip the step and back off the scale identically; a clean step then matches the plain
-  model's SGD step. A plain ``torch.amp.GradScaler`` is refused.
+  model's SGD step. A plain ``torch.amp.GradScaler`` is refused. All in fp32: autocast fp16
+  through the pipeline is another change's subject.
 - ``loss_reduction="sum"`` with ``normalizer=`` valid tokens gives ``F.cross_entropy(...,
   ignore_index=-100)`` of the whole batch (loss and every gradient) with padding uneven across
   microbatches, where the mean of microbatch means would not; also under data parallelism.
@@ -95,7 +97,8 @@ def clip_reference(name: str) -> dict[float, dict[str, Any]]:
     return out
 
 
-def _clip_scenario(world: int, name: str, schedule: str, ref: dict[float, dict[str, Any]], **kw: Any):
+def _clip_scenario(world: int, name: str, schedule: str, ref: dict[float, dict[str, Any]],
+                   foreach: bool | None = None, **kw: Any):
     model, inputs, loss_fn, target = FACTORIES[name]()
     pipe = pipecut.compile(model, kw.pop("devices", world), example_inputs=inputs, loss_fn=loss_fn,
                            target=target, microbatches=4, schedule=schedule, timeout=60, **kw)
@@ -104,7 +107,7 @@ def _clip_scenario(world: int, name: str, schedule: str, ref: dict[float, dict[s
         for q in pipe.parameters():
             q.grad = None
         loss = pipe.step(inputs, target)
-        norm = pipe.clip_grad_norm_(ref[p]["max_norm"], p)
+        norm = pipe.clip_grad_norm_(ref[p]["max_norm"], p, foreach=foreach)
         results[p] = {"loss": loss, "norm": norm, "grads": pipeline_grads(model, pipe)}
     results["tied"] = [t.stages for t in pipe.plan.tied]
     return pipe, results
@@ -120,10 +123,11 @@ def _check_clip(per_rank: list[dict[float, Any]], ref: dict[float, dict[str, Any
 
 
 def _scaler_scenario(rank: int, world: int) -> dict[str, Any]:
-    """Scale 2^10 grows every clean step (growth_interval=1) and halves on a skipped one."""
+    """Scale 2^10 grows every clean step (growth_interval=1) and halves on a skipped one.
+    Zero-bubble: the last stage's split backward starts from the scaled loss too."""
     model, inputs, loss_fn, target = small_mlp()
     pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=4, timeout=60)
+                           microbatches=4, schedule="zero-bubble", timeout=60)
     with pytest.raises(pipecut.InputError, match="checks for inf/NaN on each of the 2 pipeline ranks"):
         pipe.step(inputs, target, scaler=torch.amp.GradScaler("cpu"))
     scaler = pipe.grad_scaler(init_scale=2.0**10, growth_interval=1)
@@ -183,6 +187,8 @@ def _two_ranks(rank: int, world: int, refs: dict[str, Any]) -> dict[str, Any]:
     _, out["mlp-gpipe"] = _clip_scenario(world, "mlp", "gpipe", refs["mlp"])
     gpt_pipe, out["gpt-1f1b"] = _clip_scenario(world, "gpt", "1f1b", refs["gpt"])
     _, out["gpt-zero-bubble"] = _clip_scenario(world, "gpt", "zero-bubble", refs["gpt"])
+    _, out["gpt-interleaved"] = _clip_scenario(world, "gpt", "interleaved-1f1b", refs["gpt"],
+                                               foreach=False, stages_per_rank=2)
     out["scaler"] = _scaler_scenario(rank, world)
     out["tokens"] = _token_scenario(world, gpt_pipe)
     _, inputs, _, target = small_gpt()
@@ -216,7 +222,9 @@ def test_clipping_scaling_and_token_losses_at_two_ranks() -> None:
     _check_clip([r["mlp-gpipe"] for r in results], refs["mlp"])
     _check_clip([r["gpt-1f1b"] for r in results], refs["gpt"])
     _check_clip([r["gpt-zero-bubble"] for r in results], refs["gpt"])
+    _check_clip([r["gpt-interleaved"] for r in results], refs["gpt"])
     assert results[0]["gpt-1f1b"]["tied"] == [(0, 1)]  # the embedding on both stages, counted once
+    assert results[0]["gpt-interleaved"]["tied"] == [(0, 3)]  # stage 3 runs on rank 1
 
     model, loss = _plain(small_mlp)
     grads = _grads(model)
