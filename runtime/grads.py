@@ -147,19 +147,14 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 norms to the dtype torch would stack them in."""
 
 
-def _slots(plan: Plan) -> dict[str, int]:
-    """Every parameter's position in the exchanged vector, in plan order (the same on every rank)."""
-    return {fqn: i for i, fqn in enumerate(dict.fromkeys(f for s in plan.stages for f in s.parameters))}
-
-
-def _counted_by(plan: Plan, rank: int) -> frozenset[str]:
-    """The parameters whose norm this rank contributes: those whose first stage it runs (a tied
-    weight lives on several stages with one summed gradient and must be counted once)."""
+def _first_stages(plan: Plan) -> dict[str, int]:
+    """Every parameter's first stage, in plan order (the same on every rank). A tied weight
+    lives on several stages with one summed gradient: only its first stage counts it."""
     first: dict[str, int] = {}
     for s in plan.stages:
         for fqn in s.parameters:
             first.setdefault(fqn, s.index)
-    return frozenset(f for f, s in first.items() if s % plan.num_ranks == rank)
+    return first
 
 
 def total_grad_norm(
@@ -177,15 +172,19 @@ def total_grad_norm(
     ``named``: this rank's parameters under their canonical names.
     """
     norm_type = float(norm_type)
-    slots = _slots(plan)
-    counted = _counted_by(plan, rank)
+    first = _first_stages(plan)
+    slots = {fqn: i for i, fqn in enumerate(first)}  # positions in the exchanged vector
     mine: list[tuple[int, torch.Tensor]] = []
     for name, p in named:
-        if p.grad is None or name not in counted:
+        if p.grad is None:
             continue
-        if name not in slots:
-            raise PipelineRuntimeError(f"rank {rank}: parameter {name!r} has a gradient but is on no stage of the plan")
-        mine.append((slots[name], p.grad))
+        if name not in first:
+            raise PipelineRuntimeError(
+                f"rank {rank}: parameter {name!r} has a gradient but the plan puts it on no "
+                f"stage, so its norm would be missed; re-plan for this model"
+            )
+        if first[name] % plan.num_ranks == rank:
+            mine.append((slots[name], p.grad))
     n = len(slots)
     exchange = torch.zeros(2 * n, dtype=torch.float64, device=device)
     if mine:
@@ -207,12 +206,13 @@ def total_grad_norm(
     norms_all = exchange[:n][torch.tensor(present, device=device)].to(dtype)
     total = torch.linalg.vector_norm(norms_all, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
-        names = {i: f for f, i in slots.items()}
+        names = list(first)
         bad = [names[present[j]] for j in torch.nonzero(~torch.isfinite(norms_all)).flatten().tolist()]
+        where = ", ".join(f"{f} (stage {first[f]}, rank {first[f] % plan.num_ranks})" for f in bad)
         raise PipelineRuntimeError(
             f"rank {rank}: the total norm of order {norm_type} of the gradients over all stages "
-            f"is {total.item()}; non-finite gradients in {bad}. To clip anyway (scaling by the "
-            f"non-finite norm), pass error_if_nonfinite=False"
+            f"is {total.item()}; non-finite gradients in {where}. To clip anyway (scaling by "
+            f"the non-finite norm), pass error_if_nonfinite=False"
         )
     return total
 
