@@ -20,6 +20,7 @@ from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
 from pipecut.planner import DEFAULT_LINK, Devices, as_devices
 from pipecut.planner import plan as make_plan
 from pipecut.profile import LossFn
+from pipecut.runtime.grads import LossReduction, parse_loss_reduction
 from pipecut.runtime.launch import ensure_process_group, local_device
 from pipecut.runtime.pipeline import Pipeline
 from pipecut.runtime.schedule import validate
@@ -78,6 +79,7 @@ def compile(
     leaf_modules: tuple[type, ...] = (),
     stages_per_rank: int = 1,
     calibration_steps: int = 2,
+    loss_reduction: str | LossReduction = LossReduction.MEAN,
 ) -> Pipeline:
     """Build this rank's stage of ``model`` pipelined over the ranks of the process group.
 
@@ -91,7 +93,11 @@ def compile(
     (after one warm-up; the model is left as it was), scale the plan's costs to what each stage
     took while all ranks ran together, and plan again (see :mod:`pipecut.live_calibration`);
     0 skips it.
+    ``loss_reduction``: "mean" (``loss_fn`` returns a mean; the step's loss is the mean over
+    microbatches) or "sum" (``loss_fn`` returns a sum; ``step(..., normalizer=n)`` divides the
+    sum over microbatches by n, e.g. the number of valid tokens in the whole batch).
     """
+    reduction = parse_loss_reduction(loss_reduction)
     wait = datetime.timedelta(seconds=timeout)
     ensure_process_group(wait)
     layout = _layout(devices)
@@ -160,6 +166,7 @@ def compile(
     pipe = Pipeline(
         plan=chosen, captured=captured, workers=workers, schedule=sched, rank=rank, ranks=ranks,
         group=group, tied_groups=_tied_groups(chosen, layout, rank, wait), dp_group=layout.dp_group,
+        loss_reduction=reduction,
     )
     if plan is not None or calibration_steps <= 0:
         return pipe
@@ -170,7 +177,7 @@ def compile(
         model, devices, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
         microbatches=microbatches, schedule=schedule, plan=Plan.from_json(again[0]), link=link,
         timeout=timeout, capture_method=capture_method, leaf_modules=leaf_modules,
-        stages_per_rank=stages_per_rank,
+        stages_per_rank=stages_per_rank, loss_reduction=reduction,
     )
 
 

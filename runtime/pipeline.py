@@ -18,6 +18,13 @@ from pipecut.passes.stages import predicted_timeline
 from pipecut.plan import LeafKind, Plan
 from pipecut.runtime.executor import Event, run_actions
 from pipecut.runtime.failure import abort
+from pipecut.runtime.grads import (
+    LossReduction,
+    clip_grad_norm_,
+    loss_divisor,
+    scale_loss_fn,
+    sharded_grad_scaler,
+)
 from pipecut.runtime.schedule import Schedule
 from pipecut.runtime.stage import StageWorker, reduce_tied_grads, tree_to
 from pipecut.runtime.trace import chrome_trace, write_chrome_trace
@@ -42,6 +49,7 @@ class Pipeline:
         group: dist.ProcessGroup | None,
         tied_groups: Sequence[tuple[str, dist.ProcessGroup | None]],
         dp_group: dist.ProcessGroup | None = None,
+        loss_reduction: LossReduction = LossReduction.MEAN,
     ) -> None:
         self.plan = plan
         self.captured = captured
@@ -53,6 +61,7 @@ class Pipeline:
         self.group = group
         self.tied_groups = tuple(tied_groups)
         self.dp_group = dp_group
+        self.loss_reduction = loss_reduction
         self.events: list[Event] = []
         self._canonical = canonical_names(captured.gm)
         self._device = next(iter(self.workers.values())).device
@@ -156,15 +165,23 @@ class Pipeline:
                     )
         return [dict(zip(names, tree_to(mb, self._device))) for mb in mbs]
 
-    def step(self, inputs: Inputs, target: Any = None, *, record: bool = False) -> torch.Tensor:
-        """Forward and backward one full batch; returns the mean microbatch loss on every rank.
+    def step(
+        self, inputs: Inputs, target: Any = None, *, record: bool = False, scaler: Any = None,
+        normalizer: Any = None,
+    ) -> torch.Tensor:
+        """Forward and backward one full batch; returns the step's loss on every rank.
 
         Gradients accumulate into this rank's parameters' ``.grad`` as with ``loss.backward()``.
+        The loss is the mean of the microbatch losses, or with ``loss_reduction="sum"`` their
+        sum divided by ``normalizer`` (counted over the whole batch, the same on every rank).
+        ``scaler`` (from :meth:`grad_scaler`): backward starts from ``scaler.scale(loss)``, as
+        ``scaler.scale(loss).backward()`` does; the loss returned is unscaled.
         ``record=True`` keeps this rank's action timeline (see :meth:`trace`). If anything fails
         on this rank, its process groups are torn down so that the other ranks fail at once
         with an error naming this rank, instead of waiting for their timeout.
         """
         try:
+            self._weigh_loss(scaler, normalizer)
             return self._step(inputs, target, record)
         except InputError:
             raise  # raised identically on every rank before any communication
@@ -189,6 +206,33 @@ class Pipeline:
         if self.dp_group is not None:
             self._average_over_replicas(out)
         return out
+
+    def _weigh_loss(self, scaler: Any, normalizer: Any) -> None:
+        """Tell the stages what each microbatch's loss is divided by and how it is scaled."""
+        replicas = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
+        divisor = loss_divisor(self.loss_reduction, self.plan.microbatches, normalizer, replicas)
+        scale = scale_loss_fn(scaler, self.ranks, self._device)
+        for w in self.workers.values():
+            w.loss_divisor, w.scale_loss = divisor, scale
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for the whole model: the total norm over all
+        stages (a tied weight counted once), the same on every rank, every rank's gradients
+        scaled by the same coefficient. Collective over the pipeline group; with data
+        parallelism, replicas hold equal gradients after ``step``, so each replica reduces
+        over its own pipeline group only."""
+        named = [(self._canonical.get(id(p), n), p) for n, p in self.named_parameters()]
+        return clip_grad_norm_(named, self.plan, self.rank, self.group, self._device, max_norm,
+                               norm_type, error_if_nonfinite, foreach)
+
+    def grad_scaler(self, **kwargs: Any) -> torch.amp.GradScaler:
+        """A ``ShardedGradScaler`` over the pipeline group, for ``step(..., scaler=)``: every
+        rank skips the same steps and updates the scale identically. ``kwargs``: init_scale,
+        growth_factor, backoff_factor, growth_interval, enabled."""
+        return sharded_grad_scaler(self._device, self.group, **kwargs)
 
     def _average_over_replicas(self, loss: torch.Tensor) -> None:
         """Data parallelism: average gradients (and the loss) over the replicas of this stage."""

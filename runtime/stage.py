@@ -78,6 +78,10 @@ class StageWorker:
         self.state: dict[int, _Microbatch] = {}
         self.posted: dict[tuple[int, int], PostedRecv] = {}
         self.pending: list[tuple[Peer, Any, torch.Tensor]] = []
+        self.loss_divisor: float = plan.microbatches
+        """Each microbatch's loss is divided by it (set per step; see ``pipecut.runtime.grads``)."""
+        self.scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """A GradScaler's ``scale``: backward starts from the scaled loss (set per step)."""
 
     def begin(self) -> None:
         """Forget the previous step."""
@@ -90,7 +94,7 @@ class StageWorker:
         self.pending = []
 
     def loss(self) -> torch.Tensor | None:
-        """Sum of this step's microbatch losses / M on the last stage, else None."""
+        """Sum of this step's microbatch losses / loss_divisor on the last stage, else None."""
         if not self.program.is_last:
             return None
         return torch.stack([mb.loss for mb in self.state.values() if mb.loss is not None]).sum()
@@ -127,7 +131,7 @@ class StageWorker:
             else:
                 out = self.program.module(*args)
             if self.program.is_last:
-                state.loss = self._loss(out, target) / self.plan.microbatches
+                state.loss = self._loss(out, target) / self.loss_divisor
                 return
         tensors = pack(out, self.out_spec, self.stage)
         state.sent = [t for t, leaf in zip(tensors, self.out_spec.tensors) if leaf.requires_grad]
@@ -148,7 +152,8 @@ class StageWorker:
         state = self.state[mb]
         if self.program.is_last:
             assert state.loss is not None
-            outputs, grads = [state.loss], [torch.ones_like(state.loss)]
+            root = self.scale_loss(state.loss) if self.scale_loss is not None else state.loss
+            outputs, grads = [root], [torch.ones_like(root)]
         else:
             received = self._received(self.next, mb, BACKWARD)  # type: ignore[arg-type]
             pairs = [(t, g) for t, g in zip(state.sent, received) if t.requires_grad]
