@@ -20,6 +20,7 @@ from pipecut.calibrate import calibrate as calibrate_costs
 from pipecut.calibrate import stage_times
 from pipecut.capture import Captured, Inputs, capture, fingerprint
 from pipecut.errors import InputError, PartitionError
+from pipecut.parallel import DataParallel
 from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.chain import boundary_bytes, boundary_ms, is_unit, liveness
 from pipecut.passes.coarsen import candidate_cuts
@@ -27,7 +28,7 @@ from pipecut.passes.fit import infeasible_error
 from pipecut.passes.formulate import formulate
 from pipecut.passes.multilevel import partition_ilp
 from pipecut.passes.partition import Chain, partition_dp
-from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, build_stages, inflight_microbatches
+from pipecut.passes.stages import build_stages, inflight_microbatches, state_bytes
 from pipecut.plan import (
     CaptureMethod,
     DeviceSpec,
@@ -78,7 +79,7 @@ def as_devices(devices: Devices) -> tuple[DeviceSpec, ...]:
     return specs
 
 
-def _chain(nodes: Sequence[NodeCost], link: Link) -> tuple[Chain, Any]:
+def _chain(nodes: Sequence[NodeCost], link: Link, data_parallel: DataParallel | None) -> tuple[Chain, Any]:
     live = liveness(nodes)
     fwd, bwd, allowed = boundary_bytes(nodes, live)
     by_name = {n.name: n for n in nodes}
@@ -88,7 +89,7 @@ def _chain(nodes: Sequence[NodeCost], link: Link) -> tuple[Chain, Any]:
         params = n.param_bytes + sum(
             by_name[i].param_bytes for i in n.inputs if by_name[i].op is NodeOp.GET_ATTR
         )
-        fixed.append(params * (2 + OPTIMIZER_STATE_FACTOR))
+        fixed.append(state_bytes(params, data_parallel))
         act.append(n.output_bytes)
     chain = Chain(
         names=live.units,
@@ -124,6 +125,7 @@ def partition_costs(
     partitioner: Partitioner | None = None,
     ilp_time_limit: float = 5.0,
     stages_per_rank: int = 1,
+    data_parallel: DataParallel | None = None,
 ) -> Plan:
     """Partition a cost table (pure data) into a plan.
 
@@ -134,7 +136,9 @@ def partition_costs(
     default) allows it when some device has a memory capacity. ``partitioner``: None picks the
     exact DP for equal devices without memory limits or recompute and the ILP otherwise; DP or
     ILP forces one. ``ilp_time_limit``: seconds CBC may spend in total; the plan's solver
-    record says whether the ILP proved its answer optimal.
+    record says whether the ILP proved its answer optimal. ``data_parallel``: the replicas each
+    stage will have and their engine; FSDP shrinks the memory a stage needs (see
+    :func:`pipecut.passes.stages.state_bytes`).
     """
     kind = as_schedule(schedule)
     if stages_per_rank < 1 or (stages_per_rank > 1 and kind is not ScheduleKind.INTERLEAVED_1F1B):
@@ -155,7 +159,7 @@ def partition_costs(
         # Same optimum as partition_dp (tests check), pruned by a bound: 10,000 units in 0.1 s.
         form = formulate(
             nodes, devices=specs, link=link, schedule=kind, microbatches=microbatches,
-            recompute=False,
+            recompute=False, data_parallel=data_parallel,
         )
         live = form.live
         coarse = candidate_cuts(form.modules, form.problem.compute_ms, form.problem.boundary_ms)
@@ -172,7 +176,7 @@ def partition_costs(
             detail=f"bounded exact DP over {units} units",
         )
     elif method is Partitioner.DP:
-        chain, (live, allowed) = _chain(nodes, link)
+        chain, (live, allowed) = _chain(nodes, link, data_parallel)
         cuttable = sum(allowed[1:-1])
         if k - 1 > cuttable:
             raise PartitionError(
@@ -194,7 +198,7 @@ def partition_costs(
     else:
         form = formulate(
             nodes, devices=specs, link=link, schedule=kind, microbatches=microbatches,
-            recompute=allow,
+            recompute=allow, data_parallel=data_parallel,
         )
         live = form.live
         result = partition_ilp(
@@ -210,7 +214,7 @@ def partition_costs(
         )
     facts = build_stages(
         nodes, live, bounds, devices=specs, link=link, schedule=kind, microbatches=microbatches,
-        recompute=recomputes, stages_per_rank=stages_per_rank,
+        recompute=recomputes, stages_per_rank=stages_per_rank, data_parallel=data_parallel,
     )
     return Plan(
         fingerprint=fingerprint,
@@ -254,14 +258,16 @@ def plan(
     ilp_time_limit: float = 5.0,
     stages_per_rank: int = 1,
     calibrate: bool = True,
+    data_parallel: DataParallel | None = None,
 ) -> Plan:
     """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
 
     ``example_inputs`` is one full batch (a tuple of positional tensors or a dict of keyword
     tensors); ``target`` is the matching target for ``loss_fn(output, target)``.
-    ``recompute``, ``partitioner``, ``ilp_time_limit`` and ``stages_per_rank`` are as in
-    :func:`partition_costs`. ``calibrate``: time the first split's stages whole, scale the node
-    costs to match (see :mod:`pipecut.calibrate`) and partition again.
+    ``recompute``, ``partitioner``, ``ilp_time_limit``, ``stages_per_rank`` and
+    ``data_parallel`` are as in :func:`partition_costs`. ``calibrate``: time the first split's
+    stages whole, scale the node costs to match (see :mod:`pipecut.calibrate`) and partition
+    again.
     """
     specs = as_devices(devices)
     kind = as_schedule(schedule)
@@ -293,6 +299,7 @@ def plan(
             partitioner=partitioner,
             ilp_time_limit=ilp_time_limit,
             stages_per_rank=stages_per_rank,
+            data_parallel=data_parallel,
         )
 
     first_plan = partition(nodes)
