@@ -73,7 +73,8 @@ def _full_grads(alias: dict[str, str], pipe: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-HYBRID = [("ddp", "1f1b"), ("ddp", "gpipe"), ("fsdp", "1f1b"), ("fsdp", "gpipe")]
+HYBRID = [("ddp", "1f1b"), ("ddp", "gpipe"), ("fsdp", "1f1b"), ("fsdp", "gpipe"),
+          ("ddp", "interleaved-1f1b")]  # two stages, so two DDP wrappers, per rank
 LR = 0.1
 
 
@@ -87,12 +88,14 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
         model, inputs, loss_fn, target = EXAMPLES["gpt"]()
         local_inputs, local_target = (inputs[0][half],), target[half]
         alias = _aliases(model)
-        if plan is not None:  # plan once (rank 0 profiles); replay it under each schedule
+        virtual = 2 if schedule == "interleaved-1f1b" else 1
+        if plan is not None and virtual == 1:  # plan once (rank 0 profiles); replay it
             plan = dataclasses.replace(plan, schedule=ScheduleKind(schedule))
         pipe = pipecut.compile(model, mesh, example_inputs=local_inputs, loss_fn=loss_fn,
-                               target=local_target, microbatches=4, schedule=schedule, plan=plan,
+                               target=local_target, microbatches=4, schedule=schedule,
+                               plan=plan if virtual == 1 else None, stages_per_rank=virtual,
                                timeout=60, data_parallel=kind)
-        plan = pipe.plan
+        plan = pipe.plan if virtual == 1 else plan
         fired: list[int] = []  # microbatches whose backward was running when DDP reduced
         if kind == "ddp":
             _watch_reductions(pipe, fired)
@@ -105,7 +108,7 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
             opt.zero_grad()
         sharded = [p.to_local().shape[0] * 2 == p.shape[0] for p in pipe.parameters()
                    if isinstance(p, DTensor) and p.shape[0] % 2 == 0]
-        out["runs"].append({"steps": steps, "stage": pipe.stage, "fired": fired,
+        out["runs"].append({"steps": steps, "stages": pipe.stages, "fired": fired,
                             "sharded": sharded, "params": sum(1 for _ in pipe.parameters())})
     model, inputs, loss_fn, target = EXAMPLES["gpt"]()
     for devices, kwargs in [(world, {"data_parallel": "fsdp"}),
@@ -145,7 +148,8 @@ def test_ddp_and_fsdp_two_stages_times_two_replicas_match_the_whole_batch() -> N
     plain = _plain_two_steps(LR)
     for i, (kind, schedule) in enumerate(HYBRID):
         runs = [r["runs"][i] for r in results]
-        assert sorted(run["stage"] for run in runs) == [0, 0, 1, 1]
+        held = [(0,), (0,), (1,), (1,)] if schedule != "interleaved-1f1b" else [(0, 2), (0, 2), (1, 3), (1, 3)]
+        assert sorted(run["stages"] for run in runs) == held
         for step, (ref_loss, ref_grads) in enumerate(plain):
             # The reference is the unsplit model on all 16 samples; after step 0 both have taken
             # one SGD step, so step 1 also checks that the optimizer saw the averaged gradients.
@@ -155,8 +159,9 @@ def test_ddp_and_fsdp_two_stages_times_two_replicas_match_the_whole_batch() -> N
             except AssertionError as e:
                 raise AssertionError(f"{kind} {schedule} step {step}: {e}") from e
         if kind == "ddp":
-            # DDP reduces only in the stage's last backward: microbatch 3 for 1F1B, 0 for GPipe.
-            last = 3 if schedule == "1f1b" else 0
+            # DDP reduces only in each stage's last backward: microbatch 0 for GPipe (backwards
+            # in reverse), 3 for 1F1B and interleaved 1F1B.
+            last = 0 if schedule == "gpipe" else 3
             for run in runs:
                 assert run["fired"] and set(run["fired"]) == {last}, (kind, schedule, run["fired"])
         else:  # FSDP: every parameter with an even first dimension is split in two halves
