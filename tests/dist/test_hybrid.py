@@ -74,7 +74,7 @@ def _full_grads(alias: dict[str, str], pipe: Any) -> dict[str, torch.Tensor]:
 
 
 HYBRID = [("ddp", "1f1b"), ("ddp", "gpipe"), ("fsdp", "1f1b"), ("fsdp", "gpipe"),
-          ("ddp", "interleaved-1f1b")]  # two stages, so two DDP wrappers, per rank
+          ("ddp", "interleaved-1f1b"), ("fsdp", "interleaved-1f1b")]  # two wrappers per rank
 LR = 0.1
 
 
@@ -83,19 +83,20 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
     replica = mesh.get_local_rank("dp")
     half = slice(8 * replica, 8 * replica + 8)  # each replica trains on its own half of 16
     out: dict[str, Any] = {"replica": replica, "runs": [], "errors": []}
-    plan = None
+    plans: dict[tuple[str, int], Any] = {}
     for kind, schedule in HYBRID:
         model, inputs, loss_fn, target = EXAMPLES["gpt"]()
         local_inputs, local_target = (inputs[0][half],), target[half]
         alias = _aliases(model)
         virtual = 2 if schedule == "interleaved-1f1b" else 1
-        if plan is not None and virtual == 1:  # plan once (rank 0 profiles); replay it
-            plan = dataclasses.replace(plan, schedule=ScheduleKind(schedule))
+        plan = plans.get((schedule, virtual))  # rank 0 profiles once per layout; then replay
         pipe = pipecut.compile(model, mesh, example_inputs=local_inputs, loss_fn=loss_fn,
-                               target=local_target, microbatches=4, schedule=schedule,
-                               plan=plan if virtual == 1 else None, stages_per_rank=virtual,
-                               timeout=60, data_parallel=kind)
-        plan = pipe.plan if virtual == 1 else plan
+                               target=local_target, microbatches=4, schedule=schedule, plan=plan,
+                               stages_per_rank=virtual, timeout=60, data_parallel=kind)
+        plans[(schedule, virtual)] = pipe.plan
+        if virtual == 1:
+            for other in ("1f1b", "gpipe"):
+                plans.setdefault((other, 1), dataclasses.replace(pipe.plan, schedule=ScheduleKind(other)))
         fired: list[int] = []  # microbatches whose backward was running when DDP reduced
         if kind == "ddp":
             _watch_reductions(pipe, fired)
@@ -109,11 +110,11 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
         sharded = [p.to_local().shape[0] * 2 == p.shape[0] for p in pipe.parameters()
                    if isinstance(p, DTensor) and p.shape[0] % 2 == 0]
         out["runs"].append({"steps": steps, "stages": pipe.stages, "fired": fired,
-                            "sharded": sharded, "params": sum(1 for _ in pipe.parameters())})
+                            "sharded": sharded})
     model, inputs, loss_fn, target = EXAMPLES["gpt"]()
     for devices, kwargs in [(world, {"data_parallel": "fsdp"}),
                             (mesh, {"data_parallel": "zero"}),
-                            (mesh, {"plan": dataclasses.replace(plan, schedule=ScheduleKind.ZERO_BUBBLE)})]:
+                            (mesh, {"plan": dataclasses.replace(plans[("1f1b", 1)], schedule=ScheduleKind.ZERO_BUBBLE)})]:
         try:
             pipecut.compile(model, devices, example_inputs=(inputs[0][half],), loss_fn=loss_fn,
                             target=target[half], microbatches=4, timeout=60, **kwargs)
