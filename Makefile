@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 SOURCES := compiler passes runtime tests examples benchmarks
 
-.PHONY: setup demo lint typecheck test test-fast vision clean
+.PHONY: setup demo lint typecheck test test-fast gpu-check vision clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -37,6 +37,12 @@ test: lint
 
 test-fast: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q tests/unit
+
+# A short check on whatever CUDA devices exist (scripts/gpu_check.py); exits 0 with a message
+# where there are none. The default venv holds a CPU build of torch: pass VENV=<a venv with a
+# CUDA build> on a GPU machine.
+gpu-check: setup
+	OMP_NUM_THREADS=1 $(PY) scripts/gpu_check.py
 
 # Optional: torchvision models (benchmarks/partition.py --only tv/, coverage.py --models tv_...).
 # torchvision does not import beside the torch 2.13.0 CPU build; 2.14.1 is a CUDA build that

@@ -14,12 +14,14 @@ from pipecut.batching import first_microbatch
 from pipecut.capture import Inputs, capture, fingerprint
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
 from pipecut.live_calibration import measure_stages, recalibrate
+from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
 from pipecut.passes.split import split_stage
 from pipecut.passes.stages import plan_schedule
 from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
 from pipecut.planner import DEFAULT_LINK, Devices, as_devices
 from pipecut.planner import plan as make_plan
 from pipecut.profile import LossFn
+from pipecut.runtime.data_parallel import check_supported, replicate
 from pipecut.runtime.grads import LossReduction, parse_loss_reduction
 from pipecut.runtime.launch import ensure_process_group, local_device
 from pipecut.runtime.pipeline import Pipeline
@@ -33,6 +35,8 @@ class _Layout:
 
     pp_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None
+    dp_mesh: Any
+    """The 1-D "dp" DeviceMesh (FSDP2 takes a mesh), or None."""
     replicas: tuple[tuple[int, ...], ...]
     """Global ranks of every pipeline replica, stage-rank order; this rank's replica included."""
     devices: Any
@@ -43,14 +47,28 @@ def _layout(devices: Any) -> _Layout:
     names = getattr(devices, "mesh_dim_names", None)
     if names is None:
         world = dist.get_world_size()
-        return _Layout(None, None, (tuple(range(world)),), devices)
+        return _Layout(None, None, None, (tuple(range(world)),), devices)
     if "pp" not in names or not set(names) <= {"dp", "pp"}:
         raise InputError(f"the DeviceMesh needs dimensions ('dp', 'pp') or ('pp',), it has {names}")
     pp = devices.get_group("pp")
     dp = devices.get_group("dp") if "dp" in names else None
+    dp_mesh = devices["dp"] if "dp" in names else None
     mesh = devices.mesh if names.index("pp") == len(names) - 1 else devices.mesh.transpose(0, 1)
     replicas = tuple(tuple(int(r) for r in row) for row in mesh.reshape(-1, mesh.shape[-1]).tolist())
-    return _Layout(pp, dp, replicas, dist.get_world_size(pp))
+    return _Layout(pp, dp, dp_mesh, replicas, dist.get_world_size(pp))
+
+
+def _replication(layout: _Layout, data_parallel: str | DataParallelKind | None) -> DataParallel | None:
+    """The data-parallel engine and replica count; DDP by default when there is a "dp" dimension."""
+    if layout.dp_group is None:
+        if data_parallel is not None:
+            raise InputError(
+                f"data_parallel={data_parallel!r} needs replicas: pass a DeviceMesh with "
+                f"dimensions ('dp', 'pp') as devices, or leave data_parallel=None"
+            )
+        return None
+    kind = as_data_parallel(data_parallel if data_parallel is not None else DataParallelKind.DDP)
+    return DataParallel(kind=kind, replicas=dist.get_world_size(layout.dp_group))
 
 
 def _load_plan(plan: Plan | str | Path, expected: str) -> Plan:
@@ -80,6 +98,7 @@ def compile(
     stages_per_rank: int = 1,
     calibration_steps: int = 2,
     loss_reduction: str | LossReduction = LossReduction.MEAN,
+    data_parallel: str | DataParallelKind | None = None,
 ) -> Pipeline:
     """Build this rank's stage of ``model`` pipelined over the ranks of the process group.
 
@@ -96,11 +115,15 @@ def compile(
     ``loss_reduction``: "mean" (``loss_fn`` returns a mean; the step's loss is the mean over
     microbatches) or "sum" (``loss_fn`` returns a sum; ``step(..., normalizer=n)`` divides the
     sum over microbatches by n, e.g. the number of valid tokens in the whole batch).
+    ``data_parallel``: with a "dp" dimension, ``"ddp"`` (the default) wraps each stage module in
+    DistributedDataParallel over its replicas, ``"fsdp"`` shards it with FSDP2 ``fully_shard``
+    (parameters, gradients and optimizer state divided over the replicas).
     """
     reduction = parse_loss_reduction(loss_reduction)
     wait = datetime.timedelta(seconds=timeout)
     ensure_process_group(wait)
     layout = _layout(devices)
+    replication = _replication(layout, data_parallel)
     group = layout.pp_group
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -125,7 +148,7 @@ def compile(
                 made = make_plan(
                     model, example_inputs, specs, loss_fn=loss_fn, target=target,
                     microbatches=microbatches, schedule=schedule, link=link, captured=captured,
-                    stages_per_rank=stages_per_rank,
+                    stages_per_rank=stages_per_rank, data_parallel=replication,
                 )
                 payload = [("ok", made.to_json())]
             except Exception as e:  # every rank must learn of it, or they wait forever
@@ -155,6 +178,8 @@ def compile(
         )
     sched = plan_schedule(chosen)
     validate(sched, chosen.microbatches)
+    if replication is not None:
+        check_supported(chosen, replication.kind)
     workers = {}
     for stage in range(rank, chosen.num_stages, world):
         program = split_stage(captured.gm, chosen, stage)
@@ -168,17 +193,20 @@ def compile(
         group=group, tied_groups=_tied_groups(chosen, layout, rank, wait), dp_group=layout.dp_group,
         loss_reduction=reduction,
     )
-    if plan is not None or calibration_steps <= 0:
-        return pipe
-    times = measure_stages(pipe, example_inputs, target, calibration_steps)
-    again: list[Any] = [recalibrate(chosen, times).to_json() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(again, src=0)
-    return compile(
-        model, devices, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
-        microbatches=microbatches, schedule=schedule, plan=Plan.from_json(again[0]), link=link,
-        timeout=timeout, capture_method=capture_method, leaf_modules=leaf_modules,
-        stages_per_rank=stages_per_rank, loss_reduction=reduction,
-    )
+    if plan is None and calibration_steps > 0:  # before any wrapping: FSDP changes the modules
+        times = measure_stages(pipe, example_inputs, target, calibration_steps)
+        again: list[Any] = [recalibrate(chosen, times, replication).to_json() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(again, src=0)
+        return compile(
+            model, devices, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
+            microbatches=microbatches, schedule=schedule, plan=Plan.from_json(again[0]), link=link,
+            timeout=timeout, capture_method=capture_method, leaf_modules=leaf_modules,
+            stages_per_rank=stages_per_rank, loss_reduction=reduction, data_parallel=data_parallel,
+        )
+    if replication is not None:  # after Pipeline has read the parameter names FSDP may change
+        assert layout.dp_group is not None  # _replication gives None without a "dp" dimension
+        replicate(workers, sched[rank], replication.kind, group=layout.dp_group, mesh=layout.dp_mesh)
+    return pipe
 
 
 def _tied_groups(plan: Plan, layout: _Layout, rank: int, wait: datetime.timedelta) -> list[tuple[str, Any]]:

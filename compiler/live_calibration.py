@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from pipecut.calibrate import calibrate
+from pipecut.parallel import DataParallel
 from pipecut.passes.chain import liveness
 from pipecut.passes.stages import build_stages
 from pipecut.plan import Partitioner, Plan, Recompute
@@ -89,7 +90,7 @@ def measure_stages(pipe: Any, inputs: Any, target: Any, steps: int = 2) -> list[
     return [merged[s] for s in range(pipe.plan.num_stages)]
 
 
-def recalibrate(plan: Plan, times: list[tuple[float, float]]) -> Plan:
+def recalibrate(plan: Plan, times: list[tuple[float, float]], data_parallel: DataParallel | None = None) -> Plan:
     """``plan`` with node costs scaled to the measured stage times, partitioned again (a split
     the user gave is kept); predictions come from the scaled costs."""
     from pipecut.planner import partition_costs  # the planner imports this module's callers
@@ -102,7 +103,7 @@ def recalibrate(plan: Plan, times: list[tuple[float, float]]) -> Plan:
         facts = build_stages(
             nodes, live, bounds, devices=plan.devices, link=plan.link, schedule=plan.schedule,
             microbatches=plan.microbatches, recompute=[s.recompute for s in plan.stages],
-            stages_per_rank=plan.stages_per_rank,
+            stages_per_rank=plan.stages_per_rank, data_parallel=data_parallel,
         )
         predicted = dataclasses.replace(facts.predicted, optimum_step_ms=plan.predicted.optimum_step_ms)
         again = dataclasses.replace(plan, nodes=nodes, stages=facts.stages, edges=facts.edges,
@@ -113,6 +114,7 @@ def recalibrate(plan: Plan, times: list[tuple[float, float]]) -> Plan:
             batch_size=plan.batch_size, schedule=plan.schedule, link=plan.link,
             fingerprint=plan.fingerprint, capture=plan.capture, inputs=plan.inputs,
             partitioner=plan.solver.method, stages_per_rank=plan.stages_per_rank,
+            data_parallel=data_parallel,
         )
         again = dataclasses.replace(again, candidates=plan.candidates)
     detail = f"{again.solver.detail}; {note}" if again.solver.detail else note

@@ -21,6 +21,7 @@ from pipecut.calibrate import calibrate as calibrate_costs
 from pipecut.calibrate import stage_times
 from pipecut.capture import Captured, Inputs, capture, fingerprint
 from pipecut.errors import InputError, PartitionError
+from pipecut.parallel import DataParallel
 from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.chain import boundary_bytes, boundary_ms, can_cross, is_unit, liveness
 from pipecut.passes.coarsen import candidate_cuts
@@ -29,7 +30,7 @@ from pipecut.passes.formulate import formulate
 from pipecut.passes.multilevel import partition_ilp
 from pipecut.passes.partition import Chain, partition_dp
 from pipecut.passes.pinned import bounds_from_modules, bounds_from_split_points, is_split_points
-from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, build_stages, inflight_microbatches
+from pipecut.passes.stages import build_stages, inflight_microbatches, state_bytes
 from pipecut.plan import (
     CaptureMethod,
     DeviceSpec,
@@ -82,7 +83,7 @@ def as_devices(devices: Devices) -> tuple[DeviceSpec, ...]:
     return specs
 
 
-def _chain(nodes: Sequence[NodeCost], link: Link) -> tuple[Chain, Any]:
+def _chain(nodes: Sequence[NodeCost], link: Link, data_parallel: DataParallel | None) -> tuple[Chain, Any]:
     live = liveness(nodes)
     fwd, bwd, allowed = boundary_bytes(nodes, live)
     by_name = {n.name: n for n in nodes}
@@ -92,7 +93,7 @@ def _chain(nodes: Sequence[NodeCost], link: Link) -> tuple[Chain, Any]:
         params = n.param_bytes + sum(
             by_name[i].param_bytes for i in n.inputs if by_name[i].op is NodeOp.GET_ATTR
         )
-        fixed.append(params * (2 + OPTIMIZER_STATE_FACTOR))
+        fixed.append(state_bytes(params, data_parallel))
         act.append(n.output_bytes)
     chain = Chain(
         names=live.units,
@@ -129,6 +130,7 @@ def partition_costs(
     ilp_time_limit: float = 5.0,
     stages_per_rank: int = 1,
     split: Split | None = None,
+    data_parallel: DataParallel | None = None,
 ) -> Plan:
     """Partition a cost table (pure data) into a plan.
 
@@ -144,6 +146,9 @@ def partition_costs(
     ``split`` pins the split instead: module FQNs per stage (``[["emb", "blocks.0"],
     ["blocks.1", "head"]]``) or the modules where stages 1.. begin (``["blocks.1"]``). The plan
     then reports pipecut's own optimum beside it (``predicted.optimum_step_ms``).
+    ``data_parallel``: the replicas each
+    stage will have and their engine; FSDP shrinks the memory a stage needs (see
+    :func:`pipecut.passes.stages.state_bytes`).
     """
     kind = as_schedule(schedule)
     if stages_per_rank < 1 or (stages_per_rank > 1 and kind is not ScheduleKind.INTERLEAVED_1F1B):
@@ -168,6 +173,7 @@ def partition_costs(
             nodes, devices=ranks, microbatches=microbatches, batch_size=batch_size,
             schedule=kind, link=link, recompute=recompute, partitioner=partitioner,
             ilp_time_limit=ilp_time_limit, stages_per_rank=stages_per_rank,
+            data_parallel=data_parallel,
         )
         optimum_ms = optimum.predicted.step_ms
         solver = Solver(
@@ -178,7 +184,7 @@ def partition_costs(
         # Same optimum as partition_dp (tests check), pruned by a bound: 10,000 units in 0.1 s.
         form = formulate(
             nodes, devices=specs, link=link, schedule=kind, microbatches=microbatches,
-            recompute=False,
+            recompute=False, data_parallel=data_parallel,
         )
         live = form.live
         coarse = candidate_cuts(form.modules, form.problem.compute_ms, form.problem.boundary_ms)
@@ -195,7 +201,7 @@ def partition_costs(
             detail=f"bounded exact DP over {units} units",
         )
     elif method is Partitioner.DP:
-        chain, (live, allowed) = _chain(nodes, link)
+        chain, (live, allowed) = _chain(nodes, link, data_parallel)
         cuttable = sum(allowed[1:-1])
         if k - 1 > cuttable:
             raise PartitionError(
@@ -217,7 +223,7 @@ def partition_costs(
     else:
         form = formulate(
             nodes, devices=specs, link=link, schedule=kind, microbatches=microbatches,
-            recompute=allow,
+            recompute=allow, data_parallel=data_parallel,
         )
         live = form.live
         result = partition_ilp(
@@ -233,7 +239,7 @@ def partition_costs(
         )
     facts = build_stages(
         nodes, live, bounds, devices=specs, link=link, schedule=kind, microbatches=microbatches,
-        recompute=recomputes, stages_per_rank=stages_per_rank,
+        recompute=recomputes, stages_per_rank=stages_per_rank, data_parallel=data_parallel,
     )
     predicted = dataclasses.replace(facts.predicted, optimum_step_ms=optimum_ms or facts.predicted.step_ms)
     return Plan(
@@ -319,6 +325,7 @@ def plan(
     stages_per_rank: int = 1,
     calibrate: bool = True,
     split: Split | None = None,
+    data_parallel: DataParallel | None = None,
 ) -> Plan:
     """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
 
@@ -326,10 +333,11 @@ def plan(
     tensors); ``target`` is the matching target for ``loss_fn(output, target)``.
     ``microbatches="auto"`` / ``schedule="auto"``: pick them by predicted step time (see
     :mod:`pipecut.autoplan`); the plan lists every pair considered (``plan.candidates``).
-    ``recompute``, ``partitioner``, ``ilp_time_limit`` and ``stages_per_rank`` are as in
-    :func:`partition_costs`, and so is ``split`` (a split you choose; the plan reports its cost
-    beside pipecut's optimum). ``calibrate``: time the first split's stages whole, scale the node
-    costs to match (see :mod:`pipecut.calibrate`) and partition again.
+    ``recompute``, ``partitioner``, ``ilp_time_limit``, ``stages_per_rank``, ``data_parallel``
+    and ``split`` (a split you choose; the plan reports its cost beside pipecut's optimum) are
+    as in :func:`partition_costs`. ``calibrate``: time the first split's
+    stages whole, scale the node costs to match (see :mod:`pipecut.calibrate`) and partition
+    again.
     """
     specs = as_devices(devices)
     if microbatches == AUTO or schedule == AUTO:
@@ -342,7 +350,8 @@ def plan(
             partition=lambda costs, m, k: partition_costs(
                 costs, devices=specs, microbatches=m, batch_size=full,
                 schedule=k, link=link, recompute=recompute, partitioner=partitioner,
-                ilp_time_limit=ilp_time_limit, stages_per_rank=stages_per_rank, split=split),
+                ilp_time_limit=ilp_time_limit, stages_per_rank=stages_per_rank, split=split,
+                data_parallel=data_parallel),
         )
         chosen = plan(
             model, example_inputs, specs, loss_fn=loss_fn, target=target, microbatches=m,
@@ -350,6 +359,7 @@ def plan(
             leaf_modules=leaf_modules, repeats=repeats, warmup=warmup, progress=progress,
             recompute=recompute, partitioner=partitioner, ilp_time_limit=ilp_time_limit,
             stages_per_rank=stages_per_rank, calibrate=calibrate, split=split,
+            data_parallel=data_parallel,
         )
         return dataclasses.replace(chosen, candidates=candidates)
     if not isinstance(microbatches, int):
@@ -384,6 +394,7 @@ def plan(
             ilp_time_limit=ilp_time_limit,
             stages_per_rank=stages_per_rank,
             split=split,
+            data_parallel=data_parallel,
         )
 
     first_plan = partition(nodes)

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipecut.parallel import DataParallel
 from pipecut.passes.chain import Liveness, boundary_bytes, boundary_ms, liveness
 from pipecut.passes.problem import Problem
-from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, inflight_microbatches
+from pipecut.passes.stages import inflight_microbatches, state_bytes
 from pipecut.plan import DeviceSpec, Link, NodeCost, NodeOp, ScheduleKind
 
 
@@ -19,7 +20,7 @@ class Formulation:
     """Module path of each unit, for coarsening at module boundaries."""
 
 
-def unit_fixed_bytes(node: NodeCost, by_name: dict[str, NodeCost]) -> int:
+def unit_fixed_bytes(node: NodeCost, by_name: dict[str, NodeCost], data_parallel: DataParallel | None = None) -> int:
     """Parameters, gradients and optimizer state of a unit and the ``get_attr`` nodes it reads.
 
     A parameter read by two units of one stage is counted twice here (once in the plan), so the
@@ -28,7 +29,7 @@ def unit_fixed_bytes(node: NodeCost, by_name: dict[str, NodeCost]) -> int:
     params = node.param_bytes + sum(
         by_name[i].param_bytes for i in node.inputs if by_name[i].op is NodeOp.GET_ATTR
     )
-    return params * (2 + OPTIMIZER_STATE_FACTOR)
+    return state_bytes(params, data_parallel)
 
 
 def formulate(
@@ -39,6 +40,7 @@ def formulate(
     schedule: ScheduleKind,
     microbatches: int,
     recompute: bool,
+    data_parallel: DataParallel | None = None,
 ) -> Formulation:
     live = liveness(nodes)
     fwd_bytes, bwd_bytes, allowed = boundary_bytes(nodes, live)
@@ -51,7 +53,7 @@ def formulate(
         forward_ms=tuple(u.forward_ms for u in units),
         boundary_ms=tuple(boundary_ms(fwd_bytes, bwd_bytes, allowed, link)),
         input_bytes=tuple(fwd_bytes),
-        fixed_bytes=tuple(unit_fixed_bytes(u, by_name) for u in units),
+        fixed_bytes=tuple(unit_fixed_bytes(u, by_name, data_parallel) for u in units),
         activation_bytes=tuple(u.output_bytes for u in units),
         speeds=tuple(d.speed for d in devices),
         capacities=tuple(d.memory_bytes for d in devices),

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipecut.errors import ScheduleError
+from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.chain import Liveness, boundary_bytes, boundary_ms, value_bytes
 from pipecut.plan import (
     DeviceSpec,
@@ -29,6 +30,21 @@ from pipecut.runtime.zb_schedule import zero_bubble
 
 OPTIMIZER_STATE_FACTOR = 2
 """Optimizer state per parameter byte (AdamW keeps two moments)."""
+
+
+def state_bytes(param_bytes: int, data_parallel: DataParallel | None = None) -> int:
+    """Peak bytes of parameters, gradients and optimizer state for ``param_bytes`` of parameters.
+
+    Replicated (one pipeline, or DDP): all of it on every replica. FSDP shards a stage as one
+    ``fully_shard`` unit gathered for the whole step, so at the step's peak a replica holds the
+    gathered parameters and the unsharded gradients they accumulate over the microbatches, plus
+    its 1/D shard of parameters, gradients and optimizer state, which is all it keeps between
+    steps. (FSDP's transient reduce-scatter buffer is not counted.)
+    """
+    if data_parallel is None or data_parallel.kind is DataParallelKind.DDP:
+        return param_bytes * (2 + OPTIMIZER_STATE_FACTOR)
+    shard = -(-param_bytes * (2 + OPTIMIZER_STATE_FACTOR) // data_parallel.replicas)
+    return 2 * param_bytes + shard
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,6 +92,7 @@ def build_stages(
     microbatches: int,
     recompute: Sequence[Recompute] | None = None,
     stages_per_rank: int = 1,
+    data_parallel: DataParallel | None = None,
 ) -> StageFacts:
     k = len(bounds) - 1
     by_name = {n.name: n for n in nodes}
@@ -102,7 +119,7 @@ def build_stages(
             bwd_ms += fwd_ms
         else:
             act = in_bytes + sum(u.output_bytes for u in units)
-        fixed = pbytes * (2 + OPTIMIZER_STATE_FACTOR)
+        fixed = state_bytes(pbytes, data_parallel)
         stages.append(
             Stage(
                 index=s,

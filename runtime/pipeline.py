@@ -16,6 +16,7 @@ from pipecut.errors import InputError
 from pipecut.fxutil import canonical_names
 from pipecut.passes.stages import predicted_timeline
 from pipecut.plan import LeafKind, Plan
+from pipecut.runtime.data_parallel import average_loss
 from pipecut.runtime.executor import Event, run_actions
 from pipecut.runtime.failure import abort
 from pipecut.runtime.grads import (
@@ -63,7 +64,10 @@ class Pipeline:
         self.dp_group = dp_group
         self.loss_reduction = loss_reduction
         self.events: list[Event] = []
-        self._canonical = canonical_names(captured.gm)
+        # By name, not object: FSDP later swaps parameters for sharded ones, on modules shared
+        # with captured.gm, so the tie between two names is only visible now.
+        first = canonical_names(captured.gm)
+        self._alias = {name: first[id(p)] for name, p in captured.gm.named_parameters(remove_duplicate=False)}
         self._device = next(iter(self.workers.values())).device
 
     @property
@@ -200,11 +204,13 @@ class Pipeline:
             dist.barrier(group=self.group)  # align the ranks' clocks for the timeline
         loss, events = run_actions(self.workers, self.schedule[self.rank], mb_inputs, targets, record)
         self.events = events
-        reduce_tied_grads(self.parameters(), self._canonical, self.tied_groups)
+        canonical = {id(p): self._alias.get(name, name) for m in self.modules
+                     for name, p in m.named_parameters(remove_duplicate=False)}
+        reduce_tied_grads(self.parameters(), canonical, self.tied_groups)
         out = loss.detach().float() if loss is not None else torch.zeros((), device=self._device)
         dist.broadcast(out, src=self.ranks[-1], group=self.group)
-        if self.dp_group is not None:
-            self._average_over_replicas(out)
+        if self.dp_group is not None:  # gradients: averaged by DDP / FSDP in the last backward
+            average_loss(out, self.dp_group)
         return out
 
     def _weigh_loss(self, scaler: Any, normalizer: Any) -> None:
@@ -224,7 +230,7 @@ class Pipeline:
         scaled by the same coefficient. Collective over the pipeline group; with data
         parallelism, replicas hold equal gradients after ``step``, so each replica reduces
         over its own pipeline group only."""
-        named = [(self._canonical.get(id(p), n), p) for n, p in self.named_parameters()]
+        named = [(self._alias.get(n, n), p) for n, p in self.named_parameters()]
         return clip_grad_norm_(named, self.plan, self.rank, self.group, self._device, max_norm,
                                norm_type, error_if_nonfinite, foreach)
 
@@ -233,20 +239,3 @@ class Pipeline:
         rank skips the same steps and updates the scale identically. ``kwargs``: init_scale,
         growth_factor, backoff_factor, growth_interval, enabled."""
         return sharded_grad_scaler(self._device, self.group, **kwargs)
-
-    def _average_over_replicas(self, loss: torch.Tensor) -> None:
-        """Data parallelism: average gradients (and the loss) over the replicas of this stage."""
-        replicas = dist.get_world_size(self.dp_group)
-        grads = []
-        for p in self.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.reshape(1)])
-        dist.all_reduce(flat, group=self.dp_group)  # one message for the whole stage
-        flat /= replicas
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        loss.copy_(flat[-1])

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from pipecut.errors import PipelineRuntimeError
@@ -82,6 +83,10 @@ class StageWorker:
         """Each microbatch's loss is divided by it (set per step; see ``pipecut.runtime.grads``)."""
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
         """A GradScaler's ``scale``: backward starts from the scaled loss (set per step)."""
+        self.call: Callable[..., Any] = program.module
+        """What a forward calls: the stage module, or its data-parallel wrapper."""
+        self.before_backward: Callable[[int], None] = lambda mb: None
+        """Data parallelism: tells the wrapper whether a microbatch's backward is the last."""
 
     def begin(self) -> None:
         """Forget the previous step."""
@@ -127,9 +132,9 @@ class StageWorker:
         kept = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)] if self.recompute else []
         with self.meter.forward(mb, kept):
             if self.recompute:  # keep only the inputs; the forward runs again inside backward
-                out = checkpoint(self.program.module, *args, use_reentrant=False)
+                out = checkpoint(self.call, *args, use_reentrant=False)
             else:
-                out = self.program.module(*args)
+                out = self.call(*args)
             if self.program.is_last:
                 state.loss = self._loss(out, target) / self.loss_divisor
                 return
@@ -150,6 +155,7 @@ class StageWorker:
         """The microbatch's backward; with ``weights_later`` only its input-gradient part, the
         weight gradients being left to :meth:`backward_weight` (zero-bubble schedules)."""
         state = self.state[mb]
+        self.before_backward(mb)
         if self.program.is_last:
             assert state.loss is not None
             root = self.scale_loss(state.loss) if self.scale_loss is not None else state.loss
@@ -202,7 +208,8 @@ def reduce_tied_grads(
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=group)
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # FSDP: this shard
+        dist.all_reduce(grad, group=group)
 
 
 def tree_to(value: Any, device: torch.device) -> Any:

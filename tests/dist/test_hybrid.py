@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import pipecut
+from pipecut.errors import InputError, PlanError
+from pipecut.fxutil import canonical_names
+from pipecut.plan import ScheduleKind
 from examples import EXAMPLES
 from tests.harness import run_ranks
 from tests.reference import assert_parity, pipeline_grads, reference
@@ -36,23 +43,133 @@ def test_interleaved_virtual_stages_match_the_unsplit_model() -> None:
         assert_parity(ref_loss, ref_grads, [r[i] for r in results])
 
 
+def _plain_two_steps(lr: float) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """Loss and gradients of the unsplit GPT on the whole batch of 16, for two SGD steps."""
+    model, inputs, loss_fn, target = EXAMPLES["gpt"]()
+    names = canonical_names(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    out = []
+    for _ in range(2):
+        loss = loss_fn(model(*inputs), target)
+        loss.backward()
+        out.append((loss.detach(), {names[id(p)]: p.grad.clone() for p in model.parameters()}))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def _aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Every parameter name -> its canonical name (read before FSDP swaps the parameters)."""
+    first = canonical_names(model)
+    return {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _full_grads(alias: dict[str, str], pipe: Any) -> dict[str, torch.Tensor]:
+    """This rank's gradients by canonical name; FSDP shards gathered (collective over "dp")."""
+    out = {}
+    for name, p in pipe.named_parameters():
+        g = p.grad
+        out[alias[name]] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+    return out
+
+
+HYBRID = [("ddp", "1f1b"), ("ddp", "gpipe"), ("fsdp", "1f1b"), ("fsdp", "gpipe"),
+          ("ddp", "interleaved-1f1b"), ("fsdp", "interleaved-1f1b")]  # two wrappers per rank
+LR = 0.1
+
+
 def _hybrid(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     replica = mesh.get_local_rank("dp")
-    model, inputs, loss_fn, target = EXAMPLES["gpt"]()  # the whole batch of 16
-    half = slice(8 * replica, 8 * replica + 8)  # each replica trains on its own half
-    local_inputs, local_target = (inputs[0][half],), target[half]
-    pipe = pipecut.compile(model, mesh, example_inputs=local_inputs, loss_fn=loss_fn,
-                           target=local_target, microbatches=4, timeout=60)
-    loss = pipe.step(local_inputs, local_target)
-    return {"loss": loss, "grads": pipeline_grads(model, pipe), "replica": replica,
-            "stage": pipe.stage}
+    half = slice(8 * replica, 8 * replica + 8)  # each replica trains on its own half of 16
+    out: dict[str, Any] = {"replica": replica, "runs": [], "errors": []}
+    plans: dict[tuple[str, int], Any] = {}
+    for kind, schedule in HYBRID:
+        model, inputs, loss_fn, target = EXAMPLES["gpt"]()
+        local_inputs, local_target = (inputs[0][half],), target[half]
+        alias = _aliases(model)
+        virtual = 2 if schedule == "interleaved-1f1b" else 1
+        plan = plans.get((schedule, virtual))  # rank 0 profiles once per layout; then replay
+        pipe = pipecut.compile(model, mesh, example_inputs=local_inputs, loss_fn=loss_fn,
+                               target=local_target, microbatches=4, schedule=schedule, plan=plan,
+                               stages_per_rank=virtual, timeout=60, data_parallel=kind)
+        plans[(schedule, virtual)] = pipe.plan
+        if virtual == 1:
+            for other in ("1f1b", "gpipe"):
+                plans.setdefault((other, 1), dataclasses.replace(pipe.plan, schedule=ScheduleKind(other)))
+        fired: list[int] = []  # microbatches whose backward was running when DDP reduced
+        if kind == "ddp":
+            _watch_reductions(pipe, fired)
+        opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+        steps = []
+        for _ in range(2):
+            loss = pipe.step(local_inputs, local_target)
+            steps.append({"loss": loss, "grads": _full_grads(alias, pipe)})
+            opt.step()
+            opt.zero_grad()
+        sharded = [p.to_local().shape[0] * 2 == p.shape[0] for p in pipe.parameters()
+                   if isinstance(p, DTensor) and p.shape[0] % 2 == 0]
+        out["runs"].append({"steps": steps, "stages": pipe.stages, "fired": fired,
+                            "sharded": sharded})
+    model, inputs, loss_fn, target = EXAMPLES["gpt"]()
+    for devices, kwargs in [(world, {"data_parallel": "fsdp"}),
+                            (mesh, {"data_parallel": "zero"}),
+                            (mesh, {"plan": dataclasses.replace(plans[("1f1b", 1)], schedule=ScheduleKind.ZERO_BUBBLE)})]:
+        try:
+            pipecut.compile(model, devices, example_inputs=(inputs[0][half],), loss_fn=loss_fn,
+                            target=target[half], microbatches=4, timeout=60, **kwargs)
+            out["errors"].append("no error")
+        except (InputError, PlanError) as e:
+            out["errors"].append(f"{type(e).__name__}: {e}")
+    return out
 
 
-@pytest.mark.timeout(240)
-def test_two_stages_times_two_replicas_match_the_whole_batch() -> None:
-    results = run_ranks(_hybrid, 4, timeout=220)
-    assert sorted((r["replica"], r["stage"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    # The reference is the unsplit model on all 16 samples; every rank must hold its gradient.
-    ref_loss, ref_grads = reference(EXAMPLES["gpt"], 4, per_microbatch=False)
-    assert_parity(ref_loss, ref_grads, results)
+def _watch_reductions(pipe: Any, fired: list[int]) -> None:
+    """Record, each time DDP launches a bucket's all-reduce, which microbatch's backward runs."""
+    for worker in pipe.workers.values():
+        current = [-1]
+        before = worker.before_backward
+
+        def watch(mb: int, before: Any = before, current: list[int] = current) -> None:
+            current[0] = mb
+            before(mb)
+
+        def hook(state, bucket, current=current):  # DDP checks annotations: leave them off
+            fired.append(current[0])
+            return allreduce_hook(state, bucket)
+
+        worker.before_backward = watch
+        worker.call.ddp.register_comm_hook(worker.call.ddp.process_group, hook)
+
+
+@pytest.mark.timeout(300)
+def test_ddp_and_fsdp_two_stages_times_two_replicas_match_the_whole_batch() -> None:
+    results = run_ranks(_hybrid, 4, timeout=280)
+    assert sorted(r["replica"] for r in results) == [0, 0, 1, 1]
+    plain = _plain_two_steps(LR)
+    for i, (kind, schedule) in enumerate(HYBRID):
+        runs = [r["runs"][i] for r in results]
+        held = [(0,), (0,), (1,), (1,)] if schedule != "interleaved-1f1b" else [(0, 2), (0, 2), (1, 3), (1, 3)]
+        assert sorted(run["stages"] for run in runs) == held
+        for step, (ref_loss, ref_grads) in enumerate(plain):
+            # The reference is the unsplit model on all 16 samples; after step 0 both have taken
+            # one SGD step, so step 1 also checks that the optimizer saw the averaged gradients.
+            # Tolerances as in tests/reference.py: only summation order differs.
+            try:
+                assert_parity(ref_loss, ref_grads, [run["steps"][step] for run in runs])
+            except AssertionError as e:
+                raise AssertionError(f"{kind} {schedule} step {step}: {e}") from e
+        if kind == "ddp":
+            # DDP reduces only in each stage's last backward: microbatch 0 for GPipe (backwards
+            # in reverse), 3 for 1F1B and interleaved 1F1B.
+            last = 0 if schedule == "gpipe" else 3
+            for run in runs:
+                assert run["fired"] and set(run["fired"]) == {last}, (kind, schedule, run["fired"])
+        else:  # FSDP: every parameter with an even first dimension is split in two halves
+            for run in runs:
+                assert run["sharded"] and all(run["sharded"]), run["sharded"]
+    for r in results:
+        no_dp, unknown, zero_bubble = r["errors"]
+        assert "InputError: data_parallel='fsdp' needs replicas" in no_dp
+        assert "InputError: unknown data_parallel 'zero'; choose one of ['ddp', 'fsdp']" in unknown
+        assert "PlanError: data_parallel='ddp' cannot run the zero-bubble schedule" in zero_bubble

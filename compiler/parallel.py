@@ -1,0 +1,43 @@
+"""Data parallelism across pipeline replicas, as plan data: which engine, how many replicas.
+
+Imported by the planner's memory model (``pipecut.passes.stages.state_bytes``) and by the
+runtime (``pipecut.runtime.data_parallel``), so it sits with the plan data, below both.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from pipecut.errors import InputError
+
+__all__ = ["DataParallel", "DataParallelKind", "as_data_parallel"]
+
+
+class DataParallelKind(enum.Enum):
+    DDP = "ddp"
+    """DistributedDataParallel on each stage: every replica holds all of its stage's state."""
+    FSDP = "fsdp"
+    """FSDP2 ``fully_shard`` on each stage: parameters, gradients and optimizer state sharded."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataParallel:
+    kind: DataParallelKind
+    replicas: int
+    """Replicas of every stage (the size of the mesh's "dp" dimension)."""
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise InputError(f"data parallelism needs at least 1 replica, got {self.replicas}")
+
+
+def as_data_parallel(value: str | DataParallelKind) -> DataParallelKind:
+    """``"ddp"``/``"fsdp"`` (any case) or the enum; anything else is refused with the options."""
+    if isinstance(value, DataParallelKind):
+        return value
+    try:
+        return DataParallelKind(str(value).lower())
+    except ValueError:
+        valid = [k.value for k in DataParallelKind]
+        raise InputError(f"unknown data_parallel {value!r}; choose one of {valid}") from None
