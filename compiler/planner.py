@@ -25,6 +25,7 @@ from pipecut.passes.chain import boundary_bytes, boundary_ms, is_unit, liveness
 from pipecut.passes.coarsen import candidate_cuts
 from pipecut.passes.fit import infeasible_error
 from pipecut.passes.formulate import formulate
+from pipecut.passes.ilp import IlpSolver
 from pipecut.passes.multilevel import partition_ilp
 from pipecut.passes.partition import Chain, partition_dp
 from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, build_stages, inflight_microbatches
@@ -41,6 +42,17 @@ from pipecut.plan import (
     Solver,
 )
 from pipecut.profile import LossFn, profile
+
+__all__ = [
+    "DEFAULT_LINK",
+    "LARGE_GRAPH_UNITS",
+    "Devices",
+    "as_devices",
+    "as_ilp_solver",
+    "as_schedule",
+    "partition_costs",
+    "plan",
+]
 
 LARGE_GRAPH_UNITS = 2000
 """Above this many units the DP prunes its search with a bound (same optimum, far faster)."""
@@ -100,6 +112,18 @@ def _chain(nodes: Sequence[NodeCost], link: Link) -> tuple[Chain, Any]:
     return chain, (live, allowed)
 
 
+def as_ilp_solver(solver: IlpSolver | str) -> IlpSolver:
+    """``"highs"``/``"cbc"`` (or the enum) → :class:`IlpSolver`; InputError lists the choices."""
+    if isinstance(solver, IlpSolver):
+        return solver
+    try:
+        return IlpSolver(str(solver).lower())
+    except ValueError:
+        raise InputError(
+            f"unknown ILP solver {solver!r}; choose one of {[s.value for s in IlpSolver]}"
+        ) from None
+
+
 def _use_ilp(specs: Sequence[DeviceSpec], recompute: bool) -> bool:
     """The DP is exact and fast for equal devices without memory limits or recompute."""
     return (
@@ -124,6 +148,7 @@ def partition_costs(
     partitioner: Partitioner | None = None,
     ilp_time_limit: float = 5.0,
     stages_per_rank: int = 1,
+    solver: IlpSolver | str = IlpSolver.HIGHS,
 ) -> Plan:
     """Partition a cost table (pure data) into a plan.
 
@@ -133,10 +158,12 @@ def partition_costs(
     ``recompute``: may a stage recompute its forward in backward to fit in memory? None (the
     default) allows it when some device has a memory capacity. ``partitioner``: None picks the
     exact DP for equal devices without memory limits or recompute and the ILP otherwise; DP or
-    ILP forces one. ``ilp_time_limit``: seconds CBC may spend in total; the plan's solver
-    record says whether the ILP proved its answer optimal.
+    ILP forces one. ``ilp_time_limit``: seconds the ILP solver may spend in total; the plan's
+    solver record says whether the ILP proved its answer optimal. ``solver``: the ILP's solver,
+    ``"highs"`` (default) or ``"cbc"`` (:class:`~pipecut.passes.ilp.IlpSolver`).
     """
     kind = as_schedule(schedule)
+    ilp_solver = as_ilp_solver(solver)  # checked even when the DP runs: a typo is refused
     if stages_per_rank < 1 or (stages_per_rank > 1 and kind is not ScheduleKind.INTERLEAVED_1F1B):
         raise InputError(
             f"stages_per_rank={stages_per_rank}: several stages per rank need "
@@ -167,7 +194,7 @@ def partition_costs(
                 positions=coarse,
             )
         bounds, recomputes = best.bounds, [Recompute.NONE] * k
-        solver = Solver(
+        record = Solver(
             method=Partitioner.DP, solve_ms=(time.perf_counter() - start) * 1e3, optimal=True,
             detail=f"bounded exact DP over {units} units",
         )
@@ -188,7 +215,7 @@ def partition_costs(
             inflight=inflight_microbatches(kind, k, microbatches),
         )
         bounds, recomputes = part.bounds, [Recompute.NONE] * k
-        solver = Solver(
+        record = Solver(
             method=Partitioner.DP, solve_ms=(time.perf_counter() - start) * 1e3, optimal=True
         )
     else:
@@ -202,9 +229,10 @@ def partition_costs(
             modules=form.modules,
             inflight_for=lambda n: inflight_microbatches(kind, n, microbatches),
             time_limit_s=ilp_time_limit,
+            solver=ilp_solver,
         )
         bounds, recomputes = result.evaluation.bounds, list(result.evaluation.recompute)
-        solver = Solver(
+        record = Solver(
             method=Partitioner.ILP, solve_ms=result.solve_ms, optimal=result.optimal,
             detail=result.detail,
         )
@@ -225,7 +253,7 @@ def partition_costs(
         devices=specs,
         link=link,
         predicted=facts.predicted,
-        solver=solver,
+        solver=record,
         tied=facts.tied,
         stages_per_rank=stages_per_rank,
         pipecut_version=pipecut.__version__,
@@ -254,12 +282,13 @@ def plan(
     ilp_time_limit: float = 5.0,
     stages_per_rank: int = 1,
     calibrate: bool = True,
+    solver: IlpSolver | str = IlpSolver.HIGHS,
 ) -> Plan:
     """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
 
     ``example_inputs`` is one full batch (a tuple of positional tensors or a dict of keyword
     tensors); ``target`` is the matching target for ``loss_fn(output, target)``.
-    ``recompute``, ``partitioner``, ``ilp_time_limit`` and ``stages_per_rank`` are as in
+    ``recompute``, ``partitioner``, ``ilp_time_limit``, ``stages_per_rank`` and ``solver`` are as in
     :func:`partition_costs`. ``calibrate``: time the first split's stages whole, scale the node
     costs to match (see :mod:`pipecut.calibrate`) and partition again.
     """
@@ -293,6 +322,7 @@ def plan(
             partitioner=partitioner,
             ilp_time_limit=ilp_time_limit,
             stages_per_rank=stages_per_rank,
+            solver=solver,
         )
 
     first_plan = partition(nodes)
