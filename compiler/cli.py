@@ -25,6 +25,8 @@ from pipecut.errors import PipecutError
 from pipecut.factory import SHIPPED, call_factory, load_factory
 from pipecut.plan import DeviceSpec, Plan, ScheduleKind
 
+__all__ = ["build_parser", "cmd_diff", "cmd_plan", "cmd_render", "cmd_show", "main", "parse_bytes"]
+
 log = logging.getLogger("pipecut.cli")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,

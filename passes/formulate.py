@@ -10,6 +10,8 @@ from pipecut.passes.problem import Problem
 from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, inflight_microbatches
 from pipecut.plan import DeviceSpec, Link, NodeCost, NodeOp, ScheduleKind
 
+__all__ = ["Formulation", "formulate", "unit_fixed_bytes"]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Formulation:
