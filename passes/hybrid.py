@@ -55,9 +55,12 @@ __all__ = [
     "Candidate",
     "HybridPlan",
     "Skipped",
+    "Workload",
     "evaluate",
     "lower_bound_ms",
     "plan_hybrid",
+    "ring_allreduce_ms",
+    "workload",
 ]
 
 COARSE_ABOVE = 600
