@@ -133,7 +133,7 @@ def validate_plan_dict(data: Any) -> Plan:
 
     >>> validate_plan_dict({"format_version": 1})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    pipecut.errors.PlanError: plan does not match its schema: $: required field 'batch_size' ...
+    pipecut.errors.PlanError: plan does not match its schema: $: required field 'fingerprint' ...
     """
     try:
         text = json.dumps(data)
