@@ -1,11 +1,16 @@
-"""pipecut: a graph-partitioning compiler for pipeline-parallel training in PyTorch."""
+"""pipecut: a graph-partitioning compiler for pipeline-parallel training in PyTorch.
+
+The public surface is ``__all__`` below, plus the subpackages :mod:`pipecut.passes` (pure
+passes: ``plan_hybrid``, ``workload``, ...) and :mod:`pipecut.runtime` (``Pipeline``,
+checkpoints, schedules). Every module declares its own ``__all__``.
+"""
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import logging
 
 from pipecut.api import compile
-from pipecut.devices import estimate_costs
+from pipecut.devices import device_link, device_profiles, device_specs, estimate_costs
 from pipecut.errors import (
     CaptureError,
     InputError,
@@ -15,24 +20,36 @@ from pipecut.errors import (
     PlanError,
     ScheduleError,
 )
+from pipecut.passes.ilp import IlpSolver
 from pipecut.plan import (
     CaptureMethod,
     DeviceSpec,
     Link,
+    NodeCost,
+    Partitioner,
     Plan,
     Recompute,
     ScheduleKind,
 )
-from pipecut.planner import plan
+from pipecut.planner import partition_costs, plan
 from pipecut.render import render
+
+__version__ = "0.1.0"
+"""The one place the version is written: pyproject.toml reads it (``dynamic = ["version"]``)."""
+
+# A library logs and leaves the output to the application (`pipecut` the CLI configures it).
+logging.getLogger("pipecut").addHandler(logging.NullHandler())
 
 __all__ = [
     "CaptureError",
     "CaptureMethod",
     "DeviceSpec",
+    "IlpSolver",
     "InputError",
     "Link",
+    "NodeCost",
     "PartitionError",
+    "Partitioner",
     "PipecutError",
     "PipelineRuntimeError",
     "Plan",
@@ -42,7 +59,11 @@ __all__ = [
     "ScheduleKind",
     "__version__",
     "compile",
+    "device_link",
+    "device_profiles",
+    "device_specs",
     "estimate_costs",
+    "partition_costs",
     "plan",
     "render",
 ]

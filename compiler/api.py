@@ -28,6 +28,8 @@ from pipecut.runtime.pipeline import Pipeline
 from pipecut.runtime.schedule import validate
 from pipecut.runtime.stage import StageWorker
 
+__all__ = ["compile"]
+
 
 @dataclass(frozen=True)
 class _Layout:
@@ -143,6 +145,7 @@ def compile(
     else:  # global rank 0 plans; every rank of every replica gets the same plan
         payload: list[Any] = [None]
         error: BaseException | None = None
+        made: Plan | None = None
         if dist.get_rank() == 0:
             try:
                 made = make_plan(
@@ -160,7 +163,8 @@ def compile(
             raise error
         if status != "ok":
             raise PipelineRuntimeError(f"rank {dist.get_rank()}: rank 0 failed to plan: {text}")
-        chosen = _load_plan(text, expected)
+        # JSON text crosses the wire; each rank parses and checks it once (rank 0 keeps its own)
+        chosen = _load_plan(made if made is not None else text, expected)
     if chosen.num_ranks != world:
         raise PlanError(
             f"the plan is for {chosen.num_ranks} ranks ({chosen.num_stages} stages) but the "

@@ -16,6 +16,8 @@ import torch.utils._pytree as pytree
 
 from pipecut.errors import InputError
 
+__all__ = ["batch_size", "check_inputs", "first_microbatch", "split_microbatches"]
+
 
 def check_inputs(inputs: Any, what: str = "inputs") -> None:
     """Inputs are a tuple (or list) of positional values or a dict of keyword values."""

@@ -26,6 +26,8 @@ from pipecut.passes.split import split
 from pipecut.plan import NodeCost, Plan
 from pipecut.profile import LossFn, preserved_state
 
+__all__ = ["calibrate", "stage_times"]
+
 
 def _float_leaves(values: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]]:
     """Fresh autograd leaves for the floating tensors of ``values`` (as a rank receives them)."""

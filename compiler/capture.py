@@ -25,6 +25,8 @@ from pipecut.errors import CaptureError, InputError
 from pipecut.fxutil import target_name
 from pipecut.plan import CaptureMethod
 
+__all__ = ["Captured", "Inputs", "capture", "fingerprint"]
+
 Inputs = tuple[Any, ...] | Mapping[str, Any]
 
 

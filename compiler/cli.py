@@ -2,8 +2,9 @@
 
     pipecut plan examples.gpt:build --devices 4 --microbatches 8 --schedule 1f1b \\
         --memory-limit 2GiB --out plan.json --html plan.html
-    pipecut show plan.json
-    pipecut diff a.json b.json
+    pipecut plan examples.gpt:build --devices 8 --device-profile A100-80GB   # not-here hardware
+    pipecut show plan.json [--json]
+    pipecut diff a.json b.json [--json]
     pipecut render plan.json --timeline trace.json -o plan.html     # or -o plan.dot
 
 ``MODULE:FACTORY`` names a function returning ``(model, example_inputs, loss_fn, target)``;
@@ -14,16 +15,33 @@ message says why and how to fix it), 2 for bad command-line usage.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pipecut import logs
-from pipecut.errors import PipecutError
+from pipecut.errors import InputError, PipecutError
 from pipecut.factory import SHIPPED, call_factory, load_factory
-from pipecut.plan import DeviceSpec, Plan, ScheduleKind
+from pipecut.plan import DeviceSpec, Link, Plan, ScheduleKind
+
+__all__ = [
+    "build_parser",
+    "check_output",
+    "cmd_diff",
+    "cmd_plan",
+    "cmd_render",
+    "cmd_show",
+    "main",
+    "parse_bytes",
+    "parse_link",
+    "summary_data",
+]
 
 log = logging.getLogger("pipecut.cli")
 
@@ -53,30 +71,115 @@ def _positive(text: str) -> int:
     return value
 
 
+def parse_link(text: str) -> Link:
+    """``25GB,0.01`` → 25 GB/s and 0.01 ms per message; the latency may be left out (0)."""
+    bandwidth, _, latency = text.partition(",")
+    try:
+        per_s = parse_bytes(bandwidth)
+        latency_ms = float(latency) if latency.strip() else 0.0
+    except (argparse.ArgumentTypeError, ValueError):
+        per_s, latency_ms = 0, -1.0
+    if per_s <= 0 or latency_ms < 0:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a link; write BANDWIDTH[,LATENCY_MS] with the bandwidth "
+            f"in bytes per second, e.g. 25GB,0.01 (25 GB/s, 10 µs per message)"
+        )
+    return Link(bandwidth_bytes_per_ms=per_s / 1e3, latency_ms=latency_ms)
+
+
+_RENDERED = (".html", ".htm", ".dot", ".gv")
+
+
+def check_output(path: str | None, option: str, suffixes: tuple[str, ...] = ()) -> None:
+    """Refuse an output path that cannot be written, before any slow work starts."""
+    if path is None:
+        return
+    out = Path(path)
+    if suffixes and out.suffix.lower() not in suffixes:
+        hint = (" (for SVG, write .dot and run `dot -Tsvg plan.dot -o plan.svg`)"
+                if out.suffix.lower() == ".svg" else "")
+        raise InputError(
+            f"{option} {path}: cannot write a {out.suffix or 'suffix-less'} file; "
+            f"use one of {list(suffixes)}{hint}"
+        )
+    folder = out.parent if str(out.parent) else Path(".")
+    if not folder.is_dir():
+        raise InputError(f"{option} {path}: the folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise InputError(f"{option} {path}: cannot write there (permission denied)")
+
+
 def _load(path: str) -> Plan:
     plan = Plan.from_json(Path(path))
     log.info("loaded %s: %d stages, %d nodes", path, plan.num_stages, len(plan.nodes))
     return plan
 
 
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=1, sort_keys=True, default=lambda o: getattr(o, "value", str(o))))
+
+
 # --- commands ---------------------------------------------------------------------------------
+def _plan_estimated(args: argparse.Namespace, example: Any, link: Link | None) -> Plan:
+    """Plan for a device profile: costs from FLOPs and bytes, no timing here (pipecut.devices)."""
+    import pipecut
+    from pipecut.batching import first_microbatch
+    from pipecut.capture import capture, fingerprint
+
+    nodes = pipecut.estimate_costs(
+        example.model, example.inputs, args.device_profile, microbatches=args.microbatches,
+        loss_fn=example.loss_fn, target=example.target,
+    )
+    # the same capture estimate_costs made, for the fingerprint that lets the plan be replayed
+    size, first = first_microbatch(example.inputs, args.microbatches)
+    captured = capture(example.model, first)
+    devices = [dataclasses.replace(d, memory_bytes=args.memory_limit or d.memory_bytes)
+               for d in pipecut.device_specs(args.device_profile, args.devices)]
+    return pipecut.partition_costs(
+        nodes, devices=devices, link=link or pipecut.device_link(args.device_profile),
+        microbatches=args.microbatches, batch_size=size, schedule=args.schedule,
+        stages_per_rank=args.stages_per_rank, solver=args.solver,
+        fingerprint=fingerprint(captured.gm), capture=captured.method,
+        inputs=captured.input_names,
+    )
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import pipecut
-    from pipecut.planner import as_devices
+    from pipecut.devices import device_profile
+    from pipecut.planner import DEFAULT_LINK, as_devices, as_ilp_solver, as_schedule
     from pipecut.render import render
 
+    # everything that can be checked is checked before the (slow) profiling starts
+    check_output(args.out, "--out")
+    check_output(args.html, "--html")
+    check_output(args.dot, "--dot")
+    if args.stages_per_rank > 1 and as_schedule(args.schedule) is not ScheduleKind.INTERLEAVED_1F1B:
+        raise InputError(
+            f"--stages-per-rank {args.stages_per_rank} needs --schedule interleaved-1f1b "
+            f"(got {args.schedule}); use --stages-per-rank 1 otherwise"
+        )
+    as_ilp_solver(args.solver)
+    if args.device_profile is not None:
+        device_profile(args.device_profile)
     factory = load_factory(args.factory)
     example = call_factory(factory, batch_size=args.batch_size, seed=args.seed, spec=args.factory)
-    devices = [DeviceSpec(name=d.name, memory_bytes=args.memory_limit, speed=d.speed)
-               for d in as_devices(args.devices)]
-    log.info("planning %s on %d devices, %d microbatches, %s", args.factory, len(devices),
+    log.info("planning %s on %d devices, %d microbatches, %s", args.factory, args.devices,
              args.microbatches, args.schedule)
-    rank = logs.env_rank()
-    with logs.progress("profiling", enabled=logs.show_progress(rank, verbosity=args.verbose)) as bar:
-        plan = pipecut.plan(
-            example.model, example.inputs, devices, loss_fn=example.loss_fn, target=example.target,
-            microbatches=args.microbatches, schedule=args.schedule, progress=bar,
-        )
+    if args.device_profile is not None:
+        plan = _plan_estimated(args, example, args.link)
+    else:
+        devices = [DeviceSpec(name=d.name, memory_bytes=args.memory_limit, speed=d.speed)
+                   for d in as_devices(args.devices)]
+        rank = logs.env_rank()
+        with logs.progress("profiling", enabled=logs.show_progress(rank, verbosity=args.verbose)) as bar:
+            plan = pipecut.plan(
+                example.model, example.inputs, devices, loss_fn=example.loss_fn,
+                target=example.target, microbatches=args.microbatches, schedule=args.schedule,
+                progress=bar, link=args.link or DEFAULT_LINK,
+                stages_per_rank=args.stages_per_rank, calibrate=args.calibrate,
+                solver=args.solver,
+            )
     if args.out:
         plan.to_json(args.out)
         log.info("wrote %s", args.out)
@@ -90,9 +193,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def summary_data(plan: Plan) -> dict[str, Any]:
+    """The summary table as JSON data (``pipecut show --json``)."""
+    return {
+        "schedule": plan.schedule.value,
+        "microbatches": plan.microbatches,
+        "batch_size": plan.batch_size,
+        "stages_per_rank": plan.stages_per_rank,
+        "stages": [
+            {"index": s.index, "device": s.device, "nodes": len(s.nodes),
+             "param_bytes": s.param_bytes, "forward_ms": s.forward_ms,
+             "backward_ms": s.backward_ms, "comm_ms": s.comm_ms, "time_ms": s.time_ms,
+             "peak_memory_bytes": s.peak_memory_bytes, "send_bytes": s.send_bytes,
+             "recv_bytes": s.recv_bytes, "recompute": s.recompute.value}
+            for s in plan.stages
+        ],
+        "predicted": dataclasses.asdict(plan.predicted),
+        "solver": dataclasses.asdict(plan.solver),
+    }
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     plan = _load(args.plan)
-    print(plan.summary())
+    if args.json:
+        _print_json(summary_data(plan))
+    else:
+        print(plan.summary())
     return 0
 
 
@@ -100,18 +226,36 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from pipecut.diff import diff_plans, format_diff
 
     a, b = _load(args.a), _load(args.b)
-    print(format_diff(diff_plans(a, b), names=(args.a, args.b)))
+    diff = diff_plans(a, b)
+    if args.json:
+        _print_json({"a": args.a, "b": args.b, "moved_nodes": diff.moved_nodes,
+                     **dataclasses.asdict(diff)})
+    else:
+        print(format_diff(diff, names=(args.a, args.b)))
     return 0
 
 
 def cmd_render(args: argparse.Namespace) -> int:
     from pipecut.render import render
 
-    plan = _load(args.plan)
     out = args.output or str(Path(args.plan).with_suffix(".html"))
+    check_output(out, "-o", _RENDERED)
+    plan = _load(args.plan)
     render(plan, out, timeline=args.timeline, title=args.title)
     print(out)
     return 0
+
+
+def _profile_names() -> list[str]:
+    from pipecut.devices import device_profiles
+
+    return [p.name for p in device_profiles()]
+
+
+def _solver_names() -> list[str]:
+    from pipecut.passes.ilp import IlpSolver
+
+    return [s.value for s in IlpSolver]
 
 
 # --- parser -----------------------------------------------------------------------------------
@@ -128,10 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
     # -v/-q work before and after the command; SUPPRESS keeps a subcommand's default from
     # overwriting what was given before it.
     common = _verbosity(argparse.SUPPRESS)
+    from pipecut import __version__
+
     parser = argparse.ArgumentParser(
         prog="pipecut", parents=[_verbosity(0)],
         description="Partition a PyTorch model into pipeline stages, and look at the plan.",
     )
+    parser.add_argument("--version", action="version", version=f"pipecut {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
@@ -147,7 +294,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="microbatches per step; must divide the batch size (default 4)")
     p.add_argument("--schedule", "-s", choices=[s.value for s in ScheduleKind], default="1f1b")
     p.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="SIZE",
-                   help="memory capacity of every device, e.g. 2GiB (default: unlimited)")
+                   help="memory capacity of every device, e.g. 2GiB (default: unlimited, or the "
+                   "device profile's)")
+    p.add_argument("--stages-per-rank", type=_positive, default=1, metavar="V",
+                   help="virtual stages per device, with --schedule interleaved-1f1b (default 1)")
+    p.add_argument("--device-profile", metavar="NAME", default=None,
+                   help="plan for this GPU instead of profiling here: times estimated from FLOPs "
+                   "and bytes, memory and link from its datasheet; one of "
+                   f"{', '.join(_profile_names())}")
+    p.add_argument("--link", type=parse_link, default=None, metavar="BW[,LAT_MS]",
+                   help="link between stages: bandwidth in bytes/s and latency in ms, e.g. "
+                   "25GB,0.01 (default: 2GB,0.05, or the device profile's)")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="skip timing the first split's stages whole and re-partitioning")
+    p.add_argument("--solver", choices=_solver_names(), default="highs",
+                   help="ILP solver, when memory limits or device speeds need the ILP")
     p.add_argument("--batch-size", type=_positive, default=None,
                    help="passed to the factory as batch_size=")
     p.add_argument("--seed", type=int, default=None, help="passed to the factory as seed=")
@@ -158,12 +319,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("show", parents=[common], help="print a plan's summary table")
     p.add_argument("plan", metavar="PLAN.json")
+    p.add_argument("--json", action="store_true", help="the summary as JSON")
     p.set_defaults(run=cmd_show)
 
     p = sub.add_parser("diff", parents=[common],
                        help="which nodes moved between stages, and the predicted effect")
     p.add_argument("a", metavar="A.json")
     p.add_argument("b", metavar="B.json")
+    p.add_argument("--json", action="store_true", help="the diff as JSON")
     p.set_defaults(run=cmd_diff)
 
     p = sub.add_parser("render", parents=[common],

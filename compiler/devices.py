@@ -34,6 +34,21 @@ from pipecut.flops import NodeWork, count_work
 from pipecut.plan import CostSource, DeviceSpec, Link, NodeCost
 from pipecut.profile import LossFn, profile
 
+__all__ = [
+    "COMPUTE_EFFICIENCY",
+    "LINK_LATENCY_MS",
+    "MEMORY_EFFICIENCY",
+    "DeviceProfile",
+    "Precision",
+    "device_link",
+    "device_profile",
+    "device_profiles",
+    "device_specs",
+    "estimate_costs",
+    "estimate_rows",
+    "roofline_ms",
+]
+
 COMPUTE_EFFICIENCY = 0.6
 """Fraction of peak FLOP/s a large matrix product reaches (typical of cuBLAS on big shapes)."""
 MEMORY_EFFICIENCY = 0.8

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pipecut.plan import Plan
 from pipecut.report import human_bytes
 
+__all__ = ["Move", "PlanDiff", "StageDelta", "diff_plans", "format_diff"]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Move:

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from pipecut.plan import Plan
 from pipecut.report import human_bytes
 
+__all__ = ["GOLDEN_ANGLE", "edge_label", "stage_colour", "stage_hsv", "to_dot"]
+
 GOLDEN_ANGLE = 137.508
 
 

@@ -6,6 +6,16 @@ way; mismatches discovered while running are ``RuntimeError`` subclasses.
 
 from __future__ import annotations
 
+__all__ = [
+    "CaptureError",
+    "InputError",
+    "PartitionError",
+    "PipecutError",
+    "PipelineRuntimeError",
+    "PlanError",
+    "ScheduleError",
+]
+
 
 class PipecutError(Exception):
     """Base class of every error raised by pipecut."""

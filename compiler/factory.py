@@ -30,6 +30,8 @@ import torch
 
 from pipecut.errors import InputError
 
+__all__ = ["SHIPPED", "Example", "call_factory", "load_factory"]
+
 SHIPPED = ("examples.mlp:build", "examples.gpt:build", "examples.resnet:build")
 """Factories of the example models in this repository."""
 

@@ -27,6 +27,8 @@ from pipecut.capture import Captured
 from pipecut.fxutil import mutates_first_arg, node_parameters
 from pipecut.profile import LossFn, detached_leaves, preserved_state
 
+__all__ = ["NodeWork", "count_work", "moved_bytes"]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodeWork:

@@ -8,6 +8,8 @@ import torch
 import torch.fx as fx
 from torch.fx.node import _get_qualified_name
 
+__all__ = ["canonical_names", "module_path", "mutates_first_arg", "node_parameters", "target_name"]
+
 _INPLACE_FUNCTIONS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
     operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,

@@ -18,6 +18,8 @@ from pipecut.passes.stages import predicted_timeline
 from pipecut.plan import Plan, Recompute
 from pipecut.runtime.schedule import Action, ActionKind, Schedule, timeline
 
+__all__ = ["Span", "layout", "load_trace", "predicted_spans", "recompute_ms", "to_trace"]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Span:

@@ -16,6 +16,16 @@ from typing import IO
 
 from tqdm import tqdm
 
+__all__ = [
+    "LOGGER_NAME",
+    "RankFormatter",
+    "configure",
+    "env_rank",
+    "level_for",
+    "progress",
+    "show_progress",
+]
+
 LOGGER_NAME = "pipecut"
 
 _LEVELS = {-1: logging.ERROR, 0: logging.WARNING, 1: logging.INFO}

@@ -8,13 +8,32 @@ Times are per microbatch in milliseconds; shapes are per microbatch.
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pipecut.errors import PlanError
-from pipecut.serde import from_data, to_data
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CaptureMethod",
+    "CostSource",
+    "DeviceSpec",
+    "Edge",
+    "Leaf",
+    "LeafKind",
+    "Link",
+    "NodeCost",
+    "NodeOp",
+    "Partitioner",
+    "Plan",
+    "Predicted",
+    "Recompute",
+    "ScheduleKind",
+    "Solver",
+    "Stage",
+    "TiedGroup",
+]
 
 FORMAT_VERSION = 1
 
@@ -241,6 +260,12 @@ class Plan:
     torch_version: str = ""
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
+    __pydantic_config__: ClassVar[dict[str, Any]] = {
+        "strict": True, "extra": "forbid", "use_attribute_docstrings": True,
+        "ser_json_inf_nan": "constants",
+    }
+    """How :mod:`pipecut.schema` (pydantic) reads plan JSON; the nested dataclasses inherit it."""
+
     def __post_init__(self) -> None:
         if self.format_version != FORMAT_VERSION:
             raise PlanError(
@@ -281,47 +306,39 @@ class Plan:
         """Map every partitioned node name to its stage index."""
         return {name: s.index for s in self.stages for name in s.nodes}
 
-    # --- JSON -------------------------------------------------------------------------------
+    # --- JSON (pydantic, see pipecut.schema) ---------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        data = to_data(self)
-        data.pop("_index")
-        return data
+        from pipecut.schema import plan_data  # the schema module imports this one
+
+        return plan_data(self)
 
     def to_json(self, path: str | Path | None = None) -> str:
-        text = json.dumps(self.to_dict(), sort_keys=True, indent=1)
+        from pipecut.schema import dump_plan
+
+        text = dump_plan(self)
         if path is not None:
             Path(path).write_text(text + "\n")
         return text
 
     @classmethod
     def from_dict(cls, data: Any) -> Plan:
-        if not isinstance(data, dict):
-            raise PlanError(f"a plan is a JSON object, got {type(data).__name__}")
-        version = data.get("format_version")
-        if version != FORMAT_VERSION:
-            raise PlanError(
-                f"plan format_version {version!r} is not supported (this pipecut reads "
-                f"{FORMAT_VERSION}); re-plan with pipecut.plan(...) or `pipecut plan`"
-            )
-        from pipecut.schema import validate_plan_dict  # the schema module imports this one
+        """Build a plan from parsed JSON data; errors name the bad field's JSON path."""
+        from pipecut.schema import validate_plan_dict
 
-        validate_plan_dict(data)
-        return from_data(cls, data)
+        return validate_plan_dict(data)
 
     @classmethod
     def from_json(cls, path_or_text: str | Path) -> Plan:
         """Load a plan from a file path or a JSON string; errors name the bad field's path."""
+        from pipecut.schema import load_plan
+
         text = str(path_or_text)
-        if not text.lstrip().startswith("{"):
+        if isinstance(path_or_text, Path) or not text.lstrip().startswith("{"):
             try:
                 text = Path(path_or_text).read_text()
             except OSError as e:
                 raise PlanError(f"cannot read plan {path_or_text}: {e}") from e
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanError(f"plan is not valid JSON ({e}); re-plan or restore the file") from e
-        return cls.from_dict(data)
+        return load_plan(text)
 
     def summary(self) -> str:
         """A table: stage, nodes, params, fwd/bwd ms, comm ms, memory, send/recv bytes."""

@@ -27,6 +27,7 @@ from pipecut.passes.chain import boundary_bytes, boundary_ms, can_cross, is_unit
 from pipecut.passes.coarsen import candidate_cuts
 from pipecut.passes.fit import infeasible_error
 from pipecut.passes.formulate import formulate
+from pipecut.passes.ilp import IlpSolver
 from pipecut.passes.multilevel import partition_ilp
 from pipecut.passes.partition import Chain, partition_dp
 from pipecut.passes.pinned import bounds_from_modules, bounds_from_split_points, is_split_points
@@ -44,6 +45,17 @@ from pipecut.plan import (
     Solver,
 )
 from pipecut.profile import LossFn, profile
+
+__all__ = [
+    "DEFAULT_LINK",
+    "LARGE_GRAPH_UNITS",
+    "Devices",
+    "as_devices",
+    "as_ilp_solver",
+    "as_schedule",
+    "partition_costs",
+    "plan",
+]
 
 LARGE_GRAPH_UNITS = 2000
 """Above this many units the DP prunes its search with a bound (same optimum, far faster)."""
@@ -105,6 +117,18 @@ def _chain(nodes: Sequence[NodeCost], link: Link, data_parallel: DataParallel | 
     return chain, (live, allowed)
 
 
+def as_ilp_solver(solver: IlpSolver | str) -> IlpSolver:
+    """``"highs"``/``"cbc"`` (or the enum) → :class:`IlpSolver`; InputError lists the choices."""
+    if isinstance(solver, IlpSolver):
+        return solver
+    try:
+        return IlpSolver(str(solver).lower())
+    except ValueError:
+        raise InputError(
+            f"unknown ILP solver {solver!r}; choose one of {[s.value for s in IlpSolver]}"
+        ) from None
+
+
 def _use_ilp(specs: Sequence[DeviceSpec], recompute: bool) -> bool:
     """The DP is exact and fast for equal devices without memory limits or recompute."""
     return (
@@ -131,6 +155,7 @@ def partition_costs(
     stages_per_rank: int = 1,
     split: Split | None = None,
     data_parallel: DataParallel | None = None,
+    solver: IlpSolver | str = IlpSolver.HIGHS,
 ) -> Plan:
     """Partition a cost table (pure data) into a plan.
 
@@ -140,8 +165,9 @@ def partition_costs(
     ``recompute``: may a stage recompute its forward in backward to fit in memory? None (the
     default) allows it when some device has a memory capacity. ``partitioner``: None picks the
     exact DP for equal devices without memory limits or recompute and the ILP otherwise; DP or
-    ILP forces one. ``ilp_time_limit``: seconds CBC may spend in total; the plan's solver
-    record says whether the ILP proved its answer optimal.
+    ILP forces one. ``ilp_time_limit``: seconds the ILP solver may spend in total; the plan's
+    solver record says whether the ILP proved its answer optimal. ``solver``: the ILP's solver,
+    ``"highs"`` (default) or ``"cbc"`` (:class:`~pipecut.passes.ilp.IlpSolver`).
 
     ``split`` pins the split instead: module FQNs per stage (``[["emb", "blocks.0"],
     ["blocks.1", "head"]]``) or the modules where stages 1.. begin (``["blocks.1"]``). The plan
@@ -151,6 +177,7 @@ def partition_costs(
     :func:`pipecut.passes.stages.state_bytes`).
     """
     kind = as_schedule(schedule)
+    ilp_solver = as_ilp_solver(solver)  # checked even when the DP runs: a typo is refused
     if stages_per_rank < 1 or (stages_per_rank > 1 and kind is not ScheduleKind.INTERLEAVED_1F1B):
         raise InputError(
             f"stages_per_rank={stages_per_rank}: several stages per rank need "
@@ -173,10 +200,10 @@ def partition_costs(
             nodes, devices=ranks, microbatches=microbatches, batch_size=batch_size,
             schedule=kind, link=link, recompute=recompute, partitioner=partitioner,
             ilp_time_limit=ilp_time_limit, stages_per_rank=stages_per_rank,
-            data_parallel=data_parallel,
+            data_parallel=data_parallel, solver=solver,
         )
         optimum_ms = optimum.predicted.step_ms
-        solver = Solver(
+        record = Solver(
             method=Partitioner.GIVEN, solve_ms=(time.perf_counter() - start) * 1e3,
             optimal=False, detail=f"split given: {_describe_split(split)}",
         )
@@ -196,7 +223,7 @@ def partition_costs(
                 positions=coarse,
             )
         bounds, recomputes = best.bounds, [Recompute.NONE] * k
-        solver = Solver(
+        record = Solver(
             method=Partitioner.DP, solve_ms=(time.perf_counter() - start) * 1e3, optimal=True,
             detail=f"bounded exact DP over {units} units",
         )
@@ -217,7 +244,7 @@ def partition_costs(
             inflight=inflight_microbatches(kind, k, microbatches),
         )
         bounds, recomputes = part.bounds, [Recompute.NONE] * k
-        solver = Solver(
+        record = Solver(
             method=Partitioner.DP, solve_ms=(time.perf_counter() - start) * 1e3, optimal=True
         )
     else:
@@ -231,9 +258,10 @@ def partition_costs(
             modules=form.modules,
             inflight_for=lambda n: inflight_microbatches(kind, n, microbatches),
             time_limit_s=ilp_time_limit,
+            solver=ilp_solver,
         )
         bounds, recomputes = result.evaluation.bounds, list(result.evaluation.recompute)
-        solver = Solver(
+        record = Solver(
             method=Partitioner.ILP, solve_ms=result.solve_ms, optimal=result.optimal,
             detail=result.detail,
         )
@@ -255,7 +283,7 @@ def partition_costs(
         devices=specs,
         link=link,
         predicted=predicted,
-        solver=solver,
+        solver=record,
         tied=facts.tied,
         stages_per_rank=stages_per_rank,
         pipecut_version=pipecut.__version__,
@@ -326,6 +354,7 @@ def plan(
     calibrate: bool = True,
     split: Split | None = None,
     data_parallel: DataParallel | None = None,
+    solver: IlpSolver | str = IlpSolver.HIGHS,
 ) -> Plan:
     """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
 
@@ -333,8 +362,8 @@ def plan(
     tensors); ``target`` is the matching target for ``loss_fn(output, target)``.
     ``microbatches="auto"`` / ``schedule="auto"``: pick them by predicted step time (see
     :mod:`pipecut.autoplan`); the plan lists every pair considered (``plan.candidates``).
-    ``recompute``, ``partitioner``, ``ilp_time_limit``, ``stages_per_rank``, ``data_parallel``
-    and ``split`` (a split you choose; the plan reports its cost beside pipecut's optimum) are
+    ``recompute``, ``partitioner``, ``ilp_time_limit``, ``stages_per_rank``, ``data_parallel``,
+    ``solver`` and ``split`` (a split you choose; the plan reports its cost beside pipecut's optimum) are
     as in :func:`partition_costs`. ``calibrate``: time the first split's
     stages whole, scale the node costs to match (see :mod:`pipecut.calibrate`) and partition
     again.
@@ -351,7 +380,7 @@ def plan(
                 costs, devices=specs, microbatches=m, batch_size=full,
                 schedule=k, link=link, recompute=recompute, partitioner=partitioner,
                 ilp_time_limit=ilp_time_limit, stages_per_rank=stages_per_rank, split=split,
-                data_parallel=data_parallel),
+                data_parallel=data_parallel, solver=solver),
         )
         chosen = plan(
             model, example_inputs, specs, loss_fn=loss_fn, target=target, microbatches=m,
@@ -359,7 +388,7 @@ def plan(
             leaf_modules=leaf_modules, repeats=repeats, warmup=warmup, progress=progress,
             recompute=recompute, partitioner=partitioner, ilp_time_limit=ilp_time_limit,
             stages_per_rank=stages_per_rank, calibrate=calibrate, split=split,
-            data_parallel=data_parallel,
+            data_parallel=data_parallel, solver=solver,
         )
         return dataclasses.replace(chosen, candidates=candidates)
     if not isinstance(microbatches, int):
@@ -395,6 +424,7 @@ def plan(
             stages_per_rank=stages_per_rank,
             split=split,
             data_parallel=data_parallel,
+            solver=solver,
         )
 
     first_plan = partition(nodes)

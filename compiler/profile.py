@@ -32,6 +32,8 @@ from pipecut.fxutil import (
 from pipecut.plan import NodeCost, NodeOp
 from pipecut.values import describe, tensor_bytes
 
+__all__ = ["LossFn", "detached_leaves", "preserved_state", "profile"]
+
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 

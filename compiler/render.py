@@ -28,6 +28,20 @@ from pipecut.plan import Plan
 from pipecut.report import human_bytes
 from pipecut.runtime.schedule import Action, ActionKind
 
+__all__ = [
+    "CHART_WIDTH",
+    "ROW",
+    "Chart",
+    "Rect",
+    "gantt",
+    "graph_data",
+    "memory_bars",
+    "nice_ticks",
+    "render",
+    "render_html",
+    "time_bars",
+]
+
 CHART_WIDTH = 900
 """Width in px of the drawing area of bars and Gantt charts (labels come on top of it)."""
 ROW = 26

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+__all__ = ["human_bytes", "summary_table"]
+
 if TYPE_CHECKING:
     from pipecut.plan import Plan
 

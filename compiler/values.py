@@ -17,6 +17,17 @@ import torch.utils._pytree as pytree
 
 from pipecut.plan import Leaf, LeafKind
 
+__all__ = [
+    "decode_constant",
+    "describe",
+    "dtype_from_name",
+    "dtype_name",
+    "encode_constant",
+    "flatten",
+    "leaf_bytes",
+    "tensor_bytes",
+]
+
 _SCALARS = (bool, int, float, str, type(None))
 
 

@@ -1,0 +1,28 @@
+"""pipecut.passes: pure functions over cost tables, graphs and plans (no process groups).
+
+The names below are the documented entry points; every module also declares its own
+``__all__``. (They are imported here, not lazily: ``workload`` and ``split`` are also module
+names, and a lazily exported function would be shadowed by its module once that loads.)
+"""
+
+from __future__ import annotations
+
+from pipecut.passes.hybrid import HybridPlan, plan_hybrid
+from pipecut.passes.ilp import IlpSolver
+from pipecut.passes.replication import ReplicationKind
+from pipecut.passes.split import StageProgram, split, split_stage
+from pipecut.passes.synthetic import transformer_costs
+from pipecut.passes.workload import Workload, workload
+
+__all__ = [
+    "HybridPlan",
+    "IlpSolver",
+    "ReplicationKind",
+    "StageProgram",
+    "Workload",
+    "plan_hybrid",
+    "split",
+    "split_stage",
+    "transformer_costs",
+    "workload",
+]

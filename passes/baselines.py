@@ -24,6 +24,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
+__all__ = [
+    "Baseline",
+    "balanced",
+    "baseline_bounds",
+    "block_partition",
+    "equal_layers",
+    "layer_key",
+    "layer_starts",
+    "layer_sums",
+]
+
 _INDEX = re.compile(r"^\d+$")
 
 

@@ -23,6 +23,8 @@ import numpy as np
 
 from pipecut.passes.problem import Evaluation, Problem, evaluate
 
+__all__ = ["lower_bound", "partition_bounded"]
+
 
 def _solve(problem: Problem, cuts: np.ndarray, bound: float) -> tuple[int, ...] | None:
     p, k, n = problem, problem.stages, problem.units

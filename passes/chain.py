@@ -17,6 +17,16 @@ from dataclasses import dataclass
 from pipecut.plan import LeafKind, Link, NodeCost, NodeOp
 from pipecut.values import leaf_bytes
 
+__all__ = [
+    "Liveness",
+    "boundary_bytes",
+    "boundary_ms",
+    "can_cross",
+    "is_unit",
+    "liveness",
+    "value_bytes",
+]
+
 _LOCAL = (NodeOp.PLACEHOLDER, NodeOp.GET_ATTR)
 
 

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+__all__ = ["candidate_cuts", "chain_cuts", "module_cuts"]
+
 
 def _prefix_at_depth(module: str, depth: int) -> str:
     return ".".join(module.split(".")[:depth]) if module else ""

@@ -33,6 +33,8 @@ from pipecut.errors import ScheduleError
 from pipecut.plan import ScheduleKind
 from pipecut.runtime.schedule import ActionKind, Schedule
 
+__all__ = ["SimResult", "simulate_actions", "simulate_gpipe", "simulate_kind", "simulate_schedule"]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SimResult:

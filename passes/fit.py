@@ -15,6 +15,8 @@ import numpy as np
 from pipecut.errors import PartitionError
 from pipecut.passes.problem import Problem
 
+__all__ = ["infeasible_error", "min_peak_memory"]
+
 
 def _human(nbytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

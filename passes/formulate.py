@@ -11,6 +11,8 @@ from pipecut.passes.problem import Problem
 from pipecut.passes.stages import inflight_microbatches, state_bytes
 from pipecut.plan import DeviceSpec, Link, NodeCost, NodeOp, ScheduleKind
 
+__all__ = ["Formulation", "formulate", "unit_fixed_bytes"]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Formulation:

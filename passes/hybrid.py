@@ -50,6 +50,19 @@ from pipecut.passes.workload import ring_allreduce_ms as ring_allreduce_ms
 from pipecut.passes.workload import workload as workload
 from pipecut.plan import Link, ScheduleKind
 
+__all__ = [
+    "COARSE_ABOVE",
+    "Candidate",
+    "HybridPlan",
+    "Skipped",
+    "Workload",
+    "evaluate",
+    "lower_bound_ms",
+    "plan_hybrid",
+    "ring_allreduce_ms",
+    "workload",
+]
+
 COARSE_ABOVE = 600
 """Above this many units a coarse split (at module boundaries) first bounds the exact search."""
 

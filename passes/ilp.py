@@ -1,4 +1,4 @@
-"""Memory-aware partition of a chain as an integer linear program (pulp + CBC).
+"""Memory-aware partition of a chain as an integer linear program (pulp + HiGHS or CBC).
 
 Variables, for the K - 1 cuts ``s = 1..K-1`` and the positions ``p`` cut ``s`` may take:
 
@@ -19,6 +19,10 @@ Stage order follows the topological unit order, which respects every data depend
 answer is a set of contiguous ranges, which is what the split pass and the runtime execute.
 Windows restrict each cut to a subset of positions; that is how coarsening and refinement
 (see :mod:`pipecut.passes.coarsen`) keep the program small.
+
+The program is solved by HiGHS (the ``highspy`` package, in process) or by CBC (the binary
+bundled with PuLP, which PuLP deprecates for 4.0); :class:`IlpSolver` picks one.
+``benchmarks/ilp_solvers.py`` compares them on the partition benchmark's problems.
 """
 
 from __future__ import annotations
@@ -36,10 +40,21 @@ import pulp
 
 from pipecut.passes.problem import Evaluation, Problem, evaluate
 
+__all__ = ["IlpResult", "IlpSolver", "IlpStatus", "default_windows", "solve_ilp"]
+
+
+class IlpSolver(enum.Enum):
+    """The MILP solver behind :func:`solve_ilp`, both driven through PuLP."""
+
+    HIGHS = "highs"
+    """HiGHS via ``highspy`` (the default): in process, started from the warm-start split."""
+    CBC = "cbc"
+    """COIN-OR CBC, the binary bundled with PuLP 3 (``PULP_CBC_CMD``, deprecated for PuLP 4)."""
+
 
 class IlpStatus(enum.Enum):
     OPTIMAL = "optimal"
-    """CBC proved the solution optimal over the allowed cut positions."""
+    """The solver proved the solution optimal over the allowed cut positions."""
     FEASIBLE = "feasible"
     """The time limit was hit with a solution in hand."""
     INFEASIBLE = "infeasible"
@@ -73,6 +88,7 @@ def solve_ilp(
     windows: Sequence[Sequence[int]] | None = None,
     time_limit_s: float | None = 10.0,
     warm_start: Sequence[int] | None = None,
+    solver: IlpSolver = IlpSolver.HIGHS,
 ) -> IlpResult:
     """Minimise the slowest stage subject to memory, with a recompute choice per stage."""
     p, k, n = problem, problem.stages, problem.units
@@ -133,13 +149,7 @@ def solve_ilp(
         lp += top >= stage_time, f"time_{s}"
 
     warm = _set_warm_start(problem, cut, recompute_vars, warm_start)
-    with warnings.catch_warnings():
-        # PuLP 3.3 flags its bundled CBC as deprecated for 4.0; it is the solver we pin (<4).
-        warnings.simplefilter("ignore", DeprecationWarning)
-        solver = pulp.PULP_CBC_CMD(
-            msg=False, timeLimit=time_limit_s, warmStart=warm, gapRel=0.0, gapAbs=1e-9
-        )
-    lp.solve(solver)
+    lp.solve(_pulp_solver(solver, time_limit_s, warm))
     solve_ms = (time.perf_counter() - start) * 1e3
     binaries = sum(len(c) for c in cut) + len(recompute_vars)
     if lp.status == pulp.LpStatusInfeasible or lp.sol_status == pulp.LpSolutionInfeasible:
@@ -154,6 +164,41 @@ def solve_ilp(
     ev = evaluate(problem, bounds)
     status = IlpStatus.OPTIMAL if lp.sol_status == pulp.LpSolutionOptimal else IlpStatus.FEASIBLE
     return IlpResult(status=status, evaluation=ev, solve_ms=solve_ms, binaries=binaries)
+
+
+class _WarmHiGHS(pulp.HiGHS):
+    """PuLP's HiGHS interface, handed the variables' initial values as a starting solution.
+
+    PuLP passes a warm start to CBC but not to HiGHS; ``Highs.setSolution`` takes one, and
+    with it HiGHS begins from the DP's split instead of searching for a first one.
+    """
+
+    def callSolver(self, lp: pulp.LpProblem) -> None:
+        # Only the binaries have initial values; HiGHS completes the rest (sparse solution).
+        given = [v for v in lp.variables() if v.cat == pulp.LpInteger and v.varValue is not None]
+        lp.solverModel.setSolution(
+            len(given),
+            np.array([v.index for v in given], dtype=np.int32),
+            np.array([float(v.varValue) for v in given], dtype=np.float64),
+        )
+        super().callSolver(lp)
+
+
+def _pulp_solver(kind: IlpSolver, time_limit_s: float | None, warm: bool) -> pulp.LpSolver:
+    if kind is IlpSolver.HIGHS:
+        cls = _WarmHiGHS if warm else pulp.HiGHS
+        if not cls().available():
+            raise RuntimeError(
+                "the ILP solver HiGHS needs the highspy package: pip install highspy, or pass "
+                "solver=IlpSolver.CBC"
+            )
+        return cls(msg=False, timeLimit=time_limit_s, gapRel=0.0, gapAbs=1e-9, threads=1)
+    with warnings.catch_warnings():
+        # PuLP 3.3 flags its bundled CBC as deprecated for 4.0: selectable, not the default.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(
+            msg=False, timeLimit=time_limit_s, warmStart=warm, gapRel=0.0, gapAbs=1e-9
+        )
 
 
 def _read_bounds(cut: list[dict[int, pulp.LpVariable]], n: int) -> tuple[int, ...] | None:

@@ -6,7 +6,7 @@
 2. The ILP (:func:`~pipecut.passes.ilp.solve_ilp`) runs over every position when there are at
    most ``max_positions``, else over the candidate cuts of
    :func:`~pipecut.passes.coarsen.candidate_cuts` plus the DP's cuts, warm-started from the DP's
-   split. CBC either proves that split optimal over those positions or stops at its time limit;
+   split. The solver (HiGHS by default, or CBC) either proves that split optimal over those positions or stops at its time limit;
    the plan records which. The two are independent solvers of one model, so a disagreement is
    reported in the plan's solver detail rather than hidden.
 3. Nothing fits: :func:`~pipecut.passes.fit.infeasible_error` names the memory per device and
@@ -23,15 +23,17 @@ from pipecut.errors import PartitionError
 from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.coarsen import candidate_cuts
 from pipecut.passes.fit import infeasible_error
-from pipecut.passes.ilp import IlpStatus, default_windows, solve_ilp
+from pipecut.passes.ilp import IlpSolver, IlpStatus, default_windows, solve_ilp
 from pipecut.passes.problem import Evaluation, Problem
+
+__all__ = ["IlpPlan", "partition_ilp"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class IlpPlan:
     evaluation: Evaluation
     optimal: bool
-    """True when CBC proved the split optimal over the positions it was given."""
+    """True when the ILP solver proved the split optimal over the positions it was given."""
     solve_ms: float
     detail: str
 
@@ -43,6 +45,7 @@ def partition_ilp(
     inflight_for: Callable[[int], Sequence[int]] | None = None,
     time_limit_s: float = 5.0,
     max_positions: int = 240,
+    solver: IlpSolver = IlpSolver.HIGHS,
 ) -> IlpPlan:
     """Fastest split that fits, with a recompute choice per stage; PartitionError if none fits.
 
@@ -82,6 +85,7 @@ def partition_ilp(
         windows=default_windows(problem, positions),
         time_limit_s=time_limit_s,
         warm_start=exact.bounds,
+        solver=solver,
     )
     best = exact
     ilp = res.evaluation
@@ -97,7 +101,7 @@ def partition_ilp(
     )
     detail = (
         f"exact bounded DP over all {len(allowed)} cut positions in {dp_ms:.0f} ms; "
-        f"ILP (CBC, {res.binaries} binaries) over {scope}: {res.status.value} in "
+        f"ILP ({solver.name}, {res.binaries} binaries) over {scope}: {res.status.value} in "
         f"{res.solve_ms:.0f} ms, " + ("agrees with the DP" if agree else "differs from the DP")
     )
     return IlpPlan(

@@ -23,6 +23,8 @@ import numpy as np
 
 from pipecut.errors import PartitionError
 
+__all__ = ["Chain", "Partition", "partition_dp", "stage_cost"]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Chain:

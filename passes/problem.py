@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from pipecut.plan import Recompute
 
+__all__ = ["Evaluation", "Problem", "StageEval", "best_stage", "evaluate", "stage_options"]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Problem:

@@ -50,6 +50,15 @@ from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR
 from pipecut.passes.workload import Workload, ring_allreduce_ms
 from pipecut.plan import Link, ScheduleKind
 
+__all__ = [
+    "ReplicatedPlan",
+    "ReplicationKind",
+    "inflight",
+    "plan_replicated",
+    "stage_memory_bytes",
+    "stage_ms",
+]
+
 
 class ReplicationKind(enum.Enum):
     UNIFORM = "uniform"

@@ -21,6 +21,8 @@ from pipecut.errors import PlanError
 from pipecut.fxutil import canonical_names, mutates_first_arg
 from pipecut.plan import LeafKind, Plan
 
+__all__ = ["StageProgram", "split", "split_stage", "verify"]
+
 
 @dataclass(frozen=True)
 class StageProgram:

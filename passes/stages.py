@@ -28,6 +28,20 @@ from pipecut.runtime.schedule import Action, Schedule, simulate, timeline
 from pipecut.runtime.schedule import build as build_schedule
 from pipecut.runtime.zb_schedule import zero_bubble
 
+__all__ = [
+    "OPTIMIZER_STATE_FACTOR",
+    "StageCosts",
+    "StageFacts",
+    "build_stages",
+    "inflight_microbatches",
+    "make_schedule",
+    "plan_schedule",
+    "predict",
+    "predicted_timeline",
+    "stage_costs",
+    "stage_params",
+]
+
 OPTIMIZER_STATE_FACTOR = 2
 """Optimizer state per parameter byte (AdamW keeps two moments)."""
 

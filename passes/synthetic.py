@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from pipecut.plan import Leaf, LeafKind, NodeCost, NodeOp
 
+__all__ = ["Shape", "transformer_costs"]
+
 _GFLOPS_PER_MS = 0.05
 """50 GFLOP/s: the order of a CPU core pair."""
 _BYTES_PER_MS = 5e6

@@ -15,6 +15,8 @@ import numpy as np
 from pipecut.passes.chain import boundary_bytes, liveness
 from pipecut.plan import Link, NodeCost, NodeOp
 
+__all__ = ["Workload", "ring_allreduce_ms", "workload"]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Workload:

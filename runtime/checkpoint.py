@@ -45,6 +45,18 @@ from pipecut.errors import InputError
 from pipecut.fxutil import mutates_first_arg
 from pipecut.runtime.pipeline import Pipeline
 
+__all__ = [
+    "PLAN_FILE",
+    "Loaded",
+    "latest",
+    "load",
+    "load_into_model",
+    "owned",
+    "save",
+    "stage_tensors",
+    "step_dir",
+]
+
 PLAN_FILE = "plan.json"
 _COMPLETE = ".metadata"
 _PICKLE = "#pickle"

@@ -22,6 +22,8 @@ from pipecut.errors import PipelineRuntimeError
 from pipecut.plan import LeafKind, NodeCost
 from pipecut.values import decode_constant, dtype_from_name, encode_constant, flatten
 
+__all__ = ["Peer", "PostedRecv", "TensorLeaf", "WireSpec", "pack", "tag", "unpack"]
+
 FORWARD, BACKWARD = 0, 1
 _LEAF_BITS, _CUT_BITS, _MB_BITS = 10, 8, 12  # gloo tags are 31-bit
 

@@ -12,6 +12,8 @@ import torch
 from pipecut.runtime.schedule import Action, ActionKind
 from pipecut.runtime.stage import StageWorker
 
+__all__ = ["Event", "run_actions"]
+
 
 @dataclass(frozen=True, slots=True)
 class Event:

@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from pipecut.errors import PipelineRuntimeError
 
+__all__ = ["FAILURE_KEY", "abort", "first_failure"]
+
 FAILURE_KEY = "pipecut/failed"
 log = logging.getLogger("pipecut")
 

@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from pipecut.errors import PipelineRuntimeError
 
+__all__ = ["backend_for", "ensure_process_group", "local_device"]
+
 
 def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+__all__ = ["ActivationMeter"]
+
 
 class ActivationMeter:
     def __init__(self, parameters: Iterable[torch.Tensor]) -> None:

@@ -30,6 +30,8 @@ from pipecut.runtime.schedule import Schedule
 from pipecut.runtime.stage import StageWorker, reduce_tied_grads, tree_to
 from pipecut.runtime.trace import chrome_trace, write_chrome_trace
 
+__all__ = ["Pipeline"]
+
 
 class Pipeline:
     """This rank's stage(s) of a pipelined model.

@@ -26,6 +26,21 @@ from dataclasses import dataclass
 from pipecut.errors import ScheduleError
 from pipecut.plan import ScheduleKind
 
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Schedule",
+    "build",
+    "format_schedule",
+    "gpipe",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "parse_schedule",
+    "simulate",
+    "timeline",
+    "validate",
+]
+
 
 class ActionKind(enum.Enum):
     FORWARD = "F"

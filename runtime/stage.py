@@ -29,6 +29,8 @@ from pipecut.runtime.memory import ActivationMeter
 from pipecut.runtime.schedule import Action, ActionKind
 from pipecut.runtime.zero_bubble import split_backward
 
+__all__ = ["LossFn", "StageWorker", "reduce_tied_grads", "tree_to"]
+
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from pipecut.runtime.schedule import Action
 
+__all__ = ["PREDICTED_PID_OFFSET", "chrome_trace", "write_chrome_trace"]
+
 PREDICTED_PID_OFFSET = 1000
 
 

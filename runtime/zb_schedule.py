@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pipecut.errors import ScheduleError
 from pipecut.runtime.schedule import Action, ActionKind, Schedule
 
+__all__ = ["zero_bubble"]
+
 
 def zero_bubble(
     ranks: int,

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+__all__ = ["split_backward"]
+
 
 def _reaches(targets: set[Node]) -> Callable[[Node | None], bool]:
     memo: dict[Node, bool] = {}

@@ -238,3 +238,109 @@ def test_progress_only_on_a_terminal_of_rank_0():
     assert not logs.show_progress(0, io.StringIO())
     assert not logs.show_progress(0, Tty(), verbosity=-1)
 
+
+
+# --- options added for issue 13 ---------------------------------------------------------------
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pipecut {pipecut.__version__}"
+
+
+def test_plan_for_a_device_profile_estimates_without_profiling(in_repo, tmp_path, monkeypatch):
+    from pipecut.capture import capture, fingerprint
+    from pipecut.devices import device_link, device_profile
+    from pipecut.plan import CostSource
+
+    monkeypatch.setattr(pipecut.planner, "profile", lambda *a, **k: pytest.fail("profiled"))
+    out = tmp_path / "a100.json"
+    assert main(["plan", "examples.mlp:build", "-k", "2", "-m", "2", "--batch-size", "8",
+                 "--device-profile", "a100-80gb", "-o", str(out), "-q"]) == 0
+    plan = pipecut.Plan.from_json(out)
+    validate_plan_dict(json.loads(out.read_text()))
+    assert [d.name for d in plan.devices] == ["A100-80GB"] * 2
+    assert plan.devices[0].memory_bytes == device_profile("A100-80GB").memory_bytes
+    assert plan.link == device_link("A100-80GB")
+    assert {n.source for n in plan.nodes} == {CostSource.ESTIMATED}
+    from examples import mlp
+
+    model, (x,), _, _ = mlp.build(batch_size=8)
+    assert plan.fingerprint == fingerprint(capture(model, (x[:4],)).gm)  # replayable
+
+
+def test_plan_link_stages_per_rank_no_calibrate_and_solver(in_repo, tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["plan", "examples.mlp:build", "-k", "2", "-m", "4", "--batch-size", "8",
+                 "--schedule", "interleaved-1f1b", "--stages-per-rank", "2",
+                 "--link", "25GB,0.01", "--no-calibrate", "--memory-limit", "1GiB",
+                 "--solver", "cbc", "-o", str(out), "-q"]) == 0
+    plan = pipecut.Plan.from_json(out)
+    assert plan.num_stages == 4 and plan.stages_per_rank == 2 and plan.num_ranks == 2
+    assert plan.link.bandwidth_bytes_per_ms == 25e6 and plan.link.latency_ms == 0.01
+    assert "calibrated" not in plan.solver.detail
+    assert "ILP (CBC," in plan.solver.detail
+
+
+def test_show_and_diff_as_json(tmp_path, capsys):
+    a, b = synthetic_plan(layers=6, stages=2), synthetic_plan(layers=6, stages=3)
+    a.to_json(tmp_path / "a.json")
+    b.to_json(tmp_path / "b.json")
+    assert main(["show", str(tmp_path / "a.json"), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [s["index"] for s in shown["stages"]] == [0, 1]
+    assert shown["predicted"]["step_ms"] == a.predicted.step_ms
+    assert shown["stages"][1]["nodes"] == len(a.stages[1].nodes)
+    assert main(["diff", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json"]) == 0
+    diff = json.loads(capsys.readouterr().out)
+    expected = diff_plans(a, b)
+    assert diff["moved_nodes"] == expected.moved_nodes > 0
+    assert ["stages", "2", "3"] in diff["settings"]
+    assert diff["step_ms"] == list(expected.step_ms)
+
+
+def test_render_refuses_svg_and_missing_folders(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    synthetic_plan(layers=2, stages=2).to_json(path)
+    assert main(["render", str(path), "-o", str(tmp_path / "x.svg")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot write a .svg file; use one of ['.html', '.htm', '.dot', '.gv']" in err
+    assert "dot -Tsvg" in err and not (tmp_path / "x.svg").exists()
+    assert main(["render", str(path), "-o", str(tmp_path / "nope" / "x.html")]) == 1
+    assert "does not exist; create it first" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--out", "no/such/folder/plan.json"], r"--out no/such/folder/plan.json: the folder no/such/folder does not exist"),
+        (["--html", "missing-dir/p.html"], "the folder missing-dir does not exist"),
+        (["--stages-per-rank", "2"], "--stages-per-rank 2 needs --schedule interleaved-1f1b"),
+        (["--device-profile", "Z80"], r"no device profile named 'Z80'; choose one of \['A100-40GB'"),
+    ],
+)
+def test_plan_refuses_bad_options_before_profiling(in_repo, monkeypatch, capsys, extra, message):
+    monkeypatch.setattr("pipecut.cli.load_factory", lambda *a: pytest.fail("got to the model"))
+    assert main(["plan", "examples.mlp:build", *extra]) == 1
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_plan_refuses_a_folder_it_cannot_write(in_repo, tmp_path, monkeypatch, capsys):
+    import os
+
+    if os.geteuid() == 0:
+        # root writes anywhere: check the refusal through the access check itself
+        monkeypatch.setattr(os, "access", lambda path, mode: False)
+    else:
+        tmp_path.chmod(0o500)
+    monkeypatch.setattr("pipecut.cli.load_factory", lambda *a: pytest.fail("got to the model"))
+    assert main(["plan", "examples.mlp:build", "--out", str(tmp_path / "p.json")]) == 1
+    assert "cannot write there (permission denied)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("link", ["fast", "25GB,-1", "0,0.1", "25GB,soon"])
+def test_bad_link_is_a_usage_error(link, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "examples.mlp:build", "--link", link])
+    assert e.value.code == 2
+    assert "write BANDWIDTH[,LATENCY_MS]" in capsys.readouterr().err

@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipecut.errors import PartitionError
+import pipecut
+from pipecut.errors import InputError, PartitionError
 from pipecut.passes.bounded import partition_bounded
-from pipecut.passes.ilp import IlpStatus, solve_ilp
+from pipecut.passes.ilp import IlpSolver, IlpStatus, solve_ilp
 from pipecut.passes.multilevel import partition_ilp
 from pipecut.passes.partition import Chain, partition_dp
 from pipecut.passes.problem import Evaluation, Problem, evaluate
@@ -52,6 +53,34 @@ def problems(draw, *, memory: bool = True, recompute: bool = True, hetero: bool 
         inflight=tuple(draw(st.integers(1, 4)) for _ in range(k)),
         recompute=recompute and draw(st.booleans()),
     )
+
+
+@SETTINGS
+@given(problems())
+def test_both_solvers_warm_started_from_the_dp_match_brute_force(problem: Problem) -> None:
+    """HiGHS (the default, given the DP's split as a MIP start) and CBC find the same optimum."""
+    truth = brute_force(problem)
+    dp = partition_bounded(problem)
+    for solver in IlpSolver:
+        ilp = solve_ilp(problem, time_limit_s=30, solver=solver,
+                        warm_start=dp.bounds if dp is not None else None)
+        assert ilp.status in (IlpStatus.OPTIMAL, IlpStatus.INFEASIBLE), solver
+        assert same(ilp.evaluation, truth), solver
+
+
+def test_the_solver_is_chosen_by_name_and_recorded_in_the_plan() -> None:
+    from tests.browser.plans import synthetic_nodes
+
+    nodes = synthetic_nodes(3)
+    devices = [pipecut.DeviceSpec(name="d", memory_bytes=2**30)] * 2
+    kw = dict(devices=devices, microbatches=2, batch_size=4, inputs=("x",))
+    default = pipecut.partition_costs(nodes, **kw)
+    cbc = pipecut.partition_costs(nodes, **kw, solver="cbc")
+    assert default.solver.method is pipecut.Partitioner.ILP
+    assert "ILP (HIGHS," in default.solver.detail and "ILP (CBC," in cbc.solver.detail
+    assert default.stages == cbc.stages
+    with pytest.raises(InputError, match=r"unknown ILP solver 'gurobi'; choose one of \['highs', 'cbc'\]"):
+        pipecut.partition_costs(nodes, **kw, solver="gurobi")
 
 
 def same(a: Evaluation | None, b: Evaluation | None) -> bool:
