@@ -96,16 +96,30 @@ def _core_schema() -> Any:
     return _rewrite(pydantic.TypeAdapter(Plan).core_schema)
 
 
+def _config(node: Any) -> Any:
+    """The plan's core config: at the top, or inside the dataclass schema when pydantic wraps
+    the schema in shared ``definitions`` (a type used twice, e.g. ScheduleKind)."""
+    if isinstance(node, dict):
+        if isinstance(node.get("config"), dict):
+            return node["config"]
+        children: Any = node.values()
+    elif isinstance(node, list):
+        children = node
+    else:
+        return None
+    return next((c for c in map(_config, children) if c is not None), None)
+
+
 @functools.cache
 def _validator() -> pydantic_core.SchemaValidator:
-    return pydantic_core.SchemaValidator(_core_schema(), _core_schema().get("config"))
+    return pydantic_core.SchemaValidator(_core_schema(), _config(_core_schema()))
 
 
 @functools.cache
 def _serializer() -> pydantic_core.SchemaSerializer:
     # The config again at the top: without it, an inf inside an ``Any`` leaf value is written
     # as null although ``Plan.__pydantic_config__`` says "constants" (pydantic-core 2.50).
-    return pydantic_core.SchemaSerializer(_core_schema(), _core_schema().get("config"))
+    return pydantic_core.SchemaSerializer(_core_schema(), _config(_core_schema()))
 
 
 # --- reading and writing ----------------------------------------------------------------------
