@@ -80,9 +80,10 @@ def _assign(
             producers = {i: stage_of[i] for i in n.inputs if i in stage_of}
             raise PlanError(
                 f"cannot place node {n.name!r} ({n.target}) of the other-mode graph on the "
-                f"plan's stages: its inputs come from stages {producers or '{}'} and it reads "
-                f"{state[:4]} held by stages {[sorted(held[f]) for f in state[:4]]}, so no stage "
-                f"satisfies both. Values must flow forwards and weights stay where the plan put "
+                f"plan's stages: its inputs come from stages {producers or '{}'}, it reads "
+                f"{state[:4]} held by stages {[sorted(held[f]) for f in state[:4]]}, and the nodes "
+                f"that depend on it need it by stage {upper[n.name]}, so no stage satisfies all "
+                f"three. Values must flow forwards and weights stay where the plan put "
                 f"them; re-plan with the model in this mode (call model.train()/model.eval() "
                 f"before pipecut.compile) or move the mode-dependent code into one module."
             )
