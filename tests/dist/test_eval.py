@@ -292,3 +292,26 @@ def test_eval_and_frozen_parts_match_plain_model() -> None:
     # requires_grad changed after compile: refused on the sender, its peer fails fast.
     assert "requires grad, but the plan was made when it did not" in per_rank[0]["changed_requires_grad"]
     assert "PipelineRuntimeError" in per_rank[1]["changed_requires_grad"]
+
+
+def _four_ranks(rank: int, world: int) -> dict[str, Any]:
+    model, inputs, loss_fn, target = dropnet()
+    pipe = _compile(model, world, inputs, loss_fn, target, schedule="1f1b")
+    res = {"eval": _eval_twice(pipe.eval(), inputs, target)}
+    model, inputs, loss_fn, target = frozen()
+    pipe = _compile(model, world, inputs, loss_fn, target, schedule="1f1b")
+    res["frozen"] = {"loss": pipe.step(inputs, target), "grads": pipeline_grads(model, pipe)}
+    return res
+
+
+@pytest.mark.timeout(200)
+def test_eval_and_no_grad_block_on_four_ranks() -> None:
+    per_rank = run_ranks(_four_ranks, 4, timeout=180)
+    ref_loss, ref_out = _plain(dropnet, training=False)
+    for r, res in enumerate(per_rank):
+        assert res["eval"]["repeatable"] and res["eval"]["no_grads"], r
+        _close(res["eval"]["loss"], ref_loss, f"rank {r} eval loss")
+        _close(res["eval"]["out"], ref_out, f"rank {r} eval outputs")
+    ref_loss, ref_grads = reference(frozen, M, per_microbatch=False)
+    assert_parity(ref_loss, {n: g for n, g in ref_grads.items() if g is not None},
+                  [res["frozen"] for res in per_rank])
