@@ -17,8 +17,8 @@ import pipecut
 from examples import mlp
 from pipecut.batching import first_microbatch
 from pipecut.capture import capture
-from pipecut.errors import PipelineRuntimeError, PlanError
-from pipecut.modes import derive_other_mode, describe_graph
+from pipecut.errors import InputError, PipelineRuntimeError, PlanError
+from pipecut.modes import Modes, derive_other_mode, describe_graph
 from pipecut.passes.eval_graph import map_stages
 from pipecut.plan import CaptureMethod, NodeCost, NodeOp, ScheduleKind
 from pipecut.runtime.forward import concat_microbatches
@@ -183,3 +183,19 @@ def test_outputs_concatenate_over_microbatches() -> None:
     assert concat_microbatches([("tag", None), ("tag", None)], 2) == ("tag", None)
     with pytest.raises(PipelineRuntimeError, match=r"output leaf 0 is a tensor of shape \(\).*no whole-batch value"):
         concat_microbatches([torch.tensor(1.0), torch.tensor(2.0)], 2)
+
+
+def test_modes_keep_the_error_and_check_module_modes() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    error = PlanError("cannot place node 'x'")
+    modes = Modes(model=model, workers={}, derived=error, make_worker=None,  # type: ignore[arg-type]
+                  device=torch.device("cpu"))
+    assert modes.captured_training and modes.workers(True) == {}
+    with pytest.raises(PlanError, match="cannot place node 'x'"):
+        modes.workers(False)  # only the mode that cannot run refuses
+    modes.check(True)
+    model[1].eval()  # by hand: the captured train graph would ignore it
+    with pytest.raises(InputError, match=r"module '1' is in eval mode, but the pipeline's train-mode graph"):
+        modes.check(True)
+    modes.set(True)
+    modes.check(True)
