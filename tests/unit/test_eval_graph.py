@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,7 @@ from pipecut.errors import InputError, PipelineRuntimeError, PlanError
 from pipecut.modes import Modes, derive_other_mode, describe_graph
 from pipecut.passes.eval_graph import map_stages
 from pipecut.plan import CaptureMethod, NodeCost, NodeOp, ScheduleKind
+from pipecut.planner import partition_costs
 from pipecut.runtime.forward import concat_microbatches
 from pipecut.runtime.schedule import ActionKind, build, forward_only, simulate
 
@@ -78,8 +81,12 @@ class FunctionalDropout(nn.Module):
 
 
 def _plan(model: nn.Module, x: torch.Tensor, method: CaptureMethod | None = None) -> pipecut.Plan:
-    return pipecut.plan(model, (x,), 2, loss_fn=lambda o, t: o.pow(2).mean(), target=x, microbatches=2,
-                        repeats=1, warmup=0, calibrate=False, capture_method=method)
+    """A 2-stage plan cut by equal node costs (measured times would make the cut vary)."""
+    measured = pipecut.plan(model, (x,), 2, loss_fn=lambda o, t: o.pow(2).mean(), target=x,
+                            microbatches=2, repeats=1, warmup=0, calibrate=False, capture_method=method)
+    nodes = [dataclasses.replace(n, forward_ms=1.0, backward_ms=1.0) for n in measured.nodes]
+    return partition_costs(nodes, devices=2, microbatches=2, batch_size=8, fingerprint=measured.fingerprint,
+                           capture=measured.capture, inputs=measured.inputs)
 
 
 @pytest.mark.parametrize("method", [CaptureMethod.SYMBOLIC_TRACE, CaptureMethod.EXPORT])
