@@ -225,6 +225,8 @@ class Modes:
             for stage in workers:
                 program = split_stage(captured.gm, plan, stage)
                 program.module.to(device)
+                # .to() gives moved buffers new tensor objects: point both modes at the same ones.
+                share_state(program.module, workers[stage].program.module)
                 program.module.training = other  # not recursive: the submodules are the model's
                 built[stage] = make_worker(program, plan, captured.unflatten_output)
             self._workers[other] = built

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 
 import pytest
 import torch
@@ -22,10 +23,12 @@ from pipecut.capture import capture
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
 from pipecut.modes import Modes, derive_other_mode, describe_graph
 from pipecut.passes.eval_graph import map_stages
+from pipecut.passes.split import split_stage
 from pipecut.plan import CaptureMethod, NodeCost, NodeOp, ScheduleKind
 from pipecut.planner import partition_costs
 from pipecut.runtime.forward import concat_microbatches
 from pipecut.runtime.schedule import ActionKind, build, forward_only, simulate
+from pipecut.runtime.stage import StageWorker
 
 
 class NoGradBlock(nn.Module):
@@ -206,3 +209,34 @@ def test_modes_keep_the_error_and_check_module_modes() -> None:
         modes.check(True)
     modes.set(True)
     modes.check(True)
+
+
+def test_both_modes_hold_the_same_tensors_after_a_device_move() -> None:
+    """``.to(cuda)`` gives moved buffers new tensor objects; the eval programs must then read
+    the very tensors that training updates (simulated here by replacing them on the CPU)."""
+    torch.manual_seed(0)
+    model, x = FunctionalDropout(), torch.randn(8, 16)
+    plan = _plan(model, x, CaptureMethod.EXPORT)
+    _, first = first_microbatch((x,), 2)
+    captured = capture(model, first, method=CaptureMethod.EXPORT)
+    derived = derive_other_mode(model, first, captured, plan, ())
+    workers = {}
+    for stage in range(2):
+        program = split_stage(captured.gm, plan, stage)
+        for owner in program.module.modules():
+            for name, b in list(owner._buffers.items()):
+                owner._buffers[name] = b.clone()  # what a device move does to buffers
+        workers[stage] = _worker(program, plan, captured.unflatten_output)
+    modes = Modes(model=model, workers=workers, derived=derived, make_worker=_worker, device=torch.device("cpu"))
+    for stage in range(2):
+        train_state = dict(workers[stage].program.module.named_buffers())
+        eval_state = dict(modes.workers(False)[stage].program.module.named_buffers())
+        assert any(n.endswith("running_mean") for n in train_state) or stage == 0
+        assert all(eval_state[n] is t for n, t in train_state.items() if n in eval_state)
+        assert set(eval_state) <= set(train_state)
+
+
+def _worker(program, plan, unflatten):  # type: ignore[no-untyped-def]
+    return StageWorker(program, plan, rank=program.index, ranks=[0, 1], group=None, device=torch.device("cpu"),
+                       loss_fn=lambda o, t: o.sum(), unflatten_output=unflatten,
+                       timeout=datetime.timedelta(seconds=1))
