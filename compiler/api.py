@@ -172,7 +172,8 @@ def other_mode(
     """The other train/eval mode's graph and plan; an error is kept, to be raised only when
     that mode is asked for (training in the compiled mode does not need it)."""
     try:
-        return derive_other_mode(model, first, captured, plan, leaf_modules)
+        with torch.random.fork_rng(devices=[]):  # compile draws no more random numbers than before
+            return derive_other_mode(model, first, captured, plan, leaf_modules)
     except PipecutError as e:
         return e
     except Exception as e:
