@@ -141,6 +141,10 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     res["dropnet_eval"] = _eval_twice(pipe.eval(), inputs, target)
     none_loss, outs = pipe.eval_step(inputs, return_outputs=True)
     res["dropnet_outputs_only"] = {"loss": none_loss, "out": outs}
+    try:  # with gradients enabled a step needs its loss
+        pipe.step(inputs, return_outputs=True)
+    except InputError as e:
+        res["train_without_loss"] = str(e)
     model.train()  # by hand, not pipe.train(): refused, not silently ignored
     try:
         pipe.step(inputs, target)
@@ -245,6 +249,7 @@ def test_eval_and_frozen_parts_match_plain_model() -> None:
     assert last["dropnet_outputs_only"]["loss"] is None
     _close(last["dropnet_outputs_only"]["out"], ref_out, "outputs only")
     assert per_rank[0]["dropnet_outputs_only"]["out"] is None  # not asked for on every rank
+    assert "a training step needs the loss" in last["train_without_loss"]
     assert "is in train mode, but the pipeline's eval-mode graph" in last["dropnet_by_hand"]
     assert "pipe.train()/pipe.eval()" in last["dropnet_by_hand"]
 
