@@ -238,13 +238,16 @@ class Modes:
         return self._workers[training]
 
     def set(self, training: bool) -> None:
-        # symbolic_trace stage programs call the model's own submodules, so this switches them;
-        # export programs have the mode in their graphs. Recursing into the stage programs would
-        # undo per-module modes that the model's own train() sets (frozen BatchNorm).
+        # The stage programs' submodules (call_module leaves of symbolic_trace; export programs
+        # have the mode in their graphs) take the mode that model.train() gave the module of
+        # the same name, so per-module modes the model's own train() sets (frozen BatchNorm)
+        # are kept, whether the programs share the model's module objects or copies of them.
         self._model.train(training)
+        modes = dict(module_modes(self._model))
         for workers in self._workers.values():
             for w in workers.values():
-                w.program.module.training = training
+                for name, sub in w.program.module.named_modules():
+                    sub.training = modes.get(name, training)
 
     def check(self, training: bool) -> None:
         expected = dict(self._snapshots[training])
