@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,12 @@ import torch
 import torch.distributed as dist
 
 from pipecut.batching import first_microbatch
-from pipecut.capture import Inputs, capture, fingerprint
-from pipecut.errors import InputError, PipelineRuntimeError, PlanError
+from pipecut.capture import Captured, Inputs, capture, fingerprint
+from pipecut.errors import CaptureError, InputError, PipecutError, PipelineRuntimeError, PlanError
 from pipecut.live_calibration import measure_stages, recalibrate
+from pipecut.modes import Modes, derive_other_mode
 from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
-from pipecut.passes.split import split_stage
+from pipecut.passes.split import StageProgram, split_stage
 from pipecut.passes.stages import plan_schedule
 from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
 from pipecut.planner import DEFAULT_LINK, Devices, as_devices
@@ -184,18 +186,24 @@ def compile(
     validate(sched, chosen.microbatches)
     if replication is not None:
         check_supported(chosen, replication.kind)
+    derived = other_mode(model, first, captured, chosen, leaf_modules)  # before moving to device
+
+    def make_worker(program: StageProgram, for_plan: Plan, unflatten: Callable[[Any], Any]) -> StageWorker:
+        return StageWorker(
+            program, for_plan, rank=rank, ranks=ranks, group=group, device=device, loss_fn=loss_fn,
+            unflatten_output=unflatten, timeout=wait,
+        )
+
     workers = {}
     for stage in range(rank, chosen.num_stages, world):
         program = split_stage(captured.gm, chosen, stage)
         program.module.to(device)
-        workers[stage] = StageWorker(
-            program, chosen, rank=rank, ranks=ranks, group=group, device=device, loss_fn=loss_fn,
-            unflatten_output=captured.unflatten_output, timeout=wait,
-        )
+        workers[stage] = make_worker(program, chosen, captured.unflatten_output)
+    modes = Modes(model=model, workers=workers, derived=derived, make_worker=make_worker, device=device)
     pipe = Pipeline(
         plan=chosen, captured=captured, workers=workers, schedule=sched, rank=rank, ranks=ranks,
         group=group, tied_groups=_tied_groups(chosen, layout, rank, wait), dp_group=layout.dp_group,
-        loss_reduction=reduction,
+        loss_reduction=reduction, modes=modes,
     )
     if plan is None and calibration_steps > 0:  # before any wrapping: FSDP changes the modules
         times = measure_stages(pipe, example_inputs, target, calibration_steps)
@@ -211,6 +219,23 @@ def compile(
         assert layout.dp_group is not None  # _replication gives None without a "dp" dimension
         replicate(workers, sched[rank], replication.kind, group=layout.dp_group, mesh=layout.dp_mesh)
     return pipe
+
+
+def other_mode(
+    model: torch.nn.Module, first: Inputs, captured: Captured, plan: Plan, leaf_modules: tuple[type, ...]
+) -> tuple[Captured, Plan] | Exception | None:
+    """The other train/eval mode's graph and plan; an error is kept, to be raised only when
+    that mode is asked for (training in the compiled mode does not need it)."""
+    try:
+        with torch.random.fork_rng(devices=[]):  # compile draws no more random numbers than before
+            return derive_other_mode(model, first, captured, plan, leaf_modules)
+    except PipecutError as e:
+        return e
+    except Exception as e:
+        mode = "eval" if model.training else "train"
+        error = CaptureError(f"the model cannot run in {mode} mode in this pipeline: {type(e).__name__}: {e}")
+        error.__cause__ = e
+        return error
 
 
 def _tied_groups(plan: Plan, layout: _Layout, rank: int, wait: datetime.timedelta) -> list[tuple[str, Any]]:

@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 
 from pipecut.batching import check_inputs
 from pipecut.errors import CaptureError, InputError
+from pipecut.frozen import honour_no_grad, record_grad_mode
 from pipecut.fxutil import target_name
 from pipecut.plan import CaptureMethod
 
@@ -112,8 +113,13 @@ def _trace_fx(model: torch.nn.Module, leaf_modules: tuple[type, ...]) -> fx.Grap
         def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
             return isinstance(m, leaf_modules) or super().is_leaf_module(m, qualname)
 
+        def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+            # fx does not see grad-mode changes: note them, so no_grad blocks can be honoured.
+            return record_grad_mode(super().create_node(*args, **kwargs))
+
     tracer = Tracer()
-    graph = tracer.trace(model)
+    with torch.enable_grad():  # grad disabled while tracing can then only come from forward
+        graph = honour_no_grad(tracer.trace(model))
     return fx.GraphModule(tracer.root, graph, model.__class__.__name__)
 
 

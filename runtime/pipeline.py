@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ from pipecut.plan import LeafKind, Plan
 from pipecut.runtime.data_parallel import average_loss
 from pipecut.runtime.executor import Event, run_actions
 from pipecut.runtime.failure import abort
+from pipecut.runtime.forward import ModeSwitch, collecting, concat_microbatches
 from pipecut.runtime.grads import (
     LossReduction,
     clip_grad_norm_,
@@ -26,7 +28,7 @@ from pipecut.runtime.grads import (
     scale_loss_fn,
     sharded_grad_scaler,
 )
-from pipecut.runtime.schedule import Schedule
+from pipecut.runtime.schedule import Schedule, forward_only
 from pipecut.runtime.stage import StageWorker, reduce_tied_grads, tree_to
 from pipecut.runtime.trace import chrome_trace, write_chrome_trace
 
@@ -53,6 +55,7 @@ class Pipeline:
         tied_groups: Sequence[tuple[str, dist.ProcessGroup | None]],
         dp_group: dist.ProcessGroup | None = None,
         loss_reduction: LossReduction = LossReduction.MEAN,
+        modes: ModeSwitch | None = None,
     ) -> None:
         self.plan = plan
         self.captured = captured
@@ -71,6 +74,9 @@ class Pipeline:
         first = canonical_names(captured.gm)
         self._alias = {name: first[id(p)] for name, p in captured.gm.named_parameters(remove_duplicate=False)}
         self._device = next(iter(self.workers.values())).device
+        self._modes = modes
+        self.training = modes.captured_training if modes is not None else True
+        """The mode :meth:`step` runs in (the model's mode at compile until changed)."""
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -122,9 +128,25 @@ class Pipeline:
         return out
 
     def train(self, mode: bool = True) -> Pipeline:
-        for m in self.modules:
-            m.train(mode)
+        """Train (or, ``False``, eval) mode for every later step, as ``model.train(mode)``:
+        dropout, BatchNorm statistics and ``self.training`` branches behave as in the plain
+        model, on both capture paths (the graph of each mode is derived at compile). Raises,
+        changing nothing, if this model cannot run in that mode pipelined."""
+        if self._modes is None:
+            for m in self.modules:
+                m.train(mode)
+        else:
+            self._modes.workers(mode)  # raises (alike on every rank) if the mode cannot run
+            self._modes.set(mode)
+        self.training = mode
         return self
+
+    def eval(self) -> Pipeline:
+        """``train(False)``."""
+        return self.train(False)
+
+    def _active(self) -> Mapping[int, StageWorker]:
+        return self._modes.workers(self.training) if self._modes is not None else self.workers
 
     @property
     def timeline(self) -> list[Event]:
@@ -134,7 +156,7 @@ class Pipeline:
     @property
     def peak_activation_bytes(self) -> int:
         """Peak bytes of activations this rank's stages kept for backward in the last step."""
-        return sum(w.meter.peak for w in self.workers.values())
+        return sum(w.meter.peak for w in self._active().values())
 
     def trace(self, path: str | Path | None = None) -> dict[str, Any] | None:
         """Gather every rank's timeline of the last recorded step; pipeline rank 0 returns (and
@@ -172,9 +194,17 @@ class Pipeline:
         return [dict(zip(names, tree_to(mb, self._device))) for mb in mbs]
 
     def step(
-        self, inputs: Inputs, target: Any = None, *, record: bool = False, scaler: Any = None,
+        self,
+        inputs: Inputs,
+        target: Any = None,
+        *,
+        record: bool = False,
+        return_outputs: bool = False,
+        all_ranks: bool = False,
+        compute_loss: bool | None = None,
+        scaler: Any = None,
         normalizer: Any = None,
-    ) -> torch.Tensor:
+    ) -> Any:
         """Forward and backward one full batch; returns the step's loss on every rank.
 
         Gradients accumulate into this rank's parameters' ``.grad`` as with ``loss.backward()``.
@@ -182,19 +212,55 @@ class Pipeline:
         sum divided by ``normalizer`` (counted over the whole batch, the same on every rank).
         ``scaler`` (from :meth:`grad_scaler`): backward starts from ``scaler.scale(loss)``, as
         ``scaler.scale(loss).backward()`` does; the loss returned is unscaled.
-        ``record=True`` keeps this rank's action timeline (see :meth:`trace`). If anything fails
-        on this rank, its process groups are torn down so that the other ranks fail at once
-        with an error naming this rank, instead of waiting for their timeout.
+        Under ``torch.no_grad()`` only the forward runs (see :meth:`eval_step`): no backward, no
+        ``.grad`` written, no gradient reduction. ``return_outputs=True`` returns ``(loss,
+        outputs)``: the model's outputs for the whole batch (microbatches concatenated along
+        dimension 0, in the model's output structure, detached) on the last stage's rank, None
+        elsewhere, or on every rank with ``all_ranks=True``. ``compute_loss`` (forward only)
+        defaults to True unless only outputs are asked for (``return_outputs`` and no target);
+        without a loss, None is returned in its place. ``record=True`` keeps this rank's
+        action timeline (see :meth:`trace`). If anything fails on this rank, its process groups
+        are torn down so that the other ranks fail at once with an error naming this rank,
+        instead of waiting for their timeout.
         """
+        training = torch.is_grad_enabled()
+        if compute_loss is None:
+            compute_loss = target is not None or not return_outputs
+        if training and not compute_loss:
+            raise InputError(
+                "a training step needs the loss (compute_loss=False was given with gradients "
+                "enabled); run it under torch.no_grad() or use pipe.eval_step for outputs only"
+            )
+        if self._modes is not None:
+            self._modes.check(self.training)
         try:
             self._weigh_loss(scaler, normalizer)
-            return self._step(inputs, target, record)
+            return self._step(inputs, target, record, training, return_outputs, all_ranks, compute_loss)
         except InputError:
             raise  # raised identically on every rank before any communication
         except BaseException as e:
             raise abort(dist.get_rank(), e) from e
 
-    def _step(self, inputs: Inputs, target: Any, record: bool) -> torch.Tensor:
+    def eval_step(
+        self,
+        inputs: Inputs,
+        target: Any = None,
+        *,
+        record: bool = False,
+        return_outputs: bool = False,
+        all_ranks: bool = False,
+        compute_loss: bool | None = None,
+    ) -> Any:
+        """:meth:`step` under ``torch.no_grad()``: forward only, in the pipeline's current mode
+        (call :meth:`eval` first for dropout off and BatchNorm running statistics)."""
+        with torch.no_grad():
+            return self.step(inputs, target, record=record, return_outputs=return_outputs,
+                             all_ranks=all_ranks, compute_loss=compute_loss)
+
+    def _step(
+        self, inputs: Inputs, target: Any, record: bool, training: bool, return_outputs: bool,
+        all_ranks: bool, compute_loss: bool,
+    ) -> Any:
         mb_inputs = self._microbatches(inputs)
         m = self.plan.microbatches
         targets = (
@@ -202,25 +268,43 @@ class Pipeline:
             if target is not None
             else [None] * m
         )
+        workers = self._active()
+        actions = self.schedule[self.rank] if training else forward_only(self.schedule[self.rank])
+        last = workers.get(self.plan.num_stages - 1)
         if record:
             dist.barrier(group=self.group)  # align the ranks' clocks for the timeline
-        loss, events = run_actions(self.workers, self.schedule[self.rank], mb_inputs, targets, record)
+        with contextlib.ExitStack() as stack:
+            outputs: list[Any] = []
+            if last is not None:
+                outputs = stack.enter_context(
+                    collecting(last, keep_outputs=return_outputs, compute_loss=compute_loss))
+            loss, events = run_actions(workers, actions, mb_inputs, targets, record)
         self.events = events
-        canonical = {id(p): self._alias.get(name, name) for m in self.modules
-                     for name, p in m.named_parameters(remove_duplicate=False)}
-        reduce_tied_grads(self.parameters(), canonical, self.tied_groups)
-        out = loss.detach().float() if loss is not None else torch.zeros((), device=self._device)
-        dist.broadcast(out, src=self.ranks[-1], group=self.group)
-        if self.dp_group is not None:  # gradients: averaged by DDP / FSDP in the last backward
-            average_loss(out, self.dp_group)
-        return out
+        if training:
+            canonical = {id(p): self._alias.get(name, name) for m in self.modules
+                         for name, p in m.named_parameters(remove_duplicate=False)}
+            reduce_tied_grads(self.parameters(), canonical, self.tied_groups)
+        result: torch.Tensor | None = None
+        if compute_loss:
+            result = loss.detach().float() if loss is not None else torch.zeros((), device=self._device)
+            dist.broadcast(result, src=self.ranks[-1], group=self.group)
+            if self.dp_group is not None:  # gradients: averaged by DDP / FSDP in the last backward
+                average_loss(result, self.dp_group)
+        if not return_outputs:
+            return result
+        whole = concat_microbatches(outputs, self.plan.batch_size // m) if outputs else None
+        if all_ranks:
+            box = [tree_to(whole, torch.device("cpu"))]
+            dist.broadcast_object_list(box, src=self.ranks[-1], group=self.group)
+            whole = tree_to(box[0], self._device)
+        return result, whole
 
     def _weigh_loss(self, scaler: Any, normalizer: Any) -> None:
         """Tell the stages what each microbatch's loss is divided by and how it is scaled."""
         replicas = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
         divisor = loss_divisor(self.loss_reduction, self.plan.microbatches, normalizer, replicas)
         scale = scale_loss_fn(scaler, self.ranks, self._device)
-        for w in self.workers.values():
+        for w in self._active().values():
             w.loss_divisor, w.scale_loss = divisor, scale
 
     def clip_grad_norm_(

@@ -143,6 +143,12 @@ def build(kind: ScheduleKind, ranks: int, microbatches: int, chunks: int = 1) ->
     raise ScheduleError(f"no generator for schedule {kind}")
 
 
+def forward_only(actions: Sequence[Action]) -> tuple[Action, ...]:
+    """A rank's forward actions, in the schedule's order (evaluation: no backward). Dropping
+    backwards only removes waits, so a schedule that does not deadlock still does not."""
+    return tuple(a for a in actions if a.kind is ActionKind.FORWARD)
+
+
 def format_schedule(schedule: Schedule) -> str:
     """One line per rank, actions separated by spaces; :func:`parse_schedule` reads it back."""
     return "\n".join(" ".join(str(a) for a in rank) for rank in schedule)

@@ -25,6 +25,7 @@ from pipecut.errors import PipelineRuntimeError
 from pipecut.passes.split import StageProgram
 from pipecut.plan import Plan, Recompute
 from pipecut.runtime.comm import BACKWARD, FORWARD, Peer, PostedRecv, WireSpec, pack, unpack
+from pipecut.runtime.forward import check_grad_flags
 from pipecut.runtime.memory import ActivationMeter
 from pipecut.runtime.schedule import Action, ActionKind
 from pipecut.runtime.zero_bubble import split_backward
@@ -141,6 +142,8 @@ class StageWorker:
                 state.loss = self._loss(out, target) / self.loss_divisor
                 return
         tensors = pack(out, self.out_spec, self.stage)
+        if torch.is_grad_enabled():
+            check_grad_flags(tensors, self.out_spec, self.stage)
         state.sent = [t for t, leaf in zip(tensors, self.out_spec.tensors) if leaf.requires_grad]
         self._send(self.next, tensors, mb, FORWARD)
 
@@ -206,7 +209,7 @@ def reduce_tied_grads(
     by_name = {canonical[id(p)]: p for p in params if id(p) in canonical}
     for fqn, group in groups:
         p = by_name.get(fqn)
-        if p is None:
+        if p is None or not p.requires_grad:  # a frozen weight keeps .grad None, as in PyTorch
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
