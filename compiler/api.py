@@ -19,6 +19,7 @@ from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
 from pipecut.planner import DEFAULT_LINK, Devices, as_devices
 from pipecut.planner import plan as make_plan
 from pipecut.profile import LossFn
+from pipecut.resolve import WireSpecs, schedules
 from pipecut.runtime.launch import ensure_process_group, local_device
 from pipecut.runtime.pipeline import Pipeline
 from pipecut.runtime.schedule import validate
@@ -154,6 +155,7 @@ def compile(
     return Pipeline(
         plan=chosen, captured=captured, workers=workers, schedule=sched, rank=rank, ranks=ranks,
         group=group, tied_groups=_tied_groups(chosen, layout, rank, wait), dp_group=layout.dp_group,
+        wire=WireSpecs(captured.gm, chosen, device), schedule_for=schedules(chosen),
     )
 
 
