@@ -55,7 +55,7 @@ class WireSpecs:
             except PropagationError as e:
                 shapes = [p for p in sig.inputs if isinstance(p, tuple)]
                 raise InputError(
-                    f"microbatch inputs {shapes} (autocast {sig.autocast}) do not run through "
+                    f"microbatch inputs {shapes} ({sig.autocast}) do not run through "
                     f"the captured graph: {e}. This plan accepts {describe_accepted(accepted(self.plan))}; "
                     f"pass the planned shapes or re-plan with example inputs of these shapes"
                 ) from e

@@ -34,6 +34,9 @@ class AutocastState:
     enabled: bool
     dtype: str
 
+    def __str__(self) -> str:
+        return f"autocast {self.device_type} {self.dtype}" if self.enabled else "no autocast"
+
     @classmethod
     def current(cls, device_type: str) -> AutocastState:
         enabled = torch.is_autocast_enabled(device_type)

@@ -97,10 +97,13 @@ def propagate(
         args = [_fake_like(x, device) if isinstance(x, torch.Tensor) else x for x in inputs]
         state = {name: _fake_like(t, device) for name, t in _state(gm)}
     # Grad mode on, as in training and profiling: requires_grad of a cut value is part of its spec.
-    with mode, amp, torch.enable_grad(), _quiet():
-        values: dict[str, Any] = torch.func.functional_call(
-            _Run(gm), state, tuple(args), strict=False, tie_weights=True
-        )
+    try:
+        with mode, amp, torch.enable_grad(), _quiet():
+            values: dict[str, Any] = torch.func.functional_call(
+                _Run(gm), state, tuple(args), strict=False, tie_weights=True
+            )
+    except PropagationError as e:  # fx appends "While executing ..." lines: keep the first
+        raise PropagationError(str(e).splitlines()[0]) from e.__cause__
     return values
 
 
