@@ -24,7 +24,7 @@ from pipecut.shapes import Signature, accepted, describe_accepted, planned_signa
 
 __all__: list[str] = []
 
-MAX_CACHED = 256
+MAX_CACHED = 1024
 """Distinct microbatch signatures kept (sequence lengths x microbatch sizes x autocast states)."""
 
 

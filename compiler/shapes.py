@@ -141,7 +141,7 @@ def microbatch_sizes(batch: int, plan: Plan) -> tuple[int, ...]:
     when there are fewer samples than M, each within the plan's accepted microbatch sizes."""
     m = plan.microbatches
     hi = plan.batch_size // m
-    lo = min((s.min_shape[0] for s in accepted(plan) if s.min_shape), default=hi)
+    lo = max((s.min_shape[0] for s in accepted(plan) if s.min_shape), default=hi)  # every input's
     if batch > plan.batch_size:
         raise _refuse(plan, f"the batch has {batch} samples, more than the planned {plan.batch_size}")
     n = min(m, batch // lo) if lo > 0 else m

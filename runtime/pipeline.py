@@ -194,7 +194,12 @@ class Pipeline:
         return None
 
     def step(self, inputs: Inputs, target: Any = None, *, record: bool = False) -> torch.Tensor:
-        """Forward and backward one full batch; returns the mean microbatch loss on every rank.
+        """Forward and backward one full batch; returns its mean loss on every rank.
+
+        The batch may be smaller than planned (a last batch) and its non-batch dimensions
+        shorter, within ``plan.accepts``; microbatch losses are weighted by their sizes, so the
+        result is the whole batch's mean loss even when microbatches are uneven. Under
+        ``torch.autocast`` cut tensors travel in the dtypes autocast gives them.
 
         Gradients accumulate into this rank's parameters' ``.grad`` as with ``loss.backward()``.
         ``record=True`` keeps this rank's action timeline (see :meth:`trace`). If anything fails

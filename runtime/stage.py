@@ -79,6 +79,8 @@ class StageWorker:
         """Per microbatch of the step: (received, sent) specs; the plan's when empty."""
         self.weights: list[Fraction] = []
         """Per microbatch of the step: the factor of its loss (size / batch); 1/M when empty."""
+        self._built: dict[int, tuple[Mapping[str, NodeCost], tuple[WireSpec, WireSpec]]] = {}
+        """Specs built per resolved mapping (held, so its id stays its own), oldest first."""
         self.meter = ActivationMeter(program.module.parameters())
         self.state: dict[int, _Microbatch] = {}
         self.posted: dict[tuple[int, int], PostedRecv] = {}
@@ -86,17 +88,18 @@ class StageWorker:
 
     def prepare(self, wire: Sequence[Mapping[str, NodeCost] | None], weights: Sequence[Fraction]) -> None:
         """Before a step: each microbatch's cut values (None: as planned) and loss factor."""
-        built: dict[int, tuple[WireSpec, WireSpec]] = {}  # microbatches of one shape share specs
         stage = self.plan.stages[self.stage]
         self.specs = []
         for nodes in wire:
             if nodes is None:
                 self.specs.append((self.in_spec, self.out_spec))
                 continue
-            if id(nodes) not in built:
-                built[id(nodes)] = (WireSpec(tuple(nodes[n] for n in stage.inputs)),
-                                    WireSpec(tuple(nodes[n] for n in stage.outputs)))
-            self.specs.append(built[id(nodes)])
+            if id(nodes) not in self._built:
+                if len(self._built) >= 1024:
+                    self._built.pop(next(iter(self._built)))
+                self._built[id(nodes)] = (nodes, (WireSpec(tuple(nodes[n] for n in stage.inputs)),
+                                                  WireSpec(tuple(nodes[n] for n in stage.outputs))))
+            self.specs.append(self._built[id(nodes)][1])
         self.weights = list(weights)
 
     def _spec(self, mb: int) -> tuple[WireSpec, WireSpec]:
@@ -113,7 +116,7 @@ class StageWorker:
         self.pending = []
 
     def loss(self) -> torch.Tensor | None:
-        """Sum of this step's microbatch losses / M on the last stage, else None."""
+        """Sum of this step's weighted microbatch losses on the last stage, else None."""
         if not self.program.is_last:
             return None
         return torch.stack([mb.loss for mb in self.state.values() if mb.loss is not None]).sum()
