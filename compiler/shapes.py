@@ -39,9 +39,10 @@ class AutocastState:
 
     @classmethod
     def current(cls, device_type: str) -> AutocastState:
-        enabled = torch.is_autocast_enabled(device_type)
-        dtype = dtype_name(torch.get_autocast_dtype(device_type)) if enabled else ""
-        return cls(device_type, enabled, dtype)
+        """Autocast as it is now for ``device_type``; every "off" is the same state."""
+        if not torch.is_autocast_enabled(device_type):
+            return cls("", False, "")
+        return cls(device_type, True, dtype_name(torch.get_autocast_dtype(device_type)))
 
 
 @dataclass(frozen=True, slots=True)

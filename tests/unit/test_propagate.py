@@ -171,7 +171,9 @@ def test_wire_specs_resolver(gpt_plan: Any, mlp_plan: Any) -> None:
     plan, captured, first = gpt_plan
     resolve = WireSpecs(captured.gm, plan, CPU)
     assert resolve(planned_signature(plan), first) is None  # the plan's own rows
-    assert signature(first, OFF) == planned_signature(plan)
+    assert signature(first, AutocastState.current("cpu")) == planned_signature(plan)  # no propagation
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert AutocastState.current("cpu") == BF16
     amp = resolve(signature(first, BF16), first)
     assert amp is resolve(signature(first, BF16), first)  # cached per signature
     assert amp is not None and set(amp) == {n for s in plan.stages for n in (*s.inputs, *s.outputs)}
