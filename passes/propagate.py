@@ -152,12 +152,13 @@ def accepted_shapes(
     torch.export the graph is only valid where export's symbolic shapes say so: a dimension
     export kept symbolic ranges from its lower bound (export assumes sizes of at least 2) to
     the planned size, and inputs sharing a symbol must agree; every other dimension is fixed.
-    symbolic_trace re-runs the model's own Python op by op, so its graph is as shape-generic as
-    the model: a dimension is accepted from 1 when the graph still propagates with that
-    dimension one smaller (shape-specific code, e.g. a Linear over that dimension, fails to);
-    any shape in range that still fails is refused at run time by the same propagation.
+    symbolic_trace re-runs the model's own Python op by op, so on any shape it propagates it
+    computes what the plain model computes: ranges only decide which errors come early.
+    They are found by probing (see :func:`_probe_ranges`); a shape in range that still fails
+    is refused at run time by the same propagation.
     """
     by_name = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    probed = _probe_ranges(gm, inputs) if method is not CaptureMethod.EXPORT else {}
     out = []
     for i, (name, value) in enumerate(zip(names, inputs)):
         if not isinstance(value, torch.Tensor):
@@ -166,27 +167,53 @@ def accepted_shapes(
         if method is CaptureMethod.EXPORT:
             lo, symbols = _export_ranges(by_name[name], shape)
         else:
-            lo, symbols = tuple(_probe(gm, inputs, i, d, value) for d in range(len(shape))), ()
+            ranges = [probed.get((i, d), (size, "")) for d, size in enumerate(shape)]
+            lo, symbols = tuple(r[0] for r in ranges), tuple(r[1] for r in ranges)
+            symbols = symbols if any(symbols) else ()
         out.append(InputShape(name=name, dtype=dtype_name(value.dtype), min_shape=lo, max_shape=shape,
                               symbols=symbols))
     return tuple(out)
 
 
-def _probe(gm: fx.GraphModule, inputs: Sequence[Any], index: int, dim: int, value: torch.Tensor) -> int:
-    """1 if the graph propagates with dimension ``dim`` of input ``index`` one smaller, else
-    the planned size (the dimension is fixed)."""
-    size = value.shape[dim]
-    if size <= 1:
-        return size
-    shape = list(value.shape)
-    shape[dim] = size - 1
-    probe = list(inputs)
-    probe[index] = torch.empty(shape, dtype=value.dtype, device="meta")
+def _probe_ranges(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[tuple[int, int], tuple[int, str]]:
+    """(input, dim) -> (lowest accepted size, symbol) for symbolic_trace graphs.
+
+    Dimension 0 of every input is the batch (always equal across inputs): it is shrunk on all
+    at once. Other dimensions are grouped by planned size (a sequence length shared by
+    ``input_ids`` and ``attention_mask``) and shrunk together; a group that propagates one
+    smaller accepts sizes from 1. Its members must stay equal (a shared symbol) unless each
+    also propagates shrunk alone. Dimensions of size 1 stay fixed.
+    """
+    groups: dict[str, list[tuple[int, int]]] = {}
+    for i, x in enumerate(inputs):
+        if isinstance(x, torch.Tensor):
+            for d, size in enumerate(x.shape):
+                if size > 1:
+                    groups.setdefault("batch" if d == 0 else f"size{size}", []).append((i, d))
+    out: dict[tuple[int, int], tuple[int, str]] = {}
+    for key, members in groups.items():
+        if not _shrinks(gm, inputs, members):
+            continue
+        independent = key == "batch" or len(members) == 1 or all(_shrinks(gm, inputs, [m]) for m in members)
+        for m in members:
+            out[m] = (1, "" if independent else key)
+    return out
+
+
+def _shrinks(gm: fx.GraphModule, inputs: Sequence[Any], dims: Sequence[tuple[int, int]]) -> bool:
+    """Whether the graph propagates with each of ``dims`` (input, dim) one smaller."""
+    shapes = {i: list(x.shape) for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)}
+    for i, d in dims:
+        shapes[i][d] -= 1
+    probe = [
+        torch.empty(shapes[i], dtype=x.dtype, device="meta") if i in shapes else x for i, x in enumerate(inputs)
+    ]
+    device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
     try:
-        propagate(gm, probe, device=value.device, autocast=AutocastState("", False, ""))
+        propagate(gm, probe, device=device, autocast=AutocastState("", False, ""))
     except PropagationError:
-        return size
-    return 1
+        return False
+    return True
 
 
 def _export_ranges(node: fx.Node, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[str, ...]]:

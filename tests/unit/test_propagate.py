@@ -13,7 +13,7 @@ import pipecut
 from examples import gpt, mlp
 from pipecut.capture import capture
 from pipecut.errors import InputError, PipelineRuntimeError
-from pipecut.passes.propagate import PropagationError, cut_values, propagate
+from pipecut.passes.propagate import PropagationError, accepted_shapes, cut_values, propagate
 from pipecut.plan import InputShape, LeafKind, Plan
 from pipecut.resolve import WireSpecs, schedules
 from pipecut.runtime.comm import WireSpec, pack, unpack
@@ -93,6 +93,26 @@ def test_accepted_shapes_of_symbolic_trace(gpt_plan: Any, mlp_plan: Any) -> None
     assert gpt_plan[0].accepts == (InputShape(name="idx", dtype="int64", min_shape=(1, 1), max_shape=(2, 16)),)
     assert mlp_plan[0].accepts == (InputShape(name="x", dtype="float32", min_shape=(1, 16), max_shape=(2, 16)),)
     # torch.export keeps its own symbolic dimensions: checked on GPT-2 in tests/dist/test_amp_shapes.py.
+
+
+def test_inputs_sharing_a_sequence_length_must_agree() -> None:
+    from examples import zoo
+
+    model, inputs, loss_fn, target = zoo.tagger(batch_size=4)
+    first = {k: v[:2] for k, v in inputs.items()}
+    captured = capture(model, first)
+    shapes = accepted_shapes(captured.gm, captured.method, captured.input_names, captured.flatten_inputs(first))
+    assert [(s.name, s.min_shape, s.max_shape, s.symbols) for s in shapes] == [
+        ("tokens", (1, 1), (2, 16), ("", "size16")), ("mask", (1, 1), (2, 16), ("", "size16")),
+    ]
+    plan = dataclasses.replace(
+        pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2, repeats=1,
+                     warmup=0, calibrate=False),
+        accepts=shapes,
+    )
+    check_microbatch(plan, ["tokens", "mask"], [torch.zeros(2, 12, dtype=torch.long), torch.zeros(2, 12)])
+    with pytest.raises(InputError, match="input 'mask' has size 10 where 'tokens' has 12"):
+        check_microbatch(plan, ["tokens", "mask"], [torch.zeros(2, 12, dtype=torch.long), torch.zeros(2, 10)])
 
 
 def test_plans_without_accepted_shapes_accept_exactly_the_planned_ones(mlp_plan: Any) -> None:
