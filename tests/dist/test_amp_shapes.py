@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import pipecut
-from examples import gpt, mlp
+from examples import gpt, mlp, zoo
 from pipecut.errors import InputError
 from pipecut.plan import ScheduleKind
 from tests.dist.test_parity import hf_gpt2
@@ -37,8 +37,12 @@ def _gpt() -> Any:
     return gpt.build(batch_size=8, vocab=128, dim=64, heads=4, layers=2, seq=16)
 
 
-MODELS: dict[str, tuple[Build, int]] = {"mlp": (_mlp, 4), "gpt": (_gpt, 4), "hf_gpt2": (hf_gpt2, 4)}
+MODELS: dict[str, tuple[Build, int]] = {
+    "mlp": (_mlp, 4), "gpt": (_gpt, 4), "hf_gpt2": (hf_gpt2, 4), "tagger": (zoo.tagger, 4),
+}
 """name -> (factory, planned microbatches)."""
+PER_MICROBATCH = {"tagger"}
+"""BatchNorm: the reference runs microbatch by microbatch (GPipe semantics), equal ones only."""
 
 
 def _cut(batch: Any, rows: int, seq: int | None) -> Any:
@@ -70,6 +74,9 @@ SCENARIOS: list[tuple[str, str, tuple[Step, ...]]] = [
     ("gpt", "1f1b", (Step(amp="bfloat16"), Step(seq=11), Step(rows=6, seq=9), Step(rows=5, amp="bfloat16"))),
     ("gpt", "zero-bubble", (Step(amp="bfloat16"), Step(rows=7, seq=12))),
     ("hf_gpt2", "gpipe", (Step(seq=10), Step(rows=6, seq=7), Step(amp="bfloat16"))),
+    # symbolic_trace with a torch.Size and ints (batch, seq) crossing every cut: they follow the
+    # shorter sequence through the same propagation.
+    ("tagger", "1f1b", (Step(seq=11), Step(seq=5, amp="bfloat16"))),
 ]
 
 
@@ -123,7 +130,7 @@ def _plain_reference(name: str, step: Step) -> tuple[torch.Tensor, dict[str, tor
         return model, _cut(inputs, step.rows or 10**9, step.seq), loss_fn, _cut(target, step.rows or 10**9, step.seq)
 
     with _amp(step.amp):
-        return reference(cut_build, m, per_microbatch=False)
+        return reference(cut_build, m, per_microbatch=name in PER_MICROBATCH)
 
 
 @pytest.mark.timeout(300)
