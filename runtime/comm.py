@@ -6,9 +6,10 @@ constant leaves come from the spec. The spec is the plan's for the planned input
 other shapes or under autocast it is derived on every rank alike from the microbatch's input
 shapes and autocast state (see ``pipecut.shapes``), never exchanged. Both ends check every
 tensor against it (:func:`pack` before sending, :func:`unpack` after receiving), so a rank that
-disagrees fails with the value, both dtypes and shapes, instead of reinterpreting bytes. Each message has its own tag (microbatch, direction, leaf), so
-messages never match the wrong receive whatever order the schedule posts them in. Sends are
-non-blocking and waited on at the end of the step; every receive has a deadline.
+disagrees fails with the value, both dtypes and shapes, instead of reinterpreting bytes. Each
+message has its own tag (microbatch, direction, leaf), so messages never match the wrong receive
+whatever order the schedule posts them in. Sends are non-blocking and waited on at the end of
+the step; every receive has a deadline.
 """
 
 from __future__ import annotations
