@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from pipecut.errors import InputError
-from pipecut.plan import InputShape, LeafKind, Plan
+from pipecut.plan import InputShape, LeafKind, Plan, ScheduleKind
 from pipecut.values import dtype_name, encode_constant
 
 __all__: list[str] = []
@@ -139,13 +139,16 @@ def check_microbatch(plan: Plan, names: Sequence[str], values: Sequence[Any]) ->
 def microbatch_sizes(batch: int, plan: Plan) -> tuple[int, ...]:
     """How a batch of ``batch`` splits: the plan's M equal microbatches when it can; for a
     smaller batch, M microbatches as equal as possible (sizes differ by at most one), or fewer
-    when there are fewer samples than M, each within the plan's accepted microbatch sizes."""
+    when there are fewer samples than M (a multiple of the ranks for interleaved schedules),
+    each within the plan's accepted microbatch sizes."""
     m = plan.microbatches
     hi = plan.batch_size // m
     lo = max((s.min_shape[0] for s in accepted(plan) if s.min_shape), default=hi)  # every input's
     if batch > plan.batch_size:
         raise _refuse(plan, f"the batch has {batch} samples, more than the planned {plan.batch_size}")
     n = min(m, batch // lo) if lo > 0 else m
+    if plan.schedule is ScheduleKind.INTERLEAVED_1F1B:
+        n -= n % plan.num_ranks
     if n < 1 or -(-batch // n) > hi:
         raise _refuse(
             plan, f"a batch of {batch} does not split into at most {m} microbatches of "

@@ -14,7 +14,7 @@ from examples import gpt, mlp
 from pipecut.capture import capture
 from pipecut.errors import InputError, PipelineRuntimeError
 from pipecut.passes.propagate import PropagationError, accepted_shapes, cut_values, propagate
-from pipecut.plan import InputShape, LeafKind, Plan
+from pipecut.plan import InputShape, LeafKind, Plan, ScheduleKind
 from pipecut.resolve import WireSpecs, schedules
 from pipecut.runtime.comm import WireSpec, pack, unpack
 from pipecut.shapes import (
@@ -140,6 +140,16 @@ def test_microbatch_sizes(mlp_plan: Any, batch: int, lo: int, expected: tuple[in
         accepts=(InputShape(name="x", dtype="float32", min_shape=(lo, 16), max_shape=(4, 16)),),
     )
     assert microbatch_sizes(batch, plan) == expected
+
+
+def test_interleaved_schedules_get_a_multiple_of_the_ranks(mlp_plan: Any) -> None:
+    plan = dataclasses.replace(mlp_plan[0], batch_size=16, microbatches=4, schedule=ScheduleKind.INTERLEAVED_1F1B,
+                               stages_per_rank=1)
+    assert plan.num_ranks == 2
+    assert microbatch_sizes(10, plan) == (3, 3, 2, 2)
+    assert microbatch_sizes(3, plan) == (2, 1)
+    with pytest.raises(InputError, match="a batch of 1 does not split"):
+        microbatch_sizes(1, plan)
 
 
 def test_microbatch_sizes_refuse_what_cannot_split(mlp_plan: Any) -> None:
