@@ -23,6 +23,7 @@ from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
 from pipecut.planner import DEFAULT_LINK, Devices, as_devices
 from pipecut.planner import plan as make_plan
 from pipecut.profile import LossFn
+from pipecut.resolve import WireSpecs, schedules
 from pipecut.runtime.data_parallel import check_supported, replicate
 from pipecut.runtime.grads import LossReduction, parse_loss_reduction
 from pipecut.runtime.launch import ensure_process_group, local_device
@@ -204,6 +205,7 @@ def compile(
         plan=chosen, captured=captured, workers=workers, schedule=sched, rank=rank, ranks=ranks,
         group=group, tied_groups=_tied_groups(chosen, layout, rank, wait), dp_group=layout.dp_group,
         loss_reduction=reduction, modes=modes,
+        wire=WireSpecs(captured.gm, chosen, device), schedule_for=schedules(chosen),
     )
     if plan is None and calibration_steps > 0:  # before any wrapping: FSDP changes the modules
         times = measure_stages(pipe, example_inputs, target, calibration_steps)

@@ -11,6 +11,7 @@ to rebuild the model's output structure.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -153,7 +154,7 @@ def capture(
     if method in (None, CaptureMethod.EXPORT):
         try:
             args, kwargs = _split_args(example_inputs)
-            ep = torch.export.export(model, args, kwargs, strict=False)
+            ep = _export(model, args, kwargs)
             gm = ep.module()
             names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
             return Captured(
@@ -174,6 +175,30 @@ def capture(
         "give every input the model needs as a keyword tensor; make data-dependent control "
         "flow depend on shapes or config values instead of tensor values."
     )
+
+
+def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """torch.export with every tensor dimension left to export to keep symbolic where the model
+    allows (``Dim.AUTO``), so one graph serves shorter sequences and smaller microbatches
+    (``pipecut.passes.propagate.accepted_shapes`` reads which dimensions stayed symbolic).
+    Where that fails, the shape-specialised export, whose plans accept only the planned shapes."""
+    # Fresh copies: an example that is a view (tokens[:, :-1]) makes export guard on its
+    # ``_base``, which other inputs do not have.
+    args, kwargs = pytree.tree_map(
+        lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, (args, kwargs)
+    )
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+        auto = torch.export.Dim.AUTO
+        dynamic = {
+            name: pytree.tree_map(
+                lambda x: {d: auto for d in range(x.dim())} if isinstance(x, torch.Tensor) else None, value
+            )
+            for name, value in bound.items()
+        }
+        return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+    except Exception:
+        return torch.export.export(model, args, kwargs, strict=False)
 
 
 def _first_line(e: BaseException) -> str:

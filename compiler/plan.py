@@ -235,6 +235,31 @@ class Solver:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class InputShape:
+    """The per-microbatch shapes one tensor input may take at run time without re-planning.
+
+    Dimension ``d`` may be anything from ``min_shape[d]`` to ``max_shape[d]``; where the two
+    are equal it is fixed. ``max_shape`` is the planned (profiled) microbatch shape, so memory
+    and time predictions are upper bounds; dimension 0 is the microbatch size, which a smaller
+    (or uneven) last batch lowers. Dimensions with the same non-empty ``symbols`` entry (from
+    torch.export, e.g. the sequence length of ``input_ids`` and ``attention_mask``) must be
+    equal to each other.
+    """
+
+    name: str
+    dtype: str
+    min_shape: tuple[int, ...]
+    max_shape: tuple[int, ...]
+    symbols: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.min_shape) != len(self.max_shape) or any(
+            not 0 <= lo <= hi for lo, hi in zip(self.min_shape, self.max_shape)
+        ):
+            raise PlanError(f"input {self.name}: bad shape range {self.min_shape}..{self.max_shape}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     fingerprint: str
     capture: CaptureMethod
@@ -255,6 +280,9 @@ class Plan:
     """Virtual stages per rank (interleaved schedules): stage s runs on rank s mod K."""
     candidates: tuple[Candidate, ...] = ()
     """With microbatches="auto" or schedule="auto": every pair considered and its prediction."""
+    accepts: tuple[InputShape, ...] = ()
+    """Shapes each tensor input may take at run time (see :class:`InputShape`). Empty in plans
+    made before this field existed: then only the planned shapes are accepted."""
     format_version: int = FORMAT_VERSION
     pipecut_version: str = ""
     torch_version: str = ""

@@ -31,6 +31,7 @@ from pipecut.passes.ilp import IlpSolver
 from pipecut.passes.multilevel import partition_ilp
 from pipecut.passes.partition import Chain, partition_dp
 from pipecut.passes.pinned import bounds_from_modules, bounds_from_split_points, is_split_points
+from pipecut.passes.propagate import accepted_shapes
 from pipecut.passes.stages import build_stages, inflight_microbatches, state_bytes
 from pipecut.plan import (
     CaptureMethod,
@@ -427,11 +428,15 @@ def plan(
             solver=solver,
         )
 
-    first_plan = partition(nodes)
+    # Which shapes the plan runs without re-planning (shorter sequences, smaller microbatches).
+    accepts = accepted_shapes(captured.gm, captured.method, captured.input_names, first)
+    first_plan = dataclasses.replace(partition(nodes), accepts=accepts)
     if not calibrate:
         return first_plan
     times = stage_times(captured, first_plan, first, loss_fn, first_target, repeats=max(1, repeats // 2))
     calibrated = partition(calibrate_costs(nodes, first_plan, times))
     note = "node costs calibrated on whole stages"
     detail = f"{calibrated.solver.detail}; {note}" if calibrated.solver.detail else note
-    return dataclasses.replace(calibrated, solver=dataclasses.replace(calibrated.solver, detail=detail))
+    return dataclasses.replace(
+        calibrated, solver=dataclasses.replace(calibrated.solver, detail=detail), accepts=accepts
+    )

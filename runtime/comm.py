@@ -1,10 +1,15 @@
 """Point-to-point transfers between neighbouring stages, shaped by the plan.
 
 Every value crossing a cut is pytree-flattened; its tensor leaves go over the wire with the
-shape and dtype the plan records (so receivers allocate without a handshake), its constant
-leaves come from the plan. Each message has its own tag (microbatch, direction, leaf), so
-messages never match the wrong receive whatever order the schedule posts them in. Sends are
-non-blocking and waited on at the end of the step; every receive has a deadline.
+shape and dtype of a :class:`WireSpec` (so receivers allocate without a handshake), its
+constant leaves come from the spec. The spec is the plan's for the planned input shapes; for
+other shapes or under autocast it is derived on every rank alike from the microbatch's input
+shapes and autocast state (see ``pipecut.shapes``), never exchanged. Both ends check every
+tensor against it (:func:`pack` before sending, :func:`unpack` after receiving), so a rank that
+disagrees fails with the value, both dtypes and shapes, instead of reinterpreting bytes. Each
+message has its own tag (microbatch, direction, leaf), so messages never match the wrong receive
+whatever order the schedule posts them in. Sends are non-blocking and waited on at the end of
+the step; every receive has a deadline.
 """
 
 from __future__ import annotations
@@ -135,8 +140,23 @@ class Peer:
             ) from e
 
 
+def _mismatch(stage: int | None, where: str, node: str, leaf: int, got: str, expected: str) -> PipelineRuntimeError:
+    at = f"stage {stage}" if stage is not None else "a stage"
+    return PipelineRuntimeError(
+        f"{at} {where} value {node} (tensor leaf {leaf}) as {got}, but the wire spec for this "
+        f"microbatch's input shapes and autocast state has {expected}. Every rank must run "
+        f"step() with the same batch under the same torch.autocast state; if they do, the "
+        f"stage computes other dtypes/shapes than propagation predicted: re-plan"
+    )
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+
+
 def pack(values: Sequence[Any], spec: WireSpec, stage: int) -> list[torch.Tensor]:
-    """Tensor leaves of the values to send, after checking constants match the plan."""
+    """Tensor leaves of the values to send, after checking every tensor's shape and dtype and
+    every constant against the spec."""
     tensors = []
     for value, node in zip(values, spec.values):
         leaves = flatten(value)
@@ -145,25 +165,35 @@ def pack(values: Sequence[Any], spec: WireSpec, stage: int) -> list[torch.Tensor
                 f"stage {stage}: value {node.name} has {len(leaves)} leaves, the plan has "
                 f"{len(node.leaves)}; re-plan for these inputs"
             )
-        for leaf, planned in zip(leaves, node.leaves):
+        for i, (leaf, planned) in enumerate(zip(leaves, node.leaves)):
             if planned.kind is LeafKind.TENSOR:
-                if not isinstance(leaf, torch.Tensor) or tuple(leaf.shape) != planned.shape:
-                    got = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
-                    raise PipelineRuntimeError(
-                        f"stage {stage}: value {node.name} is {got}, the plan has shape "
-                        f"{planned.shape}; step inputs must have the planned shapes"
-                    )
+                expected = f"{planned.dtype} {list(planned.shape)}"
+                if not isinstance(leaf, torch.Tensor):
+                    raise _mismatch(stage, "sends", node.name, i, type(leaf).__name__, expected)
+                if tuple(leaf.shape) != planned.shape or leaf.dtype != dtype_from_name(planned.dtype):
+                    raise _mismatch(stage, "sends", node.name, i, _describe(leaf), expected)
                 tensors.append(leaf)
             elif encode_constant(leaf) != planned.value:
                 raise PipelineRuntimeError(
-                    f"stage {stage}: value {node.name} is {leaf!r}, the plan fixed it to "
-                    f"{decode_constant(planned.value)!r}; step inputs must have the planned shapes"
+                    f"stage {stage}: value {node.name} is {leaf!r}, the wire spec fixed it to "
+                    f"{decode_constant(planned.value)!r} for this microbatch's input shapes; "
+                    f"re-plan for these inputs"
                 )
     return tensors
 
 
-def unpack(tensors: Sequence[torch.Tensor], spec: WireSpec) -> list[Any]:
-    """Rebuild the values of a cut from received tensor leaves and the plan's constants."""
+def unpack(tensors: Sequence[torch.Tensor], spec: WireSpec, stage: int | None = None) -> list[Any]:
+    """Rebuild the values of a cut from received tensor leaves and the spec's constants, after
+    checking the received tensors are the spec's (count, dtype and shape)."""
+    if len(tensors) != len(spec.tensors):
+        raise PipelineRuntimeError(
+            f"stage {stage} received {len(tensors)} tensors, the wire spec has {len(spec.tensors)} "
+            f"({', '.join(n.name for n in spec.values)})"
+        )
+    for t, leaf in zip(tensors, spec.tensors):
+        if tuple(t.shape) != leaf.shape or t.dtype != leaf.dtype:
+            expected = f"{str(leaf.dtype).removeprefix('torch.')} {list(leaf.shape)}"
+            raise _mismatch(stage, "received", spec.values[leaf.value].name, leaf.leaf, _describe(t), expected)
     it = iter(tensors)
     values = []
     for node, (structure, constants) in zip(spec.values, spec.structures):

@@ -69,9 +69,10 @@ def collecting(worker: StageWorker, *, keep_outputs: bool, compute_loss: bool) -
         worker.loss_fn = loss_fn
 
 
-def concat_microbatches(outputs: Sequence[Any], microbatch_size: int) -> Any:
-    """One output for the whole batch: tensor leaves concatenated along dimension 0; leaves
-    without that batch dimension must be equal in every microbatch (else an error)."""
+def concat_microbatches(outputs: Sequence[Any], sizes: Sequence[int]) -> Any:
+    """One output for the whole batch: tensor leaves whose first dimension is each
+    microbatch's size (``sizes``) concatenated along it; other leaves must be equal in every
+    microbatch (else an error)."""
     flat = [pytree.tree_flatten(o) for o in outputs]
     spec = flat[0][1]
     for i, (_, s) in enumerate(flat):
@@ -83,14 +84,14 @@ def concat_microbatches(outputs: Sequence[Any], microbatch_size: int) -> Any:
     merged = []
     for j, leaf in enumerate(flat[0][0]):
         column = [leaves[j] for leaves, _ in flat]
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == microbatch_size:
+        if all(isinstance(c, torch.Tensor) and c.dim() > 0 and c.shape[0] == n for c, n in zip(column, sizes)):
             merged.append(torch.cat(column))
         elif all(_same(leaf, other) for other in column[1:]):
             merged.append(leaf)
         else:
             what = f"a tensor of shape {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else repr(leaf)
             raise PipelineRuntimeError(
-                f"output leaf {j} is {what}: it has no batch dimension of size {microbatch_size} "
+                f"output leaf {j} is {what}: it has no batch dimension of size {sizes[0]} "
                 f"first and differs between microbatches, so it has no whole-batch value; "
                 f"return per-sample values from the model, or compute this from the outputs"
             )

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pipecut.batching import batch_size, split_microbatches
+from pipecut.batching import batch_size
 from pipecut.capture import Captured, Inputs
 from pipecut.errors import InputError
 from pipecut.fxutil import canonical_names
 from pipecut.passes.stages import predicted_timeline
-from pipecut.plan import LeafKind, Plan
+from pipecut.plan import NodeCost, Plan
 from pipecut.runtime.data_parallel import average_loss
 from pipecut.runtime.executor import Event, run_actions
 from pipecut.runtime.failure import abort
@@ -31,6 +31,23 @@ from pipecut.runtime.grads import (
 from pipecut.runtime.schedule import Schedule, forward_only
 from pipecut.runtime.stage import StageWorker, reduce_tied_grads, tree_to
 from pipecut.runtime.trace import chrome_trace, write_chrome_trace
+from pipecut.shapes import (
+    AutocastState,
+    Signature,
+    check_microbatch,
+    loss_weights,
+    microbatch_sizes,
+    planned_signature,
+    signature,
+    split_by_sizes,
+)
+
+WireResolver = Callable[[Signature, Sequence[Any]], Mapping[str, NodeCost] | None]
+"""Signature of a microbatch (and its flat inputs) -> every cut value's spec for it; None
+where the plan's own apply. Deterministic, so every rank derives the same specs without
+exchanging them."""
+ScheduleResolver = Callable[[int], Schedule]
+"""Number of microbatches -> the schedule (a smaller last batch may have fewer than planned)."""
 
 __all__ = ["Pipeline"]
 
@@ -56,6 +73,8 @@ class Pipeline:
         dp_group: dist.ProcessGroup | None = None,
         loss_reduction: LossReduction = LossReduction.MEAN,
         modes: ModeSwitch | None = None,
+        wire: WireResolver | None = None,
+        schedule_for: ScheduleResolver | None = None,
     ) -> None:
         self.plan = plan
         self.captured = captured
@@ -68,6 +87,8 @@ class Pipeline:
         self.tied_groups = tuple(tied_groups)
         self.dp_group = dp_group
         self.loss_reduction = loss_reduction
+        self._wire = wire
+        self._schedule_for = schedule_for
         self.events: list[Event] = []
         # By name, not object: FSDP later swaps parameters for sharded ones, on modules shared
         # with captured.gm, so the tie between two names is only visible now.
@@ -171,27 +192,43 @@ class Pipeline:
             write_chrome_trace(path, trace)
         return trace
 
-    def _microbatches(self, inputs: Inputs) -> list[dict[str, Any]]:
+    def _microbatches(
+        self, inputs: Inputs
+    ) -> tuple[list[dict[str, Any]], tuple[int, ...], list[Mapping[str, NodeCost] | None]]:
+        """Microbatches, their sizes, and each one's wire specs. Everything here depends only
+        on the batch and the autocast state, so it is the same on every rank, and any refusal
+        (an InputError) happens on every rank before anything is sent."""
         flat = self.captured.flatten_inputs(inputs)
         size = batch_size(flat)
-        if size != self.plan.batch_size:
+        if self.dp_group is not None and size != self.plan.batch_size:
             raise InputError(
-                f"step got a batch of {size}, the plan was made for {self.plan.batch_size} "
-                f"({self.plan.microbatches} microbatches of {self.plan.batch_size // self.plan.microbatches}); "
-                f"pass batches of the planned size or re-plan"
+                f"step got a batch of {size}, the plan was made for {self.plan.batch_size}: with "
+                f"data parallelism every replica must pass the planned batch size (replicas are "
+                f"averaged equally); drop the last, smaller batch (drop_last=True)"
             )
-        mbs = split_microbatches(flat, self.plan.microbatches, size)
+        sizes = microbatch_sizes(size, self.plan)
+        mbs = split_by_sizes(flat, sizes)
         names = self.captured.input_names
-        for name, value in zip(names, mbs[0]):
-            node = self.plan.node(name)
-            if isinstance(value, torch.Tensor) and node.leaves and node.leaves[0].kind is LeafKind.TENSOR:
-                planned = node.leaves[0].shape
-                if tuple(value.shape) != planned:
-                    raise InputError(
-                        f"input {name!r} has microbatch shape {tuple(value.shape)}, the plan has "
-                        f"{planned}; pass inputs of the planned shape or re-plan"
-                    )
-        return [dict(zip(names, tree_to(mb, self._device))) for mb in mbs]
+        autocast = AutocastState.current(self._device.type)
+        wire: list[Mapping[str, NodeCost] | None] = []
+        for mb in mbs:
+            check_microbatch(self.plan, names, mb)
+            wire.append(self._resolve(signature(mb, autocast), mb))
+        return [dict(zip(names, tree_to(mb, self._device))) for mb in mbs], sizes, wire
+
+    def _resolve(self, sig: Signature, mb: Sequence[Any]) -> Mapping[str, NodeCost] | None:
+        if self._wire is not None:
+            return self._wire(sig, mb)
+        planned = planned_signature(self.plan)
+        if sig.autocast.enabled or [p for p in sig.inputs if isinstance(p, tuple)] != [
+            p for p in planned.inputs if isinstance(p, tuple)
+        ]:
+            raise InputError(
+                f"this pipeline was built without a wire resolver, so it runs only the planned "
+                f"microbatch shapes {planned.inputs} without autocast; got {sig}; build it with "
+                f"pipecut.compile"
+            )
+        return None
 
     def step(
         self,
@@ -206,6 +243,11 @@ class Pipeline:
         normalizer: Any = None,
     ) -> Any:
         """Forward and backward one full batch; returns the step's loss on every rank.
+
+        The batch may be smaller than planned (a last batch) and its non-batch dimensions
+        shorter, within ``plan.accepts``; microbatch losses are weighted by their sizes, so the
+        result is the whole batch's mean loss even when microbatches are uneven. Under
+        ``torch.autocast`` cut tensors travel in the dtypes autocast gives them.
 
         Gradients accumulate into this rank's parameters' ``.grad`` as with ``loss.backward()``.
         The loss is the mean of the microbatch losses, or with ``loss_reduction="sum"`` their
@@ -261,16 +303,27 @@ class Pipeline:
         self, inputs: Inputs, target: Any, record: bool, training: bool, return_outputs: bool,
         all_ranks: bool, compute_loss: bool,
     ) -> Any:
-        mb_inputs = self._microbatches(inputs)
-        m = self.plan.microbatches
+        mb_inputs, sizes, wire = self._microbatches(inputs)
+        m = len(sizes)
         targets = (
-            [tree_to(t, self._device) for t in split_microbatches(target, m, self.plan.batch_size, "target")]
+            [tree_to(t, self._device) for t in split_by_sizes(target, sizes, "target")]
             if target is not None
             else [None] * m
         )
+        schedule = self.schedule
+        if m != self.plan.microbatches:
+            if self._schedule_for is None:
+                raise InputError(
+                    f"a batch of {sum(sizes)} needs {m} microbatches; this pipeline runs only the "
+                    f"planned {self.plan.microbatches}: build it with pipecut.compile"
+                )
+            schedule = self._schedule_for(m)
         workers = self._active()
-        actions = self.schedule[self.rank] if training else forward_only(self.schedule[self.rank])
+        actions = schedule[self.rank] if training else forward_only(schedule[self.rank])
         last = workers.get(self.plan.num_stages - 1)
+        weights = loss_weights(sizes)
+        for w in workers.values():
+            w.prepare(wire, weights)
         if record:
             dist.barrier(group=self.group)  # align the ranks' clocks for the timeline
         with contextlib.ExitStack() as stack:
@@ -292,7 +345,7 @@ class Pipeline:
                 average_loss(result, self.dp_group)
         if not return_outputs:
             return result
-        whole = concat_microbatches(outputs, self.plan.batch_size // m) if outputs else None
+        whole = concat_microbatches(outputs, sizes) if outputs else None
         if all_ranks:
             box = [tree_to(whole, torch.device("cpu"))]
             dist.broadcast_object_list(box, src=self.ranks[-1], group=self.group)
@@ -305,7 +358,9 @@ class Pipeline:
         divisor = loss_divisor(self.loss_reduction, self.plan.microbatches, normalizer, replicas)
         scale = scale_loss_fn(scaler, self.ranks, self._device)
         for w in self._active().values():
-            w.loss_divisor, w.scale_loss = divisor, scale
+            # A mean is weighted by microbatch sizes instead (uneven last batches; see prepare).
+            w.loss_divisor = None if self.loss_reduction is LossReduction.MEAN else divisor
+            w.scale_loss = scale
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,

@@ -11,8 +11,9 @@ are posted before the current one computes, so transfers overlap compute; sends 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipecut.errors import PipelineRuntimeError
 from pipecut.passes.split import StageProgram
-from pipecut.plan import Plan, Recompute
+from pipecut.plan import NodeCost, Plan, Recompute
 from pipecut.runtime.comm import BACKWARD, FORWARD, Peer, PostedRecv, WireSpec, pack, unpack
 from pipecut.runtime.forward import check_grad_flags
 from pipecut.runtime.memory import ActivationMeter
@@ -78,18 +79,44 @@ class StageWorker:
         self.recompute = stage.recompute is Recompute.FULL
         self.in_spec = WireSpec(tuple(plan.node(n) for n in stage.inputs))
         self.out_spec = WireSpec(tuple(plan.node(n) for n in stage.outputs))
+        self.specs: list[tuple[WireSpec, WireSpec]] = []
+        """Per microbatch of the step: (received, sent) specs; the plan's when empty."""
+        self.weights: list[Fraction] = []
+        """Per microbatch of the step: the factor of its loss (size / batch); 1/M when empty."""
+        self._built: dict[int, tuple[Mapping[str, NodeCost], tuple[WireSpec, WireSpec]]] = {}
+        """Specs built per resolved mapping (held, so its id stays its own), oldest first."""
         self.meter = ActivationMeter(program.module.parameters())
         self.state: dict[int, _Microbatch] = {}
         self.posted: dict[tuple[int, int], PostedRecv] = {}
         self.pending: list[tuple[Peer, Any, torch.Tensor]] = []
-        self.loss_divisor: float = plan.microbatches
-        """Each microbatch's loss is divided by it (set per step; see ``pipecut.runtime.grads``)."""
+        self.loss_divisor: float | None = None
+        """loss_reduction="sum": each microbatch's loss is divided by it (set per step; see
+        ``pipecut.runtime.grads``); None: a mean, weighted by microbatch size."""
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
         """A GradScaler's ``scale``: backward starts from the scaled loss (set per step)."""
         self.call: Callable[..., Any] = program.module
         """What a forward calls: the stage module, or its data-parallel wrapper."""
         self.before_backward: Callable[[int], None] = lambda mb: None
         """Data parallelism: tells the wrapper whether a microbatch's backward is the last."""
+
+    def prepare(self, wire: Sequence[Mapping[str, NodeCost] | None], weights: Sequence[Fraction]) -> None:
+        """Before a step: each microbatch's cut values (None: as planned) and loss factor."""
+        stage = self.plan.stages[self.stage]
+        self.specs = []
+        for nodes in wire:
+            if nodes is None:
+                self.specs.append((self.in_spec, self.out_spec))
+                continue
+            if id(nodes) not in self._built:
+                if len(self._built) >= 1024:
+                    self._built.pop(next(iter(self._built)))
+                self._built[id(nodes)] = (nodes, (WireSpec(tuple(nodes[n] for n in stage.inputs)),
+                                                  WireSpec(tuple(nodes[n] for n in stage.outputs))))
+            self.specs.append(self._built[id(nodes)][1])
+        self.weights = list(weights)
+
+    def _spec(self, mb: int) -> tuple[WireSpec, WireSpec]:
+        return self.specs[mb] if mb < len(self.specs) else (self.in_spec, self.out_spec)
 
     def begin(self) -> None:
         """Forget the previous step."""
@@ -102,7 +129,7 @@ class StageWorker:
         self.pending = []
 
     def loss(self) -> torch.Tensor | None:
-        """Sum of this step's microbatch losses / loss_divisor on the last stage, else None."""
+        """Sum of this step's weighted microbatch losses on the last stage, else None."""
         if not self.program.is_last:
             return None
         return torch.stack([mb.loss for mb in self.state.values() if mb.loss is not None]).sum()
@@ -110,9 +137,9 @@ class StageWorker:
     def post(self, action: Action) -> None:
         """Post the receive an action needs, once."""
         if action.kind is ActionKind.FORWARD and self.prev is not None:
-            key, peer, leaves = (action.microbatch, FORWARD), self.prev, self.in_spec.tensors
+            key, peer, leaves = (action.microbatch, FORWARD), self.prev, self._spec(action.microbatch)[0].tensors
         elif action.kind in (ActionKind.BACKWARD, ActionKind.INPUT) and self.next is not None:
-            key, peer, leaves = (action.microbatch, BACKWARD), self.next, self.out_spec.grads
+            key, peer, leaves = (action.microbatch, BACKWARD), self.next, self._spec(action.microbatch)[1].grads
         else:
             return
         if key not in self.posted:
@@ -124,13 +151,14 @@ class StageWorker:
 
     def forward(self, mb: int, model_inputs: dict[str, Any], target: Any) -> None:
         state = self.state.setdefault(mb, _Microbatch())
+        in_spec, out_spec = self._spec(mb)
         received: list[Any] = []
         if self.prev is not None:
             tensors = self._received(self.prev, mb, FORWARD)
-            for t, leaf in zip(tensors, self.in_spec.tensors):
+            received = unpack(tensors, in_spec, self.stage)
+            for t, leaf in zip(tensors, in_spec.tensors):
                 t.requires_grad_(leaf.requires_grad)
             state.received = tensors
-            received = unpack(tensors, self.in_spec)
         args = received + [model_inputs[name] for name in self.program.model_inputs]
         kept = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)] if self.recompute else []
         with self.meter.forward(mb, kept):
@@ -139,12 +167,17 @@ class StageWorker:
             else:
                 out = self.call(*args)
             if self.program.is_last:
-                state.loss = self._loss(out, target) / self.loss_divisor
+                loss = self._loss(out, target)
+                if self.loss_divisor is not None:  # a sum over the batch, divided by a normaliser
+                    state.loss = loss / self.loss_divisor
+                else:  # loss * 1 / M is bitwise loss / M; uneven microbatches weigh size / batch
+                    weight = self.weights[mb] if mb < len(self.weights) else Fraction(1, self.plan.microbatches)
+                    state.loss = loss * weight.numerator / weight.denominator
                 return
-        tensors = pack(out, self.out_spec, self.stage)
+        tensors = pack(out, out_spec, self.stage)
         if torch.is_grad_enabled():
-            check_grad_flags(tensors, self.out_spec, self.stage)
-        state.sent = [t for t, leaf in zip(tensors, self.out_spec.tensors) if leaf.requires_grad]
+            check_grad_flags(tensors, out_spec, self.stage)
+        state.sent = [t for t, leaf in zip(tensors, out_spec.tensors) if leaf.requires_grad]
         self._send(self.next, tensors, mb, FORWARD)
 
     def _loss(self, out: Any, target: Any) -> torch.Tensor:

@@ -187,12 +187,14 @@ def test_forward_only_schedules_do_not_deadlock(kind: ScheduleKind) -> None:
 
 def test_outputs_concatenate_over_microbatches() -> None:
     mbs = [{"logits": torch.full((2, 3), float(i)), "n": 7, "scale": torch.tensor(2.0)} for i in range(3)]
-    whole = concat_microbatches(mbs, 2)
+    whole = concat_microbatches(mbs, [2, 2, 2])
     assert whole["logits"].shape == (6, 3) and whole["logits"][4, 0] == 2.0
     assert whole["n"] == 7 and whole["scale"] == 2.0
-    assert concat_microbatches([("tag", None), ("tag", None)], 2) == ("tag", None)
+    uneven = concat_microbatches([torch.zeros(3, 2), torch.ones(2, 2)], [3, 2])  # a smaller last batch
+    assert uneven.shape == (5, 2) and uneven[3:].eq(1).all()
+    assert concat_microbatches([("tag", None), ("tag", None)], [2, 2]) == ("tag", None)
     with pytest.raises(PipelineRuntimeError, match=r"output leaf 0 is a tensor of shape \(\).*no whole-batch value"):
-        concat_microbatches([torch.tensor(1.0), torch.tensor(2.0)], 2)
+        concat_microbatches([torch.tensor(1.0), torch.tensor(2.0)], [2, 2])
 
 
 def test_modes_keep_the_error_and_check_module_modes() -> None:
