@@ -49,6 +49,12 @@ def no_grad_nodes(graph: fx.Graph) -> list[fx.Node]:
     ]
 
 
+def inside_no_grad(node: fx.Node) -> bool:
+    """A node of a no_grad block whose value still needs the block's closing detach: the
+    partitioner must not cut between them (see ``NodeCost.cuttable``)."""
+    return node.meta.get(GRAD_ENABLED) is False and node.target is not detach_tree
+
+
 def honour_no_grad(traced: fx.Graph) -> fx.Graph:
     """``traced`` itself if no node ran under ``no_grad``; else a rewritten copy in which every
     such node reads detached inputs and its value is detached. ``traced`` is not modified."""

@@ -123,6 +123,10 @@ class NodeCost:
     """Serialized pytree structure of the output (``torch.utils._pytree.treespec_dumps``)."""
     source: CostSource = CostSource.MEASURED
     """Whether forward_ms/backward_ms were measured or estimated for a device that is not here."""
+    cuttable: bool = True
+    """False for a value that must stay on the stage that made it: a node run under
+    ``torch.no_grad()`` before the detach that ends its block (cut there, zero gradients would
+    flow back into weights the plain model never gives a gradient)."""
 
     def __post_init__(self) -> None:
         if self.forward_ms < 0 or self.backward_ms < 0:

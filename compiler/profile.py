@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 
 from pipecut.capture import Captured
 from pipecut.errors import InputError
+from pipecut.frozen import inside_no_grad
 from pipecut.fxutil import (
     canonical_names,
     module_path,
@@ -235,4 +236,5 @@ def _row(
         dtype=first.dtype if first is not None else None,
         leaves=leaves,
         treespec=treespec,
+        cuttable=not inside_no_grad(node),
     )

@@ -75,7 +75,7 @@ def value_bytes(node: NodeCost) -> tuple[int, int]:
 
 def can_cross(node: NodeCost) -> bool:
     """A value can cross a cut if its structure and every non-tensor leaf are serializable."""
-    if node.treespec is None:
+    if node.treespec is None or not node.cuttable:
         return False
     return all(leaf.kind is LeafKind.TENSOR or leaf.value is not None for leaf in node.leaves)
 
