@@ -25,6 +25,7 @@ from pipecut.passes.chain import boundary_bytes, boundary_ms, is_unit, liveness
 from pipecut.passes.coarsen import candidate_cuts
 from pipecut.passes.fit import infeasible_error
 from pipecut.passes.formulate import formulate
+from pipecut.passes.holders import holds_params, stage_count_error
 from pipecut.passes.multilevel import partition_ilp
 from pipecut.passes.partition import Chain, partition_dp
 from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, build_stages, inflight_microbatches
@@ -96,6 +97,7 @@ def _chain(nodes: Sequence[NodeCost], link: Link) -> tuple[Chain, Any]:
         boundary_ms=tuple(boundary_ms(fwd, bwd, allowed, link)),
         fixed_bytes=tuple(fixed),
         activation_bytes=tuple(act),
+        holds_params=holds_params(nodes, live.units),
     )
     return chain, (live, allowed)
 
@@ -158,6 +160,9 @@ def partition_costs(
             recompute=False,
         )
         live = form.live
+        too_many = stage_count_error(k, form.problem.holds_params, form.problem.allowed_cuts())
+        if too_many is not None:
+            raise too_many
         coarse = candidate_cuts(form.modules, form.problem.compute_ms, form.problem.boundary_ms)
         best = partition_bounded(form.problem, coarse=coarse)
         if best is None:

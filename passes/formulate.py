@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipecut.passes.chain import Liveness, boundary_bytes, boundary_ms, liveness
+from pipecut.passes.holders import holds_params
 from pipecut.passes.problem import Problem
 from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, inflight_microbatches
 from pipecut.plan import DeviceSpec, Link, NodeCost, NodeOp, ScheduleKind
@@ -57,5 +58,6 @@ def formulate(
         capacities=tuple(d.memory_bytes for d in devices),
         inflight=tuple(inflight_microbatches(schedule, k, microbatches)),
         recompute=recompute,
+        holds_params=holds_params(nodes, live.units),
     )
     return Formulation(problem=problem, live=live, modules=tuple(u.module for u in units))
