@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from pipecut.batching import check_inputs
 from pipecut.errors import CaptureError, InputError
 from pipecut.fxutil import target_name
+from pipecut.guard import ModuleState, check_input_writes, refuse_number_changes
 from pipecut.plan import CaptureMethod
 
 Inputs = tuple[Any, ...] | Mapping[str, Any]
@@ -122,14 +123,48 @@ def capture(
     method: CaptureMethod | None = None,
     leaf_modules: tuple[type, ...] = (),
 ) -> Captured:
-    """Capture ``model``; try symbolic_trace, then torch.export, unless ``method`` forces one."""
+    """Capture ``model``; try symbolic_trace, then torch.export, unless ``method`` forces one.
+
+    The model is left as it was (see :mod:`pipecut.guard`); a model that writes into its
+    inputs, or changes Python number attributes in forward, is refused with a CaptureError.
+    """
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_inputs(example_inputs, "example_inputs")
+    captured = _capture(model, example_inputs, method, leaf_modules)
+    check_input_writes(captured.gm, captured.input_names, captured.flatten_inputs(example_inputs))
+    return captured
+
+
+def _untouched(model: torch.nn.Module, trace: Callable[[], fx.GraphModule]) -> tuple[fx.GraphModule, list[str]]:
+    """Run one capture attempt and put the model back as it was; the graph and the parameters or
+    buffers the attempt reassigned. An attempt that changed a number attribute is refused, even
+    if it failed later on: forward changes it either way."""
+    state = ModuleState(model)
+    try:
+        gm = trace()
+    finally:
+        changed, reassigned = state.changed_numbers(), state.reassigned()
+        state.restore()
+        refuse_number_changes(changed, model)
+    return gm, reassigned
+
+
+def _capture(
+    model: torch.nn.Module,
+    example_inputs: Inputs,
+    method: CaptureMethod | None,
+    leaf_modules: tuple[type, ...],
+) -> Captured:
     attempts: list[str] = []
     if method in (None, CaptureMethod.SYMBOLIC_TRACE):
         try:
-            gm = _trace_fx(model, leaf_modules)
+            gm, reassigned = _untouched(model, lambda: _trace_fx(model, leaf_modules))
+            if reassigned:
+                raise RuntimeError(
+                    f"forward reassigns {reassigned[:5]}, which a symbolic_trace graph does not "
+                    f"record (torch.export records buffer updates)"
+                )
             names, defaults = [], []
             for n in gm.graph.nodes:
                 if n.op == "placeholder":
@@ -138,15 +173,16 @@ def capture(
             captured = Captured(gm, CaptureMethod.SYMBOLIC_TRACE, tuple(names), None, None, tuple(defaults))
             captured.flatten_inputs(example_inputs)  # reject inputs the traced signature can't take
             return captured
-        except InputError:
+        except (InputError, CaptureError):
             raise
         except Exception as e:
             attempts.append(f"torch.fx.symbolic_trace: {type(e).__name__}: {_first_line(e)}")
     if method in (None, CaptureMethod.EXPORT):
         try:
             args, kwargs = _split_args(example_inputs)
-            ep = torch.export.export(model, args, kwargs, strict=False)
-            gm = ep.module()
+            exported: list[torch.export.ExportedProgram] = []
+            gm, _ = _untouched(model, lambda: _export(model, args, kwargs, exported))
+            ep = exported[0]
             names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
             return Captured(
                 gm,
@@ -156,6 +192,8 @@ def capture(
                 ep.call_spec.out_spec,
                 (),
             )
+        except CaptureError:
+            raise
         except Exception as e:
             attempts.append(f"torch.export.export(strict=False): {type(e).__name__}: {_first_line(e)}")
     raise CaptureError(
@@ -166,6 +204,17 @@ def capture(
         "give every input the model needs as a keyword tensor; make data-dependent control "
         "flow depend on shapes or config values instead of tensor values."
     )
+
+
+def _export(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+    out: list[torch.export.ExportedProgram],
+) -> fx.GraphModule:
+    ep = torch.export.export(model, args, kwargs, strict=False)
+    out.append(ep)
+    gm = ep.module()
+    assert isinstance(gm, fx.GraphModule)
+    return gm
 
 
 def _first_line(e: BaseException) -> str:
