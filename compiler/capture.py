@@ -10,6 +10,7 @@ to rebuild the model's output structure.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +25,7 @@ from pipecut.batching import check_inputs
 from pipecut.errors import CaptureError, InputError
 from pipecut.fxutil import target_name
 from pipecut.guard import ModuleState, check_input_writes, refuse_number_changes
+from pipecut.names import ModelNames, model_names
 from pipecut.plan import CaptureMethod
 
 Inputs = tuple[Any, ...] | Mapping[str, Any]
@@ -43,6 +45,8 @@ class Captured:
     """For export: how to rebuild the model's output from the graph's flat outputs."""
     defaults: tuple[Any, ...]
     """For symbolic_trace: each placeholder's default value (``_NO_DEFAULT`` if none)."""
+    names: ModelNames | None = None
+    """The user's model's names for the graph's tensors (None: the graph's own names)."""
 
     def flatten_inputs(self, inputs: Inputs) -> list[Any]:
         """Map user inputs (a tuple of positionals or a dict of keywords) to placeholder values."""
@@ -133,7 +137,7 @@ def capture(
     check_inputs(example_inputs, "example_inputs")
     captured = _capture(model, example_inputs, method, leaf_modules)
     check_input_writes(captured.gm, captured.input_names, captured.flatten_inputs(example_inputs))
-    return captured
+    return dataclasses.replace(captured, names=model_names(captured.gm, model))
 
 
 def _untouched(model: torch.nn.Module, trace: Callable[[], fx.GraphModule]) -> tuple[fx.GraphModule, list[str]]:
