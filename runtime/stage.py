@@ -75,6 +75,7 @@ class StageWorker:
         self.in_spec = WireSpec(tuple(plan.node(n) for n in stage.inputs))
         self.out_spec = WireSpec(tuple(plan.node(n) for n in stage.outputs))
         self.meter = ActivationMeter(program.module.parameters())
+        self.state_storage = _storages(program.module)
         self.state: dict[int, _Microbatch] = {}
         self.posted: dict[tuple[int, int], PostedRecv] = {}
         self.pending: list[tuple[Peer, Any, torch.Tensor]] = []
@@ -129,7 +130,7 @@ class StageWorker:
             if self.program.is_last:
                 state.loss = self._loss(out, target) / self.plan.microbatches
                 return
-        tensors = pack(out, self.out_spec, self.stage)
+        tensors = _own(pack(out, self.out_spec, self.stage), self.state_storage)
         state.sent = [t for t, leaf in zip(tensors, self.out_spec.tensors) if leaf.requires_grad]
         self._send(self.next, tensors, mb, FORWARD)
 
@@ -202,3 +203,14 @@ def reduce_tied_grads(
 
 def tree_to(value: Any, device: torch.device) -> Any:
     return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, value)
+
+
+def _storages(module: torch.nn.Module) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+
+
+def _own(tensors: list[torch.Tensor], state: set[int]) -> list[torch.Tensor]:
+    """Clone sent tensors that are module state (a buffer updated in place, ``self.calls += 1``
+    under torch.export): the send is asynchronous and the next microbatch writes the buffer
+    again, so the message must not share its memory."""
+    return [t.clone() if t.untyped_storage().data_ptr() in state else t for t in tensors]

@@ -5,9 +5,9 @@ would train K different halves of K different models: two copies of a tied weigh
 agree, a pipeline matching no plain model. :func:`sync_from_rank0` makes every stage's
 parameters and buffers equal to global rank 0's copy of them. Rank 0 holds the whole model, so it
 sends each other rank (every rank of every data-parallel replica) the tensors of that rank's
-stages, point to point, one message per dtype (the tensors flattened into one buffer), one rank
-after the other so that at most one stage's worth of weights is in flight; the other ranks
-receive straight into their stage tensors.
+stages, point to point: the tensors of one dtype flattened into buckets of at most
+:data:`BUCKET_BYTES`, one bucket at a time, so that rank 0 never holds more than one bucket
+beyond its own stage (on its GPU, with NCCL).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from pipecut.errors import PipelineRuntimeError
 
 __all__: list[str] = []
 
+BUCKET_BYTES = 256 << 20
+"""Largest flattened message (a single larger tensor travels alone)."""
+
 
 def stage_state(modules: Sequence[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
     """The parameters and buffers of a rank's stage modules, each name once, in a fixed order:
@@ -33,12 +36,22 @@ def stage_state(modules: Sequence[torch.nn.Module]) -> list[tuple[str, torch.Ten
     return list(out.items())
 
 
-def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
-    """Indices of the tensors grouped by dtype, in order of first appearance."""
-    groups: dict[torch.dtype, list[int]] = {}
+def _buckets(tensors: Sequence[torch.Tensor], limit: int | None = None) -> list[list[int]]:
+    """Indices of the tensors grouped by dtype (in order of first appearance), each group cut
+    into runs of at most ``limit`` bytes (:data:`BUCKET_BYTES`). Sender and receiver compute
+    the same buckets."""
+    limit = BUCKET_BYTES if limit is None else limit
+    groups: dict[torch.dtype, list[list[int]]] = {}
+    sizes: dict[torch.dtype, int] = {}
     for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype, []).append(i)
-    return list(groups.values())
+        runs = groups.setdefault(t.dtype, [[]])
+        nbytes = t.numel() * t.element_size()
+        if runs[-1] and sizes[t.dtype] + nbytes > limit:
+            runs.append([])
+            sizes[t.dtype] = 0
+        runs[-1].append(i)
+        sizes[t.dtype] = sizes.get(t.dtype, 0) + nbytes
+    return [run for runs in groups.values() for run in runs]
 
 
 def _wait(works: Sequence[dist.Work], what: str, timeout: datetime.timedelta) -> None:
@@ -73,20 +86,16 @@ def sync_from_rank0(
     if me == 0:
         for dst in sorted(sources):
             tensors = list(sources[dst])
-            flats = [torch.cat([tensors[i].detach().reshape(-1).to(device) for i in idx])
-                     for idx in _buckets(tensors)]
-            ops = [dist.P2POp(dist.isend, flat, dst, tag=b) for b, flat in enumerate(flats)]
-            if ops:
-                _wait(dist.batch_isend_irecv(ops), f"sending rank {dst} its stage weights", timeout)
+            for b, idx in enumerate(_buckets(tensors)):
+                flat = torch.cat([tensors[i].detach().reshape(-1).to(device) for i in idx])
+                op = dist.P2POp(dist.isend, flat, dst, tag=b)
+                _wait(dist.batch_isend_irecv([op]), f"sending rank {dst} its stage weights", timeout)
         return
-    buckets = _buckets(mine)
-    flats = [torch.empty(sum(mine[i].numel() for i in idx), dtype=mine[idx[0]].dtype, device=device)
-             for idx in buckets]
-    ops = [dist.P2POp(dist.irecv, flat, 0, tag=b) for b, flat in enumerate(flats)]
-    if ops:
-        _wait(dist.batch_isend_irecv(ops), "receiving its stage weights from rank 0", timeout)
-    with torch.no_grad():
-        for idx, flat in zip(buckets, flats):
+    for b, idx in enumerate(_buckets(mine)):
+        flat = torch.empty(sum(mine[i].numel() for i in idx), dtype=mine[idx[0]].dtype, device=device)
+        op = dist.P2POp(dist.irecv, flat, 0, tag=b)
+        _wait(dist.batch_isend_irecv([op]), "receiving its stage weights from rank 0", timeout)
+        with torch.no_grad():
             offset = 0
             for i in idx:
                 t = mine[i]

@@ -13,8 +13,10 @@ from torch import nn
 
 
 class CountsCalls(nn.Module):
-    """Reassigns a buffer in forward (``self.calls += 1``) and uses it: symbolic_trace cannot
-    record the assignment, torch.export can."""
+    """Reassigns a buffer in forward (``self.calls += 1``) and uses it at the end: symbolic_trace
+    cannot record the assignment, torch.export can. The update is the first operation and its
+    reader the last, so the buffer's value crosses every cut (and is written again by the next
+    microbatch while its send may still be in flight)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -25,8 +27,8 @@ class CountsCalls(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        h = torch.relu(self.fc1(x)) + 0.01 * self.calls
-        return self.fc3(torch.relu(self.fc2(h)))
+        h = torch.relu(self.fc2(torch.relu(self.fc1(x))))
+        return self.fc3(h) * (1 + 0.1 * self.calls)
 
 
 class CountsInPython(nn.Module):

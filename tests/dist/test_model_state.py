@@ -24,6 +24,7 @@ import torch
 import pipecut
 from examples import gpt, resnet, zoo
 from pipecut.errors import CaptureError, PlanError
+from pipecut.runtime import sync
 from tests.harness import run_ranks
 from tests.reference import assert_parity, pipeline_grads, reference
 from tests.stateful import assert_unchanged, counts_calls, snapshot, writes_input
@@ -35,7 +36,8 @@ NAMED = {"gpt2": zoo.gpt2, "bert": zoo.bert, "t5": zoo.t5}
 M = 4
 
 
-def _seeded(rank: int, world: int, schedule: str, stages_per_rank: int) -> dict[str, Any]:
+def _seeded(rank: int, world: int, schedule: str, stages_per_rank: int, bucket: int) -> dict[str, Any]:
+    sync.BUCKET_BYTES = bucket  # small: rank 0 sends the weights in many messages
     model, _, _, _ = GPT(seed=rank)  # every rank its own weights: a common script bug
     _, inputs, loss_fn, target = GPT(seed=0)
     pipe = pipecut.compile(model, example_inputs=inputs, loss_fn=loss_fn, target=target,
@@ -95,8 +97,8 @@ def _refusals(rank: int, plan: pipecut.Plan) -> dict[str, str]:
 def _run(rank: int, world: int, plans: dict[str, pipecut.Plan]) -> dict[str, Any]:
     return {
         "refusals": _refusals(rank, plans["gpt"]),
-        "seeded": _seeded(rank, world, "1f1b", 1),
-        "interleaved": _seeded(rank, world, "interleaved-1f1b", 2),
+        "seeded": _seeded(rank, world, "1f1b", 1, sync.BUCKET_BYTES),
+        "interleaved": _seeded(rank, world, "interleaved-1f1b", 2, 4096),
         "counts_calls": _counts_calls(rank),
         "batchnorm": _batchnorm_untouched(rank),
         **{f"names_{n}": _names(rank, n, plans[n]) for n in NAMED},

@@ -80,3 +80,4 @@ def test_lifted_constants_have_no_model_name() -> None:
     assert cap.names.public("fc.weight") == "fc.weight"
 
 
+
