@@ -15,8 +15,8 @@ after it, and says what the attempt changed:
 
 :func:`check_input_writes` refuses a graph that writes into a model input: every stage gets its
 own copy of the inputs, so a stage reading the input after another stage wrote it would not see
-the write. It runs the graph once on fake tensors (no compute, no memory) and watches the inputs' version
-counters, which also catches writes through views (``x[:, 0].zero_()``).
+the write. It runs the graph once on fake tensors (no compute, no memory) and watches the
+inputs' version counters, which also catches writes through views (``x[:, 0].zero_()``).
 """
 
 from __future__ import annotations
@@ -91,8 +91,10 @@ class ModuleState:
 def _copy(value: Any) -> Any:
     if isinstance(value, dict):
         return dict(value)
-    if isinstance(value, (set, list)):
-        return type(value)(value)
+    if isinstance(value, set):
+        return set(value)
+    if isinstance(value, list):
+        return list(value)
     return None
 
 
