@@ -37,7 +37,7 @@ M = 4
 
 
 def _seeded(rank: int, world: int, schedule: str, stages_per_rank: int, bucket: int) -> dict[str, Any]:
-    sync.BUCKET_BYTES = bucket  # small: rank 0 sends the weights in many messages
+    sync.BUCKET_BYTES = bucket  # 4 KiB in the interleaved run: the weights go in many messages
     model, _, _, _ = GPT(seed=rank)  # every rank its own weights: a common script bug
     _, inputs, loss_fn, target = GPT(seed=0)
     pipe = pipecut.compile(model, example_inputs=inputs, loss_fn=loss_fn, target=target,
