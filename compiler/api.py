@@ -20,9 +20,10 @@ from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
 from pipecut.passes.split import StageProgram, split_stage
 from pipecut.passes.stages import plan_schedule
 from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
-from pipecut.planner import DEFAULT_LINK, Devices, as_devices
+from pipecut.planner import Devices, as_devices
 from pipecut.planner import plan as make_plan
 from pipecut.profile import LossFn
+from pipecut.replay import settings
 from pipecut.resolve import WireSpecs, schedules
 from pipecut.runtime.data_parallel import check_supported, replicate
 from pipecut.runtime.grads import LossReduction, parse_loss_reduction
@@ -30,6 +31,7 @@ from pipecut.runtime.launch import ensure_process_group, local_device
 from pipecut.runtime.pipeline import Pipeline
 from pipecut.runtime.schedule import validate
 from pipecut.runtime.stage import StageWorker
+from pipecut.runtime.sync import stage_state, sync_from_rank0
 
 __all__ = ["compile"]
 
@@ -48,11 +50,12 @@ class _Layout:
 
 
 def _layout(devices: Any) -> _Layout:
-    """From an int, a list of devices, or a DeviceMesh with a "pp" (and maybe "dp") dimension."""
+    """From an int, a list of devices, a DeviceMesh with a "pp" (and maybe "dp") dimension, or
+    None (one stage per rank of the default group)."""
     names = getattr(devices, "mesh_dim_names", None)
     if names is None:
         world = dist.get_world_size()
-        return _Layout(None, None, None, (tuple(range(world)),), devices)
+        return _Layout(None, None, None, (tuple(range(world)),), world if devices is None else devices)
     if "pp" not in names or not set(names) <= {"dp", "pp"}:
         raise InputError(f"the DeviceMesh needs dimensions ('dp', 'pp') or ('pp',), it has {names}")
     pp = devices.get_group("pp")
@@ -78,29 +81,33 @@ def _replication(layout: _Layout, data_parallel: str | DataParallelKind | None) 
 
 def _load_plan(plan: Plan | str | Path, expected: str) -> Plan:
     loaded = plan if isinstance(plan, Plan) else Plan.from_json(plan)
+    _check_fingerprint(loaded, expected)
+    return loaded
+
+
+def _check_fingerprint(loaded: Plan, expected: str) -> None:
     if loaded.fingerprint != expected:
         raise PlanError(
             f"the plan was made for another model (plan fingerprint {loaded.fingerprint}, this "
             f"model's graph {expected}); re-plan with pipecut.plan(...) for this model"
         )
-    return loaded
 
 
 def compile(
     model: torch.nn.Module,
-    devices: Devices | Any,
+    devices: Devices | Any = None,
     *,
     example_inputs: Inputs,
     loss_fn: LossFn,
     target: Any = None,
-    microbatches: int = 1,
-    schedule: str | ScheduleKind = ScheduleKind.GPIPE,
+    microbatches: int | None = None,
+    schedule: str | ScheduleKind | None = None,
     plan: Plan | str | Path | None = None,
-    link: Link = DEFAULT_LINK,
+    link: Link | None = None,
     timeout: float = 300.0,
     capture_method: CaptureMethod | None = None,
     leaf_modules: tuple[type, ...] = (),
-    stages_per_rank: int = 1,
+    stages_per_rank: int | None = None,
     calibration_steps: int = 2,
     loss_reduction: str | LossReduction = LossReduction.MEAN,
     data_parallel: str | DataParallelKind | None = None,
@@ -123,9 +130,21 @@ def compile(
     ``data_parallel``: with a "dp" dimension, ``"ddp"`` (the default) wraps each stage module in
     DistributedDataParallel over its replicas, ``"fsdp"`` shards it with FSDP2 ``fully_shard``
     (parameters, gradients and optimizer state divided over the replicas).
+
+    ``devices``, ``microbatches``, ``schedule``, ``stages_per_rank``, ``link`` and
+    ``capture_method`` left at None mean the plan's (with ``plan=``) or the defaults (one stage
+    per rank of the default group, 1, GPipe, 1, the default link, symbolic_trace then
+    torch.export); with ``plan=``, a value that contradicts the plan is a PlanError. Every
+    rank's stage weights are set to global rank 0's, as DistributedDataParallel does.
     """
     reduction = parse_loss_reduction(loss_reduction)
     wait = datetime.timedelta(seconds=timeout)
+    given = None if plan is None else plan if isinstance(plan, Plan) else Plan.from_json(plan)
+    run = settings(
+        given, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
+        link=link, capture_method=capture_method, devices=devices,
+    )
+    microbatches, schedule, stages_per_rank = run.microbatches, run.schedule, run.stages_per_rank
     ensure_process_group(wait)
     layout = _layout(devices)
     replication = _replication(layout, data_parallel)
@@ -140,11 +159,12 @@ def compile(
             f"{world} ranks; launch with --nproc_per_node={len(specs)} or pass devices={world}"
         )
     _, first = first_microbatch(example_inputs, microbatches)
-    captured = capture(model, first, method=capture_method, leaf_modules=leaf_modules)
+    captured = capture(model, first, method=run.capture_method, leaf_modules=leaf_modules)
     expected = fingerprint(captured.gm)
 
-    if plan is not None:
-        chosen = _load_plan(plan, expected)
+    if given is not None:
+        _check_fingerprint(given, expected)
+        chosen = given
     else:  # global rank 0 plans; every rank of every replica gets the same plan
         payload: list[Any] = [None]
         error: BaseException | None = None
@@ -153,7 +173,7 @@ def compile(
             try:
                 made = make_plan(
                     model, example_inputs, specs, loss_fn=loss_fn, target=target,
-                    microbatches=microbatches, schedule=schedule, link=link, captured=captured,
+                    microbatches=microbatches, schedule=schedule, link=run.link, captured=captured,
                     stages_per_rank=stages_per_rank, data_parallel=replication,
                 )
                 payload = [("ok", made.to_json())]
@@ -200,6 +220,7 @@ def compile(
         program = split_stage(captured.gm, chosen, stage)
         program.module.to(device)
         workers[stage] = make_worker(program, chosen, captured.unflatten_output)
+    _sync_weights(captured, chosen, layout, workers, device, wait)
     modes = Modes(model=model, workers=workers, derived=derived, make_worker=make_worker, device=device)
     pipe = Pipeline(
         plan=chosen, captured=captured, workers=workers, schedule=sched, rank=rank, ranks=ranks,
@@ -238,6 +259,28 @@ def other_mode(
         error = CaptureError(f"the model cannot run in {mode} mode in this pipeline: {type(e).__name__}: {e}")
         error.__cause__ = e
         return error
+
+
+def _sync_weights(
+    captured: Captured, plan: Plan, layout: _Layout, workers: dict[int, StageWorker],
+    device: torch.device, wait: datetime.timedelta,
+) -> None:
+    """Every rank's stage tensors := global rank 0's (rank 0 holds them all in its captured
+    graph): ranks seeded differently still train one model."""
+    mine = [t for _, t in stage_state([workers[s].program.module for s in sorted(workers)])]
+    sources: dict[int, list[torch.Tensor]] = {}
+    if dist.get_rank() == 0:
+        k = plan.num_ranks
+        by_position: dict[int, list[torch.Tensor]] = {}
+        for replica in layout.replicas:
+            for position, global_rank in enumerate(replica):
+                if global_rank == 0:
+                    continue
+                if position not in by_position:
+                    modules = [split_stage(captured.gm, plan, s).module for s in range(position, plan.num_stages, k)]
+                    by_position[position] = [t for _, t in stage_state(modules)]
+                sources[global_rank] = by_position[position]
+    sync_from_rank0(mine, sources, device, wait)
 
 
 def _tied_groups(plan: Plan, layout: _Layout, rank: int, wait: datetime.timedelta) -> list[tuple[str, Any]]:

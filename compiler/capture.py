@@ -10,10 +10,11 @@ to rebuild the model's output structure.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,8 @@ from pipecut.batching import check_inputs
 from pipecut.errors import CaptureError, InputError
 from pipecut.frozen import honour_no_grad, record_grad_mode
 from pipecut.fxutil import target_name
+from pipecut.guard import ModuleState, check_input_writes, refuse_number_changes
+from pipecut.names import ModelNames, model_names
 from pipecut.plan import CaptureMethod
 
 __all__ = ["Captured", "Inputs", "capture", "fingerprint"]
@@ -46,6 +49,8 @@ class Captured:
     """For export: how to rebuild the model's output from the graph's flat outputs."""
     defaults: tuple[Any, ...]
     """For symbolic_trace: each placeholder's default value (``_NO_DEFAULT`` if none)."""
+    names: ModelNames | None = None
+    """The user's model's names for the graph's tensors (None: the graph's own names)."""
 
     def flatten_inputs(self, inputs: Inputs) -> list[Any]:
         """Map user inputs (a tuple of positionals or a dict of keywords) to placeholder values."""
@@ -131,14 +136,48 @@ def capture(
     method: CaptureMethod | None = None,
     leaf_modules: tuple[type, ...] = (),
 ) -> Captured:
-    """Capture ``model``; try symbolic_trace, then torch.export, unless ``method`` forces one."""
+    """Capture ``model``; try symbolic_trace, then torch.export, unless ``method`` forces one.
+
+    The model is left as it was (see :mod:`pipecut.guard`); a model that writes into its
+    inputs, or changes Python number attributes in forward, is refused with a CaptureError.
+    """
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_inputs(example_inputs, "example_inputs")
+    captured = _capture(model, example_inputs, method, leaf_modules)
+    check_input_writes(captured.gm, captured.input_names, captured.flatten_inputs(example_inputs))
+    return dataclasses.replace(captured, names=model_names(captured.gm, model))
+
+
+def _untouched(model: torch.nn.Module, trace: Callable[[], fx.GraphModule]) -> tuple[fx.GraphModule, list[str]]:
+    """Run one capture attempt and put the model back as it was; the graph and the parameters or
+    buffers the attempt reassigned. An attempt that changed a number attribute is refused, even
+    if it failed later on: forward changes it either way."""
+    state = ModuleState(model)
+    try:
+        gm = trace()
+    finally:
+        changed, reassigned = state.changed_numbers(), state.reassigned()
+        state.restore()
+        refuse_number_changes(changed, model)
+    return gm, reassigned
+
+
+def _capture(
+    model: torch.nn.Module,
+    example_inputs: Inputs,
+    method: CaptureMethod | None,
+    leaf_modules: tuple[type, ...],
+) -> Captured:
     attempts: list[str] = []
     if method in (None, CaptureMethod.SYMBOLIC_TRACE):
         try:
-            gm = _trace_fx(model, leaf_modules)
+            gm, reassigned = _untouched(model, lambda: _trace_fx(model, leaf_modules))
+            if reassigned:
+                raise RuntimeError(
+                    f"forward reassigns {reassigned[:5]}, which a symbolic_trace graph does not "
+                    f"record (torch.export records buffer updates)"
+                )
             names, defaults = [], []
             for n in gm.graph.nodes:
                 if n.op == "placeholder":
@@ -147,15 +186,16 @@ def capture(
             captured = Captured(gm, CaptureMethod.SYMBOLIC_TRACE, tuple(names), None, None, tuple(defaults))
             captured.flatten_inputs(example_inputs)  # reject inputs the traced signature can't take
             return captured
-        except InputError:
+        except (InputError, CaptureError):
             raise
         except Exception as e:
             attempts.append(f"torch.fx.symbolic_trace: {type(e).__name__}: {_first_line(e)}")
     if method in (None, CaptureMethod.EXPORT):
         try:
             args, kwargs = _split_args(example_inputs)
-            ep = _export(model, args, kwargs)
-            gm = ep.module()
+            exported: list[torch.export.ExportedProgram] = []
+            gm, _ = _untouched(model, lambda: _export(model, args, kwargs, exported))
+            ep = exported[0]
             names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
             return Captured(
                 gm,
@@ -165,6 +205,8 @@ def capture(
                 ep.call_spec.out_spec,
                 (),
             )
+        except CaptureError:
+            raise
         except Exception as e:
             attempts.append(f"torch.export.export(strict=False): {type(e).__name__}: {_first_line(e)}")
     raise CaptureError(
@@ -177,11 +219,15 @@ def capture(
     )
 
 
-def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _export(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+    out: list[torch.export.ExportedProgram],
+) -> fx.GraphModule:
     """torch.export with every tensor dimension left to export to keep symbolic where the model
     allows (``Dim.AUTO``), so one graph serves shorter sequences and smaller microbatches
     (``pipecut.passes.propagate.accepted_shapes`` reads which dimensions stayed symbolic).
-    Where that fails, the shape-specialised export, whose plans accept only the planned shapes."""
+    Where that fails, the shape-specialised export, whose plans accept only the planned shapes.
+    The ExportedProgram is appended to ``out``."""
     # Fresh copies: an example that is a view (tokens[:, :-1]) makes export guard on its
     # ``_base``, which other inputs do not have.
     args, kwargs = pytree.tree_map(
@@ -196,9 +242,13 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             )
             for name, value in bound.items()
         }
-        return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+        ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
     except Exception:
-        return torch.export.export(model, args, kwargs, strict=False)
+        ep = torch.export.export(model, args, kwargs, strict=False)
+    out.append(ep)
+    gm = ep.module()
+    assert isinstance(gm, fx.GraphModule)
+    return gm
 
 
 def _first_line(e: BaseException) -> str:

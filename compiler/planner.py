@@ -27,6 +27,7 @@ from pipecut.passes.chain import boundary_bytes, boundary_ms, can_cross, is_unit
 from pipecut.passes.coarsen import candidate_cuts
 from pipecut.passes.fit import infeasible_error
 from pipecut.passes.formulate import formulate
+from pipecut.passes.holders import holds_params, stage_count_error
 from pipecut.passes.ilp import IlpSolver
 from pipecut.passes.multilevel import partition_ilp
 from pipecut.passes.partition import Chain, partition_dp
@@ -114,6 +115,7 @@ def _chain(nodes: Sequence[NodeCost], link: Link, data_parallel: DataParallel | 
         boundary_ms=tuple(boundary_ms(fwd, bwd, allowed, link)),
         fixed_bytes=tuple(fixed),
         activation_bytes=tuple(act),
+        holds_params=holds_params(nodes, live.units),
     )
     return chain, (live, allowed)
 
@@ -215,6 +217,9 @@ def partition_costs(
             recompute=False, data_parallel=data_parallel,
         )
         live = form.live
+        too_many = stage_count_error(k, form.problem.holds_params, form.problem.allowed_cuts())
+        if too_many is not None:
+            raise too_many
         coarse = candidate_cuts(form.modules, form.problem.compute_ms, form.problem.boundary_ms)
         best = partition_bounded(form.problem, coarse=coarse)
         if best is None:

@@ -12,7 +12,8 @@ above the lower bound ``total / Σ speed`` and growing it until a split is found
 answer exact (a split of bottleneck ≤ U is never pruned) and visits a sliver of the pairs.
 
 Each stage takes its fastest option that fits (:func:`pipecut.passes.problem.best_stage`), so this
-is exact for the whole cost model, recompute included; tests check it against brute force.
+is exact for the whole cost model, recompute included; tests check it against brute force. A
+stage must also hold a parameter where the problem asks (:mod:`pipecut.passes.holders`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pipecut.passes.holders import holder_prefix
 from pipecut.passes.problem import Evaluation, Problem, evaluate
 
 __all__ = ["lower_bound", "partition_bounded"]
@@ -33,6 +35,7 @@ def _solve(problem: Problem, cuts: np.ndarray, bound: float) -> tuple[int, ...] 
     fixed = np.concatenate([[0.0], np.cumsum(np.asarray(p.fixed_bytes, dtype=np.float64))])
     act = np.concatenate([[0.0], np.cumsum(np.asarray(p.activation_bytes, dtype=np.float64))])
     inb = np.asarray(p.input_bytes, dtype=np.float64)
+    holders = holder_prefix(p.holds_params, n)
     bnd = np.asarray(p.boundary_ms, dtype=np.float64).copy()
     bnd[0] = bnd[n] = 0.0
     speeds = np.asarray(p.speeds, dtype=np.float64)
@@ -72,6 +75,7 @@ def _solve(problem: Problem, cuts: np.ndarray, bound: float) -> tuple[int, ...] 
                     cost = np.where(fits, cost, np.where(fits_rc, redo, np.inf))
                 else:
                     cost = np.where(fits, cost, np.inf)
+            cost = np.where(holders[j] - holders[i] >= 1, cost, np.inf)
             worst = np.maximum(best[s, ii], cost)
             x = int(np.argmin(worst))
             if worst[x] <= bound:

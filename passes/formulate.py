@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pipecut.parallel import DataParallel
 from pipecut.passes.chain import Liveness, boundary_bytes, boundary_ms, liveness
+from pipecut.passes.holders import holds_params
 from pipecut.passes.problem import Problem
 from pipecut.passes.stages import inflight_microbatches, state_bytes
 from pipecut.plan import DeviceSpec, Link, NodeCost, NodeOp, ScheduleKind
@@ -61,5 +62,6 @@ def formulate(
         capacities=tuple(d.memory_bytes for d in devices),
         inflight=tuple(inflight_microbatches(schedule, k, microbatches)),
         recompute=recompute,
+        holds_params=holds_params(nodes, live.units),
     )
     return Formulation(problem=problem, live=live, modules=tuple(u.module for u in units))

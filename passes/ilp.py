@@ -10,6 +10,7 @@ With ``at(A, s) = Σ_p A[p]·c[s, p]`` (``A[0]`` for s = 0 and ``A[N]`` for s = 
 over the units of stage s is ``at(A, s+1) - at(A, s)``, so each stage is a few linear terms:
 
     pos(s+1) ≥ pos(s) + 1                                        non-empty stages in unit order
+    at(holders, s+1) - at(holders, s) ≥ 1                        a parameter on every stage
     T ≥ Δcompute_s / speed_s + at(boundary, s) + at(boundary, s+1) + R_s
     R_s ≥ Δforward_s / speed_s - F·(1 - r_s),  R_s ≥ 0            recompute time
     (Δfixed_s + inflight_s·(at(input, s) + A_s)) / cap_s ≤ 1     memory
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
+from pipecut.passes.holders import holder_prefix
 from pipecut.passes.problem import Evaluation, Problem, evaluate
 
 __all__ = ["IlpResult", "IlpSolver", "IlpStatus", "default_windows", "solve_ilp"]
@@ -122,6 +124,10 @@ def solve_ilp(
         lp += pulp.lpSum(cut[s - 1].values()) == 1, f"one_cut_{s}"
     for s in range(1, k - 1):
         lp += at(positions, s + 1) - at(positions, s) >= 1, f"order_{s}"
+    if any(p.holds_params):  # (without it every unit counts and this is the order constraint)
+        holders = holder_prefix(p.holds_params, n)
+        for s in range(k):
+            lp += at(holders, s + 1) - at(holders, s) >= 1, f"holds_params_{s}"
 
     recompute_vars = {}
     for s in range(k):

@@ -23,6 +23,7 @@ from pipecut.errors import PartitionError
 from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.coarsen import candidate_cuts
 from pipecut.passes.fit import infeasible_error
+from pipecut.passes.holders import stage_count_error
 from pipecut.passes.ilp import IlpSolver, IlpStatus, default_windows, solve_ilp
 from pipecut.passes.problem import Evaluation, Problem
 
@@ -61,6 +62,9 @@ def partition_ilp(
             f"{len(allowed)} places where every live value can cross a cut; "
             f"use at most {len(allowed) + 1} devices"
         )
+    too_many = stage_count_error(k, problem.holds_params, allowed)
+    if too_many is not None:
+        raise too_many
     coarse: Sequence[int] = allowed
     if len(allowed) > max_positions:
         coarse = candidate_cuts(

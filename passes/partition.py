@@ -12,6 +12,8 @@ where ``boundary_ms[b]`` is the time to move the values live across the cut befo
 is exact for this objective. It runs in O(K·N²) with the inner minimum vectorised in numpy.
 Optional per-stage memory capacities make a (i, j) choice infeasible when the stage's memory
 ``fixed_bytes[i:j].sum() + inflight[s] * activation_bytes[i:j].sum()`` exceeds capacity.
+With ``holds_params`` every stage must hold a unit that reads a parameter
+(:mod:`pipecut.passes.holders`): otherwise its rank would have nothing to train.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipecut.errors import PartitionError
+from pipecut.passes.holders import holder_prefix, stage_count_error
 
 __all__ = ["Chain", "Partition", "partition_dp", "stage_cost"]
 
@@ -39,12 +42,14 @@ class Chain:
     """Per unit: parameter, gradient and optimizer-state bytes."""
     activation_bytes: tuple[int, ...] = ()
     """Per unit: activation bytes one microbatch keeps until its backward."""
+    holds_params: tuple[bool, ...] = ()
+    """Per unit: reads a parameter. When given, every stage holds at least one such unit."""
 
     def __post_init__(self) -> None:
         n = len(self.compute_ms)
         if len(self.names) != n or len(self.boundary_ms) != n + 1:
             raise ValueError(f"chain of {n} units needs {n} names and {n + 1} boundary times")
-        for field in (self.fixed_bytes, self.activation_bytes):
+        for field in (self.fixed_bytes, self.activation_bytes, self.holds_params):
             if field and len(field) != n:
                 raise ValueError(f"per-unit memory arrays need {n} entries, got {len(field)}")
 
@@ -81,6 +86,10 @@ def partition_dp(
             f"cannot cut a graph of {n} partitionable nodes into {stages} stages; "
             f"use at most {n} devices"
         )
+    positions = [b for b in range(1, n) if np.isfinite(chain.boundary_ms[b])]
+    too_many = stage_count_error(stages, chain.holds_params, positions)
+    if too_many is not None:
+        raise too_many
     speeds = list(speeds) if speeds is not None else [1.0] * stages
     capacities = list(capacities) if capacities is not None else [None] * stages
     inflight = list(inflight) if inflight is not None else [1] * stages
@@ -88,6 +97,7 @@ def partition_dp(
     boundary = np.asarray(chain.boundary_ms, dtype=np.float64)
     fixed = np.concatenate([[0.0], np.cumsum(np.asarray(chain.fixed_bytes or [0] * n, dtype=np.float64))])
     act = np.concatenate([[0.0], np.cumsum(np.asarray(chain.activation_bytes or [0] * n, dtype=np.float64))])
+    holders = holder_prefix(chain.holds_params, n)
 
     inf = np.inf
     best = np.full((stages + 1, n + 1), inf)
@@ -102,6 +112,7 @@ def partition_dp(
             if cap is not None:
                 mem = (fixed[j] - fixed[i]) + inflight[s - 1] * (act[j] - act[i])
                 cost = np.where(mem <= cap, cost, inf)
+            cost = np.where(holders[j] - holders[i] >= 1, cost, inf)
             total = np.maximum(best[s - 1, i], cost)
             k = int(np.argmin(total))
             best[s, j] = total[k]

@@ -51,11 +51,16 @@ class Problem:
     recompute: bool = False
     """Whether a stage may recompute its forward in backward to keep only its inputs."""
     names: tuple[str, ...] = ()
+    holds_params: tuple[bool, ...] = ()
+    """Per unit: reads a parameter. When given (and some unit does), a stage fits only if it
+    holds one such unit (:mod:`pipecut.passes.holders`): otherwise its rank has nothing to train."""
 
     def __post_init__(self) -> None:
         n, k = len(self.compute_ms), len(self.speeds)
         per_unit = (self.forward_ms, self.fixed_bytes, self.activation_bytes)
-        if any(len(a) != n for a in per_unit) or (self.names and len(self.names) != n):
+        if any(len(a) != n for a in per_unit) or any(
+            a and len(a) != n for a in (self.names, self.holds_params)
+        ):
             raise ValueError(f"a problem of {n} units needs {n} entries in every per-unit array")
         if len(self.boundary_ms) != n + 1 or len(self.input_bytes) != n + 1:
             raise ValueError(f"a problem of {n} units needs {n + 1} entries per cut array")
@@ -92,6 +97,7 @@ class StageEval:
     memory_bytes: float
     recompute: Recompute
     fits: bool
+    """Within the device's memory and, where the problem asks, holding a parameter."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,6 +131,7 @@ def stage_options(problem: Problem, s: int, i: int, j: int) -> list[StageEval]:
     fixed = sum(p.fixed_bytes[i:j])
     kept = p.input_bytes[i] + sum(p.activation_bytes[i:j])
     cap = p.capacities[s]
+    holds = not any(p.holds_params) or any(p.holds_params[i:j])
     options = []
     for rc in (Recompute.NONE, Recompute.FULL) if p.recompute else (Recompute.NONE,):
         if rc is Recompute.FULL:
@@ -133,7 +140,10 @@ def stage_options(problem: Problem, s: int, i: int, j: int) -> list[StageEval]:
         else:
             time, mem = base, fixed + p.inflight[s] * kept
         options.append(
-            StageEval(time_ms=time, memory_bytes=mem, recompute=rc, fits=cap is None or mem <= cap)
+            StageEval(
+                time_ms=time, memory_bytes=mem, recompute=rc,
+                fits=(cap is None or mem <= cap) and holds,
+            )
         )
     return options
 

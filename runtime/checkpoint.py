@@ -99,27 +99,17 @@ def _unpack(t: torch.Tensor) -> Any:
     return pickle.loads(t.numpy().tobytes())
 
 
-def _canonical(module: torch.nn.Module) -> dict[int, str]:
-    """id(tensor) -> its first name, over parameters and buffers (aliases share one name)."""
-    names: dict[int, str] = {}
-    for name, t in [*module.named_parameters(remove_duplicate=False),
-                    *module.named_buffers(remove_duplicate=False)]:
-        names.setdefault(id(t), name)
-    return names
-
-
 def stage_tensors(pipe: Pipeline) -> dict[str, torch.Tensor]:
-    """This stage's parameters and buffers by their name in the original model."""
-    canonical = _canonical(pipe.captured.gm)
+    """This stage's parameters and buffers by their (first) name in the original model."""
     out: dict[str, torch.Tensor] = {}
     for name, t in [*pipe.named_parameters(), *pipe.named_buffers()]:
-        out.setdefault(canonical.get(id(t), name), t)
+        out.setdefault(name, t)
     return out
 
 
 def _written_in_place(pipe: Pipeline) -> set[str]:
     """Names of the buffers this stage's graph writes in place (``copy_`` of a BN statistic)."""
-    canonical = _canonical(pipe.captured.gm)
+    names = {id(t): n for n, t in stage_tensors(pipe).items()}
     written = set()
     for module in pipe.modules:  # one per stage this rank runs
         assert isinstance(module, torch.fx.GraphModule)
@@ -127,8 +117,9 @@ def _written_in_place(pipe: Pipeline) -> set[str]:
         for node in module.graph.nodes:
             first = node.args[0] if node.args else None
             if (isinstance(first, torch.fx.Node) and first.op == "get_attr"
-                    and str(first.target) in buffers and mutates_first_arg(node, module)):
-                written.add(canonical.get(id(buffers[str(first.target)]), str(first.target)))
+                    and str(first.target) in buffers and mutates_first_arg(node, module)
+                    and id(buffers[str(first.target)]) in names):
+                written.add(names[id(buffers[str(first.target)])])
     return written
 
 

@@ -124,28 +124,43 @@ class Pipeline:
             )
         return self.modules[0]
 
+    def _public(self, name: str) -> str | None:
+        """The user's model's name for a stage tensor (None: the model has no such tensor)."""
+        names = self.captured.names
+        return name if names is None else names.public(name)
+
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters under the model's own names (a tied weight: its first name,
+        as ``model.named_parameters()`` gives it), each once."""
         seen: set[int] = set()
         for name, p in itertools.chain.from_iterable(m.named_parameters() for m in self.modules):
             if id(p) not in seen:
                 seen.add(id(p))
-                yield name, p
+                yield self._public(name) or name, p
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         return (p for _, p in self.named_parameters())
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's buffers that the model has, under the model's names, each once (constants
+        that torch.export lifted into buffers are left out)."""
         seen: set[int] = set()
         for name, b in itertools.chain.from_iterable(m.named_buffers() for m in self.modules):
-            if id(b) not in seen:
+            public = self._public(name)
+            if id(b) not in seen and public is not None:
                 seen.add(id(b))
-                yield name, b
+                yield public, b
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's parameters and persistent buffers under their original names."""
+        """This rank's part of ``model.state_dict()``: its keys (every alias of a tied weight,
+        no non-persistent buffer or lifted constant), so the ranks' dicts merged load into the
+        plain model with ``strict=True``."""
+        names = self.captured.names
         out: dict[str, Any] = {}
         for m in self.modules:
-            out.update(m.state_dict())
+            for name, t in m.state_dict().items():
+                for key in (name,) if names is None else names.state.get(name, ()):
+                    out[key] = t
         return out
 
     def train(self, mode: bool = True) -> Pipeline:

@@ -86,6 +86,7 @@ class StageWorker:
         self._built: dict[int, tuple[Mapping[str, NodeCost], tuple[WireSpec, WireSpec]]] = {}
         """Specs built per resolved mapping (held, so its id stays its own), oldest first."""
         self.meter = ActivationMeter(program.module.parameters())
+        self.state_storage = _storages(program.module)
         self.state: dict[int, _Microbatch] = {}
         self.posted: dict[tuple[int, int], PostedRecv] = {}
         self.pending: list[tuple[Peer, Any, torch.Tensor]] = []
@@ -174,7 +175,7 @@ class StageWorker:
                     weight = self.weights[mb] if mb < len(self.weights) else Fraction(1, self.plan.microbatches)
                     state.loss = loss * weight.numerator / weight.denominator
                 return
-        tensors = pack(out, out_spec, self.stage)
+        tensors = _own(pack(out, out_spec, self.stage), self.state_storage)
         if torch.is_grad_enabled():
             check_grad_flags(tensors, out_spec, self.stage)
         state.sent = [t for t, leaf in zip(tensors, out_spec.tensors) if leaf.requires_grad]
@@ -252,3 +253,14 @@ def reduce_tied_grads(
 
 def tree_to(value: Any, device: torch.device) -> Any:
     return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, value)
+
+
+def _storages(module: torch.nn.Module) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+
+
+def _own(tensors: list[torch.Tensor], state: set[int]) -> list[torch.Tensor]:
+    """Clone sent tensors that are module state (a buffer updated in place, ``self.calls += 1``
+    under torch.export): the send is asynchronous and the next microbatch writes the buffer
+    again, so the message must not share its memory."""
+    return [t.clone() if t.untyped_storage().data_ptr() in state else t for t in tensors]
