@@ -29,18 +29,25 @@ from pipecut.profile import LossFn, preserved_state
 __all__ = ["calibrate", "stage_times"]
 
 
-def _float_leaves(values: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]]:
-    """Fresh autograd leaves for the floating tensors of ``values`` (as a rank receives them)."""
+def _float_leaves(values: Sequence[Any], nodes: Sequence[NodeCost]) -> tuple[list[Any], list[torch.Tensor]]:
+    """``values`` as a rank receives them: fresh autograd leaves where the plan says a gradient
+    flows back (``Leaf.requires_grad``), detached tensors elsewhere. Marking more would be
+    wrong: a buffer's value written back into the buffer (``copy_``) would make the user's
+    buffer require grad."""
     leaves: list[torch.Tensor] = []
-
-    def fresh(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            leaf = x.detach().requires_grad_(True)
-            leaves.append(leaf)
-            return leaf
-        return x.detach() if isinstance(x, torch.Tensor) else x
-
-    return [pytree.tree_map(fresh, v) for v in values], leaves
+    out = []
+    for value, node in zip(values, nodes):
+        flat, spec = pytree.tree_flatten(value)
+        fresh = []
+        for x, leaf in zip(flat, node.leaves):
+            if isinstance(x, torch.Tensor) and leaf.requires_grad and x.is_floating_point():
+                x = x.detach().requires_grad_(True)
+                leaves.append(x)
+            elif isinstance(x, torch.Tensor):
+                x = x.detach()
+            fresh.append(x)
+        out.append(pytree.tree_unflatten(fresh, spec))
+    return out, leaves
 
 
 def _median_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
@@ -73,7 +80,7 @@ def stage_times(
     received: list[Any] = []
     with preserved_state(captured.gm), torch.enable_grad():
         for prog in split(captured.gm, plan):
-            args, leaves = _float_leaves(received)
+            args, leaves = _float_leaves(received, [plan.node(n) for n in prog.received])
             params: list[torch.Tensor] = [p for p in prog.module.parameters() if p.requires_grad]
 
             def forward(prog: Any = prog, args: list[Any] = args) -> Any:

@@ -5,10 +5,13 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/pytest -q tests/unit/test_regressions.py``.
 
 from __future__ import annotations
 
+import torch
+
 import pipecut
 from pipecut.passes.chain import boundary_bytes, liveness
 from pipecut.plan import CaptureMethod
 from tests.dist.test_eval import M, frozen
+from tests.stateful import counts_calls
 
 
 def test_no_cut_between_a_no_grad_node_and_the_detach_that_closes_its_block() -> None:
@@ -30,3 +33,20 @@ def test_no_cut_between_a_no_grad_node_and_the_detach_that_closes_its_block() ->
     assert blocked == {"detach_tree_1", "detach_tree_2"}, blocked
     assert not plan.node("frozen").cuttable and not plan.node("tanh_2").cuttable
     assert all(plan.node(s.nodes[-1]).cuttable for s in plan.stages[:-1])
+
+
+def test_calibration_does_not_make_a_buffer_require_grad() -> None:
+    """Seen when merging (tests/dist/test_model_state.py, every run):
+
+        PipelineRuntimeError: stage 0: value 'add_' (leaf 0) requires grad, but the plan was
+        made when it did not: a parameter's requires_grad changed after pipecut.compile.
+
+    ``self.calls += 1`` under torch.export sends the buffer's value to the next stage, which
+    writes it back with ``copy_``. Calibration received every float as a tensor requiring
+    grad, so that ``copy_`` made the user's buffer require grad. It now follows the plan's
+    ``Leaf.requires_grad``, as the runtime does."""
+    model, inputs, loss_fn, target = counts_calls()
+    before = model.calls.clone()
+    plan = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=4, repeats=1, warmup=0)
+    assert plan.capture is CaptureMethod.EXPORT and "calibrated" in plan.solver.detail
+    assert not model.calls.requires_grad and torch.equal(model.calls, before)
