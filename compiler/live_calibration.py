@@ -116,6 +116,6 @@ def recalibrate(plan: Plan, times: list[tuple[float, float]], data_parallel: Dat
             partitioner=plan.solver.method, stages_per_rank=plan.stages_per_rank,
             data_parallel=data_parallel,
         )
-        again = dataclasses.replace(again, candidates=plan.candidates)
+        again = dataclasses.replace(again, candidates=plan.candidates, accepts=plan.accepts)
     detail = f"{again.solver.detail}; {note}" if again.solver.detail else note
     return dataclasses.replace(again, solver=dataclasses.replace(again.solver, detail=detail))

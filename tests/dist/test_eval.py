@@ -43,12 +43,13 @@ class DropNet(nn.Module):
         self.inp = nn.Linear(32, 64)
         self.drop = nn.Dropout(0.3)
         self.mid = nn.Linear(64, 64)
+        self.mid2 = nn.Linear(64, 64)  # four weighted layers: every one of 4 stages holds one
         self.out = nn.Linear(64, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.drop(torch.relu(self.inp(x)))
         h = F.dropout(torch.relu(self.mid(h)), 0.3, self.training)
-        return self.out(h)
+        return self.out(torch.relu(self.mid2(h)))
 
 
 def dropnet(batch_size: int = 16, seed: int = 0):
