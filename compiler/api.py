@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import datetime
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +15,7 @@ import torch.distributed as dist
 from pipecut.batching import first_microbatch
 from pipecut.capture import Inputs, capture, fingerprint
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
+from pipecut.meta import has_meta
 from pipecut.passes.split import split_stage
 from pipecut.passes.stages import plan_schedule
 from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
@@ -20,9 +23,11 @@ from pipecut.planner import DEFAULT_LINK, Devices, as_devices
 from pipecut.planner import plan as make_plan
 from pipecut.profile import LossFn
 from pipecut.runtime.launch import ensure_process_group, local_device
+from pipecut.runtime.materialize import Init, check_unexpected, materialize_stage
 from pipecut.runtime.pipeline import Pipeline
 from pipecut.runtime.schedule import validate
 from pipecut.runtime.stage import StageWorker
+from pipecut.runtime.weights import Weights, open_weights
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,9 @@ def compile(
     capture_method: CaptureMethod | None = None,
     leaf_modules: tuple[type, ...] = (),
     stages_per_rank: int = 1,
+    weights: Weights | None = None,
+    init: Init | None = None,
+    seed: int = 0,
 ) -> Pipeline:
     """Build this rank's stage of ``model`` pipelined over the ranks of the process group.
 
@@ -85,6 +93,14 @@ def compile(
     are averaged over replicas. ``plan`` replays a saved plan (a :class:`Plan` or a JSON path)
     without profiling; otherwise global rank 0 plans and broadcasts. ``stages_per_rank`` > 1
     with ``schedule="interleaved-1f1b"`` gives each rank several virtual stages.
+
+    ``model`` may be on the meta device (``with torch.device("meta"):``): each rank then
+    allocates only its stage's tensors and fills them from ``weights`` (a ``.safetensors``
+    file, a ``save_pretrained`` directory, a pipecut checkpoint directory or a state dict; see
+    :mod:`pipecut.runtime.weights`), or, without weights, initialises them with
+    ``init(fqn, module)`` or each module's ``reset_parameters()`` under a seed derived from
+    ``seed`` and the module name (so the values do not depend on K). ``model`` itself is left
+    as it is. A real model given ``weights`` has its stage's tensors overwritten from them.
     """
     wait = datetime.timedelta(seconds=timeout)
     ensure_process_group(wait)
@@ -99,6 +115,9 @@ def compile(
             f"{len(specs)} devices (stages) asked for, but the pipeline process group has "
             f"{world} ranks; launch with --nproc_per_node={len(specs)} or pass devices={world}"
         )
+    source = open_weights(weights) if weights is not None else None
+    if source is not None:
+        check_unexpected(source, model)
     _, first = first_microbatch(example_inputs, microbatches)
     captured = capture(model, first, method=capture_method, leaf_modules=leaf_modules)
     expected = fingerprint(captured.gm)
@@ -143,9 +162,15 @@ def compile(
         )
     sched = plan_schedule(chosen)
     validate(sched, chosen.microbatches)
+    if has_meta(captured.gm):  # this rank's copy (meta: no storage); only its stage becomes real
+        captured = dataclasses.replace(captured, gm=copy.deepcopy(captured.gm))
     workers = {}
     for stage in range(rank, chosen.num_stages, world):
         program = split_stage(captured.gm, chosen, stage)
+        materialize_stage(
+            program.module, (captured.gm,), model, device=device, source=source, init=init,
+            seed=seed, where=f"stage {stage} (rank {dist.get_rank()})",
+        )
         program.module.to(device)
         workers[stage] = StageWorker(
             program, chosen, rank=rank, ranks=ranks, group=group, device=device, loss_fn=loss_fn,

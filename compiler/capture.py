@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from pipecut.batching import check_inputs
 from pipecut.errors import CaptureError, InputError
 from pipecut.fxutil import target_name
+from pipecut.meta import has_meta, input_device, relocate_meta, to_meta
 from pipecut.plan import CaptureMethod
 
 Inputs = tuple[Any, ...] | Mapping[str, Any]
@@ -145,8 +146,13 @@ def capture(
     if method in (None, CaptureMethod.EXPORT):
         try:
             args, kwargs = _split_args(example_inputs)
+            on_meta = has_meta(model)  # a meta model traces with meta inputs (see pipecut.meta)
+            if on_meta:
+                args, kwargs = to_meta((args, kwargs))
             ep = torch.export.export(model, args, kwargs, strict=False)
             gm = ep.module()
+            if on_meta:
+                relocate_meta(gm, input_device(example_inputs))
             names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
             return Captured(
                 gm,

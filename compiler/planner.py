@@ -20,6 +20,7 @@ from pipecut.calibrate import calibrate as calibrate_costs
 from pipecut.calibrate import stage_times
 from pipecut.capture import Captured, Inputs, capture, fingerprint
 from pipecut.errors import InputError, PartitionError
+from pipecut.meta import has_meta
 from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.chain import boundary_bytes, boundary_ms, is_unit, liveness
 from pipecut.passes.coarsen import candidate_cuts
@@ -296,6 +297,9 @@ def plan(
         )
 
     first_plan = partition(nodes)
+    if has_meta(captured.gm):  # calibration runs whole stages: more than one node's weights
+        note = "meta model: nodes measured one at a time on scratch weights, not calibrated"
+        return dataclasses.replace(first_plan, solver=dataclasses.replace(first_plan.solver, detail=note))
     if not calibrate:
         return first_plan
     times = stage_times(captured, first_plan, first, loss_fn, first_target, repeats=max(1, repeats // 2))

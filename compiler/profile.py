@@ -29,6 +29,7 @@ from pipecut.fxutil import (
     node_parameters,
     target_name,
 )
+from pipecut.meta import input_device, meta_read, scratch, substitute
 from pipecut.plan import NodeCost, NodeOp
 from pipecut.values import describe, tensor_bytes
 
@@ -184,6 +185,8 @@ def profile(
     placeholders = iter(inputs)
     rows: list[NodeCost] = []
     nodes = list(gm.graph.nodes)
+    last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
+    device = input_device(inputs)
     with preserved_state(gm), torch.enable_grad():
         for i, node in enumerate(nodes):
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
@@ -198,13 +201,19 @@ def profile(
             elif node.op == "get_attr":
                 value = runner.call(node, args, kwargs)
             else:
-                inplace = mutates_first_arg(node, gm)
-                forward_ms = _forward_ms(runner, node, args, kwargs, inplace, repeats, warmup)
-                params = [p for _, p in node_parameters(node, gm)]
-                backward_ms = _backward_ms(runner, node, args, kwargs, params, inplace, repeats, warmup)
-                value = runner.call(node, args, kwargs)
+                # A meta model's weights are real only while their node is measured.
+                with scratch(gm, meta_read(node, gm, (args, kwargs)), device) as real:
+                    args, kwargs = substitute((args, kwargs), real)
+                    inplace = mutates_first_arg(node, gm)
+                    forward_ms = _forward_ms(runner, node, args, kwargs, inplace, repeats, warmup)
+                    params = [p for _, p in node_parameters(node, gm)]
+                    backward_ms = _backward_ms(runner, node, args, kwargs, params, inplace, repeats, warmup)
+                    value = runner.call(node, args, kwargs)
             env[node] = value
             rows.append(_row(node, value, gm, canonical, forward_ms, backward_ms))
+            for n in node.all_input_nodes:  # free values no later node reads
+                if last_use[n] == i and n.op != "output":
+                    env.pop(n, None)
             if progress is not None:
                 progress(i + 1, len(nodes))
     return tuple(rows)
