@@ -85,8 +85,8 @@ def relocate_meta(gm: fx.GraphModule, device: torch.device) -> None:
 def rebind(root: torch.nn.Module, mapping: Mapping[int, torch.Tensor]) -> None:
     """Replace, in every module slot of ``root``, each tensor whose id is in ``mapping``."""
     for module in root.modules():
-        for slots in (module._parameters, module._buffers):
-            slots = cast(dict[str, Any], slots)
+        groups = cast(tuple[dict[str, Any], ...], (module._parameters, module._buffers))
+        for slots in groups:
             for name, value in list(slots.items()):
                 if value is not None and id(value) in mapping:
                     slots[name] = mapping[id(value)]
