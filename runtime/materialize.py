@@ -123,11 +123,16 @@ def _initialise(
         if init is None and not hasattr(model.get_submodule(fqn), "reset_parameters")
     ]
     if missing_init:
+        buffers = sorted(names[0] for _, _, names in todo.values() if names[0] in non_persistent)
+        hint = (
+            f" (non-persistent buffers {buffers[:5]} are in no checkpoint: init= must compute "
+            f"them, or build their module on a real device)" if buffers else ""
+        )
         raise InputError(
             f"{where}: weights=None and these modules have no reset_parameters() to initialise "
             f"them: {missing_init[:10]}; pass weights= (a safetensors file or save_pretrained "
             f"directory) or init=callable(fqn, module) (for Hugging Face models: "
-            f"init=lambda fqn, m: model._init_weights(m))"
+            f"init=lambda fqn, m: model._init_weights(m)){hint}"
         )
     with torch.no_grad():
         for _, new, _ in todo.values():
