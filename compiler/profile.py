@@ -167,6 +167,16 @@ def _time_loss(loss_fn: LossFn, output: Any, target: Any, repeats: int, warmup: 
     return forward_ms, backward_ms
 
 
+def _cut(x: Any) -> Any:
+    """``x`` without its autograd history; still requiring grad (and not a leaf, so that a later
+    in-place node may write into it) when it did."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.requires_grad:
+        return x.detach().requires_grad_(True).clone()
+    return x.detach()
+
+
 def profile(
     captured: Captured,
     inputs: Sequence[Any],
@@ -209,6 +219,8 @@ def profile(
                     params = [p for _, p in node_parameters(node, gm)]
                     backward_ms = _backward_ms(runner, node, args, kwargs, params, inplace, repeats, warmup)
                     value = runner.call(node, args, kwargs)
+                    if real:  # cut the autograd graph: it would keep the scratch weights alive
+                        value = pytree.tree_map(_cut, value)
             env[node] = value
             rows.append(_row(node, value, gm, canonical, forward_ms, backward_ms))
             for n in node.all_input_nodes:  # free values no later node reads
