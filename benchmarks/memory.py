@@ -6,7 +6,8 @@ which ever holds the whole model.
 The model is a residual MLP (``x + W(gelu(x))`` blocks of width 2048, float32) of ``--mib``
 MiB of parameters, built under ``torch.device("meta")``. Every rank runs ``pipecut.compile``
 (rank 0 captures and profiles it one node at a time on scratch weights), materialises only its
-stage (initialised by ``reset_parameters`` under per-module seeds, or with ``--weights`` read
+stage (split with a per-rank memory capacity of ``--slack`` times an even share, so that the
+plan balances memory as well as time; initialised by ``reset_parameters`` under per-module seeds, or with ``--weights`` read
 from a safetensors file written beforehand by a separate process), and trains ``--steps`` steps
 with SGD (no optimizer state). Per rank: the peak RSS growth from just before ``compile`` to
 the end (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), the plan's predicted
@@ -67,7 +68,8 @@ def _status(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _rank(rank: int, world: int, depth: int, steps: int, weights: str | None) -> dict:
+def _rank(rank: int, world: int, depth: int, steps: int, weights: str | None,
+          capacity: int | None) -> dict:
     torch.manual_seed(0)
     x = torch.randn(BATCH, WIDTH)
     y = torch.randint(0, 10, (BATCH,))
@@ -75,7 +77,8 @@ def _rank(rank: int, world: int, depth: int, steps: int, weights: str | None) ->
         model = ResidualMLP(WIDTH, depth)
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
     base = _status("VmRSS")
-    pipe = pipecut.compile(model, world, example_inputs=(x,), loss_fn=nn.functional.cross_entropy,
+    devices = [pipecut.DeviceSpec(name="cpu", memory_bytes=capacity)] * world if capacity else world
+    pipe = pipecut.compile(model, devices, example_inputs=(x,), loss_fn=nn.functional.cross_entropy,
                            target=y, microbatches=MICROBATCHES, timeout=600, weights=weights)
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
     times = []
@@ -108,6 +111,9 @@ def main() -> None:
     parser.add_argument("--ranks", default="4,8")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--weights", action="store_true", help="load from a safetensors file")
+    parser.add_argument("--slack", type=float, default=1.05,
+                        help="per-rank memory capacity given to the planner, as a multiple of "
+                             "an even share (params, grads, AdamW state); 0: no capacity")
     args = parser.parse_args()
     depth = depth_for(args.mib)
     with torch.device("meta"):
@@ -125,7 +131,10 @@ def main() -> None:
           "| measured peak growth MiB | growth / model | step ms |")
     print("|---|---|---|---|---|---|---|---|")
     for k in (int(s) for s in args.ranks.split(",")):
-        results = run_ranks(_rank, k, depth, args.steps, weights, timeout=3000, collective_timeout=900)
+        share = (2 + OPTIMIZER_STATE_FACTOR) * model_bytes / k
+        capacity = int(args.slack * share) if args.slack > 0 else None
+        results = run_ranks(_rank, k, depth, args.steps, weights, capacity, timeout=3000,
+                            collective_timeout=900)
         for r, res in enumerate(results):
             print(f"| {k} | {r} | {res['param_bytes'] / MIB:.0f} | {res['predicted'] / MIB:.0f} | "
                   f"{res['plan_peak'] / MIB:.0f} | {res['growth'] / MIB:.0f} | "

@@ -179,3 +179,33 @@ def test_bad_weight_paths(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(InputError, match=r"holds no safetensors files.*pytorch_model.bin"):
         open_weights(tmp_path)
+
+
+def test_profiling_a_meta_model_never_holds_more_than_a_node_of_scratch_weights(monkeypatch):
+    """Count the bytes of scratch weights alive at once while rank 0 plans a meta model: one
+    Linear's worth (plus its bias) at a time, never the whole model. (Before the autograd
+    history of each scratch node was cut, every scratch weight stayed alive to the end.)"""
+    import weakref
+
+    import pipecut.meta
+
+    live, peak = [0], [0]
+    made = pipecut.meta.real_like
+
+    def counted(t, device, generator=None):
+        value = made(t, device, generator)
+        nbytes = value.numel() * value.element_size()
+        live[0] += nbytes
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(value, lambda: live.__setitem__(0, live[0] - nbytes))
+        return value
+
+    monkeypatch.setattr(pipecut.meta, "real_like", counted)
+    _, inputs, loss_fn, target = mlp.build(batch_size=8, seed=0, width=64, depth=8)
+    with torch.device("meta"):
+        model = mlp.MLP(64, 8)
+    pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2, repeats=1, warmup=0)
+    layer = (64 * 64 + 64) * 4
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert peak[0] > 0, "the profiler made no scratch weights: the test measures nothing"
+    assert peak[0] <= layer, (peak[0], layer, total)
