@@ -209,3 +209,15 @@ def test_profiling_a_meta_model_never_holds_more_than_a_node_of_scratch_weights(
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     assert peak[0] > 0, "the profiler made no scratch weights: the test measures nothing"
     assert peak[0] <= layer, (peak[0], layer, total)
+
+
+def test_estimated_costs_of_a_meta_model_equal_the_real_models():
+    plain, inputs, loss_fn, target = mlp.build(batch_size=8, seed=0, width=64, depth=3)
+    with torch.device("meta"):
+        meta = mlp.MLP(64, 3)
+    got = pipecut.estimate_costs(meta, inputs, "A100-80GB", microbatches=2, loss_fn=loss_fn, target=target)
+    want = pipecut.estimate_costs(plain, inputs, "A100-80GB", microbatches=2, loss_fn=loss_fn, target=target)
+    assert [(n.name, n.forward_ms, n.backward_ms, n.source) for n in got] == [
+        (n.name, n.forward_ms, n.backward_ms, n.source) for n in want
+    ]
+    assert any(n.forward_ms > 0 for n in got)
