@@ -180,6 +180,9 @@ def materialize_stage(
     one) are initialised; a non-persistent buffer absent from ``source`` needs ``init``.
     """
     aliases = _aliases(roots[0] if roots else stage)
+    order = {name: i for i, (name, _) in enumerate(module_tensors(model))}
+    for names in aliases.values():  # canonical = first in the model's order, as for the reference
+        names.sort(key=lambda n: order.get(n, len(order)))
     mine = {id(t): t for _, t in module_tensors(stage)}
     if source is None and not any(is_meta(t) for t in mine.values()):
         return Materialized(allocated_bytes=0, loaded=(), initialised=())

@@ -2,7 +2,7 @@
 weights (a safetensors file, a save_pretrained directory) or initialises it, with the plain
 model's numbers.
 
-Scenarios, all in one forked run per K:
+Scenarios, all in one forked run at K=2 (GPT-2 alone again at K=4):
 - the zoo GPT-2 (torch.export; tied embeddings, stored once by save_pretrained) built on meta
   and compiled with ``weights=<save_pretrained dir>``, against the plain GPT-2 the directory was
   saved from;
@@ -27,6 +27,7 @@ from torch import nn
 import pipecut
 from examples import mlp, zoo
 from pipecut.meta import is_meta, module_tensors
+from pipecut.runtime import checkpoint as ckpt
 from pipecut.runtime.materialize import materialize_model
 from tests.harness import run_ranks
 
@@ -58,10 +59,12 @@ def _real_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in seen.values())
 
 
-def _step(world, build, **kw):
+def _step(world, build, save=None, **kw):
     model, inputs, loss_fn, target = build()
     pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
                            microbatches=M, timeout=60, **kw)
+    if save is not None:
+        ckpt.save(pipe, save)
     loss = pipe.step(inputs, target)
     stage_bytes = sum(t.numel() * t.element_size()
                       for t in {id(t): t for m in pipe.modules for _, t in module_tensors(m)}.values())
@@ -81,11 +84,15 @@ def _step(world, build, **kw):
 
 
 def _scenarios(rank, world, root):
-    return {
+    out = {
         "gpt2_dir": _step(world, _gpt2_meta, weights=f"{root}/gpt2"),
-        "mlp_file": _step(world, _mlp_meta, weights=f"{root}/mlp.safetensors"),
+        "mlp_file": _step(world, _mlp_meta, weights=f"{root}/mlp.safetensors",
+                          save=f"{root}/ckpt-{world}"),
         "mlp_init": _step(world, _mlp_meta, seed=3),
     }
+    # A checkpoint saved by a meta-built pipeline is a weight source for another one.
+    out["mlp_ckpt"] = _step(world, _mlp_meta, weights=f"{root}/ckpt-{world}")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +109,15 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def k2(root):
     return run_ranks(_scenarios, 2, str(root), timeout=300)
+
+
+def _gpt2_only(rank, world, root):
+    return {"gpt2_dir": _step(world, _gpt2_meta, weights=f"{root}/gpt2")}
+
+
+@pytest.fixture(scope="module")
+def k4(root):
+    return run_ranks(_gpt2_only, 4, str(root), timeout=300)
 
 
 def _reference(model, inputs, loss_fn, target):
@@ -122,10 +138,24 @@ def test_gpt2_meta_from_save_pretrained_dir_matches_plain(k2):
     assert len(report["stages"]) == 2 and all(report["stages"])
 
 
+def test_gpt2_meta_at_four_stages_matches_plain(k4):
+    plain, inputs, loss_fn, target = zoo.gpt2(batch_size=8, seed=0)
+    report = zoo.compare(_reference(plain, inputs, loss_fn, target), [r["gpt2_dir"] for r in k4], ATOL, RTOL)
+    assert len(report["stages"]) == 4 and all(report["stages"])
+    for rank, r in enumerate(k4):
+        assert r["gpt2_dir"]["held_bytes"] == r["gpt2_dir"]["stage_bytes"], rank
+
+
 def test_mlp_meta_from_safetensors_file_matches_plain(k2):
     plain, inputs, loss_fn, target = mlp.build(batch_size=8, seed=0, width=WIDTH, depth=DEPTH)
     report = zoo.compare(_reference(plain, inputs, loss_fn, target), [r["mlp_file"] for r in k2], ATOL, RTOL)
     assert len(report["stages"]) == 2 and all(report["stages"])
+
+
+def test_mlp_meta_from_a_pipecut_checkpoint_matches_plain(k2):
+    plain, inputs, loss_fn, target = mlp.build(batch_size=8, seed=0, width=WIDTH, depth=DEPTH)
+    report = zoo.compare(_reference(plain, inputs, loss_fn, target), [r["mlp_ckpt"] for r in k2], ATOL, RTOL)
+    assert all(report["stages"])
 
 
 def test_meta_init_without_weights_equals_whole_model_init(k2):
@@ -141,7 +171,7 @@ def test_meta_init_without_weights_equals_whole_model_init(k2):
 
 
 def test_no_rank_holds_the_whole_model(k2):
-    for name in ("gpt2_dir", "mlp_file", "mlp_init"):
+    for name in ("gpt2_dir", "mlp_file", "mlp_init", "mlp_ckpt"):
         model = (_gpt2_meta if name == "gpt2_dir" else _mlp_meta)()[0]
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         for rank, r in enumerate(k2):

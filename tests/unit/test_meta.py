@@ -68,6 +68,7 @@ def test_sharded_save_pretrained_dir_fills_tied_weights(tmp_path):
         torch.testing.assert_close(filled.state_dict()[name], value, rtol=0, atol=0)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_checkpoint_and_state_dict_sources(tmp_path):
     plain = mlp.MLP(16, 2)
     with torch.device("meta"):
