@@ -9,8 +9,8 @@ MiB of parameters, built under ``torch.device("meta")``. Every rank runs ``pipec
 stage (split with a per-rank memory capacity of ``--slack`` times an even share, so that the
 plan balances memory as well as time; initialised by ``reset_parameters`` under per-module seeds, or with ``--weights`` read
 from a safetensors file written beforehand by a separate process), and trains ``--steps`` steps
-with SGD (no optimizer state). Per rank: the peak RSS growth from just before ``compile`` to
-the end (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), the plan's predicted
+with SGD (no optimizer state). Per rank: the peak RSS growth from just before the model is built
+to the end (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), the plan's predicted
 peak for that stage (params + grads + in-flight activations; the plan's own figure adds AdamW
 state, which SGD does not keep, so it is shown too), and the median step time. Not a test:
 numbers depend on the machine and on whatever else runs on it.
@@ -69,14 +69,14 @@ def _status(field: str) -> int:
 
 
 def _rank(rank: int, world: int, depth: int, steps: int, weights: str | None,
-          capacity: int | None) -> dict:
+          capacity: int | None, real: bool) -> dict:
     torch.manual_seed(0)
     x = torch.randn(BATCH, WIDTH)
     y = torch.randint(0, 10, (BATCH,))
-    with torch.device("meta"):
-        model = ResidualMLP(WIDTH, depth)
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
     base = _status("VmRSS")
+    with torch.device("cpu" if real else "meta"):  # --real: every rank builds the whole model
+        model = ResidualMLP(WIDTH, depth)
     devices = [pipecut.DeviceSpec(name="cpu", memory_bytes=capacity)] * world if capacity else world
     pipe = pipecut.compile(model, devices, example_inputs=(x,), loss_fn=nn.functional.cross_entropy,
                            target=y, microbatches=MICROBATCHES, timeout=600, weights=weights)
@@ -111,6 +111,8 @@ def main() -> None:
     parser.add_argument("--ranks", default="4,8")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--weights", action="store_true", help="load from a safetensors file")
+    parser.add_argument("--real", action="store_true",
+                        help="for contrast: build the model on CPU on every rank, as before")
     parser.add_argument("--slack", type=float, default=1.05,
                         help="per-rank memory capacity given to the planner, as a multiple of "
                              "an even share (params, grads, AdamW state); 0: no capacity")
@@ -133,7 +135,7 @@ def main() -> None:
     for k in (int(s) for s in args.ranks.split(",")):
         share = (2 + OPTIMIZER_STATE_FACTOR) * model_bytes / k
         capacity = int(args.slack * share) if args.slack > 0 else None
-        results = run_ranks(_rank, k, depth, args.steps, weights, capacity, timeout=3000,
+        results = run_ranks(_rank, k, depth, args.steps, weights, capacity, args.real, timeout=3000,
                             collective_timeout=900)
         for r, res in enumerate(results):
             print(f"| {k} | {r} | {res['param_bytes'] / MIB:.0f} | {res['predicted'] / MIB:.0f} | "

@@ -23,7 +23,7 @@ from pipecut.planner import DEFAULT_LINK, Devices, as_devices
 from pipecut.planner import plan as make_plan
 from pipecut.profile import LossFn
 from pipecut.runtime.launch import ensure_process_group, local_device
-from pipecut.runtime.materialize import Init, check_unexpected, materialize_stage
+from pipecut.runtime.materialize import Init, check_unexpected, materialize_stage, raise_together
 from pipecut.runtime.pipeline import Pipeline
 from pipecut.runtime.schedule import validate
 from pipecut.runtime.stage import StageWorker
@@ -165,17 +165,24 @@ def compile(
     if has_meta(captured.gm):  # this rank's copy (meta: no storage); only its stage becomes real
         captured = dataclasses.replace(captured, gm=copy.deepcopy(captured.gm))
     workers = {}
+    failure: BaseException | None = None
     for stage in range(rank, chosen.num_stages, world):
         program = split_stage(captured.gm, chosen, stage)
-        materialize_stage(
-            program.module, (captured.gm,), model, device=device, source=source, init=init,
-            seed=seed, where=f"stage {stage} (rank {dist.get_rank()})",
-        )
+        try:
+            materialize_stage(
+                program.module, (captured.gm,), model, device=device, source=source, init=init,
+                seed=seed, where=f"stage {stage} (rank {dist.get_rank()})",
+            )
+        except InputError as e:
+            failure = failure or e
+            continue
         program.module.to(device)
         workers[stage] = StageWorker(
             program, chosen, rank=rank, ranks=ranks, group=group, device=device, loss_fn=loss_fn,
             unflatten_output=captured.unflatten_output, timeout=wait,
         )
+    if source is not None or has_meta(model):  # the same on every rank
+        raise_together(failure)
     return Pipeline(
         plan=chosen, captured=captured, workers=workers, schedule=sched, rank=rank, ranks=ranks,
         group=group, tied_groups=_tied_groups(chosen, layout, rank, wait), dp_group=layout.dp_group,

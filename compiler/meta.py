@@ -128,8 +128,12 @@ def scratch(
     Yields id(meta tensor) -> its stand-in, so that values already fetched (``get_attr``
     results) can be swapped too. On exit the meta tensors are put back and the stand-ins freed.
     """
+    tensors = [t for t in tensors if is_meta(t)]
+    if not tensors:  # a real model: nothing to do (and no walk over its modules)
+        yield {}
+        return
     generator = torch.Generator().manual_seed(0)
-    real = {id(t): real_like(t, device, generator) for t in tensors if is_meta(t)}
+    real = {id(t): real_like(t, device, generator) for t in tensors}
     back = {id(real[id(t)]): t for t in tensors if id(t) in real}
     rebind(root, real)
     try:

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from pipecut.errors import InputError
+from pipecut.errors import InputError, PipelineRuntimeError
 from pipecut.meta import empty_like, is_meta, module_tensors, rebind
 from pipecut.runtime.weights import WeightSource
 
@@ -179,13 +180,13 @@ def materialize_stage(
     meta tensors get new storage. Meta tensors absent from ``source`` (or all of them, without
     one) are initialised; a non-persistent buffer absent from ``source`` needs ``init``.
     """
+    mine = {id(t): t for _, t in module_tensors(stage)}
+    if source is None and not any(is_meta(t) for t in mine.values()):
+        return Materialized(allocated_bytes=0, loaded=(), initialised=())
     aliases = _aliases(roots[0] if roots else stage)
     order = {name: i for i, (name, _) in enumerate(module_tensors(model))}
     for names in aliases.values():  # canonical = first in the model's order, as for the reference
         names.sort(key=lambda n: order.get(n, len(order)))
-    mine = {id(t): t for _, t in module_tensors(stage)}
-    if source is None and not any(is_meta(t) for t in mine.values()):
-        return Materialized(allocated_bytes=0, loaded=(), initialised=())
     todo: dict[int, tuple[torch.Tensor, torch.Tensor, list[str]]] = {}
     for i, t in mine.items():
         new = empty_like(t, device) if is_meta(t) else t
@@ -213,6 +214,21 @@ def materialize_stage(
         allocated_bytes=sum(t.numel() * t.element_size() for t in mapping.values()),
         loaded=tuple(loaded), initialised=tuple(initialised),
     )
+
+
+def raise_together(failure: BaseException | None) -> None:
+    """Collective: every rank learns whether any rank failed to build its stage, so that the
+    others fail at once naming it instead of waiting in the next collective until timeout."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    bad = [(r, message) for r, message in enumerate(everyone) if message is not None]
+    if bad:
+        rank, message = bad[0]
+        raise PipelineRuntimeError(
+            f"rank {dist.get_rank()} stopped because rank {rank} failed to build its stage: {message}"
+        )
 
 
 def materialize_model(

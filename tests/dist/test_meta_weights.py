@@ -20,6 +20,8 @@ eager modules; measured differences are ~1e-7): atol=1e-5, rtol=1e-4.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -92,6 +94,12 @@ def _scenarios(rank, world, root):
     }
     # A checkpoint saved by a meta-built pipeline is a weight source for another one.
     out["mlp_ckpt"] = _step(world, _mlp_meta, weights=f"{root}/ckpt-{world}")
+    plain = mlp.build(batch_size=8, seed=0, width=WIDTH, depth=DEPTH)[0]
+    try:  # the last stage's head.bias is missing: its rank says so, the others name that rank
+        _step(world, _mlp_meta, weights={k: v for k, v in plain.state_dict().items() if k != "head.bias"})
+        out["missing"] = "no error"
+    except Exception as e:
+        out["missing"] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -156,6 +164,13 @@ def test_mlp_meta_from_a_pipecut_checkpoint_matches_plain(k2):
     plain, inputs, loss_fn, target = mlp.build(batch_size=8, seed=0, width=WIDTH, depth=DEPTH)
     report = zoo.compare(_reference(plain, inputs, loss_fn, target), [r["mlp_ckpt"] for r in k2], ATOL, RTOL)
     assert all(report["stages"])
+
+
+def test_a_missing_tensor_fails_every_rank_naming_the_stage(k2):
+    assert k2[1]["mlp_file"]["stages"] == k2[0]["mlp_file"]["stages"]
+    last = r"stage 1 \(rank 1\): weights the state dict passed as weights lack 1 tensor.*'head.bias'"
+    assert re.match(rf"InputError: {last}", k2[1]["missing"]), k2[1]["missing"]
+    assert re.match(rf"PipelineRuntimeError: rank 0 stopped because rank 1 failed .*{last}", k2[0]["missing"]), k2[0]["missing"]
 
 
 def test_meta_init_without_weights_equals_whole_model_init(k2):
