@@ -113,6 +113,7 @@ def _load(
 def _initialise(
     todo: dict[int, tuple[torch.Tensor, torch.Tensor, list[str]]], model: torch.nn.Module,
     init: Init | None, seed: int, device: torch.device, where: str, non_persistent: set[str],
+    loaded_some: bool = False,
 ) -> list[str]:
     """Run each owner's initialiser on a copy of it whose slots hold the new tensors."""
     by_owner: dict[str, list[int]] = {}
@@ -130,8 +131,9 @@ def _initialise(
             f"them, or build their module on a real device)" if buffers else ""
         )
         raise InputError(
-            f"{where}: weights=None and these modules have no reset_parameters() to initialise "
-            f"them: {missing_init[:10]}; pass weights= (a safetensors file or save_pretrained "
+            f"{where}: {'the weights lack tensors of' if loaded_some else 'weights=None and'} "
+            f"these modules, which have no reset_parameters() to initialise them: "
+            f"{missing_init[:10]}; pass weights= (a safetensors file or save_pretrained "
             f"directory) or init=callable(fqn, module) (for Hugging Face models: "
             f"init=lambda fqn, m: model._init_weights(m)){hint}"
         )
@@ -206,7 +208,10 @@ def materialize_stage(
                 f"needs, e.g. {absent[:5]} (looked up under every alias); load the weights saved "
                 f"from this model"
             )
-    initialised = _initialise(rest, model, init, seed, device, where, non_persistent) if rest else []
+    initialised = (
+        _initialise(rest, model, init, seed, device, where, non_persistent, source is not None)
+        if rest else []
+    )
     mapping = {i: new for i, (old, new, _) in todo.items() if new is not old}
     for root in (stage, *roots):
         rebind(root, mapping)

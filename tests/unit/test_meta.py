@@ -222,3 +222,20 @@ def test_estimated_costs_of_a_meta_model_equal_the_real_models():
         (n.name, n.forward_ms, n.backward_ms, n.source) for n in want
     ]
     assert any(n.forward_ms > 0 for n in got)
+
+
+def test_llama_rotary_buffers_come_from_hf_init_weights(tmp_path):
+    """Llama's rotary inv_freq is a non-persistent buffer: in no checkpoint. Loading a meta Llama
+    from its save_pretrained directory refuses without init= and, with the initialiser the error
+    suggests, gives the plain model's buffers and logits."""
+    plain, inputs, *_ = zoo.llama(batch_size=2)
+    plain.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        meta = type(plain)(plain.config)
+    with pytest.raises(InputError, match=r"the weights lack tensors of these modules.*rotary_emb.*_init_weights.*non-persistent buffers \['model.rotary_emb.inv_freq'"):
+        _fill(meta, tmp_path)
+    filled = _fill(meta, tmp_path, init=lambda fqn, m: meta._init_weights(m))
+    for name, value in plain.named_buffers():
+        torch.testing.assert_close(dict(filled.named_buffers())[name], value, rtol=0, atol=0)
+    with torch.no_grad():  # same weights, same eager code: identical
+        torch.testing.assert_close(filled(**inputs).logits, plain(**inputs).logits, rtol=0, atol=0)
