@@ -80,6 +80,16 @@ def test_checkpoint_and_state_dict_sources(tmp_path):
             torch.testing.assert_close(filled.state_dict()[name], value, rtol=0, atol=0)
 
 
+def test_a_real_model_given_weights_is_overwritten_in_place():
+    source, target = mlp.MLP(16, 2), mlp.MLP(16, 2)
+    weight = target.head.weight
+    materialize_stage(target, (), target, device=CPU, source=open_weights(source.state_dict()),
+                      init=None, seed=0, where="stage 0 (rank 0)")
+    assert target.head.weight is weight  # same tensor objects, new values
+    for name, value in source.state_dict().items():
+        torch.testing.assert_close(target.state_dict()[name], value, rtol=0, atol=0)
+
+
 def test_init_is_per_module_seeded_and_leaves_the_model_alone():
     with torch.device("meta"):
         meta = mlp.MLP(16, 2)
