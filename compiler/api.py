@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,7 +164,9 @@ def compile(
     sched = plan_schedule(chosen)
     validate(sched, chosen.microbatches)
     if has_meta(captured.gm):  # this rank's copy (meta: no storage); only its stage becomes real
-        captured = dataclasses.replace(captured, gm=copy.deepcopy(captured.gm))
+        with warnings.catch_warnings():  # torch's own pytree warns while copying export's specs
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*is deprecated", category=FutureWarning)
+            captured = dataclasses.replace(captured, gm=copy.deepcopy(captured.gm))
     workers = {}
     failure: BaseException | None = None
     for stage in range(rank, chosen.num_stages, world):

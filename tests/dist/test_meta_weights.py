@@ -33,7 +33,7 @@ from pipecut.runtime import checkpoint as ckpt
 from pipecut.runtime.materialize import materialize_model
 from tests.harness import run_ranks
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
 ATOL, RTOL = 1e-5, 1e-4
 M = 4
