@@ -299,7 +299,8 @@ def plan(
     first_plan = partition(nodes)
     if has_meta(captured.gm):  # calibration runs whole stages: more than one node's weights
         note = "meta model: nodes measured one at a time on scratch weights, not calibrated"
-        return dataclasses.replace(first_plan, solver=dataclasses.replace(first_plan.solver, detail=note))
+        detail = f"{first_plan.solver.detail}; {note}" if first_plan.solver.detail else note
+        return dataclasses.replace(first_plan, solver=dataclasses.replace(first_plan.solver, detail=detail))
     if not calibrate:
         return first_plan
     times = stage_times(captured, first_plan, first, loss_fn, first_target, repeats=max(1, repeats // 2))
