@@ -89,25 +89,34 @@ def _load(
     """Copy tensors found in ``source`` into their new storage; returns canonical names loaded."""
     keys = {i: next((n for n in names if n in source.keys), None) for i, (_, _, names) in todo.items()}
     found = {i: k for i, k in keys.items() if k is not None}
-    values = source.read(list(dict.fromkeys(found.values())), device)
-    for i, key in found.items():
-        old, new, names = todo[i]
-        value = values[key]
-        if tuple(value.shape) != tuple(old.shape):
-            raise InputError(
-                f"{where}: tensor {key!r} in {source.where(key)} has shape {tuple(value.shape)}, "
-                f"the model's {names[0]!r} has {tuple(old.shape)}; load weights saved from "
-                f"this model's config"
-            )
-        if value.dtype != old.dtype:
-            raise InputError(
-                f"{where}: tensor {key!r} in {source.where(key)} is {value.dtype}, the model's "
-                f"{names[0]!r} is {old.dtype}; build the model in {value.dtype} (e.g. "
-                f"torch_dtype=/.to() before compile) or convert the weights"
-            )
-        with torch.no_grad():
-            new.copy_(value)
+    by_key: dict[str, list[int]] = {}
+    for i, k in found.items():
+        by_key.setdefault(k, []).append(i)
+    for key, value in source.read(list(by_key), device):  # one tensor at a time
+        for i in by_key[key]:
+            _copy_in(todo[i], key, value, source, where)
     return [todo[i][2][0] for i in found]
+
+
+def _copy_in(
+    entry: tuple[torch.Tensor, torch.Tensor, list[str]], key: str, value: torch.Tensor,
+    source: WeightSource, where: str,
+) -> None:
+    old, new, names = entry
+    if tuple(value.shape) != tuple(old.shape):
+        raise InputError(
+            f"{where}: tensor {key!r} in {source.where(key)} has shape {tuple(value.shape)}, "
+            f"the model's {names[0]!r} has {tuple(old.shape)}; load weights saved from "
+            f"this model's config"
+        )
+    if value.dtype != old.dtype:
+        raise InputError(
+            f"{where}: tensor {key!r} in {source.where(key)} is {value.dtype}, the model's "
+            f"{names[0]!r} is {old.dtype}; build the model in {value.dtype} (e.g. "
+            f"torch_dtype=/.to() before compile) or convert the weights"
+        )
+    with torch.no_grad():
+        new.copy_(value)
 
 
 def _initialise(

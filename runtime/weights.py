@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,27 +53,28 @@ class WeightSource:
     def where(self, key: str) -> str:
         return self.files.get(key, self.description)
 
-    def read(self, keys: Sequence[str], device: torch.device) -> dict[str, torch.Tensor]:
-        """The tensors named ``keys`` (on ``device`` for safetensors; as stored otherwise)."""
+    def read(self, keys: Sequence[str], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) for each of ``keys``, one at a time, so that the caller can copy each
+        into place and drop it (on ``device`` for safetensors; as stored otherwise)."""
         if self.tensors is not None:
-            return {k: self.tensors[k] for k in keys}
+            yield from ((k, self.tensors[k]) for k in keys)
+            return
         if self.dcp is not None:
             from pipecut.runtime.checkpoint import _metadata, _read
 
             state = _read(_metadata(self.dcp), [f"model.{k}" for k in keys], self.dcp, no_dist=True)
-            return {k: state[f"model.{k}"] for k in keys}
+            yield from ((k, state.pop(f"model.{k}")) for k in keys)
+            return
         from safetensors import safe_open
 
         by_file: dict[str, list[str]] = {}
         for k in keys:
             by_file.setdefault(self.files[k], []).append(k)
-        out = {}
         where = "cpu" if device.type == "cpu" else str(device)
         for path, names in by_file.items():
             with safe_open(path, framework="pt", device=where) as f:
                 for k in names:
-                    out[k] = f.get_tensor(k)
-        return out
+                    yield k, f.get_tensor(k)
 
 
 def _safetensors_keys(path: Path) -> list[str]:
