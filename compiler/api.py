@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import datetime
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +18,7 @@ from pipecut.batching import first_microbatch
 from pipecut.capture import Captured, Inputs, capture, fingerprint
 from pipecut.errors import CaptureError, InputError, PipecutError, PipelineRuntimeError, PlanError
 from pipecut.live_calibration import measure_stages, recalibrate
+from pipecut.meta import has_meta
 from pipecut.modes import Modes, derive_other_mode
 from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
 from pipecut.passes.split import StageProgram, split_stage
@@ -28,12 +32,14 @@ from pipecut.resolve import WireSpecs, schedules
 from pipecut.runtime.data_parallel import check_supported, replicate
 from pipecut.runtime.grads import LossReduction, parse_loss_reduction
 from pipecut.runtime.launch import ensure_process_group, local_device
+from pipecut.runtime.materialize import Init, check_unexpected, materialize_stage, raise_together
 from pipecut.runtime.pipeline import Pipeline
 from pipecut.runtime.schedule import validate
 from pipecut.runtime.stage import StageWorker
 from pipecut.runtime.sync import stage_state, sync_from_rank0
 
 __all__ = ["compile"]
+from pipecut.runtime.weights import Weights, open_weights
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,9 @@ def compile(
     calibration_steps: int = 2,
     loss_reduction: str | LossReduction = LossReduction.MEAN,
     data_parallel: str | DataParallelKind | None = None,
+    weights: Weights | None = None,
+    init: Init | None = None,
+    seed: int = 0,
 ) -> Pipeline:
     """Build this rank's stage of ``model`` pipelined over the ranks of the process group.
 
@@ -136,6 +145,14 @@ def compile(
     per rank of the default group, 1, GPipe, 1, the default link, symbolic_trace then
     torch.export); with ``plan=``, a value that contradicts the plan is a PlanError. Every
     rank's stage weights are set to global rank 0's, as DistributedDataParallel does.
+
+    ``model`` may be on the meta device (``with torch.device("meta"):``): each rank then
+    allocates only its stage's tensors and fills them from ``weights`` (a ``.safetensors``
+    file, a ``save_pretrained`` directory, a pipecut checkpoint directory or a state dict; see
+    :mod:`pipecut.runtime.weights`), or, without weights, initialises them with
+    ``init(fqn, module)`` or each module's ``reset_parameters()`` under a seed derived from
+    ``seed`` and the module name (so the values do not depend on K). ``model`` itself is left
+    as it is. A real model given ``weights`` has its stage's tensors overwritten from them.
     """
     reduction = parse_loss_reduction(loss_reduction)
     wait = datetime.timedelta(seconds=timeout)
@@ -158,6 +175,9 @@ def compile(
             f"{len(specs)} devices (stages) asked for, but the pipeline process group has "
             f"{world} ranks; launch with --nproc_per_node={len(specs)} or pass devices={world}"
         )
+    source = open_weights(weights) if weights is not None else None
+    if source is not None:
+        check_unexpected(source, model)
     _, first = first_microbatch(example_inputs, microbatches)
     captured = capture(model, first, method=run.capture_method, leaf_modules=leaf_modules)
     expected = fingerprint(captured.gm)
@@ -215,11 +235,26 @@ def compile(
             unflatten_output=unflatten, timeout=wait,
         )
 
+    if has_meta(captured.gm):  # this rank's copy (meta: no storage); only its stage becomes real
+        with warnings.catch_warnings():  # torch's own pytree warns while copying export's specs
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*is deprecated", category=FutureWarning)
+            captured = dataclasses.replace(captured, gm=copy.deepcopy(captured.gm))
     workers = {}
+    failure: BaseException | None = None
     for stage in range(rank, chosen.num_stages, world):
         program = split_stage(captured.gm, chosen, stage)
+        try:
+            materialize_stage(
+                program.module, (captured.gm,), model, device=device, source=source, init=init,
+                seed=seed, where=f"stage {stage} (rank {dist.get_rank()})",
+            )
+        except InputError as e:
+            failure = failure or e
+            continue
         program.module.to(device)
         workers[stage] = make_worker(program, chosen, captured.unflatten_output)
+    if source is not None or has_meta(model):  # the same on every rank
+        raise_together(failure)
     _sync_weights(captured, chosen, layout, workers, device, wait)
     modes = Modes(model=model, workers=workers, derived=derived, make_worker=make_worker, device=device)
     pipe = Pipeline(
@@ -237,6 +272,7 @@ def compile(
             microbatches=microbatches, schedule=schedule, plan=Plan.from_json(again[0]), link=link,
             timeout=timeout, capture_method=capture_method, leaf_modules=leaf_modules,
             stages_per_rank=stages_per_rank, loss_reduction=reduction, data_parallel=data_parallel,
+            weights=weights, init=init, seed=seed,
         )
     if replication is not None:  # after Pipeline has read the parameter names FSDP may change
         assert layout.dp_group is not None  # _replication gives None without a "dp" dimension

@@ -27,6 +27,7 @@ from pipecut.errors import CaptureError, InputError
 from pipecut.frozen import honour_no_grad, record_grad_mode
 from pipecut.fxutil import target_name
 from pipecut.guard import ModuleState, check_input_writes, refuse_number_changes
+from pipecut.meta import has_meta, input_device, relocate_meta, to_meta
 from pipecut.names import ModelNames, model_names
 from pipecut.plan import CaptureMethod
 
@@ -193,9 +194,14 @@ def _capture(
     if method in (None, CaptureMethod.EXPORT):
         try:
             args, kwargs = _split_args(example_inputs)
+            on_meta = has_meta(model)  # a meta model traces with meta inputs (see pipecut.meta)
+            if on_meta:
+                args, kwargs = to_meta((args, kwargs))
             exported: list[torch.export.ExportedProgram] = []
             gm, _ = _untouched(model, lambda: _export(model, args, kwargs, exported))
             ep = exported[0]
+            if on_meta:
+                relocate_meta(gm, input_device(example_inputs))
             names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
             return Captured(
                 gm,

@@ -25,7 +25,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pipecut.capture import Captured
 from pipecut.fxutil import mutates_first_arg, node_parameters
-from pipecut.profile import LossFn, detached_leaves, preserved_state
+from pipecut.meta import input_device, meta_read, scratch, substitute
+from pipecut.profile import LossFn, _cut, detached_leaves, preserved_state
 
 __all__ = ["NodeWork", "count_work", "moved_bytes"]
 
@@ -94,6 +95,7 @@ def count_work(
     env: dict[fx.Node, Any] = {}
     work: dict[str, NodeWork] = {}
     placeholders = iter(inputs)
+    device = input_device(inputs)
     with preserved_state(gm), torch.enable_grad():
         for node in gm.graph.nodes:
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
@@ -109,19 +111,26 @@ def count_work(
                 env[node] = args[0]
                 work[node.name] = _loss_work(captured, args[0], loss_fn, target)
                 continue
-            (dargs, dkwargs), leaves = detached_leaves((args, kwargs), clone=mutates_first_arg(node, gm))
-            params: list[torch.Tensor] = [p for _, p in node_parameters(node, gm)]
-            out, fwd_flops = _count(runner.call, node, dargs, dkwargs)
-            bwd_flops = _backward_flops(out, leaves + params)
-            fwd_bytes = moved_bytes((args, kwargs, params), out)
-            work[node.name] = NodeWork(
-                forward_flops=fwd_flops,
-                backward_flops=bwd_flops or 0,
-                forward_bytes=fwd_bytes,
-                backward_bytes=2 * fwd_bytes if bwd_flops is not None else 0,
-            )
-            env[node] = runner.call(node, args, kwargs)
+            with scratch(gm, meta_read(node, gm, (args, kwargs)), device) as real:
+                args, kwargs = substitute((args, kwargs), real)  # a meta model's node weights
+                work[node.name] = _node_work(runner, node, gm, args, kwargs)
+                value = runner.call(node, args, kwargs)
+                env[node] = pytree.tree_map(_cut, value) if real else value
     return work
+
+
+def _node_work(runner: _Runner, node: fx.Node, gm: fx.GraphModule, args: Any, kwargs: Any) -> NodeWork:
+    (dargs, dkwargs), leaves = detached_leaves((args, kwargs), clone=mutates_first_arg(node, gm))
+    params: list[torch.Tensor] = [p for _, p in node_parameters(node, gm)]
+    out, fwd_flops = _count(runner.call, node, dargs, dkwargs)
+    bwd_flops = _backward_flops(out, leaves + params)
+    fwd_bytes = moved_bytes((args, kwargs, params), out)
+    return NodeWork(
+        forward_flops=fwd_flops,
+        backward_flops=bwd_flops or 0,
+        forward_bytes=fwd_bytes,
+        backward_bytes=2 * fwd_bytes if bwd_flops is not None else 0,
+    )
 
 
 def _loss_work(captured: Captured, value: Any, loss_fn: LossFn | None, target: Any) -> NodeWork:

@@ -21,6 +21,7 @@ from pipecut.calibrate import calibrate as calibrate_costs
 from pipecut.calibrate import stage_times
 from pipecut.capture import Captured, Inputs, capture, fingerprint
 from pipecut.errors import InputError, PartitionError
+from pipecut.meta import has_meta
 from pipecut.parallel import DataParallel
 from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.chain import boundary_bytes, boundary_ms, can_cross, is_unit, liveness
@@ -436,6 +437,10 @@ def plan(
     # Which shapes the plan runs without re-planning (shorter sequences, smaller microbatches).
     accepts = accepted_shapes(captured.gm, captured.method, captured.input_names, first)
     first_plan = dataclasses.replace(partition(nodes), accepts=accepts)
+    if has_meta(captured.gm):  # calibration runs whole stages: more than one node's weights
+        note = "meta model: nodes measured one at a time on scratch weights, not calibrated"
+        detail = f"{first_plan.solver.detail}; {note}" if first_plan.solver.detail else note
+        return dataclasses.replace(first_plan, solver=dataclasses.replace(first_plan.solver, detail=detail))
     if not calibrate:
         return first_plan
     times = stage_times(captured, first_plan, first, loss_fn, first_target, repeats=max(1, repeats // 2))

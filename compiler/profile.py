@@ -30,6 +30,7 @@ from pipecut.fxutil import (
     node_parameters,
     target_name,
 )
+from pipecut.meta import input_device, meta_read, scratch, substitute
 from pipecut.plan import NodeCost, NodeOp
 from pipecut.values import describe, tensor_bytes
 
@@ -169,6 +170,16 @@ def _time_loss(loss_fn: LossFn, output: Any, target: Any, repeats: int, warmup: 
     return forward_ms, backward_ms
 
 
+def _cut(x: Any) -> Any:
+    """``x`` without its autograd history; still requiring grad (and not a leaf, so that a later
+    in-place node may write into it) when it did."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.requires_grad:
+        return x.detach().requires_grad_(True).clone()
+    return x.detach()
+
+
 def profile(
     captured: Captured,
     inputs: Sequence[Any],
@@ -187,6 +198,8 @@ def profile(
     placeholders = iter(inputs)
     rows: list[NodeCost] = []
     nodes = list(gm.graph.nodes)
+    last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
+    device = input_device(inputs)
     with preserved_state(gm), torch.enable_grad():
         for i, node in enumerate(nodes):
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
@@ -201,13 +214,21 @@ def profile(
             elif node.op == "get_attr":
                 value = runner.call(node, args, kwargs)
             else:
-                inplace = mutates_first_arg(node, gm)
-                forward_ms = _forward_ms(runner, node, args, kwargs, inplace, repeats, warmup)
-                params = [p for _, p in node_parameters(node, gm)]
-                backward_ms = _backward_ms(runner, node, args, kwargs, params, inplace, repeats, warmup)
-                value = runner.call(node, args, kwargs)
+                # A meta model's weights are real only while their node is measured.
+                with scratch(gm, meta_read(node, gm, (args, kwargs)), device) as real:
+                    args, kwargs = substitute((args, kwargs), real)
+                    inplace = mutates_first_arg(node, gm)
+                    forward_ms = _forward_ms(runner, node, args, kwargs, inplace, repeats, warmup)
+                    params = [p for _, p in node_parameters(node, gm)]
+                    backward_ms = _backward_ms(runner, node, args, kwargs, params, inplace, repeats, warmup)
+                    value = runner.call(node, args, kwargs)
+                    if real:  # cut the autograd graph: it would keep the scratch weights alive
+                        value = pytree.tree_map(_cut, value)
             env[node] = value
             rows.append(_row(node, value, gm, canonical, forward_ms, backward_ms))
+            for n in node.all_input_nodes:  # free values no later node reads
+                if last_use[n] == i and n.op != "output":
+                    env.pop(n, None)
             if progress is not None:
                 progress(i + 1, len(nodes))
     return tuple(rows)
