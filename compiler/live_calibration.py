@@ -117,5 +117,5 @@ def recalibrate(plan: Plan, times: list[tuple[float, float]], data_parallel: Dat
             data_parallel=data_parallel,
         )
         again = dataclasses.replace(again, candidates=plan.candidates, accepts=plan.accepts)
-    detail = f"{again.solver.detail}; {note}" if again.solver.detail else note
+    detail = f"{plan.solver.detail}; {note}" if plan.solver.detail else note  # keeps earlier notes
     return dataclasses.replace(again, solver=dataclasses.replace(again.solver, detail=detail))
