@@ -19,7 +19,9 @@ from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
 from pipecut.planner import DEFAULT_LINK, Devices, as_devices
 from pipecut.planner import plan as make_plan
 from pipecut.profile import LossFn
-from pipecut.runtime.launch import ensure_process_group, local_device
+from pipecut.runtime.launch import ensure_process_group, local_device, ready_for_p2p
+from pipecut.runtime.nccl import check_nccl
+from pipecut.runtime.p2p import wiring
 from pipecut.runtime.pipeline import Pipeline
 from pipecut.runtime.schedule import validate
 from pipecut.runtime.stage import StageWorker
@@ -87,7 +89,8 @@ def compile(
     with ``schedule="interleaved-1f1b"`` gives each rank several virtual stages.
     """
     wait = datetime.timedelta(seconds=timeout)
-    ensure_process_group(wait)
+    device = local_device()  # before any collective (NCCL)
+    ensure_process_group(wait, device)
     layout = _layout(devices)
     group = layout.pp_group
     world = dist.get_world_size(group)
@@ -135,7 +138,6 @@ def compile(
     if chosen.microbatches != microbatches and plan is None:
         raise PlanError(f"plan has {chosen.microbatches} microbatches, asked for {microbatches}")
 
-    device = local_device()
     if chosen.schedule is ScheduleKind.ZERO_BUBBLE and any(s.recompute is not Recompute.NONE for s in chosen.stages):
         raise PlanError(
             "the zero-bubble schedule cannot yet run stages that recompute; use schedule='1f1b' "
@@ -143,6 +145,7 @@ def compile(
         )
     sched = plan_schedule(chosen)
     validate(sched, chosen.microbatches)
+    check_nccl(sched, wiring(chosen))  # refuse an order that would hang, before anything runs
     workers = {}
     for stage in range(rank, chosen.num_stages, world):
         program = split_stage(captured.gm, chosen, stage)
@@ -151,6 +154,7 @@ def compile(
             program, chosen, rank=rank, ranks=ranks, group=group, device=device, loss_fn=loss_fn,
             unflatten_output=captured.unflatten_output, timeout=wait,
         )
+    ready_for_p2p(group, device)
     return Pipeline(
         plan=chosen, captured=captured, workers=workers, schedule=sched, rank=rank, ranks=ranks,
         group=group, tied_groups=_tied_groups(chosen, layout, rank, wait), dp_group=layout.dp_group,

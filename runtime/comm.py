@@ -2,9 +2,10 @@
 
 Every value crossing a cut is pytree-flattened; its tensor leaves go over the wire with the
 shape and dtype the plan records (so receivers allocate without a handshake), its constant
-leaves come from the plan. Each message has its own tag (microbatch, direction, leaf), so
-messages never match the wrong receive whatever order the schedule posts them in. Sends are
-non-blocking and waited on at the end of the step; every receive has a deadline.
+leaves come from the plan. Messages are matched by order, as NCCL does (per pair of ranks, the
+n-th send meets the n-th receive): :mod:`pipecut.runtime.p2p` fixes that order and
+:mod:`pipecut.runtime.nccl` proves it safe. Each message still carries a unique tag, which
+gloo checks and NCCL ignores; nothing depends on it. Every wait has a deadline.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch.utils._pytree as pytree
 
 from pipecut.errors import PipelineRuntimeError
 from pipecut.plan import LeafKind, NodeCost
+from pipecut.runtime.p2p import Direction, Transfer
 from pipecut.values import decode_constant, dtype_from_name, encode_constant, flatten
 
-FORWARD, BACKWARD = 0, 1
 _LEAF_BITS, _CUT_BITS, _MB_BITS = 10, 8, 12  # gloo tags are 31-bit
 
 
@@ -79,12 +80,6 @@ class WireSpec:
         ))
 
 
-@dataclass(frozen=True, slots=True)
-class PostedRecv:
-    works: list[Any]
-    buffers: list[torch.Tensor]
-
-
 class Peer:
     """Sends to and receives from one neighbouring rank, with deadlines."""
 
@@ -98,29 +93,14 @@ class Peer:
         self.timeout = timeout
         self.me = me
 
-    def send(self, tensors: Sequence[torch.Tensor], microbatch: int, direction: int) -> list[tuple[Any, torch.Tensor]]:
-        works = []
-        for i, t in enumerate(tensors):
-            t = t.detach().contiguous()  # gloo requires contiguous buffers
-            works.append((dist.isend(t, self.rank, group=self.group, tag=tag(self.cut, microbatch, direction, i)), t))
-        return works
+    def send_op(self, tensor: torch.Tensor, t: Transfer) -> dist.P2POp:
+        return dist.P2POp(dist.isend, tensor, self.rank, group=self.group, tag=self._tag(t))
 
-    def post_recv(
-        self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]], microbatch: int, direction: int,
-        device: torch.device,
-    ) -> PostedRecv:
-        """Post receives now (so the transfer overlaps compute); :meth:`finish` waits for them."""
-        bufs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
-        works = [
-            dist.irecv(b, self.rank, group=self.group, tag=tag(self.cut, microbatch, direction, i))
-            for i, b in enumerate(bufs)
-        ]
-        return PostedRecv(works, bufs)
+    def recv_op(self, buffer: torch.Tensor, t: Transfer) -> dist.P2POp:
+        return dist.P2POp(dist.irecv, buffer, self.rank, group=self.group, tag=self._tag(t))
 
-    def finish(self, posted: PostedRecv) -> list[torch.Tensor]:
-        for w in posted.works:
-            self.wait(w, "receiving from")
-        return posted.buffers
+    def _tag(self, t: Transfer) -> int:
+        return tag(self.cut, t.microbatch, 0 if t.direction is Direction.FORWARD else 1, t.leaf)
 
     def wait(self, work: Any, what: str) -> None:
         try:

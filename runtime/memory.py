@@ -19,11 +19,13 @@ class ActivationMeter:
     def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
         self._params = {p.untyped_storage().data_ptr() for p in parameters}
         self._per_mb: dict[int, dict[int, int]] = {}
+        self._held: dict[int, int] = {}
         self.live = 0
         self.peak = 0
 
     def reset(self) -> None:
         self._per_mb.clear()
+        self._held.clear()
         self.live = self.peak = 0
 
     def _add(self, mb: int, t: torch.Tensor) -> None:
@@ -52,3 +54,17 @@ class ActivationMeter:
     def release(self, mb: int) -> None:
         """The microbatch's backward has run: its activations are freed."""
         self.live -= sum(self._per_mb.pop(mb, {}).values())
+
+    def hold(self, key: int, sent: Iterable[torch.Tensor]) -> None:
+        """Tensors being sent are alive until their send completes: count the storages no
+        microbatch's activations already count, until :meth:`drop` (``key``: the send batch)."""
+        counted = {ptr for seen in self._per_mb.values() for ptr in seen}
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in sent}
+        size = sum(n for ptr, n in storages.items() if ptr not in counted and ptr not in self._params)
+        if size:
+            self._held[key] = size
+            self.live += size
+            self.peak = max(self.peak, self.live)
+
+    def drop(self, key: int) -> None:
+        self.live -= self._held.pop(key, 0)

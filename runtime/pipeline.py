@@ -18,6 +18,7 @@ from pipecut.passes.stages import predicted_timeline
 from pipecut.plan import LeafKind, Plan
 from pipecut.runtime.executor import Event, run_actions
 from pipecut.runtime.failure import abort
+from pipecut.runtime.p2p import comm_program, wiring
 from pipecut.runtime.schedule import Schedule
 from pipecut.runtime.stage import StageWorker, reduce_tied_grads, tree_to
 from pipecut.runtime.trace import chrome_trace, write_chrome_trace
@@ -55,6 +56,8 @@ class Pipeline:
         self.dp_group = dp_group
         self.events: list[Event] = []
         self._canonical = canonical_names(captured.gm)
+        self._program = comm_program(schedule, rank, wiring(plan))
+        """This rank's sends, receives and actions in order (checked under NCCL's rules in compile)."""
         self._device = next(iter(self.workers.values())).device
 
     @property
@@ -181,7 +184,7 @@ class Pipeline:
         )
         if record:
             dist.barrier(group=self.group)  # align the ranks' clocks for the timeline
-        loss, events = run_actions(self.workers, self.schedule[self.rank], mb_inputs, targets, record)
+        loss, events = run_actions(self.workers, self._program, mb_inputs, targets, record)
         self.events = events
         reduce_tied_grads(self.parameters(), self._canonical, self.tied_groups)
         out = loss.detach().float() if loss is not None else torch.zeros((), device=self._device)
