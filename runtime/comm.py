@@ -102,16 +102,6 @@ class Peer:
     def _tag(self, t: Transfer) -> int:
         return tag(self.cut, t.microbatch, 0 if t.direction is Direction.FORWARD else 1, t.leaf)
 
-    def wait(self, work: Any, what: str) -> None:
-        try:
-            work.wait(timeout=self.timeout)
-        except RuntimeError as e:
-            raise PipelineRuntimeError(
-                f"rank {self.me}: failed {what} rank {self.rank} "
-                f"(timeout {self.timeout.total_seconds():.0f} s): {str(e).splitlines()[0][:300]}. "
-                f"Rank {self.rank} probably failed; see its log."
-            ) from e
-
 
 def pack(values: Sequence[Any], spec: WireSpec, stage: int) -> list[torch.Tensor]:
     """Tensor leaves of the values to send, after checking constants match the plan."""

@@ -2,9 +2,11 @@
 
 The program (:func:`pipecut.runtime.p2p.comm_program`, the order the NCCL checker proved safe)
 says when to issue each ``batch_isend_irecv``, which receives to wait for before an action, and
-when to compute. Sent tensors are kept only until their batch completes: completed batches are
-dropped after every action, so a stage holds its outputs for as long as the wire needs them,
-not until the end of the step. Each action runs inside ``record_function("pipecut.<action>")``
+when to compute. Waiting for a batch also waits for every batch issued before it (free on
+NCCL, whose batches run in order on one stream; the checker models exactly this), and then
+drops their send buffers: a stage holds what it sends until the next receive it waits for, not
+until the end of the step. Batches that report completion earlier (NCCL; gloo reports a send
+complete only once waited) are dropped after each action. Each action runs inside ``record_function("pipecut.<action>")``
 (and an NVTX range on CUDA), so profiler traces show the pipeline's actions.
 """
 
@@ -43,6 +45,8 @@ class _Batch:
     transfers: tuple[Transfer, ...]
     sent: list[torch.Tensor]
     """The tensors being sent, kept alive until the batch completes."""
+    index: int
+    """Its place in this rank's issue order."""
 
 
 @contextlib.contextmanager
@@ -63,11 +67,16 @@ class _Wire:
         self.workers = workers
         self.of: dict[Transfer, _Batch] = {}
         self.sending: list[_Batch] = []
+        self.issued: list[_Batch] = []
+        self.done = 0
+        """Batches ``issued[:done]`` have been waited for."""
+        """Batches with sends, in issue order, until they are known complete."""
 
     def issue(self, transfers: Sequence[Transfer]) -> None:
         ops = [self.workers[t.stage].p2p_op(t) for t in transfers]
         batch = _Batch(dist.batch_isend_irecv(ops), tuple(transfers),
-                       [op.tensor for op, t in zip(ops, transfers) if t.op is Op.SEND])
+                       [op.tensor for op, t in zip(ops, transfers) if t.op is Op.SEND], len(self.issued))
+        self.issued.append(batch)
         for t in transfers:
             if t.op is Op.RECV:
                 self.of[t] = batch
@@ -77,16 +86,21 @@ class _Wire:
                 w.meter.hold(id(batch), [x for x, t in zip(batch.sent, batch.transfers) if t.stage == w.stage])
 
     def wait(self, transfers: Sequence[Transfer]) -> None:
-        for batch in {id(b): b for b in (self.of.pop(t) for t in transfers)}.values():
+        """Wait for the batches holding ``transfers`` and every batch issued before them."""
+        last = max(self.of.pop(t).index for t in transfers)
+        for batch in self.issued[self.done : last + 1]:
             self._wait(batch)
+        self.done = max(self.done, last + 1)
+        self.release_sent(upto=last)
 
-    def release_sent(self, block: bool = False) -> None:
-        """Drop the send buffers of completed batches (of all of them with ``block``)."""
+    def release_sent(self, upto: int = -1, block: bool = False) -> None:
+        """Drop the send buffers of batches waited for (index <= ``upto``), reported complete,
+        or, with ``block``, of every batch after waiting for it."""
         left = []
         for batch in self.sending:
             if block:
                 self._wait(batch)
-            elif not all(w.is_completed() for w in batch.works):
+            elif batch.index > upto and not all(w.is_completed() for w in batch.works):
                 left.append(batch)
                 continue
             for w in self.workers.values():

@@ -20,13 +20,15 @@ class ActivationMeter:
         self._params = {p.untyped_storage().data_ptr() for p in parameters}
         self._per_mb: dict[int, dict[int, int]] = {}
         self._held: dict[int, int] = {}
+        self.sending = self.peak_sending = 0
+        """Bytes of sent tensors alive only because their send has not completed (now, peak)."""
         self.live = 0
         self.peak = 0
 
     def reset(self) -> None:
         self._per_mb.clear()
         self._held.clear()
-        self.live = self.peak = 0
+        self.live = self.peak = self.sending = self.peak_sending = 0
 
     def _add(self, mb: int, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -64,7 +66,11 @@ class ActivationMeter:
         if size:
             self._held[key] = size
             self.live += size
+            self.sending += size
             self.peak = max(self.peak, self.live)
+            self.peak_sending = max(self.peak_sending, self.sending)
 
     def drop(self, key: int) -> None:
-        self.live -= self._held.pop(key, 0)
+        size = self._held.pop(key, 0)
+        self.live -= size
+        self.sending -= size

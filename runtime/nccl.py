@@ -10,8 +10,8 @@ there):
   only when the batch issued before it has completed.
 - **Rendezvous.** A send and its receive complete together, once both their batches run. A
   batch completes when all of its transfers have (``batch_isend_irecv`` is one group).
-- **Blocking host.** A rank's host waits for an action's receives before computing it, and for
-  every send at the end of the step.
+- **Blocking host.** A rank's host waits for an action's receives, and every batch it issued
+  before them, before computing it; and for every send at the end of the step.
 
 Ranks run the steps :func:`pipecut.runtime.p2p.comm_program` gives (the executor runs the
 same), or any other program given explicitly (tests replay the old order with it).
@@ -76,8 +76,10 @@ def check_programs(programs: Sequence[Sequence[Step]], schedule: Schedule | None
         streams[rank].append(b)
 
     def host_ready(rank: int, step: Step) -> bool:
-        if step.kind is StepKind.WAIT:
-            return all(not batches[batch_of[rank][t]].pending for t in step.transfers)
+        if step.kind is StepKind.WAIT:  # its batches and every batch this rank issued before
+            # (a batch's transfers complete only at the head of its stream, so batches complete
+            # in issue order: the last one being complete means all before it are)
+            return not batches[max(batch_of[rank][t] for t in step.transfers)].pending
         if step.kind is StepKind.DRAIN:
             return not streams[rank]
         return True

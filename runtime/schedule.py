@@ -256,10 +256,11 @@ def timeline(
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = [str(schedule[r][pos[r]]) for r in range(ranks) if pos[r] < len(schedule[r])]
+            stuck = {r: schedule[r][pos[r]] for r in range(ranks) if pos[r] < len(schedule[r])}
+            where = ", ".join(f"rank {r} stops at {a}" for r, a in stuck.items())
             raise ScheduleError(
-                f"schedule deadlocks: ranks wait at {stuck}, each for an action that never runs\n"
-                + format_marked(schedule, {r: schedule[r][pos[r]] for r in range(ranks) if pos[r] < len(schedule[r])})
+                f"schedule deadlocks: {where} (each waits for an action that never runs)\n"
+                + format_marked(schedule, dict(stuck))
             )
     return spans
 
