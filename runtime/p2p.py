@@ -7,14 +7,15 @@ executor runs. :func:`comm_program` derives it from a rank's action list; the ex
 the steps it returns (:mod:`pipecut.runtime.executor`) and the NCCL checker
 (:mod:`pipecut.runtime.nccl`) replays the same steps for every rank.
 
-The order (as Megatron's ``send_forward_recv_backward``): after each action computes, one
-``batch_isend_irecv`` carries the tensors it sends *and* the receives the next action needs;
-before an action computes, the rank waits for its receives. A send is never left on its own
-waiting for a receive that its peer would post only after hearing from us. Two ranks,
-1F1B, four microbatches (``s``: send, ``r``: receive; ``F``/``B``: activations/gradients)::
+The order: every message is given a round, the time its producing action ends in a replay of
+the schedule; both ends put it in the ``batch_isend_irecv`` of that round, and a rank issues
+its rounds in time order, each before the first action starting at or after it, then waits for
+an action's receives just before computing it (see :func:`comm_program`). Two ranks, 1F1B,
+four microbatches (``[...]``: one batch; ``s``/``r``: send/receive; ``F``/``B``: activations or
+gradients, then microbatch.leaf)::
 
-    rank 0: 0F0 [sF0] 0F1 [sF1 rB0] 0B0 [] 0F2 [sF2 rB1] 0B1 [] 0F3 [sF3 rB2] 0B2 [rB3] 0B3
-    rank 1: [rF0] 1F0 [] 1B0 [sB0 rF1] 1F1 [] 1B1 [sB1 rF2] ...
+    rank 0: 0F0 [sF0.0] 0F1 [sF1.0] [rB0.0] 0B0 0F2 [rB1.0 sF2.0] 0B1 0F3 [rB2.0 sF3.0] 0B2 [rB3.0] 0B3
+    rank 1: [rF0.0] 1F0 [rF1.0] 1B0 [sB0.0] 1F1 1B1 [sB1.0 rF2.0] 1F2 1B2 [sB2.0 rF3.0] 1F3 1B3 [sB3.0]
 
 Skip connections need nothing here: a value used several stages later is relayed by every
 stage in between (it is among each intermediate stage's inputs and outputs), so every
