@@ -69,6 +69,7 @@ class _Wire:
         self.sending: list[_Batch] = []
         self.issued: list[_Batch] = []
         self.done = 0
+        self.waited: set[int] = set()
         """Batches ``issued[:done]`` have been waited for."""
         """Batches with sends, in issue order, until they are known complete."""
 
@@ -108,6 +109,9 @@ class _Wire:
         self.sending = left
 
     def _wait(self, batch: _Batch) -> None:
+        if batch.index in self.waited:
+            return  # waiting twice on a gloo send waits for a second send that never comes
+        self.waited.add(batch.index)
         peers = [self._peer(t) for t in batch.transfers]
         names = " and ".join(f"rank {r}" for r in sorted({p.rank for p in peers}))
         timeout = peers[0].timeout

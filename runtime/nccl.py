@@ -44,7 +44,8 @@ class _Op:
     transfer: Transfer
     rank: int
     batch: int
-    done: bool = False
+    position: int = 0
+    """Its place among the messages from the sender to the receiver (sends) or the reverse."""
 
 
 def check_nccl(schedule: Schedule, w: Wiring) -> None:
@@ -68,11 +69,12 @@ def check_programs(programs: Sequence[Sequence[Step]], schedule: Schedule | None
         batches.append(_Batch(rank))
         for t in transfers:
             i = len(ops)
-            ops.append(_Op(t, rank, b))
+            pair = (rank, t.peer) if t.op is Op.SEND else (t.peer, rank)
+            queue = (sent if t.op is Op.SEND else received).setdefault(pair, [])
+            ops.append(_Op(t, rank, b, len(queue)))
+            queue.append(i)
             batches[b].pending.add(i)
             batch_of[rank][t] = b
-            pair = (rank, t.peer) if t.op is Op.SEND else (t.peer, rank)
-            (sent if t.op is Op.SEND else received).setdefault(pair, []).append(i)
         streams[rank].append(b)
 
     def host_ready(rank: int, step: Step) -> bool:
@@ -88,8 +90,8 @@ def check_programs(programs: Sequence[Sequence[Step]], schedule: Schedule | None
         op = ops[i]
         t = op.transfer
         pair = (op.rank, t.peer) if t.op is Op.SEND else (t.peer, op.rank)
-        mine, theirs = (sent, received) if t.op is Op.SEND else (received, sent)
-        n = mine[pair].index(i)
+        theirs = received if t.op is Op.SEND else sent
+        n = op.position
         other = theirs.get(pair, [])
         if n >= len(other):
             return None
