@@ -71,8 +71,8 @@ def test_memory_bound_profiler_names_and_refusal() -> None:
         # autograd saves plus tensors still being sent.
         bound = plan.stages[stage].activation_bytes * inflight[stage]
         assert 0 < r["peak"] <= bound, (stage, r["peak"], bound)
-        # Sent tensors (activations forward, gradients back) live until the next receive is
-        # waited for: at most two microbatches' worth here, where holding them to the end of the
-        # step would keep all M = 8.
+        # Sent tensors (activations forward, gradients back) live until one receive-wait after
+        # their own (gloo reports a send complete only once waited): at most three
+        # microbatches' worth here, where holding them to the end of the step would keep M = 8.
         per_mb = plan.stages[stage].send_bytes + plan.stages[stage].recv_bytes
-        assert 0 < r["peak_sending"] <= 2 * per_mb, (stage, r["peak_sending"], per_mb)
+        assert 0 < r["peak_sending"] <= 3 * per_mb, (stage, r["peak_sending"], per_mb)
