@@ -31,8 +31,10 @@ from pipecut.replay import settings
 from pipecut.resolve import WireSpecs, schedules
 from pipecut.runtime.data_parallel import check_supported, replicate
 from pipecut.runtime.grads import LossReduction, parse_loss_reduction
-from pipecut.runtime.launch import ensure_process_group, local_device
+from pipecut.runtime.launch import ensure_process_group, local_device, ready_for_p2p
 from pipecut.runtime.materialize import Init, check_unexpected, materialize_stage, raise_together
+from pipecut.runtime.nccl import check_nccl
+from pipecut.runtime.p2p import wiring
 from pipecut.runtime.pipeline import Pipeline
 from pipecut.runtime.schedule import validate
 from pipecut.runtime.stage import StageWorker
@@ -162,7 +164,8 @@ def compile(
         link=link, capture_method=capture_method, devices=devices,
     )
     microbatches, schedule, stages_per_rank = run.microbatches, run.schedule, run.stages_per_rank
-    ensure_process_group(wait)
+    device = local_device()  # before any collective (NCCL)
+    ensure_process_group(wait, device)
     layout = _layout(devices)
     replication = _replication(layout, data_parallel)
     group = layout.pp_group
@@ -217,7 +220,6 @@ def compile(
     if chosen.microbatches != microbatches and plan is None:
         raise PlanError(f"plan has {chosen.microbatches} microbatches, asked for {microbatches}")
 
-    device = local_device()
     if chosen.schedule is ScheduleKind.ZERO_BUBBLE and any(s.recompute is not Recompute.NONE for s in chosen.stages):
         raise PlanError(
             "the zero-bubble schedule cannot yet run stages that recompute; use schedule='1f1b' "
@@ -225,6 +227,7 @@ def compile(
         )
     sched = plan_schedule(chosen)
     validate(sched, chosen.microbatches)
+    check_nccl(sched, wiring(chosen))  # refuse an order that would hang, before anything runs
     if replication is not None:
         check_supported(chosen, replication.kind)
     derived = other_mode(model, first, captured, chosen, leaf_modules)  # before moving to device
@@ -257,6 +260,7 @@ def compile(
         raise_together(failure)
     _sync_weights(captured, chosen, layout, workers, device, wait)
     modes = Modes(model=model, workers=workers, derived=derived, make_worker=make_worker, device=device)
+    ready_for_p2p(group, device)
     pipe = Pipeline(
         plan=chosen, captured=captured, workers=workers, schedule=sched, rank=rank, ranks=ranks,
         group=group, tied_groups=_tied_groups(chosen, layout, rank, wait), dp_group=layout.dp_group,

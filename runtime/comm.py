@@ -6,10 +6,11 @@ constant leaves come from the spec. The spec is the plan's for the planned input
 other shapes or under autocast it is derived on every rank alike from the microbatch's input
 shapes and autocast state (see ``pipecut.shapes``), never exchanged. Both ends check every
 tensor against it (:func:`pack` before sending, :func:`unpack` after receiving), so a rank that
-disagrees fails with the value, both dtypes and shapes, instead of reinterpreting bytes. Each
-message has its own tag (microbatch, direction, leaf), so messages never match the wrong receive
-whatever order the schedule posts them in. Sends are non-blocking and waited on at the end of
-the step; every receive has a deadline.
+disagrees fails with the value, both dtypes and shapes, instead of reinterpreting bytes.
+Messages are matched by order, as NCCL does (per pair of ranks, the n-th send meets the n-th
+receive): :mod:`pipecut.runtime.p2p` fixes that order and :mod:`pipecut.runtime.nccl` proves
+it safe. Each message still carries a unique tag, which gloo checks and NCCL ignores; nothing
+depends on it. Every wait has a deadline.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import torch.utils._pytree as pytree
 
 from pipecut.errors import PipelineRuntimeError
 from pipecut.plan import LeafKind, NodeCost
+from pipecut.runtime.p2p import Direction, Transfer
 from pipecut.values import decode_constant, dtype_from_name, encode_constant, flatten
 
-__all__ = ["Peer", "PostedRecv", "TensorLeaf", "WireSpec", "pack", "tag", "unpack"]
+__all__ = ["Peer", "TensorLeaf", "WireSpec", "pack", "tag", "unpack"]
 
-FORWARD, BACKWARD = 0, 1
 _LEAF_BITS, _CUT_BITS, _MB_BITS = 10, 8, 12  # gloo tags are 31-bit
 
 
@@ -86,12 +87,6 @@ class WireSpec:
         ))
 
 
-@dataclass(frozen=True, slots=True)
-class PostedRecv:
-    works: list[Any]
-    buffers: list[torch.Tensor]
-
-
 class Peer:
     """Sends to and receives from one neighbouring rank, with deadlines."""
 
@@ -105,39 +100,14 @@ class Peer:
         self.timeout = timeout
         self.me = me
 
-    def send(self, tensors: Sequence[torch.Tensor], microbatch: int, direction: int) -> list[tuple[Any, torch.Tensor]]:
-        works = []
-        for i, t in enumerate(tensors):
-            t = t.detach().contiguous()  # gloo requires contiguous buffers
-            works.append((dist.isend(t, self.rank, group=self.group, tag=tag(self.cut, microbatch, direction, i)), t))
-        return works
+    def send_op(self, tensor: torch.Tensor, t: Transfer) -> dist.P2POp:
+        return dist.P2POp(dist.isend, tensor, self.rank, group=self.group, tag=self._tag(t))
 
-    def post_recv(
-        self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]], microbatch: int, direction: int,
-        device: torch.device,
-    ) -> PostedRecv:
-        """Post receives now (so the transfer overlaps compute); :meth:`finish` waits for them."""
-        bufs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
-        works = [
-            dist.irecv(b, self.rank, group=self.group, tag=tag(self.cut, microbatch, direction, i))
-            for i, b in enumerate(bufs)
-        ]
-        return PostedRecv(works, bufs)
+    def recv_op(self, buffer: torch.Tensor, t: Transfer) -> dist.P2POp:
+        return dist.P2POp(dist.irecv, buffer, self.rank, group=self.group, tag=self._tag(t))
 
-    def finish(self, posted: PostedRecv) -> list[torch.Tensor]:
-        for w in posted.works:
-            self.wait(w, "receiving from")
-        return posted.buffers
-
-    def wait(self, work: Any, what: str) -> None:
-        try:
-            work.wait(timeout=self.timeout)
-        except RuntimeError as e:
-            raise PipelineRuntimeError(
-                f"rank {self.me}: failed {what} rank {self.rank} "
-                f"(timeout {self.timeout.total_seconds():.0f} s): {str(e).splitlines()[0][:300]}. "
-                f"Rank {self.rank} probably failed; see its log."
-            ) from e
+    def _tag(self, t: Transfer) -> int:
+        return tag(self.cut, t.microbatch, 0 if t.direction is Direction.FORWARD else 1, t.leaf)
 
 
 def _mismatch(stage: int | None, where: str, node: str, leaf: int, got: str, expected: str) -> PipelineRuntimeError:

@@ -1,14 +1,28 @@
-"""Run one rank's action list over the stage workers it holds (one, or several interleaved)."""
+"""Run one rank's communication program over the stage workers it holds (one, or several).
+
+The program (:func:`pipecut.runtime.p2p.comm_program`, the order the NCCL checker proved safe)
+says when to issue each ``batch_isend_irecv``, which receives to wait for before an action, and
+when to compute. Sent tensors are dropped once their batch is known complete (NCCL reports it;
+gloo only once waited, which happens one receive-wait later: see :meth:`_Wire.wait`), so a
+stage holds what it sends for a few actions, not until the end of the step. Each action runs
+inside ``record_function("pipecut.<action>")`` (and an NVTX range on CUDA), so profiler
+traces show the pipeline's actions.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from pipecut.errors import PipelineRuntimeError
+from pipecut.runtime.comm import Peer
+from pipecut.runtime.p2p import Op, Step, StepKind, Transfer
 from pipecut.runtime.schedule import Action, ActionKind
 from pipecut.runtime.stage import StageWorker
 
@@ -24,35 +38,144 @@ class Event:
     end: float
 
 
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    works: list[Any]
+    transfers: tuple[Transfer, ...]
+    sent: list[torch.Tensor]
+    """The tensors being sent, kept alive until the batch completes."""
+    index: int
+    """Its place in this rank's issue order."""
+
+
+@contextlib.contextmanager
+def _labelled(action: Action, device: torch.device) -> Iterator[None]:
+    name = f"pipecut.{action}"
+    with torch.profiler.record_function(name):
+        if device.type == "cuda":
+            with torch.cuda.nvtx.range(name):
+                yield
+        else:
+            yield
+
+
+class _Wire:
+    """This rank's batches in flight, and the waits on them."""
+
+    def __init__(self, workers: Mapping[int, StageWorker]) -> None:
+        self.workers = workers
+        self.of: dict[Transfer, _Batch] = {}
+        self.sending: list[_Batch] = []
+        self.issued: list[_Batch] = []
+        self.lagging = -1
+        """The newest batch waited for at the previous wait."""
+        self.waited: set[int] = set()
+        """Batches ``issued[:done]`` have been waited for."""
+        """Batches with sends, in issue order, until they are known complete."""
+
+    def issue(self, transfers: Sequence[Transfer]) -> None:
+        ops = [self.workers[t.stage].p2p_op(t) for t in transfers]
+        batch = _Batch(dist.batch_isend_irecv(ops), tuple(transfers),
+                       [op.tensor for op, t in zip(ops, transfers) if t.op is Op.SEND], len(self.issued))
+        self.issued.append(batch)
+        for t in transfers:
+            if t.op is Op.RECV:
+                self.of[t] = batch
+        if batch.sent:
+            self.sending.append(batch)
+            for w in self.workers.values():
+                w.meter.hold(id(batch), [x for x, t in zip(batch.sent, batch.transfers) if t.stage == w.stage])
+
+    def wait(self, transfers: Sequence[Transfer]) -> None:
+        """Wait for the batches holding ``transfers``; then for, and drop, the sends issued
+        before the previous wait. On NCCL those completed before the batches just waited for
+        (one stream, in order; the checker models exactly this). On gloo a send completes only
+        once waited, and waiting for the newest sends too would tie each rank to its peers'
+        progress (measured: 1F1B ~20% slower on CPU), so sends are waited one wait late, when
+        they are long done: the buffers of at most two waits' sends are alive at once."""
+        batches = {id(b): b for b in (self.of.pop(t) for t in transfers)}.values()
+        for batch in batches:
+            self._wait(batch)
+        self.release_sent(upto=self.lagging)
+        self.lagging = max(self.lagging, max(b.index for b in batches))
+
+    def release_sent(self, upto: int = -1, block: bool = False) -> None:
+        """Drop the send buffers of batches reported complete, and (after waiting for them) of
+        batches issued up to ``upto``, or of all with ``block``."""
+        left = []
+        for batch in self.sending:
+            if block or batch.index <= upto:
+                self._wait(batch)
+            elif not all(w.is_completed() for w in batch.works):
+                left.append(batch)
+                continue
+            for w in self.workers.values():
+                w.meter.drop(id(batch))
+        self.sending = left
+
+    def _wait(self, batch: _Batch) -> None:
+        if batch.index in self.waited:
+            return  # waiting twice on a gloo send waits for a second send that never comes
+        self.waited.add(batch.index)
+        peers = [self._peer(t) for t in batch.transfers]
+        names = " and ".join(f"rank {r}" for r in sorted({p.rank for p in peers}))
+        timeout = peers[0].timeout
+        for work in batch.works:
+            try:
+                work.wait(timeout=timeout)
+            except RuntimeError as e:
+                raise PipelineRuntimeError(
+                    f"rank {peers[0].me}: failed exchanging {' '.join(str(x) for x in batch.transfers)} "
+                    f"with {names} (timeout {timeout.total_seconds():.0f} s): "
+                    f"{str(e).splitlines()[0][:300]}. {names.capitalize()} probably failed; see its log."
+                ) from e
+
+    def _peer(self, t: Transfer) -> Peer:
+        worker = self.workers[t.stage]
+        peer = worker.prev if t.cut == worker.stage else worker.next
+        assert peer is not None
+        return peer
+
+
 def run_actions(
     workers: Mapping[int, StageWorker],
-    actions: Sequence[Action],
+    program: Sequence[Step],
     inputs: Sequence[dict[str, Any]],
     targets: Sequence[Any],
     record: bool = False,
 ) -> tuple[torch.Tensor | None, list[Event]]:
-    """Execute ``actions`` in order; the receive of the next action is posted before the
-    current one computes. Returns this rank's share of the loss (None off the last stage)."""
+    """Execute this rank's ``program``. Returns its share of the loss (None off the last stage)."""
     for w in workers.values():
         w.begin()
+    wire = _Wire(workers)
+    device = next(iter(workers.values())).device
     events: list[Event] = []
     t0 = time.perf_counter()
-    for i, action in enumerate(actions):
-        for ahead in actions[i : i + 2]:
-            workers[ahead.stage].post(ahead)
-        worker = workers[action.stage]
-        start = time.perf_counter()
-        if action.kind is ActionKind.FORWARD:
-            worker.forward(action.microbatch, inputs[action.microbatch], targets[action.microbatch])
-        elif action.kind is ActionKind.BACKWARD:
-            worker.backward(action.microbatch)
-        elif action.kind is ActionKind.INPUT:
-            worker.backward(action.microbatch, weights_later=True)
+    for step in program:
+        if step.kind is StepKind.ISSUE:
+            wire.issue(step.transfers)
+        elif step.kind is StepKind.WAIT:
+            wire.wait(step.transfers)
+        elif step.kind is StepKind.DRAIN:
+            wire.release_sent(block=True)
         else:
-            worker.backward_weight(action.microbatch)
-        if record:
-            events.append(Event(str(action), start - t0, time.perf_counter() - t0))
+            action = step.action
+            assert action is not None
+            worker = workers[action.stage]
+            start = time.perf_counter()
+            with _labelled(action, device):
+                if action.kind is ActionKind.FORWARD:
+                    worker.forward(action.microbatch, inputs[action.microbatch], targets[action.microbatch])
+                elif action.kind is ActionKind.BACKWARD:
+                    worker.backward(action.microbatch)
+                elif action.kind is ActionKind.INPUT:
+                    worker.backward(action.microbatch, weights_later=True)
+                else:
+                    worker.backward_weight(action.microbatch)
+            if record:
+                events.append(Event(str(action), start - t0, time.perf_counter() - t0))
+            wire.release_sent()
     for w in workers.values():
-        w.finish_sends()
+        w.check_all_sent()
     losses = [loss for w in workers.values() if (loss := w.loss()) is not None]
     return (losses[0] if losses else None), events

@@ -21,12 +21,16 @@ class ActivationMeter:
     def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
         self._params = {p.untyped_storage().data_ptr() for p in parameters}
         self._per_mb: dict[int, dict[int, int]] = {}
+        self._held: dict[int, int] = {}
+        self.sending = self.peak_sending = 0
+        """Bytes of sent tensors alive only because their send has not completed (now, peak)."""
         self.live = 0
         self.peak = 0
 
     def reset(self) -> None:
         self._per_mb.clear()
-        self.live = self.peak = 0
+        self._held.clear()
+        self.live = self.peak = self.sending = self.peak_sending = 0
 
     def _add(self, mb: int, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -54,3 +58,21 @@ class ActivationMeter:
     def release(self, mb: int) -> None:
         """The microbatch's backward has run: its activations are freed."""
         self.live -= sum(self._per_mb.pop(mb, {}).values())
+
+    def hold(self, key: int, sent: Iterable[torch.Tensor]) -> None:
+        """Tensors being sent are alive until their send completes: count the storages no
+        microbatch's activations already count, until :meth:`drop` (``key``: the send batch)."""
+        counted = {ptr for seen in self._per_mb.values() for ptr in seen}
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in sent}
+        size = sum(n for ptr, n in storages.items() if ptr not in counted and ptr not in self._params)
+        if size:
+            self._held[key] = size
+            self.live += size
+            self.sending += size
+            self.peak = max(self.peak, self.live)
+            self.peak_sending = max(self.peak_sending, self.sending)
+
+    def drop(self, key: int) -> None:
+        size = self._held.pop(key, 0)
+        self.live -= size
+        self.sending -= size

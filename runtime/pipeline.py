@@ -28,6 +28,8 @@ from pipecut.runtime.grads import (
     scale_loss_fn,
     sharded_grad_scaler,
 )
+from pipecut.runtime.nccl import check_nccl
+from pipecut.runtime.p2p import Step, comm_program, wiring
 from pipecut.runtime.schedule import Schedule, forward_only
 from pipecut.runtime.stage import StageWorker, reduce_tied_grads, tree_to
 from pipecut.runtime.trace import chrome_trace, write_chrome_trace
@@ -94,6 +96,9 @@ class Pipeline:
         # with captured.gm, so the tie between two names is only visible now.
         first = canonical_names(captured.gm)
         self._alias = {name: first[id(p)] for name, p in captured.gm.named_parameters(remove_duplicate=False)}
+        self._programs: dict[tuple[bool, bool, int], tuple[Step, ...]] = {}
+        """This rank's sends, receives and actions in order, per (mode, backward or not,
+        microbatches): checked under NCCL's rules when first built (see :meth:`_program`)."""
         self._device = next(iter(self.workers.values())).device
         self._modes = modes
         self.training = modes.captured_training if modes is not None else True
@@ -334,7 +339,7 @@ class Pipeline:
                 )
             schedule = self._schedule_for(m)
         workers = self._active()
-        actions = schedule[self.rank] if training else forward_only(schedule[self.rank])
+        program = self._program(schedule, workers, training, m)
         last = workers.get(self.plan.num_stages - 1)
         weights = loss_weights(sizes)
         for w in workers.values():
@@ -346,7 +351,7 @@ class Pipeline:
             if last is not None:
                 outputs = stack.enter_context(
                     collecting(last, keep_outputs=return_outputs, compute_loss=compute_loss))
-            loss, events = run_actions(workers, actions, mb_inputs, targets, record)
+            loss, events = run_actions(workers, program, mb_inputs, targets, record)
         self.events = events
         if training:
             canonical = {id(p): self._alias.get(name, name) for m in self.modules
@@ -366,6 +371,21 @@ class Pipeline:
             dist.broadcast_object_list(box, src=self.ranks[-1], group=self.group)
             whole = tree_to(box[0], self._device)
         return result, whole
+
+    def _program(
+        self, schedule: Schedule, workers: Mapping[int, StageWorker], training: bool, m: int
+    ) -> tuple[Step, ...]:
+        """The communication program of this step's variant: the active mode's graph (its
+        plan's wiring), forward only under no_grad, ``m`` microbatches (a smaller last batch).
+        Built once per variant, identically on every rank, and refused before anything is sent
+        if it could hang under NCCL's rules."""
+        key = (self.training, training, m)
+        if key not in self._programs:
+            variant = schedule if training else tuple(forward_only(r) for r in schedule)
+            cuts = wiring(next(iter(workers.values())).plan)
+            check_nccl(variant, cuts)
+            self._programs[key] = comm_program(variant, self.rank, cuts)
+        return self._programs[key]
 
     def _weigh_loss(self, scaler: Any, normalizer: Any) -> None:
         """Tell the stages what each microbatch's loss is divided by and how it is scaled."""

@@ -22,6 +22,7 @@ import enum
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipecut.errors import ScheduleError
 from pipecut.plan import ScheduleKind
@@ -31,7 +32,9 @@ __all__ = [
     "ActionKind",
     "Schedule",
     "build",
+    "format_marked",
     "format_schedule",
+    "forward_only",
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",
@@ -40,6 +43,9 @@ __all__ = [
     "timeline",
     "validate",
 ]
+
+if TYPE_CHECKING:
+    from pipecut.runtime.p2p import Wiring
 
 
 class ActionKind(enum.Enum):
@@ -203,8 +209,13 @@ def simulate(
     forward_link_ms: Sequence[float] = (),
     backward_link_ms: Sequence[float] = (),
     weight_ms: Sequence[float] = (),
+    nccl: Wiring | None = None,
 ) -> float:
     """Predicted step time; raises :class:`ScheduleError` if the schedule deadlocks.
+
+    With ``nccl`` (the plan's wiring, :func:`pipecut.runtime.p2p.wiring`), the transfers the
+    executor would issue are also replayed under NCCL's rules (:mod:`pipecut.runtime.nccl`:
+    no tags, per-pair FIFO, sends complete only when received) and a hang is refused.
 
     Costs are per stage. A forward of stage s waits for stage s-1's forward of the same
     microbatch plus ``forward_link_ms[s-1]``; a backward waits for stage s+1's backward plus
@@ -212,8 +223,8 @@ def simulate(
     order, one at a time. With a split backward, I costs ``backward_ms - weight_ms`` and waits
     like a backward; W costs ``weight_ms`` and waits only for its own I.
     """
-    return max((end for _, _, end in timeline(schedule, forward_ms, backward_ms,
-                                              forward_link_ms, backward_link_ms, weight_ms)), default=0.0)
+    return max((end for _, _, end in timeline(schedule, forward_ms, backward_ms, forward_link_ms,
+                                              backward_link_ms, weight_ms, nccl)), default=0.0)
 
 
 def timeline(
@@ -223,8 +234,14 @@ def timeline(
     forward_link_ms: Sequence[float] = (),
     backward_link_ms: Sequence[float] = (),
     weight_ms: Sequence[float] = (),
+    nccl: Wiring | None = None,
 ) -> list[tuple[Action, float, float]]:
-    """(action, start, end) of every action, in the order the simulation runs them."""
+    """(action, start, end) of every action, in the order the simulation runs them; with
+    ``nccl``, first checks the communication under NCCL's rules (see :func:`simulate`)."""
+    if nccl is not None:
+        from pipecut.runtime.nccl import check_nccl  # it replays this module's timeline
+
+        check_nccl(schedule, nccl)
     ranks = len(schedule)
     last = len(forward_ms) - 1
     fwd_link = list(forward_link_ms) or [0.0] * max(last, 0)
@@ -262,6 +279,22 @@ def timeline(
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = [str(schedule[r][pos[r]]) for r in range(ranks) if pos[r] < len(schedule[r])]
-            raise ScheduleError(f"schedule deadlocks: ranks wait at {stuck}")
+            stuck = {r: schedule[r][pos[r]] for r in range(ranks) if pos[r] < len(schedule[r])}
+            where = ", ".join(f"rank {r} stops at {a}" for r, a in stuck.items())
+            raise ScheduleError(
+                f"schedule deadlocks: {where} (each waits for an action that never runs)\n"
+                + format_marked(schedule, dict(stuck))
+            )
     return spans
+
+
+def format_marked(schedule: Schedule, at: dict[int, Action | None]) -> str:
+    """The schedule, one line per rank, with "<-- ERROR HERE" after the action where rank r
+    stops (``at[r]``; None: at the end of its actions)."""
+    rows = []
+    for r, actions in enumerate(schedule):
+        words = [str(a) + (" <-- ERROR HERE" if r in at and a == at[r] else "") for a in actions]
+        if r in at and at[r] is None:
+            words.append("<end> <-- ERROR HERE")
+        rows.append(f"rank {r}: " + " ".join(words))
+    return "\n".join(rows)

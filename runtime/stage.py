@@ -4,8 +4,9 @@ A forward receives the cut values from the previous stage, runs the stage module
 cut values on (the last stage computes the loss instead). A backward receives the gradients of
 what this stage sent, runs autograd from there, and sends the gradients of what it received.
 Received floating leaves that require grad in the plan become autograd leaves, so their
-``.grad`` after backward is exactly what the previous stage needs. Receives for the next action
-are posted before the current one computes, so transfers overlap compute; sends never block.
+``.grad`` after backward is exactly what the previous stage needs. The worker does not decide
+when tensors travel: it turns the executor's transfers into ``P2POp``s (:meth:`p2p_op`), with
+receive buffers filled in its inbox and the tensors it sends left in its outbox until then.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from torch.utils.checkpoint import checkpoint
 from pipecut.errors import PipelineRuntimeError
 from pipecut.passes.split import StageProgram
 from pipecut.plan import NodeCost, Plan, Recompute
-from pipecut.runtime.comm import BACKWARD, FORWARD, Peer, PostedRecv, WireSpec, pack, unpack
+from pipecut.runtime.comm import Peer, WireSpec, pack, unpack
 from pipecut.runtime.forward import check_grad_flags
 from pipecut.runtime.memory import ActivationMeter
-from pipecut.runtime.schedule import Action, ActionKind
+from pipecut.runtime.p2p import Direction, Op, Transfer
 from pipecut.runtime.zero_bubble import split_backward
 
 __all__ = ["LossFn", "StageWorker", "reduce_tied_grads", "tree_to"]
@@ -88,8 +89,10 @@ class StageWorker:
         self.meter = ActivationMeter(program.module.parameters())
         self.state_storage = _storages(program.module)
         self.state: dict[int, _Microbatch] = {}
-        self.posted: dict[tuple[int, int], PostedRecv] = {}
-        self.pending: list[tuple[Peer, Any, torch.Tensor]] = []
+        self.inbox: dict[tuple[Direction, int], dict[int, torch.Tensor]] = {}
+        """Receive buffers by (direction, microbatch), then leaf; filled once their batch is waited."""
+        self.outbox: dict[tuple[Direction, int, int], torch.Tensor] = {}
+        """Tensors computed but not yet handed to a send."""
         self.loss_divisor: float | None = None
         """loss_reduction="sum": each microbatch's loss is divided by it (set per step; see
         ``pipecut.runtime.grads``); None: a mean, weighted by microbatch size."""
@@ -121,13 +124,33 @@ class StageWorker:
 
     def begin(self) -> None:
         """Forget the previous step."""
-        self.state, self.posted = {}, {}
+        self.state, self.inbox, self.outbox = {}, {}, {}
         self.meter.reset()
 
-    def finish_sends(self) -> None:
-        for peer, work, _ in self.pending:
-            peer.wait(work, "sending to")
-        self.pending = []
+    def p2p_op(self, t: Transfer) -> dist.P2POp:
+        """The ``P2POp`` of one transfer: a fresh receive buffer, or a tensor from the outbox."""
+        peer = self.prev if t.cut == self.stage else self.next
+        if peer is None:
+            raise PipelineRuntimeError(f"stage {self.stage} has no neighbour across cut {t.cut} for {t}")
+        if t.op is Op.RECV:
+            in_spec, out_spec = self._spec(t.microbatch)  # this microbatch's shapes and dtypes
+            spec = in_spec.tensors if t.direction is Direction.FORWARD else out_spec.grads
+            leaf = spec[t.leaf]
+            buf = torch.empty(leaf.shape, dtype=leaf.dtype, device=self.device)
+            self.inbox.setdefault((t.direction, t.microbatch), {})[t.leaf] = buf
+            return peer.recv_op(buf, t)
+        tensor = self.outbox.pop((t.direction, t.microbatch, t.leaf), None)
+        if tensor is None:
+            raise PipelineRuntimeError(
+                f"stage {self.stage}: the executor sends {t} but the stage computed no such tensor; "
+                f"the plan's wiring and the stage program disagree (re-plan)"
+            )
+        return peer.send_op(tensor, t)
+
+    def check_all_sent(self) -> None:
+        if self.outbox:
+            left = sorted(f"{d.value}{mb}.{leaf}" for d, mb, leaf in self.outbox)
+            raise PipelineRuntimeError(f"stage {self.stage}: tensors computed but never sent: {left}")
 
     def loss(self) -> torch.Tensor | None:
         """Sum of this step's weighted microbatch losses on the last stage, else None."""
@@ -135,27 +158,22 @@ class StageWorker:
             return None
         return torch.stack([mb.loss for mb in self.state.values() if mb.loss is not None]).sum()
 
-    def post(self, action: Action) -> None:
-        """Post the receive an action needs, once."""
-        if action.kind is ActionKind.FORWARD and self.prev is not None:
-            key, peer, leaves = (action.microbatch, FORWARD), self.prev, self._spec(action.microbatch)[0].tensors
-        elif action.kind in (ActionKind.BACKWARD, ActionKind.INPUT) and self.next is not None:
-            key, peer, leaves = (action.microbatch, BACKWARD), self.next, self._spec(action.microbatch)[1].grads
-        else:
-            return
-        if key not in self.posted:
-            specs = [(leaf.shape, leaf.dtype) for leaf in leaves]
-            self.posted[key] = peer.post_recv(specs, key[0], key[1], self.device)
-
-    def _received(self, peer: Peer, mb: int, direction: int) -> list[torch.Tensor]:
-        return peer.finish(self.posted.pop((mb, direction)))
+    def _received(self, mb: int, direction: Direction, count: int) -> list[torch.Tensor]:
+        """The tensors received for ``mb`` (the executor has waited for them)."""
+        got = self.inbox.pop((direction, mb), {})
+        if len(got) != count:
+            raise PipelineRuntimeError(
+                f"stage {self.stage}: microbatch {mb} needs {count} {direction.name.lower()} "
+                f"tensors, {len(got)} were received; the executor's transfers and the plan disagree"
+            )
+        return [got[i] for i in range(count)]
 
     def forward(self, mb: int, model_inputs: dict[str, Any], target: Any) -> None:
         state = self.state.setdefault(mb, _Microbatch())
         in_spec, out_spec = self._spec(mb)
         received: list[Any] = []
         if self.prev is not None:
-            tensors = self._received(self.prev, mb, FORWARD)
+            tensors = self._received(mb, Direction.FORWARD, len(in_spec.tensors))
             received = unpack(tensors, in_spec, self.stage)
             for t, leaf in zip(tensors, in_spec.tensors):
                 t.requires_grad_(leaf.requires_grad)
@@ -179,7 +197,7 @@ class StageWorker:
         if torch.is_grad_enabled():
             check_grad_flags(tensors, out_spec, self.stage)
         state.sent = [t for t, leaf in zip(tensors, out_spec.tensors) if leaf.requires_grad]
-        self._send(self.next, tensors, mb, FORWARD)
+        self._send(tensors, mb, Direction.FORWARD)
 
     def _loss(self, out: Any, target: Any) -> torch.Tensor:
         loss = self.loss_fn(self.unflatten_output(out), target)  # type: ignore[misc]
@@ -200,7 +218,7 @@ class StageWorker:
             root = self.scale_loss(state.loss) if self.scale_loss is not None else state.loss
             outputs, grads = [root], [torch.ones_like(root)]
         else:
-            received = self._received(self.next, mb, BACKWARD)  # type: ignore[arg-type]
+            received = self._received(mb, Direction.BACKWARD, len(self._spec(mb)[1].grads))
             pairs = [(t, g) for t, g in zip(state.sent, received) if t.requires_grad]
             outputs, grads = [t for t, _ in pairs], [g for _, g in pairs]
         inputs = [t for t in state.received if t.requires_grad]
@@ -215,8 +233,8 @@ class StageWorker:
         if state.loss is not None:
             state.loss = state.loss.detach()
         if self.prev is not None:
-            self._send(self.prev, [g if g is not None else torch.zeros_like(t)
-                                   for g, t in zip(input_grads, inputs)], mb, BACKWARD)
+            self._send([g if g is not None else torch.zeros_like(t)
+                        for g, t in zip(input_grads, inputs)], mb, Direction.BACKWARD)
         state.received = []
         state.sent = []
 
@@ -229,9 +247,10 @@ class StageWorker:
         state.weight_pass = None
         self.meter.release(mb)
 
-    def _send(self, peer: Peer | None, tensors: list[torch.Tensor], mb: int, direction: int) -> None:
-        assert peer is not None
-        self.pending += [(peer, work, t) for work, t in peer.send(tensors, mb, direction)]
+    def _send(self, tensors: list[torch.Tensor], mb: int, direction: Direction) -> None:
+        """Leave the tensors for the executor's next batch (gloo needs contiguous buffers)."""
+        for i, t in enumerate(tensors):
+            self.outbox[(direction, mb, i)] = t.detach().contiguous()
 
 
 def reduce_tied_grads(

@@ -129,14 +129,14 @@ def _fault(rank: int, world: int, where: str, bad_rank: int) -> dict[str, Any]:
             setattr(worker, "backward" if where == "backward" else "forward", faulty)
         elif where == "send":
             peer = worker.next or worker.prev
-            original_send = peer.send
+            original_send = peer.send_op
 
-            def faulty_send(tensors: Any, mb: int, direction: int) -> Any:
-                if mb == 1:
+            def faulty_send(tensor: Any, transfer: Any) -> Any:
+                if transfer.microbatch == 1:
                     raise ConnectionError("injected fault during a send")
-                return original_send(tensors, mb, direction)
+                return original_send(tensor, transfer)
 
-            peer.send = faulty_send
+            peer.send_op = faulty_send
     start = time.perf_counter()
     try:
         pipe.step(inputs, target)
