@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipecut.autoplan import AUTO
 from pipecut.batching import first_microbatch
 from pipecut.capture import Captured, Inputs, capture, fingerprint
 from pipecut.errors import CaptureError, InputError, PipecutError, PipelineRuntimeError, PlanError
@@ -32,6 +33,7 @@ from pipecut.resolve import WireSpecs, schedules
 from pipecut.runtime.data_parallel import check_supported, replicate
 from pipecut.runtime.grads import LossReduction, parse_loss_reduction
 from pipecut.runtime.launch import ensure_process_group, local_device, ready_for_p2p
+from pipecut.runtime.linkprobe import measure_link
 from pipecut.runtime.materialize import Init, check_unexpected, materialize_stage, raise_together
 from pipecut.runtime.nccl import check_nccl
 from pipecut.runtime.p2p import wiring
@@ -108,7 +110,7 @@ def compile(
     example_inputs: Inputs,
     loss_fn: LossFn,
     target: Any = None,
-    microbatches: int | None = None,
+    microbatches: int | str | None = None,
     schedule: str | ScheduleKind | None = None,
     plan: Plan | str | Path | None = None,
     link: Link | None = None,
@@ -159,10 +161,19 @@ def compile(
     reduction = parse_loss_reduction(loss_reduction)
     wait = datetime.timedelta(seconds=timeout)
     given = None if plan is None else plan if isinstance(plan, Plan) else Plan.from_json(plan)
+    auto = AUTO in (microbatches, schedule)
+    if auto and given is not None:
+        raise PlanError(
+            "microbatches/schedule='auto' ask the planner to choose, but plan= fixes them; drop "
+            "plan= to plan again, or leave microbatches and schedule out to replay the plan"
+        )
     run = settings(
-        given, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
+        given, microbatches=microbatches if isinstance(microbatches, int) else None,
+        schedule=None if schedule == AUTO else schedule, stages_per_rank=stages_per_rank,
         link=link, capture_method=capture_method, devices=devices,
     )
+    asked_microbatches: int | str = microbatches if microbatches is not None else run.microbatches
+    asked_schedule: str | ScheduleKind = schedule if schedule is not None else run.schedule
     microbatches, schedule, stages_per_rank = run.microbatches, run.schedule, run.stages_per_rank
     device = local_device()  # before any collective (NCCL)
     ensure_process_group(wait, device)
@@ -181,14 +192,12 @@ def compile(
     source = open_weights(weights) if weights is not None else None
     if source is not None:
         check_unexpected(source, model)
-    _, first = first_microbatch(example_inputs, microbatches)
-    captured = capture(model, first, method=run.capture_method, leaf_modules=leaf_modules)
-    expected = fingerprint(captured.gm)
+    used_link = run.link
+    if given is None and link is None:  # measured between neighbours, the same on every rank
+        used_link = measure_link(ranks, rank, group, device) or run.link
 
-    if given is not None:
-        _check_fingerprint(given, expected)
-        chosen = given
-    else:  # global rank 0 plans; every rank of every replica gets the same plan
+    def plan_on_rank0(captured: Captured | None) -> Plan:
+        """Global rank 0 plans; every rank of every replica gets the same plan."""
         payload: list[Any] = [None]
         error: BaseException | None = None
         made: Plan | None = None
@@ -196,8 +205,8 @@ def compile(
             try:
                 made = make_plan(
                     model, example_inputs, specs, loss_fn=loss_fn, target=target,
-                    microbatches=microbatches, schedule=schedule, link=run.link, captured=captured,
-                    stages_per_rank=stages_per_rank, data_parallel=replication,
+                    microbatches=asked_microbatches, schedule=asked_schedule, link=used_link,
+                    captured=captured, stages_per_rank=stages_per_rank, data_parallel=replication,
                 )
                 payload = [("ok", made.to_json())]
             except Exception as e:  # every rank must learn of it, or they wait forever
@@ -210,7 +219,19 @@ def compile(
         if status != "ok":
             raise PipelineRuntimeError(f"rank {dist.get_rank()}: rank 0 failed to plan: {text}")
         # JSON text crosses the wire; each rank parses and checks it once (rank 0 keeps its own)
-        chosen = _load_plan(made if made is not None else text, expected)
+        return made if made is not None else Plan.from_json(text)
+
+    chosen = plan_on_rank0(None) if auto else given  # "auto": capture at the chosen microbatches
+    if chosen is not None:
+        microbatches, schedule = chosen.microbatches, chosen.schedule
+    _, first = first_microbatch(example_inputs, microbatches)
+    captured = capture(model, first, method=run.capture_method, leaf_modules=leaf_modules)
+    expected = fingerprint(captured.gm)
+    if chosen is not None:
+        _check_fingerprint(chosen, expected)
+    else:
+        chosen = plan_on_rank0(captured)
+        _check_fingerprint(chosen, expected)
     if chosen.num_ranks != world:
         raise PlanError(
             f"the plan is for {chosen.num_ranks} ranks ({chosen.num_stages} stages) but the "

@@ -18,6 +18,8 @@ import numpy as np
 from pipecut.errors import PartitionError
 from pipecut.plan import NodeCost, NodeOp
 
+__all__ = ["holder_prefix", "holds_params", "max_stages", "stage_count_error"]
+
 
 def holds_params(nodes: Sequence[NodeCost], units: Sequence[str]) -> tuple[bool, ...]:
     """Per unit: does it read a parameter, directly (a module's own) or through a ``get_attr``?"""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pipecut
-from examples import resnet
+from examples import mlp, resnet
 from tests.harness import run_ranks
 from tests.reference import assert_parity, pipeline_grads, reference
 
@@ -23,8 +23,15 @@ def _calibrated(rank: int, world: int) -> dict[str, Any]:
     untouched = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     no_grads = all(p.grad is None for p in model.parameters())
     loss = pipe.step(inputs, target)
-    return {"untouched": untouched, "no_grads": no_grads, "detail": pipe.plan.solver.detail,
-            "loss": loss, "grads": pipeline_grads(model, pipe)}
+    out = {"untouched": untouched, "no_grads": no_grads, "detail": pipe.plan.solver.detail,
+           "loss": loss, "grads": pipeline_grads(model, pipe), "link": pipe.plan.link}
+    # The planner chooses microbatches and schedule; the link is measured at compile.
+    model, inputs, loss_fn, target = mlp.build(batch_size=8, depth=4)
+    auto = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+                           microbatches="auto", schedule="auto", calibration_steps=0, timeout=120)
+    out["auto"] = {"loss": auto.step(inputs, target), "grads": pipeline_grads(model, auto),
+                   "plan": auto.plan.to_json()}
+    return out
 
 
 @pytest.mark.timeout(300)
@@ -35,3 +42,10 @@ def test_live_calibration_keeps_the_model_and_parity() -> None:
         assert "calibrated on the running pipeline" in r["detail"]
     ref_loss, ref_grads = reference(resnet.build, 4, per_microbatch=True)
     assert_parity(ref_loss, ref_grads, results)
+    assert results[0]["link"].measured and results[0]["link"] == results[1]["link"]
+    plan = pipecut.Plan.from_json(results[0]["auto"]["plan"])
+    chosen = [c for c in plan.candidates if c.note == "chosen"]
+    assert len(plan.candidates) == 9 and len(chosen) == 1  # M in {2, 4, 8} x three schedules
+    assert (chosen[0].microbatches, chosen[0].schedule) == (plan.microbatches, plan.schedule)
+    ref_loss, ref_grads = reference(lambda: mlp.build(batch_size=8, depth=4), plan.microbatches, False)
+    assert_parity(ref_loss, ref_grads, [r["auto"] for r in results])

@@ -1,0 +1,105 @@
+"""The README's training loop at 4 ranks, under GPipe, 1F1B and zero-bubble: every feature of an
+ordinary loop matches the plain model (2-rank coverage of each feature is in test_amp_shapes,
+test_eval, test_grads and test_model_state).
+
+One fork of 4 ranks runs, per schedule, on the GPT example (tied input/output embeddings across
+the first and last stage): a bf16 autocast step, a clipped step, a smaller last batch, an eval
+step under no_grad with outputs, and the merged state dict loaded strictly into the plain model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import pipecut
+from examples import gpt
+from tests.harness import run_ranks
+from tests.reference import ATOL, RTOL, assert_parity, pipeline_grads, reference
+
+pytestmark = pytest.mark.dist
+
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
+M = 4
+
+
+def _gpt() -> Any:
+    return gpt.build(batch_size=8, vocab=128, dim=64, heads=4, layers=4, seq=16)
+
+
+def _cut(batch: Any, rows: int) -> Any:
+    return tuple(t[:rows] for t in batch) if isinstance(batch, tuple) else batch[:rows]
+
+
+def _ranks(rank: int, world: int) -> list[dict[str, Any]]:
+    out = []
+    for schedule in SCHEDULES:
+        model, inputs, loss_fn, target = _gpt()
+        pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+                               microbatches=M, schedule=schedule, calibration_steps=0, timeout=120)
+        res: dict[str, Any] = {}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            res["bf16"] = {"loss": pipe.step(inputs, target), "grads": pipeline_grads(model, pipe)}
+        for p in pipe.parameters():
+            p.grad = None
+        loss = pipe.step(inputs, target)
+        norm = pipe.clip_grad_norm_(0.5)
+        res["clipped"] = {"loss": loss, "grads": pipeline_grads(model, pipe), "norm": norm}
+        for p in pipe.parameters():
+            p.grad = None
+        res["smaller"] = {"loss": pipe.step(_cut(inputs, 6), _cut(target, 6)), "grads": pipeline_grads(model, pipe)}
+        for p in pipe.parameters():
+            p.grad = None
+        pipe.eval()
+        with torch.no_grad():
+            val, logits = pipe.step(inputs, target, return_outputs=True, all_ranks=True)
+        res["eval"] = {"loss": val, "logits": logits, "no_grads": all(p.grad is None for p in pipe.parameters())}
+        pipe.train()
+        res["state"] = pipe.state_dict()
+        out.append(res)
+    return out
+
+
+def _clipped_reference() -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    model, inputs, loss_fn, target = _gpt()
+    loss = loss_fn(model(*inputs), target)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return loss.detach(), {names[id(p)]: p.grad for p in model.parameters()}, norm
+
+
+@pytest.mark.timeout(420)
+def test_training_loop_at_four_ranks_matches_plain_model() -> None:
+    per_rank = run_ranks(_ranks, 4, timeout=400)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16_loss, bf16_grads = reference(_gpt, M, per_microbatch=False)
+    loss, grads, norm = _clipped_reference()
+    small_loss, small_grads = reference(lambda: (lambda m, x, f, y: (m, _cut(x, 6), f, _cut(y, 6)))(*_gpt()), M, False)
+    model, inputs, loss_fn, target = _gpt()
+    model.eval()
+    with torch.no_grad():
+        ref_logits = model(*inputs)
+        ref_val = loss_fn(ref_logits, target)
+    for i, schedule in enumerate(SCHEDULES):
+        results = [rank[i] for rank in per_rank]
+        # bf16: see AMP_RTOL in test_amp_shapes.py (rounding order differs by microbatch).
+        scale = max(g.abs().max().item() for g in bf16_grads.values())
+        assert_parity(bf16_loss, bf16_grads, [r["bf16"] for r in results], rtol=1e-2, atol=1e-2 * scale)
+        assert_parity(loss, grads, [r["clipped"] for r in results])
+        for r in results:
+            torch.testing.assert_close(r["clipped"]["norm"], norm, rtol=RTOL, atol=ATOL, msg=schedule)
+        assert_parity(small_loss, small_grads, [r["smaller"] for r in results])
+        for r in results:
+            assert r["eval"]["no_grads"], schedule
+            torch.testing.assert_close(r["eval"]["loss"], ref_val, rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(r["eval"]["logits"], ref_logits, rtol=RTOL, atol=ATOL)
+        merged: dict[str, torch.Tensor] = {}
+        for r in results:
+            merged.update(r["state"])
+        fresh = gpt.GPT(vocab=128, dim=64, heads=4, layers=4, seq=16)
+        fresh.load_state_dict(merged, strict=True)  # the model's own names, every key
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(fresh.state_dict()[name], value, rtol=0, atol=0, msg=name)
