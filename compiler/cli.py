@@ -61,6 +61,19 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def _count_or_auto(text: str) -> int | str:
+    """A positive integer, or "auto" (the planner chooses)."""
+    return "auto" if text == "auto" else _positive(text)
+
+
+def parse_split(text: str) -> list[str] | list[list[str]]:
+    """``--split``: "blocks.2,blocks.4" (modules where stages 1.. begin) or
+    "tok_emb,blocks.0|blocks.1,lm_head" (module names per stage, stages separated by "|")."""
+    if "|" in text:
+        return [[m.strip() for m in stage.split(",") if m.strip()] for stage in text.split("|")]
+    return [m.strip() for m in text.split(",") if m.strip()]
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -138,7 +151,7 @@ def _plan_estimated(args: argparse.Namespace, example: Any, link: Link | None) -
     return pipecut.partition_costs(
         nodes, devices=devices, link=link or pipecut.device_link(args.device_profile),
         microbatches=args.microbatches, batch_size=size, schedule=args.schedule,
-        stages_per_rank=args.stages_per_rank, solver=args.solver,
+        stages_per_rank=args.stages_per_rank, solver=args.solver, split=args.split,
         fingerprint=fingerprint(captured.gm), capture=captured.method,
         inputs=captured.input_names,
     )
@@ -154,7 +167,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_output(args.out, "--out")
     check_output(args.html, "--html")
     check_output(args.dot, "--dot")
-    if args.stages_per_rank > 1 and as_schedule(args.schedule) is not ScheduleKind.INTERLEAVED_1F1B:
+    if args.device_profile is not None and "auto" in (args.microbatches, args.schedule):
+        raise InputError("--device-profile plans from estimated costs at one microbatch size: give "
+                         "--microbatches and --schedule as values, not 'auto'")
+    if args.stages_per_rank > 1 and args.schedule != "auto" and as_schedule(args.schedule) is not ScheduleKind.INTERLEAVED_1F1B:
         raise InputError(
             f"--stages-per-rank {args.stages_per_rank} needs --schedule interleaved-1f1b "
             f"(got {args.schedule}); use --stages-per-rank 1 otherwise"
@@ -164,7 +180,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         device_profile(args.device_profile)
     factory = load_factory(args.factory)
     example = call_factory(factory, batch_size=args.batch_size, seed=args.seed, spec=args.factory)
-    log.info("planning %s on %d devices, %d microbatches, %s", args.factory, args.devices,
+    log.info("planning %s on %d devices, %s microbatches, %s", args.factory, args.devices,
              args.microbatches, args.schedule)
     if args.device_profile is not None:
         plan = _plan_estimated(args, example, args.link)
@@ -178,7 +194,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 target=example.target, microbatches=args.microbatches, schedule=args.schedule,
                 progress=bar, link=args.link or DEFAULT_LINK,
                 stages_per_rank=args.stages_per_rank, calibrate=args.calibrate,
-                solver=args.solver,
+                solver=args.solver, split=args.split,
             )
     if args.out:
         plan.to_json(args.out)
@@ -290,9 +306,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dotted module or .py path, a colon, and the factory function's name")
     p.add_argument("--devices", "-k", type=_positive, default=2, metavar="K",
                    help="number of pipeline stages (default 2)")
-    p.add_argument("--microbatches", "-m", type=_positive, default=4, metavar="M",
-                   help="microbatches per step; must divide the batch size (default 4)")
-    p.add_argument("--schedule", "-s", choices=[s.value for s in ScheduleKind], default="1f1b")
+    p.add_argument("--microbatches", "-m", type=_count_or_auto, default=4, metavar="M",
+                   help="microbatches per step; must divide the batch size (default 4); 'auto': "
+                        "the planner picks M by predicted step time")
+    p.add_argument("--schedule", "-s", choices=[s.value for s in ScheduleKind] + ["auto"], default="1f1b",
+                   help="'auto': the planner picks the schedule by predicted step time")
+    p.add_argument("--split", type=parse_split, default=None, metavar="SPLIT",
+                   help="pin the split: modules where stages 1.. begin ('blocks.2,blocks.4') or "
+                        "modules per stage ('emb,blocks.0|blocks.1,head'); the summary shows "
+                        "what it costs against pipecut's own split")
     p.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="SIZE",
                    help="memory capacity of every device, e.g. 2GiB (default: unlimited, or the "
                    "device profile's)")

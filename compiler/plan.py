@@ -213,8 +213,10 @@ class Predicted:
     stage_ms: tuple[float, ...] = ()
     single_device_ms: float = 0.0
     optimum_step_ms: float = 0.0
-    """pipecut's own best split's predicted step for the same devices and schedule: equal to
-    ``step_ms`` unless the split was given (then the difference is what the choice costs)."""
+    """The predicted step of pipecut's own split for the same devices and schedule: equal to
+    ``step_ms`` unless the split was given (then the difference is what the choice costs; the
+    partitioner minimises the slowest stage, so a given split can come out ahead in the
+    simulated step)."""
     """Forward + backward of the whole batch on one device (for the speedup estimate)."""
 
 

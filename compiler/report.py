@@ -41,10 +41,10 @@ def summary_table(plan: Plan) -> str:
         f"{p.bubble_fraction:.1%}, bottleneck stage {p.bottleneck_stage}; "
         f"{plan.solver.method.value} solved in {plan.solver.solve_ms:.1f} ms"
     )
-    if p.optimum_step_ms and p.optimum_step_ms < p.step_ms:
+    if plan.solver.method.value == "given" and p.optimum_step_ms:  # no import: plan imports us
         lines.append(
             f"split given ({plan.solver.detail.removeprefix('split given: ')}): pipecut's own "
-            f"split would take {p.optimum_step_ms:.2f} ms, {p.step_ms / p.optimum_step_ms - 1:.1%} less"
+            f"split is predicted at {p.optimum_step_ms:.2f} ms ({p.optimum_step_ms / p.step_ms - 1:+.1%})"
         )
     if plan.tied:
         lines.append("tied parameters: " + ", ".join(f"{t.fqn} on stages {list(t.stages)}" for t in plan.tied))

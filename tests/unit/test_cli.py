@@ -15,7 +15,7 @@ import pytest
 
 import pipecut
 from pipecut import logs
-from pipecut.cli import main, parse_bytes
+from pipecut.cli import main, parse_bytes, parse_split
 from pipecut.diff import diff_plans, format_diff
 from pipecut.errors import InputError
 from pipecut.factory import SHIPPED, call_factory, load_factory
@@ -344,3 +344,17 @@ def test_bad_link_is_a_usage_error(link, capsys):
         main(["plan", "examples.mlp:build", "--link", link])
     assert e.value.code == 2
     assert "write BANDWIDTH[,LATENCY_MS]" in capsys.readouterr().err
+
+
+def test_plan_with_a_pinned_split_and_auto_microbatches(in_repo, tmp_path, capsys):
+    assert parse_split("layers.2,layers.4") == ["layers.2", "layers.4"]
+    assert parse_split("layers.0,layers.1|layers.2,head") == [["layers.0", "layers.1"], ["layers.2", "head"]]
+    code = main(["plan", "examples.mlp:build", "-k", "2", "-m", "auto", "-s", "auto", "--batch-size", "8",
+                 "--split", "layers.5", "--no-calibrate", "-o", str(tmp_path / "p.json"), "-q"])
+    assert code == 0
+    plan = pipecut.Plan.from_json(tmp_path / "p.json")
+    assert plan.solver.method is pipecut.Partitioner.GIVEN
+    assert plan.stages[1].nodes[0].startswith("layers_5") and plan.candidates
+    assert plan.predicted.optimum_step_ms > 0  # pipecut's own split, priced beside the given one
+    assert main(["plan", "examples.mlp:build", "-m", "auto", "--device-profile", "A100-80GB", "-q"]) == 1
+    assert "not 'auto'" in capsys.readouterr().err

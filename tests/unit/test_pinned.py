@@ -61,10 +61,10 @@ def test_a_given_split_is_planned_and_priced_beside_the_optimum(gpt_costs: tuple
     given = partition_costs(gpt_costs, split=["blocks.3"], **kw)
     assert given.solver.method is Partitioner.GIVEN and "blocks.3" in given.solver.detail
     assert given.stages[1].nodes[0] == next(n.name for n in gpt_costs if n.module.startswith("blocks.3"))
-    # The optimum is the DP's: it can only be at most the given split's time.
+    # Beside the given split: the step pipecut's own partitioner predicts for the same setting
+    # (its objective is the slowest stage, so the simulated step can still come out either way).
     assert given.predicted.optimum_step_ms == pytest.approx(best.predicted.step_ms)
-    assert given.predicted.optimum_step_ms <= given.predicted.step_ms
     assert best.predicted.optimum_step_ms == best.predicted.step_ms
-    assert "pipecut's own split would take" in given.summary() or given.predicted.step_ms == best.predicted.step_ms
+    assert "pipecut's own split is predicted at" in given.summary()
     with pytest.raises(PartitionError, match="has 2 stages but 4 are planned"):
         partition_costs(gpt_costs, split=["blocks.3"], **{**kw, "devices": 4})
