@@ -89,12 +89,6 @@ def _replication(layout: _Layout, data_parallel: str | DataParallelKind | None) 
     return DataParallel(kind=kind, replicas=dist.get_world_size(layout.dp_group))
 
 
-def _load_plan(plan: Plan | str | Path, expected: str) -> Plan:
-    loaded = plan if isinstance(plan, Plan) else Plan.from_json(plan)
-    _check_fingerprint(loaded, expected)
-    return loaded
-
-
 def _check_fingerprint(loaded: Plan, expected: str) -> None:
     if loaded.fingerprint != expected:
         raise PlanError(

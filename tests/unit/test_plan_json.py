@@ -9,7 +9,7 @@ import pytest
 
 import pipecut
 from examples import mlp
-from pipecut.api import _load_plan
+from pipecut.api import _check_fingerprint
 from pipecut.errors import PlanError
 from pipecut.plan import Plan
 
@@ -64,7 +64,7 @@ def test_bad_field_names_its_path(plan: Plan) -> None:
 
 def test_plan_for_another_model_refused(plan: Plan) -> None:
     with pytest.raises(PlanError, match="made for another model"):
-        _load_plan(plan, "0123456789abcdef")
+        _check_fingerprint(plan, "0123456789abcdef")
 
 
 def test_summary_lists_every_stage(plan: Plan) -> None:
