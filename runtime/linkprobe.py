@@ -3,7 +3,10 @@
 The planner prices every cut as ``latency + bytes / bandwidth``. A guessed link misprices cuts
 (gloo over loopback, NVLink and Ethernet differ by orders of magnitude), so ``compile`` measures
 it: each neighbouring pair (r, r + 1) in turn bounces a small and a large message a few times,
-one-way time is half the round trip, and latency and bandwidth come from the two sizes. Pairs
+one-way time is half the fastest round trip (interference only ever adds time), and latency
+and bandwidth come from the two sizes. Where the large message is not measurably slower than the
+small one (a loaded host, a link too fast for the clock), at least half the large message's time
+is charged to its bytes: a bandwidth that errs low, never absurdly high. Pairs
 run one after another (on a shared host, concurrent pairs would measure each other). Every rank
 gets the same answer: the slowest pair's, since one link prices every cut of the plan.
 
@@ -14,7 +17,6 @@ clock, since NCCL calls return before the transfer ends.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
 
@@ -50,7 +52,14 @@ def _one_way_ms(
         _sync(buf.device)
         if i:
             samples.append((time.perf_counter() - start) * 1e3 / 2)
-    return statistics.median(samples)
+    return min(samples)
+
+
+def _per_byte_ms(small_ms: float, large_ms: float) -> float:
+    """Milliseconds per byte from the two sizes' one-way times; never below what the large
+    message's own time bounds it by, so noise cannot make the link look infinitely fast."""
+    slope = (large_ms - small_ms) / (LARGE_BYTES - SMALL_BYTES)
+    return max(slope, large_ms / LARGE_BYTES / 2, 1e-12)
 
 
 def measure_link(
@@ -71,7 +80,7 @@ def measure_link(
                 buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
                 peer = ranks[a + 1] if rank == a else ranks[a]
                 times.append(_one_way_ms(buf, peer, rank == a, group, repeats))
-            per_byte = max(times[1] - times[0], 1e-12) / (LARGE_BYTES - SMALL_BYTES)
+            per_byte = _per_byte_ms(times[0], times[1])
             latency = max(times[0] - per_byte * SMALL_BYTES, 0.0)
             found = torch.maximum(found, torch.tensor([latency, per_byte], dtype=torch.float64))
         dist.barrier(group=group)

@@ -26,3 +26,14 @@ def test_every_rank_gets_the_same_measured_link() -> None:
     # gloo over loopback moves between ~10 MB/s and ~100 GB/s on any machine this runs on.
     assert measured and 1e4 < bandwidth < 1e8 and 0.0 <= latency < 1000.0
     assert run_ranks(_probe, 1, timeout=60) == [None]  # one rank: no link to measure
+
+
+def test_noise_cannot_make_the_link_infinitely_fast() -> None:
+    # A loaded host once timed the 4 KiB message slower than the 4 MiB one: the slope was
+    # negative, and the probe reported 4e18 bytes/ms. Half the large message's time now bounds it.
+    from pipecut.runtime.linkprobe import LARGE_BYTES, _per_byte_ms
+
+    assert _per_byte_ms(small_ms=0.5, large_ms=0.4) == pytest.approx(0.4 / LARGE_BYTES / 2)
+    assert _per_byte_ms(small_ms=0.0, large_ms=0.0) == 1e-12
+    slope = _per_byte_ms(small_ms=0.1, large_ms=4.1)  # a clean measurement keeps its slope
+    assert slope == pytest.approx(4.0 / (LARGE_BYTES - (4 << 10)))
