@@ -26,7 +26,7 @@ lint: setup
 # mypy needs the import name `pipecut`: build a symlink tree that maps it to compiler/ etc.
 typecheck: setup
 	rm -rf build/typecheck && mkdir -p build/typecheck/pipecut
-	for f in compiler/*.py; do ln -s ../../../$$f build/typecheck/pipecut/; done
+	for f in compiler/*; do ln -s ../../../$$f build/typecheck/pipecut/; done
 	ln -s ../../../passes build/typecheck/pipecut/passes
 	ln -s ../../../runtime build/typecheck/pipecut/runtime
 	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p pipecut

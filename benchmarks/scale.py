@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/scale.py            # both tables, markdown on stdout
 
-1. Simulator: ``runtime.schedule.simulate`` (reference) against ``passes.fastsim`` on K stages
+1. Simulator: ``core.schedule.simulate`` (reference) against ``passes.fastsim`` on K stages
    of equal cost, M microbatches, both schedules; the two must agree.
 2. Planner: ``passes.hybrid.plan_hybrid`` on a synthetic 96-layer transformer
    (``passes.synthetic.transformer_costs``; 3,751 units, 39 GB of BF16 parameters, microbatch of
@@ -28,13 +28,14 @@ import time
 from pathlib import Path
 
 import pipecut
+from pipecut.core.schedule import simulate
 from pipecut.passes.fastsim import simulate_kind
 from pipecut.passes.hybrid import HybridPlan, plan_hybrid, workload
 from pipecut.passes.replication import ReplicationKind
+from pipecut.passes.schedules import build
 from pipecut.passes.synthetic import Shape, transformer_costs
 from pipecut.passes.workload import Workload
 from pipecut.plan import Link, ScheduleKind
-from pipecut.runtime.schedule import build, simulate
 
 DEVICES = (64, 128, 256, 512, 1024)
 SPEEDUP = 3000.0

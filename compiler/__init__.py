@@ -32,7 +32,8 @@ from pipecut.plan import (
     ScheduleKind,
 )
 from pipecut.planner import partition_costs, plan
-from pipecut.render import render
+from pipecut.report.render import render
+from pipecut.report.text import summary
 
 __version__ = "0.1.0"
 """The one place the version is written: pyproject.toml reads it (``dynamic = ["version"]``)."""
@@ -66,4 +67,5 @@ __all__ = [
     "partition_costs",
     "plan",
     "render",
+    "summary",
 ]

@@ -2,6 +2,6 @@
 
 import sys
 
-from pipecut.cli import main
+from pipecut.cli.main import main
 
 sys.exit(main())

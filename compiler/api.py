@@ -15,19 +15,21 @@ import torch
 import torch.distributed as dist
 
 from pipecut.autoplan import AUTO
-from pipecut.batching import first_microbatch
-from pipecut.capture import Captured, Inputs, capture, fingerprint
+from pipecut.capture import capture, fingerprint
+from pipecut.capture.modes import Modes, derive_other_mode
+from pipecut.core.batching import first_microbatch
+from pipecut.core.meta import has_meta
+from pipecut.core.program import Captured, Inputs, StageProgram
+from pipecut.core.schedule import validate
 from pipecut.errors import CaptureError, InputError, PipecutError, PipelineRuntimeError, PlanError
-from pipecut.live_calibration import measure_stages, recalibrate
-from pipecut.meta import has_meta
-from pipecut.modes import Modes, derive_other_mode
 from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
-from pipecut.passes.split import StageProgram, split_stage
-from pipecut.passes.stages import plan_schedule
+from pipecut.passes.split import split_stage
+from pipecut.passes.stages import plan_schedule, predicted_timeline
 from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
 from pipecut.planner import Devices, as_devices
 from pipecut.planner import plan as make_plan
-from pipecut.profile import LossFn
+from pipecut.profile.live import measure_stages, recalibrate
+from pipecut.profile.nodes import LossFn
 from pipecut.replay import settings
 from pipecut.resolve import WireSpecs, schedules
 from pipecut.runtime.data_parallel import check_supported, replicate
@@ -38,7 +40,6 @@ from pipecut.runtime.materialize import Init, check_unexpected, materialize_stag
 from pipecut.runtime.nccl import check_nccl
 from pipecut.runtime.p2p import wiring
 from pipecut.runtime.pipeline import Pipeline
-from pipecut.runtime.schedule import validate
 from pipecut.runtime.stage import StageWorker
 from pipecut.runtime.sync import stage_state, sync_from_rank0
 
@@ -129,7 +130,7 @@ def compile(
     with ``schedule="interleaved-1f1b"`` gives each rank several virtual stages.
     ``calibration_steps``: when planning, run this many timed steps of the compiled pipeline
     (after one warm-up; the model is left as it was), scale the plan's costs to what each stage
-    took while all ranks ran together, and plan again (see :mod:`pipecut.live_calibration`);
+    took while all ranks ran together, and plan again (see :mod:`pipecut.profile.live`);
     0 skips it.
     ``loss_reduction``: "mean" (``loss_fn`` returns a mean; the step's loss is the mean over
     microbatches) or "sum" (``loss_fn`` returns a sum; ``step(..., normalizer=n)`` divides the
@@ -281,6 +282,7 @@ def compile(
         group=group, tied_groups=_tied_groups(chosen, layout, rank, wait), dp_group=layout.dp_group,
         loss_reduction=reduction, modes=modes,
         wire=WireSpecs(captured.gm, chosen, device), schedule_for=schedules(chosen),
+        predicted=predicted_timeline(chosen),
     )
     if plan is None and calibration_steps > 0:  # before any wrapping: FSDP changes the modules
         times = measure_stages(pipe, example_inputs, target, calibration_steps)

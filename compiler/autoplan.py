@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pipecut.batching import first_microbatch, split_microbatches
+from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.errors import InputError, PartitionError, ScheduleError
 from pipecut.passes.microbatching import candidate_microbatches, costs_at
 from pipecut.plan import Candidate, NodeCost, Plan, Recompute, ScheduleKind

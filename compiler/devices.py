@@ -5,7 +5,7 @@ measurements. A node's estimated time is the roofline
 
     time = max(flops / (peak_flops · compute_efficiency), bytes / (bandwidth · memory_efficiency))
 
-with FLOPs and bytes counted per node by :mod:`pipecut.flops`. The rows of the cost table are
+with FLOPs and bytes counted per node by :mod:`pipecut.profile.flops`. The rows of the cost table are
 marked ``CostSource.ESTIMATED`` so a plan says which times were measured and which were not::
 
     nodes = pipecut.estimate_costs(model, (x,), device="A100-80GB", microbatches=8,
@@ -27,12 +27,13 @@ from typing import Any
 
 import torch
 
-from pipecut.batching import batch_size, split_microbatches
-from pipecut.capture import Inputs, capture
+from pipecut.capture import capture
+from pipecut.core.batching import batch_size, split_microbatches
+from pipecut.core.program import Inputs
 from pipecut.errors import InputError
-from pipecut.flops import NodeWork, count_work
 from pipecut.plan import CostSource, DeviceSpec, Link, NodeCost
-from pipecut.profile import LossFn, profile
+from pipecut.profile.flops import NodeWork, count_work
+from pipecut.profile.nodes import LossFn, profile
 
 __all__ = [
     "COMPUTE_EFFICIENCY",

@@ -75,7 +75,7 @@ class CostSource(enum.Enum):
     """Where a node's times came from."""
 
     MEASURED = "measured"
-    """Timed by running the node (``pipecut.profile``)."""
+    """Timed by running the node (``pipecut.profile.nodes``)."""
     ESTIMATED = "estimated"
     """Roofline estimate from FLOP and byte counts and a device profile (``pipecut.devices``)."""
 
@@ -96,7 +96,7 @@ class Leaf:
     requires_grad: bool = False
     """True when the tensor depends on a parameter, so its gradient crosses cuts backwards."""
     value: Any = None
-    """JSON encoding of a non-tensor leaf (see ``pipecut.values``); None if not encodable."""
+    """JSON encoding of a non-tensor leaf (see ``pipecut.core.values``); None if not encodable."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -373,9 +373,3 @@ class Plan:
             except OSError as e:
                 raise PlanError(f"cannot read plan {path_or_text}: {e}") from e
         return load_plan(text)
-
-    def summary(self) -> str:
-        """A table: stage, nodes, params, fwd/bwd ms, comm ms, memory, send/recv bytes."""
-        from pipecut.report import summary_table
-
-        return summary_table(self)

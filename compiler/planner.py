@@ -16,12 +16,11 @@ import torch
 
 import pipecut
 from pipecut.autoplan import AUTO, choose
-from pipecut.batching import first_microbatch, split_microbatches
-from pipecut.calibrate import calibrate as calibrate_costs
-from pipecut.calibrate import stage_times
-from pipecut.capture import Captured, Inputs, capture, fingerprint
+from pipecut.capture import capture, fingerprint
+from pipecut.core.batching import first_microbatch, split_microbatches
+from pipecut.core.meta import has_meta
+from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError, PartitionError
-from pipecut.meta import has_meta
 from pipecut.parallel import DataParallel
 from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.chain import boundary_bytes, boundary_ms, can_cross, is_unit, liveness
@@ -47,7 +46,9 @@ from pipecut.plan import (
     ScheduleKind,
     Solver,
 )
-from pipecut.profile import LossFn, profile
+from pipecut.profile.calibrate import calibrate as calibrate_costs
+from pipecut.profile.calibrate import stage_times
+from pipecut.profile.nodes import LossFn, profile
 
 __all__ = [
     "DEFAULT_LINK",
@@ -372,7 +373,7 @@ def plan(
     ``recompute``, ``partitioner``, ``ilp_time_limit``, ``stages_per_rank``, ``data_parallel``,
     ``solver`` and ``split`` (a split you choose; the plan reports its cost beside pipecut's optimum) are
     as in :func:`partition_costs`. ``calibrate``: time the first split's
-    stages whole, scale the node costs to match (see :mod:`pipecut.calibrate`) and partition
+    stages whole, scale the node costs to match (see :mod:`pipecut.profile.calibrate`) and partition
     again.
     """
     specs = as_devices(devices)

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from pipecut.core.schedule import Schedule, validate
+from pipecut.core.shapes import Signature, accepted, describe_accepted, planned_signature
 from pipecut.errors import InputError, ScheduleError
 from pipecut.passes.propagate import PropagationError, cut_values
 from pipecut.passes.stages import make_schedule, stage_costs
 from pipecut.plan import NodeCost, Plan
-from pipecut.runtime.schedule import Schedule, validate
-from pipecut.shapes import Signature, accepted, describe_accepted, planned_signature
 
 __all__: list[str] = []
 

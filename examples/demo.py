@@ -51,7 +51,7 @@ def main() -> None:
     rank = dist.get_rank()
     if rank == 0:
         pipe.plan.to_json(args.plan_out)
-        print(f"plan written to {args.plan_out}\n{pipe.plan.summary()}\n", flush=True)
+        print(f"plan written to {args.plan_out}\n{pipecut.summary(pipe.plan)}\n", flush=True)
 
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
 

@@ -292,7 +292,7 @@ def reference_step(name: str, microbatches: int, batch_size: int = 8,
     Microbatch by microbatch, as the pipeline runs it, so BatchNorm sees the same batches and
     updates its running statistics the same number of times.
     """
-    from pipecut.batching import split_microbatches
+    from pipecut.core.batching import split_microbatches
 
     model, inputs, loss_fn, target = ZOO[name](batch_size=batch_size, seed=seed)
     total = torch.zeros(())

@@ -7,10 +7,11 @@ names, and a lazily exported function would be shadowed by its module once that 
 
 from __future__ import annotations
 
+from pipecut.core.program import StageProgram
 from pipecut.passes.hybrid import HybridPlan, plan_hybrid
 from pipecut.passes.ilp import IlpSolver
 from pipecut.passes.replication import ReplicationKind
-from pipecut.passes.split import StageProgram, split, split_stage
+from pipecut.passes.split import split, split_stage
 from pipecut.passes.synthetic import transformer_costs
 from pipecut.passes.workload import Workload, workload
 

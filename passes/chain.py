@@ -14,8 +14,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipecut.core.values import leaf_bytes
 from pipecut.plan import LeafKind, Link, NodeCost, NodeOp
-from pipecut.values import leaf_bytes
 
 __all__ = [
     "Liveness",

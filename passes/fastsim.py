@@ -1,6 +1,6 @@
-"""A faster schedule simulator for thousands of stages: same model as ``runtime.schedule.simulate``.
+"""A faster schedule simulator for thousands of stages: same model as ``core.schedule.simulate``.
 
-:func:`pipecut.runtime.schedule.timeline` rescans every rank until all are blocked and keys its
+:func:`pipecut.core.schedule.timeline` rescans every rank until all are blocked and keys its
 finish times by tuples of ``Action`` objects; at 1,024 stages × 256 microbatches that takes
 seconds per candidate, and the hybrid planner simulates a dozen candidates per device count.
 
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipecut.core.schedule import ActionKind, Schedule
 from pipecut.errors import ScheduleError
 from pipecut.plan import ScheduleKind
-from pipecut.runtime.schedule import ActionKind, Schedule
 
 __all__ = ["SimResult", "simulate_actions", "simulate_gpipe", "simulate_kind", "simulate_schedule"]
 
@@ -59,7 +59,7 @@ def simulate_gpipe(
     forward_link_ms: Sequence[float] = (),
     backward_link_ms: Sequence[float] = (),
 ) -> SimResult:
-    """Fill-drain (``runtime.schedule.gpipe``) in O(K) numpy operations of length M."""
+    """Fill-drain (``passes.schedules.gpipe``) in O(K) numpy operations of length M."""
     k, m = len(forward_ms), microbatches
     fl, bl = _links(k, forward_link_ms, backward_link_ms)
     idx = np.arange(m, dtype=np.float64)
@@ -83,7 +83,7 @@ def simulate_gpipe(
 
 
 def _one_f_one_b_codes(k: int, m: int) -> list[list[int]]:
-    """``runtime.schedule.one_f_one_b`` as integer codes: forward i = 2i, backward i = 2i + 1."""
+    """``passes.schedules.one_f_one_b`` as integer codes: forward i = 2i, backward i = 2i + 1."""
     ranks = []
     for s in range(k):
         warmup = min(k - s - 1, m)
@@ -160,7 +160,7 @@ def simulate_schedule(
     forward_link_ms: Sequence[float] = (),
     backward_link_ms: Sequence[float] = (),
 ) -> SimResult:
-    """Any schedule of :mod:`pipecut.runtime.schedule` (its actions must be on their own rank)."""
+    """Any schedule of :mod:`pipecut.core.schedule` (its actions must be on their own rank)."""
     return simulate_actions(
         _codes(schedule), forward_ms, backward_ms, microbatches, forward_link_ms, backward_link_ms
     )

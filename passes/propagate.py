@@ -7,7 +7,7 @@ than asking the sending rank (a runtime handshake, which can hang), every rank r
 graph it already holds on *fake* tensors (``FakeTensorMode``: shapes and dtypes, no data, no
 compute) for the microbatch's input shapes under the same autocast state, and reads each node's
 output. Every rank computes the same answer from the same inputs, so sender and receiver agree
-without exchanging a byte. The result is cached per :class:`~pipecut.shapes.Signature` by the
+without exchanging a byte. The result is cached per :class:`~pipecut.core.shapes.Signature` by the
 caller.
 
 Parameters and buffers are replaced by fake tensors of their shape and dtype on the target
@@ -33,9 +33,9 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from pipecut.core.shapes import AutocastState
+from pipecut.core.values import describe, dtype_from_name, dtype_name
 from pipecut.plan import CaptureMethod, InputShape, NodeCost, Plan
-from pipecut.shapes import AutocastState
-from pipecut.values import describe, dtype_from_name, dtype_name
 
 __all__ = ["PropagationError", "accepted_shapes", "cut_values", "propagate"]
 

@@ -13,28 +13,14 @@ modified: stage graphs are built from copies of its nodes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch.fx as fx
 
+from pipecut.core.graph import canonical_names, mutates_first_arg
+from pipecut.core.program import StageProgram
 from pipecut.errors import PlanError
-from pipecut.fxutil import canonical_names, mutates_first_arg
 from pipecut.plan import LeafKind, Plan
 
-__all__ = ["StageProgram", "split", "split_stage", "verify"]
-
-
-@dataclass(frozen=True)
-class StageProgram:
-    index: int
-    module: fx.GraphModule
-    received: tuple[str, ...]
-    """Values received from the previous stage, in wire order (first placeholders)."""
-    model_inputs: tuple[str, ...]
-    """Model input placeholders this stage reads (after the received ones)."""
-    sent: tuple[str, ...]
-    """Values sent to the next stage, in wire order (the module's outputs, unless last)."""
-    is_last: bool
+__all__ = ["split", "split_stage", "verify"]
 
 
 def split(gm: fx.GraphModule, plan: Plan) -> tuple[StageProgram, ...]:

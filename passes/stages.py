@@ -8,9 +8,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipecut.core.schedule import Action, Schedule, simulate, timeline
 from pipecut.errors import ScheduleError
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.chain import Liveness, boundary_bytes, boundary_ms, value_bytes
+from pipecut.passes.schedules import build as build_schedule
+from pipecut.passes.zero_bubble import zero_bubble
 from pipecut.plan import (
     DeviceSpec,
     Edge,
@@ -24,9 +27,6 @@ from pipecut.plan import (
     Stage,
     TiedGroup,
 )
-from pipecut.runtime.schedule import Action, Schedule, simulate, timeline
-from pipecut.runtime.schedule import build as build_schedule
-from pipecut.runtime.zb_schedule import zero_bubble
 
 __all__ = [
     "OPTIMIZER_STATE_FACTOR",

@@ -12,27 +12,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pipecut.core.schedule import Action, ActionKind, Schedule, format_schedule, parse_schedule
     from pipecut.runtime.checkpoint import latest, load, load_into_model, save
     from pipecut.runtime.pipeline import Pipeline
-    from pipecut.runtime.schedule import (
-        Action,
-        ActionKind,
-        Schedule,
-        format_schedule,
-        parse_schedule,
-    )
 
 _HOME = {
-    "Action": "schedule",
-    "ActionKind": "schedule",
-    "Pipeline": "pipeline",
-    "Schedule": "schedule",
-    "format_schedule": "schedule",
-    "latest": "checkpoint",
-    "load": "checkpoint",
-    "load_into_model": "checkpoint",
-    "parse_schedule": "schedule",
-    "save": "checkpoint",
+    "Action": "pipecut.core.schedule",
+    "ActionKind": "pipecut.core.schedule",
+    "Pipeline": "pipecut.runtime.pipeline",
+    "Schedule": "pipecut.core.schedule",
+    "format_schedule": "pipecut.core.schedule",
+    "latest": "pipecut.runtime.checkpoint",
+    "load": "pipecut.runtime.checkpoint",
+    "load_into_model": "pipecut.runtime.checkpoint",
+    "parse_schedule": "pipecut.core.schedule",
+    "save": "pipecut.runtime.checkpoint",
 }
 
 __all__ = [
@@ -52,7 +46,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name not in _HOME:
         raise AttributeError(f"module 'pipecut.runtime' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"pipecut.runtime.{_HOME[name]}"), name)
+    return getattr(importlib.import_module(_HOME[name]), name)
 
 
 def __dir__() -> list[str]:

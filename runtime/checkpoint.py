@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from pipecut.core.graph import mutates_first_arg
 from pipecut.errors import InputError
-from pipecut.fxutil import mutates_first_arg
 from pipecut.runtime.pipeline import Pipeline
 
 __all__ = [

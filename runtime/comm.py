@@ -4,7 +4,7 @@ Every value crossing a cut is pytree-flattened; its tensor leaves go over the wi
 shape and dtype of a :class:`WireSpec` (so receivers allocate without a handshake), its
 constant leaves come from the spec. The spec is the plan's for the planned input shapes; for
 other shapes or under autocast it is derived on every rank alike from the microbatch's input
-shapes and autocast state (see ``pipecut.shapes``), never exchanged. Both ends check every
+shapes and autocast state (see ``pipecut.core.shapes``), never exchanged. Both ends check every
 tensor against it (:func:`pack` before sending, :func:`unpack` after receiving), so a rank that
 disagrees fails with the value, both dtypes and shapes, instead of reinterpreting bytes.
 Messages are matched by order, as NCCL does (per pair of ranks, the n-th send meets the n-th
@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from pipecut.core.values import decode_constant, dtype_from_name, encode_constant, flatten
 from pipecut.errors import PipelineRuntimeError
 from pipecut.plan import LeafKind, NodeCost
 from pipecut.runtime.p2p import Direction, Transfer
-from pipecut.values import decode_constant, dtype_from_name, encode_constant, flatten
 
 __all__ = ["Peer", "TensorLeaf", "WireSpec", "pack", "tag", "unpack"]
 

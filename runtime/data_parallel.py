@@ -40,10 +40,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from pipecut.core.schedule import Action, ActionKind
 from pipecut.errors import PlanError
 from pipecut.parallel import DataParallelKind
 from pipecut.plan import Plan, Recompute, ScheduleKind
-from pipecut.runtime.schedule import Action, ActionKind
 from pipecut.runtime.stage import StageWorker
 
 __all__: list[str] = []
@@ -54,7 +54,7 @@ _HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(DistributedDataP
 def last_backwards(actions: Sequence[Action]) -> dict[int, int]:
     """Per stage in ``actions``, the microbatch of its last backward action.
 
-    >>> from pipecut.runtime.schedule import gpipe, one_f_one_b
+    >>> from pipecut.core.schedule import gpipe, one_f_one_b
     >>> last_backwards(gpipe(2, 4)[0]), last_backwards(one_f_one_b(2, 4)[0])
     ({0: 0}, {0: 3})
     """

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipecut.core.schedule import Action, ActionKind
 from pipecut.errors import PipelineRuntimeError
 from pipecut.runtime.comm import Peer
 from pipecut.runtime.p2p import Op, Step, StepKind, Transfer
-from pipecut.runtime.schedule import Action, ActionKind
 from pipecut.runtime.stage import StageWorker
 
 __all__ = ["Event", "run_actions"]

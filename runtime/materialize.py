@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipecut.core.meta import empty_like, is_meta, module_tensors, rebind
 from pipecut.errors import InputError, PipelineRuntimeError
-from pipecut.meta import empty_like, is_meta, module_tensors, rebind
 from pipecut.runtime.weights import WeightSource
 
 __all__: list[str] = []

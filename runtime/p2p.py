@@ -28,8 +28,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipecut.core.schedule import Action, ActionKind, Schedule, timeline
 from pipecut.plan import LeafKind, Plan
-from pipecut.runtime.schedule import Action, ActionKind, Schedule, timeline
 
 __all__: list[str] = []
 
@@ -166,7 +166,7 @@ def comm_program(schedule: Schedule, rank: int, w: Wiring) -> tuple[Step, ...]:
     """The steps ``rank`` runs for ``schedule``: what it issues, waits for and computes, in order.
 
     Every message gets a round: the time its producing action ends in a replay of the schedule
-    (:func:`pipecut.runtime.schedule.timeline`, the same on every rank). Sender and receiver
+    (:func:`pipecut.core.schedule.timeline`, the same on every rank). Sender and receiver
     put it in the batch of that round, and each rank issues its rounds in time order, before
     the first action starting at or after them. So both ends of every message sit in the same
     round, each pair's messages go in the same order on both sides (sorted within a round),

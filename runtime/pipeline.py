@@ -11,11 +11,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecut.batching import batch_size
-from pipecut.capture import Captured, Inputs
+from pipecut.core.batching import batch_size
+from pipecut.core.graph import canonical_names
+from pipecut.core.program import Captured, Inputs
+from pipecut.core.schedule import Action, Schedule, forward_only
+from pipecut.core.shapes import (
+    AutocastState,
+    Signature,
+    check_microbatch,
+    loss_weights,
+    microbatch_sizes,
+    planned_signature,
+    signature,
+    split_by_sizes,
+)
 from pipecut.errors import InputError
-from pipecut.fxutil import canonical_names
-from pipecut.passes.stages import predicted_timeline
 from pipecut.plan import NodeCost, Plan
 from pipecut.runtime.data_parallel import average_loss
 from pipecut.runtime.executor import Event, run_actions
@@ -30,19 +40,8 @@ from pipecut.runtime.grads import (
 )
 from pipecut.runtime.nccl import check_nccl
 from pipecut.runtime.p2p import Step, comm_program, wiring
-from pipecut.runtime.schedule import Schedule, forward_only
 from pipecut.runtime.stage import StageWorker, reduce_tied_grads, tree_to
 from pipecut.runtime.trace import chrome_trace, write_chrome_trace
-from pipecut.shapes import (
-    AutocastState,
-    Signature,
-    check_microbatch,
-    loss_weights,
-    microbatch_sizes,
-    planned_signature,
-    signature,
-    split_by_sizes,
-)
 
 WireResolver = Callable[[Signature, Sequence[Any]], Mapping[str, NodeCost] | None]
 """Signature of a microbatch (and its flat inputs) -> every cut value's spec for it; None
@@ -77,6 +76,7 @@ class Pipeline:
         modes: ModeSwitch | None = None,
         wire: WireResolver | None = None,
         schedule_for: ScheduleResolver | None = None,
+        predicted: Sequence[tuple[Action, float, float]] = (),
     ) -> None:
         self.plan = plan
         self.captured = captured
@@ -91,6 +91,8 @@ class Pipeline:
         self.loss_reduction = loss_reduction
         self._wire = wire
         self._schedule_for = schedule_for
+        self.predicted = tuple(predicted)
+        """The plan's predicted (action, start ms, end ms), shown beside a measured trace."""
         self.events: list[Event] = []
         # By name, not object: FSDP later swaps parameters for sharded ones, on modules shared
         # with captured.gm, so the tie between two names is only visible now.
@@ -207,7 +209,7 @@ class Pipeline:
         dist.gather_object(spans, gathered if self.rank == 0 else None, dst=self.ranks[0], group=self.group)
         if self.rank != 0:
             return None
-        trace = chrome_trace(gathered, predicted_timeline(self.plan))
+        trace = chrome_trace(gathered, list(self.predicted))
         if path is not None:
             write_chrome_trace(path, trace)
         return trace

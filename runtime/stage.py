@@ -23,14 +23,14 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from pipecut.core.program import StageProgram
 from pipecut.errors import PipelineRuntimeError
-from pipecut.passes.split import StageProgram
 from pipecut.plan import NodeCost, Plan, Recompute
+from pipecut.runtime.backward_split import split_backward
 from pipecut.runtime.comm import Peer, WireSpec, pack, unpack
 from pipecut.runtime.forward import check_grad_flags
 from pipecut.runtime.memory import ActivationMeter
 from pipecut.runtime.p2p import Direction, Op, Transfer
-from pipecut.runtime.zero_bubble import split_backward
 
 __all__ = ["LossFn", "StageWorker", "reduce_tied_grads", "tree_to"]
 

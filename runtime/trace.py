@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipecut.runtime.schedule import Action
+from pipecut.core.schedule import Action
 
 __all__ = ["PREDICTED_PID_OFFSET", "chrome_trace", "write_chrome_trace"]
 

@@ -89,7 +89,7 @@ def factories() -> dict[str, Callable[..., Any]]:
 
 
 def canonical_names(model: torch.nn.Module) -> dict[int, str]:
-    from pipecut.fxutil import canonical_names as names
+    from pipecut.core.graph import canonical_names as names
 
     return names(model)
 PER_MICROBATCH = {"resnet"}  # BatchNorm: the reference runs microbatch by microbatch

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from pipecut.batching import split_microbatches
-from pipecut.fxutil import canonical_names
+from pipecut.core.batching import split_microbatches
+from pipecut.core.graph import canonical_names
 
 # fp32 tolerances: the pipeline runs the same kernels on the same microbatches; what differs is
 # the order in which per-microbatch gradients (and, against a full-batch reference, the

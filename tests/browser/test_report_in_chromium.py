@@ -94,7 +94,7 @@ def test_a_thousand_node_graph_stays_readable_and_unfolds(browser, tmp_path):
 
 
 def test_measured_timeline_is_drawn(browser, tmp_path):
-    from pipecut.gantt import predicted_spans
+    from pipecut.report.gantt import predicted_spans
 
     plan = synthetic_plan(layers=3, stages=2)
     spans = predicted_spans(plan)

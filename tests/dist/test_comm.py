@@ -13,7 +13,7 @@ import pipecut.api as api
 from examples import gpt
 from pipecut.errors import ScheduleError
 from pipecut.passes.stages import inflight_microbatches
-from pipecut.runtime.schedule import parse_schedule
+from pipecut.core.schedule import parse_schedule
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.dist

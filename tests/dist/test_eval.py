@@ -25,7 +25,7 @@ from torch import nn
 
 import pipecut
 from examples import resnet
-from pipecut.batching import split_microbatches
+from pipecut.core.batching import split_microbatches
 from pipecut.errors import InputError
 from pipecut.plan import CaptureMethod
 from tests.harness import run_ranks

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import pipecut
 from examples import gpt, mlp
-from pipecut.fxutil import canonical_names
+from pipecut.core.graph import canonical_names
 from tests.harness import run_ranks
 from tests.reference import ATOL, RTOL, assert_parity, pipeline_grads
 

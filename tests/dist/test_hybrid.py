@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 import pipecut
 from pipecut.errors import InputError, PlanError
-from pipecut.fxutil import canonical_names
+from pipecut.core.graph import canonical_names
 from pipecut.plan import ScheduleKind
 from examples import EXAMPLES
 from tests.harness import run_ranks

@@ -28,7 +28,7 @@ from torch import nn
 
 import pipecut
 from examples import mlp, zoo
-from pipecut.meta import is_meta, module_tensors
+from pipecut.core.meta import is_meta, module_tensors
 from pipecut.runtime import checkpoint as ckpt
 from pipecut.runtime.materialize import materialize_model
 from tests.harness import run_ranks
@@ -129,7 +129,7 @@ def k4(root):
 
 
 def _reference(model, inputs, loss_fn, target):
-    from pipecut.batching import split_microbatches
+    from pipecut.core.batching import split_microbatches
 
     total = torch.zeros(())
     for mb, t in zip(split_microbatches(inputs, M, 8), split_microbatches(target, M, 8, "target")):

@@ -7,8 +7,8 @@ import torch
 
 import pipecut
 from examples import resnet
-from pipecut.calibrate import calibrate, stage_times
 from pipecut.capture import capture
+from pipecut.profile.calibrate import calibrate, stage_times
 
 
 def test_stage_timing_leaves_the_model_untouched_and_calibration_matches_it() -> None:

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 import pipecut
-from pipecut import logs
-from pipecut.cli import main, parse_bytes, parse_split
-from pipecut.diff import diff_plans, format_diff
+from pipecut.cli import logs
+from pipecut.cli.factory import SHIPPED, call_factory, load_factory
+from pipecut.cli.main import main, parse_bytes, parse_split
 from pipecut.errors import InputError
-from pipecut.factory import SHIPPED, call_factory, load_factory
+from pipecut.report.diff import diff_plans, format_diff
 from pipecut.schema import validate_plan_dict
 from tests.browser.plans import synthetic_plan
 
@@ -65,7 +65,7 @@ def test_plan_accepts_a_file_path_factory(in_repo, tmp_path, capsys):
     assert pipecut.Plan.from_json(tmp_path / "p.json").num_stages == 2
 
 
-def test_show_prints_the_summary_table(planned, capsys):
+def test_show_prints_the_summary(planned, capsys):
     assert main(["show", str(planned / "plan.json")]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[:3] == ["stage", "device", "nodes"]
@@ -73,7 +73,7 @@ def test_show_prints_the_summary_table(planned, capsys):
 
 
 def test_render_with_timeline_and_dot(planned, tmp_path, capsys):
-    from pipecut.gantt import predicted_spans, to_trace
+    from pipecut.report.gantt import predicted_spans, to_trace
 
     plan = pipecut.Plan.from_json(planned / "plan.json")
     trace = tmp_path / "trace.json"
@@ -320,7 +320,7 @@ def test_render_refuses_svg_and_missing_folders(tmp_path, capsys):
     ],
 )
 def test_plan_refuses_bad_options_before_profiling(in_repo, monkeypatch, capsys, extra, message):
-    monkeypatch.setattr("pipecut.cli.load_factory", lambda *a: pytest.fail("got to the model"))
+    monkeypatch.setattr("pipecut.cli.main.load_factory", lambda *a: pytest.fail("got to the model"))
     assert main(["plan", "examples.mlp:build", *extra]) == 1
     assert re.search(message, capsys.readouterr().err)
 
@@ -333,7 +333,7 @@ def test_plan_refuses_a_folder_it_cannot_write(in_repo, tmp_path, monkeypatch, c
         monkeypatch.setattr(os, "access", lambda path, mode: False)
     else:
         tmp_path.chmod(0o500)
-    monkeypatch.setattr("pipecut.cli.load_factory", lambda *a: pytest.fail("got to the model"))
+    monkeypatch.setattr("pipecut.cli.main.load_factory", lambda *a: pytest.fail("got to the model"))
     assert main(["plan", "examples.mlp:build", "--out", str(tmp_path / "p.json")]) == 1
     assert "cannot write there (permission denied)" in capsys.readouterr().err
 

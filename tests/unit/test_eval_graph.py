@@ -18,16 +18,17 @@ from torch import nn
 
 import pipecut
 from examples import mlp
-from pipecut.batching import first_microbatch
 from pipecut.capture import capture
+from pipecut.capture.modes import Modes, derive_other_mode, describe_graph
+from pipecut.core.batching import first_microbatch
+from pipecut.core.schedule import ActionKind, forward_only, simulate
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
-from pipecut.modes import Modes, derive_other_mode, describe_graph
 from pipecut.passes.eval_graph import map_stages
+from pipecut.passes.schedules import build
 from pipecut.passes.split import split_stage
 from pipecut.plan import CaptureMethod, NodeCost, NodeOp, ScheduleKind
 from pipecut.planner import partition_costs
 from pipecut.runtime.forward import concat_microbatches
-from pipecut.runtime.schedule import ActionKind, build, forward_only, simulate
 from pipecut.runtime.stage import StageWorker
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pipecut.capture import capture
-from pipecut.flops import count_work, moved_bytes
+from pipecut.profile.flops import count_work, moved_bytes
 
 
 class Tiny(torch.nn.Module):

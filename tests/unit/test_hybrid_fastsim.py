@@ -1,4 +1,4 @@
-"""The fast simulator gives the same step (and per-rank end) times as runtime.schedule."""
+"""The fast simulator gives the same step (and per-rank end) times as core.schedule."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipecut.core.schedule import parse_schedule, simulate, timeline
 from pipecut.errors import ScheduleError
 from pipecut.passes.fastsim import simulate_kind, simulate_schedule
+from pipecut.passes.schedules import build
 from pipecut.plan import ScheduleKind
-from pipecut.runtime.schedule import build, parse_schedule, simulate, timeline
 
 KINDS = [ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B]
 times = st.floats(0.0, 5.0, allow_nan=False)

@@ -14,9 +14,9 @@ from torch import nn
 import pipecut
 from examples import mlp, zoo
 from pipecut.capture import capture, fingerprint
+from pipecut.core.meta import is_meta, module_tensors
 from pipecut.errors import InputError
-from pipecut.meta import is_meta, module_tensors
-from pipecut.profile import profile
+from pipecut.profile.nodes import profile
 from pipecut.runtime.materialize import check_unexpected, materialize_model, materialize_stage
 from pipecut.runtime.weights import open_weights
 
@@ -198,10 +198,10 @@ def test_profiling_a_meta_model_never_holds_more_than_a_node_of_scratch_weights(
     history of each scratch node was cut, every scratch weight stayed alive to the end.)"""
     import weakref
 
-    import pipecut.meta
+    import pipecut.core.meta
 
     live, peak = [0], [0]
-    made = pipecut.meta.real_like
+    made = pipecut.core.meta.real_like
 
     def counted(t, device, generator=None):
         value = made(t, device, generator)
@@ -211,7 +211,7 @@ def test_profiling_a_meta_model_never_holds_more_than_a_node_of_scratch_weights(
         weakref.finalize(value, lambda: live.__setitem__(0, live[0] - nbytes))
         return value
 
-    monkeypatch.setattr(pipecut.meta, "real_like", counted)
+    monkeypatch.setattr(pipecut.core.meta, "real_like", counted)
     _, inputs, loss_fn, target = mlp.build(batch_size=8, seed=0, width=64, depth=8)
     with torch.device("meta"):
         model = mlp.MLP(64, 8)

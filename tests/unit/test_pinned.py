@@ -65,6 +65,6 @@ def test_a_given_split_is_planned_and_priced_beside_the_optimum(gpt_costs: tuple
     # (its objective is the slowest stage, so the simulated step can still come out either way).
     assert given.predicted.optimum_step_ms == pytest.approx(best.predicted.step_ms)
     assert best.predicted.optimum_step_ms == best.predicted.step_ms
-    assert "pipecut's own split is predicted at" in given.summary()
+    assert "pipecut's own split is predicted at" in pipecut.summary(given)
     with pytest.raises(PartitionError, match="has 2 stages but 4 are planned"):
         partition_costs(gpt_costs, split=["blocks.3"], **{**kw, "devices": 4})

@@ -68,7 +68,7 @@ def test_plan_for_another_model_refused(plan: Plan) -> None:
 
 
 def test_summary_lists_every_stage(plan: Plan) -> None:
-    text = plan.summary()
+    text = pipecut.summary(plan)
     lines = text.splitlines()
     assert lines[0].split()[:3] == ["stage", "device", "nodes"]
     assert [line.split()[0] for line in lines[2:5]] == ["0", "1", "2"]

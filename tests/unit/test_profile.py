@@ -10,7 +10,7 @@ from examples import gpt, resnet
 from pipecut.capture import capture
 from pipecut.errors import InputError
 from pipecut.plan import LeafKind, NodeOp
-from pipecut.profile import profile
+from pipecut.profile.nodes import profile
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

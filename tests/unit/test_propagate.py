@@ -12,12 +12,7 @@ import torch
 import pipecut
 from examples import gpt, mlp
 from pipecut.capture import capture
-from pipecut.errors import InputError, PipelineRuntimeError
-from pipecut.passes.propagate import PropagationError, accepted_shapes, cut_values, propagate
-from pipecut.plan import InputShape, LeafKind, Plan, ScheduleKind
-from pipecut.resolve import WireSpecs, schedules
-from pipecut.runtime.comm import WireSpec, pack, unpack
-from pipecut.shapes import (
+from pipecut.core.shapes import (
     AutocastState,
     accepted,
     check_microbatch,
@@ -27,7 +22,12 @@ from pipecut.shapes import (
     signature,
     split_by_sizes,
 )
-from pipecut.values import describe
+from pipecut.core.values import describe
+from pipecut.errors import InputError, PipelineRuntimeError
+from pipecut.passes.propagate import PropagationError, accepted_shapes, cut_values, propagate
+from pipecut.plan import InputShape, LeafKind, Plan, ScheduleKind
+from pipecut.resolve import WireSpecs, schedules
+from pipecut.runtime.comm import WireSpec, pack, unpack
 
 OFF = AutocastState("", False, "")
 BF16 = AutocastState("cpu", True, "bfloat16")

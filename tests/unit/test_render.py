@@ -12,11 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pipecut
-from pipecut.dot import edge_label, to_dot
-from pipecut.gantt import Span, layout, load_trace, predicted_spans, to_trace
+from pipecut.core.schedule import simulate
+from pipecut.passes.schedules import build
 from pipecut.plan import Recompute, ScheduleKind
-from pipecut.render import gantt, graph_data, memory_bars, nice_ticks, render_html, time_bars
-from pipecut.runtime.schedule import build, simulate
+from pipecut.report.dot import edge_label, to_dot
+from pipecut.report.gantt import Span, layout, load_trace, predicted_spans, to_trace
+from pipecut.report.render import gantt, graph_data, memory_bars, nice_ticks, render_html, time_bars
 from tests.browser.plans import synthetic_plan
 
 

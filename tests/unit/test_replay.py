@@ -9,8 +9,8 @@ import torch
 import pipecut
 from examples import gpt, mlp
 from pipecut.capture import capture
+from pipecut.core.names import model_names
 from pipecut.errors import PlanError
-from pipecut.names import model_names
 from pipecut.plan import CaptureMethod, DeviceSpec, Link, ScheduleKind
 from pipecut.replay import DEFAULTS, settings
 

@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from pipecut.core.schedule import Action, format_schedule, parse_schedule, simulate, validate
 from pipecut.errors import ScheduleError
-from pipecut.runtime.schedule import (
-    Action,
-    format_schedule,
-    gpipe,
-    one_f_one_b,
-    parse_schedule,
-    simulate,
-    validate,
-)
+from pipecut.passes.schedules import gpipe, one_f_one_b
 
 
 def test_gpipe_golden() -> None:

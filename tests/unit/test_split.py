@@ -10,7 +10,7 @@ import torch
 import pipecut
 from examples import EXAMPLES
 from pipecut.capture import capture
-from pipecut.fxutil import canonical_names
+from pipecut.core.graph import canonical_names
 from pipecut.passes.split import split, verify
 
 

@@ -10,11 +10,12 @@ import torch
 import pipecut
 from examples import EXAMPLES
 from pipecut.capture import capture
+from pipecut.core.schedule import format_schedule, simulate, validate
 from pipecut.errors import ScheduleError
+from pipecut.passes.schedules import one_f_one_b
 from pipecut.passes.split import split
-from pipecut.runtime.schedule import format_schedule, one_f_one_b, simulate, validate
-from pipecut.runtime.zb_schedule import zero_bubble
-from pipecut.runtime.zero_bubble import split_backward
+from pipecut.passes.zero_bubble import zero_bubble
+from pipecut.runtime.backward_split import split_backward
 
 
 def _stage_runs(name: str, k: int) -> list[dict[str, Any]]:
@@ -80,7 +81,7 @@ def test_zero_bubble_order_is_valid_and_fills_bubbles() -> None:
 
 
 def test_weight_before_input_is_refused() -> None:
-    from pipecut.runtime.schedule import parse_schedule
+    from pipecut.core.schedule import parse_schedule
 
     with pytest.raises(ScheduleError, match="before its input part"):
         validate(parse_schedule("0F0 0W0 0I0"), 1)

@@ -6,7 +6,7 @@ an input-gradient part ``I`` (which the previous stage waits for) and a weight-g
 rank, whenever it is free, starts a ready ``I`` first, else a ready ``F``, else a pending ``W``
 (filling what would have been a bubble), else waits for the earliest input to arrive. The
 result is an ordinary schedule (per-rank action lists), checked and timed by
-:func:`pipecut.runtime.schedule.simulate` like any other; any valid order is correct, the costs
+:func:`pipecut.core.schedule.simulate` like any other; any valid order is correct, the costs
 only decide how well the bubbles are filled. Two ranks, four microbatches, F = I = W::
 
     0F0 0F1 0I0 0W0 0F2 0I1 0W1 0F3 0I2 0W2 0I3 0W3
@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from pipecut.core.schedule import Action, ActionKind, Schedule
 from pipecut.errors import ScheduleError
-from pipecut.runtime.schedule import Action, ActionKind, Schedule
 
 __all__ = ["zero_bubble"]
 

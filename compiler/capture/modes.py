@@ -25,14 +25,15 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
-from pipecut.capture import Captured, Inputs, capture, fingerprint
+from pipecut.capture import capture, fingerprint
+from pipecut.core.graph import module_path, node_parameters, target_name
+from pipecut.core.program import Captured, Inputs, StageProgram
+from pipecut.core.values import describe
 from pipecut.errors import InputError
-from pipecut.fxutil import module_path, node_parameters, target_name
 from pipecut.passes.eval_graph import map_stages
-from pipecut.passes.split import StageProgram, split_stage
+from pipecut.passes.split import split_stage
 from pipecut.plan import NodeCost, NodeOp, Plan
 from pipecut.runtime.stage import StageWorker
-from pipecut.values import describe
 
 __all__: list[str] = []
 

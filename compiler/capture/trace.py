@@ -4,7 +4,7 @@
 it fails on data-dependent Python control flow (most Hugging Face models). ``torch.export``
 (non-strict) traces through such code at the ATen level; its *unlifted* module holds the same
 parameter objects under their original names as ``get_attr`` nodes. Either way the result is a
-:class:`Captured`: a GraphModule plus how to flatten user inputs into its placeholders and how
+:class:`~pipecut.core.program.Captured`: a GraphModule plus how to flatten user inputs into its placeholders and how
 to rebuild the model's output structure.
 """
 
@@ -14,104 +14,24 @@ import dataclasses
 import hashlib
 import inspect
 import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from pipecut.batching import check_inputs
+from pipecut.capture.frozen import honour_no_grad, record_grad_mode
+from pipecut.capture.guard import ModuleState, check_input_writes, refuse_number_changes
+from pipecut.core.batching import check_inputs
+from pipecut.core.graph import target_name
+from pipecut.core.meta import has_meta, input_device, relocate_meta, to_meta
+from pipecut.core.names import model_names
+from pipecut.core.program import NO_DEFAULT, Captured, Inputs, split_args
 from pipecut.errors import CaptureError, InputError
-from pipecut.frozen import honour_no_grad, record_grad_mode
-from pipecut.fxutil import target_name
-from pipecut.guard import ModuleState, check_input_writes, refuse_number_changes
-from pipecut.meta import has_meta, input_device, relocate_meta, to_meta
-from pipecut.names import ModelNames, model_names
 from pipecut.plan import CaptureMethod
 
-__all__ = ["Captured", "Inputs", "capture", "fingerprint"]
-
-Inputs = tuple[Any, ...] | Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class Captured:
-    """A captured model: its graph and the input/output conventions of that graph."""
-
-    gm: fx.GraphModule
-    method: CaptureMethod
-    input_names: tuple[str, ...]
-    """Placeholder names, in graph order."""
-    in_spec: pytree.TreeSpec | None
-    """For export: the pytree structure of ``(args, kwargs)`` the graph was traced with."""
-    out_spec: pytree.TreeSpec | None
-    """For export: how to rebuild the model's output from the graph's flat outputs."""
-    defaults: tuple[Any, ...]
-    """For symbolic_trace: each placeholder's default value (``_NO_DEFAULT`` if none)."""
-    names: ModelNames | None = None
-    """The user's model's names for the graph's tensors (None: the graph's own names)."""
-
-    def flatten_inputs(self, inputs: Inputs) -> list[Any]:
-        """Map user inputs (a tuple of positionals or a dict of keywords) to placeholder values."""
-        check_inputs(inputs)
-        if self.method is CaptureMethod.EXPORT:
-            return _flatten_for_export(inputs, self.in_spec)
-        return _flatten_for_fx(inputs, self.input_names, self.defaults)
-
-    def unflatten_output(self, flat: Any) -> Any:
-        if self.out_spec is None:
-            return flat
-        return pytree.tree_unflatten(list(flat), self.out_spec)
-
-
-class _NoDefault:
-    def __repr__(self) -> str:
-        return "<no default>"
-
-
-_NO_DEFAULT = _NoDefault()
-
-
-def _flatten_for_fx(inputs: Inputs, names: Sequence[str], defaults: Sequence[Any]) -> list[Any]:
-    values: list[Any] = list(defaults)
-    if isinstance(inputs, Mapping):
-        unknown = sorted(set(inputs) - set(names))
-        if unknown:
-            raise InputError(f"unknown input(s) {unknown}; the model takes {list(names)}")
-        for i, name in enumerate(names):
-            if name in inputs:
-                values[i] = inputs[name]
-    else:
-        if len(inputs) > len(names):
-            raise InputError(f"{len(inputs)} positional inputs but the model takes {list(names)}")
-        values[: len(inputs)] = list(inputs)
-    missing = [n for n, v in zip(names, values) if v is _NO_DEFAULT]
-    if missing:
-        raise InputError(f"input(s) {missing} missing; the model takes {list(names)}")
-    return values
-
-
-def _split_args(inputs: Inputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(inputs, Mapping):
-        return (), dict(inputs)
-    return tuple(inputs), {}
-
-
-def _flatten_for_export(inputs: Inputs, in_spec: pytree.TreeSpec | None) -> list[Any]:
-    args, kwargs = _split_args(inputs)
-    if in_spec is not None and kwargs:
-        # pytree flattens dicts in insertion order: follow the order the graph was traced with.
-        traced_keys = in_spec.child(1).context
-        if set(traced_keys) != set(kwargs):
-            raise InputError(f"inputs have keys {sorted(kwargs)}, the plan has {sorted(traced_keys)}")
-        kwargs = {k: kwargs[k] for k in traced_keys}
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    if in_spec is not None and spec != in_spec:
-        raise InputError(f"inputs are structured as {spec}, the captured graph expects {in_spec}")
-    return leaves
-
+__all__ = ["capture", "fingerprint"]
 
 def _trace_fx(model: torch.nn.Module, leaf_modules: tuple[type, ...]) -> fx.GraphModule:
     class Tracer(fx.Tracer):
@@ -139,7 +59,7 @@ def capture(
 ) -> Captured:
     """Capture ``model``; try symbolic_trace, then torch.export, unless ``method`` forces one.
 
-    The model is left as it was (see :mod:`pipecut.guard`); a model that writes into its
+    The model is left as it was (see :mod:`pipecut.capture.guard`); a model that writes into its
     inputs, or changes Python number attributes in forward, is refused with a CaptureError.
     """
     if not isinstance(model, torch.nn.Module):
@@ -183,7 +103,7 @@ def _capture(
             for n in gm.graph.nodes:
                 if n.op == "placeholder":
                     names.append(n.name)
-                    defaults.append(n.args[0] if n.args else _NO_DEFAULT)
+                    defaults.append(n.args[0] if n.args else NO_DEFAULT)
             captured = Captured(gm, CaptureMethod.SYMBOLIC_TRACE, tuple(names), None, None, tuple(defaults))
             captured.flatten_inputs(example_inputs)  # reject inputs the traced signature can't take
             return captured
@@ -193,8 +113,8 @@ def _capture(
             attempts.append(f"torch.fx.symbolic_trace: {type(e).__name__}: {_first_line(e)}")
     if method in (None, CaptureMethod.EXPORT):
         try:
-            args, kwargs = _split_args(example_inputs)
-            on_meta = has_meta(model)  # a meta model traces with meta inputs (see pipecut.meta)
+            args, kwargs = split_args(example_inputs)
+            on_meta = has_meta(model)  # a meta model traces with meta inputs (see pipecut.core.meta)
             if on_meta:
                 args, kwargs = to_meta((args, kwargs))
             exported: list[torch.export.ExportedProgram] = []

@@ -20,19 +20,19 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from pipecut.capture import Captured
-from pipecut.errors import InputError
-from pipecut.frozen import inside_no_grad
-from pipecut.fxutil import (
+from pipecut.capture.frozen import inside_no_grad
+from pipecut.core.graph import (
     canonical_names,
     module_path,
     mutates_first_arg,
     node_parameters,
     target_name,
 )
-from pipecut.meta import input_device, meta_read, scratch, substitute
+from pipecut.core.meta import input_device, meta_read, scratch, substitute
+from pipecut.core.program import Captured
+from pipecut.core.values import describe, tensor_bytes
+from pipecut.errors import InputError
 from pipecut.plan import NodeCost, NodeOp
-from pipecut.values import describe, tensor_bytes
 
 __all__ = ["LossFn", "detached_leaves", "preserved_state", "profile"]
 

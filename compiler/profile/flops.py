@@ -1,6 +1,6 @@
 """Count the work of every node of a captured graph: FLOPs and bytes, forward and backward.
 
-The graph is interpreted once on one microbatch (as :mod:`pipecut.profile` does). Each node runs
+The graph is interpreted once on one microbatch (as :mod:`pipecut.profile.nodes` does). Each node runs
 under ``torch.utils.flop_counter.FlopCounterMode``, then its backward (``torch.autograd.grad`` of
 its output with respect to its floating inputs and parameters) runs under the counter too, so
 backward FLOPs are counted, not guessed. The counter knows matrix products, convolutions and
@@ -23,10 +23,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipecut.capture import Captured
-from pipecut.fxutil import mutates_first_arg, node_parameters
-from pipecut.meta import input_device, meta_read, scratch, substitute
-from pipecut.profile import LossFn, _cut, detached_leaves, preserved_state
+from pipecut.core.graph import mutates_first_arg, node_parameters
+from pipecut.core.meta import input_device, meta_read, scratch, substitute
+from pipecut.core.program import Captured
+from pipecut.profile.nodes import LossFn, _cut, detached_leaves, preserved_state
 
 __all__ = ["NodeWork", "count_work", "moved_bytes"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipecut.plan import Plan
-from pipecut.report import human_bytes
+from pipecut.report.text import human_bytes
 
 __all__ = ["Move", "PlanDiff", "StageDelta", "diff_plans", "format_diff"]
 

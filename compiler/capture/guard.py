@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from pipecut.core.graph import mutates_first_arg
 from pipecut.errors import CaptureError
-from pipecut.fxutil import mutates_first_arg
 
 __all__: list[str] = []
 

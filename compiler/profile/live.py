@@ -1,12 +1,12 @@
 """Calibrate on the running pipeline: time every stage while all ranks run together.
 
-Profiling and :mod:`pipecut.calibrate` time the model in one process, alone. Pipelined ranks
+Profiling and :mod:`pipecut.profile.calibrate` time the model in one process, alone. Pipelined ranks
 do not run alone: on a shared host they compete for cores, caches and memory bandwidth, and
 every action pays the runtime's own bookkeeping. Predictions made from solo timings run 20-30 %
 under the measured step. So after compiling, the ranks run a few real training steps with the
 timeline on (the executor times each action's computation, not its waits), every rank reports
 the median forward and backward time of each of its stages, and the node costs of every stage
-are scaled to those times (:func:`pipecut.calibrate.calibrate`). The plan is then partitioned
+are scaled to those times (:func:`pipecut.profile.calibrate.calibrate`). The plan is then partitioned
 again on the result; the split may move, and the prediction is made from costs that include
 what running together costs.
 
@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecut.calibrate import calibrate
+from pipecut.core.schedule import Action, ActionKind
 from pipecut.parallel import DataParallel
 from pipecut.passes.chain import liveness
 from pipecut.passes.stages import build_stages
 from pipecut.plan import Partitioner, Plan, Recompute
-from pipecut.runtime.schedule import Action, ActionKind
+from pipecut.profile.calibrate import calibrate
 
 __all__ = ["measure_stages", "recalibrate"]
 

@@ -1,10 +1,10 @@
-"""Plain-text views of a plan: the summary table printed by ``plan.summary()``."""
+"""Plain-text views of a plan: the summary table printed by ``pipecut.summary(plan)``."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["human_bytes", "summary_table"]
+__all__ = ["human_bytes", "summary"]
 
 if TYPE_CHECKING:
     from pipecut.plan import Plan
@@ -18,7 +18,7 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def summary_table(plan: Plan) -> str:
+def summary(plan: Plan) -> str:
     header = ("stage", "device", "nodes", "params", "fwd ms", "bwd ms", "comm ms", "total ms",
               "memory", "send", "recv", "recompute")
     rows = [header]

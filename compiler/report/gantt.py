@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipecut.core.schedule import Action, ActionKind, Schedule, timeline
 from pipecut.errors import PlanError, ScheduleError
 from pipecut.passes.stages import predicted_timeline
 from pipecut.plan import Plan, Recompute
-from pipecut.runtime.schedule import Action, ActionKind, Schedule, timeline
 
 __all__ = ["Span", "layout", "load_trace", "predicted_spans", "recompute_ms", "to_trace"]
 
@@ -46,7 +46,7 @@ def layout(
     forward_link_ms: Sequence[float] = (),
     backward_link_ms: Sequence[float] = (),
 ) -> tuple[Span, ...]:
-    """Start and end of every action, by ``runtime.schedule.timeline`` (the simulator's rule)."""
+    """Start and end of every action, by ``core.schedule.timeline`` (the simulator's rule)."""
     return tuple(
         Span(rank=a.stage, action=str(a), start=start, end=end)
         for a, start, end in timeline(schedule, forward_ms, backward_ms, forward_link_ms, backward_link_ms)

@@ -8,7 +8,7 @@
     pipecut render plan.json --timeline trace.json -o plan.html     # or -o plan.dot
 
 ``MODULE:FACTORY`` names a function returning ``(model, example_inputs, loss_fn, target)``;
-see :mod:`pipecut.factory`. Exit status: 0 on success, 1 when pipecut refuses the input (the
+see :mod:`pipecut.cli.factory`. Exit status: 0 on success, 1 when pipecut refuses the input (the
 message says why and how to fix it), 2 for bad command-line usage.
 """
 
@@ -25,10 +25,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipecut import logs
+from pipecut.cli import logs
+from pipecut.cli.factory import SHIPPED, call_factory, load_factory
 from pipecut.errors import InputError, PipecutError
-from pipecut.factory import SHIPPED, call_factory, load_factory
 from pipecut.plan import DeviceSpec, Link, Plan, ScheduleKind
+from pipecut.report.text import summary
 
 __all__ = [
     "build_parser",
@@ -43,7 +44,7 @@ __all__ = [
     "summary_data",
 ]
 
-log = logging.getLogger("pipecut.cli")
+log = logging.getLogger("pipecut.cli.main")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -136,8 +137,8 @@ def _print_json(data: Any) -> None:
 def _plan_estimated(args: argparse.Namespace, example: Any, link: Link | None) -> Plan:
     """Plan for a device profile: costs from FLOPs and bytes, no timing here (pipecut.devices)."""
     import pipecut
-    from pipecut.batching import first_microbatch
     from pipecut.capture import capture, fingerprint
+    from pipecut.core.batching import first_microbatch
 
     nodes = pipecut.estimate_costs(
         example.model, example.inputs, args.device_profile, microbatches=args.microbatches,
@@ -161,7 +162,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import pipecut
     from pipecut.devices import device_profile
     from pipecut.planner import DEFAULT_LINK, as_devices, as_ilp_solver, as_schedule
-    from pipecut.render import render
+    from pipecut.report.render import render
 
     # everything that can be checked is checked before the (slow) profiling starts
     check_output(args.out, "--out")
@@ -205,7 +206,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.dot:
         render(plan, args.dot)
         log.info("wrote %s", args.dot)
-    print(plan.summary())
+    print(summary(plan))
     return 0
 
 
@@ -234,12 +235,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(summary_data(plan))
     else:
-        print(plan.summary())
+        print(summary(plan))
     return 0
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from pipecut.diff import diff_plans, format_diff
+    from pipecut.report.diff import diff_plans, format_diff
 
     a, b = _load(args.a), _load(args.b)
     diff = diff_plans(a, b)
@@ -252,7 +253,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from pipecut.render import render
+    from pipecut.report.render import render
 
     out = args.output or str(Path(args.plan).with_suffix(".html"))
     check_output(out, "-o", _RENDERED)

@@ -22,11 +22,11 @@ from typing import Any
 
 import jinja2
 
-from pipecut.dot import edge_label, stage_colour, to_dot
-from pipecut.gantt import Span, load_trace, predicted_spans, recompute_ms
+from pipecut.core.schedule import Action, ActionKind
 from pipecut.plan import Plan
-from pipecut.report import human_bytes
-from pipecut.runtime.schedule import Action, ActionKind
+from pipecut.report.dot import edge_label, stage_colour, to_dot
+from pipecut.report.gantt import Span, load_trace, predicted_spans, recompute_ms
+from pipecut.report.text import human_bytes
 
 __all__ = [
     "CHART_WIDTH",
@@ -195,7 +195,7 @@ def graph_data(plan: Plan) -> dict[str, Any]:
 
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("pipecut", "templates"),
+        loader=jinja2.PackageLoader("pipecut.report", "templates"),
         autoescape=jinja2.select_autoescape(default=True),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from pipecut.capture import Captured
+from pipecut.core.program import Captured
 from pipecut.passes.split import split
 from pipecut.plan import NodeCost, Plan
-from pipecut.profile import LossFn, preserved_state
+from pipecut.profile.nodes import LossFn, preserved_state
 
 __all__ = ["calibrate", "stage_times"]
 

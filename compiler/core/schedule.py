@@ -22,30 +22,22 @@ import enum
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pipecut.errors import ScheduleError
-from pipecut.plan import ScheduleKind
 
 __all__ = [
     "Action",
     "ActionKind",
     "Schedule",
-    "build",
     "format_marked",
     "format_schedule",
     "forward_only",
-    "gpipe",
-    "interleaved_1f1b",
-    "one_f_one_b",
     "parse_schedule",
     "simulate",
     "timeline",
     "validate",
 ]
 
-if TYPE_CHECKING:
-    from pipecut.runtime.p2p import Wiring
 
 
 class ActionKind(enum.Enum):
@@ -77,76 +69,6 @@ class Action:
 
 Schedule = tuple[tuple[Action, ...], ...]
 """One tuple of actions per rank, in execution order."""
-
-
-def gpipe(stages: int, microbatches: int) -> Schedule:
-    """Fill-drain: all forwards, then all backwards in reverse microbatch order."""
-    return tuple(
-        tuple(Action(s, ActionKind.FORWARD, i) for i in range(microbatches))
-        + tuple(Action(s, ActionKind.BACKWARD, i) for i in reversed(range(microbatches)))
-        for s in range(stages)
-    )
-
-
-def one_f_one_b(stages: int, microbatches: int) -> Schedule:
-    """Warm-up forwards, then alternate one forward and one backward, then drain backwards."""
-    return interleaved_1f1b(stages, 1, microbatches)
-
-
-def interleaved_1f1b(ranks: int, chunks: int, microbatches: int) -> Schedule:
-    """1F1B over ``chunks`` virtual stages per rank (stage ``c * ranks + r`` on rank r).
-
-    Forwards go through microbatches in groups of ``ranks``, chunk by chunk; backwards the same
-    with the chunks reversed. Rank r first runs ``2 (K - r - 1) + (V - 1) K`` forwards, then
-    alternates, which shrinks the bubble by about V against plain 1F1B at the same memory
-    order. With one chunk this is plain 1F1B.
-    """
-    if chunks > 1 and microbatches % ranks:
-        raise ScheduleError(
-            f"interleaved 1F1B needs the microbatches ({microbatches}) to be a multiple of the "
-            f"ranks ({ranks}); change microbatches or use 1f1b"
-        )
-    total = microbatches * chunks
-    group = ranks * chunks
-
-    def nth(rank: int, k: int, kind: ActionKind) -> Action:
-        g, pos = divmod(k, group)
-        chunk = pos // ranks if kind is ActionKind.FORWARD else chunks - 1 - pos // ranks
-        mb = g * ranks + pos % ranks if chunks > 1 else k
-        return Action(chunk * ranks + rank, kind, mb)
-
-    schedule = []
-    for r in range(ranks):
-        warmup = min((ranks - r - 1) * (2 if chunks > 1 else 1) + (chunks - 1) * ranks, total)
-        actions = [nth(r, k, ActionKind.FORWARD) for k in range(warmup)]
-        fwd, bwd = warmup, 0
-        while bwd < total:
-            if fwd < total:
-                actions.append(nth(r, fwd, ActionKind.FORWARD))
-                fwd += 1
-            actions.append(nth(r, bwd, ActionKind.BACKWARD))
-            bwd += 1
-        schedule.append(tuple(actions))
-    return tuple(schedule)
-
-
-def build(kind: ScheduleKind, ranks: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """The schedule of ``kind`` for ``ranks`` ranks holding ``chunks`` stages each."""
-    if kind is ScheduleKind.INTERLEAVED_1F1B:
-        return interleaved_1f1b(ranks, chunks, microbatches)
-    if kind is ScheduleKind.ZERO_BUBBLE and chunks == 1:
-        # Without a plan's costs: the order list scheduling gives for F = I = W everywhere
-        # (plans use pipecut.passes.stages.plan_schedule, which schedules on their costs).
-        from pipecut.runtime.zb_schedule import zero_bubble
-
-        return zero_bubble(ranks, microbatches, [1.0] * ranks, [2.0] * ranks, [1.0] * ranks)
-    if chunks != 1:
-        raise ScheduleError(f"{kind.value} runs one stage per rank; use interleaved-1f1b for {chunks}")
-    if kind is ScheduleKind.GPIPE:
-        return gpipe(ranks, microbatches)
-    if kind is ScheduleKind.ONE_F_ONE_B:
-        return one_f_one_b(ranks, microbatches)
-    raise ScheduleError(f"no generator for schedule {kind}")
 
 
 def forward_only(actions: Sequence[Action]) -> tuple[Action, ...]:
@@ -209,13 +131,8 @@ def simulate(
     forward_link_ms: Sequence[float] = (),
     backward_link_ms: Sequence[float] = (),
     weight_ms: Sequence[float] = (),
-    nccl: Wiring | None = None,
 ) -> float:
     """Predicted step time; raises :class:`ScheduleError` if the schedule deadlocks.
-
-    With ``nccl`` (the plan's wiring, :func:`pipecut.runtime.p2p.wiring`), the transfers the
-    executor would issue are also replayed under NCCL's rules (:mod:`pipecut.runtime.nccl`:
-    no tags, per-pair FIFO, sends complete only when received) and a hang is refused.
 
     Costs are per stage. A forward of stage s waits for stage s-1's forward of the same
     microbatch plus ``forward_link_ms[s-1]``; a backward waits for stage s+1's backward plus
@@ -224,7 +141,7 @@ def simulate(
     like a backward; W costs ``weight_ms`` and waits only for its own I.
     """
     return max((end for _, _, end in timeline(schedule, forward_ms, backward_ms, forward_link_ms,
-                                              backward_link_ms, weight_ms, nccl)), default=0.0)
+                                              backward_link_ms, weight_ms)), default=0.0)
 
 
 def timeline(
@@ -234,14 +151,8 @@ def timeline(
     forward_link_ms: Sequence[float] = (),
     backward_link_ms: Sequence[float] = (),
     weight_ms: Sequence[float] = (),
-    nccl: Wiring | None = None,
 ) -> list[tuple[Action, float, float]]:
-    """(action, start, end) of every action, in the order the simulation runs them; with
-    ``nccl``, first checks the communication under NCCL's rules (see :func:`simulate`)."""
-    if nccl is not None:
-        from pipecut.runtime.nccl import check_nccl  # it replays this module's timeline
-
-        check_nccl(schedule, nccl)
+    """(action, start, end) of every action, in the order the simulation runs them."""
     ranks = len(schedule)
     last = len(forward_ms) - 1
     fwd_link = list(forward_link_ms) or [0.0] * max(last, 0)

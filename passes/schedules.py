@@ -1,0 +1,83 @@
+"""Schedule generators: GPipe, 1F1B and interleaved 1F1B as per-rank action lists.
+
+The schedule IR they produce (:class:`~pipecut.core.schedule.Action`, its text form and the
+timing rule) lives in :mod:`pipecut.core.schedule`; the zero-bubble order, which needs the
+plan's costs, in :mod:`pipecut.passes.zero_bubble`. :func:`build` is the one door to all of them.
+"""
+
+from __future__ import annotations
+
+from pipecut.core.schedule import Action, ActionKind, Schedule
+from pipecut.errors import ScheduleError
+from pipecut.passes.zero_bubble import zero_bubble
+from pipecut.plan import ScheduleKind
+
+__all__ = ["build", "gpipe", "interleaved_1f1b", "one_f_one_b"]
+
+
+def gpipe(stages: int, microbatches: int) -> Schedule:
+    """Fill-drain: all forwards, then all backwards in reverse microbatch order."""
+    return tuple(
+        tuple(Action(s, ActionKind.FORWARD, i) for i in range(microbatches))
+        + tuple(Action(s, ActionKind.BACKWARD, i) for i in reversed(range(microbatches)))
+        for s in range(stages)
+    )
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+    """Warm-up forwards, then alternate one forward and one backward, then drain backwards."""
+    return interleaved_1f1b(stages, 1, microbatches)
+
+
+def interleaved_1f1b(ranks: int, chunks: int, microbatches: int) -> Schedule:
+    """1F1B over ``chunks`` virtual stages per rank (stage ``c * ranks + r`` on rank r).
+
+    Forwards go through microbatches in groups of ``ranks``, chunk by chunk; backwards the same
+    with the chunks reversed. Rank r first runs ``2 (K - r - 1) + (V - 1) K`` forwards, then
+    alternates, which shrinks the bubble by about V against plain 1F1B at the same memory
+    order. With one chunk this is plain 1F1B.
+    """
+    if chunks > 1 and microbatches % ranks:
+        raise ScheduleError(
+            f"interleaved 1F1B needs the microbatches ({microbatches}) to be a multiple of the "
+            f"ranks ({ranks}); change microbatches or use 1f1b"
+        )
+    total = microbatches * chunks
+    group = ranks * chunks
+
+    def nth(rank: int, k: int, kind: ActionKind) -> Action:
+        g, pos = divmod(k, group)
+        chunk = pos // ranks if kind is ActionKind.FORWARD else chunks - 1 - pos // ranks
+        mb = g * ranks + pos % ranks if chunks > 1 else k
+        return Action(chunk * ranks + rank, kind, mb)
+
+    schedule = []
+    for r in range(ranks):
+        warmup = min((ranks - r - 1) * (2 if chunks > 1 else 1) + (chunks - 1) * ranks, total)
+        actions = [nth(r, k, ActionKind.FORWARD) for k in range(warmup)]
+        fwd, bwd = warmup, 0
+        while bwd < total:
+            if fwd < total:
+                actions.append(nth(r, fwd, ActionKind.FORWARD))
+                fwd += 1
+            actions.append(nth(r, bwd, ActionKind.BACKWARD))
+            bwd += 1
+        schedule.append(tuple(actions))
+    return tuple(schedule)
+
+
+def build(kind: ScheduleKind, ranks: int, microbatches: int, chunks: int = 1) -> Schedule:
+    """The schedule of ``kind`` for ``ranks`` ranks holding ``chunks`` stages each."""
+    if kind is ScheduleKind.INTERLEAVED_1F1B:
+        return interleaved_1f1b(ranks, chunks, microbatches)
+    if kind is ScheduleKind.ZERO_BUBBLE and chunks == 1:
+        # Without a plan's costs: the order list scheduling gives for F = I = W everywhere
+        # (plans use pipecut.passes.stages.plan_schedule, which schedules on their costs).
+        return zero_bubble(ranks, microbatches, [1.0] * ranks, [2.0] * ranks, [1.0] * ranks)
+    if chunks != 1:
+        raise ScheduleError(f"{kind.value} runs one stage per rank; use interleaved-1f1b for {chunks}")
+    if kind is ScheduleKind.GPIPE:
+        return gpipe(ranks, microbatches)
+    if kind is ScheduleKind.ONE_F_ONE_B:
+        return one_f_one_b(ranks, microbatches)
+    raise ScheduleError(f"no generator for schedule {kind}")

@@ -1,0 +1,106 @@
+"""The package's folders are layers, bottom to top, and no import points upwards.
+
+1. data: the plan (``pipecut.plan``, ``errors``, ``schema``, ``parallel``) and ``pipecut.core``
+   (schedule IR, programs, values, shapes);
+2. passes (``pipecut.passes``): pure functions over data;
+3. runtime (``pipecut.runtime``): executes a plan's programs and schedule;
+4. everything else: capture, profiling, the planner and ``compile``, reports, the CLI.
+
+Passes and the runtime are siblings on top of the data: neither imports the other. Imports
+inside functions count too (they are still dependencies); ``if TYPE_CHECKING:`` blocks do not.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {"compiler": "pipecut", "passes": "pipecut.passes", "runtime": "pipecut.runtime"}
+DATA = ("pipecut.plan", "pipecut.errors", "pipecut.schema", "pipecut.parallel", "pipecut.core")
+
+
+def layer(module: str) -> str:
+    if module.startswith("pipecut.passes"):
+        return "passes"
+    if module.startswith("pipecut.runtime"):
+        return "runtime"
+    if any(module == d or module.startswith(d + ".") for d in DATA):
+        return "data"
+    return "top"
+
+
+ALLOWED = {"data": {"data"}, "passes": {"data", "passes"}, "runtime": {"data", "runtime"},
+           "top": {"data", "passes", "runtime", "top"}}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((package, *parts))] = path
+    return found
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports(path: Path) -> set[str]:
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def test_no_module_imports_a_layer_above_or_beside_its_own() -> None:
+    known = modules()
+    wrong = []
+    for module, path in sorted(known.items()):
+        for imported in sorted(imports(path)):
+            if imported not in known:  # "from pipecut.plan import Plan" names a class, not a module
+                continue
+            if layer(imported) not in ALLOWED[layer(module)]:
+                wrong.append(f"{module} ({layer(module)}) imports {imported} ({layer(imported)})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_rule_is_checked_on_every_module() -> None:
+    known = modules()
+    assert {"pipecut.core.schedule", "pipecut.passes.split", "pipecut.runtime.pipeline",
+            "pipecut.api", "pipecut.report.render"} <= set(known)
+    assert {layer(m) for m in known} == {"data", "passes", "runtime", "top"}
+
+
+@pytest.mark.parametrize("source, bad", [
+    ("from pipecut.runtime.pipeline import Pipeline", True),
+    ("import pipecut.runtime.pipeline", True),
+    ("def f():\n    from pipecut.runtime import pipeline", True),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pipecut.runtime.pipeline import Pipeline", False),
+    ("from pipecut.core.schedule import Action", False),
+])
+def test_the_checker_sees_a_pass_importing_the_runtime(tmp_path: Path, source: str, bad: bool) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    found = {m for m in imports(path) if m in modules()}
+    assert any(layer(m) == "runtime" for m in found) == bad
