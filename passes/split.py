@@ -80,7 +80,21 @@ def split_stage(gm: fx.GraphModule, plan: Plan, index: int) -> StageProgram:
 
 
 def verify(gm: fx.GraphModule, programs: tuple[StageProgram, ...], plan: Plan) -> None:
-    """Invariants checked after the pass in tests: wiring and parameter placement."""
+    """Invariants checked after the pass (the tests run it on every example model): every
+    compute node of ``gm`` is in exactly one stage program and nowhere else, each stage receives
+    exactly what the previous one sends and uses or relays all of it, and each holds the
+    parameters the plan gives it. Raises AssertionError naming the stage and values."""
+    compute = {n.name for n in gm.graph.nodes if n.op.startswith("call_")}
+    seen: dict[str, int] = {}
+    for prog in programs:  # placement first: a misplaced node explains the other symptoms
+        for node in prog.module.graph.nodes:
+            if node.op.startswith("call_") and node.name in compute:
+                if node.name in seen:
+                    raise AssertionError(f"node {node.name} runs on stages {seen[node.name]} and {prog.index}")
+                seen[node.name] = prog.index
+    lost = sorted(compute - set(seen))
+    if lost:
+        raise AssertionError(f"node(s) {lost[:5]} of the graph are on no stage")
     canonical = canonical_names(gm)
     for prog in programs:
         prog.module.graph.lint()
@@ -89,6 +103,14 @@ def verify(gm: fx.GraphModule, programs: tuple[StageProgram, ...], plan: Plan) -
                 f"stage {prog.index} receives {prog.received}, "
                 f"stage {prog.index - 1} sends {programs[prog.index - 1].sent}"
             )
+        nodes = {n.name: n for n in prog.module.graph.nodes}
+        unused = [v for v in prog.received if v in nodes and not nodes[v].users]
+        if unused:
+            raise AssertionError(f"stage {prog.index} receives {unused} but neither uses nor sends them")
+        if not prog.is_last:
+            missing = [v for v in prog.sent if v not in nodes]
+            if missing:
+                raise AssertionError(f"stage {prog.index} sends {missing}, which it neither computes nor receives")
         held = {canonical[id(p)] for p in prog.module.parameters()}
         planned = set(plan.stages[prog.index].parameters)
         if held != planned:

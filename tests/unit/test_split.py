@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import pipecut
 from examples import EXAMPLES
 from pipecut.capture import capture
 from pipecut.core.graph import canonical_names
-from pipecut.passes.split import split, verify
+from pipecut.passes.split import split, split_stage, verify
 
 
 def _run_chained(programs: Any, cap: Any, inputs: Any) -> Any:
@@ -61,3 +62,17 @@ def test_skip_connections_are_relayed() -> None:
     plan = pipecut.plan(model, inputs, 4, loss_fn=loss_fn, target=target, repeats=1, warmup=0)
     for a, b in zip(plan.stages, plan.stages[1:]):
         assert a.outputs == b.inputs and a.outputs  # every cut carries the values live across it
+
+
+def test_verify_catches_a_lost_or_duplicated_node() -> None:
+    model, inputs, loss_fn, target = EXAMPLES["gpt"](batch_size=2)
+    plan = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, repeats=1, warmup=0)
+    gm = capture(model, inputs).gm
+    programs = split(gm, plan)
+    moved = plan.stages[1].nodes[0]
+    first = dataclasses.replace(plan.stages[0], nodes=(*plan.stages[0].nodes, moved))
+    doubled = dataclasses.replace(plan, stages=(first, *plan.stages[1:]))
+    with pytest.raises(AssertionError, match=rf"node {moved} runs on stages 0 and 1"):
+        verify(gm, (split_stage(gm, doubled, 0), programs[1]), plan)
+    with pytest.raises(AssertionError, match="on no stage"):
+        verify(gm, programs[:1], plan)
