@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecut.core.batching import batch_size
+from pipecut.core.batching import batch_size, split_by_sizes
 from pipecut.core.graph import canonical_names
 from pipecut.core.program import Captured, Inputs
 from pipecut.core.schedule import Action, Schedule, forward_only
@@ -23,7 +23,6 @@ from pipecut.core.shapes import (
     microbatch_sizes,
     planned_signature,
     signature,
-    split_by_sizes,
 )
 from pipecut.errors import InputError
 from pipecut.plan import NodeCost, Plan

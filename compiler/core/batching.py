@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 
 from pipecut.errors import InputError
 
-__all__ = ["batch_size", "check_inputs", "first_microbatch", "split_microbatches"]
+__all__ = ["batch_size", "check_inputs", "first_microbatch", "split_by_sizes", "split_microbatches"]
 
 
 def check_inputs(inputs: Any, what: str = "inputs") -> None:
@@ -59,16 +59,22 @@ def split_microbatches(value: Any, microbatches: int, size: int, what: str = "in
             f"a batch of {size} does not split into {microbatches} equal microbatches; "
             f"use a batch size that is a multiple of {microbatches} or change microbatches"
         )
+    return split_by_sizes(value, [size // microbatches] * microbatches, what)
+
+
+def split_by_sizes(value: Any, sizes: Sequence[int], what: str = "inputs") -> list[Any]:
+    """``len(sizes)`` copies of ``value`` with every batched tensor cut along dimension 0."""
+    total = sum(sizes)
     leaves, spec = pytree.tree_flatten(value)
-    chunks: list[list[Any]] = [[] for _ in range(microbatches)]
+    chunks: list[list[Any]] = [[] for _ in sizes]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            if leaf.shape[0] != size:
+            if leaf.shape[0] != total:
                 raise InputError(
                     f"{what}: a tensor of shape {tuple(leaf.shape)} does not have the batch "
-                    f"size {size} as its first dimension"
+                    f"size {total} as its first dimension"
                 )
-            for i, part in enumerate(leaf.chunk(microbatches)):
+            for i, part in enumerate(leaf.split(list(sizes))):
                 chunks[i].append(part)
         else:
             for c in chunks:

@@ -165,21 +165,3 @@ def loss_weights(sizes: Sequence[int]) -> tuple[Fraction, ...]:
     return tuple(Fraction(s, total) for s in sizes)
 
 
-def split_by_sizes(value: Any, sizes: Sequence[int], what: str = "inputs") -> list[Any]:
-    """``len(sizes)`` copies of ``value`` with every batched tensor cut along dimension 0."""
-    total = sum(sizes)
-    leaves, spec = pytree.tree_flatten(value)
-    chunks: list[list[Any]] = [[] for _ in sizes]
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            if leaf.shape[0] != total:
-                raise InputError(
-                    f"{what}: a tensor of shape {tuple(leaf.shape)} does not have the batch "
-                    f"size {total} as its first dimension"
-                )
-            for i, part in enumerate(leaf.split(list(sizes))):
-                chunks[i].append(part)
-        else:
-            for c in chunks:
-                c.append(leaf)
-    return [pytree.tree_unflatten(c, spec) for c in chunks]

@@ -12,6 +12,7 @@ import torch
 import pipecut
 from examples import gpt, mlp
 from pipecut.capture import capture
+from pipecut.core.batching import split_by_sizes
 from pipecut.core.shapes import (
     AutocastState,
     accepted,
@@ -20,7 +21,6 @@ from pipecut.core.shapes import (
     microbatch_sizes,
     planned_signature,
     signature,
-    split_by_sizes,
 )
 from pipecut.core.values import describe
 from pipecut.errors import InputError, PipelineRuntimeError
