@@ -32,6 +32,7 @@ from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn
 from pipecut.replay import settings
 from pipecut.resolve import WireSpecs, schedules
+from pipecut.runtime.capacity import gathered_free_bytes, with_capacities
 from pipecut.runtime.data_parallel import check_supported, replicate
 from pipecut.runtime.grads import LossReduction, parse_loss_reduction
 from pipecut.runtime.launch import ensure_process_group, local_device, ready_for_p2p
@@ -184,6 +185,7 @@ def compile(
             f"{len(specs)} devices (stages) asked for, but the pipeline process group has "
             f"{world} ranks; launch with --nproc_per_node={len(specs)} or pass devices={world}"
         )
+    specs = with_capacities(specs, gathered_free_bytes(device, group))  # CUDA: free memory
     source = open_weights(weights) if weights is not None else None
     if source is not None:
         check_unexpected(source, model)
