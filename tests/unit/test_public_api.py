@@ -22,11 +22,13 @@ PACKAGES = {"compiler": "pipecut", "passes": "pipecut.passes", "runtime": "pipec
 def _modules() -> list[tuple[Path, str]]:
     out = []
     for folder, package in PACKAGES.items():
-        for path in sorted((ROOT / folder).glob("*.py")):
+        for path in sorted((ROOT / folder).rglob("*.py")):  # subpackages (core/, cli/, ...) too
             if path.name == "__main__.py":
                 continue  # a script (`python -m pipecut`), not an importable module
-            name = package if path.name == "__init__.py" else f"{package}.{path.stem}"
-            out.append((path, name))
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out.append((path, ".".join((package, *parts))))
     return out
 
 
