@@ -19,7 +19,8 @@ from pipecut.core.schedule import Schedule, validate
 from pipecut.core.shapes import Signature, accepted, describe_accepted, planned_signature
 from pipecut.errors import InputError, ScheduleError
 from pipecut.passes.propagate import PropagationError, cut_values
-from pipecut.passes.stages import make_schedule, stage_costs
+from pipecut.passes.schedules import build
+from pipecut.passes.stages import stage_costs
 from pipecut.plan import NodeCost, Plan
 
 __all__: list[str] = []
@@ -72,8 +73,8 @@ def schedules(plan: Plan) -> Any:
     @lru_cache(maxsize=16)
     def schedule_for(microbatches: int) -> Schedule:
         try:
-            sched = make_schedule(plan.schedule, plan.num_ranks, microbatches, plan.stages_per_rank,
-                                  stage_costs(plan.stages, plan.nodes, plan.link))
+            sched = build(plan.schedule, plan.num_ranks, microbatches, plan.stages_per_rank,
+                          stage_costs(plan.stages, plan.nodes, plan.link))
             validate(sched, microbatches)
         except (ScheduleError, ValueError) as e:
             raise InputError(

@@ -14,7 +14,7 @@ Pure numbers, no torch. The model, kept simple on purpose:
   (:func:`pipecut.passes.coarsen.candidate_cuts`); a D × K with no fitting split there is
   skipped as not fitting, and ``refine`` then searches every position, bounded by the coarse
   answer. (Without the coarse pass, proving that nothing fits takes a minute at 4,000 units.)
-* The step of one pipeline is simulated action by action (:mod:`pipecut.passes.fastsim`), with
+* The step of one pipeline is simulated action by action (:func:`pipecut.core.schedule.rank_end_ms`), with
   activations and gradients crossing each cut at ``bytes / D`` over the point-to-point link.
 * After its **last backward**, stage s all-reduces its gradients across its D replicas with a
   ring: ``2·(D−1)·latency + 2·(D−1)/D · param_bytes_s / bandwidth``. The all-reduce of a stage
@@ -38,12 +38,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipecut.core.schedule import rank_end_ms
 from pipecut.errors import PartitionError
 from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.coarsen import candidate_cuts
-from pipecut.passes.fastsim import simulate_kind
 from pipecut.passes.problem import Problem
 from pipecut.passes.replication import ReplicatedPlan, ReplicationKind, plan_replicated
+from pipecut.passes.schedules import build
 from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, inflight_microbatches
 from pipecut.passes.workload import Workload as Workload
 from pipecut.passes.workload import ring_allreduce_ms as ring_allreduce_ms
@@ -210,11 +211,11 @@ def evaluate(
     b_ms = tuple(sum(work.backward_ms[b[s]:b[s + 1]]) / d for s in range(k))
     f_link = [link.transfer_ms(math.ceil(fwd[c] / d)) for c in b[1:-1]]
     b_link = [link.transfer_ms(math.ceil(bwd[c] / d)) for c in b[1:-1]]
-    sim = simulate_kind(schedule, f_ms, b_ms, m, f_link, b_link)
+    ends = rank_end_ms(build(schedule, k, m), f_ms, b_ms, f_link, b_link)
     reduce_ms = tuple(
         ring_allreduce_ms(sum(work.param_bytes[b[s]:b[s + 1]]), d, allreduce) for s in range(k)
     )
-    step = max(end + r for end, r in zip(sim.rank_end_ms, reduce_ms))
+    step = max(end + r for end, r in zip(ends, reduce_ms))
     single = m * work.compute_ms
     return Candidate(
         replicas=d,
@@ -223,7 +224,7 @@ def evaluate(
         forward_ms=f_ms,
         backward_ms=b_ms,
         allreduce_ms=reduce_ms,
-        pipeline_ms=sim.step_ms,
+        pipeline_ms=max(ends),
         step_ms=step,
         efficiency=single / (d * k * step) if step > 0 else 1.0,
         peak_memory_bytes=max(s.memory_bytes for s in split.stages),

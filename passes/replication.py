@@ -29,7 +29,7 @@ and the answer is ``best[units][N]``: exact for this objective over the searched
 ``s`` keeps, exact when the later stages are not replicated (the DP does not know K yet).
 
 The predicted step of the chosen plan is simulated like a uniform candidate's
-(:mod:`pipecut.passes.fastsim`, each stage's all-reduce after its last backward; a cut between
+(:func:`pipecut.core.schedule.rank_end_ms`, each stage's all-reduce after its last backward; a cut between
 stages of ``r`` and ``r'`` replicas moves ``bytes / min(r, r')`` per device), so the two can be
 compared; ``bottleneck_ms`` is the DP's objective. Above ``max_positions`` allowed cuts the DP
 runs over the module-boundary positions of :func:`pipecut.passes.coarsen.candidate_cuts` only.
@@ -43,9 +43,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipecut.core.schedule import rank_end_ms
 from pipecut.errors import PartitionError
 from pipecut.passes.coarsen import candidate_cuts
-from pipecut.passes.fastsim import simulate_kind
+from pipecut.passes.schedules import build
 from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR
 from pipecut.passes.workload import Workload, ring_allreduce_ms
 from pipecut.plan import Link, ScheduleKind
@@ -270,8 +271,8 @@ def _describe(
     pairs = [(split[s][1], min(reps[s], reps[s + 1])) for s in range(len(split) - 1)]
     f_link = [link.transfer_ms(math.ceil(cf[c] / r)) for c, r in pairs]
     b_link = [link.transfer_ms(math.ceil(cb[c] / r)) for c, r in pairs]
-    sim = simulate_kind(schedule, fwd, bwd, m, f_link, b_link)
-    step = max(end + r for end, r in zip(sim.rank_end_ms, reduce_ms))
+    ends = rank_end_ms(build(schedule, len(split), m), fwd, bwd, f_link, b_link)
+    step = max(end + r for end, r in zip(ends, reduce_ms))
     single = m * work.compute_ms
     used = np.cumsum(reps)
     memory = max(
@@ -282,7 +283,7 @@ def _describe(
         devices=devices, microbatches=m, batch_size=batch_size, schedule=schedule,
         bounds=(*(i for i, _, _ in split), split[-1][1]), replicas=reps,
         forward_ms=fwd, backward_ms=bwd, stage_ms=times, allreduce_ms=reduce_ms,
-        bottleneck_ms=max(times), pipeline_ms=sim.step_ms, step_ms=step,
+        bottleneck_ms=max(times), pipeline_ms=max(ends), step_ms=step,
         efficiency=single / (devices * step) if step > 0 else 1.0, single_device_ms=single,
         peak_memory_bytes=memory, replica_choices=choices, positions=positions,
     )

@@ -1,18 +1,21 @@
 """Schedule generators: GPipe, 1F1B and interleaved 1F1B as per-rank action lists.
 
 The schedule IR they produce (:class:`~pipecut.core.schedule.Action`, its text form and the
-timing rule) lives in :mod:`pipecut.core.schedule`; the zero-bubble order, which needs the
-plan's costs, in :mod:`pipecut.passes.zero_bubble`. :func:`build` is the one door to all of them.
+timing rule) lives in :mod:`pipecut.core.schedule`; the zero-bubble order, which is list
+scheduled on the stages' costs, in :mod:`pipecut.passes.zero_bubble`. :func:`build` is the one
+door to all of them: plans call it with their :class:`~pipecut.core.schedule.StageCosts`
+(``pipecut.passes.stages.plan_schedule``). The text of every generator's output for a few
+sizes is kept under ``tests/golden/``.
 """
 
 from __future__ import annotations
 
-from pipecut.core.schedule import Action, ActionKind, Schedule
+from pipecut.core.schedule import Action, ActionKind, Schedule, StageCosts
 from pipecut.errors import ScheduleError
 from pipecut.passes.zero_bubble import zero_bubble
 from pipecut.plan import ScheduleKind
 
-__all__ = ["build", "gpipe", "interleaved_1f1b", "one_f_one_b"]
+__all__ = ["build", "gpipe", "interleaved_1f1b", "one_f_one_b", "unit_costs"]
 
 
 def gpipe(stages: int, microbatches: int) -> Schedule:
@@ -66,18 +69,41 @@ def interleaved_1f1b(ranks: int, chunks: int, microbatches: int) -> Schedule:
     return tuple(schedule)
 
 
-def build(kind: ScheduleKind, ranks: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """The schedule of ``kind`` for ``ranks`` ranks holding ``chunks`` stages each."""
+def unit_costs(stages: int) -> StageCosts:
+    """F = I = W = 1 on every stage, free links: the costs :func:`build` schedules zero bubble on
+    when it is given none."""
+    return StageCosts(forward=(1.0,) * stages, backward=(2.0,) * stages, weight=(1.0,) * stages,
+                      forward_link=(0.0,) * max(stages - 1, 0), backward_link=(0.0,) * max(stages - 1, 0))
+
+
+def build(
+    kind: ScheduleKind,
+    ranks: int,
+    microbatches: int,
+    chunks: int = 1,
+    costs: StageCosts | None = None,
+) -> Schedule:
+    """The schedule of ``kind`` for ``ranks`` ranks holding ``chunks`` stages each.
+
+    ``costs`` (per stage, ``ranks * chunks`` of them) only change a zero-bubble order, which is
+    list scheduled on them; without them it is scheduled on :func:`unit_costs`. GPipe, 1F1B and
+    interleaved 1F1B are fixed orders.
+    """
+    if costs is not None and len(costs.forward) != ranks * chunks:
+        raise ScheduleError(
+            f"costs for {len(costs.forward)} stages, but {ranks} ranks × {chunks} chunks make "
+            f"{ranks * chunks} stages; pass one cost per stage"
+        )
     if kind is ScheduleKind.INTERLEAVED_1F1B:
         return interleaved_1f1b(ranks, chunks, microbatches)
-    if kind is ScheduleKind.ZERO_BUBBLE and chunks == 1:
-        # Without a plan's costs: the order list scheduling gives for F = I = W everywhere
-        # (plans use pipecut.passes.stages.plan_schedule, which schedules on their costs).
-        return zero_bubble(ranks, microbatches, [1.0] * ranks, [2.0] * ranks, [1.0] * ranks)
     if chunks != 1:
         raise ScheduleError(f"{kind.value} runs one stage per rank; use interleaved-1f1b for {chunks}")
     if kind is ScheduleKind.GPIPE:
         return gpipe(ranks, microbatches)
     if kind is ScheduleKind.ONE_F_ONE_B:
         return one_f_one_b(ranks, microbatches)
+    if kind is ScheduleKind.ZERO_BUBBLE:
+        c = costs if costs is not None else unit_costs(ranks)
+        return zero_bubble(ranks, microbatches, c.forward, c.backward, c.weight, c.forward_link,
+                           c.backward_link)
     raise ScheduleError(f"no generator for schedule {kind}")

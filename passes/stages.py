@@ -8,12 +8,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipecut.core.schedule import Action, Schedule, simulate, timeline
-from pipecut.errors import ScheduleError
+from pipecut.core.schedule import Action, Schedule, StageCosts, simulate, timeline
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.chain import Liveness, boundary_bytes, boundary_ms, value_bytes
 from pipecut.passes.schedules import build as build_schedule
-from pipecut.passes.zero_bubble import zero_bubble
 from pipecut.plan import (
     DeviceSpec,
     Edge,
@@ -30,11 +28,9 @@ from pipecut.plan import (
 
 __all__ = [
     "OPTIMIZER_STATE_FACTOR",
-    "StageCosts",
     "StageFacts",
     "build_stages",
     "inflight_microbatches",
-    "make_schedule",
     "plan_schedule",
     "predict",
     "predicted_timeline",
@@ -190,20 +186,8 @@ def build_stages(
     )
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StageCosts:
-    """Per-stage costs the schedule is generated from and simulated on (ms per microbatch)."""
-
-    forward: tuple[float, ...]
-    backward: tuple[float, ...]
-    weight: tuple[float, ...]
-    forward_link: tuple[float, ...]
-    """Per cut between stage s and s + 1: activation transfer."""
-    backward_link: tuple[float, ...]
-    """Per cut: gradient transfer."""
-
-
 def stage_costs(stages: Sequence[Stage], nodes: Sequence[NodeCost], link: Link) -> StageCosts:
+    """The costs a plan's schedule is generated from (zero bubble) and simulated on."""
     by_name = {n.name: n for n in nodes}
     forward, backward = [], []
     for st in stages[:-1]:
@@ -219,22 +203,10 @@ def stage_costs(stages: Sequence[Stage], nodes: Sequence[NodeCost], link: Link) 
     )
 
 
-def make_schedule(
-    kind: ScheduleKind, ranks: int, microbatches: int, stages_per_rank: int, costs: StageCosts
-) -> Schedule:
-    """The schedule of ``kind``; a zero-bubble order is list-scheduled on ``costs``."""
-    if kind is ScheduleKind.ZERO_BUBBLE:
-        if stages_per_rank != 1:
-            raise ScheduleError("the zero-bubble schedule runs one stage per rank; use stages_per_rank=1")
-        return zero_bubble(ranks, microbatches, costs.forward, costs.backward, costs.weight,
-                           costs.forward_link, costs.backward_link)
-    return build_schedule(kind, ranks, microbatches, stages_per_rank)
-
-
 def plan_schedule(plan: Plan) -> Schedule:
     """The schedule every rank runs for ``plan`` (deterministic: it depends only on the plan)."""
-    costs = stage_costs(plan.stages, plan.nodes, plan.link)
-    return make_schedule(plan.schedule, plan.num_ranks, plan.microbatches, plan.stages_per_rank, costs)
+    return build_schedule(plan.schedule, plan.num_ranks, plan.microbatches, plan.stages_per_rank,
+                          stage_costs(plan.stages, plan.nodes, plan.link))
 
 
 def predict(
@@ -249,7 +221,7 @@ def predict(
     k = len(stages)
     ranks = k // stages_per_rank
     costs = stage_costs(stages, nodes, link)
-    sched = make_schedule(schedule, ranks, microbatches, stages_per_rank, costs)
+    sched = build_schedule(schedule, ranks, microbatches, stages_per_rank, costs)
     step = simulate(sched, costs.forward, costs.backward, costs.forward_link, costs.backward_link,
                     costs.weight)
     busy = microbatches * sum(f + b for f, b in zip(costs.forward, costs.backward))

@@ -19,6 +19,7 @@ schedule only orders computation. GPipe on 3 stages and 4 microbatches (time run
 from __future__ import annotations
 
 import enum
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,15 +30,16 @@ __all__ = [
     "Action",
     "ActionKind",
     "Schedule",
+    "StageCosts",
     "format_marked",
     "format_schedule",
     "forward_only",
     "parse_schedule",
+    "rank_end_ms",
     "simulate",
     "timeline",
     "validate",
 ]
-
 
 
 class ActionKind(enum.Enum):
@@ -124,6 +126,24 @@ def validate(schedule: Schedule, microbatches: int) -> None:
                     )
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageCosts:
+    """Per-stage costs a schedule is generated from and simulated on (ms per microbatch).
+
+    ``forward``, ``backward`` and ``weight`` have one entry per stage (``weight`` is the part
+    of the backward a split backward runs later as W; it may be all zeros); the links one per
+    cut between stage s and s + 1.
+    """
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    weight: tuple[float, ...]
+    forward_link: tuple[float, ...]
+    """Per cut between stage s and s + 1: activation transfer."""
+    backward_link: tuple[float, ...]
+    """Per cut: gradient transfer."""
+
+
 def simulate(
     schedule: Schedule,
     forward_ms: Sequence[float],
@@ -134,14 +154,32 @@ def simulate(
 ) -> float:
     """Predicted step time; raises :class:`ScheduleError` if the schedule deadlocks.
 
-    Costs are per stage. A forward of stage s waits for stage s-1's forward of the same
-    microbatch plus ``forward_link_ms[s-1]``; a backward waits for stage s+1's backward plus
-    ``backward_link_ms[s]`` (defaults to ``forward_link_ms``). Each rank runs its actions in
-    order, one at a time. With a split backward, I costs ``backward_ms - weight_ms`` and waits
-    like a backward; W costs ``weight_ms`` and waits only for its own I.
+    Costs are per stage; the rank of an action is the index of the list that holds it, so any
+    stage-to-rank map works (interleaved: stage ``c * ranks + r`` on rank r). A forward of
+    stage s waits for stage s-1's forward of the same microbatch plus ``forward_link_ms[s-1]``;
+    a backward waits for stage s+1's backward plus ``backward_link_ms[s]`` (defaults to
+    ``forward_link_ms``). Each rank runs its actions in order, one at a time. With a split
+    backward, I costs ``backward_ms - weight_ms`` and waits like a backward (and the stage
+    before waits for it as for a backward); W costs ``weight_ms`` and waits only for its own I,
+    which precedes it on the same rank.
     """
-    return max((end for _, _, end in timeline(schedule, forward_ms, backward_ms, forward_link_ms,
-                                              backward_link_ms, weight_ms)), default=0.0)
+    return max(rank_end_ms(schedule, forward_ms, backward_ms, forward_link_ms, backward_link_ms,
+                           weight_ms), default=0.0)
+
+
+def rank_end_ms(
+    schedule: Schedule,
+    forward_ms: Sequence[float],
+    backward_ms: Sequence[float],
+    forward_link_ms: Sequence[float] = (),
+    backward_link_ms: Sequence[float] = (),
+    weight_ms: Sequence[float] = (),
+) -> tuple[float, ...]:
+    """End of each rank's last action (0 for a rank without actions), by :func:`simulate`'s
+    rule; the hybrid planner starts each rank's gradient all-reduce there."""
+    _, _, _, clock = _run(schedule, forward_ms, backward_ms, forward_link_ms, backward_link_ms,
+                          weight_ms)
+    return tuple(clock)
 
 
 def timeline(
@@ -152,51 +190,104 @@ def timeline(
     backward_link_ms: Sequence[float] = (),
     weight_ms: Sequence[float] = (),
 ) -> list[tuple[Action, float, float]]:
-    """(action, start, end) of every action, in the order the simulation runs them."""
+    """(action, start, end) of every action, in the order the simulation runs them: each
+    action after the one before it on its rank and after the action it waits for."""
+    starts, ends, order, _ = _run(schedule, forward_ms, backward_ms, forward_link_ms,
+                                  backward_link_ms, weight_ms)
+    pos = [0] * len(schedule)
+    spans = []
+    for r in order:
+        i = pos[r]
+        spans.append((schedule[r][i], starts[r][i], ends[r][i]))
+        pos[r] = i + 1
+    return spans
+
+
+def _run(
+    schedule: Schedule,
+    forward_ms: Sequence[float],
+    backward_ms: Sequence[float],
+    forward_link_ms: Sequence[float],
+    backward_link_ms: Sequence[float],
+    weight_ms: Sequence[float],
+) -> tuple[list[list[float]], list[list[float]], list[int], list[float]]:
+    """Event-driven simulation in O(actions): per rank, the start and end of each of its actions
+    (aligned with ``schedule[r]``), the ranks in the order their actions ran, and each rank's
+    clock at the end.
+
+    A rank runs its actions until the next one waits for an action not yet run; it then parks
+    on that action, and finishing it puts the rank back on the ready stack. Finish times live
+    in a flat list indexed by ``(stage * M + microbatch) * 2 + (0 forward | 1 backward)``, where
+    an I counts as the stage's backward (what the stage before waits for).
+    """
     ranks = len(schedule)
-    last = len(forward_ms) - 1
-    fwd_link = list(forward_link_ms) or [0.0] * max(last, 0)
-    bwd_link = list(backward_link_ms) or fwd_link  # one link time for both directions
-    weight = list(weight_ms) or [0.0] * len(forward_ms)
-    finish: dict[tuple[int, ActionKind, int], float] = {}
+    stages = len(forward_ms)
+    last = stages - 1
+    fwd = [float(x) for x in forward_ms]
+    fwd_link = [float(x) for x in forward_link_ms] or [0.0] * max(last, 0)
+    bwd_link = [float(x) for x in backward_link_ms] or fwd_link  # one link time for both directions
+    weight = [float(x) for x in weight_ms] or [0.0] * stages
+    bwd = [float(x) for x in backward_ms]
+    inp = [b - w for b, w in zip(bwd, weight)]
+    forward, backward, weight_kind = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
+    m = 1 + max((a.microbatch for actions in schedule for a in actions), default=0)
+    unset = -math.inf  # finish time of an action not run yet
+    finish = [unset] * (2 * m * max(stages, 1))
+    parked: dict[int, list[int]] = {}
+    starts: list[list[float]] = [[] for _ in range(ranks)]
+    ends: list[list[float]] = [[] for _ in range(ranks)]
     clock = [0.0] * ranks
     pos = [0] * ranks
-    spans: list[tuple[Action, float, float]] = []
-    remaining = sum(len(r) for r in schedule)
-    while remaining:
-        progressed = False
-        for r in range(ranks):
-            while pos[r] < len(schedule[r]):
-                a = schedule[r][pos[r]]
-                s = a.stage
-                if a.kind is ActionKind.FORWARD:
-                    dep = (s - 1, ActionKind.FORWARD, a.microbatch) if s > 0 else None
-                    link = fwd_link[s - 1] if s > 0 else 0.0
-                    cost = forward_ms[s]
-                elif a.kind is ActionKind.WEIGHT:
-                    dep, link, cost = None, 0.0, weight[s]
-                else:  # B or I: gradients come from the next stage (recorded as B either way)
-                    dep = (s + 1, ActionKind.BACKWARD, a.microbatch) if s < last else None
-                    link = bwd_link[s] if s < last else 0.0
-                    cost = backward_ms[s] - (weight[s] if a.kind is ActionKind.INPUT else 0.0)
-                if dep is not None and dep not in finish:
-                    break
-                start = max(clock[r], finish[dep] + link if dep is not None else 0.0)
-                clock[r] = start + cost
-                kind = ActionKind.BACKWARD if a.kind is ActionKind.INPUT else a.kind
-                finish[(s, kind, a.microbatch)] = clock[r]
-                spans.append((a, start, clock[r]))
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {r: schedule[r][pos[r]] for r in range(ranks) if pos[r] < len(schedule[r])}
-            where = ", ".join(f"rank {r} stops at {a}" for r, a in stuck.items())
-            raise ScheduleError(
-                f"schedule deadlocks: {where} (each waits for an action that never runs)\n"
-                + format_marked(schedule, dict(stuck))
-            )
-    return spans
+    order: list[int] = []
+    ready = list(range(ranks - 1, -1, -1))  # rank 0 first
+    while ready:
+        r = ready.pop()
+        actions, t, i = schedule[r], clock[r], pos[r]
+        run_starts, run_ends = starts[r], ends[r]
+        while i < len(actions):
+            a = actions[i]
+            s, kind, mb = a.stage, a.kind, a.microbatch
+            start = t
+            if kind is forward:
+                if s > 0:
+                    done = finish[((s - 1) * m + mb) * 2]
+                    if done == unset:
+                        parked.setdefault(((s - 1) * m + mb) * 2, []).append(r)
+                        break
+                    done += fwd_link[s - 1]
+                    if done > start:
+                        start = done
+                me, t = (s * m + mb) * 2, start + fwd[s]
+            elif kind is weight_kind:
+                me, t = -1, start + weight[s]
+            else:  # B or I: gradients come from the next stage's B or I
+                if s < last:
+                    done = finish[((s + 1) * m + mb) * 2 + 1]
+                    if done == unset:
+                        parked.setdefault(((s + 1) * m + mb) * 2 + 1, []).append(r)
+                        break
+                    done += bwd_link[s]
+                    if done > start:
+                        start = done
+                me, t = (s * m + mb) * 2 + 1, start + (bwd[s] if kind is backward else inp[s])
+            run_starts.append(start)
+            run_ends.append(t)
+            order.append(r)
+            i += 1
+            if me >= 0:
+                finish[me] = t
+                waiting = parked.pop(me, None)
+                if waiting:
+                    ready.extend(waiting)
+        clock[r], pos[r] = t, i
+    if len(order) != sum(len(actions) for actions in schedule):
+        stuck = {r: schedule[r][pos[r]] for r in range(ranks) if pos[r] < len(schedule[r])}
+        where = ", ".join(f"rank {r} stops at {a}" for r, a in stuck.items())
+        raise ScheduleError(
+            f"schedule deadlocks: {where} (each waits for an action that never runs)\n"
+            + format_marked(schedule, dict(stuck))
+        )
+    return starts, ends, order, clock
 
 
 def format_marked(schedule: Schedule, at: dict[int, Action | None]) -> str:

@@ -1,12 +1,24 @@
-"""Schedules are data: golden action lists, text round trip, validation and simulation."""
+"""Schedules are data: golden action lists (inline and under tests/golden/), text round trip,
+validation and simulation."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
-from pipecut.core.schedule import Action, format_schedule, parse_schedule, simulate, validate
+from pipecut.core.schedule import (
+    Action,
+    StageCosts,
+    format_schedule,
+    parse_schedule,
+    simulate,
+    validate,
+)
 from pipecut.errors import ScheduleError
-from pipecut.passes.schedules import gpipe, one_f_one_b
+from pipecut.passes.schedules import build, gpipe, one_f_one_b, unit_costs
+from pipecut.plan import ScheduleKind
 
 
 def test_gpipe_golden() -> None:
@@ -49,3 +61,58 @@ def test_simulated_fill_drain_time() -> None:
     # K=2, M=3, F=1, B=2, no communication: (M + K - 1) * (F + B) = 12.
     assert simulate(gpipe(2, 3), [1, 1], [2, 2]) == pytest.approx(12.0)
     assert simulate(one_f_one_b(2, 3), [1, 1], [2, 2]) == pytest.approx(12.0)
+
+
+# --- golden text of every generator ---------------------------------------------------------
+# tests/golden/<name>.txt holds format_schedule(...) of each case below. After an intended change
+# to a generator, regenerate them and review the diff:
+#
+#     PIPECUT_REGEN_GOLDEN=1 .venv/bin/pytest -q tests/unit/test_schedule.py -k golden_file
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+SKEWED = StageCosts(  # three stages, the middle one slow, links not free: zero bubble reorders
+    forward=(1.0, 2.0, 1.0), backward=(2.0, 4.0, 3.0), weight=(1.0, 2.0, 1.0),
+    forward_link=(0.5, 0.5), backward_link=(0.25, 0.25),
+)
+G, OFOB, IL, ZB = ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED_1F1B, ScheduleKind.ZERO_BUBBLE
+GOLDEN_CASES: dict[str, tuple[ScheduleKind, int, int, int, StageCosts | None]] = {
+    # name: (kind, ranks, microbatches, chunks, costs)
+    "gpipe_k2_m3": (G, 2, 3, 1, None),
+    "gpipe_k3_m4": (G, 3, 4, 1, None),
+    "1f1b_k3_m4": (OFOB, 3, 4, 1, None),
+    "1f1b_k4_m8": (OFOB, 4, 8, 1, None),
+    "1f1b_k4_m2": (OFOB, 4, 2, 1, None),
+    "interleaved_k2_v2_m4": (IL, 2, 4, 2, None),
+    "interleaved_k4_v2_m8": (IL, 4, 8, 2, None),
+    "interleaved_k3_v3_m6": (IL, 3, 6, 3, None),
+    "zero_bubble_k2_m4": (ZB, 2, 4, 1, None),
+    "zero_bubble_k4_m8": (ZB, 4, 8, 1, None),
+    "zero_bubble_k3_m6_skewed": (ZB, 3, 6, 1, SKEWED),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+def test_generator_matches_golden_file(name: str) -> None:
+    kind, ranks, m, chunks, costs = GOLDEN_CASES[name]
+    schedule = build(kind, ranks, m, chunks, costs)
+    validate(schedule, m)
+    text = format_schedule(schedule) + "\n"
+    path = GOLDEN / f"{name}.txt"
+    if os.environ.get("PIPECUT_REGEN_GOLDEN"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.read_text() == text, f"{name}: the generator no longer gives {path}"
+
+
+def test_golden_files_cover_every_kind_and_nothing_else() -> None:
+    assert {kind for kind, *_ in GOLDEN_CASES.values()} == set(ScheduleKind)
+    assert {p.stem for p in GOLDEN.glob("*.txt")} == set(GOLDEN_CASES)
+
+
+def test_build_schedules_zero_bubble_on_the_given_costs() -> None:
+    skewed = build(ScheduleKind.ZERO_BUBBLE, 3, 6, costs=SKEWED)
+    validate(skewed, 6)
+    assert skewed != build(ScheduleKind.ZERO_BUBBLE, 3, 6)  # the costs change the order
+    assert build(ScheduleKind.ZERO_BUBBLE, 3, 6, costs=unit_costs(3)) == build(ScheduleKind.ZERO_BUBBLE, 3, 6)
+    with pytest.raises(ScheduleError, match="costs for 3 stages, but 2 ranks × 1 chunks make 2"):
+        build(ScheduleKind.ZERO_BUBBLE, 2, 4, costs=SKEWED)

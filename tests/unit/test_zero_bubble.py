@@ -6,11 +6,13 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pipecut
 from examples import EXAMPLES
 from pipecut.capture import capture
-from pipecut.core.schedule import format_schedule, simulate, validate
+from pipecut.core.schedule import ActionKind, format_schedule, simulate, timeline, validate
 from pipecut.errors import ScheduleError
 from pipecut.passes.schedules import one_f_one_b
 from pipecut.passes.split import split
@@ -85,3 +87,28 @@ def test_weight_before_input_is_refused() -> None:
 
     with pytest.raises(ScheduleError, match="before its input part"):
         validate(parse_schedule("0F0 0W0 0I0"), 1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 8), st.data())
+def test_list_scheduling_keeps_1f1b_memory_and_never_idles_with_weight_work(k, m, data) -> None:  # type: ignore[no-untyped-def]
+    times = st.floats(0.0, 3.0, allow_nan=False)
+    f = data.draw(st.lists(times, min_size=k, max_size=k))
+    w = data.draw(st.lists(times, min_size=k, max_size=k))
+    b = [wi + x for wi, x in zip(w, data.draw(st.lists(times, min_size=k, max_size=k)))]
+    fl = data.draw(st.lists(times, min_size=k - 1, max_size=k - 1))
+    zb = zero_bubble(k, m, f, b, w, fl)
+    validate(zb, m)
+    spans = timeline(zb, f, b, fl, weight_ms=w)
+    for s in range(k):
+        in_flight = pending = 0
+        mine = [(a, start, end) for a, start, end in spans if a.stage == s]
+        prev_end = 0.0
+        for a, start, end in mine:
+            # A rank waits only when it has no weight part to run.
+            assert start <= prev_end + 1e-9 or pending == 0, (s, a)
+            in_flight += a.kind is ActionKind.FORWARD
+            in_flight -= a.kind is ActionKind.WEIGHT
+            pending += (a.kind is ActionKind.INPUT) - (a.kind is ActionKind.WEIGHT)
+            assert in_flight <= k - s  # 1F1B's activation memory
+            prev_end = end
