@@ -48,7 +48,7 @@ def layout(
 ) -> tuple[Span, ...]:
     """Start and end of every action, by ``core.schedule.timeline`` (the simulator's rule)."""
     return tuple(
-        Span(rank=a.stage, action=str(a), start=start, end=end)
+        Span(rank=a.stage % len(schedule), action=str(a), start=start, end=end)  # virtual stages: s mod ranks
         for a, start, end in timeline(schedule, forward_ms, backward_ms, forward_link_ms, backward_link_ms)
     )
 

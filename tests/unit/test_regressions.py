@@ -50,3 +50,16 @@ def test_calibration_does_not_make_a_buffer_require_grad() -> None:
     plan = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=4, repeats=1, warmup=0)
     assert plan.capture is CaptureMethod.EXPORT and "calibrated" in plan.solver.detail
     assert not model.calls.requires_grad and torch.equal(model.calls, before)
+
+
+def test_gantt_layout_puts_virtual_stages_on_their_ranks() -> None:
+    # layout() drew stage s on row s, so an interleaved schedule (stage c * ranks + r on rank r)
+    # showed rows for ranks that do not exist.
+    from pipecut.passes.schedules import build
+    from pipecut.plan import ScheduleKind
+    from pipecut.report.gantt import layout
+
+    schedule = build(ScheduleKind.INTERLEAVED_1F1B, 2, 4, chunks=2)
+    spans = layout(schedule, [1.0] * 4, [2.0] * 4)
+    assert {s.rank for s in spans} == {0, 1}
+    assert all(s.rank == int(s.action.split("F")[0].split("B")[0]) % 2 for s in spans)
