@@ -12,7 +12,7 @@ from pipecut.errors import InputError, PartitionError
 from pipecut.plan import Recompute, ScheduleKind
 from tests.unit.tiny import mlp_plan
 
-G, F, Z, I = ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUBBLE, ScheduleKind.INTERLEAVED_1F1B
+G, F, Z, V = ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUBBLE, ScheduleKind.INTERLEAVED_1F1B
 
 
 def run(times, *, microbatches=AUTO, schedule=AUTO, recompute=(), profiled=None):
@@ -76,7 +76,7 @@ def test_nothing_fits_and_bad_microbatches_are_refused():
 
 def test_schedules_to_try():
     assert schedules_to_try(AUTO, 1) == (G, F, Z)
-    assert schedules_to_try(AUTO, 2) == (I,)
+    assert schedules_to_try(AUTO, 2) == (V,)
     assert schedules_to_try("GPipe", 1) == (G,)
     with pytest.raises(InputError, match="unknown schedule 'fast'"):
         schedules_to_try("fast", 1)

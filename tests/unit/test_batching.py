@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipecut.core.batching import batch_size, check_inputs, first_microbatch, split_by_sizes, split_microbatches
+from pipecut.core.batching import (
+    batch_size,
+    check_inputs,
+    first_microbatch,
+    split_by_sizes,
+    split_microbatches,
+)
 from pipecut.errors import InputError
 
 
@@ -43,5 +49,5 @@ def test_first_microbatch_keeps_the_structure_and_checks_inputs():
     size, first = first_microbatch({"x": torch.arange(8)}, 4)
     assert size == 8 and first["x"].tolist() == [0, 1]
     check_inputs([torch.zeros(1)])
-    with pytest.raises(InputError, match="example_inputs must be a tuple .* got Tensor; wrap a single tensor as"):
+    with pytest.raises(InputError, match=r"example_inputs must be a tuple .* got Tensor; wrap a single tensor as"):
         first_microbatch(torch.zeros(8), 2)

@@ -33,7 +33,7 @@ def test_a_shifted_cut_is_one_run_of_moves():
     assert d.moved_nodes == 2
     assert d.stages[0].nodes == (len(a.stages[0].nodes), len(a.stages[0].nodes) + 2)
     text = format_diff(d, names=("old", "new"))
-    assert f"2 node(s) moved between stages:" in text
+    assert "2 node(s) moved between stages:" in text
     assert f"stage 1 → 0: {', '.join(moved)}" in text
     assert "old is predicted faster (2.00x)" in text
 

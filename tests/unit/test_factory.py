@@ -19,7 +19,7 @@ def test_unknown_module_file_and_function_are_named(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(InputError, match="cannot import module 'nosuchmodule_x'"):
         load_factory("nosuchmodule_x:build")
-    with pytest.raises(InputError, match="factory file 'missing.py' does not exist"):
+    with pytest.raises(InputError, match=r"factory file 'missing.py' does not exist"):
         load_factory("missing.py:build")
     (tmp_path / "mine.py").write_text("def build():\n    pass\n\ndef other():\n    pass\n\n_x = 1\n")
     with pytest.raises(InputError, match=r"mine has no function 'make'; its functions are \['build', 'other'\]"):
@@ -43,7 +43,7 @@ def test_call_factory_checks_keywords_and_what_comes_back():
         call_factory(lambda batch_size: (model, ()), seed=1, spec="f")
     with pytest.raises(InputError, match="f must return \\(model, example_inputs, loss_fn, target\\), got tuple of 3"):
         call_factory(lambda: (model, (), None), spec="f")
-    with pytest.raises(InputError, match="f must return .* got int"):
+    with pytest.raises(InputError, match=r"f must return .* got int"):
         call_factory(lambda: 3, spec="f")
-    with pytest.raises(InputError, match="f returned str as the model; expected a torch.nn.Module"):
+    with pytest.raises(InputError, match=r"f returned str as the model; expected a torch.nn.Module"):
         call_factory(lambda: ("m", ()), spec="f")

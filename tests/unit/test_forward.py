@@ -22,7 +22,7 @@ def test_outputs_concatenate_along_the_batch_and_keep_equal_constants():
 def test_outputs_without_a_whole_batch_value_are_refused():
     with pytest.raises(PipelineRuntimeError, match="output leaf 0 is a tensor of shape \\(\\): it has no batch dimension of size 2"):
         concat_microbatches([torch.tensor(1.0), torch.tensor(2.0)], [2, 2])
-    with pytest.raises(PipelineRuntimeError, match="output leaf 1 is 3: .* return per-sample values"):
+    with pytest.raises(PipelineRuntimeError, match=r"output leaf 1 is 3: .* return per-sample values"):
         concat_microbatches([(torch.zeros(2), 3), (torch.zeros(2), 4)], [2, 2])
     with pytest.raises(PipelineRuntimeError, match="microbatch 1's output is structured as"):
         concat_microbatches([(torch.zeros(2),), [torch.zeros(2)]], [2, 2])

@@ -6,7 +6,13 @@ import torch
 from torch import fx, nn
 
 from pipecut.capture import capture
-from pipecut.capture.frozen import GRAD_ENABLED, detach_tree, honour_no_grad, inside_no_grad, no_grad_nodes
+from pipecut.capture.frozen import (
+    GRAD_ENABLED,
+    detach_tree,
+    honour_no_grad,
+    inside_no_grad,
+    no_grad_nodes,
+)
 
 
 class Frozen(nn.Module):

@@ -7,7 +7,13 @@ import operator
 import torch
 from torch import fx, nn
 
-from pipecut.core.graph import canonical_names, module_path, mutates_first_arg, node_parameters, target_name
+from pipecut.core.graph import (
+    canonical_names,
+    module_path,
+    mutates_first_arg,
+    node_parameters,
+    target_name,
+)
 
 
 class Net(nn.Module):

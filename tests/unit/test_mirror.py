@@ -39,8 +39,10 @@ EXEMPT: dict[str, tuple[str, str]] = {
         "tests/unit/test_profile.py", "per-node profiling: test_profile.py is its test file"),
     "pipecut.passes.partition": (
         "tests/unit/test_partition_scale.py", "the partition front door, tested on small and large graphs"),
+    "pipecut.api": (
+        "tests/dist/test_parity.py", "compile() builds a pipeline across processes; every tests/dist file runs it"),
     "pipecut.runtime.pipeline": (
-        "tests/dist/test_runtime.py", "the Pipeline object only runs across processes"),
+        "tests/dist/test_training_loop.py", "the Pipeline object only runs across processes: the README's loop"),
     "pipecut.passes.fastsim": (
         "tests/unit/test_hybrid_fastsim.py", "being replaced by the one simulator (issue 13)"),
     "pipecut.passes.baselines": (

@@ -10,7 +10,13 @@ import torch
 from torch import fx, nn
 
 from pipecut.capture import capture
-from pipecut.capture.modes import capture_in_mode, module_modes, share_state, state_names, state_reads
+from pipecut.capture.modes import (
+    capture_in_mode,
+    module_modes,
+    share_state,
+    state_names,
+    state_reads,
+)
 
 
 class Net(nn.Module):

@@ -39,5 +39,5 @@ def test_too_many_stages_for_the_crossable_cuts():
 
 
 def test_nothing_fits_names_the_memory_that_would():
-    with pytest.raises(PartitionError, match="no split of 8 nodes into 2 stages fits .* 2 devices would need"):
+    with pytest.raises(PartitionError, match=r"no split of 8 nodes into 2 stages fits .* 2 devices would need"):
         partition_ilp(problem(caps=(150, 150)))

@@ -6,8 +6,8 @@ import pytest
 
 from pipecut.errors import InputError, PartitionError
 from pipecut.passes.ilp import IlpSolver
-from pipecut.planner import as_devices, as_ilp_solver, as_schedule, partition_costs
 from pipecut.plan import DeviceSpec, Partitioner, ScheduleKind
+from pipecut.planner import as_devices, as_ilp_solver, as_schedule, partition_costs
 from tests.unit.tiny import mlp_plan
 
 
@@ -59,5 +59,5 @@ def test_the_ilp_agrees_with_the_dp_and_memory_limits_bring_recompute_or_an_erro
     tiny = [DeviceSpec(name="cpu", memory_bytes=1000)] * 3
     with pytest.raises(PartitionError, match="no split of 10 nodes into 3 stages fits in the device memory"):
         partition_costs(plan.nodes, devices=tiny, **common)
-    with pytest.raises(PartitionError, match="fits .* without recompute; .* or allow recompute"):
+    with pytest.raises(PartitionError, match=r"fits .* without recompute; .* or allow recompute"):
         partition_costs(plan.nodes, devices=tiny, recompute=False, **common)

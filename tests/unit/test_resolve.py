@@ -55,6 +55,6 @@ def test_schedules_per_microbatch_count():
     interleaved = dataclasses.replace(mlp_plan(4), schedule=ScheduleKind.INTERLEAVED_1F1B, stages_per_rank=2)
     assert interleaved.num_ranks == 2
     validate(schedules(interleaved)(2), 2)
-    with pytest.raises(InputError, match="a batch that splits into 3 microbatches cannot run the interleaved-1f1b "
+    with pytest.raises(InputError, match=r"a batch that splits into 3 microbatches cannot run the interleaved-1f1b "
                                          "schedule: .*; pass a batch of at least 4 samples or drop the last batch"):
         schedules(interleaved)(3)

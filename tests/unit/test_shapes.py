@@ -73,7 +73,7 @@ def test_microbatch_sizes_for_full_and_smaller_batches():
     with pytest.raises(InputError, match="the batch has 9 samples, more than the planned 8"):
         microbatch_sizes(9, plan)
     interleaved = dataclasses.replace(plan, schedule=ScheduleKind.INTERLEAVED_1F1B)
-    with pytest.raises(InputError, match="does not split into at most 4 microbatches of 1..2 samples"):
+    with pytest.raises(InputError, match=r"does not split into at most 4 microbatches of 1..2 samples"):
         microbatch_sizes(2, interleaved)  # 2 microbatches are not a multiple of the 3 ranks
 
 

@@ -60,15 +60,15 @@ def test_save_pretrained_directories_single_sharded_and_indexed(tmp_path):
 def test_what_is_not_weights_is_refused_with_the_options(tmp_path):
     with pytest.raises(InputError, match=r"state dict entries \['n'\] are not tensors"):
         open_weights({"n": 3})
-    with pytest.raises(InputError, match="weights must be a path .* or a state dict, got int"):
+    with pytest.raises(InputError, match=r"weights must be a path .* or a state dict, got int"):
         open_weights(3)
     with pytest.raises(InputError, match="does not exist"):
         open_weights(tmp_path / "nothing")
     (tmp_path / "model.bin").write_bytes(b"x")
-    with pytest.raises(InputError, match="is not a .safetensors file"):
+    with pytest.raises(InputError, match=r"is not a .safetensors file"):
         open_weights(tmp_path / "model.bin")
     with pytest.raises(InputError, match=r"holds no safetensors files .* \['model.bin'\]\); save with save_pretrained"):
         open_weights(tmp_path)
     (tmp_path / "bad.safetensors").write_bytes(b"not safetensors")
-    with pytest.raises(InputError, match="cannot read .*bad.safetensors as safetensors"):
+    with pytest.raises(InputError, match=r"cannot read .*bad.safetensors as safetensors"):
         open_weights(tmp_path / "bad.safetensors")
