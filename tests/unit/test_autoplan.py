@@ -1,0 +1,82 @@
+"""pipecut.autoplan: choosing microbatches and schedule by predicted step time."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipecut.autoplan import AUTO, choose, schedules_to_try
+from pipecut.errors import InputError, PartitionError
+from pipecut.plan import Recompute, ScheduleKind
+from tests.unit.tiny import mlp_plan
+
+G, F, Z, V = ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUBBLE, ScheduleKind.INTERLEAVED_1F1B
+
+
+def run(times, *, microbatches=AUTO, schedule=AUTO, recompute=(), profiled=None):
+    """``times[(m, kind)]``: predicted step ms (None: does not fit)."""
+    nodes = mlp_plan().nodes
+
+    def profile_at(first, first_target):
+        if profiled is not None:
+            profiled.append(first[0].shape[0])
+        return nodes
+
+    def partition(costs, m, kind):
+        step = times[(m, kind)]
+        if step is None:
+            raise PartitionError(f"{m} does not fit")
+        rc = Recompute.FULL if (m, kind) in recompute else Recompute.NONE
+        return SimpleNamespace(predicted=SimpleNamespace(step_ms=step), stages=(SimpleNamespace(recompute=rc),))
+
+    return choose((torch.zeros(8, 3),), torch.zeros(8), ranks=2, microbatches=microbatches,
+                  schedule=schedule, stages_per_rank=1, profile_at=profile_at, partition=partition)
+
+
+def all_pairs(step):
+    return {(m, k): step(m, k) for m in (2, 4, 8) for k in (G, F, Z)}
+
+
+def test_the_fastest_pair_wins_and_every_pair_is_recorded():
+    profiled = []
+    m, kind, candidates = run(all_pairs(lambda m, k: 10.0 + m + (0 if k is G else 5)), profiled=profiled)
+    assert (m, kind) == (2, G)
+    assert len(candidates) == 9 and [c.note for c in candidates].count("chosen") == 1
+    assert sorted(profiled) == [1, 4]  # profiled at the smallest and largest microbatch only
+
+
+def test_within_one_percent_1f1b_then_fewer_microbatches_win():
+    m, kind, _ = run(all_pairs(lambda m, k: 10.0 - 0.05 * (k is G) - 0.001 * m))
+    assert (m, kind) == (2, F)
+    # Beyond 1 % the faster schedule wins over the preferred one.
+    m, kind, _ = run(all_pairs(lambda m, k: 10.0 - 0.5 * (k is G)))
+    assert (m, kind) == (2, G)
+
+
+def test_zero_bubble_needing_recompute_and_plans_that_do_not_fit_are_ruled_out():
+    times = all_pairs(lambda m, k: 50.0)
+    times[(8, Z)] = 1.0
+    times[(4, G)] = None
+    m, kind, candidates = run(times, recompute={(8, Z)})
+    assert kind is not Z or m != 8
+    notes = {(c.microbatches, c.schedule): c.note for c in candidates}
+    assert notes[(8, Z)] == "needs recompute, which zero-bubble cannot run"
+    assert notes[(4, G)] == "4 does not fit"
+
+
+def test_nothing_fits_and_bad_microbatches_are_refused():
+    with pytest.raises(PartitionError, match="no microbatch count and schedule fits: 2/gpipe: 2 does not fit"):
+        run(all_pairs(lambda m, k: None))
+    with pytest.raises(InputError, match="microbatches must be an int or 'auto', got 'many'"):
+        run({}, microbatches="many")
+    assert run({(4, F): 3.0}, microbatches=4, schedule="1f1b")[:2] == (4, F)
+
+
+def test_schedules_to_try():
+    assert schedules_to_try(AUTO, 1) == (G, F, Z)
+    assert schedules_to_try(AUTO, 2) == (V,)
+    assert schedules_to_try("GPipe", 1) == (G,)
+    with pytest.raises(InputError, match="unknown schedule 'fast'"):
+        schedules_to_try("fast", 1)

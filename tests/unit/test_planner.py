@@ -1,0 +1,63 @@
+"""pipecut.planner: option parsing and partitioning a cost table into a plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipecut.errors import InputError, PartitionError
+from pipecut.passes.ilp import IlpSolver
+from pipecut.plan import DeviceSpec, Partitioner, ScheduleKind
+from pipecut.planner import as_devices, as_ilp_solver, as_schedule, partition_costs
+from tests.unit.tiny import mlp_plan
+
+
+def test_option_parsing_accepts_any_case_and_lists_the_choices():
+    assert as_schedule("1F1B") is ScheduleKind.ONE_F_ONE_B
+    assert as_schedule(ScheduleKind.GPIPE) is ScheduleKind.GPIPE
+    with pytest.raises(InputError, match=r"unknown schedule 'pipedream'; choose one of \['gpipe', '1f1b'"):
+        as_schedule("pipedream")
+    assert as_ilp_solver("CBC") is IlpSolver.CBC
+    with pytest.raises(InputError, match=r"unknown ILP solver 'gurobi'; choose one of \['highs', 'cbc'\]"):
+        as_ilp_solver("gurobi")
+
+
+def test_as_devices():
+    assert len(as_devices(3)) == 3
+    assert as_devices(["cpu", DeviceSpec(name="cuda:1", speed=2.0)]) == (
+        DeviceSpec(name="cpu"), DeviceSpec(name="cuda:1", speed=2.0))
+    with pytest.raises(InputError, match="devices must be an int, a list of device names or DeviceSpec, got 'cpu'"):
+        as_devices("cpu")
+    with pytest.raises(InputError, match="got True"):
+        as_devices(True)
+    with pytest.raises(PartitionError, match="must be at least 1, got 0"):
+        as_devices(0)
+    with pytest.raises(PartitionError, match="must be at least 1, got 0"):
+        as_devices([])
+
+
+def test_partitioning_the_cost_table_again_gives_the_same_stages():
+    plan = mlp_plan()
+    again = partition_costs(plan.nodes, devices=list(plan.devices), microbatches=plan.microbatches,
+                            batch_size=plan.batch_size, schedule=plan.schedule, link=plan.link,
+                            fingerprint=plan.fingerprint, inputs=plan.inputs)
+    assert [s.nodes for s in again.stages] == [s.nodes for s in plan.stages]
+    assert again.predicted.step_ms == pytest.approx(plan.predicted.step_ms)
+
+
+def test_the_ilp_agrees_with_the_dp_and_memory_limits_bring_recompute_or_an_error():
+    plan = mlp_plan()
+    common = dict(microbatches=plan.microbatches, batch_size=plan.batch_size, schedule=plan.schedule,
+                  link=plan.link, inputs=plan.inputs)
+    dp = partition_costs(plan.nodes, devices=3, partitioner=Partitioner.DP, **common)
+    ilp = partition_costs(plan.nodes, devices=3, partitioner=Partitioner.ILP, **common)
+    assert ilp.predicted.step_ms == pytest.approx(dp.predicted.step_ms, rel=1e-6)
+    need = max(s.peak_memory_bytes for s in dp.stages)
+    capped = [DeviceSpec(name="cpu", memory_bytes=need)] * 3
+    fitted = partition_costs(plan.nodes, devices=capped, **common)
+    assert all(s.peak_memory_bytes <= need for s in fitted.stages)
+    assert fitted.solver.method is Partitioner.ILP  # a memory limit needs the ILP
+    tiny = [DeviceSpec(name="cpu", memory_bytes=1000)] * 3
+    with pytest.raises(PartitionError, match="no split of 10 nodes into 3 stages fits in the device memory"):
+        partition_costs(plan.nodes, devices=tiny, **common)
+    with pytest.raises(PartitionError, match=r"fits .* without recompute; .* or allow recompute"):
+        partition_costs(plan.nodes, devices=tiny, recompute=False, **common)

@@ -1,0 +1,67 @@
+"""pipecut.passes.stages: memory of a stage's state, in-flight microbatches, schedule and prediction."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipecut.errors import ScheduleError
+from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.passes.stages import (
+    OPTIMIZER_STATE_FACTOR,
+    inflight_microbatches,
+    make_schedule,
+    plan_schedule,
+    predict,
+    predicted_timeline,
+    stage_costs,
+    stage_params,
+    state_bytes,
+)
+from pipecut.plan import NodeCost, NodeOp, ScheduleKind
+from tests.unit.tiny import mlp_plan
+
+
+def test_state_bytes_replicated_and_sharded():
+    assert state_bytes(100) == 100 * (2 + OPTIMIZER_STATE_FACTOR)
+    assert state_bytes(100, DataParallel(kind=DataParallelKind.DDP, replicas=4)) == state_bytes(100)
+    fsdp = DataParallel(kind=DataParallelKind.FSDP, replicas=4)
+    assert state_bytes(100, fsdp) == 200 + 100 * (2 + OPTIMIZER_STATE_FACTOR) // 4
+
+
+def test_inflight_microbatches_per_schedule():
+    assert inflight_microbatches(ScheduleKind.GPIPE, 3, 8) == [8, 8, 8]
+    assert inflight_microbatches(ScheduleKind.ONE_F_ONE_B, 3, 8) == [3, 2, 1]
+    assert inflight_microbatches(ScheduleKind.ONE_F_ONE_B, 4, 2) == [2, 2, 2, 1]
+
+
+def test_stage_params_count_each_source_once():
+    w = NodeCost(name="w", op=NodeOp.GET_ATTR, target="w", param_bytes=40, parameters=("w",))
+    a = NodeCost(name="a", op=NodeOp.CALL_FUNCTION, target="mul", inputs=("w",))
+    b = NodeCost(name="b", op=NodeOp.CALL_FUNCTION, target="add", inputs=("w",))
+    fc = NodeCost(name="fc", op=NodeOp.CALL_MODULE, target="fc", param_bytes=8, parameters=("fc.weight",))
+    by_name = {n.name: n for n in (w, a, b, fc)}
+    assert stage_params([a, b, fc], by_name) == (("w", "fc.weight"), 48)
+    assert stage_params([], by_name) == ((), 0)
+
+
+def test_the_plans_prediction_is_reproduced_from_its_own_data():
+    plan = mlp_plan()
+    predicted = predict(plan.stages, plan.microbatches, plan.nodes, plan.schedule, plan.link)
+    assert predicted.step_ms == pytest.approx(plan.predicted.step_ms)
+    assert predicted.bottleneck_stage == plan.predicted.bottleneck_stage
+    assert 0 <= predicted.bubble_fraction < 1
+    schedule = plan_schedule(plan)
+    assert len(schedule) == plan.num_ranks
+    assert all(len(actions) == 2 * plan.microbatches for actions in schedule)
+    timeline = predicted_timeline(plan)
+    assert max(end for _, _, end in timeline) == pytest.approx(plan.predicted.step_ms)
+
+
+def test_stage_costs_and_the_zero_bubble_constraint():
+    plan = mlp_plan()
+    costs = stage_costs(plan.stages, plan.nodes, plan.link)
+    assert costs.forward == tuple(s.forward_ms for s in plan.stages)
+    assert len(costs.forward_link) == len(costs.backward_link) == plan.num_stages - 1
+    assert all(x > 0 for x in costs.forward_link)  # the cut activations take time to send
+    with pytest.raises(ScheduleError, match="zero-bubble schedule runs one stage per rank"):
+        make_schedule(ScheduleKind.ZERO_BUBBLE, 2, 4, 2, costs)

@@ -1,0 +1,32 @@
+"""Tiny models and plans shared by the unit tests (cached: each is built once per session)."""
+
+from __future__ import annotations
+
+import functools
+
+import pipecut
+from examples import mlp
+from pipecut.capture import capture
+from pipecut.core.program import Captured
+from pipecut.plan import Plan
+
+__all__ = ["mlp_captured", "mlp_plan"]
+
+
+def _mlp():  # type: ignore[no-untyped-def]
+    return mlp.build(batch_size=8, width=32, depth=4)
+
+
+@functools.cache
+def mlp_plan(stages: int = 3, microbatches: int = 4, schedule: str = "1f1b") -> Plan:
+    """A plan of the example MLP (width 32, depth 4), profiled once without warm-up."""
+    model, inputs, loss_fn, target = _mlp()
+    return pipecut.plan(model, inputs, stages, loss_fn=loss_fn, target=target,
+                        microbatches=microbatches, schedule=schedule, repeats=1, warmup=0)
+
+
+@functools.cache
+def mlp_captured() -> Captured:
+    """The graph :func:`mlp_plan` plans, captured for a microbatch of 2."""
+    model, (x,), _, _ = _mlp()
+    return capture(model, (x[:2],))
