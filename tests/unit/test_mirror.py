@@ -43,8 +43,6 @@ EXEMPT: dict[str, tuple[str, str]] = {
         "tests/dist/test_parity.py", "compile() builds a pipeline across processes; every tests/dist file runs it"),
     "pipecut.runtime.pipeline": (
         "tests/dist/test_training_loop.py", "the Pipeline object only runs across processes: the README's loop"),
-    "pipecut.passes.fastsim": (
-        "tests/unit/test_hybrid_fastsim.py", "being replaced by the one simulator (issue 13)"),
     "pipecut.passes.baselines": (
         "tests/unit/test_partition_scale.py", "leaving the package for benchmarks/ (issue 13)"),
     "pipecut.passes.synthetic": (
