@@ -5,7 +5,7 @@
 1. Simulator: ``core.schedule.simulate`` (reference) against ``passes.fastsim`` on K stages
    of equal cost, M microbatches, both schedules; the two must agree.
 2. Planner: ``passes.hybrid.plan_hybrid`` on a synthetic 96-layer transformer
-   (``passes.synthetic.transformer_costs``; 3,751 units, 39 GB of BF16 parameters, microbatch of
+   (``benchmarks.synthetic.transformer_costs``; 3,751 units, 39 GB of BF16 parameters, microbatch of
    16 sequences of 512 tokens, width 4096) for N devices of 80 GB, global batch 1,024 in 64
    microbatches, 1F1B, 25 GB/s and 10 µs per message between stages and in the all-reduce
    ring (one InfiniBand HDR port per GPU). The synthetic times model a 50 GFLOP/s CPU; they are
@@ -27,13 +27,15 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, examples/
+
 import pipecut
+from benchmarks.synthetic import Shape, transformer_costs
 from pipecut.core.schedule import simulate
 from pipecut.passes.fastsim import simulate_kind
 from pipecut.passes.hybrid import HybridPlan, plan_hybrid, workload
 from pipecut.passes.replication import ReplicationKind
 from pipecut.passes.schedules import build
-from pipecut.passes.synthetic import Shape, transformer_costs
 from pipecut.passes.workload import Workload
 from pipecut.plan import Link, ScheduleKind
 
@@ -141,7 +143,6 @@ def replication_table(microbatches: int, batch: int) -> list[str]:
                 memory_bytes=memory, replication=ReplicationKind.PER_STAGE,
             )
             rows.append(_compare(label, plan, time.perf_counter() - start))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples/
     from examples import gpt
 
     model, inputs, loss_fn, target = gpt.build(batch_size=64)
