@@ -42,7 +42,7 @@ def choose_replicas(
     devices: Sequence[DeviceSpec],
     microbatches: int,
     batch_size: int,
-    schedule: ScheduleKind,
+    schedule: str | ScheduleKind,
     link: Link,
     allreduce: Link | None = None,
     per_stage: bool = True,
@@ -56,6 +56,11 @@ def choose_replicas(
     shape's reason and the fix.
     """
     n = len(devices)
+    try:
+        kind = ScheduleKind(schedule.value if isinstance(schedule, ScheduleKind) else str(schedule).lower())
+    except ValueError:
+        valid = [s.value for s in ScheduleKind]
+        raise InputError(f"unknown schedule {schedule!r}; choose one of {valid}") from None
     if len({(d.memory_bytes, d.speed) for d in devices}) > 1:
         raise InputError(
             f"data_parallel='auto' weighs replicas of equal devices, but the {n} devices differ "
@@ -64,7 +69,7 @@ def choose_replicas(
         )
     hybrid = plan_hybrid(
         workload(nodes), devices=n, microbatches=microbatches, batch_size=batch_size,
-        schedule=schedule, link=link, allreduce=allreduce or link,
+        schedule=kind, link=link, allreduce=allreduce or link,
         memory_bytes=devices[0].memory_bytes,
         replication=ReplicationKind.PER_STAGE if per_stage else ReplicationKind.UNIFORM,
     )
