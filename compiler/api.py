@@ -103,6 +103,7 @@ def _auto_layout(
     model: torch.nn.Module, devices: Any, given: Plan | None, *, example_inputs: Inputs,
     loss_fn: LossFn, target: Any, microbatches: Any, schedule: Any, link: Link | None,
     wait: datetime.timedelta, capture_method: CaptureMethod | None, leaf_modules: tuple[type, ...],
+    stages_per_rank: int | None,
 ) -> tuple[_Auto, tuple[Inputs, Any]]:
     """data_parallel="auto": rank 0 chooses D × K for every rank of the default group (or the
     given plan's), all ranks build the mesh, and each takes its replica's share of the batch."""
@@ -115,9 +116,10 @@ def _auto_layout(
             f"({world}); pass devices=None or devices={world}, or pass a ('dp', 'pp') "
             f"DeviceMesh with data_parallel='ddp' or 'fsdp' to choose the layout yourself"
         )
-    if AUTO in (microbatches, schedule):
+    if AUTO in (microbatches, schedule) or stages_per_rank not in (None, 1):
         raise InputError(
-            "data_parallel='auto' needs microbatches and schedule as values, not 'auto'"
+            "data_parallel='auto' needs microbatches and schedule as values, not 'auto', and "
+            "one stage per rank (stages_per_rank=1)"
         )
     if given is None:
         used = link or measure_link(list(range(world)), dist.get_rank(), None, device) or DEFAULT_LINK
@@ -247,7 +249,7 @@ def compile(
         auto_layout, share = _auto_layout(
             model, devices, given, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
             microbatches=microbatches, schedule=schedule, link=link, wait=wait,
-            capture_method=capture_method, leaf_modules=leaf_modules,
+            capture_method=capture_method, leaf_modules=leaf_modules, stages_per_rank=stages_per_rank,
         )
         return compile(
             model, auto_layout.mesh if auto_layout.mesh is not None else auto_layout.plan.num_ranks,
