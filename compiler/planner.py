@@ -21,7 +21,7 @@ from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.meta import has_meta
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError, PartitionError
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.parallel import DataParallel
 from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.chain import boundary_bytes, boundary_ms, can_cross, is_unit, liveness
 from pipecut.passes.coarsen import candidate_cuts
@@ -49,7 +49,7 @@ from pipecut.plan import (
 from pipecut.profile.calibrate import calibrate as calibrate_costs
 from pipecut.profile.calibrate import stage_times
 from pipecut.profile.nodes import LossFn, profile
-from pipecut.replicas import choose_replicas
+from pipecut.replicas import plan_replicas
 
 __all__ = [
     "DEFAULT_LINK",
@@ -387,13 +387,24 @@ def plan(
     """
     specs = as_devices(devices)
     if data_parallel == AUTO:
-        return _plan_replicas(
-            model, example_inputs, specs, loss_fn=loss_fn, target=target,
-            microbatches=microbatches, schedule=schedule, link=link,
-            capture_method=capture_method, leaf_modules=leaf_modules, repeats=repeats,
-            warmup=warmup, progress=progress, recompute=recompute, partitioner=partitioner,
-            ilp_time_limit=ilp_time_limit, stages_per_rank=stages_per_rank, calibrate=calibrate,
-            split=split, solver=solver,
+        if not isinstance(microbatches, int) or schedule == AUTO or stages_per_rank != 1 or split is not None:
+            raise InputError(
+                "data_parallel='auto' chooses replicas and stages for a given microbatch count "
+                "and schedule: give microbatches and schedule as values (not 'auto'), with "
+                "stages_per_rank=1 and no split"
+            )
+        return plan_replicas(
+            example_inputs, target, devices=specs, microbatches=microbatches,
+            schedule=as_schedule(schedule), link=link,
+            profile_at=lambda first, first_target: _profile_fresh(
+                model, first, loss_fn, first_target, capture_method, leaf_modules, repeats, warmup),
+            plan_share=lambda share, share_target, k, replicated: plan(
+                model, share, specs[:k], loss_fn=loss_fn, target=share_target,
+                microbatches=microbatches, schedule=schedule, link=link,
+                capture_method=capture_method, leaf_modules=leaf_modules, repeats=repeats,
+                warmup=warmup, progress=progress, recompute=recompute, partitioner=partitioner,
+                ilp_time_limit=ilp_time_limit, calibrate=calibrate, solver=solver,
+                data_parallel=replicated),
         )
     if isinstance(data_parallel, str):
         raise InputError(
@@ -475,38 +486,3 @@ def plan(
         calibrated, solver=dataclasses.replace(calibrated.solver, detail=detail), accepts=accepts
     )
 
-
-def _plan_replicas(
-    model: torch.nn.Module, example_inputs: Inputs, specs: tuple[DeviceSpec, ...], *,
-    microbatches: int | str, schedule: str | ScheduleKind, stages_per_rank: int,
-    split: Split | None, target: Any, loss_fn: LossFn | None, link: Link,
-    capture_method: CaptureMethod | None, leaf_modules: tuple[type, ...], repeats: int,
-    warmup: int, **options: Any,
-) -> Plan:
-    """``plan(..., data_parallel="auto")``: profile at the full batch's microbatch, choose
-    D × K, plan K stages at one replica's share of the batch (so the plan's shapes are those
-    the replicas run)."""
-    if not isinstance(microbatches, int) or schedule == AUTO or stages_per_rank != 1 or split is not None:
-        raise InputError(
-            "data_parallel='auto' chooses replicas and stages for a given microbatch count and "
-            "schedule: give microbatches and schedule as values (not 'auto'), with "
-            "stages_per_rank=1 and no split"
-        )
-    kind = as_schedule(schedule)
-    size, first = first_microbatch(example_inputs, microbatches)
-    first_target = split_microbatches(target, microbatches, size, "target")[0] if target is not None else None
-    nodes = _profile_fresh(model, first, loss_fn, first_target, capture_method, leaf_modules, repeats, warmup)
-    choice = choose_replicas(
-        nodes, devices=specs, microbatches=microbatches, batch_size=size, schedule=kind, link=link,
-    )
-    d = choice.replicas
-    share = split_microbatches(example_inputs, d, size, "example_inputs")[0]
-    share_target = split_microbatches(target, d, size, "target")[0] if target is not None else None
-    replicated = DataParallel(kind=DataParallelKind.DDP, replicas=d)
-    chosen = plan(
-        model, share, specs[:choice.stages], loss_fn=loss_fn, target=share_target,
-        microbatches=microbatches, schedule=kind, link=link, capture_method=capture_method,
-        leaf_modules=leaf_modules, repeats=repeats, warmup=warmup, data_parallel=replicated,
-        **options,
-    )
-    return dataclasses.replace(chosen, replica_candidates=choice.candidates)

@@ -9,21 +9,27 @@ predicted step wins. PipeDream-style uneven replica counts per stage
 faster, as a prediction only: the runtime replicates every stage equally, so such a row is never
 chosen.
 
-Pure data in and out (a cost table, numbers); :func:`pipecut.planner.plan` profiles the model
-and plans the chosen K stages again at one replica's share of the batch.
+:func:`choose_replicas` is pure (a cost table and numbers in, a choice out);
+:func:`plan_replicas` drives it for :func:`pipecut.planner.plan`, which hands it the profiling
+and planning as functions: it plans the chosen K stages again at one replica's share of the
+batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.errors import InputError
+from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.hybrid import HybridPlan, plan_hybrid, workload
 from pipecut.passes.replication import ReplicationKind
-from pipecut.plan import DeviceSpec, Link, NodeCost, ReplicaCandidate, ScheduleKind
+from pipecut.plan import DeviceSpec, Link, NodeCost, Plan, ReplicaCandidate, ScheduleKind
 
-__all__ = ["ReplicaChoice", "choose_replicas"]
+__all__ = ["ReplicaChoice", "choose_replicas", "plan_replicas"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,3 +106,32 @@ def _candidates(hybrid: HybridPlan) -> tuple[ReplicaCandidate, ...]:
         ))
     return tuple(rows)
 
+
+
+def plan_replicas(
+    example_inputs: Any,
+    target: Any,
+    *,
+    devices: Sequence[DeviceSpec],
+    microbatches: int,
+    schedule: ScheduleKind,
+    link: Link,
+    profile_at: Callable[[Any, Any], Sequence[NodeCost]],
+    plan_share: Callable[[Any, Any, int, DataParallel], Plan],
+) -> Plan:
+    """``plan(..., data_parallel="auto")``: profile the first microbatch of the whole batch
+    (``profile_at(first, first_target)``), choose D × K, then plan K stages at one replica's
+    share of the batch (``plan_share(share, share_target, K, DataParallel)``), so the plan's
+    shapes are the ones the replicas run; the plan lists every shape weighed."""
+    size, first = first_microbatch(example_inputs, microbatches)
+    first_target = split_microbatches(target, microbatches, size, "target")[0] if target is not None else None
+    choice = choose_replicas(
+        profile_at(first, first_target), devices=devices, microbatches=microbatches,
+        batch_size=size, schedule=schedule, link=link,
+    )
+    d = choice.replicas
+    share = split_microbatches(example_inputs, d, size, "example_inputs")[0]
+    share_target = split_microbatches(target, d, size, "target")[0] if target is not None else None
+    replicated = DataParallel(kind=DataParallelKind.DDP, replicas=d)
+    chosen = plan_share(share, share_target, choice.stages, replicated)
+    return dataclasses.replace(chosen, replica_candidates=choice.candidates)

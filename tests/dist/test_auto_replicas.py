@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import pipecut
 from examples import EXAMPLES
+from pipecut.errors import InputError
 from tests.dist.test_hybrid import LR, _aliases, _full_grads, _plain_two_steps
 from tests.harness import run_ranks
 from tests.reference import assert_parity
@@ -37,7 +38,13 @@ def _auto(rank: int, world: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     dp_size = dist.get_world_size(pipe.dp_group) if pipe.dp_group is not None else 1
-    return {"plan": pipe.plan.to_json(), "replica": replica, "dp_size": dp_size,
+    try:  # auto spreads over every rank: a smaller count is refused on every rank, before planning
+        pipecut.compile(model, 2, example_inputs=inputs, loss_fn=loss_fn, target=target,
+                        microbatches=8, data_parallel="auto")
+        refused = "no error"
+    except InputError as e:
+        refused = str(e)
+    return {"refused": refused, "plan": pipe.plan.to_json(), "replica": replica, "dp_size": dp_size,
             "stages": pipe.stages, "steps": steps}
 
 
@@ -58,6 +65,7 @@ def test_auto_data_parallel_builds_the_chosen_mesh_and_matches_the_whole_batch()
     assert all(r["dp_size"] == dp.replicas for r in results)
     assert sorted(r["replica"] for r in results) == sorted(list(range(dp.replicas)) * plan.num_ranks)
     assert sorted(r["stages"] for r in results) == sorted([(s,) for s in range(plan.num_ranks)] * dp.replicas)
+    assert all("process group (4); pass devices=None or devices=4" in r["refused"] for r in results)
     # The reference is the unsplit model on all 16 samples for two SGD steps; step 1 checks that
     # the optimizer saw the replica-averaged gradients. Tolerances as in tests/reference.py
     # (float32; only the summation order differs: per replica, per microbatch, then averaged).
