@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/plan_io.py [--sizes 1000 10000] [--repeats 3] [--out plan_io.json]
 
 Each plan is the DP partition (4 stages, 1F1B, 8 microbatches) of a synthetic transformer cost
-table (``passes.synthetic.transformer_costs``, 210 nodes per layer, shaped like a model that
+table (``benchmarks.synthetic.transformer_costs``, 210 nodes per layer, shaped like a model that
 ``torch.export`` decomposed op by op). Times are the best of ``--repeats`` wall-clock runs on
 this machine: *to_json* (plan → text), *write* (``to_json(path)``), *from_json text* (parse,
 check and build from a string), *from_json file* (from a path), *from_dict* (from parsed data,
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipecut.passes.synthetic import transformer_costs
+from benchmarks.synthetic import transformer_costs
 from pipecut.plan import DeviceSpec, Plan, ScheduleKind
 from pipecut.planner import partition_costs
 

@@ -10,7 +10,7 @@
    split into 1 ms I and 1 ms W) and to simulate it. GPipe's step must equal its closed form
    (K − 1)(f + l) + M (f + b) + (K − 1)(b + l).
 2. Planner: ``passes.hybrid.plan_hybrid`` on a synthetic 96-layer transformer
-   (``passes.synthetic.transformer_costs``; 3,751 units, 39 GB of BF16 parameters, microbatch of
+   (``benchmarks.synthetic.transformer_costs``; 3,751 units, 39 GB of BF16 parameters, microbatch of
    16 sequences of 512 tokens, width 4096) for N devices of 80 GB, global batch 1,024 in 64
    microbatches, 1F1B, 25 GB/s and 10 µs per message between stages and in the all-reduce
    ring (one InfiniBand HDR port per GPU). The synthetic times model a 50 GFLOP/s CPU; they are
@@ -32,12 +32,14 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, examples/
+
 import pipecut
+from benchmarks.synthetic import Shape, transformer_costs
 from pipecut.core.schedule import StageCosts, simulate
 from pipecut.passes.hybrid import HybridPlan, plan_hybrid, workload
 from pipecut.passes.replication import ReplicationKind
 from pipecut.passes.schedules import build
-from pipecut.passes.synthetic import Shape, transformer_costs
 from pipecut.passes.workload import Workload
 from pipecut.plan import Link, ScheduleKind
 
@@ -155,7 +157,6 @@ def replication_table(microbatches: int, batch: int) -> list[str]:
                 memory_bytes=memory, replication=ReplicationKind.PER_STAGE,
             )
             rows.append(_compare(label, plan, time.perf_counter() - start))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for examples/
     from examples import gpt
 
     model, inputs, loss_fn, target = gpt.build(batch_size=64)

@@ -32,6 +32,7 @@ from pipecut.plan import (
     ScheduleKind,
 )
 from pipecut.planner import partition_costs, plan
+from pipecut.replicas import choose_replicas
 from pipecut.report.render import render
 from pipecut.report.text import summary
 
@@ -59,6 +60,7 @@ __all__ = [
     "ScheduleError",
     "ScheduleKind",
     "__version__",
+    "choose_replicas",
     "compile",
     "device_link",
     "device_profiles",

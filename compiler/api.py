@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from pipecut.autoplan import AUTO
 from pipecut.capture import capture, fingerprint
 from pipecut.capture.modes import Modes, derive_other_mode
-from pipecut.core.batching import first_microbatch
+from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.meta import has_meta
 from pipecut.core.program import Captured, Inputs, StageProgram
 from pipecut.core.schedule import validate
@@ -26,7 +27,7 @@ from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
 from pipecut.passes.split import split_stage
 from pipecut.passes.stages import plan_schedule, predicted_timeline
 from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
-from pipecut.planner import Devices, as_devices
+from pipecut.planner import DEFAULT_LINK, Devices, as_devices
 from pipecut.planner import plan as make_plan
 from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn
@@ -91,6 +92,85 @@ def _replication(layout: _Layout, data_parallel: str | DataParallelKind | None) 
     return DataParallel(kind=kind, replicas=dist.get_world_size(layout.dp_group))
 
 
+@dataclass(frozen=True)
+class _Auto:
+    plan: Plan
+    mesh: Any
+    """The ("dp", "pp") DeviceMesh of the chosen D × K, or None for one replica."""
+    kind: DataParallelKind
+
+
+def _auto_layout(
+    model: torch.nn.Module, devices: Any, given: Plan | None, *, example_inputs: Inputs,
+    loss_fn: LossFn, target: Any, microbatches: Any, schedule: Any, link: Link | None,
+    wait: datetime.timedelta, capture_method: CaptureMethod | None, leaf_modules: tuple[type, ...],
+    stages_per_rank: int | None,
+) -> tuple[_Auto, tuple[Inputs, Any]]:
+    """data_parallel="auto": rank 0 chooses D × K for every rank of the default group (or the
+    given plan's), all ranks build the mesh, and each takes its replica's share of the batch."""
+    device = local_device()
+    ensure_process_group(wait, device)
+    world = dist.get_world_size()
+    if devices is not None and (isinstance(devices, bool) or devices != world):
+        raise InputError(
+            f"data_parallel='auto' spreads the model over every rank of the process group "
+            f"({world}); pass devices=None or devices={world}, or pass a ('dp', 'pp') "
+            f"DeviceMesh with data_parallel='ddp' or 'fsdp' to choose the layout yourself"
+        )
+    if AUTO in (microbatches, schedule) or stages_per_rank not in (None, 1):
+        raise InputError(
+            "data_parallel='auto' needs microbatches and schedule as values, not 'auto', and "
+            "one stage per rank (stages_per_rank=1)"
+        )
+    if given is None:
+        used = link or measure_link(list(range(world)), dist.get_rank(), None, device) or DEFAULT_LINK
+        chosen = _plan_on_rank0(lambda: make_plan(
+            model, example_inputs, world, loss_fn=loss_fn, target=target,
+            microbatches=microbatches if microbatches is not None else 1,
+            schedule=schedule if schedule is not None else ScheduleKind.GPIPE, link=used,
+            capture_method=capture_method, leaf_modules=leaf_modules, data_parallel=AUTO,
+        ))
+    else:
+        chosen = given
+    dp = chosen.data_parallel
+    d = dp.replicas if dp is not None else 1
+    if d * chosen.num_ranks != world:
+        raise PlanError(
+            f"the plan is for {d} replicas x {chosen.num_ranks} ranks, but the process group has "
+            f"{world} ranks; launch with --nproc_per_node={d * chosen.num_ranks} or re-plan"
+        )
+    kind = dp.kind if dp is not None else DataParallelKind.DDP
+    if d == 1:
+        return _Auto(chosen, None, kind), (example_inputs, target)
+    mesh = init_device_mesh(device.type, (d, chosen.num_ranks), mesh_dim_names=("dp", "pp"))
+    replica = mesh.get_local_rank("dp")
+    size, _ = first_microbatch(example_inputs, 1)
+    share = split_microbatches(example_inputs, d, size, "example_inputs")[replica]
+    share_target = split_microbatches(target, d, size, "target")[replica] if target is not None else None
+    return _Auto(chosen, mesh, kind), (share, share_target)
+
+
+def _plan_on_rank0(make: Callable[[], Plan]) -> Plan:
+    """Global rank 0 runs ``make``; every rank gets its plan, or its error."""
+    payload: list[Any] = [None]
+    error: BaseException | None = None
+    made: Plan | None = None
+    if dist.get_rank() == 0:
+        try:
+            made = make()
+            payload = [("ok", made.to_json())]
+        except Exception as e:  # every rank must learn of it, or they wait forever
+            error = e
+            payload = [("error", f"{type(e).__name__}: {e}")]
+    dist.broadcast_object_list(payload, src=0)
+    status, text = payload[0]
+    if error is not None:
+        raise error
+    if status != "ok":
+        raise PipelineRuntimeError(f"rank {dist.get_rank()}: rank 0 failed to plan: {text}")
+    return made if made is not None else Plan.from_json(text)
+
+
 def _check_fingerprint(loaded: Plan, expected: str) -> None:
     if loaded.fingerprint != expected:
         raise PlanError(
@@ -139,6 +219,15 @@ def compile(
     ``data_parallel``: with a "dp" dimension, ``"ddp"`` (the default) wraps each stage module in
     DistributedDataParallel over its replicas, ``"fsdp"`` shards it with FSDP2 ``fully_shard``
     (parameters, gradients and optimizer state divided over the replicas).
+    ``data_parallel="auto"`` (``devices`` None or the world size N): global rank 0 profiles the
+    whole batch of ``example_inputs`` and chooses D replicas of a K-stage pipeline, N = D × K,
+    by predicted step (see ``pipecut.plan(..., data_parallel="auto")``); every rank then builds
+    the ("dp", "pp") DeviceMesh of that shape (replica r on global ranks r·K … r·K + K − 1)
+    and compiles its stage with DDP over the replicas, replaying that plan (so no live
+    calibration). ``pipe.plan.data_parallel.replicas`` is D; each replica then steps on its own
+    share of every global batch: the ``dist.get_rank(pipe.dp_group)``-th of D equal slices
+    (the whole batch when D = 1). A given ``plan=`` with ``data_parallel`` recorded replays
+    its layout.
 
     ``devices``, ``microbatches``, ``schedule``, ``stages_per_rank``, ``link`` and
     ``capture_method`` left at None mean the plan's (with ``plan=``) or the defaults (one stage
@@ -157,6 +246,19 @@ def compile(
     reduction = parse_loss_reduction(loss_reduction)
     wait = datetime.timedelta(seconds=timeout)
     given = None if plan is None else plan if isinstance(plan, Plan) else Plan.from_json(plan)
+    if data_parallel == AUTO:
+        auto_layout, share = _auto_layout(
+            model, devices, given, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
+            microbatches=microbatches, schedule=schedule, link=link, wait=wait,
+            capture_method=capture_method, leaf_modules=leaf_modules, stages_per_rank=stages_per_rank,
+        )
+        return compile(
+            model, auto_layout.mesh if auto_layout.mesh is not None else auto_layout.plan.num_ranks,
+            example_inputs=share[0], loss_fn=loss_fn, target=share[1], plan=auto_layout.plan,
+            timeout=timeout, capture_method=capture_method, leaf_modules=leaf_modules,
+            loss_reduction=reduction, weights=weights, init=init, seed=seed,
+            data_parallel=None if auto_layout.mesh is None else auto_layout.kind,
+        )
     auto = AUTO in (microbatches, schedule)
     if auto and given is not None:
         raise PlanError(
@@ -195,28 +297,11 @@ def compile(
 
     def plan_on_rank0(captured: Captured | None) -> Plan:
         """Global rank 0 plans; every rank of every replica gets the same plan."""
-        payload: list[Any] = [None]
-        error: BaseException | None = None
-        made: Plan | None = None
-        if dist.get_rank() == 0:
-            try:
-                made = make_plan(
-                    model, example_inputs, specs, loss_fn=loss_fn, target=target,
-                    microbatches=asked_microbatches, schedule=asked_schedule, link=used_link,
-                    captured=captured, stages_per_rank=stages_per_rank, data_parallel=replication,
-                )
-                payload = [("ok", made.to_json())]
-            except Exception as e:  # every rank must learn of it, or they wait forever
-                error = e
-                payload = [("error", f"{type(e).__name__}: {e}")]
-        dist.broadcast_object_list(payload, src=0)
-        status, text = payload[0]
-        if error is not None:
-            raise error
-        if status != "ok":
-            raise PipelineRuntimeError(f"rank {dist.get_rank()}: rank 0 failed to plan: {text}")
-        # JSON text crosses the wire; each rank parses and checks it once (rank 0 keeps its own)
-        return made if made is not None else Plan.from_json(text)
+        return _plan_on_rank0(lambda: make_plan(
+            model, example_inputs, specs, loss_fn=loss_fn, target=target,
+            microbatches=asked_microbatches, schedule=asked_schedule, link=used_link,
+            captured=captured, stages_per_rank=stages_per_rank, data_parallel=replication,
+        ))
 
     chosen = plan_on_rank0(None) if auto else given  # "auto": capture at the chosen microbatches
     if chosen is not None:

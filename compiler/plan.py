@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pipecut.errors import PlanError
+from pipecut.parallel import DataParallel
 
 __all__ = [
     "FORMAT_VERSION",
@@ -29,6 +30,7 @@ __all__ = [
     "Plan",
     "Predicted",
     "Recompute",
+    "ReplicaCandidate",
     "ScheduleKind",
     "Solver",
     "Stage",
@@ -233,6 +235,23 @@ class Candidate:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaCandidate:
+    """One way of spreading N devices that ``data_parallel="auto"`` weighed: D replicas of a
+    K-stage pipeline (see :mod:`pipecut.replicas`)."""
+
+    replicas: int
+    stages: int
+    step_ms: float | None
+    """Predicted step of the whole batch (pipeline plus each stage's gradient all-reduce);
+    None where the shape was ruled out."""
+    per_stage: tuple[int, ...] = ()
+    """Replicas of each stage for an uneven (per-stage) candidate, empty for D × K; a
+    prediction only: the runtime replicates every stage equally."""
+    note: str = ""
+    """"chosen", or why the shape was ruled out or cannot run."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Solver:
     method: Partitioner
     solve_ms: float = 0.0
@@ -286,6 +305,11 @@ class Plan:
     """Virtual stages per rank (interleaved schedules): stage s runs on rank s mod K."""
     candidates: tuple[Candidate, ...] = ()
     """With microbatches="auto" or schedule="auto": every pair considered and its prediction."""
+    data_parallel: DataParallel | None = None
+    """Replicas of every stage and their engine; ``batch_size`` is then one replica's share of
+    a global batch of ``batch_size * data_parallel.replicas``."""
+    replica_candidates: tuple[ReplicaCandidate, ...] = ()
+    """With data_parallel="auto": every D × K shape considered and its prediction."""
     accepts: tuple[InputShape, ...] = ()
     """Shapes each tensor input may take at run time (see :class:`InputShape`). Empty in plans
     made before this field existed: then only the planned shapes are accepted."""

@@ -49,6 +49,7 @@ from pipecut.plan import (
 from pipecut.profile.calibrate import calibrate as calibrate_costs
 from pipecut.profile.calibrate import stage_times
 from pipecut.profile.nodes import LossFn, profile
+from pipecut.replicas import plan_replicas
 
 __all__ = [
     "DEFAULT_LINK",
@@ -294,6 +295,7 @@ def partition_costs(
         solver=record,
         tied=facts.tied,
         stages_per_rank=stages_per_rank,
+        data_parallel=data_parallel,
         pipecut_version=pipecut.__version__,
         torch_version=torch.__version__,
     )
@@ -361,7 +363,7 @@ def plan(
     stages_per_rank: int = 1,
     calibrate: bool = True,
     split: Split | None = None,
-    data_parallel: DataParallel | None = None,
+    data_parallel: DataParallel | str | None = None,
     solver: IlpSolver | str = IlpSolver.HIGHS,
 ) -> Plan:
     """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
@@ -375,8 +377,40 @@ def plan(
     as in :func:`partition_costs`. ``calibrate``: time the first split's
     stages whole, scale the node costs to match (see :mod:`pipecut.profile.calibrate`) and partition
     again.
+
+    ``data_parallel="auto"``: ``devices`` are N equal devices; choose D replicas of a K-stage
+    pipeline (N = D × K) by predicted step, gradient all-reduce included (see
+    :mod:`pipecut.replicas`), and return the K-stage plan of one replica, planned again at its
+    share of the batch (``batch_size`` = B / D), with ``data_parallel`` = D DDP replicas and
+    every shape weighed in ``replica_candidates``. ``link`` serves both the pipeline and the
+    all-reduce.
     """
     specs = as_devices(devices)
+    if data_parallel == AUTO:
+        if not isinstance(microbatches, int) or schedule == AUTO or stages_per_rank != 1 or split is not None:
+            raise InputError(
+                "data_parallel='auto' chooses replicas and stages for a given microbatch count "
+                "and schedule: give microbatches and schedule as values (not 'auto'), with "
+                "stages_per_rank=1 and no split"
+            )
+        return plan_replicas(
+            example_inputs, target, devices=specs, microbatches=microbatches,
+            schedule=as_schedule(schedule), link=link,
+            profile_at=lambda first, first_target: _profile_fresh(
+                model, first, loss_fn, first_target, capture_method, leaf_modules, repeats, warmup),
+            plan_share=lambda share, share_target, k, replicated: plan(
+                model, share, specs[:k], loss_fn=loss_fn, target=share_target,
+                microbatches=microbatches, schedule=schedule, link=link,
+                capture_method=capture_method, leaf_modules=leaf_modules, repeats=repeats,
+                warmup=warmup, progress=progress, recompute=recompute, partitioner=partitioner,
+                ilp_time_limit=ilp_time_limit, calibrate=calibrate, solver=solver,
+                data_parallel=replicated),
+        )
+    if isinstance(data_parallel, str):
+        raise InputError(
+            f"plan(data_parallel={data_parallel!r}): give 'auto', a DataParallel(kind=..., "
+            f"replicas=...) or None"
+        )
     if microbatches == AUTO or schedule == AUTO:
         full, _ = first_microbatch(example_inputs, 1)
         m, chosen_kind, candidates = choose(
@@ -451,3 +485,4 @@ def plan(
     return dataclasses.replace(
         calibrated, solver=dataclasses.replace(calibrated.solver, detail=detail), accepts=accepts
     )
+

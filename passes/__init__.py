@@ -12,7 +12,6 @@ from pipecut.passes.hybrid import HybridPlan, plan_hybrid
 from pipecut.passes.ilp import IlpSolver
 from pipecut.passes.replication import ReplicationKind
 from pipecut.passes.split import split, split_stage
-from pipecut.passes.synthetic import transformer_costs
 from pipecut.passes.workload import Workload, workload
 
 __all__ = [
@@ -24,6 +23,5 @@ __all__ = [
     "plan_hybrid",
     "split",
     "split_stage",
-    "transformer_costs",
     "workload",
 ]

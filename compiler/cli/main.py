@@ -171,6 +171,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.device_profile is not None and "auto" in (args.microbatches, args.schedule):
         raise InputError("--device-profile plans from estimated costs at one microbatch size: give "
                          "--microbatches and --schedule as values, not 'auto'")
+    if args.data_parallel is not None and args.device_profile is not None:
+        raise InputError("--data-parallel auto profiles the model here: drop --device-profile")
     if args.stages_per_rank > 1 and args.schedule != "auto" and as_schedule(args.schedule) is not ScheduleKind.INTERLEAVED_1F1B:
         raise InputError(
             f"--stages-per-rank {args.stages_per_rank} needs --schedule interleaved-1f1b "
@@ -195,7 +197,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 target=example.target, microbatches=args.microbatches, schedule=args.schedule,
                 progress=bar, link=args.link or DEFAULT_LINK,
                 stages_per_rank=args.stages_per_rank, calibrate=args.calibrate,
-                solver=args.solver, split=args.split,
+                solver=args.solver, split=args.split, data_parallel=args.data_parallel,
             )
     if args.out:
         plan.to_json(args.out)
@@ -227,6 +229,13 @@ def summary_data(plan: Plan) -> dict[str, Any]:
         ],
         "predicted": dataclasses.asdict(plan.predicted),
         "solver": dataclasses.asdict(plan.solver),
+        "data_parallel": None if plan.data_parallel is None else {
+            "kind": plan.data_parallel.kind.value, "replicas": plan.data_parallel.replicas},
+        "replica_candidates": [
+            {"replicas": c.replicas, "stages": c.stages, "per_stage": list(c.per_stage),
+             "step_ms": c.step_ms, "note": c.note}
+            for c in plan.replica_candidates
+        ],
     }
 
 
@@ -319,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="SIZE",
                    help="memory capacity of every device, e.g. 2GiB (default: unlimited, or the "
                    "device profile's)")
+    p.add_argument("--data-parallel", choices=["auto"], default=None,
+                   help="choose D replicas x K stages for the --devices N by predicted step "
+                        "(gradient all-reduce included); the plan is one replica's K stages")
     p.add_argument("--stages-per-rank", type=_positive, default=1, metavar="V",
                    help="virtual stages per device, with --schedule interleaved-1f1b (default 1)")
     p.add_argument("--device-profile", metavar="NAME", default=None,

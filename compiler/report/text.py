@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 __all__ = ["human_bytes", "summary"]
 
 if TYPE_CHECKING:
-    from pipecut.plan import Plan
+    from pipecut.plan import Plan, ReplicaCandidate
 
 
 def human_bytes(n: float) -> str:
@@ -46,6 +46,21 @@ def summary(plan: Plan) -> str:
             f"split given ({plan.solver.detail.removeprefix('split given: ')}): pipecut's own "
             f"split is predicted at {p.optimum_step_ms:.2f} ms ({p.optimum_step_ms / p.step_ms - 1:+.1%})"
         )
+    if plan.data_parallel is not None:
+        dp = plan.data_parallel
+        lines.append(
+            f"data parallel: {dp.replicas} replicas x {plan.num_ranks} ranks ({dp.kind.value}), "
+            f"global batch {plan.batch_size * dp.replicas}"
+        )
+    if plan.replica_candidates:
+        lines.append("replicas x stages weighed (data_parallel='auto'):")
+        lines += [f"  {_replica_row(c)}" for c in plan.replica_candidates]
     if plan.tied:
         lines.append("tied parameters: " + ", ".join(f"{t.fqn} on stages {list(t.stages)}" for t in plan.tied))
     return "\n".join(lines)
+
+
+def _replica_row(c: ReplicaCandidate) -> str:
+    shape = "/".join(map(str, c.per_stage)) if c.per_stage else str(c.replicas)
+    step = f"{c.step_ms:.2f} ms" if c.step_ms is not None else "-"
+    return f"{shape} x {c.stages}: {step}" + (f"  ({c.note})" if c.note else "")

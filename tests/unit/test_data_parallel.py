@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.synthetic import transformer_costs
 from pipecut.errors import InputError, PartitionError
 from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
 from pipecut.passes.fit import min_peak_memory
 from pipecut.passes.formulate import formulate
 from pipecut.passes.schedules import gpipe, interleaved_1f1b, one_f_one_b
 from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, state_bytes
-from pipecut.passes.synthetic import transformer_costs
 from pipecut.plan import DeviceSpec, Partitioner, ScheduleKind
 from pipecut.planner import DEFAULT_LINK, partition_costs
 from pipecut.runtime.data_parallel import last_backwards

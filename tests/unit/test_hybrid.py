@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.synthetic import transformer_costs
 from pipecut.errors import PartitionError
 from pipecut.passes.hybrid import (
     Candidate,
@@ -15,7 +16,6 @@ from pipecut.passes.hybrid import (
     ring_allreduce_ms,
     workload,
 )
-from pipecut.passes.synthetic import transformer_costs
 from pipecut.plan import Link, ScheduleKind
 
 INSTANT = Link(bandwidth_bytes_per_ms=1e30)

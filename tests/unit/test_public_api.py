@@ -61,7 +61,7 @@ def _readme_block(marker: str) -> str:
 
 
 def test_the_readme_plans_for_hardware_that_is_not_here(capsys) -> None:
-    """The README's estimate_costs → partition_costs → plan_hybrid block runs as written."""
+    """The README's estimate_costs → partition_costs → choose_replicas block runs as written."""
     from examples import mlp
 
     model, (x,), loss_fn, y = mlp.build(batch_size=16, width=32, depth=4)
@@ -71,7 +71,7 @@ def test_the_readme_plans_for_hardware_that_is_not_here(capsys) -> None:
     assert plan.num_stages == 4 and plan.devices[0].name == "A100-80GB"
     assert {n.source for n in plan.nodes} == {CostSource.ESTIMATED}
     assert "replicas ×" in capsys.readouterr().out
-    assert scope["hybrid"].best.replicas * scope["hybrid"].best.stages == 8
+    assert scope["choice"].replicas * scope["choice"].stages == 8
 
 
 def test_packaging_facts() -> None:

@@ -1,0 +1,137 @@
+"""``data_parallel="auto"``: how many pipeline replicas, and how many stages, for N devices.
+
+Every factorisation N = D × K is weighed by the D × K planner (:func:`pipecut.passes.hybrid.
+plan_hybrid`) on the profiled cost table: D replicas each run the M microbatches on a D-th of
+the batch, the K stages are the exact min-bottleneck split, the pipeline is simulated, and each
+stage's ring all-reduce over its D replicas is added after its last backward. The shortest
+predicted step wins. PipeDream-style uneven replica counts per stage
+(:mod:`pipecut.passes.replication`) are weighed on the same model and listed when they would be
+faster, as a prediction only: the runtime replicates every stage equally, so such a row is never
+chosen.
+
+:func:`choose_replicas` is pure (a cost table and numbers in, a choice out);
+:func:`plan_replicas` drives it for :func:`pipecut.planner.plan`, which hands it the profiling
+and planning as functions: it plans the chosen K stages again at one replica's share of the
+batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipecut.core.batching import first_microbatch, split_microbatches
+from pipecut.errors import InputError
+from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.passes.hybrid import HybridPlan, plan_hybrid, workload
+from pipecut.passes.replication import ReplicationKind
+from pipecut.plan import DeviceSpec, Link, NodeCost, Plan, ReplicaCandidate, ScheduleKind
+
+__all__ = ["ReplicaChoice", "choose_replicas", "plan_replicas"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaChoice:
+    replicas: int
+    stages: int
+    step_ms: float
+    """Predicted step of the whole batch with the chosen shape."""
+    candidates: tuple[ReplicaCandidate, ...]
+    """Every shape weighed, the chosen one first, then the others by predicted step."""
+
+
+def choose_replicas(
+    nodes: Sequence[NodeCost],
+    *,
+    devices: Sequence[DeviceSpec],
+    microbatches: int,
+    batch_size: int,
+    schedule: str | ScheduleKind,
+    link: Link,
+    allreduce: Link | None = None,
+    per_stage: bool = True,
+) -> ReplicaChoice:
+    """Choose D replicas × K stages for ``devices`` (N equal devices) by predicted step.
+
+    ``nodes`` is the cost table at microbatch size ``batch_size / microbatches``;
+    ``allreduce`` is the link of the gradient all-reduce (default ``link``). ``per_stage``:
+    also weigh uneven replica counts per stage (listed, never chosen). Raises PartitionError
+    when no shape fits (memory, a microbatch that does not split over D replicas), naming each
+    shape's reason and the fix.
+    """
+    n = len(devices)
+    try:
+        kind = ScheduleKind(schedule.value if isinstance(schedule, ScheduleKind) else str(schedule).lower())
+    except ValueError:
+        valid = [s.value for s in ScheduleKind]
+        raise InputError(f"unknown schedule {schedule!r}; choose one of {valid}") from None
+    if len({(d.memory_bytes, d.speed) for d in devices}) > 1:
+        raise InputError(
+            f"data_parallel='auto' weighs replicas of equal devices, but the {n} devices differ "
+            f"in memory or speed ({[(d.name, d.memory_bytes, d.speed) for d in devices]}); give "
+            f"equal devices, or choose the layout yourself with a ('dp', 'pp') DeviceMesh"
+        )
+    hybrid = plan_hybrid(
+        workload(nodes), devices=n, microbatches=microbatches, batch_size=batch_size,
+        schedule=kind, link=link, allreduce=allreduce or link,
+        memory_bytes=devices[0].memory_bytes,
+        replication=ReplicationKind.PER_STAGE if per_stage else ReplicationKind.UNIFORM,
+    )
+    best = hybrid.best
+    return ReplicaChoice(
+        replicas=best.replicas, stages=best.stages, step_ms=best.step_ms,
+        candidates=_candidates(hybrid),
+    )
+
+
+def _candidates(hybrid: HybridPlan) -> tuple[ReplicaCandidate, ...]:
+    rows = [
+        ReplicaCandidate(replicas=c.replicas, stages=c.stages, step_ms=c.step_ms,
+                         note="chosen" if i == 0 else "")
+        for i, c in enumerate(hybrid.candidates)
+    ]
+    rows += [
+        ReplicaCandidate(replicas=s.replicas, stages=s.stages, step_ms=None, note=s.reason)
+        for s in sorted(hybrid.skipped, key=lambda s: s.stages)
+    ]
+    uneven = hybrid.per_stage
+    if uneven is not None and len(set(uneven.replicas)) > 1:
+        rows.append(ReplicaCandidate(
+            replicas=max(uneven.replicas), stages=len(uneven.replicas), step_ms=uneven.step_ms,
+            per_stage=uneven.replicas,
+            note="uneven replicas per stage: a prediction only, the runtime replicates every "
+                 "stage equally",
+        ))
+    return tuple(rows)
+
+
+
+def plan_replicas(
+    example_inputs: Any,
+    target: Any,
+    *,
+    devices: Sequence[DeviceSpec],
+    microbatches: int,
+    schedule: ScheduleKind,
+    link: Link,
+    profile_at: Callable[[Any, Any], Sequence[NodeCost]],
+    plan_share: Callable[[Any, Any, int, DataParallel], Plan],
+) -> Plan:
+    """``plan(..., data_parallel="auto")``: profile the first microbatch of the whole batch
+    (``profile_at(first, first_target)``), choose D × K, then plan K stages at one replica's
+    share of the batch (``plan_share(share, share_target, K, DataParallel)``), so the plan's
+    shapes are the ones the replicas run; the plan lists every shape weighed."""
+    size, first = first_microbatch(example_inputs, microbatches)
+    first_target = split_microbatches(target, microbatches, size, "target")[0] if target is not None else None
+    choice = choose_replicas(
+        profile_at(first, first_target), devices=devices, microbatches=microbatches,
+        batch_size=size, schedule=schedule, link=link,
+    )
+    d = choice.replicas
+    share = split_microbatches(example_inputs, d, size, "example_inputs")[0]
+    share_target = split_microbatches(target, d, size, "target")[0] if target is not None else None
+    replicated = DataParallel(kind=DataParallelKind.DDP, replicas=d)
+    chosen = plan_share(share, share_target, choice.stages, replicated)
+    return dataclasses.replace(chosen, replica_candidates=choice.candidates)
