@@ -33,20 +33,12 @@ TEST_DIRS = (ROOT / "tests" / "unit", ROOT / "tests" / "dist")
 EXEMPT: dict[str, tuple[str, str]] = {
     "pipecut.capture.trace": (
         "tests/unit/test_capture.py", "capture's entry point: test_capture.py is its test file"),
-    "pipecut.cli.main": (
-        "tests/unit/test_cli.py", "the command line: test_cli.py runs every command through it"),
     "pipecut.profile.nodes": (
         "tests/unit/test_profile.py", "per-node profiling: test_profile.py is its test file"),
-    "pipecut.passes.partition": (
-        "tests/unit/test_partition_scale.py", "the partition front door, tested on small and large graphs"),
     "pipecut.api": (
         "tests/dist/test_parity.py", "compile() builds a pipeline across processes; every tests/dist file runs it"),
     "pipecut.runtime.pipeline": (
         "tests/dist/test_training_loop.py", "the Pipeline object only runs across processes: the README's loop"),
-    "pipecut.passes.baselines": (
-        "tests/unit/test_partition_scale.py", "leaving the package for benchmarks/ (issue 13)"),
-    "pipecut.passes.synthetic": (
-        "tests/unit/test_partition_scale.py", "leaving the package for benchmarks/ (issue 13)"),
 }
 """Module -> (test file that covers it, relative to the repository; why it has no own file)."""
 
