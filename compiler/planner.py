@@ -23,17 +23,16 @@ from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError, PartitionError
 from pipecut.parallel import DataParallel
 from pipecut.passes.bounded import partition_bounded
-from pipecut.passes.chain import boundary_bytes, boundary_ms, can_cross, is_unit, liveness
+from pipecut.passes.chain import boundary_bytes, can_cross, is_unit, liveness
 from pipecut.passes.coarsen import candidate_cuts
 from pipecut.passes.fit import infeasible_error
 from pipecut.passes.formulate import formulate
-from pipecut.passes.holders import holds_params, stage_count_error
+from pipecut.passes.holders import stage_count_error
 from pipecut.passes.ilp import IlpSolver
 from pipecut.passes.multilevel import partition_ilp
-from pipecut.passes.partition import Chain, partition_dp
 from pipecut.passes.pinned import bounds_from_modules, bounds_from_split_points, is_split_points
 from pipecut.passes.propagate import accepted_shapes
-from pipecut.passes.stages import build_stages, inflight_microbatches, state_bytes
+from pipecut.passes.stages import build_stages, inflight_microbatches
 from pipecut.plan import (
     CaptureMethod,
     DeviceSpec,
@@ -98,29 +97,6 @@ def as_devices(devices: Devices) -> tuple[DeviceSpec, ...]:
     if not specs:
         raise PartitionError("the number of stages (devices) must be at least 1, got 0")
     return specs
-
-
-def _chain(nodes: Sequence[NodeCost], link: Link, data_parallel: DataParallel | None) -> tuple[Chain, Any]:
-    live = liveness(nodes)
-    fwd, bwd, allowed = boundary_bytes(nodes, live)
-    by_name = {n.name: n for n in nodes}
-    fixed, act = [], []
-    for u in live.units:
-        n = by_name[u]
-        params = n.param_bytes + sum(
-            by_name[i].param_bytes for i in n.inputs if by_name[i].op is NodeOp.GET_ATTR
-        )
-        fixed.append(state_bytes(params, data_parallel))
-        act.append(n.output_bytes)
-    chain = Chain(
-        names=live.units,
-        compute_ms=tuple(by_name[u].forward_ms + by_name[u].backward_ms for u in live.units),
-        boundary_ms=tuple(boundary_ms(fwd, bwd, allowed, link)),
-        fixed_bytes=tuple(fixed),
-        activation_bytes=tuple(act),
-        holds_params=holds_params(nodes, live.units),
-    )
-    return chain, (live, allowed)
 
 
 def as_ilp_solver(solver: IlpSolver | str) -> IlpSolver:
@@ -213,48 +189,36 @@ def partition_costs(
             method=Partitioner.GIVEN, solve_ms=(time.perf_counter() - start) * 1e3,
             optimal=False, detail=f"split given: {_describe_split(split)}",
         )
-    elif method is Partitioner.DP and units > LARGE_GRAPH_UNITS:
-        # Same optimum as partition_dp (tests check), pruned by a bound: 10,000 units in 0.1 s.
+    elif method is Partitioner.DP:
+        # The exact DP over the whole cost model, pruned by a bound (10,000 units in 0.1 s);
+        # on large graphs a split over module boundaries first tightens the bound.
         form = formulate(
             nodes, devices=specs, link=link, schedule=kind, microbatches=microbatches,
             recompute=False, data_parallel=data_parallel,
         )
         live = form.live
-        too_many = stage_count_error(k, form.problem.holds_params, form.problem.allowed_cuts())
+        cuts = form.problem.allowed_cuts()
+        if k - 1 > len(cuts):
+            raise PartitionError(
+                f"cannot cut this graph into {k} stages: it has {form.problem.units} partitionable "
+                f"nodes and only {len(cuts)} places where every live value can cross a cut; "
+                f"use at most {len(cuts) + 1} devices"
+            )
+        too_many = stage_count_error(k, form.problem.holds_params, cuts)
         if too_many is not None:
             raise too_many
-        coarse = candidate_cuts(form.modules, form.problem.compute_ms, form.problem.boundary_ms)
+        coarse = (candidate_cuts(form.modules, form.problem.compute_ms, form.problem.boundary_ms)
+                  if units > LARGE_GRAPH_UNITS else ())
         best = partition_bounded(form.problem, coarse=coarse)
         if best is None:
             raise infeasible_error(
-                form.problem,
-                inflight_for=lambda m: inflight_microbatches(kind, m, microbatches),
-                positions=coarse,
+                form.problem, inflight_for=lambda m: inflight_microbatches(kind, m, microbatches),
+                positions=coarse or None,
             )
         bounds, recomputes = best.bounds, [Recompute.NONE] * k
         record = Solver(
             method=Partitioner.DP, solve_ms=(time.perf_counter() - start) * 1e3, optimal=True,
-            detail=f"bounded exact DP over {units} units",
-        )
-    elif method is Partitioner.DP:
-        chain, (live, allowed) = _chain(nodes, link, data_parallel)
-        cuttable = sum(allowed[1:-1])
-        if k - 1 > cuttable:
-            raise PartitionError(
-                f"cannot cut this graph into {k} stages: it has {len(chain.names)} partitionable "
-                f"nodes and only {cuttable} places where every live value can cross a cut; "
-                f"use at most {cuttable + 1} devices"
-            )
-        part = partition_dp(
-            chain,
-            k,
-            speeds=[d.speed for d in specs],
-            capacities=[d.memory_bytes for d in specs],
-            inflight=inflight_microbatches(kind, k, microbatches),
-        )
-        bounds, recomputes = part.bounds, [Recompute.NONE] * k
-        record = Solver(
-            method=Partitioner.DP, solve_ms=(time.perf_counter() - start) * 1e3, optimal=True
+            detail=f"exact DP over {units} units",
         )
     else:
         form = formulate(

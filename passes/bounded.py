@@ -1,6 +1,6 @@
 """Exact dynamic program over the full problem (speeds, memory, recompute), pruned by a bound.
 
-The DP of :mod:`pipecut.passes.partition` looks at every (start, end) pair: O(K·N²), 13 s for
+The plain DP (kept as the reference in ``tests/exact_dp.py``) looks at every (start, end) pair: O(K·N²), 13 s for
 10,000 units. With an upper bound U on the answer most pairs are pointless: stage ``s`` can only
 end at a unit ``j`` with
 

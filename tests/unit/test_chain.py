@@ -8,8 +8,8 @@ import pipecut
 from examples import gpt, resnet
 from pipecut.errors import InputError, PartitionError
 from pipecut.passes.chain import boundary_bytes, liveness
-from pipecut.passes.partition import Chain, partition_dp
 from pipecut.planner import partition_costs
+from tests.exact_dp import Chain, partition_dp
 
 
 def _nodes(build, **kw):  # type: ignore[no-untyped-def]

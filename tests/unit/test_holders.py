@@ -15,10 +15,10 @@ from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.holders import max_stages, stage_count_error
 from pipecut.passes.ilp import solve_ilp
 from pipecut.passes.multilevel import partition_ilp
-from pipecut.passes.partition import Chain, partition_dp
 from pipecut.passes.problem import Evaluation, Problem, evaluate
 from pipecut.plan import Leaf, LeafKind, NodeCost, NodeOp, Partitioner
 from pipecut.planner import partition_costs
+from tests.exact_dp import Chain, partition_dp
 
 SETTINGS = settings(max_examples=40, deadline=None)
 

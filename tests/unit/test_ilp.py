@@ -14,9 +14,9 @@ from pipecut.errors import InputError, PartitionError
 from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.ilp import IlpSolver, IlpStatus, solve_ilp
 from pipecut.passes.multilevel import partition_ilp
-from pipecut.passes.partition import Chain, partition_dp
 from pipecut.passes.problem import Evaluation, Problem, evaluate
 from pipecut.plan import Recompute
+from tests.exact_dp import Chain, partition_dp
 
 SETTINGS = settings(max_examples=25, deadline=None)
 

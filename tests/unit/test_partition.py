@@ -15,10 +15,10 @@ from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.coarsen import candidate_cuts
 from pipecut.passes.fit import min_peak_memory
 from pipecut.passes.formulate import formulate
-from pipecut.passes.partition import Chain, partition_dp
 from pipecut.passes.problem import Problem
 from pipecut.plan import DeviceSpec, Partitioner, Plan, Recompute, ScheduleKind
 from pipecut.planner import DEFAULT_LINK, partition_costs
+from tests.exact_dp import Chain, partition_dp
 
 
 @settings(max_examples=40, deadline=None)

@@ -1,4 +1,7 @@
-"""Exact partition of a chain of units into K contiguous stages minimising the slowest stage.
+"""The reference partitioner for tests: the plain O(K·N²) dynamic program over a chain.
+
+The package plans with :mod:`pipecut.passes.bounded` (the same optimum over the full cost
+model, pruned by a bound); tests check it, the ILP and the holder rule against this one.
 
 Pure numbers, no torch. Stage ``s`` over units ``[i, j)`` costs
 
