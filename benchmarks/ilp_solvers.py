@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.partition import MICROBATCHES, SCHEDULE, _examples, _hf, cost_table
 from benchmarks.synthetic import transformer_costs
-from pipecut.passes.fit import min_peak_memory
-from pipecut.passes.formulate import formulate
 from pipecut.passes.ilp import IlpSolver
-from pipecut.passes.multilevel import partition_ilp
+from pipecut.passes.memory_floor import min_peak_memory
+from pipecut.passes.memory_partition import partition_ilp
+from pipecut.passes.problem import formulate
 from pipecut.plan import DeviceSpec, NodeCost, NodeOp
 from pipecut.planner import DEFAULT_LINK
 

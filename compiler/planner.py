@@ -22,15 +22,15 @@ from pipecut.core.meta import has_meta
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError, PartitionError
 from pipecut.parallel import DataParallel
-from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.chain import boundary_bytes, can_cross, is_unit, liveness
 from pipecut.passes.coarsen import candidate_cuts
-from pipecut.passes.fit import infeasible_error
-from pipecut.passes.formulate import formulate
 from pipecut.passes.holders import stage_count_error
 from pipecut.passes.ilp import IlpSolver
-from pipecut.passes.multilevel import partition_ilp
+from pipecut.passes.memory_dp import partition_bounded
+from pipecut.passes.memory_floor import infeasible_error
+from pipecut.passes.memory_partition import partition_ilp
 from pipecut.passes.pinned import bounds_from_modules, bounds_from_split_points, is_split_points
+from pipecut.passes.problem import formulate
 from pipecut.passes.propagate import accepted_shapes
 from pipecut.passes.stages import build_stages, inflight_microbatches
 from pipecut.plan import (

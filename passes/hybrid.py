@@ -8,7 +8,7 @@ Pure numbers, no torch. The model, kept simple on purpose:
   efficiency on small microbatches; this model does not, so it favours large D slightly.)
   ``b`` must split into D whole samples; other D are skipped with the reason.
 * The K stages of a pipeline are the exact min-bottleneck split of
-  :func:`pipecut.passes.bounded.partition_bounded` at the scaled costs (memory capacities,
+  :func:`pipecut.passes.memory_dp.partition_bounded` at the scaled costs (memory capacities,
   cut communication and the schedule's in-flight activations included). Above
   ``COARSE_ABOVE`` units the split is first found over module-boundary positions
   (:func:`pipecut.passes.coarsen.candidate_cuts`); a D × K with no fitting split there is
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 from pipecut.core.schedule import rank_end_ms
 from pipecut.errors import PartitionError
-from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.coarsen import candidate_cuts
+from pipecut.passes.memory_dp import partition_bounded
 from pipecut.passes.problem import Problem
 from pipecut.passes.replication import ReplicatedPlan, ReplicationKind, plan_replicated
 from pipecut.passes.schedules import build

@@ -1,6 +1,6 @@
 """The reference partitioner for tests: the plain O(K·N²) dynamic program over a chain.
 
-The package plans with :mod:`pipecut.passes.bounded` (the same optimum over the full cost
+The package plans with :mod:`pipecut.passes.memory_dp` (the same optimum over the full cost
 model, pruned by a bound); tests check it, the ILP and the holder rule against this one.
 
 Pure numbers, no torch. Stage ``s`` over units ``[i, j)`` costs

@@ -7,8 +7,8 @@ import pytest
 from benchmarks.synthetic import transformer_costs
 from pipecut.errors import InputError, PartitionError
 from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
-from pipecut.passes.fit import min_peak_memory
-from pipecut.passes.formulate import formulate
+from pipecut.passes.memory_floor import min_peak_memory
+from pipecut.passes.problem import formulate
 from pipecut.passes.schedules import gpipe, interleaved_1f1b, one_f_one_b
 from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, state_bytes
 from pipecut.plan import DeviceSpec, Partitioner, ScheduleKind

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipecut.errors import PartitionError
-from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.holders import max_stages, stage_count_error
 from pipecut.passes.ilp import solve_ilp
-from pipecut.passes.multilevel import partition_ilp
+from pipecut.passes.memory_dp import partition_bounded
+from pipecut.passes.memory_partition import partition_ilp
 from pipecut.passes.problem import Evaluation, Problem, evaluate
 from pipecut.plan import Leaf, LeafKind, NodeCost, NodeOp, Partitioner
 from pipecut.planner import partition_costs

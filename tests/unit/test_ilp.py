@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 import pipecut
 from pipecut.errors import InputError, PartitionError
-from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.ilp import IlpSolver, IlpStatus, solve_ilp
-from pipecut.passes.multilevel import partition_ilp
+from pipecut.passes.memory_dp import partition_bounded
+from pipecut.passes.memory_partition import partition_ilp
 from pipecut.passes.problem import Evaluation, Problem, evaluate
 from pipecut.plan import Recompute
 from tests.exact_dp import Chain, partition_dp

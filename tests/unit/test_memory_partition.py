@@ -1,4 +1,4 @@
-"""pipecut.passes.multilevel: the memory-aware partitioner (bounded DP + ILP) end to end."""
+"""pipecut.passes.memory_partition: the memory-aware partitioner (bounded DP + ILP) end to end."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 
 from pipecut.errors import PartitionError
-from pipecut.passes.bounded import partition_bounded
-from pipecut.passes.multilevel import partition_ilp
+from pipecut.passes.memory_dp import partition_bounded
+from pipecut.passes.memory_partition import partition_ilp
 from pipecut.passes.problem import Problem
 
 

@@ -1,4 +1,4 @@
-"""pipecut.passes.bounded: the exact bounded DP agrees with brute force on small problems."""
+"""pipecut.passes.memory_dp: the exact bounded DP agrees with brute force on small problems."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from pipecut.passes.bounded import lower_bound, partition_bounded
+from pipecut.passes.memory_dp import lower_bound, partition_bounded
 from pipecut.passes.problem import Problem, evaluate
 
 

@@ -1,6 +1,6 @@
 """The memory-aware partitioner end to end: exact bounded DP, ILP over candidate cuts, errors.
 
-1. :func:`~pipecut.passes.bounded.partition_bounded` finds the optimal split over every allowed
+1. :func:`~pipecut.passes.memory_dp.partition_bounded` finds the optimal split over every allowed
    cut position (speeds, memory and recompute included) in well under a second for thousands
    of units, or shows that nothing fits.
 2. The ILP (:func:`~pipecut.passes.ilp.solve_ilp`) runs over every position when there are at
@@ -9,7 +9,7 @@
    split. The solver (HiGHS by default, or CBC) either proves that split optimal over those positions or stops at its time limit;
    the plan records which. The two are independent solvers of one model, so a disagreement is
    reported in the plan's solver detail rather than hidden.
-3. Nothing fits: :func:`~pipecut.passes.fit.infeasible_error` names the memory per device and
+3. Nothing fits: :func:`~pipecut.passes.memory_floor.infeasible_error` names the memory per device and
    the device count that would.
 """
 
@@ -20,11 +20,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipecut.errors import PartitionError
-from pipecut.passes.bounded import partition_bounded
 from pipecut.passes.coarsen import candidate_cuts
-from pipecut.passes.fit import infeasible_error
 from pipecut.passes.holders import stage_count_error
 from pipecut.passes.ilp import IlpSolver, IlpStatus, default_windows, solve_ilp
+from pipecut.passes.memory_dp import partition_bounded
+from pipecut.passes.memory_floor import infeasible_error
 from pipecut.passes.problem import Evaluation, Problem
 
 __all__ = ["IlpPlan", "partition_ilp"]
