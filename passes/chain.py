@@ -11,7 +11,7 @@ stage depends only on its two cuts and the dynamic program stays exact.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pipecut.core.values import leaf_bytes
@@ -24,6 +24,9 @@ __all__ = [
     "can_cross",
     "is_unit",
     "liveness",
+    "param_readers",
+    "reads_params",
+    "unit_param_bytes",
     "value_bytes",
 ]
 
@@ -124,3 +127,19 @@ def boundary_ms(fwd: Sequence[int], bwd: Sequence[int], allowed: Sequence[bool],
         else:
             out.append(link.transfer_ms(f) + link.transfer_ms(g))
     return out
+
+
+def param_readers(unit: NodeCost, by_name: Mapping[str, NodeCost]) -> list[NodeCost]:
+    """The nodes whose parameters a unit uses: itself (a module's own) and the ``get_attr``
+    nodes it reads (a functional call's weights, a tied weight)."""
+    return [unit] + [by_name[i] for i in unit.inputs if by_name[i].op is NodeOp.GET_ATTR]
+
+
+def reads_params(unit: NodeCost, by_name: Mapping[str, NodeCost]) -> bool:
+    """Does the unit read a parameter, directly or through a ``get_attr``?"""
+    return any(r.parameters for r in param_readers(unit, by_name))
+
+
+def unit_param_bytes(unit: NodeCost, by_name: Mapping[str, NodeCost]) -> int:
+    """Bytes of the parameters a unit reads (a parameter two units read counts for each)."""
+    return sum(r.param_bytes for r in param_readers(unit, by_name))

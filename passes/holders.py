@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipecut.errors import PartitionError
-from pipecut.plan import NodeCost, NodeOp
+from pipecut.passes.chain import reads_params
+from pipecut.plan import NodeCost
 
 __all__ = ["holder_prefix", "holds_params", "max_stages", "stage_count_error"]
 
@@ -24,13 +25,7 @@ __all__ = ["holder_prefix", "holds_params", "max_stages", "stage_count_error"]
 def holds_params(nodes: Sequence[NodeCost], units: Sequence[str]) -> tuple[bool, ...]:
     """Per unit: does it read a parameter, directly (a module's own) or through a ``get_attr``?"""
     by_name = {n.name: n for n in nodes}
-
-    def reads(n: NodeCost) -> bool:
-        return bool(n.parameters) or any(
-            by_name[i].op is NodeOp.GET_ATTR and bool(by_name[i].parameters) for i in n.inputs
-        )
-
-    return tuple(reads(by_name[u]) for u in units)
+    return tuple(reads_params(by_name[u], by_name) for u in units)
 
 
 def holder_prefix(holds: Sequence[bool], units: int) -> np.ndarray:

@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipecut.parallel import DataParallel
-from pipecut.passes.chain import Liveness, boundary_bytes, boundary_ms, liveness
+from pipecut.passes.chain import Liveness, boundary_bytes, boundary_ms, liveness, unit_param_bytes
 from pipecut.passes.holders import holds_params
 from pipecut.passes.stages import inflight_microbatches, state_bytes
-from pipecut.plan import DeviceSpec, Link, NodeCost, NodeOp, Recompute, ScheduleKind
+from pipecut.plan import DeviceSpec, Link, NodeCost, Recompute, ScheduleKind
 
 __all__ = [
     "Evaluation",
@@ -210,10 +210,7 @@ def unit_fixed_bytes(node: NodeCost, by_name: dict[str, NodeCost], data_parallel
     A parameter read by two units of one stage is counted twice here (once in the plan), so the
     memory the solvers see is never below what the plan reports.
     """
-    params = node.param_bytes + sum(
-        by_name[i].param_bytes for i in node.inputs if by_name[i].op is NodeOp.GET_ATTR
-    )
-    return state_bytes(params, data_parallel)
+    return state_bytes(unit_param_bytes(node, by_name), data_parallel)
 
 
 def formulate(

@@ -10,7 +10,14 @@ from dataclasses import dataclass
 
 from pipecut.core.schedule import Action, Schedule, StageCosts, simulate, timeline
 from pipecut.parallel import DataParallel, DataParallelKind
-from pipecut.passes.chain import Liveness, boundary_bytes, boundary_ms, value_bytes
+from pipecut.passes.chain import (
+    Liveness,
+    boundary_bytes,
+    boundary_ms,
+    param_readers,
+    reads_params,
+    value_bytes,
+)
 from pipecut.passes.schedules import build as build_schedule
 from pipecut.plan import (
     DeviceSpec,
@@ -72,19 +79,12 @@ def inflight_microbatches(schedule: ScheduleKind, stages: int, microbatches: int
     return [min(microbatches, stages - s) for s in range(stages)]
 
 
-def _reads_params(unit: NodeCost, by_name: dict[str, NodeCost]) -> bool:
-    return bool(unit.parameters) or any(
-        by_name[i].op is NodeOp.GET_ATTR and by_name[i].parameters for i in unit.inputs
-    )
-
-
 def stage_params(units: Sequence[NodeCost], by_name: dict[str, NodeCost]) -> tuple[tuple[str, ...], int]:
     """Canonical parameter FQNs a group of units reads, and their bytes (each source once)."""
     fqns: dict[str, None] = {}
     sources: dict[tuple[NodeOp, str], int] = {}
     for u in units:
-        readers = [u] + [by_name[i] for i in u.inputs if by_name[i].op is NodeOp.GET_ATTR]
-        for r in readers:
+        for r in param_readers(u, by_name):
             if r.parameters:
                 fqns.update(dict.fromkeys(r.parameters))
                 sources[(r.op, r.target)] = r.param_bytes
@@ -122,7 +122,7 @@ def build_stages(
         fwd_ms = sum(u.forward_ms for u in units) / speed
         bwd_ms = sum(u.backward_ms for u in units) / speed
         # dW and dX of a product cost the same: half the backward of a node reading weights.
-        wgt_ms = sum(u.backward_ms for u in units if _reads_params(u, by_name)) / (2 * speed)
+        wgt_ms = sum(u.backward_ms for u in units if reads_params(u, by_name)) / (2 * speed)
         in_bytes = sum(value_bytes(by_name[v])[0] for v in inputs)
         if recompute[s] is Recompute.FULL:
             act = in_bytes  # only the stage inputs are kept; the rest is recomputed in backward

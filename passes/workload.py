@@ -12,8 +12,8 @@ from typing import overload
 
 import numpy as np
 
-from pipecut.passes.chain import boundary_bytes, liveness
-from pipecut.plan import Link, NodeCost, NodeOp
+from pipecut.passes.chain import boundary_bytes, liveness, unit_param_bytes
+from pipecut.plan import Link, NodeCost
 
 __all__ = ["Workload", "ring_allreduce_ms", "workload"]
 
@@ -67,11 +67,7 @@ def workload(nodes: Sequence[NodeCost]) -> Workload:
     fwd, bwd, allowed = boundary_bytes(nodes, live)
     by_name = {n.name: n for n in nodes}
     units = [by_name[u] for u in live.units]
-    params = tuple(
-        u.param_bytes
-        + sum(by_name[i].param_bytes for i in u.inputs if by_name[i].op is NodeOp.GET_ATTR)
-        for u in units
-    )
+    params = tuple(unit_param_bytes(u, by_name) for u in units)
     return Workload(
         names=live.units,
         forward_ms=tuple(u.forward_ms for u in units),
