@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pipecut.core.choices import enum_choice
 from pipecut.errors import InputError
 
 __all__ = ["DataParallel", "DataParallelKind", "as_data_parallel"]
@@ -34,10 +35,4 @@ class DataParallel:
 
 def as_data_parallel(value: str | DataParallelKind) -> DataParallelKind:
     """``"ddp"``/``"fsdp"`` (any case) or the enum; anything else is refused with the options."""
-    if isinstance(value, DataParallelKind):
-        return value
-    try:
-        return DataParallelKind(str(value).lower())
-    except ValueError:
-        valid = [k.value for k in DataParallelKind]
-        raise InputError(f"unknown data_parallel {value!r}; choose one of {valid}") from None
+    return enum_choice(DataParallelKind, value, "data_parallel")

@@ -18,6 +18,7 @@ import pipecut
 from pipecut.autoplan import AUTO, choose
 from pipecut.capture import capture, fingerprint
 from pipecut.core.batching import first_microbatch, split_microbatches
+from pipecut.core.choices import enum_choice
 from pipecut.core.meta import has_meta
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError, PartitionError
@@ -73,13 +74,7 @@ Split = Sequence[str] | Sequence[Sequence[str]]
 
 
 def as_schedule(schedule: str | ScheduleKind) -> ScheduleKind:
-    if isinstance(schedule, ScheduleKind):
-        return schedule
-    try:
-        return ScheduleKind(str(schedule).lower())
-    except ValueError:
-        valid = [s.value for s in ScheduleKind]
-        raise InputError(f"unknown schedule {schedule!r}; choose one of {valid}") from None
+    return enum_choice(ScheduleKind, schedule, "schedule")
 
 
 def as_devices(devices: Devices) -> tuple[DeviceSpec, ...]:
@@ -101,14 +96,7 @@ def as_devices(devices: Devices) -> tuple[DeviceSpec, ...]:
 
 def as_ilp_solver(solver: IlpSolver | str) -> IlpSolver:
     """``"highs"``/``"cbc"`` (or the enum) → :class:`IlpSolver`; InputError lists the choices."""
-    if isinstance(solver, IlpSolver):
-        return solver
-    try:
-        return IlpSolver(str(solver).lower())
-    except ValueError:
-        raise InputError(
-            f"unknown ILP solver {solver!r}; choose one of {[s.value for s in IlpSolver]}"
-        ) from None
+    return enum_choice(IlpSolver, solver, "ILP solver")
 
 
 def _use_ilp(specs: Sequence[DeviceSpec], recompute: bool) -> bool:
