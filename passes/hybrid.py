@@ -46,8 +46,8 @@ from pipecut.passes.problem import Problem
 from pipecut.passes.replication import ReplicatedPlan, ReplicationKind, plan_replicated
 from pipecut.passes.schedules import build
 from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, inflight_microbatches
+from pipecut.passes.stages import ring_allreduce_ms as ring_allreduce_ms
 from pipecut.passes.workload import Workload as Workload
-from pipecut.passes.workload import ring_allreduce_ms as ring_allreduce_ms
 from pipecut.passes.workload import workload as workload
 from pipecut.plan import Link, ScheduleKind
 

@@ -47,8 +47,8 @@ from pipecut.core.schedule import rank_end_ms
 from pipecut.errors import PartitionError
 from pipecut.passes.coarsen import candidate_cuts
 from pipecut.passes.schedules import build
-from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR
-from pipecut.passes.workload import Workload, ring_allreduce_ms
+from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, ring_allreduce_ms
+from pipecut.passes.workload import Workload
 from pipecut.plan import Link, ScheduleKind
 
 __all__ = [

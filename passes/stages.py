@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
-from pipecut.core.schedule import Action, Schedule, StageCosts, simulate, timeline
+import numpy as np
+
+from pipecut.core.schedule import Action, Schedule, StageCosts, rank_end_ms, timeline
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.chain import (
     Liveness,
@@ -41,6 +44,7 @@ __all__ = [
     "plan_schedule",
     "predict",
     "predicted_timeline",
+    "ring_allreduce_ms",
     "stage_costs",
     "stage_params",
 ]
@@ -182,7 +186,7 @@ def build_stages(
         stages=tuple(stages),
         edges=tuple(edges),
         tied=tied,
-        predicted=predict(stages, microbatches, nodes, schedule, link, stages_per_rank),
+        predicted=predict(stages, microbatches, nodes, schedule, link, stages_per_rank, data_parallel),
     )
 
 
@@ -216,14 +220,20 @@ def predict(
     schedule: ScheduleKind,
     link: Link,
     stages_per_rank: int = 1,
+    data_parallel: DataParallel | None = None,
 ) -> Predicted:
-    """Step time of the schedule, simulated action by action on the per-stage costs."""
+    """Step time of the schedule, simulated action by action on the per-stage costs; with
+    data parallelism, each rank then all-reduces its stages' gradients over its replicas (a ring
+    over ``link``, after the rank's last action, as DDP's last bucket does)."""
     k = len(stages)
     ranks = k // stages_per_rank
     costs = stage_costs(stages, nodes, link)
     sched = build_schedule(schedule, ranks, microbatches, stages_per_rank, costs)
-    step = simulate(sched, costs.forward, costs.backward, costs.forward_link, costs.backward_link,
-                    costs.weight)
+    ends = rank_end_ms(sched, costs.forward, costs.backward, costs.forward_link, costs.backward_link,
+                       costs.weight)
+    replicas = data_parallel.replicas if data_parallel is not None else 1
+    held = [sum(st.param_bytes for st in stages if st.index % ranks == r) for r in range(ranks)]
+    step = max((end + ring_allreduce_ms(b, replicas, link) for end, b in zip(ends, held)), default=0.0)
     busy = microbatches * sum(f + b for f, b in zip(costs.forward, costs.backward))
     stage_ms = tuple(s.time_ms for s in stages)
     return Predicted(
@@ -240,3 +250,20 @@ def predicted_timeline(plan: Plan) -> list[tuple[Action, float, float]]:
     costs = stage_costs(plan.stages, plan.nodes, plan.link)
     return timeline(plan_schedule(plan), costs.forward, costs.backward, costs.forward_link,
                     costs.backward_link, costs.weight)
+
+
+@overload
+def ring_allreduce_ms(nbytes: float, replicas: int, link: Link) -> float: ...
+@overload
+def ring_allreduce_ms(nbytes: np.ndarray, replicas: int, link: Link) -> np.ndarray: ...
+def ring_allreduce_ms(nbytes: float | np.ndarray, replicas: int, link: Link) -> float | np.ndarray:
+    """Ring all-reduce: 2·(D−1) steps, each sending 1/D of the buffer to the next replica.
+
+    ``nbytes`` is a byte count or a numpy array of them (the replication DP prices many stages
+    at once); nothing to reduce costs nothing.
+    """
+    steps = 2 * (max(replicas, 1) - 1)
+    cost = steps * link.latency_ms + steps / max(replicas, 1) * nbytes / link.bandwidth_bytes_per_ms
+    if isinstance(nbytes, np.ndarray):
+        return np.where(nbytes > 0, cost, 0.0)
+    return float(cost) if nbytes > 0 else 0.0

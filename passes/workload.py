@@ -8,14 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import overload
-
-import numpy as np
 
 from pipecut.passes.chain import boundary_bytes, liveness, unit_param_bytes
-from pipecut.plan import Link, NodeCost
+from pipecut.plan import NodeCost
 
-__all__ = ["Workload", "ring_allreduce_ms", "workload"]
+__all__ = ["Workload", "workload"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,20 +76,3 @@ def workload(nodes: Sequence[NodeCost]) -> Workload:
         crossable=tuple(allowed),
         modules=tuple(u.module for u in units),
     )
-
-
-@overload
-def ring_allreduce_ms(nbytes: float, replicas: int, link: Link) -> float: ...
-@overload
-def ring_allreduce_ms(nbytes: np.ndarray, replicas: int, link: Link) -> np.ndarray: ...
-def ring_allreduce_ms(nbytes: float | np.ndarray, replicas: int, link: Link) -> float | np.ndarray:
-    """Ring all-reduce: 2·(D−1) steps, each sending 1/D of the buffer to the next replica.
-
-    ``nbytes`` is a byte count or a numpy array of them (the replication DP prices many stages
-    at once); nothing to reduce costs nothing.
-    """
-    steps = 2 * (max(replicas, 1) - 1)
-    cost = steps * link.latency_ms + steps / max(replicas, 1) * nbytes / link.bandwidth_bytes_per_ms
-    if isinstance(nbytes, np.ndarray):
-        return np.where(nbytes > 0, cost, 0.0)
-    return float(cost) if nbytes > 0 else 0.0

@@ -65,3 +65,20 @@ def test_stage_costs_and_the_zero_bubble_constraint():
     assert all(x > 0 for x in costs.forward_link)  # the cut activations take time to send
     with pytest.raises(ScheduleError, match="zero-bubble runs one stage per rank"):
         build(ScheduleKind.ZERO_BUBBLE, 1, 4, plan.num_stages, costs)
+
+
+def test_data_parallel_adds_each_ranks_gradient_all_reduce():
+    from pipecut.parallel import DataParallel, DataParallelKind
+    from pipecut.passes.stages import ring_allreduce_ms
+
+    plan = mlp_plan()
+    alone = predict(plan.stages, plan.microbatches, plan.nodes, plan.schedule, plan.link)
+    dp = DataParallel(kind=DataParallelKind.DDP, replicas=4)
+    replicated = predict(plan.stages, plan.microbatches, plan.nodes, plan.schedule, plan.link,
+                         data_parallel=dp)
+    slowest_reduce = max(ring_allreduce_ms(s.param_bytes, 4, plan.link) for s in plan.stages)
+    assert slowest_reduce > 0
+    assert alone.step_ms < replicated.step_ms <= alone.step_ms + slowest_reduce + 1e-9
+    one = predict(plan.stages, plan.microbatches, plan.nodes, plan.schedule, plan.link,
+                  data_parallel=DataParallel(kind=DataParallelKind.DDP, replicas=1))
+    assert one.step_ms == alone.step_ms  # one replica reduces nothing

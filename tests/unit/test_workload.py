@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipecut.passes.workload import Workload, ring_allreduce_ms, workload
+from pipecut.passes.stages import ring_allreduce_ms
+from pipecut.passes.workload import Workload, workload
 from pipecut.plan import Link, NodeOp
 from tests.unit.tiny import mlp_plan
 
