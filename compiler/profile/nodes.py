@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from pipecut.core.program import Captured
 from pipecut.core.values import describe, tensor_bytes
 from pipecut.errors import InputError
 from pipecut.plan import NodeCost, NodeOp
+from pipecut.profile.signature import cost_key
 
 __all__ = ["LossFn", "detached_leaves", "preserved_state", "profile"]
 
@@ -189,8 +190,13 @@ def profile(
     repeats: int = 5,
     warmup: int = 2,
     progress: Callable[[int, int], None] | None = None,
+    reuse: bool = True,
 ) -> tuple[NodeCost, ...]:
-    """Cost table of ``captured`` on flat placeholder ``inputs`` (one microbatch)."""
+    """Cost table of ``captured`` on flat placeholder ``inputs`` (one microbatch).
+
+    ``reuse``: measure each distinct op-on-shapes once and give its times to every node with
+    the same :func:`~pipecut.profile.signature.cost_key` (the N blocks of a transformer are
+    measured once, not N times); False measures every node."""
     gm = captured.gm
     canonical = canonical_names(gm)
     runner = _NodeRunner(gm)
@@ -200,6 +206,7 @@ def profile(
     nodes = list(gm.graph.nodes)
     last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
     device = input_device(inputs)
+    measured: dict[Hashable, tuple[float, float]] = {}
     with preserved_state(gm), torch.enable_grad():
         for i, node in enumerate(nodes):
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
@@ -218,9 +225,15 @@ def profile(
                 with scratch(gm, meta_read(node, gm, (args, kwargs)), device) as real:
                     args, kwargs = substitute((args, kwargs), real)
                     inplace = mutates_first_arg(node, gm)
-                    forward_ms = _forward_ms(runner, node, args, kwargs, inplace, repeats, warmup)
-                    params = [p for _, p in node_parameters(node, gm)]
-                    backward_ms = _backward_ms(runner, node, args, kwargs, params, inplace, repeats, warmup)
+                    key = cost_key(node, gm, args, kwargs, inplace) if reuse else None
+                    if key is not None and key in measured:
+                        forward_ms, backward_ms = measured[key]
+                    else:
+                        forward_ms = _forward_ms(runner, node, args, kwargs, inplace, repeats, warmup)
+                        params = [p for _, p in node_parameters(node, gm)]
+                        backward_ms = _backward_ms(runner, node, args, kwargs, params, inplace, repeats, warmup)
+                        if key is not None:
+                            measured[key] = (forward_ms, backward_ms)
                     value = runner.call(node, args, kwargs)
                     if real:  # cut the autograd graph: it would keep the scratch weights alive
                         value = pytree.tree_map(_cut, value)
