@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pipecut
 from examples import gpt, mlp, resnet
+from pipecut.passes.chain import liveness
+from pipecut.passes.stages import build_stages
 from tests.harness import run_ranks
 
 BATCH, MICROBATCHES, WORLD = 16, 8, 2
@@ -111,10 +113,8 @@ def _pipecut_rank(rank: int, world: int, name: str, schedule: str, rounds: int, 
     pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
                            microbatches=MICROBATCHES, schedule=schedule.removesuffix("+recompute"),
                            timeout=300)
-    if recompute:  # the same plan with every stage recomputing its forward in backward
-        plan = pipe.plan
-        plan = dataclasses.replace(plan, stages=tuple(
-            dataclasses.replace(st, recompute=pipecut.Recompute.FULL) for st in plan.stages))
+    if recompute:  # the same split with every stage recomputing its forward in backward
+        plan = _with_recompute(pipe.plan)
         pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
                                microbatches=MICROBATCHES, plan=plan, timeout=300)
 
@@ -132,6 +132,19 @@ def _pipecut_rank(rank: int, world: int, name: str, schedule: str, rounds: int, 
             "capture": plan.capture.value, "cut_module": first.module,
             "stage_nodes": [len(s.nodes) for s in plan.stages],
             "timeline": _timeline_summary(pipe.timeline, plan, rank)}
+
+
+def _with_recompute(plan: pipecut.Plan) -> pipecut.Plan:
+    """``plan``'s split with every stage recomputing, stage costs and prediction rebuilt (a
+    plan whose stages only say ``recompute`` would still predict the step without it)."""
+    live = liveness(plan.nodes)
+    index = {u: i for i, u in enumerate(live.units)}
+    bounds = [min(index[n] for n in st.nodes if n in index) for st in plan.stages] + [len(live.units)]
+    facts = build_stages(plan.nodes, live, bounds, devices=plan.devices, link=plan.link,
+                         schedule=plan.schedule, microbatches=plan.microbatches,
+                         recompute=[pipecut.Recompute.FULL] * len(plan.stages))
+    assert [st.nodes for st in facts.stages] == [st.nodes for st in plan.stages]
+    return dataclasses.replace(plan, stages=facts.stages, edges=facts.edges, predicted=facts.predicted)
 
 
 def _timeline_summary(events: Any, plan: pipecut.Plan, rank: int) -> dict[str, Any]:
