@@ -1,12 +1,16 @@
 """Runtime benchmark: pipecut's schedules against torch.distributed.pipelining and one process.
 
     .venv/bin/python benchmarks/runtime.py [--rounds 5] [--steps 2] [--models gpt,mlp,...]
+        [--schedules gpipe,1f1b,zero-bubble] [--no-pippy]
 
 Two forked CPU ranks on gloo, one thread each; batch 16 in 8 microbatches. For each model:
 one plain process on the full batch (one thread), pipecut under each schedule, and
 torch.distributed.pipelining's GPipe cut at the module boundary nearest pipecut's cut. Step time
 is the median over ``--steps`` timed steps after two warm-up steps (forward + backward; no
-optimizer step in any of them). Prints a table and writes JSON. Not a test: numbers depend on
+optimizer step in any of them). After the runs, a second table gives each pipecut runner's
+predicted against measured step and the error, with each stage's measured forward and backward
+per microbatch (from the timeline of one recorded step) against the plan's, which shows where
+a prediction is off. Prints the tables and writes JSON. Not a test: numbers depend on
 the machine and on whatever else runs on it.
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import statistics
 import sys
 import time
@@ -29,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pipecut
 from examples import gpt, mlp, resnet
+from pipecut.passes.chain import liveness
+from pipecut.passes.stages import build_stages
 from tests.harness import run_ranks
 
 BATCH, MICROBATCHES, WORLD = 16, 8, 2
@@ -106,10 +113,8 @@ def _pipecut_rank(rank: int, world: int, name: str, schedule: str, rounds: int, 
     pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
                            microbatches=MICROBATCHES, schedule=schedule.removesuffix("+recompute"),
                            timeout=300)
-    if recompute:  # the same plan with every stage recomputing its forward in backward
-        plan = pipe.plan
-        plan = dataclasses.replace(plan, stages=tuple(
-            dataclasses.replace(st, recompute=pipecut.Recompute.FULL) for st in plan.stages))
+    if recompute:  # the same split with every stage recomputing its forward in backward
+        plan = _with_recompute(pipe.plan)
         pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
                                microbatches=MICROBATCHES, plan=plan, timeout=300)
 
@@ -125,7 +130,42 @@ def _pipecut_rank(rank: int, world: int, name: str, schedule: str, rounds: int, 
     return {**out, "predicted_ms": plan.predicted.step_ms,
             "bubble": plan.predicted.bubble_fraction, "peak_activation_bytes": pipe.peak_activation_bytes,
             "capture": plan.capture.value, "cut_module": first.module,
-            "stage_nodes": [len(s.nodes) for s in plan.stages]}
+            "stage_nodes": [len(s.nodes) for s in plan.stages],
+            "timeline": _timeline_summary(pipe.timeline, plan, rank)}
+
+
+def _with_recompute(plan: pipecut.Plan) -> pipecut.Plan:
+    """``plan``'s split with every stage recomputing, stage costs and prediction rebuilt (a
+    plan whose stages only say ``recompute`` would still predict the step without it)."""
+    live = liveness(plan.nodes)
+    index = {u: i for i, u in enumerate(live.units)}
+    bounds = [min(index[n] for n in st.nodes if n in index) for st in plan.stages] + [len(live.units)]
+    facts = build_stages(plan.nodes, live, bounds, devices=plan.devices, link=plan.link,
+                         schedule=plan.schedule, microbatches=plan.microbatches,
+                         recompute=[pipecut.Recompute.FULL] * len(plan.stages))
+    assert [st.nodes for st in facts.stages] == [st.nodes for st in plan.stages]
+    return dataclasses.replace(plan, stages=facts.stages, edges=facts.edges, predicted=facts.predicted)
+
+
+def _timeline_summary(events: Any, plan: pipecut.Plan, rank: int) -> dict[str, Any]:
+    """This rank's recorded step against the plan: per microbatch, the median measured time of
+    each action kind (F, B, or zero-bubble's I + W) beside the stage's predicted forward and
+    backward, and how much of the step the rank computed (the rest is waiting and messaging)."""
+    spans: dict[str, list[float]] = {}
+    for e in events:
+        m = re.fullmatch(r"(\d+)([FBIW])(\d+)", e.action)
+        if m:
+            spans.setdefault(m.group(2), []).append((e.end - e.start) * 1e3)
+    step_ms = max((e.end for e in events), default=0.0) * 1e3
+    busy_ms = sum(sum(v) for v in spans.values())
+    measured_b = sum(statistics.median(spans[k]) for k in "BIW" if k in spans)
+    stage = plan.stages[rank]
+    return {
+        "stage": rank, "recorded_step_ms": step_ms, "busy_ms": busy_ms,
+        "forward_ms": statistics.median(spans["F"]) if "F" in spans else None,
+        "backward_ms": measured_b or None,
+        "predicted_forward_ms": stage.forward_ms, "predicted_backward_ms": stage.backward_ms,
+    }
 
 
 def _split_point(module_path: str, model: torch.nn.Module) -> str:
@@ -163,11 +203,12 @@ def _pippy_rank(rank: int, world: int, name: str, split: str, rounds: int, steps
     return _paired(rank, name, step, rounds, steps)
 
 
-def run(names: list[str], rounds: int, steps: int) -> list[dict[str, Any]]:
+def run(names: list[str], rounds: int, steps: int, schedules: tuple[str, ...] = ("gpipe", "1f1b", "zero-bubble"),
+        pippy: bool = True) -> list[dict[str, Any]]:
     rows = []
     for name in names:
         cut_module = ""
-        for schedule in ("gpipe", "1f1b", "zero-bubble", *(("gpipe+recompute",) if name == "gpt" else ())):
+        for schedule in (*schedules, *(("gpipe+recompute",) if name == "gpt" and "gpipe" in schedules else ())):
             res = run_ranks(_pipecut_rank, WORLD, name, schedule, rounds, steps, timeout=1800,
                             collective_timeout=600)
             r0 = res[0]
@@ -179,7 +220,11 @@ def run(names: list[str], rounds: int, steps: int) -> list[dict[str, Any]]:
                 "prediction_error": (r0["predicted_ms"] - r0["ms"]) / r0["ms"], "bubble": r0["bubble"],
                 "peak_activation_mib": [round(r["peak_activation_bytes"] / 2**20, 1) for r in res],
                 "capture": r0["capture"], "stage_nodes": r0["stage_nodes"],
+                "timeline": [r["timeline"] for r in res],
             })
+        if not pippy:
+            print_table([r for r in rows if r["model"] == name])
+            continue
         model = MODELS[name]()[0]
         split = _split_point(cut_module, model) if cut_module else ""
         runner = f"torch.distributed.pipelining gpipe (split {split})"
@@ -208,15 +253,40 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{r['speedup']:5.2f}x{extra}", flush=True)
 
 
+def print_predictions(rows: list[dict[str, Any]]) -> None:
+    """Predicted against measured step per runner, and per stage where the time goes: the
+    per-microbatch forward and backward measured in the recorded step's timeline against the
+    plan's, and the share of the recorded step each rank spent computing."""
+    print(f"\n{'model':8} {'runner':28} {'predicted':>9} {'measured':>9} {'error':>6}  per stage: "
+          f"F measured/predicted, B measured/predicted (ms per microbatch), busy share of recorded step")
+    for r in rows:
+        if "predicted_ms" not in r:
+            continue
+        stages = "  ".join(
+            f"s{t['stage']}: F {t['forward_ms'] or 0:.1f}/{t['predicted_forward_ms']:.1f} "
+            f"B {t['backward_ms'] or 0:.1f}/{t['predicted_backward_ms']:.1f} "
+            f"busy {t['busy_ms'] / t['recorded_step_ms']:.0%}"
+            for t in r["timeline"]
+        )
+        flag = "  >10%" if abs(r["prediction_error"]) > 0.10 else ""
+        print(f"{r['model']:8} {r['runner']:28} {r['predicted_ms']:8.1f}  {r['ms']:8.1f}  "
+              f"{r['prediction_error']:+6.1%}  {stages}{flag}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="steps per round and runner")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--schedules", default="gpipe,1f1b,zero-bubble",
+                        help="pipecut schedules to run (the GPT example also runs gpipe+recompute)")
+    parser.add_argument("--no-pippy", action="store_true", help="skip torch.distributed.pipelining")
     parser.add_argument("--out", default=str(Path(__file__).with_name("runtime.json")))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = run(args.models.split(","), args.rounds, args.steps)
+    rows = run(args.models.split(","), args.rounds, args.steps, tuple(args.schedules.split(",")),
+               not args.no_pippy)
+    print_predictions(rows)
     Path(args.out).write_text(json.dumps({"batch": BATCH, "microbatches": MICROBATCHES, "ranks": WORLD,
                                           "torch": torch.__version__, "rows": rows}, indent=1))
     print(f"wrote {args.out}")

@@ -8,6 +8,11 @@ recompute), are ruled out. The winner is planned again for real (profiled at its
 calibrated) and the plan records every pair considered with its prediction, so the choice is
 auditable. Within 1 % of the best time the pair that keeps fewer activations alive wins (1F1B,
 then zero-bubble, then GPipe), then the one with fewer microbatches.
+
+Measuring is most of planning's time, so :class:`Measurements` does each piece once: the graph
+is captured once and profiled at the second size too when it accepts that size (symbolic_trace
+graphs take any; a torch.export graph, sizes within its symbolic ranges), and the winner's
+plan reuses the graph and cost table measured at its size.
 """
 
 from __future__ import annotations
@@ -16,12 +21,16 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pipecut.core.batching import first_microbatch, split_microbatches
+import torch
+
+from pipecut.capture import fingerprint
+from pipecut.core.batching import batch_size, first_microbatch, split_microbatches
+from pipecut.core.program import Captured
 from pipecut.errors import InputError, PartitionError, ScheduleError
 from pipecut.passes.microbatching import candidate_microbatches, costs_at
-from pipecut.plan import Candidate, NodeCost, Plan, Recompute, ScheduleKind
+from pipecut.plan import Candidate, CaptureMethod, NodeCost, Plan, Recompute, ScheduleKind
 
-__all__ = ["AUTO", "choose"]
+__all__ = ["AUTO", "Measurements", "accepts", "choose"]
 
 AUTO = "auto"
 _PREFERENCE = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUBBLE, ScheduleKind.GPIPE,
@@ -103,3 +112,99 @@ def choose(
     pick = min(near, key=lambda c: (_PREFERENCE.index(c.schedule), c.microbatches))
     marked = tuple(dataclasses.replace(c, note="chosen") if c is pick else c for c in candidates)
     return pick.microbatches, pick.schedule, marked
+
+
+def accepts(captured: Captured, flat_inputs: Sequence[Any]) -> bool:
+    """Whether ``captured``'s graph computes the model on ``flat_inputs``, shapes that may differ
+    from those it was captured with. symbolic_trace graphs are independent of the example; a
+    torch.export graph accepts tensors of its placeholders' dtypes whose every dimension is
+    either the captured constant or a symbol in its range, one size per symbol."""
+    if captured.method is CaptureMethod.SYMBOLIC_TRACE:
+        return True
+    placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(flat_inputs):
+        return False
+    bound: dict[Any, int] = {}
+    for node, x in zip(placeholders, flat_inputs):
+        val = node.meta.get("val")
+        if not isinstance(x, torch.Tensor) or not isinstance(val, torch.Tensor):
+            if isinstance(x, torch.Tensor) or isinstance(val, torch.Tensor) or x != val:
+                return False
+            continue
+        if val.dtype != x.dtype or val.dim() != x.dim():
+            return False
+        for d, size in zip(val.shape, x.shape):
+            if not isinstance(d, torch.SymInt):
+                if d != size:
+                    return False
+                continue
+            expr = d.node.expr
+            if expr.is_number:  # a symbol export specialised to a constant
+                if int(expr) != size:
+                    return False
+                continue
+            ranges = d.node.shape_env.var_to_range.get(expr) if expr.is_Symbol else None
+            if ranges is None or not ranges.lower <= size <= ranges.upper or bound.setdefault(expr, size) != size:
+                return False
+    return True
+
+
+class Measurements:
+    """Captures and cost tables of one ``plan(..., microbatches="auto")`` call, by microbatch
+    size. ``capture_at(first)`` captures on one microbatch, ``profile_on(captured, first,
+    first_target)`` profiles it; each is called as rarely as correctness allows."""
+
+    def __init__(
+        self,
+        capture_at: Callable[[Any], Captured],
+        profile_on: Callable[[Captured, Any, Any], Sequence[NodeCost]],
+    ) -> None:
+        self._capture_at = capture_at
+        self._profile_on = profile_on
+        self._graphs: dict[int, Captured] = {}  # by the microbatch size captured at
+        self._tables: dict[int, tuple[Captured, tuple[NodeCost, ...]]] = {}
+        self.captures = 0
+        self.profiles = 0
+
+    def _capture(self, first: Any, size: int) -> Captured:
+        self.captures += 1
+        self._graphs[size] = self._capture_at(first)
+        return self._graphs[size]
+
+    def costs(self, first: Any, first_target: Any) -> tuple[NodeCost, ...]:
+        """The cost table at ``first``'s size, on a graph already captured if one accepts it."""
+        size = _size(first)
+        captured = self._graphs.get(size) or next(
+            (c for c in self._graphs.values() if accepts(c, c.flatten_inputs(first))), None
+        )
+        if captured is None:
+            captured = self._capture(first, size)
+        self.profiles += 1
+        try:
+            nodes = tuple(self._profile_on(captured, first, first_target))
+        except Exception:
+            if captured is self._graphs.get(size):
+                raise
+            captured = self._capture(first, size)  # the other size's graph did not fit after all
+            nodes = tuple(self._profile_on(captured, first, first_target))
+        self._tables[size] = (captured, nodes)
+        return nodes
+
+    def at(self, first: Any) -> tuple[Captured, tuple[NodeCost, ...] | None] | None:
+        """For planning the winner at ``first``'s size: the graph captured at that size and its
+        cost table, None for the table if it was measured on a graph that differs from this
+        size's own (then profile again), or None if nothing was measured at that size."""
+        size = _size(first)
+        if size not in self._tables:
+            return None
+        measured_on, nodes = self._tables[size]
+        if size in self._graphs:
+            return self._graphs[size], (nodes if measured_on is self._graphs[size] else None)
+        if measured_on.method is CaptureMethod.SYMBOLIC_TRACE:  # the same graph at every size
+            return measured_on, nodes
+        own = self._capture(first, size)  # the plan's graph is the one captured at its size
+        return own, (nodes if fingerprint(own.gm) == fingerprint(measured_on.gm) else None)
+
+
+def _size(first: Any) -> int:
+    return batch_size(list(first.values()) if isinstance(first, dict) else list(first))

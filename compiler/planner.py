@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import pipecut
-from pipecut.autoplan import AUTO, choose
+from pipecut.autoplan import AUTO, Measurements, choose
 from pipecut.capture import capture, fingerprint
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.choices import enum_choice
@@ -253,16 +253,6 @@ def partition_costs(
     )
 
 
-def _profile_fresh(
-    model: torch.nn.Module, first: Any, loss_fn: LossFn | None, first_target: Any,
-    capture_method: CaptureMethod | None, leaf_modules: tuple[type, ...], repeats: int, warmup: int,
-) -> tuple[NodeCost, ...]:
-    """Capture and profile at one microbatch size (export specialises shapes per size)."""
-    captured = capture(model, first, method=capture_method, leaf_modules=leaf_modules)
-    return profile(captured, captured.flatten_inputs(first), loss_fn=loss_fn, target=first_target,
-                   repeats=repeats, warmup=warmup)
-
-
 def _given_bounds(
     nodes: Sequence[NodeCost], live: Any, split: Split, stages: int, link: Link
 ) -> tuple[int, ...]:
@@ -317,6 +307,7 @@ def plan(
     split: Split | None = None,
     data_parallel: DataParallel | str | None = None,
     solver: IlpSolver | str = IlpSolver.HIGHS,
+    _profiled: Sequence[NodeCost] | None = None,
 ) -> Plan:
     """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
 
@@ -365,17 +356,23 @@ def plan(
         )
     if microbatches == AUTO or schedule == AUTO:
         full, _ = first_microbatch(example_inputs, 1)
+        measured = Measurements(
+            lambda first: capture(model, first, method=capture_method, leaf_modules=leaf_modules),
+            lambda captured, first, first_target: profile(
+                captured, captured.flatten_inputs(first), loss_fn=loss_fn, target=first_target,
+                repeats=repeats, warmup=warmup),
+        )
         m, chosen_kind, candidates = choose(
             example_inputs, target, ranks=len(specs), microbatches=microbatches, schedule=schedule,
             stages_per_rank=stages_per_rank,
-            profile_at=lambda first, first_target: _profile_fresh(
-                model, first, loss_fn, first_target, capture_method, leaf_modules, repeats, warmup),
+            profile_at=measured.costs,
             partition=lambda costs, m, k: partition_costs(
                 costs, devices=specs, microbatches=m, batch_size=full,
                 schedule=k, link=link, recompute=recompute, partitioner=partitioner,
                 ilp_time_limit=ilp_time_limit, stages_per_rank=stages_per_rank, split=split,
                 data_parallel=data_parallel, solver=solver),
         )
+        reuse = measured.at(first_microbatch(example_inputs, m)[1])  # captured (and profiled)
         chosen = plan(
             model, example_inputs, specs, loss_fn=loss_fn, target=target, microbatches=m,
             schedule=chosen_kind, link=link, capture_method=capture_method,
@@ -383,6 +380,7 @@ def plan(
             recompute=recompute, partitioner=partitioner, ilp_time_limit=ilp_time_limit,
             stages_per_rank=stages_per_rank, calibrate=calibrate, split=split,
             data_parallel=data_parallel, solver=solver,
+            captured=reuse[0] if reuse else None, _profiled=reuse[1] if reuse else None,
         )
         return dataclasses.replace(chosen, candidates=candidates)
     if not isinstance(microbatches, int):
@@ -394,7 +392,7 @@ def plan(
         captured = capture(model, first_inputs, method=capture_method, leaf_modules=leaf_modules)
     first = captured.flatten_inputs(first_inputs)
     first_target = split_microbatches(target, microbatches, size, "target")[0] if target is not None else None
-    nodes = profile(
+    nodes = tuple(_profiled) if _profiled is not None else profile(  # auto: measured while choosing
         captured, first, loss_fn=loss_fn, target=first_target, repeats=repeats, warmup=warmup,
         progress=progress,
     )

@@ -1,7 +1,8 @@
 """Measure every node of a captured graph on one microbatch: time, output and parameter bytes.
 
 Each node is run on its real inputs (interpreting the graph once, in order). Forward time is the
-median of ``repeats`` runs after ``warmup``; backward time is the median of
+median of up to ``repeats`` runs after ``warmup`` (fewer once the samples agree: see
+:func:`_sampled`); backward time is the median of
 ``torch.autograd.grad`` of the node's output with respect to its floating inputs and parameters,
 taken on detached copies so that no ``.grad`` is touched. Profiling leaves the model as it was:
 buffers (BatchNorm statistics) and the RNG state are saved and restored, parameters are never
@@ -13,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from pipecut.core.program import Captured
 from pipecut.core.values import describe, tensor_bytes
 from pipecut.errors import InputError
 from pipecut.plan import NodeCost, NodeOp
+from pipecut.profile.signature import cost_key
 
 __all__ = ["LossFn", "detached_leaves", "preserved_state", "profile"]
 
@@ -64,15 +66,37 @@ def _sync(values: Any) -> None:
             return
 
 
+STEADY = 0.1
+"""Sampling stops early once three or more samples lie within this fraction of their median."""
+
+MIN_SAMPLES = 3
+
+
 def _median_ms(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
+    return _sampled(fn, repeats, warmup)[0]
+
+
+def _sampled(fn: Callable[[], Any], repeats: int, warmup: int) -> tuple[float, Any]:
+    """Median time of up to ``repeats`` runs of ``fn`` after ``warmup``, and its last result.
+
+    Sampling stops once at least :data:`MIN_SAMPLES` samples agree within :data:`STEADY` of
+    their median: more would not move the median, and the large ops that dominate profiling
+    time are the steady ones. Noisy (mostly tiny) ops get every repeat."""
+    result = None
     for _ in range(warmup):
-        _sync(fn())
-    samples = []
+        result = fn()
+        _sync(result)
+    samples: list[float] = []
     for _ in range(repeats):
         start = time.perf_counter()
-        _sync(fn())
+        result = fn()
+        _sync(result)
         samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+        if len(samples) >= MIN_SAMPLES:
+            median = statistics.median(samples)
+            if max(samples) - min(samples) <= STEADY * median:
+                break
+    return statistics.median(samples), result
 
 
 class _NodeRunner(fx.Interpreter):
@@ -131,10 +155,10 @@ def _backward_ms(
     def backward() -> Any:
         return torch.autograd.grad(outs, wrt, grads, retain_graph=True, allow_unused=True)
 
-    compute_ms = _median_ms(backward, repeats, warmup)
+    compute_ms, grads_out = _sampled(backward, repeats, warmup)
     originals = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.requires_grad]
     is_param = [isinstance(x, torch.nn.Parameter) for x in originals] + [True] * (len(wrt) - len(leaves))
-    weight_grads = [g for g, p in zip(backward(), is_param) if p and g is not None]
+    weight_grads = [g for g, p in zip(grads_out, is_param) if p and g is not None]
     if not weight_grads:
         return compute_ms
     sums = [torch.zeros_like(g) for g in weight_grads]
@@ -189,8 +213,13 @@ def profile(
     repeats: int = 5,
     warmup: int = 2,
     progress: Callable[[int, int], None] | None = None,
+    reuse: bool = True,
 ) -> tuple[NodeCost, ...]:
-    """Cost table of ``captured`` on flat placeholder ``inputs`` (one microbatch)."""
+    """Cost table of ``captured`` on flat placeholder ``inputs`` (one microbatch).
+
+    ``reuse``: measure each distinct op-on-shapes once and give its times to every node with
+    the same :func:`~pipecut.profile.signature.cost_key` (the N blocks of a transformer are
+    measured once, not N times); False measures every node."""
     gm = captured.gm
     canonical = canonical_names(gm)
     runner = _NodeRunner(gm)
@@ -200,6 +229,7 @@ def profile(
     nodes = list(gm.graph.nodes)
     last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
     device = input_device(inputs)
+    measured: dict[Hashable, tuple[float, float]] = {}
     with preserved_state(gm), torch.enable_grad():
         for i, node in enumerate(nodes):
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
@@ -218,9 +248,16 @@ def profile(
                 with scratch(gm, meta_read(node, gm, (args, kwargs)), device) as real:
                     args, kwargs = substitute((args, kwargs), real)
                     inplace = mutates_first_arg(node, gm)
-                    forward_ms = _forward_ms(runner, node, args, kwargs, inplace, repeats, warmup)
-                    params = [p for _, p in node_parameters(node, gm)]
-                    backward_ms = _backward_ms(runner, node, args, kwargs, params, inplace, repeats, warmup)
+                    key = cost_key(node, gm, args, kwargs, inplace) if reuse else None
+                    if key is not None and key in measured:
+                        forward_ms, backward_ms = measured[key]
+                    else:
+                        forward_ms = _forward_ms(runner, node, args, kwargs, inplace, repeats, warmup)
+                        backward_ms = _backward_ms(runner, node, args, kwargs,
+                                                   [p for _, p in node_parameters(node, gm)], inplace,
+                                                   repeats, warmup)
+                        if key is not None:
+                            measured[key] = (forward_ms, backward_ms)
                     value = runner.call(node, args, kwargs)
                     if real:  # cut the autograd graph: it would keep the scratch weights alive
                         value = pytree.tree_map(_cut, value)

@@ -62,3 +62,50 @@ def test_a_loss_that_is_not_a_scalar_is_refused() -> None:
 
     with pytest.raises(InputError, match=r"scalar tensor, got a tensor of shape \(2,\); reduce it"):
         pipecut.plan(model, inputs, 2, loss_fn=per_sample, target=target, microbatches=2, repeats=1, warmup=0)
+
+
+def test_identical_blocks_are_measured_once_and_share_their_times() -> None:
+    model, inputs, loss_fn, target = gpt.build(batch_size=2)
+    cap = capture(model, inputs)
+    rows = {r.name: r for r in profile(cap, cap.flatten_inputs(inputs), loss_fn=loss_fn, target=target,
+                                       repeats=2, warmup=1)}
+    by_module: dict[str, list[str]] = {}
+    for r in rows.values():
+        if r.op is not NodeOp.PLACEHOLDER and r.module.startswith("blocks."):
+            by_module.setdefault(r.module.split(".", 2)[1], []).append(r.name)
+    first, *others = sorted(by_module)
+    assert others, "the example GPT has several blocks"
+    for other in others:  # node i of every block costs what node i of the first block costs
+        for a, b in zip(by_module[first], by_module[other]):
+            assert (rows[a].forward_ms, rows[a].backward_ms) == (rows[b].forward_ms, rows[b].backward_ms)
+    measured_alone = profile(cap, cap.flatten_inputs(inputs), loss_fn=loss_fn, target=target,
+                             repeats=2, warmup=1, reuse=False)
+    assert [r.name for r in measured_alone] == list(rows)
+    assert [r.output_bytes for r in measured_alone] == [r.output_bytes for r in rows.values()]
+
+
+def test_cost_key_tells_shapes_modes_and_configurations_apart() -> None:
+    from pipecut.profile.signature import cost_key
+
+    root = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4),
+                                "c": torch.nn.Linear(4, 8), "d": torch.nn.Dropout(0.1),
+                                "e": torch.nn.Dropout(0.2)})
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    nodes = {k: graph.call_module(k, (x,)) for k in ("a", "b", "c", "d", "e")}
+    fn = graph.call_function(torch.add, (x, 1.0))
+    t, t2 = torch.randn(2, 4), torch.randn(3, 4)
+
+    def key(name: str, *args: object) -> object:
+        return cost_key(nodes[name], root, args, {}, False)
+
+    assert key("a", t) == key("b", t) is not None  # same type, configuration and shapes
+    assert key("a", t) != key("a", t2)  # shape
+    assert key("a", t) != key("a", t.requires_grad_())  # gradient flows back
+    assert key("a", t2) != key("c", t2)  # configuration (out_features)
+    assert key("d", t2) != key("e", t2)  # repr differs (p)
+    before = key("d", t2)
+    root.d.eval()
+    assert key("d", t2) != before  # training mode
+    assert cost_key(fn, root, (t2, 1.0), {}, False) != cost_key(fn, root, (t2, 2.0), {}, False)
+    assert cost_key(fn, root, (t2, object()), {}, False) is None  # opaque argument: measured alone
