@@ -329,6 +329,12 @@ def plan(
     all-reduce.
     """
     specs = as_devices(devices)
+    measured = Measurements(  # used by the "auto" choices: capture and profile per size, once
+        lambda first: capture(model, first, method=capture_method, leaf_modules=leaf_modules),
+        lambda captured, first, first_target: profile(
+            captured, captured.flatten_inputs(first), loss_fn=loss_fn, target=first_target,
+            repeats=repeats, warmup=warmup),
+    )
     if data_parallel == AUTO:
         if not isinstance(microbatches, int) or schedule == AUTO or stages_per_rank != 1 or split is not None:
             raise InputError(
@@ -339,8 +345,7 @@ def plan(
         return plan_replicas(
             example_inputs, target, devices=specs, microbatches=microbatches,
             schedule=as_schedule(schedule), link=link,
-            profile_at=lambda first, first_target: _profile_fresh(
-                model, first, loss_fn, first_target, capture_method, leaf_modules, repeats, warmup),
+            profile_at=measured.costs,
             plan_share=lambda share, share_target, k, replicated: plan(
                 model, share, specs[:k], loss_fn=loss_fn, target=share_target,
                 microbatches=microbatches, schedule=schedule, link=link,
@@ -356,12 +361,6 @@ def plan(
         )
     if microbatches == AUTO or schedule == AUTO:
         full, _ = first_microbatch(example_inputs, 1)
-        measured = Measurements(
-            lambda first: capture(model, first, method=capture_method, leaf_modules=leaf_modules),
-            lambda captured, first, first_target: profile(
-                captured, captured.flatten_inputs(first), loss_fn=loss_fn, target=first_target,
-                repeats=repeats, warmup=warmup),
-        )
         m, chosen_kind, candidates = choose(
             example_inputs, target, ranks=len(specs), microbatches=microbatches, schedule=schedule,
             stages_per_rank=stages_per_rank,

@@ -31,10 +31,6 @@ PACKAGES = {"compiler": "pipecut", "passes": "pipecut.passes", "runtime": "pipec
 TEST_DIRS = (ROOT / "tests" / "unit", ROOT / "tests" / "dist")
 
 EXEMPT: dict[str, tuple[str, str]] = {
-    "pipecut.capture.trace": (
-        "tests/unit/test_capture.py", "capture's entry point: test_capture.py is its test file"),
-    "pipecut.profile.nodes": (
-        "tests/unit/test_profile.py", "per-node profiling: test_profile.py is its test file"),
     "pipecut.api": (
         "tests/dist/test_parity.py", "compile() builds a pipeline across processes; every tests/dist file runs it"),
     "pipecut.runtime.pipeline": (
