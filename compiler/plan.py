@@ -98,7 +98,7 @@ class Leaf:
     requires_grad: bool = False
     """True when the tensor depends on a parameter, so its gradient crosses cuts backwards."""
     value: Any = None
-    """JSON encoding of a non-tensor leaf (see ``pipecut.core.values``); None if not encodable."""
+    """JSON encoding of a non-tensor leaf (see ``pipecut.core.cut_values``); None if not encodable."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

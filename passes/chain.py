@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pipecut.core.values import leaf_bytes
+from pipecut.core.cut_values import leaf_bytes
 from pipecut.plan import LeafKind, Link, NodeCost, NodeOp
 
 __all__ = [

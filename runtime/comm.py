@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from pipecut.core.values import decode_constant, dtype_from_name, encode_constant, flatten
+from pipecut.core.cut_values import decode_constant, dtype_from_name, encode_constant, flatten
 from pipecut.errors import PipelineRuntimeError
 from pipecut.plan import LeafKind, NodeCost
 from pipecut.runtime.p2p import Direction, Transfer

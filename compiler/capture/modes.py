@@ -26,9 +26,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from pipecut.capture import capture, fingerprint
+from pipecut.core.cut_values import describe
 from pipecut.core.graph import module_path, node_parameters, target_name
 from pipecut.core.program import Captured, Inputs, StageProgram
-from pipecut.core.values import describe
 from pipecut.errors import InputError
 from pipecut.passes.eval_graph import map_stages
 from pipecut.passes.split import split_stage

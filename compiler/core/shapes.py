@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from pipecut.core.values import dtype_name, encode_constant
+from pipecut.core.cut_values import dtype_name, encode_constant
 from pipecut.errors import InputError
 from pipecut.plan import InputShape, LeafKind, Plan, ScheduleKind
 

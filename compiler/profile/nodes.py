@@ -22,6 +22,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from pipecut.capture.frozen import inside_no_grad
+from pipecut.core.cut_values import describe, tensor_bytes
 from pipecut.core.graph import (
     canonical_names,
     module_path,
@@ -31,7 +32,6 @@ from pipecut.core.graph import (
 )
 from pipecut.core.meta import input_device, meta_read, scratch, substitute
 from pipecut.core.program import Captured
-from pipecut.core.values import describe, tensor_bytes
 from pipecut.errors import InputError
 from pipecut.plan import NodeCost, NodeOp
 from pipecut.profile.signature import cost_key

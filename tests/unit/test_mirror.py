@@ -7,7 +7,7 @@ package of its dotted name (``core``, ``capture``, ``profile``, ``report``, ``cl
 ``passes``, ``runtime``, or ``pipecut`` for a top-level module). Its tests live in
 ``tests/unit/`` or ``tests/dist/``, in
 
-- ``test_<file name>.py`` (``pipecut.core.values`` → ``test_values.py``), unless two modules
+- ``test_<file name>.py`` (``pipecut.core.cut_values`` → ``test_values.py``), unless two modules
   share that file name, or
 - ``test_<package>_<file name>.py``, always accepted, and required for shared file names
   (``pipecut.capture.trace`` → ``test_capture_trace.py``, ``pipecut.runtime.trace`` →
@@ -69,7 +69,7 @@ def _shared_stems(names: list[str]) -> set[str]:
 
 def test_rule_examples() -> None:
     shared = {"trace"}
-    assert accepted_names("pipecut.core.values", shared) == ("test_values.py", "test_core_values.py")
+    assert accepted_names("pipecut.core.cut_values", shared) == ("test_values.py", "test_core_values.py")
     assert accepted_names("pipecut.errors", shared) == ("test_errors.py", "test_pipecut_errors.py")
     assert accepted_names("pipecut.runtime.trace", shared) == ("test_runtime_trace.py",)
     assert accepted_names("pipecut.capture.trace", shared) == ("test_capture_trace.py",)
@@ -78,7 +78,7 @@ def test_rule_examples() -> None:
 
 def test_every_module_has_a_test_file() -> None:
     mods = modules()
-    assert "pipecut.core.values" in mods and "pipecut.runtime.stage" in mods  # the walk works
+    assert "pipecut.core.cut_values" in mods and "pipecut.runtime.stage" in mods  # the walk works
     shared = _shared_stems(list(mods))
     have = _test_files()
     missing = []

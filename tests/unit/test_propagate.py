@@ -13,6 +13,7 @@ import pipecut
 from examples import gpt, mlp
 from pipecut.capture import capture
 from pipecut.core.batching import split_by_sizes
+from pipecut.core.cut_values import describe
 from pipecut.core.shapes import (
     AutocastState,
     accepted,
@@ -22,7 +23,6 @@ from pipecut.core.shapes import (
     planned_signature,
     signature,
 )
-from pipecut.core.values import describe
 from pipecut.errors import InputError, PipelineRuntimeError
 from pipecut.passes.propagate import PropagationError, accepted_shapes, cut_values, propagate
 from pipecut.plan import InputShape, LeafKind, Plan, ScheduleKind

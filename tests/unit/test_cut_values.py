@@ -1,4 +1,4 @@
-"""pipecut.core.values: how values crossing stages are described, encoded and sized."""
+"""pipecut.core.cut_values: how values crossing stages are described, encoded and sized."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
-from pipecut.core.values import (
+from pipecut.core.cut_values import (
     decode_constant,
     describe,
     dtype_from_name,
