@@ -137,6 +137,13 @@ class _Wire:
         return peer
 
 
+def _gpu_mark() -> Any:
+    """A timing event recorded now on the current CUDA stream."""
+    mark = torch.cuda.Event(enable_timing=True)
+    mark.record()
+    return mark
+
+
 def run_actions(
     workers: Mapping[int, StageWorker],
     program: Sequence[Step],
@@ -150,6 +157,9 @@ def run_actions(
     wire = _Wire(workers)
     device = next(iter(workers.values())).device
     events: list[Event] = []
+    on_gpu = record and device.type == "cuda"  # the GPU's clock: the host's times launches
+    marks: list[tuple[str, Any, Any]] = []
+    origin = _gpu_mark() if on_gpu else None
     t0 = time.perf_counter()
     for step in program:
         if step.kind is StepKind.ISSUE:
@@ -163,6 +173,7 @@ def run_actions(
             assert action is not None
             worker = workers[action.stage]
             start = time.perf_counter()
+            begin = _gpu_mark() if on_gpu else None
             with _labelled(action, device):
                 if action.kind is ActionKind.FORWARD:
                     worker.forward(action.microbatch, inputs[action.microbatch], targets[action.microbatch])
@@ -172,10 +183,15 @@ def run_actions(
                     worker.backward(action.microbatch, weights_later=True)
                 else:
                     worker.backward_weight(action.microbatch)
-            if record:
+            if on_gpu:
+                marks.append((str(action), begin, _gpu_mark()))
+            elif record:
                 events.append(Event(str(action), start - t0, time.perf_counter() - t0))
             wire.release_sent()
     for w in workers.values():
         w.check_all_sent()
+    if origin is not None:
+        torch.cuda.synchronize(device)
+        events = [Event(name, origin.elapsed_time(b) / 1e3, origin.elapsed_time(e) / 1e3) for name, b, e in marks]
     losses = [loss for w in workers.values() if (loss := w.loss()) is not None]
     return (losses[0] if losses else None), events

@@ -13,14 +13,14 @@ partitions again on the calibrated table. The model is left as it was: gradients
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
+from pipecut.core.clock import Timer
+from pipecut.core.meta import input_device
 from pipecut.core.program import Captured
 from pipecut.passes.split import split
 from pipecut.plan import NodeCost, Plan
@@ -50,16 +50,7 @@ def _float_leaves(values: Sequence[Any], nodes: Sequence[NodeCost]) -> tuple[lis
     return out, leaves
 
 
-def _median_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
-    samples, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples), result
-
-
-def _backward_ms(outputs: list[torch.Tensor], wrt: list[torch.Tensor], repeats: int) -> float:
+def _backward_ms(outputs: list[torch.Tensor], wrt: list[torch.Tensor], timer: Timer) -> float:
     if not wrt:
         return 0.0
     grads = [torch.ones_like(t) for t in outputs]
@@ -67,7 +58,7 @@ def _backward_ms(outputs: list[torch.Tensor], wrt: list[torch.Tensor], repeats: 
     def backward() -> Any:
         return torch.autograd.grad(outputs, wrt, grads, retain_graph=True, allow_unused=True)
 
-    return _median_ms(backward, repeats)[0]
+    return timer.ms(backward)
 
 
 def stage_times(
@@ -76,6 +67,7 @@ def stage_times(
 ) -> list[tuple[float, float]]:
     """(forward ms, backward ms) of every stage of ``plan`` on one microbatch, run in order."""
     flat = dict(zip(captured.input_names, inputs))
+    timer = Timer(repeats, warmup=1, device=input_device(inputs))  # CUDA events on a GPU
     times = []
     received: list[Any] = []
     with preserved_state(captured.gm), torch.enable_grad():
@@ -89,9 +81,8 @@ def stage_times(
                     return [loss_fn(captured.unflatten_output(out), target)], out
                 return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad], out
 
-            _median_ms(forward, 1)  # warm-up
-            forward_ms, (outputs, out) = _median_ms(forward, repeats)
-            backward_ms = _backward_ms(outputs, leaves + params, repeats) if outputs else 0.0
+            forward_ms, (outputs, out) = timer.sampled(forward)
+            backward_ms = _backward_ms(outputs, leaves + params, timer) if outputs else 0.0
             times.append((forward_ms, backward_ms))
             received = list(out) if not prog.is_last else []
     return times

@@ -2,7 +2,7 @@
 
 Each node is run on its real inputs (interpreting the graph once, in order). Forward time is the
 median of up to ``repeats`` runs after ``warmup`` (fewer once the samples agree: see
-:func:`_sampled`); backward time is the median of
+:class:`~pipecut.core.clock.Timer`); backward time is the median of
 ``torch.autograd.grad`` of the node's output with respect to its floating inputs and parameters,
 taken on detached copies so that no ``.grad`` is touched. Profiling leaves the model as it was:
 buffers (BatchNorm statistics) and the RNG state are saved and restored, parameters are never
@@ -12,8 +12,6 @@ written, and gradients are computed with ``autograd.grad`` instead of ``backward
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
@@ -22,6 +20,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from pipecut.capture.frozen import inside_no_grad
+from pipecut.core.clock import Timer
 from pipecut.core.cut_values import describe, tensor_bytes
 from pipecut.core.graph import (
     canonical_names,
@@ -59,44 +58,10 @@ def preserved_state(module: torch.nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def _sync(values: Any) -> None:
-    for leaf in pytree.tree_leaves(values):
-        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
-            torch.cuda.synchronize(leaf.device)
-            return
-
-
 STEADY = 0.1
-"""Sampling stops early once three or more samples lie within this fraction of their median."""
-
-MIN_SAMPLES = 3
-
-
-def _median_ms(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
-    return _sampled(fn, repeats, warmup)[0]
-
-
-def _sampled(fn: Callable[[], Any], repeats: int, warmup: int) -> tuple[float, Any]:
-    """Median time of up to ``repeats`` runs of ``fn`` after ``warmup``, and its last result.
-
-    Sampling stops once at least :data:`MIN_SAMPLES` samples agree within :data:`STEADY` of
-    their median: more would not move the median, and the large ops that dominate profiling
-    time are the steady ones. Noisy (mostly tiny) ops get every repeat."""
-    result = None
-    for _ in range(warmup):
-        result = fn()
-        _sync(result)
-    samples: list[float] = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        _sync(result)
-        samples.append((time.perf_counter() - start) * 1e3)
-        if len(samples) >= MIN_SAMPLES:
-            median = statistics.median(samples)
-            if max(samples) - min(samples) <= STEADY * median:
-                break
-    return statistics.median(samples), result
+"""Sampling stops early once three or more samples lie within this fraction of their median:
+more would not move the median, and the large ops that dominate profiling time are the steady
+ones. Noisy (mostly tiny) ops get every repeat."""
 
 
 class _NodeRunner(fx.Interpreter):
@@ -125,22 +90,22 @@ def detached_leaves(tree: Any, clone: bool = False) -> tuple[Any, list[torch.Ten
 
 def _forward_ms(
     runner: _NodeRunner, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any],
-    inplace: bool, repeats: int, warmup: int,
+    inplace: bool, timer: Timer,
 ) -> float:
     if not inplace:
-        return _median_ms(lambda: runner.call(node, args, kwargs), repeats, warmup)
+        return timer.ms(lambda: runner.call(node, args, kwargs))
 
     def run_on_copies() -> Any:  # repeats must not compound an in-place write
         a, k = pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
         with torch.no_grad():
             return runner.call(node, a, k)
 
-    return _median_ms(run_on_copies, repeats, warmup)
+    return timer.ms(run_on_copies)
 
 
 def _backward_ms(
     runner: _NodeRunner, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any],
-    params: Sequence[torch.Tensor], inplace: bool, repeats: int, warmup: int,
+    params: Sequence[torch.Tensor], inplace: bool, timer: Timer,
 ) -> float:
     """Gradient computation plus the accumulation of parameter gradients into ``.grad``
     (training adds every microbatch's weight gradient into it)."""
@@ -155,7 +120,7 @@ def _backward_ms(
     def backward() -> Any:
         return torch.autograd.grad(outs, wrt, grads, retain_graph=True, allow_unused=True)
 
-    compute_ms, grads_out = _sampled(backward, repeats, warmup)
+    compute_ms, grads_out = timer.sampled(backward)
     originals = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.requires_grad]
     is_param = [isinstance(x, torch.nn.Parameter) for x in originals] + [True] * (len(wrt) - len(leaves))
     weight_grads = [g for g, p in zip(grads_out, is_param) if p and g is not None]
@@ -167,17 +132,17 @@ def _backward_ms(
         for acc, g in zip(sums, weight_grads):
             acc.add_(g)
 
-    return compute_ms + _median_ms(accumulate, repeats, warmup)
+    return compute_ms + timer.ms(accumulate)
 
 
-def _time_loss(loss_fn: LossFn, output: Any, target: Any, repeats: int, warmup: int) -> tuple[float, float]:
+def _time_loss(loss_fn: LossFn, output: Any, target: Any, timer: Timer) -> tuple[float, float]:
     def detach(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.requires_grad:
             return x.detach().requires_grad_(True)
         return x
 
     output = pytree.tree_map(detach, output)
-    forward_ms = _median_ms(lambda: loss_fn(output, target), repeats, warmup)
+    forward_ms = timer.ms(lambda: loss_fn(output, target))
     loss = loss_fn(output, target)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -188,9 +153,7 @@ def _time_loss(loss_fn: LossFn, output: Any, target: Any, repeats: int, warmup: 
     wrt = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not wrt or not loss.requires_grad:
         return forward_ms, 0.0
-    backward_ms = _median_ms(
-        lambda: torch.autograd.grad(loss, wrt, retain_graph=True, allow_unused=True), repeats, warmup
-    )
+    backward_ms = timer.ms(lambda: torch.autograd.grad(loss, wrt, retain_graph=True, allow_unused=True))
     return forward_ms, backward_ms
 
 
@@ -229,6 +192,7 @@ def profile(
     nodes = list(gm.graph.nodes)
     last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
     device = input_device(inputs)
+    timer = Timer(repeats, warmup, device, steady=STEADY)  # CUDA events on a GPU
     measured: dict[Hashable, tuple[float, float]] = {}
     with preserved_state(gm), torch.enable_grad():
         for i, node in enumerate(nodes):
@@ -240,7 +204,7 @@ def profile(
                 value = args[0]
                 if loss_fn is not None:
                     output = captured.unflatten_output(value)
-                    forward_ms, backward_ms = _time_loss(loss_fn, output, target, repeats, warmup)
+                    forward_ms, backward_ms = _time_loss(loss_fn, output, target, timer)
             elif node.op == "get_attr":
                 value = runner.call(node, args, kwargs)
             else:
@@ -252,10 +216,10 @@ def profile(
                     if key is not None and key in measured:
                         forward_ms, backward_ms = measured[key]
                     else:
-                        forward_ms = _forward_ms(runner, node, args, kwargs, inplace, repeats, warmup)
+                        forward_ms = _forward_ms(runner, node, args, kwargs, inplace, timer)
                         backward_ms = _backward_ms(runner, node, args, kwargs,
                                                    [p for _, p in node_parameters(node, gm)], inplace,
-                                                   repeats, warmup)
+                                                   timer)
                         if key is not None:
                             measured[key] = (forward_ms, backward_ms)
                     value = runner.call(node, args, kwargs)

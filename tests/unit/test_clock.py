@@ -37,3 +37,15 @@ def test_cuda_events_time_the_kernels_not_the_launch() -> None:
     x = torch.randn(4096, 4096, device="cuda")
     ms, y = median_ms(lambda: x @ x, repeats=3, warmup=1, device=x.device)
     assert ms > 0 and y.shape == x.shape
+
+
+def test_a_steady_timer_stops_once_the_samples_agree() -> None:
+    from pipecut.core.clock import MIN_SAMPLES, Timer
+
+    calls = []
+    Timer(repeats=20, steady=0.5).ms(lambda: calls.append(time.sleep(0.01)))
+    assert len(calls) == MIN_SAMPLES  # three 10 ms sleeps agree within 50%
+    noisy = iter([0.0, 0.03, 0.0, 0.03, 0.0, 0.03])
+    calls.clear()
+    Timer(repeats=6, steady=0.01).ms(lambda: calls.append(time.sleep(next(noisy))))
+    assert len(calls) == 6  # never within 1%: every repeat runs
