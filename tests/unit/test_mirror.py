@@ -69,7 +69,7 @@ def _shared_stems(names: list[str]) -> set[str]:
 
 def test_rule_examples() -> None:
     shared = {"trace"}
-    assert accepted_names("pipecut.core.cut_values", shared) == ("test_values.py", "test_core_values.py")
+    assert accepted_names("pipecut.core.cut_values", shared) == ("test_cut_values.py", "test_core_cut_values.py")
     assert accepted_names("pipecut.errors", shared) == ("test_errors.py", "test_pipecut_errors.py")
     assert accepted_names("pipecut.runtime.trace", shared) == ("test_runtime_trace.py",)
     assert accepted_names("pipecut.capture.trace", shared) == ("test_capture_trace.py",)
