@@ -40,12 +40,13 @@ from dataclasses import dataclass
 
 from pipecut.core.schedule import rank_end_ms
 from pipecut.errors import PartitionError
+from pipecut.passes.chain import boundary_ms
 from pipecut.passes.coarsen import candidate_cuts
 from pipecut.passes.memory_dp import partition_bounded
 from pipecut.passes.problem import Problem
 from pipecut.passes.replication import ReplicatedPlan, ReplicationKind, plan_replicated
 from pipecut.passes.schedules import build
-from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, inflight_microbatches
+from pipecut.passes.stages import inflight_microbatches, state_bytes
 from pipecut.passes.stages import ring_allreduce_ms as ring_allreduce_ms
 from pipecut.passes.workload import Workload as Workload
 from pipecut.passes.workload import workload as workload
@@ -142,18 +143,14 @@ def _problem(
     fwd = work.cut_forward_bytes or (0,) * (n + 1)
     bwd = work.cut_backward_bytes or (0,) * (n + 1)
     ok = work.crossable or (True,) * (n + 1)
-    boundary = [
-        0.0 if b in (0, n) else
-        math.inf if not ok[b] else
-        link.transfer_ms(math.ceil(fwd[b] / d)) + link.transfer_ms(math.ceil(bwd[b] / d))
-        for b in range(n + 1)
-    ]
+    # The planner's cost rules at one replica's share: each cut moves 1/D of the bytes.
+    boundary = boundary_ms([math.ceil(x / d) for x in fwd], [math.ceil(x / d) for x in bwd], ok, link)
     return Problem(
         compute_ms=tuple((f + b) / d for f, b in zip(work.forward_ms, work.backward_ms)),
         forward_ms=tuple(f / d for f in work.forward_ms),
         boundary_ms=tuple(boundary),
         input_bytes=tuple(x // d for x in fwd),
-        fixed_bytes=tuple(p * (2 + OPTIMIZER_STATE_FACTOR) for p in work.param_bytes),
+        fixed_bytes=tuple(state_bytes(p) for p in work.param_bytes),  # DDP: all on every replica
         activation_bytes=tuple(a // d for a in (work.activation_bytes or (0,) * n)),
         speeds=(1.0,) * stages,
         capacities=(memory_bytes,) * stages,

@@ -47,7 +47,7 @@ from pipecut.core.schedule import rank_end_ms
 from pipecut.errors import PartitionError
 from pipecut.passes.coarsen import candidate_cuts
 from pipecut.passes.schedules import build
-from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, ring_allreduce_ms
+from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, ring_allreduce_ms, state_bytes
 from pipecut.passes.workload import Workload
 from pipecut.plan import Link, ScheduleKind
 
@@ -146,7 +146,7 @@ def stage_ms(
 
 def stage_memory_bytes(work: Workload, start: int, end: int, replicas: int, inflight: int) -> float:
     """One replica's parameters, gradients, optimizer state and in-flight activations."""
-    fixed = sum(work.param_bytes[start:end]) * (2 + OPTIMIZER_STATE_FACTOR)
+    fixed = state_bytes(sum(work.param_bytes[start:end]))
     inputs = (work.cut_forward_bytes or (0,) * (work.units + 1))[start]
     acts = sum((work.activation_bytes or (0,) * work.units)[start:end])
     return fixed + inflight * (inputs + acts) / replicas
