@@ -1,4 +1,4 @@
-"""Turn a split of the unit chain into the plan's stages, cut edges, tied groups and prediction.
+"""The cost rules (state bytes, in-flight microbatches, the ring all-reduce) and the plan's stages.
 
 Pure data in, pure data out: everything here reads the cost table, never a model.
 """

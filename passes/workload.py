@@ -1,4 +1,4 @@
-"""The planners' view of a model: a chain of units with costs, and the ring all-reduce cost.
+"""The hybrid planner's view of a model: a chain of units with their costs at the full batch.
 
 Shared by the uniform D × K planner (:mod:`pipecut.passes.hybrid`) and the per-stage
 replication DP (:mod:`pipecut.passes.replication`). Pure numbers, no torch.
