@@ -7,27 +7,26 @@ import dataclasses
 import datetime
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from pipecut.autoplan import AUTO
 from pipecut.capture import capture, fingerprint
 from pipecut.capture.modes import Modes, derive_other_mode
-from pipecut.core.batching import first_microbatch, split_microbatches
+from pipecut.core.batching import first_microbatch
 from pipecut.core.meta import has_meta
 from pipecut.core.program import Captured, Inputs, StageProgram
 from pipecut.core.schedule import validate
-from pipecut.errors import CaptureError, InputError, PipecutError, PipelineRuntimeError, PlanError
-from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
+from pipecut.errors import CaptureError, InputError, PipecutError, PlanError
+from pipecut.layout import Layout, auto_layout, layout_of, plan_from_rank0, replication_of
+from pipecut.parallel import DataParallelKind
 from pipecut.passes.split import split_stage
 from pipecut.passes.stages import plan_schedule, predicted_timeline
 from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
-from pipecut.planner import DEFAULT_LINK, Devices, as_devices
+from pipecut.planner import Devices, as_devices
 from pipecut.planner import plan as make_plan
 from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn
@@ -44,131 +43,9 @@ from pipecut.runtime.p2p import wiring
 from pipecut.runtime.pipeline import Pipeline
 from pipecut.runtime.stage import StageWorker
 from pipecut.runtime.sync import stage_state, sync_from_rank0
-
-__all__ = ["compile"]
 from pipecut.runtime.weights import Weights, open_weights
 
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where this rank sits: its pipeline group and, with data parallelism, its replica group."""
-
-    pp_group: dist.ProcessGroup | None
-    dp_group: dist.ProcessGroup | None
-    dp_mesh: Any
-    """The 1-D "dp" DeviceMesh (FSDP2 takes a mesh), or None."""
-    replicas: tuple[tuple[int, ...], ...]
-    """Global ranks of every pipeline replica, stage-rank order; this rank's replica included."""
-    devices: Any
-
-
-def _layout(devices: Any) -> _Layout:
-    """From an int, a list of devices, a DeviceMesh with a "pp" (and maybe "dp") dimension, or
-    None (one stage per rank of the default group)."""
-    names = getattr(devices, "mesh_dim_names", None)
-    if names is None:
-        world = dist.get_world_size()
-        return _Layout(None, None, None, (tuple(range(world)),), world if devices is None else devices)
-    if "pp" not in names or not set(names) <= {"dp", "pp"}:
-        raise InputError(f"the DeviceMesh needs dimensions ('dp', 'pp') or ('pp',), it has {names}")
-    pp = devices.get_group("pp")
-    dp = devices.get_group("dp") if "dp" in names else None
-    dp_mesh = devices["dp"] if "dp" in names else None
-    mesh = devices.mesh if names.index("pp") == len(names) - 1 else devices.mesh.transpose(0, 1)
-    replicas = tuple(tuple(int(r) for r in row) for row in mesh.reshape(-1, mesh.shape[-1]).tolist())
-    return _Layout(pp, dp, dp_mesh, replicas, dist.get_world_size(pp))
-
-
-def _replication(layout: _Layout, data_parallel: str | DataParallelKind | None) -> DataParallel | None:
-    """The data-parallel engine and replica count; DDP by default when there is a "dp" dimension."""
-    if layout.dp_group is None:
-        if data_parallel is not None:
-            raise InputError(
-                f"data_parallel={data_parallel!r} needs replicas: pass a DeviceMesh with "
-                f"dimensions ('dp', 'pp') as devices, or leave data_parallel=None"
-            )
-        return None
-    kind = as_data_parallel(data_parallel if data_parallel is not None else DataParallelKind.DDP)
-    return DataParallel(kind=kind, replicas=dist.get_world_size(layout.dp_group))
-
-
-@dataclass(frozen=True)
-class _Auto:
-    plan: Plan
-    mesh: Any
-    """The ("dp", "pp") DeviceMesh of the chosen D × K, or None for one replica."""
-    kind: DataParallelKind
-
-
-def _auto_layout(
-    model: torch.nn.Module, devices: Any, given: Plan | None, *, example_inputs: Inputs,
-    loss_fn: LossFn, target: Any, microbatches: Any, schedule: Any, link: Link | None,
-    wait: datetime.timedelta, capture_method: CaptureMethod | None, leaf_modules: tuple[type, ...],
-    stages_per_rank: int | None,
-) -> tuple[_Auto, tuple[Inputs, Any]]:
-    """data_parallel="auto": rank 0 chooses D × K for every rank of the default group (or the
-    given plan's), all ranks build the mesh, and each takes its replica's share of the batch."""
-    device = local_device()
-    ensure_process_group(wait, device)
-    world = dist.get_world_size()
-    if devices is not None and (isinstance(devices, bool) or devices != world):
-        raise InputError(
-            f"data_parallel='auto' spreads the model over every rank of the process group "
-            f"({world}); pass devices=None or devices={world}, or pass a ('dp', 'pp') "
-            f"DeviceMesh with data_parallel='ddp' or 'fsdp' to choose the layout yourself"
-        )
-    if AUTO in (microbatches, schedule) or stages_per_rank not in (None, 1):
-        raise InputError(
-            "data_parallel='auto' needs microbatches and schedule as values, not 'auto', and "
-            "one stage per rank (stages_per_rank=1)"
-        )
-    if given is None:
-        used = link or measure_link(list(range(world)), dist.get_rank(), None, device) or DEFAULT_LINK
-        chosen = _plan_on_rank0(lambda: make_plan(
-            model, example_inputs, world, loss_fn=loss_fn, target=target,
-            microbatches=microbatches if microbatches is not None else 1,
-            schedule=schedule if schedule is not None else ScheduleKind.GPIPE, link=used,
-            capture_method=capture_method, leaf_modules=leaf_modules, data_parallel=AUTO,
-        ))
-    else:
-        chosen = given
-    dp = chosen.data_parallel
-    d = dp.replicas if dp is not None else 1
-    if d * chosen.num_ranks != world:
-        raise PlanError(
-            f"the plan is for {d} replicas x {chosen.num_ranks} ranks, but the process group has "
-            f"{world} ranks; launch with --nproc_per_node={d * chosen.num_ranks} or re-plan"
-        )
-    kind = dp.kind if dp is not None else DataParallelKind.DDP
-    if d == 1:
-        return _Auto(chosen, None, kind), (example_inputs, target)
-    mesh = init_device_mesh(device.type, (d, chosen.num_ranks), mesh_dim_names=("dp", "pp"))
-    replica = mesh.get_local_rank("dp")
-    size, _ = first_microbatch(example_inputs, 1)
-    share = split_microbatches(example_inputs, d, size, "example_inputs")[replica]
-    share_target = split_microbatches(target, d, size, "target")[replica] if target is not None else None
-    return _Auto(chosen, mesh, kind), (share, share_target)
-
-
-def _plan_on_rank0(make: Callable[[], Plan]) -> Plan:
-    """Global rank 0 runs ``make``; every rank gets its plan, or its error."""
-    payload: list[Any] = [None]
-    error: BaseException | None = None
-    made: Plan | None = None
-    if dist.get_rank() == 0:
-        try:
-            made = make()
-            payload = [("ok", made.to_json())]
-        except Exception as e:  # every rank must learn of it, or they wait forever
-            error = e
-            payload = [("error", f"{type(e).__name__}: {e}")]
-    dist.broadcast_object_list(payload, src=0)
-    status, text = payload[0]
-    if error is not None:
-        raise error
-    if status != "ok":
-        raise PipelineRuntimeError(f"rank {dist.get_rank()}: rank 0 failed to plan: {text}")
-    return made if made is not None else Plan.from_json(text)
+__all__ = ["compile"]
 
 
 def _check_fingerprint(loaded: Plan, expected: str) -> None:
@@ -247,17 +124,17 @@ def compile(
     wait = datetime.timedelta(seconds=timeout)
     given = None if plan is None else plan if isinstance(plan, Plan) else Plan.from_json(plan)
     if data_parallel == AUTO:
-        auto_layout, share = _auto_layout(
+        chosen_layout, share = auto_layout(
             model, devices, given, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
             microbatches=microbatches, schedule=schedule, link=link, wait=wait,
             capture_method=capture_method, leaf_modules=leaf_modules, stages_per_rank=stages_per_rank,
         )
         return compile(
-            model, auto_layout.mesh if auto_layout.mesh is not None else auto_layout.plan.num_ranks,
-            example_inputs=share[0], loss_fn=loss_fn, target=share[1], plan=auto_layout.plan,
+            model, chosen_layout.mesh if chosen_layout.mesh is not None else chosen_layout.plan.num_ranks,
+            example_inputs=share[0], loss_fn=loss_fn, target=share[1], plan=chosen_layout.plan,
             timeout=timeout, capture_method=capture_method, leaf_modules=leaf_modules,
             loss_reduction=reduction, weights=weights, init=init, seed=seed,
-            data_parallel=None if auto_layout.mesh is None else auto_layout.kind,
+            data_parallel=None if chosen_layout.mesh is None else chosen_layout.kind,
         )
     auto = AUTO in (microbatches, schedule)
     if auto and given is not None:
@@ -275,8 +152,8 @@ def compile(
     microbatches, schedule, stages_per_rank = run.microbatches, run.schedule, run.stages_per_rank
     device = local_device()  # before any collective (NCCL)
     ensure_process_group(wait, device)
-    layout = _layout(devices)
-    replication = _replication(layout, data_parallel)
+    layout = layout_of(devices)
+    replication = replication_of(layout, data_parallel)
     group = layout.pp_group
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -297,7 +174,7 @@ def compile(
 
     def plan_on_rank0(captured: Captured | None) -> Plan:
         """Global rank 0 plans; every rank of every replica gets the same plan."""
-        return _plan_on_rank0(lambda: make_plan(
+        return plan_from_rank0(lambda: make_plan(
             model, example_inputs, specs, loss_fn=loss_fn, target=target,
             microbatches=asked_microbatches, schedule=asked_schedule, link=used_link,
             captured=captured, stages_per_rank=stages_per_rank, data_parallel=replication,
@@ -406,7 +283,7 @@ def other_mode(
 
 
 def _sync_weights(
-    captured: Captured, plan: Plan, layout: _Layout, workers: dict[int, StageWorker],
+    captured: Captured, plan: Plan, layout: Layout, workers: dict[int, StageWorker],
     device: torch.device, wait: datetime.timedelta,
 ) -> None:
     """Every rank's stage tensors := global rank 0's (rank 0 holds them all in its captured
@@ -427,7 +304,7 @@ def _sync_weights(
     sync_from_rank0(mine, sources, device, wait)
 
 
-def _tied_groups(plan: Plan, layout: _Layout, rank: int, wait: datetime.timedelta) -> list[tuple[str, Any]]:
+def _tied_groups(plan: Plan, layout: Layout, rank: int, wait: datetime.timedelta) -> list[tuple[str, Any]]:
     """Process groups over the ranks that hold each tied parameter. Every rank creates every
     group (new_group is collective), in plan order, replica by replica."""
     k = plan.num_ranks

@@ -1,0 +1,154 @@
+"""Where each rank sits: its pipeline and replica groups, and the mesh ``data_parallel="auto"`` builds.
+
+``compile`` takes ``devices`` as a stage count, a list of devices or a ("dp", "pp") DeviceMesh;
+:func:`layout_of` turns each into the groups this rank talks to, :func:`replication_of` into the
+plan's data parallelism, and :func:`auto_layout` lets rank 0 choose D replicas × K stages and
+builds that mesh on every rank. :func:`plan_from_rank0` is how every rank gets rank 0's plan.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from pipecut.autoplan import AUTO
+from pipecut.core.batching import first_microbatch, split_microbatches
+from pipecut.core.program import Inputs
+from pipecut.errors import InputError, PipelineRuntimeError, PlanError
+from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
+from pipecut.plan import CaptureMethod, Link, Plan, ScheduleKind
+from pipecut.planner import DEFAULT_LINK
+from pipecut.planner import plan as make_plan
+from pipecut.profile.nodes import LossFn
+from pipecut.runtime.launch import ensure_process_group, local_device
+from pipecut.runtime.linkprobe import measure_link
+
+__all__ = ["Auto", "Layout", "auto_layout", "layout_of", "plan_from_rank0", "replication_of"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits: its pipeline group and, with data parallelism, its replica group."""
+
+    pp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    dp_mesh: Any
+    """The 1-D "dp" DeviceMesh (FSDP2 takes a mesh), or None."""
+    replicas: tuple[tuple[int, ...], ...]
+    """Global ranks of every pipeline replica, stage-rank order; this rank's replica included."""
+    devices: Any
+
+
+def layout_of(devices: Any) -> Layout:
+    """From an int, a list of devices, a DeviceMesh with a "pp" (and maybe "dp") dimension, or
+    None (one stage per rank of the default group)."""
+    names = getattr(devices, "mesh_dim_names", None)
+    if names is None:
+        world = dist.get_world_size()
+        return Layout(None, None, None, (tuple(range(world)),), world if devices is None else devices)
+    if "pp" not in names or not set(names) <= {"dp", "pp"}:
+        raise InputError(f"the DeviceMesh needs dimensions ('dp', 'pp') or ('pp',), it has {names}")
+    pp = devices.get_group("pp")
+    dp = devices.get_group("dp") if "dp" in names else None
+    dp_mesh = devices["dp"] if "dp" in names else None
+    mesh = devices.mesh if names.index("pp") == len(names) - 1 else devices.mesh.transpose(0, 1)
+    replicas = tuple(tuple(int(r) for r in row) for row in mesh.reshape(-1, mesh.shape[-1]).tolist())
+    return Layout(pp, dp, dp_mesh, replicas, dist.get_world_size(pp))
+
+
+def replication_of(layout: Layout, data_parallel: str | DataParallelKind | None) -> DataParallel | None:
+    """The data-parallel engine and replica count; DDP by default when there is a "dp" dimension."""
+    if layout.dp_group is None:
+        if data_parallel is not None:
+            raise InputError(
+                f"data_parallel={data_parallel!r} needs replicas: pass a DeviceMesh with "
+                f"dimensions ('dp', 'pp') as devices, or leave data_parallel=None"
+            )
+        return None
+    kind = as_data_parallel(data_parallel if data_parallel is not None else DataParallelKind.DDP)
+    return DataParallel(kind=kind, replicas=dist.get_world_size(layout.dp_group))
+
+
+@dataclass(frozen=True)
+class Auto:
+    plan: Plan
+    mesh: Any
+    """The ("dp", "pp") DeviceMesh of the chosen D × K, or None for one replica."""
+    kind: DataParallelKind
+
+
+def auto_layout(
+    model: torch.nn.Module, devices: Any, given: Plan | None, *, example_inputs: Inputs,
+    loss_fn: LossFn, target: Any, microbatches: Any, schedule: Any, link: Link | None,
+    wait: datetime.timedelta, capture_method: CaptureMethod | None, leaf_modules: tuple[type, ...],
+    stages_per_rank: int | None,
+) -> tuple[Auto, tuple[Inputs, Any]]:
+    """data_parallel="auto": rank 0 chooses D × K for every rank of the default group (or the
+    given plan's), all ranks build the mesh, and each takes its replica's share of the batch."""
+    device = local_device()
+    ensure_process_group(wait, device)
+    world = dist.get_world_size()
+    if devices is not None and (isinstance(devices, bool) or devices != world):
+        raise InputError(
+            f"data_parallel='auto' spreads the model over every rank of the process group "
+            f"({world}); pass devices=None or devices={world}, or pass a ('dp', 'pp') "
+            f"DeviceMesh with data_parallel='ddp' or 'fsdp' to choose the layout yourself"
+        )
+    if AUTO in (microbatches, schedule) or stages_per_rank not in (None, 1):
+        raise InputError(
+            "data_parallel='auto' needs microbatches and schedule as values, not 'auto', and "
+            "one stage per rank (stages_per_rank=1)"
+        )
+    if given is None:
+        used = link or measure_link(list(range(world)), dist.get_rank(), None, device) or DEFAULT_LINK
+        chosen = plan_from_rank0(lambda: make_plan(
+            model, example_inputs, world, loss_fn=loss_fn, target=target,
+            microbatches=microbatches if microbatches is not None else 1,
+            schedule=schedule if schedule is not None else ScheduleKind.GPIPE, link=used,
+            capture_method=capture_method, leaf_modules=leaf_modules, data_parallel=AUTO,
+        ))
+    else:
+        chosen = given
+    dp = chosen.data_parallel
+    d = dp.replicas if dp is not None else 1
+    if d * chosen.num_ranks != world:
+        raise PlanError(
+            f"the plan is for {d} replicas x {chosen.num_ranks} ranks, but the process group has "
+            f"{world} ranks; launch with --nproc_per_node={d * chosen.num_ranks} or re-plan"
+        )
+    kind = dp.kind if dp is not None else DataParallelKind.DDP
+    if d == 1:
+        return Auto(chosen, None, kind), (example_inputs, target)
+    mesh = init_device_mesh(device.type, (d, chosen.num_ranks), mesh_dim_names=("dp", "pp"))
+    replica = mesh.get_local_rank("dp")
+    size, _ = first_microbatch(example_inputs, 1)
+    share = split_microbatches(example_inputs, d, size, "example_inputs")[replica]
+    share_target = split_microbatches(target, d, size, "target")[replica] if target is not None else None
+    return Auto(chosen, mesh, kind), (share, share_target)
+
+
+def plan_from_rank0(make: Callable[[], Plan]) -> Plan:
+    """Global rank 0 runs ``make``; every rank gets its plan, or its error."""
+    payload: list[Any] = [None]
+    error: BaseException | None = None
+    made: Plan | None = None
+    if dist.get_rank() == 0:
+        try:
+            made = make()
+            payload = [("ok", made.to_json())]
+        except Exception as e:  # every rank must learn of it, or they wait forever
+            error = e
+            payload = [("error", f"{type(e).__name__}: {e}")]
+    dist.broadcast_object_list(payload, src=0)
+    status, text = payload[0]
+    if error is not None:
+        raise error
+    if status != "ok":
+        raise PipelineRuntimeError(f"rank {dist.get_rank()}: rank 0 failed to plan: {text}")
+    return made if made is not None else Plan.from_json(text)
