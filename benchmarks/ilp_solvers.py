@@ -13,17 +13,14 @@ two answers' slowest stage must agree when both proved it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.partition import MICROBATCHES, SCHEDULE, _examples, _hf, cost_table
+from benchmarks.partition import MICROBATCHES, SCHEDULE, _examples, _hf, cost_table, parse_args
 from benchmarks.synthetic import transformer_costs
 from pipecut.passes.ilp import IlpSolver
 from pipecut.passes.memory_floor import min_peak_memory
@@ -80,13 +77,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="examples and the synthetic model only")
-    ap.add_argument("--repeats", type=int, default=3, help="profiling repeats per node")
-    ap.add_argument("--only", default="", help="only models whose name starts with this")
-    ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
-    args = ap.parse_args()
-    torch.set_num_threads(2)
+    args = parse_args(__doc__.splitlines()[0])
     builders = {**_examples(), **({} if args.quick else _hf())}
     tables = {}
     for name, build in builders.items():

@@ -145,14 +145,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(description: str) -> argparse.Namespace:
+    """The options the partition and ILP-solver benchmarks share; sets their thread count."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--quick", action="store_true", help="examples and the synthetic model only")
     ap.add_argument("--repeats", type=int, default=3, help="profiling repeats per node")
     ap.add_argument("--only", default="", help="only models whose name starts with this")
     ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
     args = ap.parse_args()
     torch.set_num_threads(2)
+    return args
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
     builders = {**_examples(), **({} if args.quick else {**_hf(), **_vision()})}
     builders = {k: v for k, v in builders.items() if k.startswith(args.only)}
     tables: dict[str, tuple[tuple[NodeCost, ...], int]] = {}

@@ -164,7 +164,8 @@ def compile(
             f"{len(specs)} devices (stages) asked for, but the pipeline process group has "
             f"{world} ranks; launch with --nproc_per_node={len(specs)} or pass devices={world}"
         )
-    specs = with_capacities(specs, gathered_free_bytes(device, group))  # CUDA: free memory
+    if device.type == "cuda":  # free memory as capacity; CPU ranks share the host: no limit read
+        specs = with_capacities(specs, gathered_free_bytes(device, group))
     source = open_weights(weights) if weights is not None else None
     if source is not None:
         check_unexpected(source, model)
