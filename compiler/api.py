@@ -179,6 +179,7 @@ def compile(
             model, example_inputs, specs, loss_fn=loss_fn, target=target,
             microbatches=asked_microbatches, schedule=asked_schedule, link=used_link,
             captured=captured, stages_per_rank=stages_per_rank, data_parallel=replication,
+            device=device,  # measured where rank 0's stage will run, not where the model was left
         ))
 
     chosen = plan_on_rank0(None) if auto else given  # "auto": capture at the chosen microbatches

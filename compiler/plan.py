@@ -313,6 +313,9 @@ class Plan:
     accepts: tuple[InputShape, ...] = ()
     """Shapes each tensor input may take at run time (see :class:`InputShape`). Empty in plans
     made before this field existed: then only the planned shapes are accepted."""
+    profiled_on: str = ""
+    """The device the node costs were measured on (``"cuda:0"``, ``"cpu"``); empty where the
+    costs were given or estimated rather than measured here."""
     format_version: int = FORMAT_VERSION
     pipecut_version: str = ""
     torch_version: str = ""

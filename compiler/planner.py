@@ -19,7 +19,7 @@ from pipecut.autoplan import AUTO, Measurements, choose
 from pipecut.capture import capture, fingerprint
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.choices import enum_choice
-from pipecut.core.meta import has_meta
+from pipecut.core.meta import has_meta, input_device
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError, PartitionError
 from pipecut.parallel import DataParallel
@@ -307,6 +307,7 @@ def plan(
     split: Split | None = None,
     data_parallel: DataParallel | str | None = None,
     solver: IlpSolver | str = IlpSolver.HIGHS,
+    device: torch.device | str | None = None,
     _profiled: Sequence[NodeCost] | None = None,
 ) -> Plan:
     """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
@@ -327,13 +328,21 @@ def plan(
     share of the batch (``batch_size`` = B / D), with ``data_parallel`` = D DDP replicas and
     every shape weighed in ``replica_candidates``. ``link`` serves both the pipeline and the
     all-reduce.
+
+    ``device``: where to measure the nodes (None: where ``example_inputs`` are). Give the device
+    the stages will run on (``compile`` gives each run's own GPU): a model left on the CPU is
+    then timed on that GPU one node at a time, never moved there whole, and not calibrated on
+    whole stages here (``compile`` calibrates on the running ranks). The plan records it in
+    ``profiled_on``.
     """
     specs = as_devices(devices)
+    here = input_device(example_inputs)
+    measure_on = torch.device(device) if device is not None else here
     measured = Measurements(  # used by the "auto" choices: capture and profile per size, once
         lambda first: capture(model, first, method=capture_method, leaf_modules=leaf_modules),
         lambda captured, first, first_target: profile(
             captured, captured.flatten_inputs(first), loss_fn=loss_fn, target=first_target,
-            repeats=repeats, warmup=warmup),
+            repeats=repeats, warmup=warmup, device=measure_on),
     )
     if data_parallel == AUTO:
         if not isinstance(microbatches, int) or schedule == AUTO or stages_per_rank != 1 or split is not None:
@@ -352,7 +361,7 @@ def plan(
                 capture_method=capture_method, leaf_modules=leaf_modules, repeats=repeats,
                 warmup=warmup, progress=progress, recompute=recompute, partitioner=partitioner,
                 ilp_time_limit=ilp_time_limit, calibrate=calibrate, solver=solver,
-                data_parallel=replicated),
+                data_parallel=replicated, device=device),
         )
     if isinstance(data_parallel, str):
         raise InputError(
@@ -378,7 +387,7 @@ def plan(
             leaf_modules=leaf_modules, repeats=repeats, warmup=warmup, progress=progress,
             recompute=recompute, partitioner=partitioner, ilp_time_limit=ilp_time_limit,
             stages_per_rank=stages_per_rank, calibrate=calibrate, split=split,
-            data_parallel=data_parallel, solver=solver,
+            data_parallel=data_parallel, solver=solver, device=device,
             captured=reuse[0] if reuse else None, _profiled=reuse[1] if reuse else None,
         )
         return dataclasses.replace(chosen, candidates=candidates)
@@ -393,7 +402,7 @@ def plan(
     first_target = split_microbatches(target, microbatches, size, "target")[0] if target is not None else None
     nodes = tuple(_profiled) if _profiled is not None else profile(  # auto: measured while choosing
         captured, first, loss_fn=loss_fn, target=first_target, repeats=repeats, warmup=warmup,
-        progress=progress,
+        progress=progress, device=measure_on,
     )
     if not any(is_unit(n) and n.op is not NodeOp.OUTPUT for n in nodes):
         raise PartitionError("the captured graph has no operations to partition")
@@ -420,9 +429,13 @@ def plan(
 
     # Which shapes the plan runs without re-planning (shorter sequences, smaller microbatches).
     accepts = accepted_shapes(captured.gm, captured.method, captured.input_names, first)
-    first_plan = dataclasses.replace(partition(nodes), accepts=accepts)
+    first_plan = dataclasses.replace(partition(nodes), accepts=accepts, profiled_on=str(measure_on))
+    note = ""
     if has_meta(captured.gm):  # calibration runs whole stages: more than one node's weights
         note = "meta model: nodes measured one at a time on scratch weights, not calibrated"
+    elif measure_on != here:  # whole stages would run where the model is, not where it will run
+        note = f"nodes measured one at a time on {measure_on}, not calibrated on whole stages"
+    if note:
         detail = f"{first_plan.solver.detail}; {note}" if first_plan.solver.detail else note
         return dataclasses.replace(first_plan, solver=dataclasses.replace(first_plan.solver, detail=detail))
     if not calibrate:
@@ -432,6 +445,7 @@ def plan(
     note = "node costs calibrated on whole stages"
     detail = f"{calibrated.solver.detail}; {note}" if calibrated.solver.detail else note
     return dataclasses.replace(
-        calibrated, solver=dataclasses.replace(calibrated.solver, detail=detail), accepts=accepts
+        calibrated, solver=dataclasses.replace(calibrated.solver, detail=detail), accepts=accepts,
+        profiled_on=str(measure_on),
     )
 

@@ -250,7 +250,16 @@ def _profile_check() -> str:
         end.record()
     end.synchronize()
     node_fwd = sum(n.forward_ms for n in plan.nodes)
-    return f"node forwards sum to {node_fwd:.3f} ms; the whole forward takes {start.elapsed_time(end):.3f} ms (CUDA events)"
+    # A model left on the CPU is measured on the GPU its stages will run on, a node at a time.
+    cpu_model, cpu_inputs, _, cpu_target = factories()["gpt"]()
+    elsewhere = pipecut.plan(cpu_model, cpu_inputs, devices=1, loss_fn=loss_fn, target=cpu_target,
+                             microbatches=4, device="cuda")
+    assert elsewhere.profiled_on.startswith("cuda"), elsewhere.profiled_on
+    assert all(p.device.type == "cpu" for p in cpu_model.parameters()), "planning moved the model"
+    there = sum(n.forward_ms for n in elsewhere.nodes)
+    return (f"node forwards sum to {node_fwd:.3f} ms; the whole forward takes "
+            f"{start.elapsed_time(end):.3f} ms (CUDA events); a CPU model profiled on "
+            f"{elsewhere.profiled_on}: {there:.3f} ms")
 
 
 def main() -> int:

@@ -14,6 +14,8 @@ model larger than any one device can still be captured and planned. Three facts 
 - Profiling needs real values, but only for the node being measured: :func:`scratch` rebinds
   the few meta tensors a node reads to scratch values for the time of the measurement and then
   puts the meta tensors back, so the planning device never holds more than one node's weights.
+  The same holds for a real model measured on another device (a model left on the CPU, planned
+  for a GPU run): the node's tensors are copied there while it is measured.
 """
 
 from __future__ import annotations
@@ -119,21 +121,39 @@ def empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return value
 
 
+def copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A detached copy of ``t`` on ``device``; a Parameter (same ``requires_grad``) if ``t`` is one."""
+    value = t.detach().to(device, copy=True)
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(value, requires_grad=t.requires_grad)
+    return value
+
+
+def elsewhere(t: Any, device: torch.device) -> bool:
+    """True for a tensor that cannot be used on ``device`` as it is: meta, or on another device."""
+    return isinstance(t, torch.Tensor) and (is_meta(t) or t.device != device)
+
+
 @contextlib.contextmanager
 def scratch(
     root: torch.nn.Module, tensors: Iterable[torch.Tensor], device: torch.device
 ) -> Iterator[dict[int, torch.Tensor]]:
-    """Rebind the meta ``tensors`` in ``root`` to scratch values on ``device`` while inside.
+    """Rebind those of ``tensors`` not on ``device`` in ``root`` to stand-ins there while inside.
 
-    Yields id(meta tensor) -> its stand-in, so that values already fetched (``get_attr``
-    results) can be swapped too. On exit the meta tensors are put back and the stand-ins freed.
+    A meta tensor's stand-in is scratch noise (:func:`real_like`); a real tensor on another
+    device gets a copy of its values. Yields id(tensor) -> its stand-in, so that values already
+    fetched (``get_attr`` results) can be swapped too. On exit the originals are put back and
+    the stand-ins freed.
     """
-    tensors = [t for t in tensors if is_meta(t)]
-    if not tensors:  # a real model: nothing to do (and no walk over its modules)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    tensors = [t for t in tensors if elsewhere(t, device)]
+    if not tensors:  # already where it is measured: nothing to do (and no walk over its modules)
         yield {}
         return
     generator = torch.Generator().manual_seed(0)
-    real = {id(t): real_like(t, device, generator) for t in tensors}
+    real = {id(t): real_like(t, device, generator) if is_meta(t) else copy_to(t, device) for t in tensors}
     back = {id(real[id(t)]): t for t in tensors if id(t) in real}
     rebind(root, real)
     try:
@@ -142,14 +162,13 @@ def scratch(
         rebind(root, back)
 
 
-def meta_read(node: fx.Node, root: torch.nn.Module, values: Any) -> list[torch.Tensor]:
-    """The meta tensors a node reads: in its argument ``values`` and, for a module call, the
-    module's own parameters and buffers."""
-    found = {id(t): t for t in pytree.tree_leaves(values) if is_meta(t)}
+def read_by(node: fx.Node, root: torch.nn.Module, values: Any) -> list[torch.Tensor]:
+    """The tensors a node reads: in its argument ``values`` and, for a module call, the module's
+    own parameters and buffers."""
+    found = {id(t): t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)}
     if node.op == "call_module":
         for _, t in module_tensors(root.get_submodule(str(node.target))):
-            if is_meta(t):
-                found[id(t)] = t
+            found[id(t)] = t
     return list(found.values())
 
 

@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipecut.core.graph import mutates_first_arg, node_parameters
-from pipecut.core.meta import input_device, meta_read, scratch, substitute
+from pipecut.core.meta import input_device, read_by, scratch, substitute
 from pipecut.core.program import Captured
 from pipecut.profile.nodes import LossFn, _cut, detached_leaves, preserved_state
 
@@ -111,7 +111,7 @@ def count_work(
                 env[node] = args[0]
                 work[node.name] = _loss_work(captured, args[0], loss_fn, target)
                 continue
-            with scratch(gm, meta_read(node, gm, (args, kwargs)), device) as real:
+            with scratch(gm, read_by(node, gm, (args, kwargs)), device) as real:
                 args, kwargs = substitute((args, kwargs), real)  # a meta model's node weights
                 work[node.name] = _node_work(runner, node, gm, args, kwargs)
                 value = runner.call(node, args, kwargs)

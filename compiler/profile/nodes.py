@@ -29,7 +29,7 @@ from pipecut.core.graph import (
     node_parameters,
     target_name,
 )
-from pipecut.core.meta import input_device, meta_read, scratch, substitute
+from pipecut.core.meta import elsewhere, input_device, read_by, scratch, substitute
 from pipecut.core.program import Captured
 from pipecut.errors import InputError
 from pipecut.plan import NodeCost, NodeOp
@@ -177,12 +177,16 @@ def profile(
     warmup: int = 2,
     progress: Callable[[int, int], None] | None = None,
     reuse: bool = True,
+    device: torch.device | str | None = None,
 ) -> tuple[NodeCost, ...]:
     """Cost table of ``captured`` on flat placeholder ``inputs`` (one microbatch).
 
     ``reuse``: measure each distinct op-on-shapes once and give its times to every node with
     the same :func:`~pipecut.profile.signature.cost_key` (the N blocks of a transformer are
-    measured once, not N times); False measures every node."""
+    measured once, not N times); False measures every node.
+    ``device``: where to measure (None: where ``inputs`` are). Elsewhere, the inputs and target
+    are copied there, and each node's weights only while it is measured, so a model left on
+    the CPU is timed on the GPU its stages will run on without ever being there whole."""
     gm = captured.gm
     canonical = canonical_names(gm)
     runner = _NodeRunner(gm)
@@ -191,7 +195,8 @@ def profile(
     rows: list[NodeCost] = []
     nodes = list(gm.graph.nodes)
     last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
-    device = input_device(inputs)
+    device = torch.device(device) if device is not None else input_device(inputs)
+    inputs, target = _placed((inputs, target), device)
     timer = Timer(repeats, warmup, device, steady=STEADY)  # CUDA events on a GPU
     measured: dict[Hashable, tuple[float, float]] = {}
     with preserved_state(gm), torch.enable_grad():
@@ -208,8 +213,8 @@ def profile(
             elif node.op == "get_attr":
                 value = runner.call(node, args, kwargs)
             else:
-                # A meta model's weights are real only while their node is measured.
-                with scratch(gm, meta_read(node, gm, (args, kwargs)), device) as real:
+                # A meta model's weights (or weights on another device) are here only while their node is measured.
+                with scratch(gm, read_by(node, gm, (args, kwargs)), device) as real:
                     args, kwargs = substitute((args, kwargs), real)
                     inplace = mutates_first_arg(node, gm)
                     key = cost_key(node, gm, args, kwargs, inplace) if reuse else None
@@ -233,6 +238,13 @@ def profile(
             if progress is not None:
                 progress(i + 1, len(nodes))
     return tuple(rows)
+
+
+def _placed(values: Any, device: torch.device) -> Any:
+    """``values`` with every tensor not on ``device`` copied there (meta ones stay meta)."""
+    return pytree.tree_map(
+        lambda x: x.to(device) if elsewhere(x, device) and x.device.type != "meta" else x, values
+    )
 
 
 def _row(

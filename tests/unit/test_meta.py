@@ -249,3 +249,21 @@ def test_llama_rotary_buffers_come_from_hf_init_weights(tmp_path):
         torch.testing.assert_close(dict(filled.named_buffers())[name], value, rtol=0, atol=0)
     with torch.no_grad():  # same weights, same eager code: identical
         torch.testing.assert_close(filled(**inputs).logits, plain(**inputs).logits, rtol=0, atol=0)
+
+
+def test_scratch_copies_real_tensors_from_another_device_and_puts_them_back():
+    from pipecut.core.meta import read_by, scratch
+
+    model = torch.nn.Linear(3, 2)
+    weight, bias = model.weight, model.bias
+    gm = torch.fx.symbolic_trace(torch.nn.Sequential(model))
+    node = next(n for n in gm.graph.nodes if n.op == "call_module")
+    tensors = read_by(node, gm, ((), {}))
+    with scratch(gm, tensors, torch.device("cpu")) as real:  # already there: nothing is copied
+        assert real == {}
+    with scratch(gm, tensors, torch.device("meta")) as real:
+        inner = gm.get_submodule(str(node.target))
+        assert set(real) == {id(weight), id(bias)}
+        assert inner.weight.device.type == "meta" and isinstance(inner.weight, torch.nn.Parameter)
+        assert inner.weight.requires_grad
+    assert inner.weight is weight and inner.bias is bias

@@ -109,3 +109,50 @@ def test_cost_key_tells_shapes_modes_and_configurations_apart() -> None:
     assert key("d", t2) != before  # training mode
     assert cost_key(fn, root, (t2, 1.0), {}, False) != cost_key(fn, root, (t2, 2.0), {}, False)
     assert cost_key(fn, root, (t2, object()), {}, False) is None  # opaque argument: measured alone
+
+
+def test_profiling_on_another_device_copies_one_nodes_weights_at_a_time() -> None:
+    """A model left on the CPU is measured on the device its stages will run on (``device=``):
+    every module runs with its weights there, the user's tensors never move, and only the node
+    being measured has a copy. On a CPU-only machine the meta device stands in for the GPU (the
+    copy path is the same; the times are not meaningful there)."""
+    model, inputs, loss_fn, target = gpt.build(batch_size=2)
+    before = _snapshot(model)
+    originals = {n: p for n, p in model.named_parameters()}
+    cap = capture(model, inputs)
+    seen: dict[str, set[str]] = {}
+    live_copies: list[int] = []
+
+    def hook(module: torch.nn.Module, args: object) -> None:
+        own = list(module.parameters(recurse=False))
+        if own:
+            seen.setdefault(type(module).__name__, set()).update(p.device.type for p in own)
+            live_copies.append(sum(p.device.type == "meta" for p in cap.gm.parameters()))
+
+    handles = [m.register_forward_pre_hook(hook) for m in cap.gm.modules()]
+    try:
+        rows = profile(cap, cap.flatten_inputs(inputs), loss_fn=loss_fn, target=target, repeats=1,
+                       warmup=0, device="meta")
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(rows) == len(cap.gm.graph.nodes)
+    assert seen and all(kinds == {"meta"} for kinds in seen.values()), seen
+    assert max(live_copies) <= 2  # a Linear's weight and bias, never the whole model
+    assert all(p.device.type == "cpu" for p in cap.gm.parameters())
+    assert {n: p for n, p in model.named_parameters()} == originals
+    after = _snapshot(model)
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+
+
+def test_plan_records_where_it_measured_and_skips_whole_stage_calibration_elsewhere() -> None:
+    model, inputs, loss_fn, target = gpt.build(batch_size=4)
+    here = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2, repeats=1, warmup=0)
+    assert here.profiled_on == "cpu"
+    assert "calibrated on whole stages" in here.solver.detail
+    there = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2, repeats=1,
+                         warmup=0, device="meta")
+    assert there.profiled_on == "meta"
+    assert "measured one at a time on meta" in there.solver.detail
+    assert pipecut.Plan.from_json(there.to_json()).profiled_on == "meta"
