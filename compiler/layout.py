@@ -112,6 +112,7 @@ def auto_layout(
             microbatches=microbatches if microbatches is not None else 1,
             schedule=schedule if schedule is not None else ScheduleKind.GPIPE, link=used,
             capture_method=capture_method, leaf_modules=leaf_modules, data_parallel=AUTO,
+            device=device,  # measured where the stages run, not where the model was left
         ))
     else:
         chosen = given

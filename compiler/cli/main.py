@@ -39,6 +39,7 @@ __all__ = [
     "cmd_render",
     "cmd_show",
     "main",
+    "measure_on",
     "parse_bytes",
     "parse_link",
     "summary_data",
@@ -158,6 +159,17 @@ def _plan_estimated(args: argparse.Namespace, example: Any, link: Link | None) -
     )
 
 
+def measure_on(asked: str | None) -> str | None:
+    """Where ``pipecut plan`` times the nodes: the device asked for, else the GPU when there is
+    one (a plan for GPUs measured on the CPU would be a plan for the CPU), else None (where the
+    factory's inputs are)."""
+    if asked is not None:
+        return asked
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import pipecut
     from pipecut.devices import device_profile
@@ -198,6 +210,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 progress=bar, link=args.link or DEFAULT_LINK,
                 stages_per_rank=args.stages_per_rank, calibrate=args.calibrate,
                 solver=args.solver, split=args.split, data_parallel=args.data_parallel,
+                device=measure_on(args.measure_on),
             )
     if args.out:
         plan.to_json(args.out)
@@ -337,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan for this GPU instead of profiling here: times estimated from FLOPs "
                    "and bytes, memory and link from its datasheet; one of "
                    f"{', '.join(_profile_names())}")
+    p.add_argument("--measure-on", metavar="DEVICE", default=None,
+                   help="time the nodes on this device, one node's weights there at a time "
+                   "(default: cuda when CUDA is available, else where the factory's inputs are)")
     p.add_argument("--link", type=parse_link, default=None, metavar="BW[,LAT_MS]",
                    help="link between stages: bandwidth in bytes/s and latency in ms, e.g. "
                    "25GB,0.01 (default: 2GB,0.05, or the device profile's)")

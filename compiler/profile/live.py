@@ -116,6 +116,6 @@ def recalibrate(plan: Plan, times: list[tuple[float, float]], data_parallel: Dat
             partitioner=plan.solver.method, stages_per_rank=plan.stages_per_rank,
             data_parallel=data_parallel,
         )
-        again = dataclasses.replace(again, candidates=plan.candidates, accepts=plan.accepts)
+        again = dataclasses.replace(again, candidates=plan.candidates, accepts=plan.accepts, profiled_on=plan.profiled_on)
     detail = f"{plan.solver.detail}; {note}" if plan.solver.detail else note  # keeps earlier notes
     return dataclasses.replace(again, solver=dataclasses.replace(again.solver, detail=detail))

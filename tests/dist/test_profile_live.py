@@ -24,7 +24,8 @@ def _calibrated(rank: int, world: int) -> dict[str, Any]:
     no_grads = all(p.grad is None for p in model.parameters())
     loss = pipe.step(inputs, target)
     out = {"untouched": untouched, "no_grads": no_grads, "detail": pipe.plan.solver.detail,
-           "loss": loss, "grads": pipeline_grads(model, pipe), "link": pipe.plan.link}
+           "loss": loss, "grads": pipeline_grads(model, pipe), "link": pipe.plan.link,
+           "profiled_on": pipe.plan.profiled_on}
     # The planner chooses microbatches and schedule; the link is measured at compile.
     model, inputs, loss_fn, target = mlp.build(batch_size=8, depth=4)
     auto = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
@@ -43,6 +44,7 @@ def test_live_calibration_keeps_the_model_and_parity() -> None:
     ref_loss, ref_grads = reference(resnet.build, 4, per_microbatch=True)
     assert_parity(ref_loss, ref_grads, results)
     assert results[0]["link"].measured and results[0]["link"] == results[1]["link"]
+    assert results[0]["profiled_on"] == results[1]["profiled_on"] == "cpu"  # rank 0's own device
     plan = pipecut.Plan.from_json(results[0]["auto"]["plan"])
     chosen = [c for c in plan.candidates if c.note == "chosen"]
     assert len(plan.candidates) == 9 and len(chosen) == 1  # M in {2, 4, 8} x three schedules

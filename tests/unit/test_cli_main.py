@@ -12,11 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import pipecut
 from pipecut.cli import logs
 from pipecut.cli.factory import SHIPPED, call_factory, load_factory
-from pipecut.cli.main import main, parse_bytes, parse_split
+from pipecut.cli.main import build_parser, main, parse_bytes, parse_split
 from pipecut.errors import InputError
 from pipecut.report.diff import diff_plans, format_diff
 from pipecut.schema import validate_plan_dict
@@ -358,3 +359,14 @@ def test_plan_with_a_pinned_split_and_auto_microbatches(in_repo, tmp_path, capsy
     assert plan.predicted.optimum_step_ms > 0  # pipecut's own split, priced beside the given one
     assert main(["plan", "examples.mlp:build", "-m", "auto", "--device-profile", "A100-80GB", "-q"]) == 1
     assert "not 'auto'" in capsys.readouterr().err
+
+
+def test_plan_measures_on_the_gpu_when_there_is_one(monkeypatch):
+    from pipecut.cli.main import measure_on
+
+    assert measure_on("cuda:1") == "cuda:1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert measure_on(None) == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert measure_on(None) is None  # where the factory's inputs are
+    assert build_parser().parse_args(["plan", "examples.mlp:build", "--measure-on", "meta"]).measure_on == "meta"
