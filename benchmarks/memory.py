@@ -1,7 +1,7 @@
 """Memory benchmark: a model built on the meta device trained on K forked CPU ranks, none of
 which ever holds the whole model.
 
-    .venv/bin/python benchmarks/memory.py [--mib 512] [--ranks 4,8] [--steps 3] [--weights]
+    .venv/bin/python benchmarks/memory.py [--mib 512] [--ranks 4,8] [--steps 3] [--weights] [--lean] [--pippy]
 
 The model is a residual MLP (``x + W(gelu(x))`` blocks of width 2048, float32) of ``--mib``
 MiB of parameters, built under ``torch.device("meta")``. Every rank runs ``pipecut.compile``
@@ -13,7 +13,9 @@ with SGD (no optimizer state). Per rank: the peak RSS growth from just before th
 to the end (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), the plan's predicted
 peak for that stage (params + grads + in-flight activations; the plan's own figure adds AdamW
 state, which SGD does not keep, so it is shown too), and the median step time. Not a test:
-numbers depend on the machine and on whatever else runs on it.
+numbers depend on the machine and on whatever else runs on it. ``--lean`` compiles with
+``lean_host_memory=True``; ``--pippy`` adds torch.distributed.pipelining's GPipe on the same
+model (built whole on every rank, as its ``pipeline()`` needs), split into K equal block runs.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def _status(field: str) -> int:
 
 
 def _rank(rank: int, world: int, depth: int, steps: int, weights: str | None,
-          capacity: int | None, real: bool) -> dict:
+          capacity: int | None, real: bool, lean: bool) -> dict:
     torch.manual_seed(0)
     x = torch.randn(BATCH, WIDTH)
     y = torch.randint(0, 10, (BATCH,))
@@ -79,7 +81,8 @@ def _rank(rank: int, world: int, depth: int, steps: int, weights: str | None,
         model = ResidualMLP(WIDTH, depth)
     devices = [pipecut.DeviceSpec(name="cpu", memory_bytes=capacity)] * world if capacity else world
     pipe = pipecut.compile(model, devices, example_inputs=(x,), loss_fn=nn.functional.cross_entropy,
-                           target=y, microbatches=MICROBATCHES, timeout=600, weights=weights)
+                           target=y, microbatches=MICROBATCHES, timeout=600, weights=weights,
+                           lean_host_memory=lean)
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
     times = []
     for _ in range(steps):
@@ -94,6 +97,41 @@ def _rank(rank: int, world: int, depth: int, steps: int, weights: str | None,
         "plan_peak": stage.peak_memory_bytes,
         "predicted": stage.peak_memory_bytes - OPTIMIZER_STATE_FACTOR * stage.param_bytes,
         "param_bytes": stage.param_bytes,
+        "step_ms": statistics.median(times[1:] or times),
+    }
+
+
+def _pippy_rank(rank: int, world: int, depth: int, steps: int, lean: bool) -> dict:
+    """The same model and batch under torch.distributed.pipelining's GPipe: every rank builds
+    the whole model for real (``pipeline()`` traces it whole), keeps its stage, drops the rest."""
+    import gc
+
+    from benchmarks.runtime import pippy_gpipe
+    from pipecut.runtime.allocator import return_large_frees
+
+    if lean:
+        return_large_frees()
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, WIDTH)
+    y = torch.randint(0, 10, (BATCH,))
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _status("VmRSS")
+    model = ResidualMLP(WIDTH, depth)
+    splits = [f"blocks.{depth * s // world}" for s in range(1, world)]
+    stage, step = pippy_gpipe(model, (x,), splits, rank, MICROBATCHES, nn.functional.cross_entropy)
+    del model
+    gc.collect()
+    opt = torch.optim.SGD(stage.submod.parameters(), lr=1e-3)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step((x,), y)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        times.append((time.perf_counter() - start) * 1e3)
+    return {
+        "growth": _status("VmHWM") - base,
+        "param_bytes": sum(p.numel() * p.element_size() for p in stage.submod.parameters()),
         "step_ms": statistics.median(times[1:] or times),
     }
 
@@ -116,6 +154,11 @@ def main() -> None:
     parser.add_argument("--slack", type=float, default=1.05,
                         help="per-rank memory capacity given to the planner, as a multiple of "
                              "an even share (params, grads, AdamW state); 0: no capacity")
+    parser.add_argument("--lean", action="store_true",
+                        help="compile(..., lean_host_memory=True): freed blocks of 1 MiB or more go "
+                             "back to the system at once (slower steps)")
+    parser.add_argument("--pippy", action="store_true",
+                        help="also run the model under torch.distributed.pipelining's GPipe")
     args = parser.parse_args()
     depth = depth_for(args.mib)
     with torch.device("meta"):
@@ -135,12 +178,17 @@ def main() -> None:
     for k in (int(s) for s in args.ranks.split(",")):
         share = (2 + OPTIMIZER_STATE_FACTOR) * model_bytes / k
         capacity = int(args.slack * share) if args.slack > 0 else None
-        results = run_ranks(_rank, k, depth, args.steps, weights, capacity, args.real, timeout=3000,
-                            collective_timeout=900)
+        results = run_ranks(_rank, k, depth, args.steps, weights, capacity, args.real, args.lean,
+                            timeout=3000, collective_timeout=900)
         for r, res in enumerate(results):
             print(f"| {k} | {r} | {res['param_bytes'] / MIB:.0f} | {res['predicted'] / MIB:.0f} | "
                   f"{res['plan_peak'] / MIB:.0f} | {res['growth'] / MIB:.0f} | "
                   f"{res['growth'] / model_bytes:.2f} | {res['step_ms']:.0f} |")
+        if args.pippy:
+            for r, res in enumerate(run_ranks(_pippy_rank, k, depth, args.steps, args.lean,
+                                              timeout=3000, collective_timeout=900)):
+                print(f"| {k} (torch.distributed.pipelining) | {r} | {res['param_bytes'] / MIB:.0f} | | | "
+                      f"{res['growth'] / MIB:.0f} | {res['growth'] / model_bytes:.2f} | {res['step_ms']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -180,24 +180,41 @@ def _split_point(module_path: str, model: torch.nn.Module) -> str:
     return module_path
 
 
-def _pippy_rank(rank: int, world: int, name: str, split: str, rounds: int, steps: int) -> dict[str, Any]:
+def pippy_gpipe(model: torch.nn.Module, inputs: Any, splits: list[str], rank: int,
+                microbatches: int, loss_fn: Any) -> tuple[Any, Callable[[Any, Any], None]]:
+    """torch.distributed.pipelining as its users run it: ``pipeline()`` traces the whole
+    ``model`` on one microbatch and splits it at the module ``splits``, this rank builds its
+    stage on the CPU and trains it under ScheduleGPipe. Returns the stage and a step function
+    ``step(inputs, target)``."""
     from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 
-    model, inputs, loss_fn, target = MODELS[name]()
-    args, kwargs = ((), {k: v.chunk(MICROBATCHES)[0] for k, v in inputs.items()}) if isinstance(inputs, dict) \
-        else (tuple(x.chunk(MICROBATCHES)[0] for x in inputs), {})
-    pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec={split: SplitPoint.BEGINNING})
+    args, kwargs = ((), {k: v.chunk(microbatches)[0] for k, v in inputs.items()}) if isinstance(inputs, dict) \
+        else (tuple(x.chunk(microbatches)[0] for x in inputs), {})
+    pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs,
+                    split_spec={name: SplitPoint.BEGINNING for name in splits})
     stage = pipe.build_stage(rank, torch.device("cpu"))
-    sched = ScheduleGPipe(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
+    sched = ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=loss_fn)
 
-    def step() -> None:
+    def step(inputs: Any, target: Any) -> None:
         if rank == 0:
             if isinstance(inputs, dict):
                 sched.step(**inputs)
             else:
                 sched.step(*inputs)
-        else:
+        elif rank == stage.num_stages - 1:
             sched.step(target=target, losses=[])
+        else:
+            sched.step()
+
+    return stage, step
+
+
+def _pippy_rank(rank: int, world: int, name: str, split: str, rounds: int, steps: int) -> dict[str, Any]:
+    model, inputs, loss_fn, target = MODELS[name]()
+    stage, pippy_step = pippy_gpipe(model, inputs, [split], rank, MICROBATCHES, loss_fn)
+
+    def step() -> None:
+        pippy_step(inputs, target)
         stage.submod.zero_grad()
 
     return _paired(rank, name, step, rounds, steps)

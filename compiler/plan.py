@@ -363,6 +363,16 @@ class Plan:
     def node(self, name: str) -> NodeCost:
         return self.nodes[self._index[name]]
 
+    def runs_like(self, other: Plan) -> bool:
+        """True if ``other`` runs exactly as this plan does: the same nodes, parameters and
+        recompute on every stage, the same schedule, microbatches and layout; only costs and
+        predictions may differ. A pipeline built for one then serves the other."""
+        def layout(p: Plan) -> tuple[Any, ...]:
+            return (p.fingerprint, p.schedule, p.microbatches, p.batch_size, p.stages_per_rank,
+                    p.data_parallel, p.tied, p.inputs,
+                    tuple((s.nodes, s.parameters, s.recompute, s.inputs, s.outputs) for s in p.stages))
+        return layout(self) == layout(other)
+
     def stage_of(self) -> dict[str, int]:
         """Map every partitioned node name to its stage index."""
         return {name: s.index for s in self.stages for name in s.nodes}

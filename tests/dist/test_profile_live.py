@@ -26,6 +26,15 @@ def _calibrated(rank: int, world: int) -> dict[str, Any]:
     out = {"untouched": untouched, "no_grads": no_grads, "detail": pipe.plan.solver.detail,
            "loss": loss, "grads": pipeline_grads(model, pipe), "link": pipe.plan.link,
            "profiled_on": pipe.plan.profiled_on}
+    # A split that moves after calibration builds the pipeline again (the first build freed).
+    import unittest.mock
+
+    model, inputs, loss_fn, target = resnet.build()  # fresh: the first pipeline's step left gradients
+    with unittest.mock.patch.object(pipecut.Plan, "runs_like", lambda self, other: False):
+        rebuilt = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+                                  microbatches=4, calibration_steps=1, timeout=120)
+    out["rebuilt"] = {"loss": rebuilt.step(inputs, target), "grads": pipeline_grads(model, rebuilt),
+                      "detail": rebuilt.plan.solver.detail}
     # The planner chooses microbatches and schedule; the link is measured at compile.
     model, inputs, loss_fn, target = mlp.build(batch_size=8, depth=4)
     auto = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
@@ -43,6 +52,8 @@ def test_live_calibration_keeps_the_model_and_parity() -> None:
         assert "calibrated on the running pipeline" in r["detail"]
     ref_loss, ref_grads = reference(resnet.build, 4, per_microbatch=True)
     assert_parity(ref_loss, ref_grads, results)
+    assert all("calibrated on the running pipeline" in r["rebuilt"]["detail"] for r in results)
+    assert_parity(ref_loss, ref_grads, [r["rebuilt"] for r in results])
     assert results[0]["link"].measured and results[0]["link"] == results[1]["link"]
     assert results[0]["profiled_on"] == results[1]["profiled_on"] == "cpu"  # rank 0's own device
     plan = pipecut.Plan.from_json(results[0]["auto"]["plan"])

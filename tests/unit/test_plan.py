@@ -73,3 +73,16 @@ def test_summary_lists_every_stage(plan: Plan) -> None:
     assert lines[0].split()[:3] == ["stage", "device", "nodes"]
     assert [line.split()[0] for line in lines[2:5]] == ["0", "1", "2"]
     assert "predicted step" in text
+
+
+def test_runs_like_ignores_costs_but_not_the_split(plan: Plan) -> None:
+    import dataclasses
+
+    cheaper = tuple(dataclasses.replace(n, forward_ms=n.forward_ms / 2) for n in plan.nodes)
+    recosted = dataclasses.replace(plan, nodes=cheaper, predicted=dataclasses.replace(plan.predicted, step_ms=1.0))
+    assert recosted.runs_like(plan)
+    first, second = plan.stages[0], plan.stages[1]  # the cut moves one node later
+    moved_stages = (dataclasses.replace(first, nodes=first.nodes + second.nodes[:1]),
+                    dataclasses.replace(second, nodes=second.nodes[1:]), *plan.stages[2:])
+    assert not dataclasses.replace(recosted, stages=moved_stages).runs_like(plan)
+    assert not dataclasses.replace(plan, microbatches=plan.microbatches * 2).runs_like(plan)
