@@ -36,6 +36,7 @@ from pipecut.passes.propagate import accepted_shapes
 from pipecut.passes.stages import build_stages, inflight_microbatches
 from pipecut.plan import (
     CaptureMethod,
+    CostSource,
     DeviceSpec,
     Link,
     NodeCost,
@@ -435,6 +436,9 @@ def plan(
         note = "meta model: nodes measured one at a time on scratch weights, not calibrated"
     elif measure_on != here:  # whole stages would run where the model is, not where it will run
         note = f"nodes measured one at a time on {measure_on}, not calibrated on whole stages"
+    elif too_big := [n.name for n in nodes if n.source is CostSource.ESTIMATED]:
+        note = (f"{len(too_big)} node(s) too big to run on {measure_on} estimated from their work "
+                f"({', '.join(too_big[:3])}), not calibrated on whole stages")
     if note:
         detail = f"{first_plan.solver.detail}; {note}" if first_plan.solver.detail else note
         return dataclasses.replace(first_plan, solver=dataclasses.replace(first_plan.solver, detail=detail))

@@ -24,7 +24,7 @@ from pipecut.core.meta import input_device
 from pipecut.core.program import Captured
 from pipecut.passes.split import split
 from pipecut.plan import NodeCost, Plan
-from pipecut.profile.nodes import LossFn, preserved_state
+from pipecut.profile.running import LossFn, preserved_state
 
 __all__ = ["calibrate", "stage_times"]
 

@@ -26,9 +26,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from pipecut.core.graph import mutates_first_arg, node_parameters
 from pipecut.core.meta import input_device, read_by, scratch, substitute
 from pipecut.core.program import Captured
-from pipecut.profile.nodes import LossFn, _cut, detached_leaves, preserved_state
+from pipecut.profile.running import LossFn, NodeRunner, cut, detached_leaves, preserved_state
 
-__all__ = ["NodeWork", "count_work", "moved_bytes"]
+__all__ = ["NodeWork", "count_work", "moved_bytes", "node_work"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,11 +77,6 @@ def _backward_flops(outputs: Any, wrt: Sequence[torch.Tensor]) -> int | None:
     return flops
 
 
-class _Runner(fx.Interpreter):
-    def call(self, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return getattr(self, node.op)(node.target, args, kwargs)
-
-
 def count_work(
     captured: Captured,
     inputs: Sequence[Any],
@@ -91,7 +86,7 @@ def count_work(
 ) -> dict[str, NodeWork]:
     """FLOPs and bytes of every node of ``captured`` on flat placeholder ``inputs``."""
     gm = captured.gm
-    runner = _Runner(gm)
+    runner = NodeRunner(gm)
     env: dict[fx.Node, Any] = {}
     work: dict[str, NodeWork] = {}
     placeholders = iter(inputs)
@@ -113,13 +108,14 @@ def count_work(
                 continue
             with scratch(gm, read_by(node, gm, (args, kwargs)), device) as real:
                 args, kwargs = substitute((args, kwargs), real)  # a meta model's node weights
-                work[node.name] = _node_work(runner, node, gm, args, kwargs)
+                work[node.name] = node_work(runner, node, gm, args, kwargs)
                 value = runner.call(node, args, kwargs)
-                env[node] = pytree.tree_map(_cut, value) if real else value
+                env[node] = pytree.tree_map(cut, value) if real else value
     return work
 
 
-def _node_work(runner: _Runner, node: fx.Node, gm: fx.GraphModule, args: Any, kwargs: Any) -> NodeWork:
+def node_work(runner: NodeRunner, node: fx.Node, gm: fx.GraphModule, args: Any, kwargs: Any) -> NodeWork:
+    """FLOPs and bytes of one node, forward and backward, on ``args`` (real or meta tensors)."""
     (dargs, dkwargs), leaves = detached_leaves((args, kwargs), clone=mutates_first_arg(node, gm))
     params: list[torch.Tensor] = [p for _, p in node_parameters(node, gm)]
     out, fwd_flops = _count(runner.call, node, dargs, dkwargs)

@@ -11,8 +11,7 @@ written, and gradients are computed with ``autograd.grad`` instead of ``backward
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -29,34 +28,16 @@ from pipecut.core.graph import (
     node_parameters,
     target_name,
 )
-from pipecut.core.meta import elsewhere, input_device, read_by, scratch, substitute
+from pipecut.core.meta import elsewhere, input_device, read_by, scratch, substitute, to_meta
 from pipecut.core.program import Captured
 from pipecut.errors import InputError
 from pipecut.plan import NodeCost, NodeOp
+from pipecut.profile.flops import NodeWork
+from pipecut.profile.oversized import estimate_oversized, is_out_of_memory, meta_work, stand_in
+from pipecut.profile.running import LossFn, NodeRunner, cut, detached_leaves, preserved_state
 from pipecut.profile.signature import cost_key
 
-__all__ = ["LossFn", "detached_leaves", "preserved_state", "profile"]
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-@contextlib.contextmanager
-def preserved_state(module: torch.nn.Module) -> Iterator[None]:
-    """Restore buffers and RNG state on exit: running a model must not change it."""
-    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for name, b in module.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-
+__all__ = ["LossFn", "profile"]
 
 STEADY = 0.1
 """Sampling stops early once three or more samples lie within this fraction of their median:
@@ -64,32 +45,8 @@ more would not move the median, and the large ops that dominate profiling time a
 ones. Noisy (mostly tiny) ops get every repeat."""
 
 
-class _NodeRunner(fx.Interpreter):
-    """Runs single nodes with explicit args (fx.Interpreter dispatches per opcode)."""
-
-    def call(self, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return getattr(self, node.op)(node.target, args, kwargs)
-
-
-def detached_leaves(tree: Any, clone: bool = False) -> tuple[Any, list[torch.Tensor]]:
-    """``tree`` with fresh autograd leaves for its tensors that require grad (copies if the
-    node writes into its inputs), and those leaves."""
-    leaves: list[torch.Tensor] = []
-
-    def swap(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            leaf = x.detach().requires_grad_(True)
-            leaves.append(leaf)
-            return leaf.clone() if clone else leaf
-        if isinstance(x, torch.Tensor) and clone:
-            return x.clone()
-        return x
-
-    return pytree.tree_map(swap, tree), leaves
-
-
 def _forward_ms(
-    runner: _NodeRunner, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any],
+    runner: NodeRunner, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any],
     inplace: bool, timer: Timer,
 ) -> float:
     if not inplace:
@@ -104,7 +61,7 @@ def _forward_ms(
 
 
 def _backward_ms(
-    runner: _NodeRunner, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any],
+    runner: NodeRunner, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any],
     params: Sequence[torch.Tensor], inplace: bool, timer: Timer,
 ) -> float:
     """Gradient computation plus the accumulation of parameter gradients into ``.grad``
@@ -157,16 +114,6 @@ def _time_loss(loss_fn: LossFn, output: Any, target: Any, timer: Timer) -> tuple
     return forward_ms, backward_ms
 
 
-def _cut(x: Any) -> Any:
-    """``x`` without its autograd history; still requiring grad (and not a leaf, so that a later
-    in-place node may write into it) when it did."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    if x.requires_grad:
-        return x.detach().requires_grad_(True).clone()
-    return x.detach()
-
-
 def profile(
     captured: Captured,
     inputs: Sequence[Any],
@@ -189,7 +136,7 @@ def profile(
     the CPU is timed on the GPU its stages will run on without ever being there whole."""
     gm = captured.gm
     canonical = canonical_names(gm)
-    runner = _NodeRunner(gm)
+    runner = NodeRunner(gm)
     env: dict[fx.Node, Any] = {}
     placeholders = iter(inputs)
     rows: list[NodeCost] = []
@@ -199,6 +146,8 @@ def profile(
     inputs, target = _placed((inputs, target), device)
     timer = Timer(repeats, warmup, device, steady=STEADY)  # CUDA events on a GPU
     measured: dict[Hashable, tuple[float, float]] = {}
+    metas: dict[fx.Node, Any] = {}
+    oversized: dict[str, NodeWork] = {}
     with preserved_state(gm), torch.enable_grad():
         for i, node in enumerate(nodes):
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
@@ -213,23 +162,33 @@ def profile(
             elif node.op == "get_attr":
                 value = runner.call(node, args, kwargs)
             else:
-                # A meta model's weights (or weights on another device) are here only while their node is measured.
-                with scratch(gm, read_by(node, gm, (args, kwargs)), device) as real:
-                    args, kwargs = substitute((args, kwargs), real)
-                    inplace = mutates_first_arg(node, gm)
-                    key = cost_key(node, gm, args, kwargs, inplace) if reuse else None
-                    if key is not None and key in measured:
-                        forward_ms, backward_ms = measured[key]
-                    else:
-                        forward_ms = _forward_ms(runner, node, args, kwargs, inplace, timer)
-                        backward_ms = _backward_ms(runner, node, args, kwargs,
-                                                   [p for _, p in node_parameters(node, gm)], inplace,
-                                                   timer)
-                        if key is not None:
-                            measured[key] = (forward_ms, backward_ms)
-                    value = runner.call(node, args, kwargs)
-                    if real:  # cut the autograd graph: it would keep the scratch weights alive
-                        value = pytree.tree_map(_cut, value)
+                metas[node] = to_meta((args, kwargs))  # shapes only: for estimates, if any are needed
+                try:
+                    # A meta model's weights (or weights on another device) are here only while their node is measured.
+                    with scratch(gm, read_by(node, gm, (args, kwargs)), device) as real:
+                        args, kwargs = substitute((args, kwargs), real)
+                        inplace = mutates_first_arg(node, gm)
+                        key = cost_key(node, gm, args, kwargs, inplace) if reuse else None
+                        if key is not None and key in measured:
+                            forward_ms, backward_ms = measured[key]
+                        else:
+                            forward_ms = _forward_ms(runner, node, args, kwargs, inplace, timer)
+                            backward_ms = _backward_ms(runner, node, args, kwargs,
+                                                       [p for _, p in node_parameters(node, gm)], inplace,
+                                                       timer)
+                            if key is not None:
+                                measured[key] = (forward_ms, backward_ms)
+                        value = runner.call(node, args, kwargs)
+                        if real:  # cut the autograd graph: it would keep the scratch weights alive
+                            value = pytree.tree_map(cut, value)
+                except Exception as e:
+                    if not is_out_of_memory(e):
+                        raise
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    forward_ms = backward_ms = 0.0  # estimated below, from the measured nodes' rates
+                    margs, mkwargs = metas[node]
+                    value, oversized[node.name] = stand_in(runner, node, gm, margs, mkwargs, device)
             env[node] = value
             rows.append(_row(node, value, gm, canonical, forward_ms, backward_ms))
             for n in node.all_input_nodes:  # free values no later node reads
@@ -237,6 +196,9 @@ def profile(
                     env.pop(n, None)
             if progress is not None:
                 progress(i + 1, len(nodes))
+        if oversized:  # nodes too big to run here: priced at the rates the others ran at
+            work = {n.name: meta_work(runner, n, gm, a, k)[1] for n, (a, k) in metas.items() if n.name not in oversized}
+            return estimate_oversized(rows, work, oversized)
     return tuple(rows)
 
 
