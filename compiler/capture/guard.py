@@ -21,6 +21,7 @@ inputs' version counters, which also catches writes through views (``x[:, 0].zer
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -178,9 +179,17 @@ def _swapped_run(
 
 
 def _first_write(gm: fx.GraphModule, names: Sequence[str], values: Sequence[Any]) -> tuple[fx.Node, str] | None:
-    """On fake tensors (the first use in a process imports torch._dynamo: seconds); where an op
-    cannot run on them, the in-place ops applied to an input itself (then writes through views
-    are not seen)."""
+    """On meta tensors; where an op cannot run on them (a real constant made inside the graph
+    meets a meta input), on fake tensors (the first use in a process imports torch._dynamo:
+    seconds and ~30 MiB that every rank would keep); where an op cannot run on those either,
+    the in-place ops applied to an input itself (then writes through views are not seen).
+
+    A run that fails part-way saw no write before the failing node (each node's writes are
+    checked as it runs), so the next way starts afresh."""
+    try:
+        return _swapped_run(gm, names, values, _to_meta, contextlib.nullcontext())
+    except Exception:  # not the model's error: the fake-tensor run decides
+        pass
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     try:
@@ -188,6 +197,10 @@ def _first_write(gm: fx.GraphModule, names: Sequence[str], values: Sequence[Any]
         return _swapped_run(gm, names, values, mode.from_tensor, mode)
     except Exception:
         return next(_direct_writes(gm), None)
+
+
+def _to_meta(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("meta")
 
 
 def _attr(module: torch.nn.Module, target: str) -> Any:

@@ -44,6 +44,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _storage(t: torch.Tensor) -> int:
+    if t.device.type == "meta":  # no storage to compare: a view's base stands for it
+        return id(t._base if t._base is not None else t)
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):

@@ -20,8 +20,9 @@ def test_preserved_state_restores_buffers_and_rng() -> None:
 
 def test_detached_leaves_are_fresh_and_cloned_for_in_place_nodes() -> None:
     x = torch.randn(3, requires_grad=True) * 2  # not a leaf
-    (tree, plain), leaves = detached_leaves((x, torch.ones(2)))
-    assert len(leaves) == 1 and leaves[0].is_leaf and tree is leaves[0]
+    ones = torch.ones(2)
+    (tree, plain), leaves = detached_leaves((x, ones))
+    assert len(leaves) == 1 and leaves[0].is_leaf and tree is leaves[0] and plain is ones
     (copied, _), _ = detached_leaves((x, torch.ones(2)), clone=True)
     assert copied is not leaves[0] and copied.data_ptr() != x.data_ptr()
 
