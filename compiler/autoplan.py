@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from pipecut.capture import fingerprint
 from pipecut.core.batching import batch_size, first_microbatch, split_microbatches
 from pipecut.core.program import Captured
 from pipecut.errors import InputError, PartitionError, ScheduleError
@@ -191,19 +190,18 @@ class Measurements:
         return nodes
 
     def at(self, first: Any) -> tuple[Captured, tuple[NodeCost, ...] | None] | None:
-        """For planning the winner at ``first``'s size: the graph captured at that size and its
-        cost table, None for the table if it was measured on a graph that differs from this
-        size's own (then profile again), or None if nothing was measured at that size."""
+        """For planning the winner at ``first``'s size: a graph that computes it and the cost
+        table measured at that size (None: profile again, on that graph), or None if no graph
+        captured so far accepts that size. A torch.export graph is not captured again at the
+        winner's size: where it accepts a size, its dimensions stayed symbolic, and it is the
+        very graph (same fingerprint) an export at that size gives, which ``compile`` checks."""
         size = _size(first)
-        if size not in self._tables:
-            return None
-        measured_on, nodes = self._tables[size]
-        if size in self._graphs:
-            return self._graphs[size], (nodes if measured_on is self._graphs[size] else None)
-        if measured_on.method is CaptureMethod.SYMBOLIC_TRACE:  # the same graph at every size
-            return measured_on, nodes
-        own = self._capture(first, size)  # the plan's graph is the one captured at its size
-        return own, (nodes if fingerprint(own.gm) == fingerprint(measured_on.gm) else None)
+        if size in self._tables:
+            return self._tables[size]
+        graph = self._graphs.get(size) or next(
+            (c for c in self._graphs.values() if accepts(c, c.flatten_inputs(first))), None
+        )
+        return (graph, None) if graph is not None else None
 
 
 def _size(first: Any) -> int:

@@ -60,10 +60,14 @@ def test_one_export_capture_serves_both_sizes_and_the_winner_reuses_it() -> None
     assert next(n for n in large if n.name == "linear").shape == (4, 16)  # measured at its own size
     captured, nodes = m.at((x[:2],))
     assert nodes == small and m.captures == 1  # captured at this size: nothing new
-    captured, nodes = m.at((x[:4],))  # the plan's graph is captured at its own size, once
-    assert m.captures == 2 and nodes == large
+    captured, nodes = m.at((x[:4],))  # the graph it was measured on: not captured again
+    assert m.captures == 1 and nodes == large
+    # ... because it is the graph an export at that size gives, which compile checks.
     assert fingerprint(captured.gm) == fingerprint(capture(model, (x[:4],), method=CaptureMethod.EXPORT).gm)
-    assert m.at((x[:1],)) is None  # nothing measured at that size
+    captured, nodes = m.at((x[:8],))  # not measured at that size: profiled again, not captured
+    assert nodes is None and m.captures == 1
+    assert fingerprint(captured.gm) == fingerprint(capture(model, (x[:8],), method=CaptureMethod.EXPORT).gm)
+    assert m.at((x[:1],)) is None  # a size the graph does not accept (export specialises 1)
 
 
 def test_a_graph_specialised_to_one_size_is_captured_again_for_another() -> None:
