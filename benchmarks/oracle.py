@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pipecut
 from benchmarks.runtime import MODELS
-from pipecut.planner import partition_costs
+from pipecut.partition import partition_costs
 from tests.harness import run_ranks
 
 BATCH, MICROBATCHES, SCHEDULE = 16, 8, "1f1b"

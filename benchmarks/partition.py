@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pipecut
 from benchmarks.baselines import Baseline, baseline_bounds, layer_sums
 from benchmarks.synthetic import transformer_costs
+from pipecut.partition import DEFAULT_LINK, partition_costs
 from pipecut.passes.memory_dp import lower_bound
 from pipecut.passes.memory_floor import min_peak_memory
 from pipecut.passes.memory_partition import partition_ilp
 from pipecut.passes.problem import evaluate, formulate
 from pipecut.plan import DeviceSpec, NodeCost, NodeOp, ScheduleKind
-from pipecut.planner import DEFAULT_LINK, partition_costs
 
 MICROBATCHES = 8
 SCHEDULE = ScheduleKind.ONE_F_ONE_B

@@ -20,6 +20,7 @@ from pipecut.errors import (
     PlanError,
     ScheduleError,
 )
+from pipecut.partition import partition_costs
 from pipecut.passes.ilp import IlpSolver
 from pipecut.plan import (
     CaptureMethod,
@@ -31,7 +32,7 @@ from pipecut.plan import (
     Recompute,
     ScheduleKind,
 )
-from pipecut.planner import partition_costs, plan
+from pipecut.planner import plan
 from pipecut.replicas import choose_replicas
 from pipecut.report.render import render
 from pipecut.report.text import summary

@@ -24,10 +24,10 @@ from pipecut.core.schedule import validate
 from pipecut.errors import CaptureError, InputError, PipecutError, PlanError
 from pipecut.layout import Layout, auto_layout, layout_of, plan_from_rank0, replication_of
 from pipecut.parallel import DataParallelKind
+from pipecut.partition import Devices, as_devices
 from pipecut.passes.split import split_stage
 from pipecut.passes.stages import plan_schedule, predicted_timeline
 from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
-from pipecut.planner import Devices, as_devices
 from pipecut.planner import plan as make_plan
 from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn

@@ -26,6 +26,7 @@ import torch
 from pipecut.core.batching import batch_size, first_microbatch, split_microbatches
 from pipecut.core.program import Captured
 from pipecut.errors import InputError, PartitionError, ScheduleError
+from pipecut.partition import as_schedule
 from pipecut.passes.microbatching import candidate_microbatches, costs_at
 from pipecut.plan import Candidate, CaptureMethod, NodeCost, Plan, Recompute, ScheduleKind
 
@@ -39,8 +40,6 @@ _TIE = 0.01
 
 def schedules_to_try(schedule: Any, stages_per_rank: int) -> tuple[ScheduleKind, ...]:
     if schedule != AUTO:
-        from pipecut.planner import as_schedule
-
         return (as_schedule(schedule),)
     if stages_per_rank > 1:
         return (ScheduleKind.INTERLEAVED_1F1B,)

@@ -22,8 +22,8 @@ from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.program import Inputs
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
 from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
+from pipecut.partition import DEFAULT_LINK
 from pipecut.plan import CaptureMethod, Link, Plan, ScheduleKind
-from pipecut.planner import DEFAULT_LINK
 from pipecut.planner import plan as make_plan
 from pipecut.profile.nodes import LossFn
 from pipecut.runtime.launch import ensure_process_group, local_device

@@ -173,7 +173,7 @@ def measure_on(asked: str | None) -> str | None:
 def cmd_plan(args: argparse.Namespace) -> int:
     import pipecut
     from pipecut.devices import device_profile
-    from pipecut.planner import DEFAULT_LINK, as_devices, as_ilp_solver, as_schedule
+    from pipecut.partition import DEFAULT_LINK, as_devices, as_ilp_solver, as_schedule
     from pipecut.report.render import render
 
     # everything that can be checked is checked before the (slow) profiling starts

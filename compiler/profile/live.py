@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from pipecut.core.schedule import Action, ActionKind
 from pipecut.parallel import DataParallel
+from pipecut.partition import partition_costs
 from pipecut.passes.chain import liveness
 from pipecut.passes.stages import build_stages
 from pipecut.plan import Partitioner, Plan, Recompute
@@ -93,7 +94,6 @@ def measure_stages(pipe: Any, inputs: Any, target: Any, steps: int = 2) -> list[
 def recalibrate(plan: Plan, times: list[tuple[float, float]], data_parallel: DataParallel | None = None) -> Plan:
     """``plan`` with node costs scaled to the measured stage times, partitioned again (a split
     the user gave is kept); predictions come from the scaled costs."""
-    from pipecut.planner import partition_costs  # the planner imports this module's callers
 
     nodes = calibrate(plan.nodes, plan, times)
     note = "node costs calibrated on the running pipeline"

@@ -7,8 +7,8 @@ import pytest
 import pipecut
 from examples import gpt, resnet
 from pipecut.errors import InputError, PartitionError
+from pipecut.partition import partition_costs
 from pipecut.passes.chain import boundary_bytes, liveness
-from pipecut.planner import partition_costs
 from tests.exact_dp import Chain, partition_dp
 
 

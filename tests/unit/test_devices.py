@@ -18,8 +18,8 @@ from pipecut.devices import (
     roofline_ms,
 )
 from pipecut.errors import InputError
+from pipecut.partition import partition_costs
 from pipecut.plan import CostSource, NodeOp, Plan
-from pipecut.planner import partition_costs
 from pipecut.schema import validate_plan_dict
 
 

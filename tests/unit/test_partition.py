@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 from benchmarks.baselines import balanced, block_partition, equal_layers, layer_starts
 from benchmarks.synthetic import transformer_costs
 from pipecut.errors import PartitionError
+from pipecut.partition import DEFAULT_LINK, partition_costs
 from pipecut.passes.coarsen import candidate_cuts
 from pipecut.passes.memory_dp import partition_bounded
 from pipecut.passes.memory_floor import min_peak_memory
 from pipecut.passes.problem import Problem, formulate
 from pipecut.plan import DeviceSpec, Partitioner, Plan, Recompute, ScheduleKind
-from pipecut.planner import DEFAULT_LINK, partition_costs
 from tests.exact_dp import Chain, partition_dp
 
 

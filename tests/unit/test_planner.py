@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pipecut.errors import InputError, PartitionError
+from pipecut.partition import as_devices, as_ilp_solver, as_schedule, partition_costs
 from pipecut.passes.ilp import IlpSolver
 from pipecut.plan import DeviceSpec, Partitioner, ScheduleKind
-from pipecut.planner import as_devices, as_ilp_solver, as_schedule, partition_costs
 from tests.unit.tiny import mlp_plan
 
 

@@ -1,0 +1,273 @@
+"""Partition a cost table into stages: the pure part of planning (cost table in, plan out).
+
+:func:`partition_costs` picks the exact bounded DP for equal devices without memory limits or
+recompute and the ILP otherwise, or scores a split the user gives beside pipecut's optimum. A
+saved plan's cost table can be re-partitioned here for other devices without profiling again.
+Also here: the options every planning entry point reads (devices, schedule, ILP solver, link).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import pipecut
+from pipecut.core.choices import enum_choice
+from pipecut.errors import InputError, PartitionError
+from pipecut.parallel import DataParallel
+from pipecut.passes.chain import boundary_bytes, can_cross, is_unit, liveness
+from pipecut.passes.coarsen import candidate_cuts
+from pipecut.passes.holders import stage_count_error
+from pipecut.passes.ilp import IlpSolver
+from pipecut.passes.memory_dp import partition_bounded
+from pipecut.passes.memory_floor import infeasible_error
+from pipecut.passes.memory_partition import partition_ilp
+from pipecut.passes.pinned import bounds_from_modules, bounds_from_split_points, is_split_points
+from pipecut.passes.problem import formulate
+from pipecut.passes.stages import build_stages, inflight_microbatches
+from pipecut.plan import (
+    CaptureMethod,
+    DeviceSpec,
+    Link,
+    NodeCost,
+    Partitioner,
+    Plan,
+    Recompute,
+    ScheduleKind,
+    Solver,
+)
+
+__all__ = [
+    "DEFAULT_LINK",
+    "LARGE_GRAPH_UNITS",
+    "Devices",
+    "Split",
+    "as_devices",
+    "as_ilp_solver",
+    "as_schedule",
+    "partition_costs",
+]
+
+LARGE_GRAPH_UNITS = 2000
+"""Above this many units the DP prunes its search with a bound (same optimum, far faster)."""
+
+DEFAULT_LINK = Link(bandwidth_bytes_per_ms=2e6, latency_ms=0.05, measured=False)
+"""2 GB/s and 50 µs per message: the order of gloo over loopback on a small CPU machine."""
+
+Devices = int | Sequence[str | DeviceSpec]
+Split = Sequence[str] | Sequence[Sequence[str]]
+"""Module names where stages 1.. begin, or module names per stage."""
+
+
+def as_schedule(schedule: str | ScheduleKind) -> ScheduleKind:
+    return enum_choice(ScheduleKind, schedule, "schedule")
+
+
+def as_devices(devices: Devices) -> tuple[DeviceSpec, ...]:
+    """Normalise an int K, device names or :class:`DeviceSpec` objects."""
+    if isinstance(devices, bool) or not isinstance(devices, (int, Sequence)) or isinstance(devices, str):
+        raise InputError(
+            f"devices must be an int, a list of device names or DeviceSpec, got {devices!r}"
+        )
+    if isinstance(devices, int):
+        if devices < 1:
+            raise PartitionError(f"the number of stages (devices) must be at least 1, got {devices}")
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+        return tuple(DeviceSpec(name=kind) for _ in range(devices))
+    specs = tuple(d if isinstance(d, DeviceSpec) else DeviceSpec(name=str(d)) for d in devices)
+    if not specs:
+        raise PartitionError("the number of stages (devices) must be at least 1, got 0")
+    return specs
+
+
+def as_ilp_solver(solver: IlpSolver | str) -> IlpSolver:
+    """``"highs"``/``"cbc"`` (or the enum) → :class:`IlpSolver`; InputError lists the choices."""
+    return enum_choice(IlpSolver, solver, "ILP solver")
+
+
+def _use_ilp(specs: Sequence[DeviceSpec], recompute: bool) -> bool:
+    """The DP is exact and fast for equal devices without memory limits or recompute."""
+    return (
+        recompute
+        or any(d.memory_bytes is not None for d in specs)
+        or len({d.speed for d in specs}) > 1
+    )
+
+
+def partition_costs(
+    nodes: Sequence[NodeCost],
+    *,
+    devices: Devices,
+    microbatches: int,
+    batch_size: int,
+    schedule: str | ScheduleKind = ScheduleKind.GPIPE,
+    link: Link = DEFAULT_LINK,
+    fingerprint: str = "",
+    capture: CaptureMethod = CaptureMethod.SYMBOLIC_TRACE,
+    inputs: Sequence[str] = (),
+    recompute: bool | None = None,
+    partitioner: Partitioner | None = None,
+    ilp_time_limit: float = 5.0,
+    stages_per_rank: int = 1,
+    split: Split | None = None,
+    data_parallel: DataParallel | None = None,
+    solver: IlpSolver | str = IlpSolver.HIGHS,
+) -> Plan:
+    """Partition a cost table (pure data) into a plan.
+
+    ``devices`` are the ranks; with ``stages_per_rank`` V > 1 (interleaved schedules) the graph
+    is cut into K * V stages and stage s runs on device s mod K.
+
+    ``recompute``: may a stage recompute its forward in backward to fit in memory? None (the
+    default) allows it when some device has a memory capacity. ``partitioner``: None picks the
+    exact DP for equal devices without memory limits or recompute and the ILP otherwise; DP or
+    ILP forces one. ``ilp_time_limit``: seconds the ILP solver may spend in total; the plan's
+    solver record says whether the ILP proved its answer optimal. ``solver``: the ILP's solver,
+    ``"highs"`` (default) or ``"cbc"`` (:class:`~pipecut.passes.ilp.IlpSolver`).
+
+    ``split`` pins the split instead: module FQNs per stage (``[["emb", "blocks.0"],
+    ["blocks.1", "head"]]``) or the modules where stages 1.. begin (``["blocks.1"]``). The plan
+    then reports pipecut's own optimum beside it (``predicted.optimum_step_ms``).
+    ``data_parallel``: the replicas each
+    stage will have and their engine; FSDP shrinks the memory a stage needs (see
+    :func:`pipecut.passes.stages.state_bytes`).
+    """
+    kind = as_schedule(schedule)
+    ilp_solver = as_ilp_solver(solver)  # checked even when the DP runs: a typo is refused
+    if stages_per_rank < 1 or (stages_per_rank > 1 and kind is not ScheduleKind.INTERLEAVED_1F1B):
+        raise InputError(
+            f"stages_per_rank={stages_per_rank}: several stages per rank need "
+            f"schedule='interleaved-1f1b'; use 1 otherwise"
+        )
+    ranks = as_devices(devices)
+    specs = tuple(ranks[s % len(ranks)] for s in range(len(ranks) * stages_per_rank))
+    k = len(specs)
+    allow = any(d.memory_bytes is not None for d in specs) if recompute is None else recompute
+    method = partitioner or (Partitioner.ILP if _use_ilp(specs, allow) else Partitioner.DP)
+    if method is Partitioner.GIVEN:
+        raise InputError("partitioner must be Partitioner.DP, Partitioner.ILP or None")
+    start = time.perf_counter()
+    units = sum(1 for n in nodes if is_unit(n))
+    optimum_ms = 0.0
+    if split is not None:
+        live = liveness(nodes)
+        bounds, recomputes = _given_bounds(nodes, live, split, k, link), [Recompute.NONE] * k
+        optimum = partition_costs(
+            nodes, devices=ranks, microbatches=microbatches, batch_size=batch_size,
+            schedule=kind, link=link, recompute=recompute, partitioner=partitioner,
+            ilp_time_limit=ilp_time_limit, stages_per_rank=stages_per_rank,
+            data_parallel=data_parallel, solver=solver,
+        )
+        optimum_ms = optimum.predicted.step_ms
+        record = Solver(
+            method=Partitioner.GIVEN, solve_ms=(time.perf_counter() - start) * 1e3,
+            optimal=False, detail=f"split given: {_describe_split(split)}",
+        )
+    elif method is Partitioner.DP:
+        # The exact DP over the whole cost model, pruned by a bound (10,000 units in 0.1 s);
+        # on large graphs a split over module boundaries first tightens the bound.
+        form = formulate(
+            nodes, devices=specs, link=link, schedule=kind, microbatches=microbatches,
+            recompute=False, data_parallel=data_parallel,
+        )
+        live = form.live
+        cuts = form.problem.allowed_cuts()
+        if k - 1 > len(cuts):
+            raise PartitionError(
+                f"cannot cut this graph into {k} stages: it has {form.problem.units} partitionable "
+                f"nodes and only {len(cuts)} places where every live value can cross a cut; "
+                f"use at most {len(cuts) + 1} devices"
+            )
+        too_many = stage_count_error(k, form.problem.holds_params, cuts)
+        if too_many is not None:
+            raise too_many
+        coarse = (candidate_cuts(form.modules, form.problem.compute_ms, form.problem.boundary_ms)
+                  if units > LARGE_GRAPH_UNITS else ())
+        best = partition_bounded(form.problem, coarse=coarse)
+        if best is None:
+            raise infeasible_error(
+                form.problem, inflight_for=lambda m: inflight_microbatches(kind, m, microbatches),
+                positions=coarse or None,
+            )
+        bounds, recomputes = best.bounds, [Recompute.NONE] * k
+        record = Solver(
+            method=Partitioner.DP, solve_ms=(time.perf_counter() - start) * 1e3, optimal=True,
+            detail=f"exact DP over {units} units",
+        )
+    else:
+        form = formulate(
+            nodes, devices=specs, link=link, schedule=kind, microbatches=microbatches,
+            recompute=allow, data_parallel=data_parallel,
+        )
+        live = form.live
+        result = partition_ilp(
+            form.problem,
+            modules=form.modules,
+            inflight_for=lambda n: inflight_microbatches(kind, n, microbatches),
+            time_limit_s=ilp_time_limit,
+            solver=ilp_solver,
+        )
+        bounds, recomputes = result.evaluation.bounds, list(result.evaluation.recompute)
+        record = Solver(
+            method=Partitioner.ILP, solve_ms=result.solve_ms, optimal=result.optimal,
+            detail=result.detail,
+        )
+    facts = build_stages(
+        nodes, live, bounds, devices=specs, link=link, schedule=kind, microbatches=microbatches,
+        recompute=recomputes, stages_per_rank=stages_per_rank, data_parallel=data_parallel,
+    )
+    predicted = dataclasses.replace(facts.predicted, optimum_step_ms=optimum_ms or facts.predicted.step_ms)
+    return Plan(
+        fingerprint=fingerprint,
+        capture=capture,
+        schedule=kind,
+        microbatches=microbatches,
+        batch_size=batch_size,
+        inputs=tuple(inputs),
+        nodes=tuple(nodes),
+        stages=facts.stages,
+        edges=facts.edges,
+        devices=specs,
+        link=link,
+        predicted=predicted,
+        solver=record,
+        tied=facts.tied,
+        stages_per_rank=stages_per_rank,
+        data_parallel=data_parallel,
+        pipecut_version=pipecut.__version__,
+        torch_version=torch.__version__,
+    )
+
+
+def _given_bounds(
+    nodes: Sequence[NodeCost], live: Any, split: Split, stages: int, link: Link
+) -> tuple[int, ...]:
+    units = [n for n in nodes if is_unit(n)]
+    if is_split_points(split):
+        bounds = bounds_from_split_points(units, split)  # type: ignore[arg-type]
+    else:
+        bounds = bounds_from_modules(units, split)  # type: ignore[arg-type]
+    if len(bounds) - 1 != stages:
+        raise PartitionError(
+            f"the given split has {len(bounds) - 1} stages but {stages} are planned "
+            f"(devices x stages_per_rank); give {stages} module lists or {stages - 1} split points"
+        )
+    _, _, allowed = boundary_bytes(nodes, live)
+    for b in bounds[1:-1]:
+        if not allowed[b]:
+            blocked = [v for v in live.crossing(b) if not can_cross(next(n for n in nodes if n.name == v))]
+            raise PartitionError(
+                f"the given split cuts before node {units[b].name}, where value(s) {blocked[:3]} "
+                f"cannot cross a cut (not serializable); move that split point"
+            )
+    return bounds
+
+
+def _describe_split(split: Split) -> str:
+    if is_split_points(split):
+        return "stages begin at " + ", ".join(split)  # type: ignore[arg-type]
+    return " | ".join(",".join(stage) for stage in split)
