@@ -128,17 +128,23 @@ def plan(
         )
     if microbatches == AUTO or schedule == AUTO:
         full, _ = first_microbatch(example_inputs, 1)
-        m, chosen_kind, candidates = choose(
-            example_inputs, target, ranks=len(specs), microbatches=microbatches, schedule=schedule,
-            stages_per_rank=stages_per_rank,
-            profile_at=measured.costs,
-            partition=lambda costs, m, k: partition_costs(
+        tables: dict[int, Sequence[NodeCost]] = {}  # the table each microbatch count was planned on
+
+        def partition_at(costs: Sequence[NodeCost], m: int, k: ScheduleKind) -> Plan:
+            tables[m] = costs
+            return partition_costs(
                 costs, devices=specs, microbatches=m, batch_size=full,
                 schedule=k, link=link, recompute=recompute, partitioner=partitioner,
                 ilp_time_limit=ilp_time_limit, stages_per_rank=stages_per_rank, split=split,
-                data_parallel=data_parallel, solver=solver),
+                data_parallel=data_parallel, solver=solver)
+
+        m, chosen_kind, candidates = choose(
+            example_inputs, target, ranks=len(specs), microbatches=microbatches, schedule=schedule,
+            stages_per_rank=stages_per_rank, profile_at=measured.costs, partition=partition_at,
         )
         reuse = measured.at(first_microbatch(example_inputs, m)[1])  # captured (and profiled)
+        if reuse is not None and reuse[1] is None:  # a size between those profiled, on their graph:
+            reuse = (reuse[0], tuple(tables[m]))  # its interpolated table, calibrated below
         chosen = plan(
             model, example_inputs, specs, loss_fn=loss_fn, target=target, microbatches=m,
             schedule=chosen_kind, link=link, capture_method=capture_method,

@@ -92,3 +92,31 @@ def test_auto_plans_the_graph_a_fixed_plan_at_the_chosen_count_would() -> None:
         assert auto.fingerprint == fixed.fingerprint and auto.capture is method
         assert [n.name for n in auto.nodes] == [n.name for n in fixed.nodes]
         assert auto.accepts == fixed.accepts
+
+
+def test_a_winner_between_the_profiled_sizes_is_planned_on_their_graph_without_profiling_again(monkeypatch) -> None:
+    import pipecut.planner
+
+    torch.manual_seed(0)
+    model, x, y = Net(), torch.randn(8, 8), torch.randn(8, 4)
+    real_choose, real_profile = pipecut.planner.choose, pipecut.planner.profile
+    profiled: list[int] = []
+
+    def middle(*args, **kwargs):  # as if M = 4 (microbatch size 2) won, between 8 and 2
+        _, kind, candidates = real_choose(*args, **kwargs)
+        return 4, kind, candidates
+
+    def counted(captured, inputs, **kwargs):
+        profiled.append(inputs[0].shape[0])
+        return real_profile(captured, inputs, **kwargs)
+
+    monkeypatch.setattr(pipecut.planner, "choose", middle)
+    monkeypatch.setattr(pipecut.planner, "profile", counted)
+    auto = pipecut.plan(model, (x,), 2, loss_fn=_loss, target=y, microbatches="auto",
+                        capture_method=CaptureMethod.EXPORT, repeats=1, warmup=0)
+    assert auto.microbatches == 4 and sorted(profiled) == [1, 4]  # the two ends only
+    fixed = pipecut.plan(model, (x,), 2, loss_fn=_loss, target=y, microbatches=4,
+                         capture_method=CaptureMethod.EXPORT, repeats=1, warmup=0)
+    assert auto.fingerprint == fixed.fingerprint  # compile's capture at M = 4 will match
+    linear = next(n for n in auto.nodes if n.name == "linear")
+    assert linear.shape == (2, 16) and "calibrated on whole stages" in auto.solver.detail
