@@ -125,8 +125,8 @@ def compile(
 
     ``lean_host_memory``: on CPU ranks, fix glibc's mmap threshold so that every freed block
     of 1 MiB or more goes back to the system at once (see :mod:`pipecut.runtime.allocator`):
-    peak RSS then follows the live tensors the plan predicts (0.68–0.70× the model's bytes per
-    rank at K = 4 on the memory benchmark, against 0.76–1.09× with glibc's default), at the
+    peak RSS then follows the live tensors the plan predicts (0.67–0.70× the model's bytes per
+    rank at K = 4 on the memory benchmark, against 0.74–1.07× with glibc's default), at the
     price of mapping fresh pages for every weight-sized gradient (steps 1.5× slower there).
     """
     reduction = parse_loss_reduction(loss_reduction)

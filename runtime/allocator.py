@@ -5,8 +5,8 @@ mapping, returned to the system when freed, but it raises the threshold to the s
 such block freed ("dynamic threshold"). A pipeline stage frees a weight-sized gradient
 temporary per layer and microbatch (autograd adds it into ``.grad``), so after the first step
 those blocks come from the heap instead, and the heap keeps what is freed: measured on the
-512 MiB memory benchmark at K = 4, every rank's peak RSS grew 0.76–1.09× the model's bytes
-instead of 0.68–0.70× (``benchmarks/MEMORY.md``). Fixing the threshold (``mallopt``), which
+512 MiB memory benchmark at K = 4, every rank's peak RSS grew 0.74–1.07× the model's bytes
+instead of 0.67–0.70× (``benchmarks/MEMORY.md``). Fixing the threshold (``mallopt``), which
 is what glibc's ``MALLOC_MMAP_THRESHOLD_`` environment variable does at start-up, keeps it
 where it is: every block of 1 MiB or more is mapped and unmapped. The price: every such block
 is fresh pages the kernel must zero, and the same benchmark's steps took 1.5× as long, so it
