@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from pipecut.core.graph import mutates_first_arg
+from pipecut.core.meta import to_meta
 from pipecut.errors import CaptureError
 
 __all__: list[str] = []
@@ -187,7 +188,7 @@ def _first_write(gm: fx.GraphModule, names: Sequence[str], values: Sequence[Any]
     A run that fails part-way saw no write before the failing node (each node's writes are
     checked as it runs), so the next way starts afresh."""
     try:
-        return _swapped_run(gm, names, values, _to_meta, contextlib.nullcontext())
+        return _swapped_run(gm, names, values, to_meta, contextlib.nullcontext())
     except Exception:  # not the model's error: the fake-tensor run decides
         pass
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -197,10 +198,6 @@ def _first_write(gm: fx.GraphModule, names: Sequence[str], values: Sequence[Any]
         return _swapped_run(gm, names, values, mode.from_tensor, mode)
     except Exception:
         return next(_direct_writes(gm), None)
-
-
-def _to_meta(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("meta")
 
 
 def _attr(module: torch.nn.Module, target: str) -> Any:

@@ -55,8 +55,17 @@ def has_meta(root: torch.nn.Module) -> bool:
 
 
 def to_meta(inputs: Any) -> Any:
-    """``inputs`` with every tensor replaced by a meta tensor of its shape and dtype."""
-    return pytree.tree_map(lambda x: x.to(META) if isinstance(x, torch.Tensor) else x, inputs)
+    """``inputs`` with every tensor replaced by a meta tensor of its shape, dtype and
+    ``requires_grad``: no storage and no autograd history (which would keep the real values
+    it came from alive)."""
+
+    def meta(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        out = x.detach().to(META)
+        return out.requires_grad_(True) if x.requires_grad else out
+
+    return pytree.tree_map(meta, inputs)
 
 
 def input_device(inputs: Any) -> torch.device:

@@ -28,7 +28,7 @@ from pipecut.core.graph import (
     node_parameters,
     target_name,
 )
-from pipecut.core.meta import elsewhere, input_device, read_by, scratch, substitute
+from pipecut.core.meta import elsewhere, input_device, read_by, scratch, substitute, to_meta
 from pipecut.core.program import Captured
 from pipecut.errors import InputError
 from pipecut.plan import NodeCost, NodeOp
@@ -162,7 +162,7 @@ def profile(
             elif node.op == "get_attr":
                 value = runner.call(node, args, kwargs)
             else:
-                metas[node] = pytree.tree_map(_shape_of, (args, kwargs))  # for estimates, if any are needed
+                metas[node] = to_meta((args, kwargs))  # for estimates, if any are needed
                 try:
                     # A meta model's weights (or weights on another device) are here only while their node is measured.
                     with scratch(gm, read_by(node, gm, (args, kwargs)), device) as real:
@@ -200,15 +200,6 @@ def profile(
             work = {n.name: meta_work(runner, n, gm, a, k)[1] for n, (a, k) in metas.items() if n.name not in oversized}
             return estimate_oversized(rows, work, oversized)
     return tuple(rows)
-
-
-def _shape_of(x: Any) -> Any:
-    """A meta stand-in for a tensor: its shape, dtype and ``requires_grad``, no storage and no
-    autograd history (which would keep the real values it came from alive)."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    meta = x.detach().to("meta")
-    return meta.requires_grad_(True) if x.requires_grad else meta
 
 
 def _placed(values: Any, device: torch.device) -> Any:

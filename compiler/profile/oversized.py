@@ -47,7 +47,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def meta_work(runner: NodeRunner, node: fx.Node, gm: fx.GraphModule, args: Any, kwargs: Any) -> tuple[Any, NodeWork]:
     """Run ``node`` on the meta device: its output (meta tensors) and its FLOPs and bytes."""
-    margs, mkwargs = to_meta((args, kwargs))
+    margs, mkwargs = to_meta((args, kwargs))  # no-op for the meta shapes profiling keeps
     with scratch(gm, read_by(node, gm, (margs, mkwargs)), META) as stand_ins:
         margs, mkwargs = substitute((margs, mkwargs), stand_ins)
         work = node_work(runner, node, gm, margs, mkwargs)

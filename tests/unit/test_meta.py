@@ -14,7 +14,7 @@ from torch import nn
 import pipecut
 from examples import mlp, zoo
 from pipecut.capture import capture, fingerprint
-from pipecut.core.meta import is_meta, module_tensors
+from pipecut.core.meta import is_meta, module_tensors, to_meta
 from pipecut.errors import InputError
 from pipecut.profile.nodes import profile
 from pipecut.runtime.materialize import check_unexpected, materialize_model, materialize_stage
@@ -267,3 +267,12 @@ def test_scratch_copies_real_tensors_from_another_device_and_puts_them_back():
         assert inner.weight.device.type == "meta" and isinstance(inner.weight, torch.nn.Parameter)
         assert inner.weight.requires_grad
     assert inner.weight is weight and inner.bias is bias
+
+
+def test_to_meta_keeps_shape_and_requires_grad_but_no_autograd_history() -> None:
+    """Every node's arguments are kept as meta stand-ins in case a later node must be estimated:
+    with their autograd history they would keep every real activation alive to the end."""
+    x = torch.randn(4, 3, requires_grad=True) * 2
+    meta = to_meta(x)
+    assert meta.device.type == "meta" and meta.shape == x.shape and meta.grad_fn is None
+    assert meta.requires_grad and not to_meta(torch.ones(2)).requires_grad and to_meta(3) == 3

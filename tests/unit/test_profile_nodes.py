@@ -156,14 +156,3 @@ def test_plan_records_where_it_measured_and_skips_whole_stage_calibration_elsewh
     assert there.profiled_on == "meta"
     assert "measured one at a time on meta" in there.solver.detail
     assert pipecut.Plan.from_json(there.to_json()).profiled_on == "meta"
-
-
-def test_shapes_kept_for_estimates_hold_no_autograd_history() -> None:
-    """Every node's arguments are kept as meta stand-ins in case a later node must be estimated:
-    with their autograd history they would keep every real activation alive to the end."""
-    from pipecut.profile.nodes import _shape_of
-
-    x = torch.randn(4, 3, requires_grad=True) * 2
-    meta = _shape_of(x)
-    assert meta.device.type == "meta" and meta.shape == x.shape and meta.grad_fn is None
-    assert meta.requires_grad and not _shape_of(torch.ones(2)).requires_grad and _shape_of(3) == 3
