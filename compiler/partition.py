@@ -153,6 +153,7 @@ def partition_costs(
     start = time.perf_counter()
     units = sum(1 for n in nodes if is_unit(n))
     optimum_ms = 0.0
+    recomputed: list[tuple[str, ...]] = [()] * k  # per stage, under Recompute.SELECTIVE
     if split is not None:
         live = liveness(nodes)
         bounds, recomputes = _given_bounds(nodes, live, split, k, link), [Recompute.NONE] * k
@@ -212,13 +213,16 @@ def partition_costs(
             solver=ilp_solver,
         )
         bounds, recomputes = result.evaluation.bounds, list(result.evaluation.recompute)
+        recomputed = [tuple(u for a, e in st.recomputed for u in live.units[a:e])
+                      for st in result.evaluation.stages]
         record = Solver(
             method=Partitioner.ILP, solve_ms=result.solve_ms, optimal=result.optimal,
             detail=result.detail,
         )
     facts = build_stages(
         nodes, live, bounds, devices=specs, link=link, schedule=kind, microbatches=microbatches,
-        recompute=recomputes, stages_per_rank=stages_per_rank, data_parallel=data_parallel,
+        recompute=recomputes, recomputed=recomputed, stages_per_rank=stages_per_rank,
+        data_parallel=data_parallel,
     )
     predicted = dataclasses.replace(facts.predicted, optimum_step_ms=optimum_ms or facts.predicted.step_ms)
     return Plan(

@@ -66,6 +66,10 @@ class ScheduleKind(enum.Enum):
 class Recompute(enum.Enum):
     NONE = "none"
     FULL = "full"
+    """The whole stage's forward runs again in backward: only the stage's inputs are kept."""
+    SELECTIVE = "selective"
+    """Some blocks of the stage (``Stage.recomputed``) run again in backward; the rest keep
+    their activations: memory traded for time in steps finer than a whole stage."""
 
 
 class LeafKind(enum.Enum):
@@ -165,6 +169,9 @@ class Stage:
     nodes: tuple[str, ...]
     parameters: tuple[str, ...]
     recompute: Recompute = Recompute.NONE
+    recomputed: tuple[str, ...] = ()
+    """``Recompute.SELECTIVE``: the nodes whose forward runs again in backward (whole blocks,
+    runs of consecutive nodes); their activations are not kept. Empty otherwise."""
     forward_ms: float = 0.0
     backward_ms: float = 0.0
     weight_ms: float = 0.0
@@ -181,6 +188,16 @@ class Stage:
     """Values received from the previous stage, in wire order."""
     outputs: tuple[str, ...] = ()
     """Values sent to the next stage, in wire order."""
+
+    def __post_init__(self) -> None:
+        if bool(self.recomputed) != (self.recompute is Recompute.SELECTIVE):
+            raise ValueError(
+                f"stage {self.index}: recompute {self.recompute.value} with {len(self.recomputed)} "
+                f"recomputed nodes; 'selective' names the nodes it recomputes, the others none"
+            )
+        stray = sorted(set(self.recomputed) - set(self.nodes))
+        if stray:
+            raise ValueError(f"stage {self.index} recomputes node(s) {stray[:5]} it does not hold")
 
     @property
     def time_ms(self) -> float:
@@ -370,7 +387,7 @@ class Plan:
         def layout(p: Plan) -> tuple[Any, ...]:
             return (p.fingerprint, p.schedule, p.microbatches, p.batch_size, p.stages_per_rank,
                     p.data_parallel, p.tied, p.inputs,
-                    tuple((s.nodes, s.parameters, s.recompute, s.inputs, s.outputs) for s in p.stages))
+                    tuple((s.nodes, s.parameters, s.recompute, s.recomputed, s.inputs, s.outputs) for s in p.stages))
         return layout(self) == layout(other)
 
     def stage_of(self) -> dict[str, int]:

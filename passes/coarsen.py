@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["candidate_cuts", "chain_cuts", "module_cuts"]
+__all__ = ["block_cuts", "candidate_cuts", "chain_cuts", "module_cuts"]
 
 
 def _prefix_at_depth(module: str, depth: int) -> str:
@@ -36,6 +36,19 @@ def module_cuts(modules: Sequence[str], allowed: Sequence[int], depth: int) -> l
         for b in allowed
         if _prefix_at_depth(modules[b - 1], depth) != _prefix_at_depth(modules[b], depth)
     ]
+
+
+def block_cuts(modules: Sequence[str], allowed: Sequence[int], max_blocks: int = 64) -> tuple[int, ...]:
+    """The blocks a stage may recompute one by one: the module boundaries of the deepest depth
+    that gives at most ``max_blocks`` of them (transformer layers, or their attention and MLP)."""
+    chosen: list[int] = []
+    deepest = max((m.count(".") + 1 for m in modules if m), default=0)
+    for depth in range(1, deepest + 1):
+        cuts = module_cuts(modules, allowed, depth)
+        if len(cuts) > max_blocks:
+            break
+        chosen = cuts
+    return tuple(chosen)
 
 
 def chain_cuts(

@@ -23,12 +23,21 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipecut.passes.holders import holder_prefix
-from pipecut.passes.problem import Evaluation, Problem, evaluate
+from pipecut.passes.problem import Evaluation, Problem, best_stage, evaluate
 
 __all__ = ["lower_bound", "partition_bounded"]
 
 
-def _solve(problem: Problem, cuts: np.ndarray, bound: float) -> tuple[int, ...] | None:
+def _selective_ms(p: Problem, s: int, i: int, j: int, seen: dict[tuple[int, int, int], float]) -> float:
+    """Time of stage ``s`` over ``[i, j)`` at its fastest recompute that fits (cached)."""
+    if (s, i, j) not in seen:
+        seen[(s, i, j)] = best_stage(p, s, i, j).time_ms
+    return seen[(s, i, j)]
+
+
+def _solve(
+    problem: Problem, cuts: np.ndarray, bound: float, selective: dict[tuple[int, int, int], float]
+) -> tuple[int, ...] | None:
     p, k, n = problem, problem.stages, problem.units
     pre = np.concatenate([[0.0], np.cumsum(np.asarray(p.compute_ms, dtype=np.float64))])
     fw = np.concatenate([[0.0], np.cumsum(np.asarray(p.forward_ms, dtype=np.float64))])
@@ -72,6 +81,10 @@ def _solve(problem: Problem, cuts: np.ndarray, bound: float) -> tuple[int, ...] 
                 if p.recompute:
                     fits_rc = base + p.inflight[s] * inb[i] <= cap
                     redo = cost + (fw[j] - fw[i]) / speeds[s]
+                    if p.block_cuts:  # some blocks only: a per-stage choice, done unit by unit
+                        redo = redo.copy()
+                        for pos in np.flatnonzero(~fits & fits_rc):
+                            redo[pos] = _selective_ms(p, s, int(i[pos]), int(j), selective)
                     cost = np.where(fits, cost, np.where(fits_rc, redo, np.inf))
                 else:
                     cost = np.where(fits, cost, np.inf)
@@ -104,8 +117,9 @@ def _grow(
     ceiling += sum(problem.forward_ms) / min(problem.speeds) if problem.recompute else 0.0
     ceiling += 2 * max((b for b in problem.boundary_ms if np.isfinite(b)), default=0.0)
     bound = start
+    selective: dict[tuple[int, int, int], float] = {}
     while True:
-        bounds = _solve(problem, cuts, bound)
+        bounds = _solve(problem, cuts, bound, selective)
         if bounds is not None or bound > ceiling:
             return bounds
         bound *= growth

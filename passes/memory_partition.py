@@ -8,7 +8,9 @@
    :func:`~pipecut.passes.coarsen.candidate_cuts` plus the DP's cuts, warm-started from the DP's
    split. The solver (HiGHS by default, or CBC) either proves that split optimal over those positions or stops at its time limit;
    the plan records which. The two are independent solvers of one model, so a disagreement is
-   reported in the plan's solver detail rather than hidden.
+   reported in the plan's solver detail rather than hidden. One part of the model is the DP's
+   alone: recomputing single blocks of a stage (``Recompute.SELECTIVE``); the ILP chooses only
+   between no recompute and the whole stage's, so where blocks pay it can only come out slower.
 3. Nothing fits: :func:`~pipecut.passes.memory_floor.infeasible_error` names the memory per device and
    the device count that would.
 """
@@ -26,6 +28,7 @@ from pipecut.passes.ilp import IlpSolver, IlpStatus, default_windows, solve_ilp
 from pipecut.passes.memory_dp import partition_bounded
 from pipecut.passes.memory_floor import infeasible_error
 from pipecut.passes.problem import Evaluation, Problem
+from pipecut.plan import Recompute
 
 __all__ = ["IlpPlan", "partition_ilp"]
 
@@ -108,6 +111,10 @@ def partition_ilp(
         f"ILP ({solver.name}, {res.binaries} binaries) over {scope}: {res.status.value} in "
         f"{res.solve_ms:.0f} ms, " + ("agrees with the DP" if agree else "differs from the DP")
     )
+    blocks = [s for s, st in enumerate(exact.stages) if st.recompute is Recompute.SELECTIVE]
+    if blocks and not agree:
+        detail += (f" (the ILP models whole-stage recompute only; the DP's split recomputes "
+                   f"single blocks on stage(s) {blocks})")
     return IlpPlan(
         evaluation=best,
         optimal=res.status is IlpStatus.OPTIMAL,

@@ -9,6 +9,14 @@ device ``s`` and holds units ``[i, j)``. Its time per microbatch and its peak me
              = fixed[i:j] + inflight_s *  input_bytes[i]                      (recompute: only the
                                                                            stage inputs are kept)
 
+Between the two, a stage may recompute some of its blocks (``Recompute.SELECTIVE``): the
+stretches between the ``block_cuts`` inside it (module boundaries: transformer layers, their
+attention and MLP). Recomputing block ``[a, e)`` frees ``activation[a:e]`` but keeps its inputs
+(``input_bytes[a]``, counted again to stay on the safe side) and costs ``forward[a:e]`` again.
+Where a stage does not fit without recompute, its selective option recomputes the blocks that
+free the most bytes per millisecond first, until it fits; if that takes every block, the whole
+stage recomputes instead (the same time for less memory).
+
 which is the model of :func:`pipecut.passes.stages.build_stages`. Every solver (DP, ILP,
 baselines, brute force) is judged by :func:`evaluate`, so they can be compared number for number.
 No torch here: tests build problems by hand.
@@ -16,6 +24,7 @@ No torch here: tests build problems by hand.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -23,6 +32,7 @@ from dataclasses import dataclass
 
 from pipecut.parallel import DataParallel
 from pipecut.passes.chain import Liveness, boundary_bytes, boundary_ms, liveness, unit_param_bytes
+from pipecut.passes.coarsen import block_cuts
 from pipecut.passes.holders import holds_params
 from pipecut.passes.stages import inflight_microbatches, state_bytes
 from pipecut.plan import DeviceSpec, Link, NodeCost, Recompute, ScheduleKind
@@ -64,6 +74,9 @@ class Problem:
     """Microbatches whose activations each stage holds at its peak (set by the schedule)."""
     recompute: bool = False
     """Whether a stage may recompute its forward in backward to keep only its inputs."""
+    block_cuts: tuple[int, ...] = ()
+    """Sorted cut positions where a block starts: a stage that may recompute may recompute some
+    of its blocks only (empty: only the whole stage)."""
     names: tuple[str, ...] = ()
     holds_params: tuple[bool, ...] = ()
     """Per unit: reads a parameter. When given (and some unit does), a stage fits only if it
@@ -82,6 +95,8 @@ class Problem:
             raise ValueError(f"{k} stages need {k} capacities and {k} inflight counts")
         if k < 1:
             raise ValueError("a problem needs at least one stage")
+        if list(self.block_cuts) != sorted(set(self.block_cuts)) or any(not 0 < b < n for b in self.block_cuts):
+            raise ValueError(f"block cuts {self.block_cuts[:5]}... must be sorted positions in 1..{n - 1}")
 
     @property
     def units(self) -> int:
@@ -112,6 +127,8 @@ class StageEval:
     recompute: Recompute
     fits: bool
     """Within the device's memory and, where the problem asks, holding a parameter."""
+    recomputed: tuple[tuple[int, int], ...] = ()
+    """``Recompute.SELECTIVE``: the blocks ``[a, e)`` (unit positions) that recompute."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,7 +154,8 @@ class Evaluation:
 
 
 def stage_options(problem: Problem, s: int, i: int, j: int) -> list[StageEval]:
-    """The ways stage ``s`` can run units ``[i, j)``: without recompute, then with (if allowed)."""
+    """The ways stage ``s`` can run units ``[i, j)``, by decreasing memory: without recompute,
+    recomputing some blocks (where it does not fit without), recomputing all (if allowed)."""
     p = problem
     speed = p.speeds[s]
     comm = p.boundary_ms[i] + p.boundary_ms[j]
@@ -146,20 +164,48 @@ def stage_options(problem: Problem, s: int, i: int, j: int) -> list[StageEval]:
     kept = p.input_bytes[i] + sum(p.activation_bytes[i:j])
     cap = p.capacities[s]
     holds = not any(p.holds_params) or any(p.holds_params[i:j])
-    options = []
-    for rc in (Recompute.NONE, Recompute.FULL) if p.recompute else (Recompute.NONE,):
-        if rc is Recompute.FULL:
-            time = base + math.fsum(p.forward_ms[i:j]) / speed
-            mem = fixed + p.inflight[s] * p.input_bytes[i]
-        else:
-            time, mem = base, fixed + p.inflight[s] * kept
-        options.append(
-            StageEval(
-                time_ms=time, memory_bytes=mem, recompute=rc,
-                fits=(cap is None or mem <= cap) and holds,
-            )
-        )
+
+    def option(time: float, mem: float, rc: Recompute, blocks: tuple[tuple[int, int], ...] = ()) -> StageEval:
+        return StageEval(time_ms=time, memory_bytes=mem, recompute=rc, recomputed=blocks,
+                         fits=(cap is None or mem <= cap) and holds)
+
+    options = [option(base, fixed + p.inflight[s] * kept, Recompute.NONE)]
+    if not p.recompute:
+        return options
+    if cap is not None and not options[0].fits and p.block_cuts:
+        some = _selective(p, s, i, j, need=(fixed + p.inflight[s] * kept - cap) / p.inflight[s])
+        if some is not None:
+            extra_ms, freed, blocks = some
+            options.append(option(base + extra_ms / speed, fixed + p.inflight[s] * (kept - freed),
+                                  Recompute.SELECTIVE, blocks))
+    options.append(option(base + math.fsum(p.forward_ms[i:j]) / speed,
+                          fixed + p.inflight[s] * p.input_bytes[i], Recompute.FULL))
     return options
+
+
+def _selective(
+    p: Problem, s: int, i: int, j: int, need: float
+) -> tuple[float, int, tuple[tuple[int, int], ...]] | None:
+    """The blocks of ``[i, j)`` to recompute to free ``need`` bytes per microbatch, cheapest
+    time per byte first: (forward ms recomputed, bytes freed, blocks); None if it takes all."""
+    lo, hi = bisect.bisect_right(p.block_cuts, i), bisect.bisect_left(p.block_cuts, j)
+    edges = (i, *p.block_cuts[lo:hi], j)
+    blocks = []
+    for a, e in itertools.pairwise(edges):
+        freed = sum(p.activation_bytes[a:e]) - (p.input_bytes[a] if a > i else 0)
+        if freed > 0:
+            blocks.append((math.fsum(p.forward_ms[a:e]) / freed, freed, a, e))
+    blocks.sort()
+    total_ms, total, chosen = 0.0, 0, []
+    for _, freed, a, e in blocks:
+        if total >= need:
+            break
+        chosen.append((a, e))
+        total += freed
+        total_ms += math.fsum(p.forward_ms[a:e])
+    if total < need or len(chosen) == len(edges) - 1:
+        return None
+    return total_ms, total, tuple(sorted(chosen))
 
 
 def best_stage(problem: Problem, s: int, i: int, j: int) -> StageEval:
@@ -188,7 +234,7 @@ def evaluate(
         if recompute is None:
             stages.append(best_stage(problem, s, i, j))
         else:
-            opts = {o.recompute: o for o in stage_options(problem, s, i, j)}
+            opts = {o.recompute: o for o in stage_options(problem, s, i, j)}  # SELECTIVE: its blocks
             if recompute[s] not in opts:
                 raise ValueError(f"stage {s}: recompute {recompute[s].value} is not allowed")
             stages.append(opts[recompute[s]])
@@ -240,6 +286,8 @@ def formulate(
         capacities=tuple(d.memory_bytes for d in devices),
         inflight=tuple(inflight_microbatches(schedule, k, microbatches)),
         recompute=recompute,
+        block_cuts=block_cuts([u.module for u in units], [b for b in range(1, len(units)) if allowed[b]])
+        if recompute else (),
         holds_params=holds_params(nodes, live.units),
     )
     return Formulation(problem=problem, live=live, modules=tuple(u.module for u in units))

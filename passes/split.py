@@ -4,8 +4,10 @@ Stage ``s`` gets placeholders for the values it receives (``plan.stages[s].input
 order) followed by the model inputs it reads; ``get_attr`` nodes are copied into every stage
 that reads them, so parameters keep their fully qualified names and a tied weight lives on each
 stage that uses it. Every stage but the last returns the tuple of values it sends
-(``plan.stages[s].outputs``); the last returns the model's output. The input graph is never
-modified: stage graphs are built from copies of its nodes.
+(``plan.stages[s].outputs``); the last returns the model's output. A stage that recomputes
+some blocks (``Recompute.SELECTIVE``) calls them through checkpointed segments
+(:mod:`pipecut.passes.segments`). The input graph is never modified: stage graphs are built
+from copies of its nodes.
 
     >>> programs = split(captured.gm, plan)
     >>> sent = programs[0].module(*received, *model_inputs)
@@ -17,8 +19,10 @@ import torch.fx as fx
 
 from pipecut.core.graph import canonical_names, mutates_first_arg
 from pipecut.core.program import StageProgram
+from pipecut.core.segment import Segment
 from pipecut.errors import PlanError
-from pipecut.plan import LeafKind, Plan
+from pipecut.passes.segments import checkpoint_segments
+from pipecut.plan import LeafKind, Plan, Recompute
 
 __all__ = ["split", "split_stage", "verify"]
 
@@ -69,6 +73,8 @@ def split_stage(gm: fx.GraphModule, plan: Plan, index: int) -> StageProgram:
         raise PlanError(f"the last stage ({index}) does not hold the graph's output node")
     graph.lint()
     module = fx.GraphModule(gm, graph, f"Stage{index}")
+    if stage.recompute is Recompute.SELECTIVE:
+        module = checkpoint_segments(module, stage.recomputed, where=f"stage {index}")
     return StageProgram(
         index=index,
         module=module,
@@ -87,11 +93,14 @@ def verify(gm: fx.GraphModule, programs: tuple[StageProgram, ...], plan: Plan) -
     compute = {n.name for n in gm.graph.nodes if n.op.startswith("call_")}
     seen: dict[str, int] = {}
     for prog in programs:  # placement first: a misplaced node explains the other symptoms
-        for node in prog.module.graph.nodes:
-            if node.op.startswith("call_") and node.name in compute:
-                if node.name in seen:
-                    raise AssertionError(f"node {node.name} runs on stages {seen[node.name]} and {prog.index}")
-                seen[node.name] = prog.index
+        segments = [m.nodes for m in prog.module.modules() if isinstance(m, Segment)]
+        for name in [n.name for n in prog.module.graph.nodes if n.op.startswith("call_")] + [
+            n for names in segments for n in names
+        ]:
+            if name in compute:
+                if name in seen:
+                    raise AssertionError(f"node {name} runs on stages {seen[name]} and {prog.index}")
+                seen[name] = prog.index
     lost = sorted(compute - set(seen))
     if lost:
         raise AssertionError(f"node(s) {lost[:5]} of the graph are on no stage")

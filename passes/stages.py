@@ -105,6 +105,7 @@ def build_stages(
     schedule: ScheduleKind,
     microbatches: int,
     recompute: Sequence[Recompute] | None = None,
+    recomputed: Sequence[tuple[str, ...]] | None = None,
     stages_per_rank: int = 1,
     data_parallel: DataParallel | None = None,
 ) -> StageFacts:
@@ -114,6 +115,7 @@ def build_stages(
     cut_ms = boundary_ms(fwd, bwd, allowed, link)
     inflight = inflight_microbatches(schedule, k, microbatches)
     recompute = list(recompute) if recompute is not None else [Recompute.NONE] * k
+    recomputed = list(recomputed) if recomputed is not None else [()] * k
     stage_of = {name: s for s in range(k) for name in live.units[bounds[s] : bounds[s + 1]]}
 
     stages = []
@@ -133,6 +135,10 @@ def build_stages(
             bwd_ms += fwd_ms
         else:
             act = in_bytes + sum(u.output_bytes for u in units)
+            for a, e in _runs(sorted(live.index[n] for n in recomputed[s])):  # SELECTIVE's blocks
+                block = [by_name[u] for u in live.units[a:e]]
+                act -= sum(u.output_bytes for u in block) - (fwd[a] if a > bounds[s] else 0)
+                bwd_ms += sum(u.forward_ms for u in block) / speed
         fixed = state_bytes(pbytes, data_parallel)
         stages.append(
             Stage(
@@ -141,9 +147,10 @@ def build_stages(
                 nodes=tuple(u.name for u in units),
                 parameters=fqns,
                 recompute=recompute[s],
+                recomputed=tuple(recomputed[s]),
                 forward_ms=fwd_ms,
                 backward_ms=bwd_ms,
-                weight_ms=wgt_ms if recompute[s] is Recompute.NONE else 0.0,
+                weight_ms=wgt_ms if recompute[s] is Recompute.NONE else 0.0,  # ZB: no recompute
                 comm_ms=cut_ms[bounds[s]] + cut_ms[bounds[s + 1]],
                 param_bytes=pbytes,
                 activation_bytes=act,
@@ -267,3 +274,14 @@ def ring_allreduce_ms(nbytes: float | np.ndarray, replicas: int, link: Link) -> 
     if isinstance(nbytes, np.ndarray):
         return np.where(nbytes > 0, cost, 0.0)
     return float(cost) if nbytes > 0 else 0.0
+
+
+def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted unit positions as maximal runs ``[a, e)`` of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for p in positions:
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs

@@ -4,7 +4,8 @@ Autograd's saved-tensor hooks see every tensor a forward keeps for its backward.
 storage once per microbatch (parameters excluded: they are not activations) and summing over
 the microbatches in flight gives the stage's live activation bytes; the peak over a step is
 what the schedule costs in memory. With recompute the stage keeps only its inputs, which are
-counted explicitly (``torch.utils.checkpoint`` holds them outside autograd's saved tensors).
+counted explicitly (``torch.utils.checkpoint`` holds them outside autograd's saved tensors), as
+are the inputs of each segment that recomputes (:meth:`ActivationMeter.keep`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class ActivationMeter:
         """Bytes of sent tensors alive only because their send has not completed (now, peak)."""
         self.live = 0
         self.peak = 0
+        self._current: int | None = None
+        """The microbatch whose forward is running, if one is."""
 
     def reset(self) -> None:
         self._per_mb.clear()
@@ -52,8 +55,19 @@ class ActivationMeter:
             self._add(mb, t)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
+        self._current = mb
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        finally:
+            self._current = None
+
+    def keep(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Inside :meth:`forward`: count tensors kept outside autograd's saved tensors (the
+        inputs of a segment that recomputes, held by ``torch.utils.checkpoint``)."""
+        if self._current is not None:
+            for t in tensors:
+                self._add(self._current, t)
 
     def release(self, mb: int) -> None:
         """The microbatch's backward has run: its activations are freed."""

@@ -11,6 +11,7 @@ receive buffers filled in its inbox and the tensors it sends left in its outbox 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from pipecut.core.program import StageProgram
+from pipecut.core.segment import Segment
 from pipecut.errors import PipelineRuntimeError
 from pipecut.plan import NodeCost, Plan, Recompute
 from pipecut.runtime.backward_split import split_backward
@@ -31,6 +33,7 @@ from pipecut.runtime.comm import Peer, WireSpec, pack, unpack
 from pipecut.runtime.forward import check_grad_flags
 from pipecut.runtime.memory import ActivationMeter
 from pipecut.runtime.p2p import Direction, Op, Transfer
+from pipecut.runtime.recompute_state import StateReplay
 
 __all__ = ["LossFn", "StageWorker", "reduce_tied_grads", "tree_to"]
 
@@ -78,6 +81,8 @@ class StageWorker:
         self.next = Peer(group, ranks[(s + 1) % k], s + 1, timeout, rank) if s < last else None
         stage = plan.stages[self.stage]
         self.recompute = stage.recompute is Recompute.FULL
+        self.recomputes = stage.recompute is not Recompute.NONE
+        """The whole stage or some of its blocks run their forward again in backward."""
         self.in_spec = WireSpec(tuple(plan.node(n) for n in stage.inputs))
         self.out_spec = WireSpec(tuple(plan.node(n) for n in stage.outputs))
         self.specs: list[tuple[WireSpec, WireSpec]] = []
@@ -87,6 +92,11 @@ class StageWorker:
         self._built: dict[int, tuple[Mapping[str, NodeCost], tuple[WireSpec, WireSpec]]] = {}
         """Specs built per resolved mapping (held, so its id stays its own), oldest first."""
         self.meter = ActivationMeter(program.module.parameters())
+        self.replay = StateReplay(program.module)
+        """A recomputing stage's buffers as each forward saw them, for its recompute."""
+        for segment in (m for m in program.module.modules() if isinstance(m, Segment)):
+            segment.register_forward_pre_hook(lambda _, args: self.meter.keep(
+                a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)))
         self.state_storage = _storages(program.module)
         self.state: dict[int, _Microbatch] = {}
         self.inbox: dict[tuple[Direction, int], dict[int, torch.Tensor]] = {}
@@ -126,6 +136,7 @@ class StageWorker:
         """Forget the previous step."""
         self.state, self.inbox, self.outbox = {}, {}, {}
         self.meter.reset()
+        self.replay.reset()
 
     def p2p_op(self, t: Transfer) -> dist.P2POp:
         """The ``P2POp`` of one transfer: a fresh receive buffer, or a tensor from the outbox."""
@@ -180,7 +191,8 @@ class StageWorker:
             state.received = tensors
         args = received + [model_inputs[name] for name in self.program.model_inputs]
         kept = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)] if self.recompute else []
-        with self.meter.forward(mb, kept):
+        replay = self.replay.forward(mb) if self.recomputes and torch.is_grad_enabled() else contextlib.nullcontext()
+        with self.meter.forward(mb, kept), replay:
             if self.recompute:  # keep only the inputs; the forward runs again inside backward
                 out = checkpoint(self.call, *args, use_reentrant=False)
             else:
@@ -227,7 +239,8 @@ class StageWorker:
             input_grads, state.weight_pass = split_backward(outputs, grads, inputs, params)
         else:
             if outputs:
-                torch.autograd.backward(outputs, grads)
+                with self.replay.replaying(mb):  # a recompute must not write module state again
+                    torch.autograd.backward(outputs, grads)
             input_grads = [t.grad for t in inputs]
             self.meter.release(mb)
         if state.loss is not None:

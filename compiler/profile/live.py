@@ -103,6 +103,7 @@ def recalibrate(plan: Plan, times: list[tuple[float, float]], data_parallel: Dat
         facts = build_stages(
             nodes, live, bounds, devices=plan.devices, link=plan.link, schedule=plan.schedule,
             microbatches=plan.microbatches, recompute=[s.recompute for s in plan.stages],
+            recomputed=[s.recomputed for s in plan.stages],
             stages_per_rank=plan.stages_per_rank, data_parallel=data_parallel,
         )
         predicted = dataclasses.replace(facts.predicted, optimum_step_ms=plan.predicted.optimum_step_ms)

@@ -68,7 +68,12 @@ def predicted_spans(plan: Plan) -> tuple[Span, ...]:
 def recompute_ms(plan: Plan, stage: int) -> float:
     """The part of a stage's backward that re-runs its forward (0 without recompute)."""
     s = plan.stages[stage]
-    return s.forward_ms if s.recompute is Recompute.FULL else 0.0
+    if s.recompute is Recompute.FULL:
+        return s.forward_ms
+    if s.recompute is Recompute.SELECTIVE:  # its blocks' share of the stage's forward
+        total = sum(plan.node(n).forward_ms for n in s.nodes)
+        return s.forward_ms * sum(plan.node(n).forward_ms for n in s.recomputed) / total if total else 0.0
+    return 0.0
 
 
 # --- measured timelines ----------------------------------------------------------------------

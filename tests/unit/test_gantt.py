@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from pipecut.core.schedule import ActionKind
 from pipecut.errors import PlanError
 from pipecut.passes.schedules import gpipe
+from pipecut.plan import Recompute
 from pipecut.report.gantt import Span, layout, load_trace, predicted_spans, recompute_ms, to_trace
 from tests.unit.tiny import mlp_plan
 
@@ -29,6 +31,18 @@ def test_predicted_spans_end_at_the_predicted_step():
     assert max(s.end for s in spans) == pytest.approx(plan.predicted.step_ms)
     assert {s.kind for s in spans} == {ActionKind.FORWARD, ActionKind.BACKWARD}
     assert recompute_ms(plan, 0) == 0.0
+
+
+def test_recompute_ms_is_the_stage_forward_or_its_recomputed_blocks_share():
+    plan = mlp_plan()
+    s = plan.stages[0]
+    full = dataclasses.replace(plan, stages=(dataclasses.replace(s, recompute=Recompute.FULL), *plan.stages[1:]))
+    assert recompute_ms(full, 0) == s.forward_ms
+    some = s.nodes[: len(s.nodes) // 2]
+    part = dataclasses.replace(plan, stages=(dataclasses.replace(s, recompute=Recompute.SELECTIVE, recomputed=some),
+                                             *plan.stages[1:]))
+    share = sum(plan.node(n).forward_ms for n in some) / sum(plan.node(n).forward_ms for n in s.nodes)
+    assert recompute_ms(part, 0) == pytest.approx(s.forward_ms * share) and 0 < share < 1
 
 
 def test_trace_round_trip(tmp_path):

@@ -40,6 +40,26 @@ def test_best_stage_picks_the_fastest_that_fits_else_the_smallest():
     assert best_stage(problem(recompute=True), 1, 1, 4).recompute is Recompute.NONE
 
 
+def test_selective_recompute_frees_the_cheapest_blocks_first_and_only_when_needed():
+    # Stage 1 holds units 1..3 = blocks [1, 3) and [3, 4). Recomputing [1, 3) frees 6 + 7 bytes
+    # for 1 + 2 ms of forward; [3, 4) would free its 8 bytes but keep its 30-byte input: nothing.
+    p = problem(recompute=True, block_cuts=(3,), capacities=(None, 70))  # plain needs 81
+    plain, some, whole = stage_options(p, 1, 1, 4)
+    assert some.recompute is Recompute.SELECTIVE and some.recomputed == ((1, 3),) and some.fits
+    assert some.memory_bytes == 81 - 13
+    assert some.time_ms == pytest.approx(plain.time_ms + (1 + 2) / 2)
+    assert whole.recompute is Recompute.FULL and whole.time_ms > some.time_ms
+    assert best_stage(p, 1, 1, 4) == some
+    # 60 bytes: the blocks cannot free enough, only the whole stage can.
+    tight = problem(recompute=True, block_cuts=(3,), capacities=(None, 60))
+    assert [o.recompute for o in stage_options(tight, 1, 1, 4)] == [Recompute.NONE, Recompute.FULL]
+    # Fits without recompute, or no blocks: no selective option.
+    assert Recompute.SELECTIVE not in {o.recompute for o in stage_options(problem(recompute=True, block_cuts=(3,)), 1, 1, 4)}
+    assert Recompute.SELECTIVE not in {o.recompute for o in stage_options(problem(recompute=True, capacities=(None, 70)), 1, 1, 4)}
+    # Evaluating a split with SELECTIVE asked for gives its blocks.
+    assert evaluate(p, (0, 1, 4), [Recompute.NONE, Recompute.SELECTIVE]).stages[1].recomputed == ((1, 3),)
+
+
 def test_evaluate_scores_a_split_and_refuses_bad_bounds():
     p = problem()
     e = evaluate(p, (0, 1, 4))

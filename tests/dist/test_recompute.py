@@ -1,0 +1,148 @@
+"""Recompute on real ranks, whole stages and single blocks, against the plain model.
+
+Recomputing must not change a number: the loss, every gradient and every buffer equal the plain
+model's. BatchNorm is the trap: its forward writes its running statistics, so a forward run
+again in backward would write them twice (``num_batches_tracked`` 2x) unless the recompute
+sees, and writes into, a copy (``pipecut.runtime.recompute_state``). Two captures are covered:
+symbolic_trace (BatchNorm is a module call) and torch.export (a functional batch norm and a
+``copy_`` into the buffer, which a segment leaves outside).
+
+Tolerances: fp32, the same kernels on the same microbatches (tests/reference.py). Buffers are
+compared against the plain model run microbatch by microbatch, as the pipeline runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import pipecut
+from examples import gpt, resnet, zoo
+from pipecut.core.batching import split_microbatches
+from pipecut.plan import DeviceSpec, Plan, Recompute
+from tests.harness import run_ranks
+from tests.reference import ATOL, RTOL, assert_parity, pipeline_grads, reference
+
+pytestmark = pytest.mark.dist
+
+M = 4
+
+
+def _blocks(plan: Plan, prefix: str, count: int) -> Plan:
+    """``plan`` with each stage recomputing its first ``count`` blocks ``prefix``.N (all of
+    their nodes, including the modules inside them)."""
+    depth = prefix.count(".") + 2
+
+    def block(name: str) -> str | None:
+        module = plan.node(name).module
+        return ".".join(module.split(".")[:depth]) if module.startswith(prefix + ".") else None
+
+    stages = []
+    for s in plan.stages:
+        chosen = set(list(dict.fromkeys(b for n in s.nodes if (b := block(n)) is not None))[:count])
+        names = tuple(n for n in s.nodes if block(n) in chosen)
+        stages.append(dataclasses.replace(s, recompute=Recompute.SELECTIVE, recomputed=names) if names else s)
+    return dataclasses.replace(plan, stages=tuple(stages))
+
+
+def _whole(plan: Plan) -> Plan:
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=Recompute.FULL) for s in plan.stages))
+
+
+def _run(build: Any, world: int, how: Any = None, devices: Any = None) -> dict[str, Any]:
+    model, inputs, loss_fn, target = build()
+    kw = dict(example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M, timeout=60,
+              calibration_steps=0)
+    plan = None
+    if how is not None:
+        plan = how(pipecut.compile(model, world, **kw).plan)
+        model, inputs, loss_fn, target = build()
+    pipe = pipecut.compile(model, devices or world, plan=plan, **kw)
+    loss = pipe.step(inputs, target)
+    return {
+        "loss": loss, "grads": pipeline_grads(model, pipe),
+        "buffers": {n: b.clone() for n, b in pipe.named_buffers()},
+        "peak": pipe.peak_activation_bytes, "plan": pipe.plan.to_json(),
+        "segments": sum(type(m).__name__ == "Segment" for w in pipe.workers.values()
+                        for m in w.program.module.modules()),
+    }
+
+
+def _scenarios(rank: int, world: int) -> dict[str, Any]:
+    out = {
+        "gpt_plain": _run(gpt.build, world),
+        "gpt_blocks": _run(gpt.build, world, lambda p: _blocks(p, "blocks", 1)),
+        "gpt_whole": _run(gpt.build, world, _whole),
+        "resnet_whole": _run(resnet.build, world, _whole),
+        "resnet_blocks": _run(resnet.build, world, lambda p: _blocks(p, "layers", 2)),
+        "zoo_resnet_blocks": _run(zoo.resnet, world, lambda p: _blocks(p, "resnet.encoder.stages", 1)),
+    }
+    # The planner chooses blocks by itself when a memory limit asks for less than the plain split.
+    plain = Plan.from_json(out["gpt_plain"]["plan"])
+    cap = int(max(s.peak_memory_bytes for s in plain.stages) * 0.8)  # no split fits without
+    out["gpt_capped"] = _run(gpt.build, world, devices=[DeviceSpec(name=f"cpu{r}", memory_bytes=cap) for r in range(world)])
+    out["cap"] = cap
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return run_ranks(_scenarios, 2, timeout=400)
+
+
+def _reference_with_buffers(build: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    loss, grads = reference(build, M, per_microbatch=True)
+    model, inputs, loss_fn, target = build()  # buffers after M microbatch forwards, as pipelined
+    size = target.shape[0]
+    for x, t in zip(split_microbatches(inputs, M, size), split_microbatches(target, M, size)):
+        loss_fn(model(**x) if isinstance(x, dict) else model(*x), t)
+    return loss, grads, dict(model.named_buffers())
+
+
+def _check_buffers(want: dict[str, torch.Tensor], results: list[dict[str, Any]]) -> None:
+    seen = set()
+    for r in results:
+        for name, b in r["buffers"].items():
+            if name in want:
+                torch.testing.assert_close(b, want[name], rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+                seen.add(name)
+    stats = {n for n in want if n.endswith("num_batches_tracked")}
+    assert stats and stats <= seen, f"BatchNorm counters on no rank: {sorted(stats - seen)[:3]}"
+
+
+def test_gpt_recomputes_single_blocks_or_whole_stages_with_plain_gradients(ranks: list[dict[str, Any]]) -> None:
+    ref_loss, ref_grads = reference(gpt.build, M, per_microbatch=False)
+    for key in ("gpt_blocks", "gpt_whole"):
+        assert_parity(ref_loss, ref_grads, [r[key] for r in ranks])
+    for r in ranks:
+        plan = Plan.from_json(r["gpt_blocks"]["plan"])
+        assert all(s.recompute is Recompute.SELECTIVE for s in plan.stages) and r["gpt_blocks"]["segments"] >= 1
+        # Memory in finer steps: one block recomputed keeps less than none, more than all.
+        assert r["gpt_whole"]["peak"] < r["gpt_blocks"]["peak"] < r["gpt_plain"]["peak"]
+
+
+@pytest.mark.parametrize("key, build", [("resnet_whole", resnet.build), ("resnet_blocks", resnet.build),
+                                        ("zoo_resnet_blocks", zoo.resnet)])
+def test_batchnorm_statistics_are_written_once_per_microbatch_under_recompute(
+    ranks: list[dict[str, Any]], key: str, build: Any
+) -> None:
+    ref_loss, ref_grads, ref_buffers = _reference_with_buffers(build)
+    assert_parity(ref_loss, ref_grads, [r[key] for r in ranks])
+    _check_buffers(ref_buffers, [r[key] for r in ranks])
+    if key.endswith("blocks"):
+        assert any(r[key]["segments"] for r in ranks)
+
+
+def test_a_memory_limit_makes_the_planner_recompute_single_blocks(ranks: list[dict[str, Any]]) -> None:
+    ref_loss, ref_grads = reference(gpt.build, M, per_microbatch=False)
+    assert_parity(ref_loss, ref_grads, [r["gpt_capped"] for r in ranks])
+    plan = Plan.from_json(ranks[0]["gpt_capped"]["plan"])
+    kinds = {s.recompute for s in plan.stages}
+    assert Recompute.SELECTIVE in kinds, kinds
+    assert all(s.peak_memory_bytes <= ranks[0]["cap"] for s in plan.stages)
+    for s in plan.stages:
+        if s.recompute is Recompute.SELECTIVE:
+            assert 0 < len(s.recomputed) < len(s.nodes)
