@@ -114,7 +114,7 @@ def _pipecut_rank(rank: int, world: int, name: str, schedule: str, rounds: int, 
                            microbatches=MICROBATCHES, schedule=schedule.removesuffix("+recompute"),
                            timeout=300)
     if recompute:  # the same split with every stage recomputing its forward in backward
-        plan = _with_recompute(pipe.plan)
+        plan = with_recompute(pipe.plan)
         pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
                                microbatches=MICROBATCHES, plan=plan, timeout=300)
 
@@ -134,15 +134,18 @@ def _pipecut_rank(rank: int, world: int, name: str, schedule: str, rounds: int, 
             "timeline": _timeline_summary(pipe.timeline, plan, rank)}
 
 
-def _with_recompute(plan: pipecut.Plan) -> pipecut.Plan:
-    """``plan``'s split with every stage recomputing, stage costs and prediction rebuilt (a
-    plan whose stages only say ``recompute`` would still predict the step without it)."""
+def with_recompute(plan: pipecut.Plan, kinds: list[pipecut.Recompute] | None = None) -> pipecut.Plan:
+    """``plan``'s split with stage s recomputing as ``kinds[s]`` says (default: every stage
+    whole), stage costs and prediction rebuilt (a plan whose stages only say ``recompute``
+    would still predict the step without it). A stage left SELECTIVE keeps its blocks."""
+    kinds = kinds or [pipecut.Recompute.FULL] * len(plan.stages)
     live = liveness(plan.nodes)
     index = {u: i for i, u in enumerate(live.units)}
     bounds = [min(index[n] for n in st.nodes if n in index) for st in plan.stages] + [len(live.units)]
     facts = build_stages(plan.nodes, live, bounds, devices=plan.devices, link=plan.link,
-                         schedule=plan.schedule, microbatches=plan.microbatches,
-                         recompute=[pipecut.Recompute.FULL] * len(plan.stages))
+                         schedule=plan.schedule, microbatches=plan.microbatches, recompute=kinds,
+                         recomputed=[st.recomputed if k is pipecut.Recompute.SELECTIVE else ()
+                                     for st, k in zip(plan.stages, kinds)])
     assert [st.nodes for st in facts.stages] == [st.nodes for st in plan.stages]
     return dataclasses.replace(plan, stages=facts.stages, edges=facts.edges, predicted=facts.predicted)
 
