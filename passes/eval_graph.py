@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pipecut.errors import PlanError
 from pipecut.passes.chain import is_unit
 from pipecut.passes.stages import stage_params
-from pipecut.plan import NodeCost, NodeOp, Plan, Stage
+from pipecut.plan import NodeCost, NodeOp, Plan, Recompute, Stage
 
 __all__ = ["holders", "map_stages"]
 
@@ -117,8 +117,15 @@ def map_stages(
         crossing_in = [n.name for n in order if stage_of[n.name] < s <= last_reader.get(n.name, -1)]
         crossing_out = [n.name for n in order if stage_of[n.name] <= s < last_reader.get(n.name, -1)]
         params, _ = stage_params(members, by_name)
+        # Recompute the same blocks where the node names match; none match: the whole stage
+        # (memory no higher than planned, whatever the other graph's nodes are).
+        recomputed = tuple(n.name for n in members if n.name in set(st.recomputed))
+        recompute = st.recompute
+        if recompute is Recompute.SELECTIVE and not recomputed:
+            recompute = Recompute.FULL
         stages.append(dataclasses.replace(
             st, nodes=tuple(n.name for n in members), inputs=tuple(crossing_in),
             outputs=tuple(crossing_out) if s < k - 1 else (), parameters=params,
+            recompute=recompute, recomputed=recomputed,
         ))
     return tuple(stages)

@@ -7,6 +7,10 @@ sees, and writes into, a copy (``pipecut.runtime.recompute_state``). Two capture
 symbolic_trace (BatchNorm is a module call) and torch.export (a functional batch norm and a
 ``copy_`` into the buffer, which a segment leaves outside).
 
+Each scenario then takes a step in eval mode with gradients (as when fine-tuning with frozen
+BatchNorm statistics): under torch.export that mode has its own graph, whose stages recompute
+the same blocks by node name.
+
 Tolerances: fp32, the same kernels on the same microbatches (tests/reference.py). Buffers are
 compared against the plain model run microbatch by microbatch, as the pipeline runs it.
 """
@@ -22,6 +26,7 @@ import torch
 import pipecut
 from examples import gpt, resnet, zoo
 from pipecut.core.batching import split_microbatches
+from pipecut.core.graph import canonical_names
 from pipecut.plan import DeviceSpec, Plan, Recompute
 from tests.harness import run_ranks
 from tests.reference import ATOL, RTOL, assert_parity, pipeline_grads, reference
@@ -62,9 +67,12 @@ def _run(build: Any, world: int, how: Any = None, devices: Any = None) -> dict[s
         model, inputs, loss_fn, target = build()
     pipe = pipecut.compile(model, devices or world, plan=plan, **kw)
     loss = pipe.step(inputs, target)
+    grads, buffers = pipeline_grads(model, pipe), {n: b.clone() for n, b in pipe.named_buffers()}
+    pipe.module.zero_grad(set_to_none=True)
+    eval_loss = pipe.eval().step(inputs, target)  # eval mode, with gradients (frozen statistics)
     return {
-        "loss": loss, "grads": pipeline_grads(model, pipe),
-        "buffers": {n: b.clone() for n, b in pipe.named_buffers()},
+        "loss": loss, "grads": grads, "buffers": buffers,
+        "eval": {"loss": eval_loss, "grads": pipeline_grads(model, pipe)},
         "peak": pipe.peak_activation_bytes, "plan": pipe.plan.to_json(),
         "segments": sum(type(m).__name__ == "Segment" for w in pipe.workers.values()
                         for m in w.program.module.modules()),
@@ -93,13 +101,21 @@ def ranks() -> list[dict[str, Any]]:
     return run_ranks(_scenarios, 2, timeout=400)
 
 
-def _reference_with_buffers(build: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _reference_with_buffers(build: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
+    """The training step's loss and gradients, the buffers after it, and then the loss and
+    gradients of a step in eval mode (running statistics, no updates)."""
     loss, grads = reference(build, M, per_microbatch=True)
     model, inputs, loss_fn, target = build()  # buffers after M microbatch forwards, as pipelined
     size = target.shape[0]
     for x, t in zip(split_microbatches(inputs, M, size), split_microbatches(target, M, size)):
         loss_fn(model(**x) if isinstance(x, dict) else model(*x), t)
-    return loss, grads, dict(model.named_buffers())
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    model.eval()
+    eval_loss = loss_fn(model(**inputs) if isinstance(inputs, dict) else model(*inputs), target)
+    eval_loss.backward()
+    names = canonical_names(model)
+    eval_grads = {names[id(p)]: p.grad for p in model.parameters() if p.grad is not None}
+    return loss, grads, buffers, (eval_loss.detach(), eval_grads)
 
 
 def _check_buffers(want: dict[str, torch.Tensor], results: list[dict[str, Any]]) -> None:
@@ -129,9 +145,10 @@ def test_gpt_recomputes_single_blocks_or_whole_stages_with_plain_gradients(ranks
 def test_batchnorm_statistics_are_written_once_per_microbatch_under_recompute(
     ranks: list[dict[str, Any]], key: str, build: Any
 ) -> None:
-    ref_loss, ref_grads, ref_buffers = _reference_with_buffers(build)
+    ref_loss, ref_grads, ref_buffers, (eval_loss, eval_grads) = _reference_with_buffers(build)
     assert_parity(ref_loss, ref_grads, [r[key] for r in ranks])
     _check_buffers(ref_buffers, [r[key] for r in ranks])
+    assert_parity(eval_loss, eval_grads, [r[key]["eval"] for r in ranks])  # the other mode's graph
     if key.endswith("blocks"):
         assert any(r[key]["segments"] for r in ranks)
 

@@ -27,7 +27,7 @@ from pipecut.partition import partition_costs
 from pipecut.passes.eval_graph import map_stages
 from pipecut.passes.schedules import build
 from pipecut.passes.split import split_stage
-from pipecut.plan import CaptureMethod, NodeCost, NodeOp, ScheduleKind
+from pipecut.plan import CaptureMethod, NodeCost, NodeOp, Recompute, ScheduleKind
 from pipecut.runtime.forward import concat_microbatches
 from pipecut.runtime.stage import StageWorker
 
@@ -117,6 +117,22 @@ def test_other_mode_keeps_the_plan_stages(method: CaptureMethod) -> None:
         assert set(ost.parameters) == set(st.parameters)
     assert other_plan.stages[0].outputs == other_plan.stages[1].inputs
 
+    # Recomputed blocks follow their nodes to the other graph; none there: the whole stage.
+    some = plan.stages[0].nodes[2:6]
+    gone = tuple(n for n in plan.stages[1].nodes if n not in names)  # export: BatchNorm's add_
+    picked = dataclasses.replace(plan, stages=(
+        dataclasses.replace(plan.stages[0], recompute=Recompute.SELECTIVE, recomputed=some),
+        dataclasses.replace(plan.stages[1], recompute=Recompute.SELECTIVE, recomputed=gone) if gone
+        else plan.stages[1],
+    ))
+    derived = derive_other_mode(model, first, captured, picked, ())
+    assert derived is not None
+    mapped = derived[1]
+    assert mapped.stages[0].recompute is Recompute.SELECTIVE
+    assert (method is CaptureMethod.EXPORT) == bool(gone)
+    if gone:
+        assert mapped.stages[1].recompute is Recompute.FULL and mapped.stages[1].recomputed == ()
+    assert mapped.stages[0].recomputed == tuple(n for n in some if n in names)
 
 def test_identical_graphs_are_shared() -> None:
     model, inputs, loss_fn, target = mlp.build(batch_size=8, width=16, depth=2)
