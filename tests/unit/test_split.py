@@ -26,6 +26,21 @@ def _run_chained(programs: Any, cap: Any, inputs: Any) -> Any:
     return cap.unflatten_output(out)
 
 
+def _assert_chained_is_the_model(programs: Any, cap: Any, model: Any, inputs: Any, loss_fn: Any, target: Any) -> None:
+    """The stage programs run one after another give the model's loss and gradients bitwise
+    (the same ops in the same order)."""
+    loss = loss_fn(_run_chained(programs, cap, inputs), target)
+    loss.backward()
+    names = canonical_names(model)
+    got = {names[id(p)]: p.grad.clone() for p in model.parameters()}
+    model.zero_grad()
+    ref = loss_fn(model(*inputs), target)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=0, atol=0)
+    for p in model.parameters():
+        torch.testing.assert_close(got[names[id(p)]], p.grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 @pytest.mark.parametrize("k", [2, 3, 5])
 def test_chained_stages_equal_the_model(name: str, k: int) -> None:
@@ -37,16 +52,7 @@ def test_chained_stages_equal_the_model(name: str, k: int) -> None:
     verify(cap.gm, programs, plan)
     nodes_before = [(n.name, n.op, n.target) for n in cap.gm.graph.nodes]
 
-    loss = loss_fn(_run_chained(programs, cap, inputs), target)
-    loss.backward()
-    names = canonical_names(model)
-    got = {names[id(p)]: p.grad.clone() for p in model.parameters()}
-    model.zero_grad()
-    ref = loss_fn(model(*inputs), target)
-    ref.backward()
-    torch.testing.assert_close(loss, ref, rtol=0, atol=0)  # same ops, same order: bitwise
-    for p in model.parameters():
-        torch.testing.assert_close(got[names[id(p)]], p.grad, rtol=0, atol=0)
+    _assert_chained_is_the_model(programs, cap, model, inputs, loss_fn, target)
     assert [(n.name, n.op, n.target) for n in cap.gm.graph.nodes] == nodes_before  # input untouched
 
 
@@ -81,16 +87,7 @@ def test_stages_recomputing_some_nodes_equal_the_model(name: str) -> None:
     programs = split(cap.gm, plan)
     verify(cap.gm, programs, plan)
     assert all(any(isinstance(m, Segment) for m in p.module.modules()) for p in programs)
-    loss = loss_fn(_run_chained(programs, cap, inputs), target)
-    loss.backward()
-    names = canonical_names(model)
-    got = {names[id(p)]: p.grad.clone() for p in model.parameters()}
-    model.zero_grad()
-    ref = loss_fn(model(*inputs), target)
-    ref.backward()
-    torch.testing.assert_close(loss, ref, rtol=0, atol=0)
-    for p in model.parameters():
-        torch.testing.assert_close(got[names[id(p)]], p.grad, rtol=0, atol=0)
+    _assert_chained_is_the_model(programs, cap, model, inputs, loss_fn, target)
 
 
 def test_verify_catches_a_lost_or_duplicated_node() -> None:
