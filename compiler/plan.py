@@ -119,6 +119,10 @@ class NodeCost:
     forward_ms: float = 0.0
     backward_ms: float = 0.0
     output_bytes: int = 0
+    saved_bytes: int | None = None
+    """Bytes autograd keeps for backward on this node's account, measured while profiling:
+    its output where some node saves it, and what the node saves of its own (a softmax's
+    result, a dropout mask). None where not measured (estimated rows, hand-made tables)."""
     param_bytes: int = 0
     parameters: tuple[str, ...] = ()
     """Canonical FQNs of the parameters this node reads directly."""
@@ -137,6 +141,12 @@ class NodeCost:
     def __post_init__(self) -> None:
         if self.forward_ms < 0 or self.backward_ms < 0:
             raise ValueError(f"node {self.name}: negative time")
+
+    @property
+    def kept_bytes(self) -> int:
+        """Activation bytes this node costs until backward: measured where known, else its
+        whole output (the safe side)."""
+        return self.saved_bytes if self.saved_bytes is not None else self.output_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -70,6 +70,8 @@ def costs_at(
             forward_ms=_affine(a.forward_ms, b.forward_ms, size_lo, size_hi, size),
             backward_ms=_affine(a.backward_ms, b.backward_ms, size_lo, size_hi, size),
             output_bytes=a.output_bytes if a.output_bytes == b.output_bytes else int(a.output_bytes * ratio),
+            saved_bytes=None if a.saved_bytes is None or b.saved_bytes is None
+            else round(_affine(a.saved_bytes, b.saved_bytes, size_lo, size_hi, size)),
             leaves=leaves,
             shape=next((x.shape for x in leaves if x.kind is LeafKind.TENSOR), a.shape),
         ))

@@ -281,7 +281,7 @@ def formulate(
         boundary_ms=tuple(boundary_ms(fwd_bytes, bwd_bytes, allowed, link)),
         input_bytes=tuple(fwd_bytes),
         fixed_bytes=tuple(unit_fixed_bytes(u, by_name, data_parallel) for u in units),
-        activation_bytes=tuple(u.output_bytes for u in units),
+        activation_bytes=tuple(u.kept_bytes for u in units),
         speeds=tuple(d.speed for d in devices),
         capacities=tuple(d.memory_bytes for d in devices),
         inflight=tuple(inflight_microbatches(schedule, k, microbatches)),

@@ -134,10 +134,10 @@ def build_stages(
             act = in_bytes  # only the stage inputs are kept; the rest is recomputed in backward
             bwd_ms += fwd_ms
         else:
-            act = in_bytes + sum(u.output_bytes for u in units)
+            act = in_bytes + sum(u.kept_bytes for u in units)
             for a, e in _runs(sorted(live.index[n] for n in recomputed[s])):  # SELECTIVE's blocks
                 block = [by_name[u] for u in live.units[a:e]]
-                act -= sum(u.output_bytes for u in block) - (fwd[a] if a > bounds[s] else 0)
+                act -= sum(u.kept_bytes for u in block) - (fwd[a] if a > bounds[s] else 0)
                 bwd_ms += sum(u.forward_ms for u in block) / speed
         fixed = state_bytes(pbytes, data_parallel)
         stages.append(

@@ -70,7 +70,7 @@ def workload(nodes: Sequence[NodeCost]) -> Workload:
         forward_ms=tuple(u.forward_ms for u in units),
         backward_ms=tuple(u.backward_ms for u in units),
         param_bytes=params,
-        activation_bytes=tuple(u.output_bytes for u in units),
+        activation_bytes=tuple(u.kept_bytes for u in units),
         cut_forward_bytes=tuple(fwd),
         cut_backward_bytes=tuple(bwd),
         crossable=tuple(allowed),

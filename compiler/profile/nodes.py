@@ -11,7 +11,9 @@ written, and gradients are computed with ``autograd.grad`` instead of ``backward
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Hashable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ from pipecut.plan import NodeCost, NodeOp
 from pipecut.profile.flops import NodeWork
 from pipecut.profile.oversized import estimate_oversized, is_out_of_memory, meta_work, stand_in
 from pipecut.profile.running import LossFn, NodeRunner, cut, detached_leaves, preserved_state
+from pipecut.profile.saved import SavedBytes
 from pipecut.profile.signature import cost_key
 
 __all__ = ["LossFn", "profile"]
@@ -148,6 +151,7 @@ def profile(
     measured: dict[Hashable, tuple[float, float]] = {}
     metas: dict[fx.Node, Any] = {}
     oversized: dict[str, NodeWork] = {}
+    saved = SavedBytes([*gm.parameters(), *gm.buffers()])
     with preserved_state(gm), torch.enable_grad():
         for i, node in enumerate(nodes):
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
@@ -159,6 +163,7 @@ def profile(
                 if loss_fn is not None:
                     output = captured.unflatten_output(value)
                     forward_ms, backward_ms = _time_loss(loss_fn, output, target, timer)
+                    saved.run(node.name, value, partial(loss_fn, output, target))  # what the loss keeps
             elif node.op == "get_attr":
                 value = runner.call(node, args, kwargs)
             else:
@@ -178,7 +183,8 @@ def profile(
                                                        timer)
                             if key is not None:
                                 measured[key] = (forward_ms, backward_ms)
-                        value = runner.call(node, args, kwargs)
+                        value = saved.run(node.name, (args, kwargs), partial(runner.call, node, args, kwargs),
+                                          exclude=real.values())
                         if real:  # cut the autograd graph: it would keep the scratch weights alive
                             value = pytree.tree_map(cut, value)
                 except Exception as e:
@@ -190,12 +196,20 @@ def profile(
                     margs, mkwargs = metas[node]
                     value, oversized[node.name] = stand_in(runner, node, gm, margs, mkwargs, device)
             env[node] = value
+            if node.op == "placeholder":
+                saved.produced(None, value)
+            elif node.op == "get_attr":
+                saved.constant(value)
             rows.append(_row(node, value, gm, canonical, forward_ms, backward_ms))
             for n in node.all_input_nodes:  # free values no later node reads
                 if last_use[n] == i and n.op != "output":
                     env.pop(n, None)
             if progress is not None:
                 progress(i + 1, len(nodes))
+        # What autograd keeps per node, the loss's on the output row (estimated rows keep their
+        # whole output: nothing measured).
+        rows = [dataclasses.replace(r, saved_bytes=saved.bytes_of(r.name))
+                if r.op is not NodeOp.GET_ATTR and r.name not in oversized else r for r in rows]
         if oversized:  # nodes too big to run here: priced at the rates the others ran at
             work = {n.name: meta_work(runner, n, gm, a, k)[1] for n, (a, k) in metas.items() if n.name not in oversized}
             return estimate_oversized(rows, work, oversized)

@@ -67,10 +67,11 @@ def test_memory_bound_profiler_names_and_refusal() -> None:
         stage = r["stage"]
         assert f"pipecut.{stage}F0" in r["names"] and f"pipecut.{stage}B{M - 1}" in r["names"], r["names"]
         assert "<-- ERROR HERE" in r["refused"] and "rank 1 stops at 1F1" in r["refused"], r["refused"]
-        # The plan budgets activation_bytes per microbatch in flight; the meter counts what
-        # autograd saves plus tensors still being sent.
+        # The plan budgets activation_bytes per microbatch in flight (what autograd saves, as
+        # profiling measured it); the meter counts that plus tensors still being sent, which
+        # the plan does not count (bounded below).
         bound = plan.stages[stage].activation_bytes * inflight[stage]
-        assert 0 < r["peak"] <= bound, (stage, r["peak"], bound)
+        assert 0 < r["peak"] <= bound + r["peak_sending"], (stage, r["peak"], bound, r["peak_sending"])
         # Sent tensors (activations forward, gradients back) live until one receive-wait after
         # their own (gloo reports a send complete only once waited): at most three
         # microbatches' worth here, where holding them to the end of the step would keep M = 8.

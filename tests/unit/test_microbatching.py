@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import pipecut
@@ -33,6 +35,10 @@ def test_costs_are_affine_in_the_microbatch_and_only_changing_dims_scale() -> No
     assert at4[1].forward_ms == 5.0 and at4[1].leaves[0].shape == (3, 8)  # independent of the batch
     with pytest.raises(ValueError, match="different graphs"):
         costs_at(small, large[:1], 2, 8, 4)
+    # Saved bytes are affine too; unmeasured on either side stays unmeasured.
+    kept = costs_at(tuple(dataclasses.replace(r, saved_bytes=b) for r, b in zip(small, (16, 0))),
+                    tuple(dataclasses.replace(r, saved_bytes=b) for r, b in zip(large, (64, 0))), 2, 8, 4)
+    assert [r.saved_bytes for r in kept] == [32, 0] and at4[0].saved_bytes is None
 
 
 def test_auto_picks_the_fastest_predicted_pair_and_records_every_candidate() -> None:

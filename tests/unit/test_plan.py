@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pipecut
 from examples import mlp
 from pipecut.api import _check_fingerprint
 from pipecut.errors import PlanError
-from pipecut.plan import Plan
+from pipecut.plan import NodeCost, NodeOp, Plan
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +87,10 @@ def test_runs_like_ignores_costs_but_not_the_split(plan: Plan) -> None:
                     dataclasses.replace(second, nodes=second.nodes[1:]), *plan.stages[2:])
     assert not dataclasses.replace(recosted, stages=moved_stages).runs_like(plan)
     assert not dataclasses.replace(plan, microbatches=plan.microbatches * 2).runs_like(plan)
+
+
+def test_kept_bytes_are_the_measured_saved_bytes_else_the_whole_output() -> None:
+    node = NodeCost(name="n", op=NodeOp.CALL_FUNCTION, target="f", output_bytes=100)
+    assert node.kept_bytes == 100
+    assert dataclasses.replace(node, saved_bytes=0).kept_bytes == 0
+    assert dataclasses.replace(node, saved_bytes=40).kept_bytes == 40

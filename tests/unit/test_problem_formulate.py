@@ -21,7 +21,7 @@ def test_units_costs_and_devices_come_from_the_cost_table():
     assert p.names == f.live.units and len(f.modules) == p.units
     assert all(by_name[u].op is not NodeOp.PLACEHOLDER for u in p.names)
     assert p.compute_ms == tuple(by_name[u].forward_ms + by_name[u].backward_ms for u in p.names)
-    assert p.activation_bytes == tuple(by_name[u].output_bytes for u in p.names)
+    assert p.activation_bytes == tuple(by_name[u].kept_bytes for u in p.names)  # measured, else output
     assert p.speeds == (1.0, 2.0) and p.capacities == (10**9, None) and p.recompute
     assert p.inflight == tuple(inflight_microbatches(ScheduleKind.GPIPE, 2, 4)) == (4, 4)
     assert sum(p.fixed_bytes) >= state_bytes(sum(n.param_bytes for n in plan.nodes))

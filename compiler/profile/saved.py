@@ -1,0 +1,83 @@
+"""Which node's account each tensor that autograd keeps for backward goes to.
+
+Profiling runs the graph node by node with autograd on. Every tensor a node saves for its
+backward passes a saved-tensor hook. A saved tensor that shares storage with one of the node's
+inputs is charged to the node that made that storage (a Linear keeps its input: its producer's
+output stays alive until backward). Any other is the node's own: what it computed and keeps (a
+softmax's output, a dropout mask). A model input is charged to the node that keeps it (inputs
+are no stage's units; the stage that keeps one holds it per microbatch). Each storage is
+counted once, for one owner; parameters, buffers and tensor constants are not activations. This is what the planner should count per microbatch in flight,
+rather than every node's whole output: a node whose output nobody saves costs nothing.
+
+    >>> saved = SavedBytes(model_state)
+    >>> value = saved.run("linear_1", (args, kwargs), lambda: runner.call(node, args, kwargs))
+    >>> saved.bytes_of("linear_1")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["SavedBytes"]
+
+
+def _storages(tree: Any) -> dict[int, int]:
+    """Storage address -> bytes of every tensor in ``tree`` (meta tensors have none)."""
+    out = {}
+    for t in pytree.tree_leaves(tree):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            storage = t.untyped_storage()
+            if storage.data_ptr():
+                out[storage.data_ptr()] = storage.nbytes()
+    return out
+
+
+class SavedBytes:
+    def __init__(self, state: Iterable[torch.Tensor]) -> None:
+        self._state = set(_storages(list(state)))
+        self._owner: dict[int, str | None] = {}
+        """Storage address -> the node whose output first held it (views keep their source's)."""
+        self._charged: dict[str, dict[int, int]] = {}
+        """Node -> the storages charged to it (address -> bytes)."""
+
+    def run(self, name: str, inputs: Any, call: Callable[[], Any], exclude: Iterable[torch.Tensor] = ()) -> Any:
+        """``call()`` (node ``name`` on ``inputs``), charging what it saves for backward;
+        ``exclude``: tensors that are weights too (scratch copies of a model's parameters)."""
+        held = _storages(inputs)
+        skip = self._state | set(_storages(list(exclude)))
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen.update(_storages(t))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            value = call()
+        for ptr, size in seen.items():
+            if ptr in skip:
+                continue
+            owner = (self._owner.get(ptr) or name) if ptr in held else name
+            self._charged.setdefault(owner, {})[ptr] = size
+        self.produced(name, value, held)
+        return value
+
+    def produced(self, name: str | None, value: Any, held: Iterable[int] = ()) -> None:
+        """Node ``name`` made ``value``: its new storages are its own; views of ``held`` are not.
+        None for a model input: it is charged to the node that keeps it (an input is no unit of
+        any stage; the stage that keeps it holds it per microbatch)."""
+        inputs = set(held)
+        for ptr in _storages(value):
+            if ptr not in inputs:  # a new storage (an address freed earlier may come back)
+                self._owner[ptr] = name
+
+    def constant(self, value: Any) -> None:
+        """``value`` is model state read through an attribute (a tensor constant): not an
+        activation, whoever keeps it."""
+        self._state |= set(_storages(value))
+
+    def bytes_of(self, name: str) -> int:
+        return sum(self._charged.get(name, {}).values())
