@@ -59,8 +59,8 @@ def _rank(rank: int, world: int, name: str, fractions: list[float], steps: int) 
         devices = [pipecut.DeviceSpec(name=f"cpu{r}", memory_bytes=int(top * f)) for r in range(world)]
         try:
             pipe = pipecut.compile(model, devices, **kw)
-        except pipecut.PartitionError as e:
-            rows.append({"fraction": f, "cap_mib": top * f / MIB, "error": str(e).split(";")[0]})
+        except (pipecut.PartitionError, pipecut.PipelineRuntimeError) as e:  # rank 1 hears of it from rank 0
+            rows.append({"fraction": f, "cap_mib": top * f / MIB, "error": str(e).split("PartitionError: ")[-1].split(";")[0]})
             continue
         plan = pipe.plan
         row: dict[str, Any] = {
