@@ -96,9 +96,9 @@ def choose(
             except (PartitionError, ScheduleError, InputError) as e:
                 candidates.append(Candidate(microbatches=m, schedule=kind, step_ms=None, note=str(e)[:200]))
                 continue
-            if kind is ScheduleKind.ZERO_BUBBLE and any(s.recompute is not Recompute.NONE for s in planned.stages):
+            if kind.splits_backward and any(s.recompute is not Recompute.NONE for s in planned.stages):
                 candidates.append(Candidate(microbatches=m, schedule=kind, step_ms=None,
-                                            note="needs recompute, which zero-bubble cannot run"))
+                                            note=f"needs recompute, which {kind.value} cannot run"))
                 continue
             candidates.append(Candidate(microbatches=m, schedule=kind, step_ms=planned.predicted.step_ms))
     feasible = [c for c in candidates if c.step_ms is not None]

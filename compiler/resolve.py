@@ -75,7 +75,7 @@ def schedules(plan: Plan) -> Any:
         try:
             sched = build(plan.schedule, plan.num_ranks, microbatches, plan.stages_per_rank,
                           stage_costs(plan.stages, plan.nodes, plan.link))
-            validate(sched, microbatches)
+            validate(sched, microbatches, plan.schedule.placement)
         except (ScheduleError, ValueError) as e:
             raise InputError(
                 f"a batch that splits into {microbatches} microbatches cannot run the "

@@ -11,7 +11,7 @@ from typing import overload
 
 import numpy as np
 
-from pipecut.core.schedule import Action, Schedule, StageCosts, rank_end_ms, timeline
+from pipecut.core.schedule import Action, Schedule, StageCosts, rank_end_ms, rank_of, timeline
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.chain import (
     Liveness,
@@ -232,7 +232,8 @@ def predict(
     ends = rank_end_ms(sched, costs.forward, costs.backward, costs.forward_link, costs.backward_link,
                        costs.weight)
     replicas = data_parallel.replicas if data_parallel is not None else 1
-    held = [sum(st.param_bytes for st in stages if st.index % ranks == r) for r in range(ranks)]
+    held = [sum(st.param_bytes for st in stages if rank_of(st.index, ranks, schedule.placement) == r)
+            for r in range(ranks)]
     step = max((end + ring_allreduce_ms(b, replicas, link) for end, b in zip(ends, held)), default=0.0)
     busy = microbatches * sum(f + b for f, b in zip(costs.forward, costs.backward))
     stage_ms = tuple(s.time_ms for s in stages)

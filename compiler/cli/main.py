@@ -185,7 +185,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          "--microbatches and --schedule as values, not 'auto'")
     if args.data_parallel is not None and args.device_profile is not None:
         raise InputError("--data-parallel auto profiles the model here: drop --device-profile")
-    if args.stages_per_rank > 1 and args.schedule != "auto" and as_schedule(args.schedule) is not ScheduleKind.INTERLEAVED_1F1B:
+    if (args.stages_per_rank > 1 and args.schedule != "auto"
+            and as_schedule(args.schedule) is not ScheduleKind.INTERLEAVED_1F1B
+            and as_schedule(args.schedule).fixed_stages_per_rank != args.stages_per_rank):
         raise InputError(
             f"--stages-per-rank {args.stages_per_rank} needs --schedule interleaved-1f1b "
             f"(got {args.schedule}); use --stages-per-rank 1 otherwise"
