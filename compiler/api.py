@@ -278,7 +278,7 @@ def compile(
                 model, devices, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
                 microbatches=microbatches, schedule=schedule, plan=recalibrated, link=link,
                 timeout=timeout, capture_method=capture_method, leaf_modules=leaf_modules,
-                stages_per_rank=stages_per_rank, loss_reduction=reduction, data_parallel=data_parallel,
+                stages_per_rank=recalibrated.stages_per_rank, loss_reduction=reduction, data_parallel=data_parallel,
                 weights=weights, init=init, seed=seed,
             )
     if replication is not None:  # after Pipeline has read the parameter names FSDP may change
