@@ -24,7 +24,7 @@ from pipecut.core.schedule import (
 from pipecut.errors import InputError, PlanError, ScheduleError
 from pipecut.partition import partition_costs
 from pipecut.passes.schedules import build, unit_costs
-from pipecut.passes.stages import inflight_microbatches
+from pipecut.passes.stages import inflight_microbatches, plan_costs, stage_costs
 from pipecut.passes.zbv import zbv, zbv_inflight
 from pipecut.plan import ScheduleKind
 from pipecut.report.gantt import predicted_spans
@@ -114,3 +114,12 @@ def test_costs_of_the_wrong_length_are_refused() -> None:
     costs = StageCosts(forward=(1.0,) * 4, backward=(2.0,) * 4, weight=(1.0,) * 4,
                        forward_link=(0.0,) * 3, backward_link=(0.0,) * 3)
     assert build(ZBV, 2, 4, costs=costs) == build(ZBV, 2, 4)
+
+
+def test_the_turn_of_the_v_costs_no_transfer() -> None:
+    plan = mlp_plan(2, 4, "zbv")
+    costs = plan_costs(plan)
+    assert costs.forward_link[1] == costs.backward_link[1] == 0.0  # stages 1 and 2: both on rank 1
+    assert costs.forward_link[0] > 0 and costs.forward_link[2] > 0  # the other cuts cross ranks
+    loop = stage_costs(plan.stages, plan.nodes, plan.link)  # without the ranks: every cut is sent
+    assert loop.forward_link[1] > 0
