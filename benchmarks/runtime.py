@@ -121,7 +121,8 @@ def _pipecut_rank(rank: int, world: int, name: str, schedule: str, rounds: int, 
 
     def step() -> None:
         pipe.step(inputs, target)
-        pipe.module.zero_grad()
+        for module in pipe.modules:  # ZBV: two stages per rank
+            module.zero_grad()
 
     out = _paired(rank, name, step, rounds, steps)
     pipe.step(inputs, target, record=True)

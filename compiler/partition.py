@@ -17,7 +17,7 @@ import torch
 
 import pipecut
 from pipecut.core.choices import enum_choice
-from pipecut.core.schedule import rank_of
+from pipecut.core.schedule import rank_of, stages_on
 from pipecut.errors import InputError, PartitionError
 from pipecut.parallel import DataParallel
 from pipecut.passes.chain import boundary_bytes, can_cross, is_unit, liveness
@@ -40,6 +40,7 @@ from pipecut.plan import (
     Recompute,
     ScheduleKind,
     Solver,
+    Stage,
 )
 
 __all__ = [
@@ -218,6 +219,7 @@ def partition_costs(
         nodes, live, bounds, devices=specs, link=link, schedule=kind, microbatches=microbatches,
         recompute=recomputes, stages_per_rank=stages_per_rank, data_parallel=data_parallel,
     )
+    _check_rank_memory(facts.stages, ranks, kind)
     predicted = dataclasses.replace(facts.predicted, optimum_step_ms=optimum_ms or facts.predicted.step_ms)
     return Plan(
         fingerprint=fingerprint,
@@ -239,6 +241,25 @@ def partition_costs(
         pipecut_version=pipecut.__version__,
         torch_version=torch.__version__,
     )
+
+
+def _check_rank_memory(stages: Sequence[Stage], ranks: Sequence[DeviceSpec], kind: ScheduleKind) -> None:
+    """The stages a rank runs share its memory. The solvers fit each stage within its device's
+    capacity on its own; with several stages per rank (interleaved, ZBV) their peaks together
+    (an upper bound: they need not coincide) must fit too, or the plan is refused."""
+    k = len(ranks)
+    if len(stages) == k:
+        return
+    for r, spec in enumerate(ranks):
+        mine = stages_on(r, k, len(stages), kind.placement)
+        need = sum(stages[s].peak_memory_bytes for s in mine)
+        if spec.memory_bytes is not None and need > spec.memory_bytes:
+            raise PartitionError(
+                f"rank {r} ({spec.name}) runs stages {list(mine)} of the {kind.value} schedule, "
+                f"which together need {need / 2**20:.1f} MiB at their peaks, over its "
+                f"{spec.memory_bytes / 2**20:.1f} MiB; use one stage per rank (schedule='1f1b' "
+                f"or 'zero-bubble'), more devices or more memory"
+            )
 
 
 def _stages_per_rank(kind: ScheduleKind, asked: int) -> int:

@@ -21,12 +21,12 @@ from pipecut.core.schedule import (
     stages_on,
     validate,
 )
-from pipecut.errors import InputError, PlanError, ScheduleError
+from pipecut.errors import InputError, PartitionError, PlanError, ScheduleError
 from pipecut.partition import partition_costs
 from pipecut.passes.schedules import build, unit_costs
 from pipecut.passes.stages import inflight_microbatches, plan_costs, stage_costs
 from pipecut.passes.zbv import zbv, zbv_inflight
-from pipecut.plan import ScheduleKind
+from pipecut.plan import DeviceSpec, ScheduleKind
 from pipecut.report.gantt import predicted_spans
 from pipecut.runtime.p2p import Wiring, receives, sends
 from tests.unit.tiny import mlp_plan
@@ -123,3 +123,18 @@ def test_the_turn_of_the_v_costs_no_transfer() -> None:
     assert costs.forward_link[0] > 0 and costs.forward_link[2] > 0  # the other cuts cross ranks
     loop = stage_costs(plan.stages, plan.nodes, plan.link)  # without the ranks: every cut is sent
     assert loop.forward_link[1] > 0
+
+
+def test_two_stages_on_a_rank_must_fit_its_memory_together() -> None:
+    plan = mlp_plan(2, 4, "zbv")
+    need = [sum(plan.stages[s].peak_memory_bytes for s in plan.stages_on(r)) for r in range(2)]
+    biggest = max(st.peak_memory_bytes for st in plan.stages)
+    room = max(biggest, min(need))  # every stage fits alone, but not both of the rank needing more
+    devices = [DeviceSpec(name="cpu", memory_bytes=room)] * 2
+    assert max(need) > room
+    with pytest.raises(PartitionError, match=r"rank \d \(cpu\) runs stages \[\d, \d\] of the zbv schedule"):
+        partition_costs(plan.nodes, devices=devices, microbatches=4, batch_size=8, schedule="zbv",
+                        recompute=False)
+    fits = [DeviceSpec(name="cpu", memory_bytes=max(need))] * 2
+    assert partition_costs(plan.nodes, devices=fits, microbatches=4, batch_size=8, schedule="zbv",
+                           recompute=False).num_stages == 4
