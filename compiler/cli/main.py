@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="choose D replicas x K stages for the --devices N by predicted step "
                         "(gradient all-reduce included); the plan is one replica's K stages")
     p.add_argument("--stages-per-rank", type=_positive, default=1, metavar="V",
-                   help="virtual stages per device, with --schedule interleaved-1f1b (default 1)")
+                   help="virtual stages per device, with --schedule interleaved-1f1b (default 1; zbv always runs 2)")
     p.add_argument("--device-profile", metavar="NAME", default=None,
                    help="plan for this GPU instead of profiling here: times estimated from FLOPs "
                    "and bytes, memory and link from its datasheet; one of "

@@ -138,3 +138,11 @@ def test_two_stages_on_a_rank_must_fit_its_memory_together() -> None:
     fits = [DeviceSpec(name="cpu", memory_bytes=max(need))] * 2
     assert partition_costs(plan.nodes, devices=fits, microbatches=4, batch_size=8, schedule="zbv",
                            recompute=False).num_stages == 4
+
+
+def test_data_parallel_refuses_the_split_backward() -> None:
+    from pipecut.parallel import DataParallelKind
+    from pipecut.runtime.data_parallel import check_supported
+
+    with pytest.raises(PlanError, match="data_parallel='ddp' cannot run the zbv schedule"):
+        check_supported(mlp_plan(2, 4, "zbv"), DataParallelKind.DDP)
