@@ -1,16 +1,17 @@
 """Runtime benchmark: pipecut's schedules against torch.distributed.pipelining and one process.
 
     .venv/bin/python benchmarks/runtime.py [--rounds 5] [--steps 2] [--models gpt,mlp,...]
-        [--schedules gpipe,1f1b,zero-bubble] [--no-pippy]
+        [--schedules gpipe,1f1b,zero-bubble,zbv] [--no-pippy]
 
 Two forked CPU ranks on gloo, one thread each; batch 16 in 8 microbatches. For each model:
 one plain process on the full batch (one thread), pipecut under each schedule, and
 torch.distributed.pipelining's GPipe cut at the module boundary nearest pipecut's cut. Step time
 is the median over ``--steps`` timed steps after two warm-up steps (forward + backward; no
-optimizer step in any of them). After the runs, a second table gives each pipecut runner's
-predicted against measured step and the error, with each stage's measured forward and backward
-per microbatch (from the timeline of one recorded step) against the plan's, which shows where
-a prediction is off. Prints the tables and writes JSON. Not a test: numbers depend on
+optimizer step in any of them). ZBV cuts the model into four stages, two per rank on a V (rank 0
+runs the first and the last). After the runs, a second table gives each pipecut runner's
+predicted against measured step and the error, with each rank's measured forward and backward
+per microbatch (its stages together, from the timeline of one recorded step) against the
+plan's, which shows where a prediction is off. Prints the tables and writes JSON. Not a test: numbers depend on
 the machine and on whatever else runs on it.
 """
 
@@ -120,7 +121,8 @@ def _pipecut_rank(rank: int, world: int, name: str, schedule: str, rounds: int, 
 
     def step() -> None:
         pipe.step(inputs, target)
-        pipe.module.zero_grad()
+        for module in pipe.modules:  # ZBV: two stages per rank
+            module.zero_grad()
 
     out = _paired(rank, name, step, rounds, steps)
     pipe.step(inputs, target, record=True)
@@ -152,22 +154,24 @@ def with_recompute(plan: pipecut.Plan, kinds: list[pipecut.Recompute] | None = N
 
 def _timeline_summary(events: Any, plan: pipecut.Plan, rank: int) -> dict[str, Any]:
     """This rank's recorded step against the plan: per microbatch, the median measured time of
-    each action kind (F, B, or zero-bubble's I + W) beside the stage's predicted forward and
-    backward, and how much of the step the rank computed (the rest is waiting and messaging)."""
-    spans: dict[str, list[float]] = {}
+    each action kind (F, B, or zero-bubble's I + W), summed over the rank's stages, beside their
+    predicted forward and backward, and how much of the step the rank computed (the rest is
+    waiting and messaging)."""
+    spans: dict[tuple[int, str], list[float]] = {}
     for e in events:
         m = re.fullmatch(r"(\d+)([FBIW])(\d+)", e.action)
         if m:
-            spans.setdefault(m.group(2), []).append((e.end - e.start) * 1e3)
+            spans.setdefault((int(m.group(1)), m.group(2)), []).append((e.end - e.start) * 1e3)
     step_ms = max((e.end for e in events), default=0.0) * 1e3
     busy_ms = sum(sum(v) for v in spans.values())
-    measured_b = sum(statistics.median(spans[k]) for k in "BIW" if k in spans)
-    stage = plan.stages[rank]
+    mine = plan.stages_on(rank)
+    measured_f = sum(statistics.median(v) for (_, k), v in spans.items() if k == "F")
+    measured_b = sum(statistics.median(v) for (_, k), v in spans.items() if k in "BIW")
     return {
-        "stage": rank, "recorded_step_ms": step_ms, "busy_ms": busy_ms,
-        "forward_ms": statistics.median(spans["F"]) if "F" in spans else None,
-        "backward_ms": measured_b or None,
-        "predicted_forward_ms": stage.forward_ms, "predicted_backward_ms": stage.backward_ms,
+        "rank": rank, "stages": list(mine), "recorded_step_ms": step_ms, "busy_ms": busy_ms,
+        "forward_ms": measured_f or None, "backward_ms": measured_b or None,
+        "predicted_forward_ms": sum(plan.stages[s].forward_ms for s in mine),
+        "predicted_backward_ms": sum(plan.stages[s].backward_ms for s in mine),
     }
 
 
@@ -223,7 +227,8 @@ def _pippy_rank(rank: int, world: int, name: str, split: str, rounds: int, steps
     return _paired(rank, name, step, rounds, steps)
 
 
-def run(names: list[str], rounds: int, steps: int, schedules: tuple[str, ...] = ("gpipe", "1f1b", "zero-bubble"),
+def run(names: list[str], rounds: int, steps: int,
+        schedules: tuple[str, ...] = ("gpipe", "1f1b", "zero-bubble", "zbv"),
         pippy: bool = True) -> list[dict[str, Any]]:
     rows = []
     for name in names:
@@ -274,16 +279,16 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def print_predictions(rows: list[dict[str, Any]]) -> None:
-    """Predicted against measured step per runner, and per stage where the time goes: the
-    per-microbatch forward and backward measured in the recorded step's timeline against the
-    plan's, and the share of the recorded step each rank spent computing."""
-    print(f"\n{'model':8} {'runner':28} {'predicted':>9} {'measured':>9} {'error':>6}  per stage: "
+    """Predicted against measured step per runner, and per rank where the time goes: the
+    per-microbatch forward and backward of its stages measured in the recorded step's timeline
+    against the plan's, and the share of the recorded step each rank spent computing."""
+    print(f"\n{'model':8} {'runner':28} {'predicted':>9} {'measured':>9} {'error':>6}  per rank (stages): "
           f"F measured/predicted, B measured/predicted (ms per microbatch), busy share of recorded step")
     for r in rows:
         if "predicted_ms" not in r:
             continue
         stages = "  ".join(
-            f"s{t['stage']}: F {t['forward_ms'] or 0:.1f}/{t['predicted_forward_ms']:.1f} "
+            f"r{t['rank']} (s{'+'.join(map(str, t['stages']))}): F {t['forward_ms'] or 0:.1f}/{t['predicted_forward_ms']:.1f} "
             f"B {t['backward_ms'] or 0:.1f}/{t['predicted_backward_ms']:.1f} "
             f"busy {t['busy_ms'] / t['recorded_step_ms']:.0%}"
             for t in r["timeline"]
@@ -298,7 +303,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="steps per round and runner")
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--schedules", default="gpipe,1f1b,zero-bubble",
+    parser.add_argument("--schedules", default="gpipe,1f1b,zero-bubble,zbv",
                         help="pipecut schedules to run (the GPT example also runs gpipe+recompute)")
     parser.add_argument("--no-pippy", action="store_true", help="skip torch.distributed.pipelining")
     parser.add_argument("--out", default=str(Path(__file__).with_name("runtime.json")))

@@ -214,13 +214,13 @@ def compile(
     if chosen.microbatches != microbatches and plan is None:
         raise PlanError(f"plan has {chosen.microbatches} microbatches, asked for {microbatches}")
 
-    if chosen.schedule is ScheduleKind.ZERO_BUBBLE and any(s.recompute is not Recompute.NONE for s in chosen.stages):
+    if chosen.schedule.splits_backward and any(s.recompute is not Recompute.NONE for s in chosen.stages):
         raise PlanError(
-            "the zero-bubble schedule cannot yet run stages that recompute; use schedule='1f1b' "
-            "or plan without recompute"
+            f"the {chosen.schedule.value} schedule cannot yet run stages that recompute; use "
+            f"schedule='1f1b' or plan without recompute"
         )
     sched = plan_schedule(chosen)
-    validate(sched, chosen.microbatches)
+    validate(sched, chosen.microbatches, chosen.schedule.placement)
     check_nccl(sched, wiring(chosen))  # refuse an order that would hang, before anything runs
     if replication is not None:
         check_supported(chosen, replication.kind)
@@ -238,7 +238,7 @@ def compile(
             captured = dataclasses.replace(captured, gm=copy.deepcopy(captured.gm))
     workers = {}
     failure: BaseException | None = None
-    for stage in range(rank, chosen.num_stages, world):
+    for stage in chosen.stages_on(rank):
         program = split_stage(captured.gm, chosen, stage)
         try:
             materialize_stage(
@@ -278,7 +278,7 @@ def compile(
                 model, devices, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
                 microbatches=microbatches, schedule=schedule, plan=recalibrated, link=link,
                 timeout=timeout, capture_method=capture_method, leaf_modules=leaf_modules,
-                stages_per_rank=stages_per_rank, loss_reduction=reduction, data_parallel=data_parallel,
+                stages_per_rank=recalibrated.stages_per_rank, loss_reduction=reduction, data_parallel=data_parallel,
                 weights=weights, init=init, seed=seed,
             )
     if replication is not None:  # after Pipeline has read the parameter names FSDP may change
@@ -313,14 +313,13 @@ def _sync_weights(
     mine = [t for _, t in stage_state([workers[s].program.module for s in sorted(workers)])]
     sources: dict[int, list[torch.Tensor]] = {}
     if dist.get_rank() == 0:
-        k = plan.num_ranks
         by_position: dict[int, list[torch.Tensor]] = {}
         for replica in layout.replicas:
             for position, global_rank in enumerate(replica):
                 if global_rank == 0:
                     continue
                 if position not in by_position:
-                    modules = [split_stage(captured.gm, plan, s).module for s in range(position, plan.num_stages, k)]
+                    modules = [split_stage(captured.gm, plan, s).module for s in plan.stages_on(position)]
                     by_position[position] = [t for _, t in stage_state(modules)]
                 sources[global_rank] = by_position[position]
     sync_from_rank0(mine, sources, device, wait)
@@ -329,12 +328,11 @@ def _sync_weights(
 def _tied_groups(plan: Plan, layout: Layout, rank: int, wait: datetime.timedelta) -> list[tuple[str, Any]]:
     """Process groups over the ranks that hold each tied parameter. Every rank creates every
     group (new_group is collective), in plan order, replica by replica."""
-    k = plan.num_ranks
     mine = []
     made: dict[tuple[int, ...], Any] = {}
     for replica in layout.replicas:
         for tied in plan.tied:
-            holders = tuple(sorted({s % k for s in tied.stages}))
+            holders = tuple(sorted({plan.rank_of(s) for s in tied.stages}))
             if len(holders) < 2:
                 continue  # the stages holding it share one rank, and so one parameter object
             global_ranks = tuple(replica[h] for h in holders)

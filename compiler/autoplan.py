@@ -3,11 +3,13 @@
 The graph is profiled at two microbatch sizes (the smallest and the largest candidate), node
 times are modelled as affine in the microbatch size (:mod:`pipecut.passes.microbatching`), and
 every (microbatches, schedule) pair is partitioned and simulated on the interpolated costs.
-Pairs whose plan does not fit memory, or that the runtime cannot run (zero-bubble with
-recompute), are ruled out. The winner is planned again for real (profiled at its own size,
-calibrated) and the plan records every pair considered with its prediction, so the choice is
-auditable. Within 1 % of the best time the pair that keeps fewer activations alive wins (1F1B,
-then zero-bubble, then GPipe), then the one with fewer microbatches.
+Pairs whose plan does not fit memory, or that the runtime cannot run (zero-bubble or ZBV with
+recompute), are ruled out; ZBV is among the candidates (it cuts 2K stages, two per rank, on a
+V) unless several stages per rank were asked for. The winner is planned again for real
+(profiled at its own size, calibrated) and the plan records every pair considered with its
+prediction, so the choice is auditable. Within 1 % of the best time the pair that keeps fewer
+activations alive wins (1F1B, then zero-bubble, then ZBV, then GPipe), then the one with fewer
+microbatches.
 
 Measuring is most of planning's time, so :class:`Measurements` does each piece once: the graph
 is captured once and profiled at the second size too when it accepts that size (symbolic_trace
@@ -33,8 +35,8 @@ from pipecut.plan import Candidate, CaptureMethod, NodeCost, Plan, Recompute, Sc
 __all__ = ["AUTO", "Measurements", "accepts", "choose"]
 
 AUTO = "auto"
-_PREFERENCE = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUBBLE, ScheduleKind.GPIPE,
-               ScheduleKind.INTERLEAVED_1F1B)
+_PREFERENCE = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUBBLE, ScheduleKind.ZBV,
+               ScheduleKind.GPIPE, ScheduleKind.INTERLEAVED_1F1B)
 _TIE = 0.01
 
 
@@ -43,7 +45,7 @@ def schedules_to_try(schedule: Any, stages_per_rank: int) -> tuple[ScheduleKind,
         return (as_schedule(schedule),)
     if stages_per_rank > 1:
         return (ScheduleKind.INTERLEAVED_1F1B,)
-    return (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUBBLE)
+    return (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUBBLE, ScheduleKind.ZBV)
 
 
 def choose(
@@ -96,9 +98,9 @@ def choose(
             except (PartitionError, ScheduleError, InputError) as e:
                 candidates.append(Candidate(microbatches=m, schedule=kind, step_ms=None, note=str(e)[:200]))
                 continue
-            if kind is ScheduleKind.ZERO_BUBBLE and any(s.recompute is not Recompute.NONE for s in planned.stages):
+            if kind.splits_backward and any(s.recompute is not Recompute.NONE for s in planned.stages):
                 candidates.append(Candidate(microbatches=m, schedule=kind, step_ms=None,
-                                            note="needs recompute, which zero-bubble cannot run"))
+                                            note=f"needs recompute, which {kind.value} cannot run"))
                 continue
             candidates.append(Candidate(microbatches=m, schedule=kind, step_ms=planned.predicted.step_ms))
     feasible = [c for c in candidates if c.step_ms is not None]

@@ -17,6 +17,7 @@ import torch
 
 import pipecut
 from pipecut.core.choices import enum_choice
+from pipecut.core.schedule import rank_of, stages_on
 from pipecut.errors import InputError, PartitionError
 from pipecut.parallel import DataParallel
 from pipecut.passes.chain import boundary_bytes, can_cross, is_unit, liveness
@@ -39,6 +40,7 @@ from pipecut.plan import (
     Recompute,
     ScheduleKind,
     Solver,
+    Stage,
 )
 
 __all__ = [
@@ -120,7 +122,8 @@ def partition_costs(
     """Partition a cost table (pure data) into a plan.
 
     ``devices`` are the ranks; with ``stages_per_rank`` V > 1 (interleaved schedules) the graph
-    is cut into K * V stages and stage s runs on device s mod K.
+    is cut into K * V stages and stage s runs on device s mod K. ZBV always cuts 2K stages
+    (``stages_per_rank`` 1, the default, or 2), rank r running stages r and 2K - 1 - r.
 
     ``recompute``: may a stage recompute its forward in backward to fit in memory? None (the
     default) allows it when some device has a memory capacity. ``partitioner``: None picks the
@@ -138,13 +141,9 @@ def partition_costs(
     """
     kind = as_schedule(schedule)
     ilp_solver = as_ilp_solver(solver)  # checked even when the DP runs: a typo is refused
-    if stages_per_rank < 1 or (stages_per_rank > 1 and kind is not ScheduleKind.INTERLEAVED_1F1B):
-        raise InputError(
-            f"stages_per_rank={stages_per_rank}: several stages per rank need "
-            f"schedule='interleaved-1f1b'; use 1 otherwise"
-        )
+    stages_per_rank = _stages_per_rank(kind, stages_per_rank)
     ranks = as_devices(devices)
-    specs = tuple(ranks[s % len(ranks)] for s in range(len(ranks) * stages_per_rank))
+    specs = tuple(ranks[rank_of(s, len(ranks), kind.placement)] for s in range(len(ranks) * stages_per_rank))
     k = len(specs)
     allow = any(d.memory_bytes is not None for d in specs) if recompute is None else recompute
     method = partitioner or (Partitioner.ILP if _use_ilp(specs, allow) else Partitioner.DP)
@@ -224,6 +223,7 @@ def partition_costs(
         recompute=recomputes, recomputed=recomputed, stages_per_rank=stages_per_rank,
         data_parallel=data_parallel,
     )
+    _check_rank_memory(facts.stages, ranks, kind)
     predicted = dataclasses.replace(facts.predicted, optimum_step_ms=optimum_ms or facts.predicted.step_ms)
     return Plan(
         fingerprint=fingerprint,
@@ -245,6 +245,38 @@ def partition_costs(
         pipecut_version=pipecut.__version__,
         torch_version=torch.__version__,
     )
+
+
+def _check_rank_memory(stages: Sequence[Stage], ranks: Sequence[DeviceSpec], kind: ScheduleKind) -> None:
+    """The stages a rank runs share its memory. The solvers fit each stage within its device's
+    capacity on its own; with several stages per rank (interleaved, ZBV) their peaks together
+    (an upper bound: they need not coincide) must fit too, or the plan is refused."""
+    k = len(ranks)
+    if len(stages) == k:
+        return
+    for r, spec in enumerate(ranks):
+        mine = stages_on(r, k, len(stages), kind.placement)
+        need = sum(stages[s].peak_memory_bytes for s in mine)
+        if spec.memory_bytes is not None and need > spec.memory_bytes:
+            raise PartitionError(
+                f"rank {r} ({spec.name}) runs stages {list(mine)} of the {kind.value} schedule, "
+                f"which together need {need / 2**20:.1f} MiB at their peaks, over its "
+                f"{spec.memory_bytes / 2**20:.1f} MiB; use one stage per rank (schedule='1f1b' "
+                f"or 'zero-bubble'), more devices or more memory"
+            )
+
+
+def _stages_per_rank(kind: ScheduleKind, asked: int) -> int:
+    """The stages per rank ``kind`` runs: ``asked`` for interleaved 1F1B, 1 for the other
+    one-stage schedules, and ZBV's fixed 2 (where 1, the default, means "as the schedule runs")."""
+    fixed = kind.fixed_stages_per_rank
+    if fixed is not None and asked in (1, fixed):
+        return fixed
+    if asked < 1 or (asked > 1 and kind is not ScheduleKind.INTERLEAVED_1F1B):
+        runs = f"{kind.value} runs {fixed} stages per rank" if fixed else (
+            "several stages per rank need schedule='interleaved-1f1b'")
+        raise InputError(f"stages_per_rank={asked}: {runs}; use {fixed or 1} otherwise")
+    return asked
 
 
 def _given_bounds(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from pipecut.core.schedule import Placement, rank_of, stages_on
 from pipecut.errors import PlanError
 from pipecut.parallel import DataParallel
 
@@ -61,6 +62,24 @@ class ScheduleKind(enum.Enum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved-1f1b"
     ZERO_BUBBLE = "zero-bubble"
+    ZBV = "zbv"
+    """Zero-bubble V: two stages per rank laid as a V (rank r runs stages r and 2K - 1 - r),
+    backward split into I and W."""
+
+    @property
+    def placement(self) -> Placement:
+        """How the schedule lays its stages on the ranks (see :func:`pipecut.core.schedule.rank_of`)."""
+        return Placement.V if self is ScheduleKind.ZBV else Placement.LOOP
+
+    @property
+    def splits_backward(self) -> bool:
+        """Runs each backward as an input-gradient part I and a weight part W."""
+        return self in (ScheduleKind.ZERO_BUBBLE, ScheduleKind.ZBV)
+
+    @property
+    def fixed_stages_per_rank(self) -> int | None:
+        """The stages per rank the schedule always runs (ZBV: 2), or None where it is chosen."""
+        return 2 if self is ScheduleKind.ZBV else None
 
 
 class Recompute(enum.Enum):
@@ -329,7 +348,8 @@ class Plan:
     solver: Solver
     tied: tuple[TiedGroup, ...] = ()
     stages_per_rank: int = 1
-    """Virtual stages per rank (interleaved schedules): stage s runs on rank s mod K."""
+    """Stages per rank: several for interleaved 1F1B (stage s on rank s mod K) and two for ZBV
+    (rank r runs stages r and 2K - 1 - r); :meth:`rank_of` says which."""
     candidates: tuple[Candidate, ...] = ()
     """With microbatches="auto" or schedule="auto": every pair considered and its prediction."""
     data_parallel: DataParallel | None = None
@@ -366,6 +386,12 @@ class Plan:
             raise PlanError(
                 f"{len(self.stages)} stages do not divide into {self.stages_per_rank} per rank"
             )
+        fixed = self.schedule.fixed_stages_per_rank
+        if fixed is not None and self.stages_per_rank != fixed:
+            raise PlanError(
+                f"schedule {self.schedule.value} runs {fixed} stages per rank, the plan has "
+                f"{self.stages_per_rank}; re-plan with schedule={self.schedule.value!r}"
+            )
         if self.microbatches < 1 or self.batch_size % self.microbatches:
             raise PlanError(
                 f"batch size {self.batch_size} does not split into {self.microbatches} microbatches"
@@ -386,6 +412,14 @@ class Plan:
     def num_ranks(self) -> int:
         """Ranks of the pipeline: stages / stages per rank."""
         return len(self.stages) // self.stages_per_rank
+
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank that runs ``stage`` (the schedule's placement)."""
+        return rank_of(stage, self.num_ranks, self.schedule.placement)
+
+    def stages_on(self, rank: int) -> tuple[int, ...]:
+        """The stages pipeline rank ``rank`` runs, in increasing order."""
+        return stages_on(rank, self.num_ranks, self.num_stages, self.schedule.placement)
 
     def node(self, name: str) -> NodeCost:
         return self.nodes[self._index[name]]

@@ -67,6 +67,12 @@ def choose_replicas(
     except ValueError:
         valid = [s.value for s in ScheduleKind]
         raise InputError(f"unknown schedule {schedule!r}; choose one of {valid}") from None
+    if kind.fixed_stages_per_rank is not None:
+        raise InputError(
+            f"data_parallel='auto' weighs pipelines of one stage per device, but {kind.value} runs "
+            f"{kind.fixed_stages_per_rank} per device (and no data-parallel engine runs its split "
+            f"backward); use schedule='1f1b' or 'gpipe'"
+        )
     if len({(d.memory_bytes, d.speed) for d in devices}) > 1:
         raise InputError(
             f"data_parallel='auto' weighs replicas of equal devices, but the {n} devices differ "

@@ -20,7 +20,7 @@ from pipecut.core.shapes import Signature, accepted, describe_accepted, planned_
 from pipecut.errors import InputError, ScheduleError
 from pipecut.passes.propagate import PropagationError, cut_values
 from pipecut.passes.schedules import build
-from pipecut.passes.stages import stage_costs
+from pipecut.passes.stages import plan_costs
 from pipecut.plan import NodeCost, Plan
 
 __all__: list[str] = []
@@ -74,8 +74,8 @@ def schedules(plan: Plan) -> Any:
     def schedule_for(microbatches: int) -> Schedule:
         try:
             sched = build(plan.schedule, plan.num_ranks, microbatches, plan.stages_per_rank,
-                          stage_costs(plan.stages, plan.nodes, plan.link))
-            validate(sched, microbatches)
+                          plan_costs(plan))
+            validate(sched, microbatches, plan.schedule.placement)
         except (ScheduleError, ValueError) as e:
             raise InputError(
                 f"a batch that splits into {microbatches} microbatches cannot run the "

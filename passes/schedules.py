@@ -1,8 +1,9 @@
 """Schedule generators: GPipe, 1F1B and interleaved 1F1B as per-rank action lists.
 
 The schedule IR they produce (:class:`~pipecut.core.schedule.Action`, its text form and the
-timing rule) lives in :mod:`pipecut.core.schedule`; the zero-bubble order, which is list
-scheduled on the stages' costs, in :mod:`pipecut.passes.zero_bubble`. :func:`build` is the one
+timing rule) lives in :mod:`pipecut.core.schedule`; the zero-bubble orders, which are list
+scheduled on the stages' costs, in :mod:`pipecut.passes.zero_bubble` (one stage per rank) and
+:mod:`pipecut.passes.zbv` (two per rank, on a V). :func:`build` is the one
 door to all of them: plans call it with their :class:`~pipecut.core.schedule.StageCosts`
 (``pipecut.passes.stages.plan_schedule``). The text of every generator's output for a few
 sizes is kept under ``tests/golden/``.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from pipecut.core.schedule import Action, ActionKind, Schedule, StageCosts
 from pipecut.errors import ScheduleError
+from pipecut.passes.zbv import zbv
 from pipecut.passes.zero_bubble import zero_bubble
 from pipecut.plan import ScheduleKind
 
@@ -87,8 +89,14 @@ def build(
 
     ``costs`` (per stage, ``ranks * chunks`` of them) only change a zero-bubble order, which is
     list scheduled on them; without them it is scheduled on :func:`unit_costs`. GPipe, 1F1B and
-    interleaved 1F1B are fixed orders.
+    interleaved 1F1B are fixed orders. ZBV always runs two chunks (``chunks`` 1, the default,
+    or 2).
     """
+    fixed = kind.fixed_stages_per_rank
+    if fixed is not None:
+        if chunks not in (1, fixed):
+            raise ScheduleError(f"{kind.value} runs {fixed} stages per rank, not {chunks}")
+        chunks = fixed
     if costs is not None and len(costs.forward) != ranks * chunks:
         raise ScheduleError(
             f"costs for {len(costs.forward)} stages, but {ranks} ranks × {chunks} chunks make "
@@ -96,6 +104,9 @@ def build(
         )
     if kind is ScheduleKind.INTERLEAVED_1F1B:
         return interleaved_1f1b(ranks, chunks, microbatches)
+    if kind is ScheduleKind.ZBV:
+        c = costs if costs is not None else unit_costs(ranks * chunks)
+        return zbv(ranks, microbatches, c.forward, c.backward, c.weight, c.forward_link, c.backward_link)
     if chunks != 1:
         raise ScheduleError(f"{kind.value} runs one stage per rank; use interleaved-1f1b for {chunks}")
     if kind is ScheduleKind.GPIPE:

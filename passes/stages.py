@@ -11,7 +11,15 @@ from typing import overload
 
 import numpy as np
 
-from pipecut.core.schedule import Action, Schedule, StageCosts, rank_end_ms, timeline
+from pipecut.core.schedule import (
+    Action,
+    Placement,
+    Schedule,
+    StageCosts,
+    rank_end_ms,
+    rank_of,
+    timeline,
+)
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.chain import (
     Liveness,
@@ -41,6 +49,7 @@ __all__ = [
     "StageFacts",
     "build_stages",
     "inflight_microbatches",
+    "plan_costs",
     "plan_schedule",
     "predict",
     "predicted_timeline",
@@ -197,11 +206,20 @@ def build_stages(
     )
 
 
-def stage_costs(stages: Sequence[Stage], nodes: Sequence[NodeCost], link: Link) -> StageCosts:
-    """The costs a plan's schedule is generated from (zero bubble) and simulated on."""
+def stage_costs(
+    stages: Sequence[Stage], nodes: Sequence[NodeCost], link: Link, ranks: int = 0,
+    placement: Placement = Placement.LOOP,
+) -> StageCosts:
+    """The costs a plan's schedule is generated from (zero bubble) and simulated on. Given the
+    ``ranks`` and their ``placement``, a cut whose two stages share a rank (the turn of a V)
+    costs nothing: it is handed over in memory, not sent."""
     by_name = {n.name: n for n in nodes}
     forward, backward = [], []
     for st in stages[:-1]:
+        if ranks and rank_of(st.index, ranks, placement) == rank_of(st.index + 1, ranks, placement):
+            forward.append(0.0)
+            backward.append(0.0)
+            continue
         sizes = [value_bytes(by_name[v]) for v in st.outputs]
         forward.append(link.transfer_ms(sum(f for f, _ in sizes)))
         backward.append(link.transfer_ms(sum(b for _, b in sizes)))
@@ -214,10 +232,15 @@ def stage_costs(stages: Sequence[Stage], nodes: Sequence[NodeCost], link: Link) 
     )
 
 
+def plan_costs(plan: Plan) -> StageCosts:
+    """:func:`stage_costs` of a plan's stages on its ranks."""
+    return stage_costs(plan.stages, plan.nodes, plan.link, plan.num_ranks, plan.schedule.placement)
+
+
 def plan_schedule(plan: Plan) -> Schedule:
     """The schedule every rank runs for ``plan`` (deterministic: it depends only on the plan)."""
     return build_schedule(plan.schedule, plan.num_ranks, plan.microbatches, plan.stages_per_rank,
-                          stage_costs(plan.stages, plan.nodes, plan.link))
+                          plan_costs(plan))
 
 
 def predict(
@@ -234,12 +257,13 @@ def predict(
     over ``link``, after the rank's last action, as DDP's last bucket does)."""
     k = len(stages)
     ranks = k // stages_per_rank
-    costs = stage_costs(stages, nodes, link)
+    costs = stage_costs(stages, nodes, link, ranks, schedule.placement)
     sched = build_schedule(schedule, ranks, microbatches, stages_per_rank, costs)
     ends = rank_end_ms(sched, costs.forward, costs.backward, costs.forward_link, costs.backward_link,
                        costs.weight)
     replicas = data_parallel.replicas if data_parallel is not None else 1
-    held = [sum(st.param_bytes for st in stages if st.index % ranks == r) for r in range(ranks)]
+    held = [sum(st.param_bytes for st in stages if rank_of(st.index, ranks, schedule.placement) == r)
+            for r in range(ranks)]
     step = max((end + ring_allreduce_ms(b, replicas, link) for end, b in zip(ends, held)), default=0.0)
     busy = microbatches * sum(f + b for f, b in zip(costs.forward, costs.backward))
     stage_ms = tuple(s.time_ms for s in stages)
@@ -254,7 +278,7 @@ def predict(
 
 def predicted_timeline(plan: Plan) -> list[tuple[Action, float, float]]:
     """The simulator's (action, start ms, end ms) for the plan's schedule and stage costs."""
-    costs = stage_costs(plan.stages, plan.nodes, plan.link)
+    costs = plan_costs(plan)
     return timeline(plan_schedule(plan), costs.forward, costs.backward, costs.forward_link,
                     costs.backward_link, costs.weight)
 

@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pipecut.core.schedule import Action, ActionKind
 from pipecut.errors import PlanError
 from pipecut.parallel import DataParallelKind
-from pipecut.plan import Plan, Recompute, ScheduleKind
+from pipecut.plan import Plan, Recompute
 from pipecut.runtime.stage import StageWorker
 
 __all__: list[str] = []
@@ -67,9 +67,9 @@ def last_backwards(actions: Sequence[Action]) -> dict[int, int]:
 
 def check_supported(plan: Plan, kind: DataParallelKind) -> None:
     """Refuse what the wrappers cannot do yet, before anything is wrapped."""
-    if plan.schedule is ScheduleKind.ZERO_BUBBLE:
+    if plan.schedule.splits_backward:
         raise PlanError(
-            f"data_parallel={kind.value!r} cannot run the zero-bubble schedule: its weight pass "
+            f"data_parallel={kind.value!r} cannot run the {plan.schedule.value} schedule: its weight pass "
             f"writes .grad with torch.autograd.grad, which neither DDP's nor FSDP's gradient "
             f"hooks see; use schedule='1f1b' or 'gpipe'"
         )

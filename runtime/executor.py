@@ -7,6 +7,11 @@ gloo only once waited, which happens one receive-wait later: see :meth:`_Wire.wa
 stage holds what it sends for a few actions, not until the end of the step. Each action runs
 inside ``record_function("pipecut.<action>")`` (and an NVTX range on CUDA), so profiler
 traces show the pipeline's actions.
+
+A cut whose two stages run on this very rank (the middle of a V: stages K - 1 and K) is no
+message: in the batch where both ends sit (the same round, by construction) the receive buffer
+is filled from the send, and only the other transfers go to ``batch_isend_irecv`` (gloo cannot
+send to itself).
 """
 
 from __future__ import annotations
@@ -75,16 +80,26 @@ class _Wire:
 
     def issue(self, transfers: Sequence[Transfer]) -> None:
         ops = [self.workers[t.stage].p2p_op(t) for t in transfers]
-        batch = _Batch(dist.batch_isend_irecv(ops), tuple(transfers),
-                       [op.tensor for op, t in zip(ops, transfers) if t.op is Op.SEND], len(self.issued))
+        local = [self._local(t) for t in transfers]
+        _hand_over([(op, t) for op, t, here in zip(ops, transfers, local) if here])
+        remote = [(op, t) for op, t, here in zip(ops, transfers, local) if not here]
+        works = dist.batch_isend_irecv([op for op, _ in remote]) if remote else []
+        batch = _Batch(works, tuple(t for _, t in remote),
+                       [op.tensor for op, t in remote if t.op is Op.SEND], len(self.issued))
         self.issued.append(batch)
         for t in transfers:
             if t.op is Op.RECV:
                 self.of[t] = batch
         if batch.sent:
             self.sending.append(batch)
+            sent_by = [t.stage for _, t in remote if t.op is Op.SEND]
             for w in self.workers.values():
-                w.meter.hold(id(batch), [x for x, t in zip(batch.sent, batch.transfers) if t.stage == w.stage])
+                w.meter.hold(id(batch), [x for x, s in zip(batch.sent, sent_by) if s == w.stage])
+
+    def _local(self, t: Transfer) -> bool:
+        """Whether the stage at the other end of ``t``'s cut also runs on this rank."""
+        other = t.cut - 1 if t.cut == t.stage else t.cut
+        return other in self.workers
 
     def wait(self, transfers: Sequence[Transfer]) -> None:
         """Wait for the batches holding ``transfers``; then for, and drop, the sends issued
@@ -117,6 +132,8 @@ class _Wire:
         if batch.index in self.waited:
             return  # waiting twice on a gloo send waits for a second send that never comes
         self.waited.add(batch.index)
+        if not batch.works:
+            return  # every transfer of the batch was handed over on this rank
         peers = [self._peer(t) for t in batch.transfers]
         names = " and ".join(f"rank {r}" for r in sorted({p.rank for p in peers}))
         timeout = peers[0].timeout
@@ -135,6 +152,23 @@ class _Wire:
         peer = worker.prev if t.cut == worker.stage else worker.next
         assert peer is not None
         return peer
+
+
+def _hand_over(pairs: Sequence[tuple[dist.P2POp, Transfer]]) -> None:
+    """Fill each local receive's buffer from the local send of the same message."""
+    sends = {t.message: op.tensor for op, t in pairs if t.op is Op.SEND}
+    for op, t in pairs:
+        if t.op is Op.RECV:
+            sent = sends.pop(t.message, None)
+            if sent is None:
+                raise PipelineRuntimeError(
+                    f"stage {t.stage} receives {t} from a stage on this rank, which does not send "
+                    f"it in the same batch; the communication program is wrong (a pipecut bug)"
+                )
+            op.tensor.copy_(sent)
+    if sends:
+        left = ", ".join(f"cut {c} {d.value}{mb}.{leaf}" for c, d, mb, leaf in sends)
+        raise PipelineRuntimeError(f"sent on this rank but never received in the same batch: {left}")
 
 
 def _gpu_mark() -> Any:

@@ -183,7 +183,7 @@ def total_grad_norm(
                 f"rank {rank}: parameter {name!r} has a gradient but the plan puts it on no "
                 f"stage, so its norm would be missed; re-plan for this model"
             )
-        if first[name] % plan.num_ranks == rank:
+        if plan.rank_of(first[name]) == rank:
             mine.append((slots[name], p.grad))
     n = len(slots)
     exchange = torch.zeros(2 * n, dtype=torch.float64, device=device)
@@ -208,7 +208,7 @@ def total_grad_norm(
     if error_if_nonfinite and not torch.isfinite(total):
         names = list(first)
         bad = [names[present[j]] for j in torch.nonzero(~torch.isfinite(norms_all)).flatten().tolist()]
-        where = ", ".join(f"{f} (stage {first[f]}, rank {first[f] % plan.num_ranks})" for f in bad)
+        where = ", ".join(f"{f} (stage {first[f]}, rank {plan.rank_of(first[f])})" for f in bad)
         raise PipelineRuntimeError(
             f"rank {rank}: the total norm of order {norm_type} of the gradients over all stages "
             f"is {total.item()}; non-finite gradients in {where}. To clip anyway (scaling by "

@@ -19,7 +19,9 @@ gradients, then microbatch.leaf)::
 
 Skip connections need nothing here: a value used several stages later is relayed by every
 stage in between (it is among each intermediate stage's inputs and outputs), so every
-transfer is between stage ``s`` and ``s ± 1``, on ranks ``s mod K`` and ``(s ± 1) mod K``.
+transfer is between stage ``s`` and ``s ± 1``, on the ranks :func:`~pipecut.core.schedule.rank_of`
+gives them (``s mod K`` in a loop). In a V both ends of the middle cut are one rank: the message
+still takes its place in a round, and the executor hands it over without the wire.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipecut.core.schedule import Action, ActionKind, Schedule, timeline
+from pipecut.core.schedule import Action, ActionKind, Placement, Schedule, rank_of, timeline
 from pipecut.plan import LeafKind, Plan
 
 __all__: list[str] = []
@@ -79,15 +81,21 @@ class Wiring:
     """Per cut ``c`` (index ``c - 1``): tensor leaves stage ``c - 1`` sends to stage ``c``."""
     backward: tuple[int, ...]
     """Per cut: gradient leaves stage ``c`` sends back (the forward leaves that require grad)."""
+    placement: Placement = Placement.LOOP
+    """Which rank runs each stage (:func:`~pipecut.core.schedule.rank_of`)."""
 
     @property
     def stages(self) -> int:
         return len(self.forward) + 1
 
+    def rank(self, stage: int) -> int:
+        return rank_of(stage, self.ranks, self.placement)
+
     @classmethod
-    def uniform(cls, ranks: int, stages: int, leaves: int = 1) -> Wiring:
+    def uniform(cls, ranks: int, stages: int, leaves: int = 1, placement: Placement = Placement.LOOP) -> Wiring:
         """Every cut carries ``leaves`` tensors each way (for checking schedules without a plan)."""
-        return cls(ranks=ranks, forward=(leaves,) * (stages - 1), backward=(leaves,) * (stages - 1))
+        return cls(ranks=ranks, forward=(leaves,) * (stages - 1), backward=(leaves,) * (stages - 1),
+                   placement=placement)
 
 
 def wiring(plan: Plan) -> Wiring:
@@ -97,7 +105,8 @@ def wiring(plan: Plan) -> Wiring:
         leaves = [leaf for name in stage.outputs for leaf in plan.node(name).leaves if leaf.kind is LeafKind.TENSOR]
         fwd.append(len(leaves))
         bwd.append(sum(1 for leaf in leaves if leaf.requires_grad))
-    return Wiring(ranks=plan.num_ranks, forward=tuple(fwd), backward=tuple(bwd))
+    return Wiring(ranks=plan.num_ranks, forward=tuple(fwd), backward=tuple(bwd),
+                  placement=plan.schedule.placement)
 
 
 class StepKind(enum.Enum):
@@ -120,11 +129,11 @@ class Step:
 
 def receives(action: Action, w: Wiring) -> tuple[Transfer, ...]:
     """The tensors ``action`` must receive before it computes."""
-    s, k = action.stage, w.ranks
+    s = action.stage
     if action.kind is ActionKind.FORWARD and s > 0:
-        n, peer, cut, d = w.forward[s - 1], (s - 1) % k, s, Direction.FORWARD
+        n, peer, cut, d = w.forward[s - 1], w.rank(s - 1), s, Direction.FORWARD
     elif action.kind in (ActionKind.BACKWARD, ActionKind.INPUT) and s < w.stages - 1:
-        n, peer, cut, d = w.backward[s], (s + 1) % k, s + 1, Direction.BACKWARD
+        n, peer, cut, d = w.backward[s], w.rank(s + 1), s + 1, Direction.BACKWARD
     else:
         return ()
     return tuple(Transfer(Op.RECV, s, peer, cut, d, action.microbatch, i) for i in range(n))
@@ -132,11 +141,11 @@ def receives(action: Action, w: Wiring) -> tuple[Transfer, ...]:
 
 def sends(action: Action, w: Wiring) -> tuple[Transfer, ...]:
     """The tensors ``action`` sends once it has computed."""
-    s, k = action.stage, w.ranks
+    s = action.stage
     if action.kind is ActionKind.FORWARD and s < w.stages - 1:
-        n, peer, cut, d = w.forward[s], (s + 1) % k, s + 1, Direction.FORWARD
+        n, peer, cut, d = w.forward[s], w.rank(s + 1), s + 1, Direction.FORWARD
     elif action.kind in (ActionKind.BACKWARD, ActionKind.INPUT) and s > 0:
-        n, peer, cut, d = w.backward[s - 1], (s - 1) % k, s, Direction.BACKWARD
+        n, peer, cut, d = w.backward[s - 1], w.rank(s - 1), s, Direction.BACKWARD
     else:
         return ()
     return tuple(Transfer(Op.SEND, s, peer, cut, d, action.microbatch, i) for i in range(n))

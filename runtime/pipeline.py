@@ -361,7 +361,7 @@ class Pipeline:
         result: torch.Tensor | None = None
         if compute_loss:
             result = loss.detach().float() if loss is not None else torch.zeros((), device=self._device)
-            dist.broadcast(result, src=self.ranks[-1], group=self.group)
+            dist.broadcast(result, src=self.ranks[self.plan.rank_of(self.plan.num_stages - 1)], group=self.group)
             if self.dp_group is not None:  # gradients: averaged by DDP / FSDP in the last backward
                 average_loss(result, self.dp_group)
         if not return_outputs:
@@ -369,7 +369,8 @@ class Pipeline:
         whole = concat_microbatches(outputs, sizes) if outputs else None
         if all_ranks:
             box = [tree_to(whole, torch.device("cpu"))]
-            dist.broadcast_object_list(box, src=self.ranks[-1], group=self.group)
+            dist.broadcast_object_list(box, src=self.ranks[self.plan.rank_of(self.plan.num_stages - 1)],
+                                       group=self.group)
             whole = tree_to(box[0], self._device)
         return result, whole
 

@@ -75,10 +75,9 @@ class StageWorker:
         if program.is_last and loss_fn is None:
             raise PipelineRuntimeError("the last stage needs a loss_fn to start the backward pass")
         last = plan.num_stages - 1
-        k = len(ranks)  # stage s runs on rank s mod K (several stages per rank when interleaved)
-        s = self.stage
-        self.prev = Peer(group, ranks[(s - 1) % k], s, timeout, rank) if s > 0 else None
-        self.next = Peer(group, ranks[(s + 1) % k], s + 1, timeout, rank) if s < last else None
+        s = self.stage  # the neighbours' ranks: the plan's placement (may be this rank itself)
+        self.prev = Peer(group, ranks[plan.rank_of(s - 1)], s, timeout, rank) if s > 0 else None
+        self.next = Peer(group, ranks[plan.rank_of(s + 1)], s + 1, timeout, rank) if s < last else None
         stage = plan.stages[self.stage]
         self.recompute = stage.recompute is Recompute.FULL
         self.recomputes = stage.recompute is not Recompute.NONE

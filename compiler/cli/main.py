@@ -185,7 +185,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          "--microbatches and --schedule as values, not 'auto'")
     if args.data_parallel is not None and args.device_profile is not None:
         raise InputError("--data-parallel auto profiles the model here: drop --device-profile")
-    if args.stages_per_rank > 1 and args.schedule != "auto" and as_schedule(args.schedule) is not ScheduleKind.INTERLEAVED_1F1B:
+    if (args.stages_per_rank > 1 and args.schedule != "auto"
+            and as_schedule(args.schedule) is not ScheduleKind.INTERLEAVED_1F1B
+            and as_schedule(args.schedule).fixed_stages_per_rank != args.stages_per_rank):
         raise InputError(
             f"--stages-per-rank {args.stages_per_rank} needs --schedule interleaved-1f1b "
             f"(got {args.schedule}); use --stages-per-rank 1 otherwise"
@@ -345,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="choose D replicas x K stages for the --devices N by predicted step "
                         "(gradient all-reduce included); the plan is one replica's K stages")
     p.add_argument("--stages-per-rank", type=_positive, default=1, metavar="V",
-                   help="virtual stages per device, with --schedule interleaved-1f1b (default 1)")
+                   help="virtual stages per device, with --schedule interleaved-1f1b (default 1; zbv always runs 2)")
     p.add_argument("--device-profile", metavar="NAME", default=None,
                    help="plan for this GPU instead of profiling here: times estimated from FLOPs "
                    "and bytes, memory and link from its datasheet; one of "

@@ -14,6 +14,10 @@ schedule only orders computation. GPipe on 3 stages and 4 microbatches (time run
     stage 0: 0F0 0F1 0F2         0B0     0F3 0B1     0B2     0B3
     stage 1:     1F0 1F1     1B0     1F2 1B1     1F3 1B2     1B3
     stage 2:         2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3
+
+Which rank runs a stage is :func:`rank_of`'s answer, and only its: a loop (stage s on rank
+s mod K) or a V (rank r runs stages r and 2K - 1 - r, so the first and the last stage share
+rank 0). Every module that needs a stage's rank asks it, or the plan's ``rank_of``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pipecut.errors import ScheduleError
 __all__ = [
     "Action",
     "ActionKind",
+    "Placement",
     "Schedule",
     "StageCosts",
     "format_marked",
@@ -36,7 +41,9 @@ __all__ = [
     "forward_only",
     "parse_schedule",
     "rank_end_ms",
+    "rank_of",
     "simulate",
+    "stages_on",
     "timeline",
     "validate",
 ]
@@ -73,6 +80,32 @@ Schedule = tuple[tuple[Action, ...], ...]
 """One tuple of actions per rank, in execution order."""
 
 
+class Placement(enum.Enum):
+    """How the stages of a pipeline lie on its K ranks, chunk of K stages by chunk."""
+
+    LOOP = "loop"
+    """Every chunk runs down the ranks: stage s on rank s mod K (one stage per rank, or
+    interleaved 1F1B's virtual stages)."""
+    V = "v"
+    """Chunks go down and back up: with two chunks rank r runs stages r and 2K - 1 - r (ZBV),
+    so the first and the last stage share rank 0 and stages K - 1 and K share rank K - 1."""
+
+
+def rank_of(stage: int, ranks: int, placement: Placement = Placement.LOOP) -> int:
+    """The rank that runs ``stage`` of a pipeline over ``ranks`` ranks.
+
+    >>> [rank_of(s, 3) for s in range(6)], [rank_of(s, 3, Placement.V) for s in range(6)]
+    ([0, 1, 2, 0, 1, 2], [0, 1, 2, 2, 1, 0])
+    """
+    chunk, pos = divmod(stage, ranks)
+    return ranks - 1 - pos if placement is Placement.V and chunk % 2 else pos
+
+
+def stages_on(rank: int, ranks: int, stages: int, placement: Placement = Placement.LOOP) -> tuple[int, ...]:
+    """The stages ``rank`` runs, in increasing order (the inverse of :func:`rank_of`)."""
+    return tuple(s for s in range(stages) if rank_of(s, ranks, placement) == rank)
+
+
 def forward_only(actions: Sequence[Action]) -> tuple[Action, ...]:
     """A rank's forward actions, in the schedule's order (evaluation: no backward). Dropping
     backwards only removes waits, so a schedule that does not deadlock still does not."""
@@ -89,15 +122,20 @@ def parse_schedule(text: str) -> Schedule:
     return tuple(tuple(Action.parse(tok) for tok in line.split()) for line in lines)
 
 
-def validate(schedule: Schedule, microbatches: int) -> None:
-    """Rank r runs stages r, r + K, …; each stage runs every microbatch's forward once, then
-    either its backward (B) or its input-gradient part (I) followed by its weight part (W)."""
+def validate(schedule: Schedule, microbatches: int, placement: Placement = Placement.LOOP) -> None:
+    """Rank r runs the stages :func:`rank_of` gives it (r, r + K, … for a loop); each stage runs
+    every microbatch's forward once, then either its backward (B) or its input-gradient part (I)
+    followed by its weight part (W)."""
     ranks = len(schedule)
     for rank, actions in enumerate(schedule):
         done: set[tuple[int, ActionKind, int]] = set()
         for a in actions:
-            if a.stage % ranks != rank:
-                raise ScheduleError(f"rank {rank} holds action {a} of stage {a.stage} (rank {a.stage % ranks})")
+            owner = rank_of(a.stage, ranks, placement)
+            if owner != rank:
+                raise ScheduleError(
+                    f"rank {rank} holds action {a} of stage {a.stage}, which runs on rank {owner} "
+                    f"({placement.value} placement)"
+                )
             if not 0 <= a.microbatch < microbatches:
                 raise ScheduleError(f"rank {rank}: action {a} is outside microbatches 0..{microbatches - 1}")
             key = (a.stage, a.kind, a.microbatch)

@@ -46,9 +46,11 @@ def layout(
     forward_link_ms: Sequence[float] = (),
     backward_link_ms: Sequence[float] = (),
 ) -> tuple[Span, ...]:
-    """Start and end of every action, by ``core.schedule.timeline`` (the simulator's rule)."""
+    """Start and end of every action, by ``core.schedule.timeline`` (the simulator's rule),
+    each on the rank whose list holds it (any stage-to-rank placement)."""
+    rank = {a.stage: r for r, actions in enumerate(schedule) for a in actions}
     return tuple(
-        Span(rank=a.stage % len(schedule), action=str(a), start=start, end=end)  # virtual stages: s mod ranks
+        Span(rank=rank[a.stage], action=str(a), start=start, end=end)
         for a, start, end in timeline(schedule, forward_ms, backward_ms, forward_link_ms, backward_link_ms)
     )
 
@@ -56,11 +58,10 @@ def layout(
 def predicted_spans(plan: Plan) -> tuple[Span, ...]:
     """The plan's schedule laid out exactly as the planner predicted its step time.
 
-    With virtual stages (interleaved schedules) stage s runs on rank s mod ranks.
+    Each action is on the rank that runs its stage (:meth:`pipecut.plan.Plan.rank_of`).
     """
-    ranks = plan.num_ranks
     return tuple(
-        Span(rank=a.stage % ranks, action=str(a), start=start, end=end)
+        Span(rank=plan.rank_of(a.stage), action=str(a), start=start, end=end)
         for a, start, end in predicted_timeline(plan)
     )
 

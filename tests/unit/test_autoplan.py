@@ -13,6 +13,7 @@ from pipecut.plan import Recompute, ScheduleKind
 from tests.unit.tiny import mlp_plan
 
 G, F, Z, V = ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUBBLE, ScheduleKind.INTERLEAVED_1F1B
+ZV = ScheduleKind.ZBV
 
 
 def run(times, *, microbatches=AUTO, schedule=AUTO, recompute=(), profiled=None):
@@ -36,14 +37,14 @@ def run(times, *, microbatches=AUTO, schedule=AUTO, recompute=(), profiled=None)
 
 
 def all_pairs(step):
-    return {(m, k): step(m, k) for m in (2, 4, 8) for k in (G, F, Z)}
+    return {(m, k): step(m, k) for m in (2, 4, 8) for k in (G, F, Z, ZV)}
 
 
 def test_the_fastest_pair_wins_and_every_pair_is_recorded():
     profiled = []
     m, kind, candidates = run(all_pairs(lambda m, k: 10.0 + m + (0 if k is G else 5)), profiled=profiled)
     assert (m, kind) == (2, G)
-    assert len(candidates) == 9 and [c.note for c in candidates].count("chosen") == 1
+    assert len(candidates) == 12 and [c.note for c in candidates].count("chosen") == 1
     assert sorted(profiled) == [1, 4]  # profiled at the smallest and largest microbatch only
 
 
@@ -66,6 +67,15 @@ def test_zero_bubble_needing_recompute_and_plans_that_do_not_fit_are_ruled_out()
     assert notes[(4, G)] == "4 does not fit"
 
 
+def test_zbv_is_a_candidate_and_wins_where_it_is_fastest():
+    m, kind, candidates = run(all_pairs(lambda m, k: 5.0 if (m, k) == (4, ZV) else 10.0))
+    assert (m, kind) == (4, ZV)
+    times = all_pairs(lambda m, k: 5.0 if k is ZV else 10.0)
+    m, kind, candidates = run(times, recompute={(m, ZV) for m in (2, 4, 8)})
+    assert kind is not ZV
+    assert {c.note for c in candidates if c.schedule is ZV} == {"needs recompute, which zbv cannot run"}
+
+
 def test_nothing_fits_and_bad_microbatches_are_refused():
     with pytest.raises(PartitionError, match="no microbatch count and schedule fits: 2/gpipe: 2 does not fit"):
         run(all_pairs(lambda m, k: None))
@@ -75,7 +85,7 @@ def test_nothing_fits_and_bad_microbatches_are_refused():
 
 
 def test_schedules_to_try():
-    assert schedules_to_try(AUTO, 1) == (G, F, Z)
+    assert schedules_to_try(AUTO, 1) == (G, F, Z, ZV)
     assert schedules_to_try(AUTO, 2) == (V,)
     assert schedules_to_try("GPipe", 1) == (G,)
     with pytest.raises(InputError, match="unknown schedule 'fast'"):

@@ -47,7 +47,7 @@ def test_auto_picks_the_fastest_predicted_pair_and_records_every_candidate() -> 
                         schedule="auto", calibrate=False, repeats=1, warmup=0)
     pairs = {(c.microbatches, c.schedule) for c in plan.candidates}
     assert pairs == {(m, k) for m in (2, 4, 8) for k in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B,
-                                                          ScheduleKind.ZERO_BUBBLE)}
+                                                          ScheduleKind.ZERO_BUBBLE, ScheduleKind.ZBV)}
     chosen = [c for c in plan.candidates if c.note == "chosen"]
     assert len(chosen) == 1 and (chosen[0].microbatches, chosen[0].schedule) == (plan.microbatches, plan.schedule)
     best = min(c.step_ms for c in plan.candidates if c.step_ms is not None)

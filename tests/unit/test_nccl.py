@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipecut.core.schedule import Action, Schedule, parse_schedule, simulate
+from pipecut.core.schedule import Action, Placement, Schedule, parse_schedule, simulate
 from pipecut.errors import ScheduleError
 from pipecut.passes.schedules import build, gpipe, interleaved_1f1b, one_f_one_b
 from pipecut.plan import ScheduleKind
@@ -31,25 +31,47 @@ from pipecut.runtime.p2p import (
 )
 
 
-def _shipped() -> list[tuple[str, Schedule, int, int]]:
-    """(name, schedule, ranks, stages) for every generator, K up to 8, several M."""
+def _shipped() -> list[tuple[str, Schedule, int, int, Placement]]:
+    """(name, schedule, ranks, stages, placement) for every generator, K up to 8, several M."""
+    loop, v_shape = Placement.LOOP, Placement.V
     out = []
     for k in range(2, 9):
         for m in sorted({1, 3, k, 2 * k + 1}):
-            out += [(f"gpipe K={k} M={m}", gpipe(k, m), k, k),
-                    (f"1f1b K={k} M={m}", one_f_one_b(k, m), k, k),
-                    (f"zero-bubble K={k} M={m}", build(ScheduleKind.ZERO_BUBBLE, k, m), k, k)]
+            out += [(f"gpipe K={k} M={m}", gpipe(k, m), k, k, loop),
+                    (f"1f1b K={k} M={m}", one_f_one_b(k, m), k, k, loop),
+                    (f"zero-bubble K={k} M={m}", build(ScheduleKind.ZERO_BUBBLE, k, m), k, k, loop),
+                    (f"zbv K={k} M={m}", build(ScheduleKind.ZBV, k, m), k, 2 * k, v_shape)]
         for v in (2, 3):
             for m in (k, 2 * k):
-                out.append((f"interleaved K={k} V={v} M={m}", interleaved_1f1b(k, v, m), k, k * v))
+                out.append((f"interleaved K={k} V={v} M={m}", interleaved_1f1b(k, v, m), k, k * v, loop))
     return out
 
 
 def test_every_shipped_schedule_passes_under_nccl_rules() -> None:
-    for i, (name, schedule, k, stages) in enumerate(_shipped()):
+    shipped = _shipped()
+    assert {name.split()[0] for name, *_ in shipped} == {"gpipe", "1f1b", "zero-bubble", "zbv", "interleaved"}
+    assert len(ScheduleKind) == 5  # a new kind of schedule is added to _shipped too
+    for i, (name, schedule, k, stages, placement) in enumerate(shipped):
         leaves = 1 + i % 3  # 1 to 3 tensors per cut: each is its own message
-        check_nccl(schedule, Wiring.uniform(k, stages, leaves))  # raises with the name below
+        check_nccl(schedule, Wiring.uniform(k, stages, leaves, placement))  # raises with the name below
         assert name
+
+
+def test_a_v_hands_its_middle_cut_over_within_one_batch() -> None:
+    """Stages K - 1 and K share rank K - 1: each message across that cut is sent and received by
+    that rank in one batch, which the executor fills without the wire."""
+    k, m = 3, 5
+    w = Wiring.uniform(k, 2 * k, 2, Placement.V)
+    schedule = build(ScheduleKind.ZBV, k, m)
+    for r in range(k):
+        local = [step.transfers for step in comm_program(schedule, r, w)
+                 if step.kind is StepKind.ISSUE and any(t.peer == r for t in step.transfers)]
+        assert bool(local) == (r == k - 1)
+        for transfers in local:
+            mine = [t for t in transfers if t.peer == r]
+            assert all(t.cut == k for t in mine)
+            sent = sorted(t.message for t in mine if t.op is Op.SEND)
+            assert sent == sorted(t.message for t in mine if t.op is Op.RECV) and sent
 
 
 def _old_program(actions: tuple[Action, ...], w: Wiring) -> tuple[Step, ...]:

@@ -45,10 +45,11 @@ def test_sends_and_receives_of_actions():
 
 @pytest.mark.parametrize(("kind", "ranks", "chunks"), [(ScheduleKind.GPIPE, 3, 1), (ScheduleKind.ONE_F_ONE_B, 4, 1),
                                                         (ScheduleKind.INTERLEAVED_1F1B, 2, 2),
-                                                        (ScheduleKind.ZERO_BUBBLE, 3, 1)])
+                                                        (ScheduleKind.ZERO_BUBBLE, 3, 1),
+                                                        (ScheduleKind.ZBV, 3, 2)])
 def test_both_ends_of_every_pair_agree_on_the_message_order(kind, ranks, chunks):
     schedule = build(kind, ranks, 4, chunks)
-    w = Wiring.uniform(ranks, ranks * chunks, leaves=2)
+    w = Wiring.uniform(ranks, ranks * chunks, leaves=2, placement=kind.placement)
     programs = [comm_program(schedule, r, w) for r in range(ranks)]
     for r, steps in enumerate(programs):
         assert steps[-1].kind is StepKind.DRAIN

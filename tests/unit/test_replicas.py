@@ -104,6 +104,9 @@ def test_auto_refuses_what_it_cannot_choose_with() -> None:
         pipecut.plan(model, inputs, 4, microbatches="auto", **kw)
     with pytest.raises(InputError, match=r"give 'auto', a DataParallel"):
         pipecut.plan(model, inputs, 4, microbatches=2, **{**kw, "data_parallel": "zero"})
+    with pytest.raises(InputError, match="zbv runs 2 per device"):
+        pipecut.choose_replicas(synthetic_nodes(4, micro=4), devices=CPUS, link=FAST,
+                                **{**KW, "schedule": "zbv"})
 
 
 def test_cli_data_parallel_auto(tmp_path, capsys) -> None:

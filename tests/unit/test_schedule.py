@@ -75,6 +75,11 @@ SKEWED = StageCosts(  # three stages, the middle one slow, links not free: zero 
     forward_link=(0.5, 0.5), backward_link=(0.25, 0.25),
 )
 G, OFOB, IL, ZB = ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED_1F1B, ScheduleKind.ZERO_BUBBLE
+ZBV = ScheduleKind.ZBV
+SKEWED_V = StageCosts(  # two ranks, four stages on a V; the last stage (head and loss) heavy
+    forward=(1.0, 1.0, 1.0, 3.0), backward=(2.0, 2.0, 2.0, 6.0), weight=(1.0, 1.0, 1.0, 1.0),
+    forward_link=(0.5, 0.0, 0.5), backward_link=(0.5, 0.0, 0.5),
+)
 GOLDEN_CASES: dict[str, tuple[ScheduleKind, int, int, int, StageCosts | None]] = {
     # name: (kind, ranks, microbatches, chunks, costs)
     "gpipe_k2_m3": (G, 2, 3, 1, None),
@@ -88,6 +93,9 @@ GOLDEN_CASES: dict[str, tuple[ScheduleKind, int, int, int, StageCosts | None]] =
     "zero_bubble_k2_m4": (ZB, 2, 4, 1, None),
     "zero_bubble_k4_m8": (ZB, 4, 8, 1, None),
     "zero_bubble_k3_m6_skewed": (ZB, 3, 6, 1, SKEWED),
+    "zbv_k2_m4": (ZBV, 2, 4, 2, None),
+    "zbv_k4_m8": (ZBV, 4, 8, 2, None),
+    "zbv_k2_m6_skewed": (ZBV, 2, 6, 2, SKEWED_V),
 }
 
 
@@ -95,7 +103,7 @@ GOLDEN_CASES: dict[str, tuple[ScheduleKind, int, int, int, StageCosts | None]] =
 def test_generator_matches_golden_file(name: str) -> None:
     kind, ranks, m, chunks, costs = GOLDEN_CASES[name]
     schedule = build(kind, ranks, m, chunks, costs)
-    validate(schedule, m)
+    validate(schedule, m, kind.placement)
     text = format_schedule(schedule) + "\n"
     path = GOLDEN / f"{name}.txt"
     if os.environ.get("PIPECUT_REGEN_GOLDEN"):

@@ -66,24 +66,24 @@ def longest_path(
 def cases(draw):  # type: ignore[no-untyped-def]
     kind = draw(st.sampled_from(list(ScheduleKind)))
     ranks = draw(st.integers(1, 4))
-    chunks = draw(st.integers(1, 3)) if kind is ScheduleKind.INTERLEAVED_1F1B else 1
-    m = ranks * draw(st.integers(1, 3)) if chunks > 1 else draw(st.integers(1, 7))
+    chunks = draw(st.integers(1, 3)) if kind is ScheduleKind.INTERLEAVED_1F1B else kind.fixed_stages_per_rank or 1
+    m = ranks * draw(st.integers(1, 3)) if kind is ScheduleKind.INTERLEAVED_1F1B and chunks > 1 else draw(st.integers(1, 7))
     n = ranks * chunks
     f = draw(st.lists(times, min_size=n, max_size=n))
-    w = draw(st.lists(times, min_size=n, max_size=n)) if kind is ScheduleKind.ZERO_BUBBLE else [0.0] * n
+    w = draw(st.lists(times, min_size=n, max_size=n)) if kind.splits_backward else [0.0] * n
     b = [wi + x for wi, x in zip(w, draw(st.lists(times, min_size=n, max_size=n)))]  # B ≥ W
     fl = draw(st.lists(times, min_size=n - 1, max_size=n - 1))
     bl = draw(st.lists(times, min_size=n - 1, max_size=n - 1))
     costs = StageCosts(forward=tuple(f), backward=tuple(b), weight=tuple(w), forward_link=tuple(fl),
                        backward_link=tuple(bl))
-    return build(kind, ranks, m, chunks, costs), m, (f, b, fl, bl, w)
+    return build(kind, ranks, m, chunks, costs), m, (f, b, fl, bl, w), kind.placement
 
 
 @settings(max_examples=150, deadline=None)
 @given(cases())
 def test_simulator_equals_the_runtime_order_and_the_longest_path(case) -> None:  # type: ignore[no-untyped-def]
-    schedule, m, (f, b, fl, bl, w) = case
-    validate(schedule, m)
+    schedule, m, (f, b, fl, bl, w), placement = case
+    validate(schedule, m, placement)
     spans = timeline(schedule, f, b, fl, bl, w)
     rank_of = {a: r for r, rank in enumerate(schedule) for a in rank}
     # Each rank's actions run in the schedule's order, one at a time, as the runtime runs them.
