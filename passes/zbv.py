@@ -6,8 +6,8 @@ first stage (the embedding) and the last (the head and the loss), and a microbat
 turns round on rank K - 1 without leaving it. Each stage's backward is an input-gradient part
 ``I`` (which the stage before waits for) and a weight part ``W`` (which nobody waits for).
 
-The order is list scheduled on the stages' costs, as :mod:`pipecut.passes.zero_bubble` does for
-one stage per rank: whenever a rank is free it starts, of its two stages, a ready ``I`` (the
+The order is list scheduled on the stages' costs by the scheduler of
+:mod:`pipecut.passes.zero_bubble` (:func:`~pipecut.passes.zero_bubble.list_schedule`): whenever a rank is free it starts, of its two stages, a ready ``I`` (the
 stage with the earlier ready time, then the later stage), else a ready ``F`` (likewise), else
 its oldest pending ``W`` (filling what would have been a bubble), else waits for the earliest
 input; of the ranks, the one that can start earliest (then the lowest) goes first. A stage s
@@ -29,12 +29,11 @@ like every other (any valid order is correct; the costs only decide how well bub
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
 from collections.abc import Sequence
 
-from pipecut.core.schedule import Action, ActionKind, Placement, Schedule, rank_of, stages_on
+from pipecut.core.schedule import Placement, Schedule
 from pipecut.errors import ScheduleError
+from pipecut.passes.zero_bubble import list_schedule
 
 __all__ = ["zbv", "zbv_inflight"]
 
@@ -57,94 +56,5 @@ def zbv(
     k, m, n = ranks, microbatches, 2 * ranks
     if len(forward_ms) != n:
         raise ScheduleError(f"zbv on {k} ranks runs {n} stages; got costs for {len(forward_ms)}")
-    owner = [rank_of(s, k, Placement.V) for s in range(n)]
-    mine = [stages_on(r, k, n, Placement.V) for r in range(k)]
-    f_link = list(forward_link_ms) or [0.0] * (n - 1)
-    b_link = list(backward_link_ms) or f_link
-    input_ms = [b - w for b, w in zip(backward_ms, weight_ms)]
-    limit = zbv_inflight(n, m)
-    clock = [0.0] * k
-    next_f, next_i, in_flight = [0] * n, [0] * n, [0] * n
-    weights: list[deque[tuple[int, int]]] = [deque() for _ in range(k)]  # (stage, mb), oldest first
-    f_done: dict[tuple[int, int], float] = {}
-    i_done: dict[tuple[int, int], float] = {}
-    orders: list[list[Action]] = [[] for _ in range(k)]
-
-    def ready_input(s: int) -> float | None:
-        mb = next_i[s]
-        if mb >= next_f[s]:
-            return None  # its forward has not run yet
-        if s == n - 1:
-            return max(clock[owner[s]], f_done[(s, mb)])
-        done = i_done.get((s + 1, mb))
-        return None if done is None else max(clock[owner[s]], done + b_link[s])
-
-    def ready_forward(s: int) -> float | None:
-        mb = next_f[s]
-        if mb >= m or in_flight[s] >= limit[s]:
-            return None
-        if s == 0:
-            return clock[owner[s]]
-        done = f_done.get((s - 1, mb))
-        return None if done is None else max(clock[owner[s]], done + f_link[s - 1])
-
-    def decide(r: int) -> tuple[float, ActionKind, int] | None:
-        """(start, kind, stage) of rank r's next action, or None while it has nothing to wait for."""
-        options = [
-            (t, order, -s, kind, s)
-            for s in mine[r]
-            for order, (t, kind) in enumerate(((ready_input(s), ActionKind.INPUT),
-                                               (ready_forward(s), ActionKind.FORWARD)))
-            if t is not None
-        ]
-        now = [o for o in options if o[0] <= clock[r]]
-        if now:
-            _, _, _, kind, s = min(now, key=lambda o: (o[1], o[0], o[2]))  # I first, earliest, later stage
-            return clock[r], kind, s
-        if weights[r]:
-            return clock[r], ActionKind.WEIGHT, weights[r][0][0]
-        if not options:
-            return None
-        t, _, _, kind, s = min(options)
-        return t, kind, s
-
-    # After an action on stage s only the ranks of s - 1, s and s + 1 can decide differently, so
-    # a heap of (start, rank) with stale entries skipped finds the earliest (then lowest) rank.
-    version = [0] * k
-    heap: list[tuple[float, int, int, ActionKind, int]] = []
-
-    def push(r: int) -> None:
-        version[r] += 1
-        c = decide(r)
-        if c is not None:
-            heapq.heappush(heap, (c[0], r, version[r], c[1], c[2]))
-
-    for r in range(k):
-        push(r)
-    remaining = 3 * n * m
-    while remaining:
-        while heap and heap[0][2] != version[heap[0][1]]:
-            heapq.heappop(heap)
-        if not heap:
-            raise ScheduleError("zbv list scheduling found no runnable action")
-        start, r, _, kind, s = heapq.heappop(heap)
-        if kind is ActionKind.FORWARD:
-            mb, cost = next_f[s], forward_ms[s]
-            next_f[s] += 1
-            in_flight[s] += 1
-            f_done[(s, mb)] = start + cost
-        elif kind is ActionKind.INPUT:
-            mb, cost = next_i[s], input_ms[s]
-            next_i[s] += 1
-            weights[r].append((s, mb))
-            i_done[(s, mb)] = start + cost
-        else:
-            s, mb = weights[r].popleft()
-            cost = weight_ms[s]
-            in_flight[s] -= 1  # the microbatch's activations are freed after its weight pass
-        clock[r] = start + cost
-        orders[r].append(Action(s, kind, mb))
-        remaining -= 1
-        for near in {owner[x] for x in (s - 1, s, s + 1) if 0 <= x < n}:
-            push(near)
-    return tuple(tuple(o) for o in orders)
+    return list_schedule(k, m, Placement.V, zbv_inflight(n, m), forward_ms, backward_ms, weight_ms,
+                         forward_link_ms, backward_link_ms, what="zbv")

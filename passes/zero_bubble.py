@@ -6,7 +6,8 @@ an input-gradient part ``I`` (which the previous stage waits for) and a weight-g
 rank, whenever it is free, starts a ready ``I`` first, else a ready ``F``, else a pending ``W``
 (filling what would have been a bubble), else waits for the earliest input to arrive; of the
 ranks, the one that can start earliest (then the lowest) goes first, found with a heap in
-O(log K) per action. The result is an ordinary schedule (per-rank action lists), checked and timed by
+O(log K) per action (:func:`list_schedule`, which :mod:`pipecut.passes.zbv` uses for two
+stages per rank on a V). The result is an ordinary schedule (per-rank action lists), checked and timed by
 :func:`pipecut.core.schedule.simulate` like any other; any valid order is correct, the costs
 only decide how well the bubbles are filled. Two ranks, four microbatches, F = I = W::
 
@@ -23,10 +24,10 @@ import heapq
 from collections import deque
 from collections.abc import Sequence
 
-from pipecut.core.schedule import Action, ActionKind, Schedule
+from pipecut.core.schedule import Action, ActionKind, Placement, Schedule, rank_of, stages_on
 from pipecut.errors import ScheduleError
 
-__all__ = ["zero_bubble"]
+__all__ = ["list_schedule", "zero_bubble"]
 
 
 def zero_bubble(
@@ -39,15 +40,36 @@ def zero_bubble(
     backward_link_ms: Sequence[float] = (),
 ) -> Schedule:
     """Per-rank actions for ``ranks`` stages (one per rank); costs per stage, in ms."""
-    k, m = ranks, microbatches
-    f_link = list(forward_link_ms) or [0.0] * max(k - 1, 0)
+    return list_schedule(ranks, microbatches, Placement.LOOP, [ranks - s for s in range(ranks)],
+                         forward_ms, backward_ms, weight_ms, forward_link_ms, backward_link_ms)
+
+
+def list_schedule(
+    ranks: int,
+    microbatches: int,
+    placement: Placement,
+    limit: Sequence[int],
+    forward_ms: Sequence[float],
+    backward_ms: Sequence[float],
+    weight_ms: Sequence[float],
+    forward_link_ms: Sequence[float] = (),
+    backward_link_ms: Sequence[float] = (),
+    what: str = "zero-bubble",
+) -> Schedule:
+    """Per-rank F/I/W actions for ``len(forward_ms)`` stages laid on ``ranks`` ranks as
+    ``placement`` says, stage s holding at most ``limit[s]`` microbatches between its F and its
+    W. A free rank starts, of its stages, a ready ``I`` (the earlier, then the later stage), else
+    a ready ``F``, else its oldest pending ``W``, else waits for the earliest input; of the
+    ranks, the one that can start earliest (then the lowest) goes first."""
+    k, m, n = ranks, microbatches, len(forward_ms)
+    owner = [rank_of(s, k, placement) for s in range(n)]
+    mine = [stages_on(r, k, n, placement) for r in range(k)]
+    f_link = list(forward_link_ms) or [0.0] * (n - 1)
     b_link = list(backward_link_ms) or f_link
     input_ms = [b - w for b, w in zip(backward_ms, weight_ms)]
     clock = [0.0] * k
-    next_f = [0] * k
-    next_i = [0] * k
-    in_flight = [0] * k
-    weights: list[deque[int]] = [deque() for _ in range(k)]
+    next_f, next_i, in_flight = [0] * n, [0] * n, [0] * n
+    weights: list[deque[tuple[int, int]]] = [deque() for _ in range(k)]  # (stage, mb), oldest first
     f_done: dict[tuple[int, int], float] = {}
     i_done: dict[tuple[int, int], float] = {}
     orders: list[list[Action]] = [[] for _ in range(k)]
@@ -56,52 +78,60 @@ def zero_bubble(
         mb = next_i[s]
         if mb >= next_f[s]:
             return None  # its forward has not run yet
-        if s == k - 1:
-            return max(clock[s], f_done[(s, mb)])
+        if s == n - 1:
+            return max(clock[owner[s]], f_done[(s, mb)])
         done = i_done.get((s + 1, mb))
-        return None if done is None else max(clock[s], done + b_link[s])
+        return None if done is None else max(clock[owner[s]], done + b_link[s])
 
     def ready_forward(s: int) -> float | None:
         mb = next_f[s]
-        if mb >= m or in_flight[s] >= k - s:
+        if mb >= m or in_flight[s] >= limit[s]:
             return None
         if s == 0:
-            return clock[s]
+            return clock[owner[s]]
         done = f_done.get((s - 1, mb))
-        return None if done is None else max(clock[s], done + f_link[s - 1])
+        return None if done is None else max(clock[owner[s]], done + f_link[s - 1])
 
-    def decide(s: int) -> tuple[float, ActionKind] | None:
-        options = [(t, kind) for t, kind in ((ready_input(s), ActionKind.INPUT),
-                                            (ready_forward(s), ActionKind.FORWARD)) if t is not None]
-        now = [kind for t, kind in options if t <= clock[s]]
+    def decide(r: int) -> tuple[float, ActionKind, int] | None:
+        """(start, kind, stage) of rank r's next action, or None while it has nothing to wait for."""
+        options = [
+            (t, order, -s, kind, s)
+            for s in mine[r]
+            for order, (t, kind) in enumerate(((ready_input(s), ActionKind.INPUT),
+                                               (ready_forward(s), ActionKind.FORWARD)))
+            if t is not None
+        ]
+        now = [o for o in options if o[0] <= clock[r]]
         if now:
-            return clock[s], now[0]  # I before F: the previous stage is waiting for it
-        if weights[s]:
-            return clock[s], ActionKind.WEIGHT
-        return min(options, key=lambda o: o[0]) if options else None
+            _, _, _, kind, s = min(now, key=lambda o: (o[1], o[0], o[2]))  # I first, earliest, later stage
+            return clock[r], kind, s
+        if weights[r]:
+            return clock[r], ActionKind.WEIGHT, weights[r][0][0]
+        if not options:
+            return None
+        t, _, _, kind, s = min(options)
+        return t, kind, s
 
-    # Each rank's next decision depends only on its own state and its neighbours' finish
-    # times, so after an action on rank s only s - 1, s and s + 1 decide again: a heap of
-    # (start, rank) with stale entries skipped gives the earliest (then lowest) rank in
-    # O(log K) per action, the same choice as a scan of all ranks.
+    # After an action on stage s only the ranks of s - 1, s and s + 1 can decide differently, so
+    # a heap of (start, rank) with stale entries skipped finds the earliest (then lowest) rank.
     version = [0] * k
-    heap: list[tuple[float, int, int, ActionKind]] = []
+    heap: list[tuple[float, int, int, ActionKind, int]] = []
 
-    def push(s: int) -> None:
-        version[s] += 1
-        c = decide(s)
+    def push(r: int) -> None:
+        version[r] += 1
+        c = decide(r)
         if c is not None:
-            heapq.heappush(heap, (c[0], s, version[s], c[1]))
+            heapq.heappush(heap, (c[0], r, version[r], c[1], c[2]))
 
-    for s in range(k):
-        push(s)
-    remaining = 3 * k * m
+    for r in range(k):
+        push(r)
+    remaining = 3 * n * m
     while remaining:
         while heap and heap[0][2] != version[heap[0][1]]:
             heapq.heappop(heap)
         if not heap:
-            raise ScheduleError("zero-bubble list scheduling found no runnable action")
-        start, s, _, kind = heapq.heappop(heap)
+            raise ScheduleError(f"{what} list scheduling found no runnable action")
+        start, r, _, kind, s = heapq.heappop(heap)
         if kind is ActionKind.FORWARD:
             mb, cost = next_f[s], forward_ms[s]
             next_f[s] += 1
@@ -110,15 +140,15 @@ def zero_bubble(
         elif kind is ActionKind.INPUT:
             mb, cost = next_i[s], input_ms[s]
             next_i[s] += 1
-            weights[s].append(mb)
+            weights[r].append((s, mb))
             i_done[(s, mb)] = start + cost
         else:
-            mb, cost = weights[s].popleft(), weight_ms[s]
+            s, mb = weights[r].popleft()
+            cost = weight_ms[s]
             in_flight[s] -= 1  # the microbatch's activations are freed after its weight pass
-        clock[s] = start + cost
-        orders[s].append(Action(s, kind, mb))
+        clock[r] = start + cost
+        orders[r].append(Action(s, kind, mb))
         remaining -= 1
-        for n in (s - 1, s, s + 1):
-            if 0 <= n < k:
-                push(n)
+        for near in {owner[x] for x in (s - 1, s, s + 1) if 0 <= x < n}:
+            push(near)
     return tuple(tuple(o) for o in orders)
