@@ -58,7 +58,7 @@ def test_live_calibration_keeps_the_model_and_parity() -> None:
     assert results[0]["profiled_on"] == results[1]["profiled_on"] == "cpu"  # rank 0's own device
     plan = pipecut.Plan.from_json(results[0]["auto"]["plan"])
     chosen = [c for c in plan.candidates if c.note == "chosen"]
-    assert len(plan.candidates) == 9 and len(chosen) == 1  # M in {2, 4, 8} x three schedules
+    assert len(plan.candidates) == 12 and len(chosen) == 1  # M in {2, 4, 8} x four schedules (ZBV too)
     assert (chosen[0].microbatches, chosen[0].schedule) == (plan.microbatches, plan.schedule)
     ref_loss, ref_grads = reference(lambda: mlp.build(batch_size=8, depth=4), plan.microbatches, False)
     assert_parity(ref_loss, ref_grads, [r["auto"] for r in results])
