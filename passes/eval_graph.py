@@ -119,7 +119,8 @@ def map_stages(
         params, _ = stage_params(members, by_name)
         # Recompute the same blocks where the node names match; none match: the whole stage
         # (memory no higher than planned, whatever the other graph's nodes are).
-        recomputed = tuple(n.name for n in members if n.name in set(st.recomputed))
+        chosen = set(st.recomputed)
+        recomputed = tuple(n.name for n in members if n.name in chosen)
         recompute = st.recompute
         if recompute is Recompute.SELECTIVE and not recomputed:
             recompute = Recompute.FULL

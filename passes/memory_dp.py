@@ -82,7 +82,6 @@ def _solve(
                     fits_rc = base + p.inflight[s] * inb[i] <= cap
                     redo = cost + (fw[j] - fw[i]) / speeds[s]
                     if p.block_cuts:  # some blocks only: a per-stage choice, done unit by unit
-                        redo = redo.copy()
                         for pos in np.flatnonzero(~fits & fits_rc):
                             redo[pos] = _selective_ms(p, s, int(i[pos]), int(j), selective)
                     cost = np.where(fits, cost, np.where(fits_rc, redo, np.inf))

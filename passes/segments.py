@@ -36,22 +36,20 @@ def segment_runs(gm: fx.GraphModule, recomputed: Collection[str]) -> list[list[f
     value from outside its run. ``get_attr`` nodes do not split a run: a segment reads the
     stage's parameters and buffers itself, at each run (so a recompute reads, and writes into,
     the buffers :mod:`pipecut.runtime.recompute_state` puts in place for it)."""
-    runs: list[list[fx.Node]] = []
-    current: list[fx.Node] = []
+    runs: list[list[fx.Node]] = [[]]
+    members: set[fx.Node] = set()  # of the run being built
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             continue
         first = node.args[0] if node.args else None
-        writes_outside = mutates_first_arg(node, gm) and isinstance(first, fx.Node) and first not in current
+        writes_outside = mutates_first_arg(node, gm) and isinstance(first, fx.Node) and first not in members
         if node.name in recomputed and node.op.startswith("call_") and not writes_outside:
-            current.append(node)
-            continue
-        if current:
-            runs.append(current)
-        current = []
-    if current:
-        runs.append(current)
-    return runs
+            runs[-1].append(node)
+            members.add(node)
+        elif runs[-1]:
+            runs.append([])
+            members = set()
+    return [run for run in runs if run]
 
 
 def checkpoint_segments(gm: fx.GraphModule, recomputed: Collection[str], where: str = "the stage") -> fx.GraphModule:

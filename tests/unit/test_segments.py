@@ -84,3 +84,29 @@ def test_unknown_nodes_are_refused_naming_the_stage() -> None:
     gm, *_ = _gpt_graph()
     with pytest.raises(PlanError, match=r"stage 3 recomputes node.*no_such_node.*re-plan"):
         checkpoint_segments(gm, {"no_such_node"}, where="stage 3")
+
+
+def test_a_recomputed_dropout_draws_the_mask_its_forward_drew() -> None:
+    """Recompute runs the segment again inside backward: with the RNG state of the first run,
+    so the gradients are those of the mask the forward used (the plain model's)."""
+
+    class Drop(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.dropout(self.lin(x).relu(), 0.5, True).sum(-1)
+
+    gm = fx.symbolic_trace(Drop())
+    seg = checkpoint_segments(gm, {n.name for n in gm.graph.nodes if n.op.startswith("call_")})
+    assert any(isinstance(m, Segment) for m in seg.modules())
+    x = torch.randn(8, 16)
+    grads = []
+    for module in (gm, seg):
+        torch.manual_seed(3)
+        module(x).sum().backward()
+        grads.append(gm.lin.weight.grad.clone())
+        gm.zero_grad(set_to_none=True)
+        torch.rand(1)  # the RNG moves on between the two runs: only the seed above matters
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
