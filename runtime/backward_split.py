@@ -21,18 +21,41 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 __all__ = ["split_backward"]
 
 
-def _reaches(targets: set[Node]) -> Callable[[Node | None], bool]:
-    memo: dict[Node, bool] = {}
+class _Reaches:
+    """``reaches(node)``: whether autograd ``node`` leads to one of ``targets``, memoised.
 
-    def reaches(node: Node | None) -> bool:
+    A class, not a closure calling itself: such a closure is a reference cycle, and through its
+    memo it would keep every node of the graph, with the tensors they saved for backward, alive
+    until Python's cyclic collector happened to run (zero-bubble grew by a microbatch's
+    activations per step, and re-faulted that memory in every forward). The walk is iterative,
+    so a deep graph does not hit Python's recursion limit."""
+
+    def __init__(self, targets: set[Node]) -> None:
+        self.targets = targets
+        self.memo: dict[Node, bool] = {}
+
+    def __call__(self, node: Node | None) -> bool:
         if node is None:
             return False
-        if node not in memo:
-            memo[node] = False  # the graph is a DAG; this only guards re-entry
-            memo[node] = node in targets or any(reaches(child) for child, _ in node.next_functions)
-        return memo[node]
+        stack = [(node, False)]
+        while stack:
+            n, expanded = stack.pop()
+            if n in self.memo and not expanded:
+                continue
+            children = [c for c, _ in n.next_functions if c is not None]
+            if expanded:
+                self.memo[n] = n in self.targets or any(self.memo.get(c, False) for c in children)
+                continue
+            if n in self.targets:
+                self.memo[n] = True
+                continue
+            self.memo[n] = False  # the graph is a DAG; this only guards re-entry
+            stack.append((n, True))
+            stack += [(c, False) for c in children if c not in self.memo]
+        return self.memo[node]
 
-    return reaches
+    def clear(self) -> None:
+        self.memo.clear()
 
 
 def _params_below(node: Node, accumulators: dict[Node, torch.Tensor], out: dict[int, torch.Tensor]) -> None:
@@ -59,8 +82,8 @@ def split_backward(
     ``p.grad`` for every ``p`` of ``params`` later (call it once)."""
     params = [p for p in params if p.requires_grad]
     accumulators = {get_gradient_edge(p).node: p for p in params}
-    reaches_input = _reaches({get_gradient_edge(t).node for t in inputs})
-    reaches_param = _reaches(set(accumulators))
+    reaches_input = _Reaches({get_gradient_edge(t).node for t in inputs})
+    reaches_param = _Reaches(set(accumulators))
 
     frontier: list[Node] = []
     roots: list[tuple[Node, torch.Tensor, torch.Tensor]] = []  # outputs reaching no input
@@ -115,6 +138,10 @@ def split_backward(
             for p, g in zip(targets, found):
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad.add_(g)
+        # Drop every reference to the graph now, so its saved tensors go with this microbatch.
         captured.clear()
+        roots.clear()
+        reaches_input.clear()
+        reaches_param.clear()
 
     return input_grads, weight_pass

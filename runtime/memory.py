@@ -53,7 +53,11 @@ class ActivationMeter:
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             self._add(mb, t)
-            return t
+            # Not ``t`` itself: a node that saves its own output would then hold a tensor whose
+            # grad_fn is that node, a cycle through C++ that no collector breaks. Backward
+            # breaks it by freeing what was saved, but a graph kept with retain_graph=True
+            # (zero-bubble's split backward) leaked every microbatch's activations.
+            return t.detach()
 
         self._current = mb
         try:

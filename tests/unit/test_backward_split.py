@@ -59,3 +59,40 @@ def test_a_first_stage_without_inputs_leaves_everything_to_the_weight_pass():
     weight_pass()
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad, want[n], atol=1e-6), n
+
+
+def test_the_graph_and_its_saved_tensors_are_freed_without_the_cyclic_collector():
+    # The splitter's bookkeeping once formed a reference cycle that held the whole autograd
+    # graph until gc ran: zero-bubble steps grew by ~220 MiB each on the GPT-2 benchmark.
+    import gc
+    import weakref
+
+    model = stage()
+    for first_stage in (False, True):
+        x = torch.randn(5, 4, requires_grad=not first_stage)
+        hidden = model[1](model[0](x))  # saved by the second Linear for its weight gradient
+        saved = weakref.ref(hidden)
+        out = model[3](model[2](hidden))
+        del hidden
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            _, weight_pass = split_backward([out], [torch.ones_like(out)], [x] if not first_stage else [],
+                                            list(model.parameters()))
+            weight_pass()
+            del out, weight_pass
+            assert saved() is None, "the graph outlived its weight pass"
+        finally:
+            if was_enabled:
+                gc.enable()
+
+
+def test_a_deep_graph_does_not_hit_the_recursion_limit():
+    import sys
+
+    layers = nn.Sequential(*[nn.Linear(2, 2) for _ in range(sys.getrecursionlimit())])
+    x = torch.randn(1, 2, requires_grad=True)
+    out = layers(x)
+    input_grads, weight_pass = split_backward([out], [torch.ones_like(out)], [x], list(layers.parameters()))
+    weight_pass()
+    assert input_grads[0] is not None and layers[0].weight.grad is not None
