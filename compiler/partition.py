@@ -9,6 +9,7 @@ Also here: the options every planning entry point reads (devices, schedule, ILP 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +22,7 @@ from pipecut.core.schedule import rank_of, stages_on
 from pipecut.errors import InputError, PartitionError
 from pipecut.parallel import DataParallel
 from pipecut.passes.chain import boundary_bytes, can_cross, is_unit, liveness
-from pipecut.passes.coarsen import candidate_cuts
+from pipecut.passes.coarsen import block_cuts, candidate_cuts
 from pipecut.passes.holders import stage_count_error
 from pipecut.passes.ilp import IlpSolver
 from pipecut.passes.memory_dp import partition_bounded
@@ -29,6 +30,7 @@ from pipecut.passes.memory_floor import infeasible_error
 from pipecut.passes.memory_partition import partition_ilp
 from pipecut.passes.pinned import bounds_from_modules, bounds_from_split_points, is_split_points
 from pipecut.passes.problem import formulate
+from pipecut.passes.refine import refine_cuts
 from pipecut.passes.stages import build_stages, inflight_microbatches
 from pipecut.plan import (
     CaptureMethod,
@@ -194,9 +196,18 @@ def partition_costs(
                 positions=coarse or None,
             )
         bounds, recomputes = best.bounds, [Recompute.NONE] * k
+        detail = f"exact DP over {units} units"
+        if k > len(ranks):  # several stages per rank: the slowest stage is only a proxy
+            refined, step = refine_cuts(bounds, block_cuts(form.modules, cuts), lambda b: _simulated_step(
+                nodes, live, b, specs, ranks, link, kind, microbatches, stages_per_rank, data_parallel))
+            if refined != tuple(bounds):
+                first = _simulated_step(nodes, live, bounds, specs, ranks, link, kind, microbatches,
+                                        stages_per_rank, data_parallel)
+                detail += f", then cuts moved to shorten the simulated step ({first:.1f} -> {step:.1f} ms)"
+                bounds = refined
         record = Solver(
             method=Partitioner.DP, solve_ms=(time.perf_counter() - start) * 1e3, optimal=True,
-            detail=f"exact DP over {units} units",
+            detail=detail,
         )
     else:
         form = formulate(
@@ -245,6 +256,25 @@ def partition_costs(
         pipecut_version=pipecut.__version__,
         torch_version=torch.__version__,
     )
+
+
+def _simulated_step(
+    nodes: Sequence[NodeCost], live: Any, bounds: Sequence[int], specs: Sequence[DeviceSpec],
+    ranks: Sequence[DeviceSpec], link: Link, kind: ScheduleKind, microbatches: int,
+    stages_per_rank: int, data_parallel: DataParallel | None,
+) -> float:
+    """The step a split would take, simulated; inf if a stage or a rank would not fit."""
+    facts = build_stages(
+        nodes, live, list(bounds), devices=specs, link=link, schedule=kind, microbatches=microbatches,
+        stages_per_rank=stages_per_rank, data_parallel=data_parallel,
+    )
+    if any(d.memory_bytes is not None and st.peak_memory_bytes > d.memory_bytes for st, d in zip(facts.stages, specs)):
+        return math.inf
+    try:
+        _check_rank_memory(facts.stages, ranks, kind)
+    except PartitionError:
+        return math.inf
+    return float(facts.predicted.step_ms)
 
 
 def _check_rank_memory(stages: Sequence[Stage], ranks: Sequence[DeviceSpec], kind: ScheduleKind) -> None:

@@ -10,8 +10,9 @@ stage depends only on its two cuts and the dynamic program stays exact.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pipecut.core.cut_values import leaf_bytes
@@ -20,6 +21,7 @@ from pipecut.plan import LeafKind, Link, NodeCost, NodeOp
 __all__ = [
     "Liveness",
     "boundary_bytes",
+    "boundary_messages",
     "boundary_ms",
     "can_cross",
     "is_unit",
@@ -28,6 +30,7 @@ __all__ = [
     "reads_params",
     "unit_param_bytes",
     "value_bytes",
+    "value_messages",
 ]
 
 _LOCAL = (NodeOp.PLACEHOLDER, NodeOp.GET_ATTR)
@@ -83,49 +86,57 @@ def can_cross(node: NodeCost) -> bool:
     return all(leaf.kind is LeafKind.TENSOR or leaf.value is not None for leaf in node.leaves)
 
 
-def boundary_bytes(nodes: Sequence[NodeCost], live: Liveness) -> tuple[list[int], list[int], list[bool]]:
-    """Per cut position 0..N: activation bytes, gradient bytes, and whether the cut is allowed."""
+def value_messages(node: NodeCost) -> tuple[int, int]:
+    """(tensors sent forward, gradients sent back) for a node's value: one message each."""
+    leaves = [leaf for leaf in node.leaves if leaf.kind is LeafKind.TENSOR]
+    return len(leaves), sum(1 for leaf in leaves if leaf.requires_grad)
+
+
+def _across_cuts(
+    nodes: Sequence[NodeCost], live: Liveness, weigh: Callable[[NodeCost], tuple[int, ...]], width: int
+) -> list[list[int]]:
+    """Per cut position 0..N, the sums of ``weigh(value)`` over the values live across it."""
     n = len(live.units)
     by_name = {node.name: node for node in nodes}
-    fwd = [0] * (n + 2)
-    bwd = [0] * (n + 2)
-    blocked = [0] * (n + 2)
+    diff = [[0] * (n + 2) for _ in range(width)]
     for name, last in live.last_use.items():
         p = live.index[name]
         if last <= p:
             continue
-        f, b = value_bytes(by_name[name])
-        # live across cuts p+1 .. last (difference arrays)
-        fwd[p + 1] += f
-        fwd[last + 1] -= f
-        bwd[p + 1] += b
-        bwd[last + 1] -= b
-        if not can_cross(by_name[name]):
-            blocked[p + 1] += 1
-            blocked[last + 1] -= 1
-    out_f, out_b, allowed = [], [], []
-    acc_f = acc_b = acc_x = 0
-    for b in range(n + 1):
-        acc_f += fwd[b]
-        acc_b += bwd[b]
-        acc_x += blocked[b]
-        out_f.append(acc_f)
-        out_b.append(acc_b)
-        allowed.append(acc_x == 0)
-    return out_f, out_b, allowed
+        for d, w in zip(diff, weigh(by_name[name])):  # live across cuts p+1 .. last
+            d[p + 1] += w
+            d[last + 1] -= w
+    return [list(itertools.accumulate(d[: n + 1])) for d in diff]
 
 
-def boundary_ms(fwd: Sequence[int], bwd: Sequence[int], allowed: Sequence[bool], link: Link) -> list[float]:
-    """Communication time per cut: activations forward plus gradients backward."""
+def boundary_bytes(nodes: Sequence[NodeCost], live: Liveness) -> tuple[list[int], list[int], list[bool]]:
+    """Per cut position 0..N: activation bytes, gradient bytes, and whether the cut is allowed."""
+    fwd, bwd, blocked = _across_cuts(nodes, live, lambda v: (*value_bytes(v), int(not can_cross(v))), 3)
+    return fwd, bwd, [x == 0 for x in blocked]
+
+
+def boundary_messages(nodes: Sequence[NodeCost], live: Liveness) -> tuple[list[int], list[int]]:
+    """Per cut position 0..N: tensors sent forward and gradients sent back, one message each."""
+    fwd, bwd = _across_cuts(nodes, live, value_messages, 2)
+    return fwd, bwd
+
+
+def boundary_ms(
+    fwd: Sequence[int], bwd: Sequence[int], allowed: Sequence[bool], link: Link,
+    messages: tuple[Sequence[int], Sequence[int]] | None = None,
+) -> list[float]:
+    """Communication time per cut: activations forward plus gradients backward, each tensor
+    one message (``messages``: the counts of :func:`boundary_messages`; one per cut if None)."""
     out = []
     last = len(fwd) - 1
+    f_msgs, b_msgs = messages if messages is not None else ([1] * len(fwd), [1] * len(bwd))
     for b, (f, g, ok) in enumerate(zip(fwd, bwd, allowed)):
         if b in (0, last):
             out.append(0.0)
         elif not ok:
             out.append(math.inf)
         else:
-            out.append(link.transfer_ms(f) + link.transfer_ms(g))
+            out.append(link.transfer_ms(f, f_msgs[b]) + link.transfer_ms(g, b_msgs[b]))
     return out
 
 

@@ -31,7 +31,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipecut.parallel import DataParallel
-from pipecut.passes.chain import Liveness, boundary_bytes, boundary_ms, liveness, unit_param_bytes
+from pipecut.passes.chain import (
+    Liveness,
+    boundary_bytes,
+    boundary_messages,
+    boundary_ms,
+    liveness,
+    unit_param_bytes,
+)
 from pipecut.passes.coarsen import block_cuts
 from pipecut.passes.holders import holds_params
 from pipecut.passes.stages import inflight_microbatches, state_bytes
@@ -278,7 +285,7 @@ def formulate(
         names=live.units,
         compute_ms=tuple(u.forward_ms + u.backward_ms for u in units),
         forward_ms=tuple(u.forward_ms for u in units),
-        boundary_ms=tuple(boundary_ms(fwd_bytes, bwd_bytes, allowed, link)),
+        boundary_ms=tuple(boundary_ms(fwd_bytes, bwd_bytes, allowed, link, boundary_messages(nodes, live))),
         input_bytes=tuple(fwd_bytes),
         fixed_bytes=tuple(unit_fixed_bytes(u, by_name, data_parallel) for u in units),
         activation_bytes=tuple(u.kept_bytes for u in units),

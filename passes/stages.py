@@ -24,10 +24,12 @@ from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.chain import (
     Liveness,
     boundary_bytes,
+    boundary_messages,
     boundary_ms,
     param_readers,
     reads_params,
     value_bytes,
+    value_messages,
 )
 from pipecut.passes.schedules import build as build_schedule
 from pipecut.plan import (
@@ -121,7 +123,7 @@ def build_stages(
     k = len(bounds) - 1
     by_name = {n.name: n for n in nodes}
     fwd, bwd, allowed = boundary_bytes(nodes, live)
-    cut_ms = boundary_ms(fwd, bwd, allowed, link)
+    cut_ms = boundary_ms(fwd, bwd, allowed, link, boundary_messages(nodes, live))
     inflight = inflight_microbatches(schedule, k, microbatches)
     recompute = list(recompute) if recompute is not None else [Recompute.NONE] * k
     recomputed = list(recomputed) if recomputed is not None else [()] * k
@@ -137,7 +139,11 @@ def build_stages(
         fwd_ms = sum(u.forward_ms for u in units) / speed
         bwd_ms = sum(u.backward_ms for u in units) / speed
         # dW and dX of a product cost the same: half the backward of a node reading weights.
+        # A stage no gradient leaves (the first: its inputs are data) has no dX to hand on, so
+        # a split backward's I does nothing there and W is the whole backward.
         wgt_ms = sum(u.backward_ms for u in units if reads_params(u, by_name)) / (2 * speed)
+        if bwd[bounds[s]] == 0:
+            wgt_ms = bwd_ms
         in_bytes = sum(value_bytes(by_name[v])[0] for v in inputs)
         if recompute[s] is Recompute.FULL:
             act = in_bytes  # only the stage inputs are kept; the rest is recomputed in backward
@@ -221,8 +227,9 @@ def stage_costs(
             backward.append(0.0)
             continue
         sizes = [value_bytes(by_name[v]) for v in st.outputs]
-        forward.append(link.transfer_ms(sum(f for f, _ in sizes)))
-        backward.append(link.transfer_ms(sum(b for _, b in sizes)))
+        counts = [value_messages(by_name[v]) for v in st.outputs]
+        forward.append(link.transfer_ms(sum(f for f, _ in sizes), sum(f for f, _ in counts)))
+        backward.append(link.transfer_ms(sum(b for _, b in sizes), sum(b for _, b in counts)))
     return StageCosts(
         forward=tuple(s.forward_ms for s in stages),
         backward=tuple(s.backward_ms for s in stages),

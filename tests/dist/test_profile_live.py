@@ -53,6 +53,8 @@ def test_live_calibration_keeps_the_model_and_parity() -> None:
     ref_loss, ref_grads = reference(resnet.build, 4, per_microbatch=True)
     assert_parity(ref_loss, ref_grads, results)
     assert all("calibrated on the running pipeline" in r["rebuilt"]["detail"] for r in results)
+    # ... and the moved split is timed again, its prediction made from its own stages' times
+    assert all("moved split measured again" in r["rebuilt"]["detail"] for r in results)
     assert_parity(ref_loss, ref_grads, [r["rebuilt"] for r in results])
     assert results[0]["link"].measured and results[0]["link"] == results[1]["link"]
     assert results[0]["profiled_on"] == results[1]["profiled_on"] == "cpu"  # rank 0's own device

@@ -8,7 +8,8 @@ import pipecut
 from examples import gpt, resnet
 from pipecut.errors import InputError, PartitionError
 from pipecut.partition import partition_costs
-from pipecut.passes.chain import boundary_bytes, liveness
+from pipecut.passes.chain import boundary_bytes, boundary_messages, boundary_ms, liveness
+from pipecut.plan import Link
 from tests.exact_dp import Chain, partition_dp
 
 
@@ -25,6 +26,21 @@ def test_residual_stream_is_live_across_block_interiors() -> None:
     # Inside a residual block both the block input (identity) and the branch are live.
     assert max(len(live.crossing(b)) for b in range(len(live.units) + 1)) >= 2
     assert all(allowed)
+
+
+def test_every_tensor_crossing_a_cut_is_a_message_that_pays_the_latency() -> None:
+    nodes = _nodes(resnet.build)
+    live = liveness(nodes)
+    fwd, bwd, allowed = boundary_bytes(nodes, live)
+    f_msgs, b_msgs = boundary_messages(nodes, live)
+    # One tensor per value here: the count is the number of values crossing.
+    assert f_msgs == [len(live.crossing(b)) for b in range(len(live.units) + 1)]
+    assert b_msgs == f_msgs  # every crossing value carries a gradient back
+    two = next(b for b, m in enumerate(f_msgs) if m == 2)  # inside a residual block
+    link = Link(bandwidth_bytes_per_ms=1e6, latency_ms=1.0)
+    ms = boundary_ms(fwd, bwd, allowed, link, (f_msgs, b_msgs))
+    assert ms[two] == pytest.approx(4.0 + (fwd[two] + bwd[two]) / 1e6)  # 2 messages each way
+    assert boundary_ms(fwd, bwd, allowed, link)[two] == pytest.approx(2.0 + (fwd[two] + bwd[two]) / 1e6)
 
 
 def test_dp_is_exact_on_a_small_chain() -> None:
