@@ -1,12 +1,18 @@
 """Benchmark: pipecut's partition against the splits of DeepSpeed, torchgpipe and by-hand tools.
 
     .venv/bin/python benchmarks/partition.py [--quick] [--out benchmarks/partition.json]
+    .venv/bin/python benchmarks/partition.py --heavy [--out benchmarks/heavy.json]
 
 (``.venv-vision/bin/python`` adds the torchvision models.) Every model is captured and profiled
 once; each K then re-partitions the same cost table, so all methods are scored on identical
 numbers by one cost model (compute / speed + communication of cut tensors, memory with the
 schedule's inflight microbatches). Prints two markdown tables: the slowest stage per method
 without a memory limit, and with a memory limit that needs recompute.
+
+``--heavy``: 32k-vocabulary LMs whose head outweighs a stage's share at K = 4 and 8, the
+slowest stage with the head whole and in row pieces (``pipecut.heavy``), beside the bound
+total / K; both tables share every untouched node's measured cost (see
+:func:`benchmarks.heavy.heavy_rows`).
 """
 
 from __future__ import annotations
@@ -145,20 +151,29 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(description: str) -> argparse.Namespace:
-    """The options the partition and ILP-solver benchmarks share; sets their thread count."""
+def parse_args(description: str, heavy: bool = False) -> argparse.Namespace:
+    """The options the partition and ILP-solver benchmarks share (``heavy``: and the partition
+    benchmark's ``--heavy``); sets their thread count."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--quick", action="store_true", help="examples and the synthetic model only")
     ap.add_argument("--repeats", type=int, default=3, help="profiling repeats per node")
     ap.add_argument("--only", default="", help="only models whose name starts with this")
     ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
+    if heavy:
+        ap.add_argument("--heavy", action="store_true",
+                        help="only the heavy-head section: LM heads whole and in row pieces")
     args = ap.parse_args()
     torch.set_num_threads(2)
     return args
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], heavy=True)
+    if args.heavy:
+        from benchmarks.heavy import heavy_main
+
+        heavy_main(args.repeats, args.only, args.out)
+        return
     builders = {**_examples(), **({} if args.quick else {**_hf(), **_vision()})}
     builders = {k: v for k, v in builders.items() if k.startswith(args.only)}
     tables: dict[str, tuple[tuple[NodeCost, ...], int]] = {}

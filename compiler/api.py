@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from pipecut.autoplan import AUTO
-from pipecut.capture import capture, fingerprint
+from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.capture.modes import Modes, derive_other_mode
 from pipecut.core.batching import first_microbatch
 from pipecut.core.meta import has_meta
@@ -80,6 +80,8 @@ def compile(
     init: Init | None = None,
     seed: int = 0,
     lean_host_memory: bool = False,
+    chunk_heavy: bool = True,
+    _remeasure: bool = False,
 ) -> Pipeline:
     """Build this rank's stage of ``model`` pipelined over the ranks of the process group.
 
@@ -128,6 +130,10 @@ def compile(
     peak RSS then follows the live tensors the plan predicts (0.67–0.70× the model's bytes per
     rank at K = 4 on the memory benchmark, against 0.74–1.07× with glibc's default), at the
     price of mapping fresh pages for every weight-sized gradient (steps 1.5× slower there).
+
+    ``chunk_heavy``: when planning, let a node heavier than a stage's share (a large-vocabulary
+    LM head) be computed in row pieces on several stages (see ``pipecut.plan``); a plan given
+    or planned with ``chunked`` nodes is run on the graph rewritten the same way.
     """
     reduction = parse_loss_reduction(loss_reduction)
     wait = datetime.timedelta(seconds=timeout)
@@ -192,6 +198,7 @@ def compile(
             microbatches=asked_microbatches, schedule=asked_schedule, link=used_link,
             captured=captured, stages_per_rank=stages_per_rank, data_parallel=replication,
             device=device,  # measured where rank 0's stage will run, not where the model was left
+            chunk_heavy=chunk_heavy,
         ))
 
     chosen = plan_on_rank0(None) if auto else given  # "auto": capture at the chosen microbatches
@@ -205,6 +212,7 @@ def compile(
     else:
         chosen = plan_on_rank0(captured)
         _check_fingerprint(chosen, expected)
+    captured = as_planned(captured, chosen.chunked)  # the graph the plan's stages name
     if chosen.num_ranks != world:
         raise PlanError(
             f"the plan is for {chosen.num_ranks} ranks ({chosen.num_stages} stages) but the "
@@ -262,16 +270,20 @@ def compile(
         wire=WireSpecs(captured.gm, chosen, device), schedule_for=schedules(chosen),
         predicted=predicted_timeline(chosen),
     )
-    if plan is None and calibration_steps > 0:  # before any wrapping: FSDP changes the modules
+    if (plan is None or _remeasure) and calibration_steps > 0:  # before any wrapping: FSDP changes the modules
         times = measure_stages(pipe, example_inputs, target, calibration_steps)
-        again: list[Any] = [recalibrate(chosen, times, replication).to_json() if dist.get_rank() == 0 else None]
+        again: list[Any] = [
+            recalibrate(chosen, times, replication, keep_split=_remeasure).to_json() if dist.get_rank() == 0 else None
+        ]
         dist.broadcast_object_list(again, src=0)
         recalibrated = Plan.from_json(again[0])
-        if recalibrated.runs_like(chosen):  # same split: keep this build, take the new costs
+        if _remeasure or recalibrated.runs_like(chosen):  # same split: keep this build, take the new costs
             pipe.plan, pipe.predicted = recalibrated, tuple(predicted_timeline(recalibrated))
         else:
             # The split moved: build again from the new plan, after this build's stage tensors
-            # are gone (two builds alive at once would double every rank's peak memory).
+            # are gone (two builds alive at once would double every rank's peak memory), and
+            # time the new split too: its prediction then comes from its own stages' times,
+            # not from node costs scaled on the old ones. That split is kept.
             del pipe, workers, modes, program, captured, derived
             gc.collect()
             return compile(
@@ -279,7 +291,7 @@ def compile(
                 microbatches=microbatches, schedule=schedule, plan=recalibrated, link=link,
                 timeout=timeout, capture_method=capture_method, leaf_modules=leaf_modules,
                 stages_per_rank=recalibrated.stages_per_rank, loss_reduction=reduction, data_parallel=data_parallel,
-                weights=weights, init=init, seed=seed,
+                weights=weights, init=init, seed=seed, calibration_steps=calibration_steps, _remeasure=True,
             )
     if replication is not None:  # after Pipeline has read the parameter names FSDP may change
         assert layout.dp_group is not None  # _replication gives None without a "dp" dimension

@@ -19,6 +19,7 @@ from pipecut.parallel import DataParallel
 __all__ = [
     "FORMAT_VERSION",
     "CaptureMethod",
+    "ChunkedNode",
     "CostSource",
     "DeviceSpec",
     "Edge",
@@ -187,8 +188,9 @@ class Link:
     latency_ms: float = 0.0
     measured: bool = False
 
-    def transfer_ms(self, nbytes: int) -> float:
-        return 0.0 if nbytes == 0 else self.latency_ms + nbytes / self.bandwidth_bytes_per_ms
+    def transfer_ms(self, nbytes: int, messages: int = 1) -> float:
+        """``nbytes`` sent as ``messages`` tensors, each paying the latency once."""
+        return 0.0 if nbytes == 0 else self.latency_ms * max(1, messages) + nbytes / self.bandwidth_bytes_per_ms
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -242,6 +244,23 @@ class Edge:
     shape: tuple[int, ...] | None
     dtype: str | None
     bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChunkedNode:
+    """A node of the captured graph that the plan computes in row pieces (see
+    :mod:`pipecut.passes.chunk_rows`): a node heavier than a stage's share, so that its pieces
+    can land on different stages. The plan's cost table and stages are those of the rewritten
+    graph; its fingerprint is the original graph's."""
+
+    node: str
+    """The node's name in the captured (original) graph."""
+    pieces: int
+    """How many row chunks (along dim -2, the tokens) its first operand is cut into."""
+
+    def __post_init__(self) -> None:
+        if self.pieces < 2:
+            raise PlanError(f"chunked node {self.node!r}: pieces must be at least 2, got {self.pieces}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -360,6 +379,10 @@ class Plan:
     accepts: tuple[InputShape, ...] = ()
     """Shapes each tensor input may take at run time (see :class:`InputShape`). Empty in plans
     made before this field existed: then only the planned shapes are accepted."""
+    chunked: tuple[ChunkedNode, ...] = ()
+    """Nodes of the captured graph computed in row pieces (a heavy LM head): the runtime applies
+    :func:`pipecut.passes.chunk_rows.chunk_rows` with these to the graph it captures (after
+    checking ``fingerprint`` against it) before splitting it into stages."""
     profiled_on: str = ""
     """The device the node costs were measured on (``"cuda:0"``, ``"cpu"``); empty where the
     costs were given or estimated rather than measured here."""
@@ -430,7 +453,7 @@ class Plan:
         predictions may differ. A pipeline built for one then serves the other."""
         def layout(p: Plan) -> tuple[Any, ...]:
             return (p.fingerprint, p.schedule, p.microbatches, p.batch_size, p.stages_per_rank,
-                    p.data_parallel, p.tied, p.inputs,
+                    p.data_parallel, p.tied, p.inputs, p.chunked,
                     tuple((s.nodes, s.parameters, s.recompute, s.recomputed, s.inputs, s.outputs) for s in p.stages))
         return layout(self) == layout(other)
 

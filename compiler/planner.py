@@ -14,11 +14,12 @@ from typing import Any
 import torch
 
 from pipecut.autoplan import AUTO, Measurements, choose
-from pipecut.capture import capture, fingerprint
+from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.meta import has_meta, input_device
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError, PartitionError
+from pipecut.heavy import heavy_chunks, merge_costs, new_names
 from pipecut.parallel import DataParallel
 from pipecut.partition import DEFAULT_LINK, Devices, Split, as_devices, as_schedule, partition_costs
 from pipecut.passes.chain import is_unit
@@ -26,6 +27,7 @@ from pipecut.passes.ilp import IlpSolver
 from pipecut.passes.propagate import accepted_shapes
 from pipecut.plan import (
     CaptureMethod,
+    ChunkedNode,
     CostSource,
     Link,
     NodeCost,
@@ -66,6 +68,7 @@ def plan(
     data_parallel: DataParallel | str | None = None,
     solver: IlpSolver | str = IlpSolver.HIGHS,
     device: torch.device | str | None = None,
+    chunk_heavy: bool = True,
     _profiled: Sequence[NodeCost] | None = None,
 ) -> Plan:
     """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
@@ -86,6 +89,11 @@ def plan(
     share of the batch (``batch_size`` = B / D), with ``data_parallel`` = D DDP replicas and
     every shape weighed in ``replica_candidates``. ``link`` serves both the pipeline and the
     all-reduce.
+
+    ``chunk_heavy``: with GPipe or (interleaved) 1F1B, a linear-like node costing more than
+    total / K (a large-vocabulary LM head) is computed in row pieces that can go to different
+    stages, where that lowers the predicted step (see :mod:`pipecut.heavy`); the plan lists such
+    nodes in ``chunked`` and the solver detail gives both predictions. The model is unchanged.
 
     ``device``: where to measure the nodes (None: where ``example_inputs`` are). Give the device
     the stages will run on (``compile`` gives each run's own GPU): a model left on the CPU is
@@ -119,7 +127,7 @@ def plan(
                 capture_method=capture_method, leaf_modules=leaf_modules, repeats=repeats,
                 warmup=warmup, progress=progress, recompute=recompute, partitioner=partitioner,
                 ilp_time_limit=ilp_time_limit, calibrate=calibrate, solver=solver,
-                data_parallel=replicated, device=device),
+                data_parallel=replicated, device=device, chunk_heavy=chunk_heavy),
         )
     if isinstance(data_parallel, str):
         raise InputError(
@@ -151,7 +159,7 @@ def plan(
             leaf_modules=leaf_modules, repeats=repeats, warmup=warmup, progress=progress,
             recompute=recompute, partitioner=partitioner, ilp_time_limit=ilp_time_limit,
             stages_per_rank=stages_per_rank, calibrate=calibrate, split=split,
-            data_parallel=data_parallel, solver=solver, device=device,
+            data_parallel=data_parallel, solver=solver, device=device, chunk_heavy=chunk_heavy,
             captured=reuse[0] if reuse else None, _profiled=reuse[1] if reuse else None,
         )
         return dataclasses.replace(chosen, candidates=candidates)
@@ -171,17 +179,20 @@ def plan(
     if not any(is_unit(n) and n.op is not NodeOp.OUTPUT for n in nodes):
         raise PartitionError("the captured graph has no operations to partition")
 
-    def partition(costs: Sequence[NodeCost]) -> Plan:
-        return partition_costs(
+    original = fingerprint(captured.gm)  # a chunked plan is checked against the captured graph
+    method, input_names = captured.method, captured.input_names
+
+    def partition(costs: Sequence[NodeCost], chunked: tuple[ChunkedNode, ...] = ()) -> Plan:
+        return dataclasses.replace(partition_costs(
             costs,
             devices=specs,
             microbatches=microbatches,
             batch_size=size,
             schedule=kind,
             link=link,
-            fingerprint=fingerprint(captured.gm),
-            capture=captured.method,
-            inputs=captured.input_names,
+            fingerprint=original,
+            capture=method,
+            inputs=input_names,
             recompute=recompute,
             partitioner=partitioner,
             ilp_time_limit=ilp_time_limit,
@@ -189,11 +200,11 @@ def plan(
             split=split,
             data_parallel=data_parallel,
             solver=solver,
-        )
+        ), chunked=chunked)
 
     # Which shapes the plan runs without re-planning (shorter sequences, smaller microbatches).
     accepts = accepted_shapes(captured.gm, captured.method, captured.input_names, first)
-    first_plan = dataclasses.replace(partition(nodes), accepts=accepts, profiled_on=str(measure_on))
+    first_plan = partition(nodes)
     note = ""
     if has_meta(captured.gm):  # calibration runs whole stages: more than one node's weights
         note = "meta model: nodes measured one at a time on scratch weights, not calibrated"
@@ -202,17 +213,39 @@ def plan(
     elif too_big := [n.name for n in nodes if n.source is CostSource.ESTIMATED]:
         note = (f"{len(too_big)} node(s) too big to run on {measure_on} estimated from their work "
                 f"({', '.join(too_big[:3])}), not calibrated on whole stages")
-    if note:
-        detail = f"{first_plan.solver.detail}; {note}" if first_plan.solver.detail else note
-        return dataclasses.replace(first_plan, solver=dataclasses.replace(first_plan.solver, detail=detail))
-    if not calibrate:
-        return first_plan
-    times = stage_times(captured, first_plan, first, loss_fn, first_target, repeats=max(1, repeats // 2))
-    calibrated = partition(calibrate_costs(nodes, first_plan, times))
-    note = "node costs calibrated on whole stages"
-    detail = f"{calibrated.solver.detail}; {note}" if calibrated.solver.detail else note
-    return dataclasses.replace(
-        calibrated, solver=dataclasses.replace(calibrated.solver, detail=detail), accepts=accepts,
-        profiled_on=str(measure_on),
-    )
+    timed = calibrate and not note
 
+    def calibrated(on: Captured, costs: Sequence[NodeCost], chunked: tuple[ChunkedNode, ...]) -> Plan:
+        """The plan of ``costs`` on ``on``'s graph, costs scaled to its stages timed whole."""
+        planned = partition(costs, chunked)
+        if not timed:
+            return planned
+        times = stage_times(on, planned, first, loss_fn, first_target, repeats=max(1, repeats // 2))
+        return partition(calibrate_costs(costs, planned, times), chunked)
+
+    best = calibrated(captured, nodes, ()) if timed else first_plan
+    ordinary = split is None and not kind.splits_backward  # GPipe, 1F1B, interleaved 1F1B
+    chunks = heavy_chunks(best.nodes, best.num_stages, captured.gm) if chunk_heavy and ordinary else ()
+    notes = [note]
+    if chunks:  # a node heavier than a stage's share: try it in row pieces
+        chunked = as_planned(captured, chunks)
+        estimated = any(n.source is CostSource.ESTIMATED for n in nodes)  # rates need every node
+        pieces_table = profile(chunked, first, loss_fn=loss_fn, target=first_target, repeats=repeats,
+                               warmup=warmup, device=measure_on, only=None if estimated else new_names(chunks))
+        tried = calibrated(chunked, merge_costs(best.nodes, pieces_table, chunks), chunks)
+        keep = tried.predicted.step_ms < best.predicted.step_ms
+        what = ", ".join(f"{c.node} in {c.pieces} row pieces" for c in chunks)
+        notes.append(f"heavy node(s) {what}: predicted step {tried.predicted.step_ms:.3f} ms, "
+                     f"{best.predicted.step_ms:.3f} ms whole; {'chunked' if keep else 'kept whole'}")
+        best = tried if keep else best
+    notes.append("node costs calibrated on whole stages" if timed else "")
+    return _noted(dataclasses.replace(best, accepts=accepts, profiled_on=str(measure_on)),
+                  "; ".join(n for n in notes if n))
+
+
+def _noted(p: Plan, note: str) -> Plan:
+    """``p`` with ``note`` appended to its solver detail."""
+    if not note:
+        return p
+    detail = f"{p.solver.detail}; {note}" if p.solver.detail else note
+    return dataclasses.replace(p, solver=dataclasses.replace(p.solver, detail=detail))

@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
-from pipecut.capture import capture, fingerprint
+from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.core.cut_values import describe
 from pipecut.core.graph import module_path, node_parameters, target_name
 from pipecut.core.program import Captured, Inputs, StageProgram
@@ -167,6 +167,7 @@ def derive_other_mode(
     """The other mode's graph and its plan (the same stages, re-cut), or None when the other
     mode captures the very same graph. Deterministic: every rank derives the same."""
     other = capture_in_mode(model, inputs, not model.training, captured, leaf_modules)
+    other = as_planned(other, plan.chunked)  # ``captured`` is the plan's (rewritten) graph too
     if fingerprint(other.gm) == fingerprint(captured.gm):
         return None
     if other.input_names != captured.input_names:

@@ -211,7 +211,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 target=example.target, microbatches=args.microbatches, schedule=args.schedule,
                 progress=bar, link=args.link or DEFAULT_LINK,
                 stages_per_rank=args.stages_per_rank, calibrate=args.calibrate,
-                solver=args.solver, split=args.split, data_parallel=args.data_parallel,
+                chunk_heavy=args.chunk_heavy, solver=args.solver, split=args.split, data_parallel=args.data_parallel,
                 device=measure_on(args.measure_on),
             )
     if args.out:
@@ -360,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "25GB,0.01 (default: 2GB,0.05, or the device profile's)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="skip timing the first split's stages whole and re-partitioning")
+    p.add_argument("--no-chunk-heavy", dest="chunk_heavy", action="store_false",
+                   help="never compute a node heavier than a stage's share (an LM head) in row "
+                   "pieces spread over stages")
     p.add_argument("--solver", choices=_solver_names(), default="highs",
                    help="ILP solver, when memory limits or device speeds need the ILP")
     p.add_argument("--batch-size", type=_positive, default=None,

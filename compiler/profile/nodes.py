@@ -12,7 +12,7 @@ written, and gradients are computed with ``autograd.grad`` instead of ``backward
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from functools import partial
 from typing import Any
 
@@ -128,6 +128,7 @@ def profile(
     progress: Callable[[int, int], None] | None = None,
     reuse: bool = True,
     device: torch.device | str | None = None,
+    only: Collection[str] | None = None,
 ) -> tuple[NodeCost, ...]:
     """Cost table of ``captured`` on flat placeholder ``inputs`` (one microbatch).
 
@@ -136,7 +137,10 @@ def profile(
     measured once, not N times); False measures every node.
     ``device``: where to measure (None: where ``inputs`` are). Elsewhere, the inputs and target
     are copied there, and each node's weights only while it is measured, so a model left on
-    the CPU is timed on the GPU its stages will run on without ever being there whole."""
+    the CPU is timed on the GPU its stages will run on without ever being there whole.
+    ``only``: time just these nodes (the rest run once, for their values, and get zero times;
+    the loss is not timed unless ``"output"`` is named): a graph rewritten in a few places is
+    measured where it changed (see :mod:`pipecut.heavy`)."""
     gm = captured.gm
     canonical = canonical_names(gm)
     runner = NodeRunner(gm)
@@ -162,7 +166,8 @@ def profile(
                 value = args[0]
                 if loss_fn is not None:
                     output = captured.unflatten_output(value)
-                    forward_ms, backward_ms = _time_loss(loss_fn, output, target, timer)
+                    if only is None or node.name in only:
+                        forward_ms, backward_ms = _time_loss(loss_fn, output, target, timer)
                     saved.run(node.name, value, partial(loss_fn, output, target))  # what the loss keeps
             elif node.op == "get_attr":
                 value = runner.call(node, args, kwargs)
@@ -174,7 +179,9 @@ def profile(
                         args, kwargs = substitute((args, kwargs), real)
                         inplace = mutates_first_arg(node, gm)
                         key = cost_key(node, gm, args, kwargs, inplace) if reuse else None
-                        if key is not None and key in measured:
+                        if only is not None and node.name not in only:
+                            pass  # run below for its value only
+                        elif key is not None and key in measured:
                             forward_ms, backward_ms = measured[key]
                         else:
                             forward_ms = _forward_ms(runner, node, args, kwargs, inplace, timer)

@@ -283,6 +283,30 @@ def test_plan_link_stages_per_rank_no_calibrate_and_solver(in_repo, tmp_path):
     assert "ILP (CBC," in plan.solver.detail
 
 
+def test_plan_chunks_a_heavy_head_unless_told_not_to(in_repo, tmp_path, monkeypatch):
+    import dataclasses
+
+    from pipecut.capture.modes import describe_graph
+    from pipecut.passes.chain import is_unit
+
+    def profile(captured, inputs, **_):  # set costs: the head 500 ms, any piece its share
+        rows = describe_graph(captured, inputs)
+        pieces = sum(n.name.startswith("lm_head_piece") for n in rows)
+        def ms(name: str) -> float:
+            if name.startswith("lm_head_piece"):
+                return 500.0 / pieces
+            return 500.0 if name == "lm_head" and not pieces else 1.0
+        return tuple(dataclasses.replace(n, forward_ms=ms(n.name)) if is_unit(n) else n for n in rows)
+
+    monkeypatch.setattr(pipecut.planner, "profile", profile)
+    common = ["plan", "examples.gpt:build", "-k", "4", "-m", "4", "--batch-size", "8", "--no-calibrate", "-q"]
+    assert main([*common, "-o", str(tmp_path / "a.json")]) == 0
+    assert main([*common, "--no-chunk-heavy", "-o", str(tmp_path / "b.json")]) == 0
+    chunked, whole = (pipecut.Plan.from_json(tmp_path / f) for f in ("a.json", "b.json"))
+    assert [c.node for c in chunked.chunked] == ["lm_head"] and whole.chunked == ()
+    assert max(chunked.predicted.stage_ms) < 500.0 <= max(whole.predicted.stage_ms)
+
+
 def test_show_and_diff_as_json(tmp_path, capsys):
     a, b = synthetic_plan(layers=6, stages=2), synthetic_plan(layers=6, stages=3)
     a.to_json(tmp_path / "a.json")

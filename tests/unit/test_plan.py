@@ -12,7 +12,7 @@ import pipecut
 from examples import mlp
 from pipecut.api import _check_fingerprint
 from pipecut.errors import PlanError
-from pipecut.plan import NodeCost, NodeOp, Plan
+from pipecut.plan import ChunkedNode, NodeCost, NodeOp, Plan
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +87,8 @@ def test_runs_like_ignores_costs_but_not_the_split(plan: Plan) -> None:
                     dataclasses.replace(second, nodes=second.nodes[1:]), *plan.stages[2:])
     assert not dataclasses.replace(recosted, stages=moved_stages).runs_like(plan)
     assert not dataclasses.replace(plan, microbatches=plan.microbatches * 2).runs_like(plan)
+    # the same stages on a graph with a node in row pieces: another graph, another build
+    assert not dataclasses.replace(plan, chunked=(ChunkedNode(node="x", pieces=2),)).runs_like(plan)
 
 
 def test_kept_bytes_are_the_measured_saved_bytes_else_the_whole_output() -> None:

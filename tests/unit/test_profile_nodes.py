@@ -54,6 +54,19 @@ def test_rows_describe_every_node() -> None:
     assert out.forward_ms > 0  # the loss is timed on the output node
 
 
+def test_only_the_named_nodes_are_timed_the_rest_still_described() -> None:
+    model, inputs, loss_fn, target = gpt.build(batch_size=2)
+    cap = capture(model, inputs)
+    flat = cap.flatten_inputs(inputs)
+    full = profile(cap, flat, loss_fn=loss_fn, target=target, repeats=1, warmup=0)
+    some = profile(cap, flat, loss_fn=loss_fn, target=target, repeats=1, warmup=0, only={"lm_head", "ln_f"})
+    timed = {r.name for r in some if r.forward_ms > 0 or r.backward_ms > 0}
+    assert timed == {"lm_head", "ln_f"}  # not even the loss on the output row
+    for a, b in zip(full, some):  # everything but the times is as a full profile gives it
+        assert (a.name, a.shape, a.output_bytes, a.saved_bytes, a.parameters, a.leaves) == (
+            b.name, b.shape, b.output_bytes, b.saved_bytes, b.parameters, b.leaves)
+
+
 def test_a_loss_that_is_not_a_scalar_is_refused() -> None:
     model, inputs, _, target = resnet.build(batch_size=4)
 
