@@ -1,12 +1,16 @@
 """The split proven against the clock: pipecut's chosen split among every block-boundary split.
 
     .venv/bin/python benchmarks/oracle.py [--models gpt,hf_gpt2,resnet] [--ranks 2] [--rounds 3]
+        [--stages-per-rank 1] [--schedule 1f1b]
 
-For each model: plan once (pipecut's partitioner, 1F1B, batch 16 in 8 microbatches), then
-build, from the same cost table, the plan of every split at the boundaries of the model's trunk
+For each model: compile once as a user would (pipecut's partitioner, 1F1B, batch 16 in 8
+microbatches, calibrated on the running ranks); its plan is pipecut's split. Then build, from
+that plan's cost table, the plan of every split at the boundaries of the model's trunk
 (the children of its longest ModuleList/Sequential: transformer blocks, residual blocks) with
 ``split=`` — for K = 2 every boundary, for K > 2 every combination or a seeded sample of
-``--max-splits``. All candidates run with pipecut's own runtime on forked CPU ranks (gloo, one
+``--max-splits``. K is ranks x ``--stages-per-rank``: 4 stages on 2 ranks under
+``interleaved-1f1b`` or ``zbv`` time a 4-stage split on this 2-core machine without running
+4 processes on 2 cores. All candidates run with pipecut's own runtime on forked CPU ranks (gloo, one
 thread each), round-robin over several rounds so that the machine's drift hits every candidate
 alike; each is scored by the median of its step times. Reports where pipecut's split ranks and
 how far it is from the measured best. Prints a table and writes JSON. Not a test.
@@ -33,7 +37,7 @@ from benchmarks.runtime import MODELS
 from pipecut.partition import partition_costs
 from tests.harness import run_ranks
 
-BATCH, MICROBATCHES, SCHEDULE = 16, 8, "1f1b"
+BATCH, MICROBATCHES = 16, 8
 
 
 def trunk(model: torch.nn.Module) -> list[str]:
@@ -46,9 +50,9 @@ def trunk(model: torch.nn.Module) -> list[str]:
     return [f"{prefix}{i}" for i in range(best[0])]
 
 
-def candidate_splits(blocks: list[str], ranks: int, most: int, seed: int = 0) -> list[tuple[str, ...]]:
+def candidate_splits(blocks: list[str], stages: int, most: int, seed: int = 0) -> list[tuple[str, ...]]:
     """Split points (modules where stages 1.. begin) at block boundaries."""
-    combos = list(itertools.combinations(blocks[1:], ranks - 1))
+    combos = list(itertools.combinations(blocks[1:], stages - 1))
     if len(combos) > most:
         combos = random.Random(seed).sample(combos, most)
     return combos
@@ -73,17 +77,28 @@ def _measure(rank: int, world: int, name: str, plans: list[str], rounds: int, st
     return times
 
 
-def run(name: str, ranks: int, rounds: int, steps: int, most: int) -> dict[str, Any]:
+def _compiled(rank: int, world: int, name: str, schedule: str, per_rank: int) -> str:
+    """The plan ``pipecut.compile`` ends with: planned, then calibrated on the running ranks."""
     model, inputs, loss_fn, target = MODELS[name]()
-    chosen = pipecut.plan(model, inputs, ranks, loss_fn=loss_fn, target=target,
-                          microbatches=MICROBATCHES, schedule=SCHEDULE)
+    pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+                           microbatches=MICROBATCHES, schedule=schedule,
+                           stages_per_rank=per_rank if per_rank > 1 else None, timeout=600)
+    return pipe.plan.to_json()
+
+
+def run(name: str, ranks: int, rounds: int, steps: int, most: int, schedule: str = "1f1b",
+        per_rank: int = 1) -> dict[str, Any]:
+    model = MODELS[name]()[0]
+    chosen = pipecut.Plan.from_json(run_ranks(_compiled, ranks, name, schedule, per_rank, timeout=1800,
+                                              collective_timeout=900)[0])
     units = [n for n in chosen.nodes if n.op.value not in ("placeholder", "get_attr")]
     chosen_starts = tuple(units[[u.name for u in units].index(s.nodes[0])].module for s in chosen.stages[1:])
-    splits = candidate_splits(trunk(model), ranks, most)
+    splits = candidate_splits(trunk(model), chosen.num_stages, most)
     given = [
-        partition_costs(chosen.nodes, devices=chosen.devices, microbatches=MICROBATCHES, batch_size=BATCH,
-                        schedule=SCHEDULE, link=chosen.link, fingerprint=chosen.fingerprint,
-                        capture=chosen.capture, inputs=chosen.inputs, split=list(points))
+        partition_costs(chosen.nodes, devices=chosen.devices[: chosen.num_ranks], microbatches=MICROBATCHES, batch_size=BATCH,
+                        schedule=chosen.schedule, link=chosen.link, fingerprint=chosen.fingerprint,
+                        capture=chosen.capture, inputs=chosen.inputs, split=list(points),
+                        stages_per_rank=chosen.stages_per_rank)
         for points in splits
     ]
     # A block-boundary split identical to pipecut's is measured once, as pipecut's.
@@ -100,13 +115,15 @@ def run(name: str, ranks: int, rounds: int, steps: int, most: int) -> dict[str, 
     order = sorted(range(len(rows)), key=lambda i: rows[i]["ms"])
     for r in rows:
         r["vs_best"] = r["ms"] / best - 1
-    return {"model": name, "ranks": ranks, "candidates": len(rows) - 1, "rows": rows,
+    return {"model": name, "ranks": ranks, "stages": chosen.num_stages, "schedule": chosen.schedule.value,
+            "candidates": len(rows) - 1, "rows": rows,
             "pipecut_split_is_a_block_boundary": len(keep) < len(given),
             "pipecut_rank": order.index(0) + 1, "pipecut_vs_best": rows[0]["vs_best"]}
 
 
 def print_result(res: dict[str, Any]) -> None:
-    print(f"\n{res['model']}  K={res['ranks']}  {res['candidates']} block-boundary splits; pipecut's "
+    print(f"\n{res['model']}  {res['stages']} stages on {res['ranks']} ranks, {res['schedule']}  "
+          f"{res['candidates']} block-boundary splits; pipecut's "
           f"split ranks {res['pipecut_rank']} of {res['candidates'] + 1}, "
           f"{res['pipecut_vs_best']:+.1%} from the measured best")
     for r in sorted(res["rows"], key=lambda r: r["ms"]):
@@ -121,15 +138,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per candidate and round")
     parser.add_argument("--max-splits", type=int, default=12, help="sample at most this many splits")
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--stages-per-rank", type=int, default=1)
     parser.add_argument("--out", default=str(Path(__file__).with_name("oracle.json")))
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = []
     for name in args.models.split(","):
-        res = run(name, args.ranks, args.rounds, args.steps, args.max_splits)
+        res = run(name, args.ranks, args.rounds, args.steps, args.max_splits, args.schedule, args.stages_per_rank)
         print_result(res)
         results.append(res)
-    Path(args.out).write_text(json.dumps({"batch": BATCH, "microbatches": MICROBATCHES, "schedule": SCHEDULE,
+    Path(args.out).write_text(json.dumps({"batch": BATCH, "microbatches": MICROBATCHES,
                                           "torch": torch.__version__, "results": results}, indent=1))
     print(f"wrote {args.out}")
 
