@@ -29,7 +29,7 @@ from pipecut.passes.memory_dp import partition_bounded
 from pipecut.passes.memory_floor import infeasible_error
 from pipecut.passes.memory_partition import partition_ilp
 from pipecut.passes.pinned import bounds_from_modules, bounds_from_split_points, is_split_points
-from pipecut.passes.problem import formulate
+from pipecut.passes.problem import Formulation, formulate
 from pipecut.passes.refine import refine_cuts
 from pipecut.passes.stages import build_stages, inflight_microbatches
 from pipecut.plan import (
@@ -196,18 +196,11 @@ def partition_costs(
                 positions=coarse or None,
             )
         bounds, recomputes = best.bounds, [Recompute.NONE] * k
-        detail = f"exact DP over {units} units"
-        if k > len(ranks):  # several stages per rank: the slowest stage is only a proxy
-            refined, step = refine_cuts(bounds, block_cuts(form.modules, cuts), lambda b: _simulated_step(
-                nodes, live, b, specs, ranks, link, kind, microbatches, stages_per_rank, data_parallel))
-            if refined != tuple(bounds):
-                first = _simulated_step(nodes, live, bounds, specs, ranks, link, kind, microbatches,
-                                        stages_per_rank, data_parallel)
-                detail += f", then cuts moved to shorten the simulated step ({first:.1f} -> {step:.1f} ms)"
-                bounds = refined
+        bounds, moved = _refined(bounds, form, nodes, specs, ranks, link, kind, microbatches,
+                                 stages_per_rank, data_parallel)
         record = Solver(
             method=Partitioner.DP, solve_ms=(time.perf_counter() - start) * 1e3, optimal=True,
-            detail=detail,
+            detail=f"exact DP over {units} units{moved}",
         )
     else:
         form = formulate(
@@ -225,9 +218,13 @@ def partition_costs(
         bounds, recomputes = result.evaluation.bounds, list(result.evaluation.recompute)
         recomputed = [tuple(u for a, e in st.recomputed for u in live.units[a:e])
                       for st in result.evaluation.stages]
+        moved = ""
+        if all(r is Recompute.NONE for r in recomputes):
+            bounds, moved = _refined(bounds, form, nodes, specs, ranks, link, kind, microbatches,
+                                     stages_per_rank, data_parallel)
         record = Solver(
             method=Partitioner.ILP, solve_ms=result.solve_ms, optimal=result.optimal,
-            detail=result.detail,
+            detail=result.detail + moved,
         )
     facts = build_stages(
         nodes, live, bounds, devices=specs, link=link, schedule=kind, microbatches=microbatches,
@@ -256,6 +253,30 @@ def partition_costs(
         pipecut_version=pipecut.__version__,
         torch_version=torch.__version__,
     )
+
+
+def _refined(
+    bounds: Sequence[int], form: Formulation, nodes: Sequence[NodeCost], specs: Sequence[DeviceSpec],
+    ranks: Sequence[DeviceSpec], link: Link, kind: ScheduleKind, microbatches: int,
+    stages_per_rank: int, data_parallel: DataParallel | None,
+) -> tuple[Sequence[int], str]:
+    """With several stages per rank (interleaved, ZBV) the solvers' objective, the slowest
+    stage, is only a proxy for the step, and their memory check is per stage while a rank's
+    stages share its memory: the cuts are moved among module boundaries while the simulated
+    step falls (a split whose rank does not fit counts as infinitely slow, so one that does
+    not fit is moved to one that does where a single cut's move finds it). Returns the bounds
+    and a note for the solver's detail (empty if nothing moved)."""
+    if len(bounds) - 1 <= len(ranks):
+        return bounds, ""
+
+    def step(b: Sequence[int]) -> float:
+        return _simulated_step(nodes, form.live, b, specs, ranks, link, kind, microbatches,
+                               stages_per_rank, data_parallel)
+
+    refined, after = refine_cuts(bounds, block_cuts(form.modules, form.problem.allowed_cuts()), step)
+    if refined == tuple(bounds):
+        return bounds, ""
+    return refined, f", then cuts moved to shorten the simulated step ({step(bounds):.1f} -> {after:.1f} ms)"
 
 
 def _simulated_step(

@@ -139,3 +139,24 @@ def test_several_stages_per_rank_move_the_dp_cuts_to_a_shorter_simulated_step(
     # One stage per rank: the slowest stage bounds the step, and the DP's cuts stand.
     one = partition_costs(nodes, devices=2, microbatches=8, batch_size=16, schedule="1f1b")
     assert "cuts moved" not in one.solver.detail
+
+
+def test_a_split_whose_rank_does_not_fit_its_two_stages_is_moved_to_one_that_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pipecut.partition
+
+    # The ZBV split planned without a limit needs `cap` on its fuller rank. With `cap` per
+    # device the solvers (which fit each stage alone) pick a split whose rank 0 needs more;
+    # moving one cut finds one that fits both of its stages together.
+    nodes = transformer_costs(6, nodes_per_layer=40)
+    kw = {"microbatches": 8, "batch_size": 16, "schedule": "zbv", "recompute": False}
+    free = partition_costs(nodes, devices=2, **kw)
+    cap = max(sum(free.stages[s].peak_memory_bytes for s in free.stages_on(r)) for r in range(2))
+    devices = [DeviceSpec(name="cpu", memory_bytes=cap)] * 2
+    plan = partition_costs(nodes, devices=devices, **kw)
+    assert all(sum(plan.stages[s].peak_memory_bytes for s in plan.stages_on(r)) <= cap for r in range(2))
+    assert "cuts moved" in plan.solver.detail
+    monkeypatch.setattr(pipecut.partition, "refine_cuts", lambda bounds, _, evaluate: (tuple(bounds), evaluate(bounds)))
+    with pytest.raises(PartitionError, match=r"rank 0 \(cpu\) runs stages \[0, 3\] of the zbv schedule"):
+        partition_costs(nodes, devices=devices, **kw)  # the solvers' own split does not fit
