@@ -259,7 +259,7 @@ def _refined(
     bounds: Sequence[int], form: Formulation, nodes: Sequence[NodeCost], specs: Sequence[DeviceSpec],
     ranks: Sequence[DeviceSpec], link: Link, kind: ScheduleKind, microbatches: int,
     stages_per_rank: int, data_parallel: DataParallel | None,
-) -> tuple[Sequence[int], str]:
+) -> tuple[tuple[int, ...], str]:
     """With several stages per rank (interleaved, ZBV) the solvers' objective, the slowest
     stage, is only a proxy for the step, and their memory check is per stage while a rank's
     stages share its memory: the cuts are moved among module boundaries while the simulated
@@ -267,7 +267,7 @@ def _refined(
     not fit is moved to one that does where a single cut's move finds it). Returns the bounds
     and a note for the solver's detail (empty if nothing moved)."""
     if len(bounds) - 1 <= len(ranks):
-        return bounds, ""
+        return tuple(bounds), ""
 
     def step(b: Sequence[int]) -> float:
         return _simulated_step(nodes, form.live, b, specs, ranks, link, kind, microbatches,
@@ -275,7 +275,7 @@ def _refined(
 
     refined, after = refine_cuts(bounds, block_cuts(form.modules, form.problem.allowed_cuts()), step)
     if refined == tuple(bounds):
-        return bounds, ""
+        return refined, ""
     return refined, f", then cuts moved to shorten the simulated step ({step(bounds):.1f} -> {after:.1f} ms)"
 
 

@@ -104,6 +104,16 @@ def _expected_val(build: Any) -> torch.Tensor:
         return loss_fn(model.eval()(**inputs) if isinstance(inputs, dict) else model.eval()(*inputs), target)
 
 
+def _assert_matches(build: Any, results: list[dict[str, Any]]) -> None:
+    """Loss and every gradient of the training step, and the eval step's loss, on every rank,
+    equal the unsplit model's."""
+    ref_loss, ref_grads = reference(build, M, False)
+    assert_parity(ref_loss, ref_grads, results)
+    ref_val = _expected_val(build)
+    for r in results:
+        torch.testing.assert_close(r["val"], ref_val, rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.timeout(240)
 def test_head_pieces_on_three_stages_match_the_unsplit_model() -> None:
     plan = _set_plan()
@@ -113,11 +123,7 @@ def test_head_pieces_on_three_stages_match_the_unsplit_model() -> None:
     assert [r["pieces"] for r in results] == [["lm_head_piece0"], ["lm_head_piece1"], ["lm_head_piece2"]]
     assert all(r["chunked"] == CHUNKS for r in results)
     assert results[0]["tied"] == [(0, 1, 2)]  # the tied embedding/head weight on every stage
-    ref_loss, ref_grads = reference(_build, M, False)
-    assert_parity(ref_loss, ref_grads, results)
-    ref_val = _expected_val(_build)
-    for r in results:
-        torch.testing.assert_close(r["val"], ref_val, rtol=RTOL, atol=ATOL)
+    _assert_matches(_build, results)
 
 
 @pytest.mark.timeout(240)
@@ -129,11 +135,7 @@ def test_compile_plans_and_runs_a_heavy_head() -> None:
         (head,) = chunked  # every piece on exactly one stage (where: the measured times decide)
         placed = [n for r in results for n in r["pieces"]]
         assert sorted(placed) == sorted(piece_names(head.node, head.pieces)[1])
-    ref_loss, ref_grads = reference(_heavy, M, False)
-    assert_parity(ref_loss, ref_grads, results)
-    ref_val = _expected_val(_heavy)
-    for r in results:
-        torch.testing.assert_close(r["val"], ref_val, rtol=RTOL, atol=ATOL)
+    _assert_matches(_heavy, results)
 
 
 @pytest.mark.timeout(240)
@@ -144,8 +146,4 @@ def test_an_exported_tied_head_in_pieces_on_two_stages_matches() -> None:
     results = run_ranks(_step, 2, _gpt2, plan, timeout=220)
     assert [r["pieces"] for r in results] == [["linear_piece0"], ["linear_piece1"]]
     assert results[0]["tied"] == [(0, 1)]  # wte.weight: the embedding and both pieces
-    ref_loss, ref_grads = reference(_gpt2, M, False)
-    assert_parity(ref_loss, ref_grads, results)
-    ref_val = _expected_val(_gpt2)
-    for r in results:
-        torch.testing.assert_close(r["val"], ref_val, rtol=RTOL, atol=ATOL)
+    _assert_matches(_gpt2, results)
