@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from pipecut.core.graph import attr_tensor
 from pipecut.errors import PlanError
 from pipecut.plan import ChunkedNode
 
@@ -60,15 +61,8 @@ def _ndim(value: Any, gm: fx.GraphModule) -> int | None:
         if meta is not None and hasattr(meta, "shape"):
             return len(meta.shape)
     if value.op == "get_attr":
-        t: torch.Tensor
-        try:
-            t = gm.get_parameter(str(value.target))
-        except AttributeError:
-            try:
-                t = gm.get_buffer(str(value.target))
-            except AttributeError:
-                return None
-        return t.dim()
+        t = attr_tensor(value, gm)
+        return None if t is None else t.dim()
     if value.op == "call_method" and value.target in ("t", "transpose", "mT") and value.args:
         return _ndim(value.args[0], gm)  # a weight transposed: as many dimensions as the weight
     if value.op == "call_function" and value.target in (torch.t, _aten.t.default, _aten.transpose.int):

@@ -27,7 +27,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.core.cut_values import describe
-from pipecut.core.graph import module_path, node_parameters, target_name
+from pipecut.core.graph import attr_tensor, module_path, node_parameters, target_name
 from pipecut.core.program import Captured, Inputs, StageProgram
 from pipecut.errors import InputError
 from pipecut.passes.eval_graph import map_stages
@@ -63,15 +63,8 @@ def state_reads(gm: fx.GraphModule, names: Mapping[int, str]) -> dict[str, tuple
 
     def own(node: fx.Node) -> list[str]:
         if node.op == "get_attr":
-            value: torch.Tensor
-            try:
-                value = gm.get_parameter(str(node.target))
-            except AttributeError:
-                try:
-                    value = gm.get_buffer(str(node.target))
-                except AttributeError:
-                    return []
-            return [names[id(value)]] if id(value) in names else []
+            value = attr_tensor(node, gm)
+            return [names[id(value)]] if value is not None and id(value) in names else []
         if node.op == "call_module":
             module = gm.get_submodule(str(node.target))
             tensors = [*module.parameters(), *module.buffers()]

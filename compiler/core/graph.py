@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import _get_qualified_name
 
-__all__ = ["canonical_names", "module_path", "mutates_first_arg", "node_parameters", "target_name"]
+__all__ = ["attr_tensor", "canonical_names", "module_path", "mutates_first_arg", "node_parameters", "target_name"]
 
 _INPLACE_FUNCTIONS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -64,6 +64,18 @@ def canonical_names(root: torch.nn.Module) -> dict[int, str]:
     for name, p in root.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     return names
+
+
+def attr_tensor(node: fx.Node, root: torch.nn.Module) -> torch.Tensor | None:
+    """The parameter or buffer a ``get_attr`` node names; None for anything else."""
+    if node.op != "get_attr":
+        return None
+    for get in (root.get_parameter, root.get_buffer):
+        try:
+            return get(str(node.target))
+        except AttributeError:
+            pass
+    return None
 
 
 def node_parameters(node: fx.Node, root: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:

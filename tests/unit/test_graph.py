@@ -8,6 +8,7 @@ import torch
 from torch import fx, nn
 
 from pipecut.core.graph import (
+    attr_tensor,
     canonical_names,
     module_path,
     mutates_first_arg,
@@ -90,3 +91,15 @@ def test_node_parameters_of_modules_attributes_and_functions():
     assert [fqn for fqn, _ in node_parameters(n["w"], gm)] == ["w"]
     assert node_parameters(n["relu"], gm) == []
     assert node_parameters(n["block_1"], gm) == []  # ReLU has no parameters
+
+
+def test_attr_tensor_finds_parameters_and_buffers_of_get_attr_nodes():
+    net = Net()
+    net.register_buffer("scale", torch.full((2,), 3.0))
+    graph = fx.Graph()
+    w, scale, missing = (graph.get_attr(t) for t in ("w", "scale", "nowhere"))
+    assert attr_tensor(w, net) is net.w
+    assert attr_tensor(scale, net) is net.scale
+    assert attr_tensor(missing, net) is None
+    gm = fx.symbolic_trace(net)
+    assert attr_tensor(nodes(gm)["out"], gm) is None  # a module call, not a get_attr
