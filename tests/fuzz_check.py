@@ -1,0 +1,169 @@
+"""The plain model's run of a fuzzer configuration, in one process, and the comparison with
+what the ranks returned.
+
+The reference runs each replica's share microbatch by microbatch, cut as the pipeline cuts it
+(``microbatch_sizes`` of the plan the ranks ran), each microbatch's loss weighted as the
+pipeline weighs it (its share of the batch for a mean, 1 / normalizer for a sum, averaged over
+replicas). For models without BatchNorm this is the whole batch's loss, only summed in another
+order; with BatchNorm it is GPipe's semantics (statistics per microbatch, running statistics
+updated once per microbatch, in order).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipecut.core.batching import split_by_sizes
+from pipecut.core.shapes import microbatch_sizes
+from pipecut.plan import Plan
+from tests.fuzz_config import Config
+from tests.fuzz_models import MODELS
+from tests.fuzz_run import ADAMW, SCALE, autocast, batch, loss_fn, share
+
+TOLERANCES = {"off": (1e-4, 1e-5), "bf16": (2e-2, 2e-2), "fp16": (5e-3, 5e-3)}
+"""autocast -> (rtol, atol as a fraction of the largest reference value of the step).
+
+fp32: the same kernels on the same microbatches; only the order in which microbatch and
+replica gradients are summed differs (a few ulps, ~1e-6 relative: tests/reference.py allows
+1e-5). Ten times more here because the differences are carried through up to 3 AdamW steps
+and 3 accumulated batches; a missing or doubled term is still O(1) relative.
+bf16 (8 significant bits, 4e-3 per rounding) and fp16 (11 bits, 5e-4): the pipeline rounds
+cut tensors and per-microbatch sums where the reference rounds in another order; a few
+roundings accumulate, hence 5x the unit roundoff. Weights after an update: see
+:func:`weight_atol`."""
+
+
+def weight_atol(cfg: Config, step: int) -> float:
+    """fp32: ADAMW's eps 1e-3 bounds an update's error by the gradient's (1e-5, see ADAMW).
+    Under autocast a near-zero gradient's sign may differ between two faithful runs, and Adam
+    moves such a weight by up to lr either way: 2 * lr per step taken."""
+    return 1e-5 if cfg.autocast == "off" else 2 * ADAMW["lr"] * (step + 1) + 1e-4
+
+
+def plain_loss(cfg: Config, model: torch.nn.Module, plan: Plan, step: int, micro: int,
+               evaluation: bool = False) -> torch.Tensor:
+    """The step's loss as the pipeline defines it, computed by the unsplit model."""
+    inputs, target, normalizer = batch(cfg, step, micro, evaluation=evaluation)
+    fn = loss_fn(cfg)
+    replicas = 2 if cfg.data_parallel != "none" else 1
+    total = torch.zeros(())
+    for r in range(replicas):
+        x, t = share(inputs, r, replicas), share(target, r, replicas)
+        sizes = microbatch_sizes(t.shape[0], plan)
+        for mb, mt, size in zip(split_by_sizes(x, sizes), split_by_sizes(t, sizes, "target"), sizes):
+            out = model(**mb) if isinstance(mb, dict) else model(*mb)
+            weight = size / (t.shape[0] * replicas) if cfg.reduction == "mean" else 1 / normalizer
+            total = total + fn(out, mt).float() * weight
+    return total
+
+
+def reference(cfg: Config, plan: Plan) -> dict[str, Any]:
+    """What :func:`tests.fuzz_run.run_config` returns, from the plain model."""
+    model = MODELS[cfg.model].build(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE) if cfg.autocast == "fp16" else None
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, Any] = {"losses": [], "evals": [], "grads": [], "norms": [], "weights": []}
+    for step in range(cfg.steps):
+        for micro in range(cfg.accumulation):
+            with autocast(cfg):
+                loss = plain_loss(cfg, model, plan, step, micro)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            out["losses"].append(loss.detach())
+        if scaler is not None:
+            scaler.unscale_(opt)
+        out["grads"].append({names[id(p)]: p.grad.clone() for p in model.parameters() if p.grad is not None})
+        if cfg.clip is not None:
+            out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip))
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        out["weights"].append({names[id(p)]: p.detach().clone() for p in model.parameters()})
+        if cfg.eval_between and step < cfg.steps - 1:
+            model.eval()
+            with torch.no_grad(), autocast(cfg):
+                out["evals"].append(plain_loss(cfg, model, plan, step, 0, evaluation=True))
+            model.train()
+    out["buffers"] = {n: b.clone() for n, b in model.named_buffers()}
+    out["scale"] = scaler.get_scale() if scaler is not None else None
+    return out
+
+
+class Mismatch(AssertionError):
+    """The pipeline's numbers differ from the plain model's."""
+
+
+def compare(cfg: Config, ref: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
+    """Raise :class:`Mismatch` naming the first quantity (step, rank, tensor) that differs, in
+    the order the loop computes them, so that the first one reported is the earliest cause."""
+    rtol, frac = TOLERANCES[cfg.autocast]
+
+    def close(got: Any, want: Any, what: str, atol: float) -> None:
+        try:
+            torch.testing.assert_close(torch.as_tensor(got).float(), torch.as_tensor(want).float(),
+                                       rtol=rtol, atol=atol)
+        except AssertionError as e:
+            raise Mismatch(f"{what}: {e}") from None
+
+    for r, got in enumerate(ranks):
+        _same_length(got, ref, r)
+    for step in range(cfg.steps):
+        # Under autocast, the weights the step starts from already differ by the earlier steps'
+        # roundings (weight_atol), which adds to this step's own: the allowance grows by step.
+        grow = 1 + step if cfg.autocast != "off" else 1
+        calls = range(step * cfg.accumulation, (step + 1) * cfg.accumulation)
+        want_grads = ref["grads"][step]
+        atol = frac * grow * _scale(want_grads.values())
+        for r, got in enumerate(ranks):
+            for i in calls:
+                close(got["losses"][i], ref["losses"][i], f"step {step}: rank {r} loss of pipe.step call {i}",
+                      frac * grow * abs(ref["losses"][i].item()))
+            for name, g in got["grads"][step].items():
+                if name not in want_grads:
+                    raise Mismatch(f"step {step}: rank {r}: {name} has a gradient, the plain model none")
+                close(g, want_grads[name], f"step {step}: rank {r} grad {name}", atol)
+        held = set().union(*(got["grads"][step] for got in ranks))
+        if set(want_grads) - held:
+            raise Mismatch(f"step {step}: gradients on no rank: {sorted(set(want_grads) - held)[:4]}")
+        for r, got in enumerate(ranks):
+            if cfg.clip is not None:
+                want = ref["norms"][step]
+                close(got["norms"][step], want, f"step {step}: rank {r} clip_grad_norm_", frac * grow * want.item())
+            for name, w in got["weights"][step].items():
+                close(w, ref["weights"][step][name], f"step {step}: rank {r} weight {name} after opt.step",
+                      weight_atol(cfg, step))
+            if step < len(ref["evals"]):
+                want = ref["evals"][step]
+                close(got["evals"][step], want, f"after step {step}: rank {r} eval loss",
+                      frac * grow * abs(want.item()))
+    weighted = set().union(*(got["weights"][-1] for got in ranks))
+    if set(ref["weights"][-1]) - weighted:
+        raise Mismatch(f"weights on no rank: {sorted(set(ref['weights'][-1]) - weighted)[:4]}")
+    for r, got in enumerate(ranks):
+        for name, b in got["buffers"].items():
+            if name in ref["buffers"]:
+                want = ref["buffers"][name]
+                close(b, want, f"end: rank {r} buffer {name}", frac * _scale([want]) if want.is_floating_point() else 0)
+        if got["scale"] != ref["scale"]:
+            raise Mismatch(f"end: rank {r}: GradScaler scale {got['scale']}, the plain model's {ref['scale']}")
+
+
+def _scale(tensors: Any) -> float:
+    """The largest magnitude in ``tensors``: the unit of a normwise absolute tolerance."""
+    return max((t.abs().max().item() for t in tensors if t.numel()), default=1.0)
+
+
+def _same_length(got: dict[str, Any], ref: dict[str, Any], rank: int) -> None:
+    for key in ("losses", "evals", "grads", "norms", "weights"):
+        if len(got[key]) != len(ref[key]):
+            raise Mismatch(f"rank {rank}: {len(got[key])} {key}, the plain model {len(ref[key])}")
+
+
+def check(cfg: Config, ranks: list[dict[str, Any]]) -> None:
+    """Compare what the ranks returned with the plain model's run (raises :class:`Mismatch`)."""
+    compare(cfg, reference(cfg, Plan.from_json(ranks[0]["plan"])), ranks)

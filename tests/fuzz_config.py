@@ -1,0 +1,242 @@
+"""One fuzzer configuration (a frozen dataclass), the hypothesis strategy that draws them, and
+the simpler neighbours the shrinker tries.
+
+What the strategy leaves out, and why (each is a documented refusal that compile raises and
+that other tests pin, so drawing it would spend the budget on one known PlanError):
+
+- data parallelism with zero-bubble or ZBV (their weight pass writes ``.grad`` where DDP's and
+  FSDP's hooks do not see it) or with recompute: PlanError in
+  ``runtime.data_parallel.check_supported`` (tests/dist/test_hybrid.py);
+- recompute under zero-bubble or ZBV: PlanError in ``compile`` (tests/dist/test_zbv.py);
+- BatchNorm with data parallelism: each replica keeps its own running statistics, which no
+  single-process run of the plain model reproduces (SyncBatchNorm is not what is tested);
+- more pinned stages than the model has split points (the split is then chosen by compile);
+- data parallelism with a smaller last batch: InputError in ``Pipeline.step`` ("every replica
+  must pass the planned batch size ... drop_last=True");
+- interleaved-1f1b with M not a multiple of K: compile accepts the plan but every step, even
+  with the planned batch, raises InputError ("a batch of 6 does not split into at most 3
+  microbatches"): a refusal, but at the first step rather than at compile (reported).
+
+Everything else is drawn, including combinations pipecut may refuse (a microbatch count the
+schedule cannot run, a last batch the plan does not accept): a PipecutError is a pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from hypothesis import strategies as st
+
+from tests.fuzz_models import MODELS
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+SPLIT_BACKWARD = ("zero-bubble", "zbv")
+PLANS = ("auto", "pinned", "json", "memory", "heavy")
+"""Where the plan comes from: compile plans it (``auto``), ``pipecut.plan(split=...)`` made in
+the driver and passed as a Plan (``pinned``) or as a JSON path (``json``), the planner under a
+memory limit that forces recompute (``memory``), or a plan with the LM head in row pieces
+(``heavy``, set costs as in tests/dist/test_chunked_head.py)."""
+RECOMPUTE = ("none", "selective", "full")
+AUTOCAST = ("off", "bf16", "fp16")
+LAST = ("same", "fewer_rows", "shorter_seq")
+DATA_PARALLEL = ("none", "ddp", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    model: str
+    ranks: int
+    """K, the pipeline's ranks (one replica)."""
+    microbatches: int
+    schedule: str
+    stages_per_rank: int = 1
+    """V > 1 only with interleaved-1f1b (ZBV's 2 is implied)."""
+    plan: str = "pinned"
+    split: tuple[str, ...] = ()
+    """Pinned plans: the modules where stages 1.. begin."""
+    chunk_heavy: bool = False
+    """Given to compile (plan ``auto``): may it put a heavy head in pieces."""
+    recompute: str = "none"
+    autocast: str = "off"
+    reduction: str = "mean"
+    accumulation: int = 1
+    no_sync: bool = False
+    last: str = "same"
+    """The last optimizer step's batch: the planned one, fewer rows or a shorter sequence."""
+    eval_between: bool = False
+    data_parallel: str = "none"
+    steps: int = 2
+    clip: float | None = 1.0
+    rows: int = 2
+    """Samples per planned microbatch."""
+    seed: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.ranks * (2 if self.data_parallel != "none" else 1)
+
+    @property
+    def stages(self) -> int:
+        return self.ranks * (2 if self.schedule == "zbv" else self.stages_per_rank)
+
+    @property
+    def batch(self) -> int:
+        """Rows of one replica's planned batch."""
+        return self.microbatches * self.rows
+
+    def short(self) -> str:
+        """The fields that differ from the defaults, as a constructor call."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        keep = ("model", "ranks", "microbatches", "schedule")
+        parts = [f"{k}={v!r}" for k, v in fields.items()
+                 if k in keep or v != _DEFAULTS.get(k, object())]
+        return f"Config({', '.join(parts)})"
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.default is not dataclasses.MISSING}
+
+
+def problems(cfg: Config) -> list[str]:
+    """Why ``cfg`` is outside what the fuzzer draws (see the module docstring); [] if drawable."""
+    spec = MODELS[cfg.model]
+    out = []
+    dp = cfg.data_parallel != "none"
+    if dp and (cfg.schedule in SPLIT_BACKWARD or cfg.recompute != "none" or cfg.plan == "memory"):
+        out.append("data parallelism refuses split-backward schedules and recompute")
+    if cfg.schedule in SPLIT_BACKWARD and (cfg.recompute != "none" or cfg.plan == "memory"):
+        out.append("split-backward schedules refuse recompute")
+    if dp and (spec.batchnorm or cfg.ranks != 2):
+        out.append("data parallelism: 2 x 2 ranks, no BatchNorm")
+    if cfg.stages_per_rank != 1 and cfg.schedule != "interleaved-1f1b":
+        out.append("stages_per_rank > 1 needs interleaved-1f1b")
+    if cfg.plan in ("pinned", "json") and len(cfg.split) != cfg.stages - 1:
+        out.append("a pinned split has one point per later stage")
+    if cfg.plan not in ("pinned", "json") and cfg.split:
+        out.append("only pinned plans carry a split")
+    if cfg.split and any(p not in spec.split_points for p in cfg.split):
+        out.append("split points must be the model's")
+    if cfg.split and list(cfg.split) != sorted(cfg.split, key=spec.split_points.index):
+        out.append("split points in order")
+    if cfg.plan == "heavy" and (spec.head is None or cfg.schedule in SPLIT_BACKWARD or cfg.stages_per_rank != 1):
+        out.append("heavy-head plans: an LM head, gpipe or 1f1b")
+    if cfg.recompute != "none" and cfg.plan not in ("pinned", "json"):
+        out.append("recompute is set on a pinned plan (a memory limit makes the planner choose)")
+    if cfg.chunk_heavy and cfg.plan != "auto":
+        out.append("chunk_heavy matters only where compile plans")
+    if cfg.no_sync and cfg.accumulation == 1:
+        out.append("no_sync needs accumulation")
+    if cfg.last == "shorter_seq" and spec.seq is None:
+        out.append("a shorter sequence needs a sequence model")
+    if dp and cfg.last == "fewer_rows":
+        out.append("data parallelism refuses a smaller last batch")
+    if cfg.schedule == "interleaved-1f1b" and cfg.microbatches % cfg.ranks:
+        out.append("interleaved-1f1b steps refuse M not a multiple of K")
+    return out
+
+
+@st.composite
+def configs(draw: Any, *, no_sync: bool = False, max_ranks: int = 4, max_steps: int = 3) -> Config:
+    """A drawable configuration; ``no_sync``: draw ``pipe.no_sync()`` for accumulation."""
+    name = draw(st.sampled_from(sorted(MODELS)))
+    spec = MODELS[name]
+    dp = draw(st.sampled_from(DATA_PARALLEL if not spec.batchnorm else ("none",)))
+    ranks = 2 if dp != "none" else draw(st.integers(2, max_ranks))
+    schedules = SCHEDULES if dp == "none" else ("gpipe", "1f1b", "interleaved-1f1b")
+    schedule = draw(st.sampled_from(schedules))
+    v = draw(st.sampled_from((1, 2))) if schedule == "interleaved-1f1b" else 1
+    stages = ranks * (2 if schedule == "zbv" else v)
+    counts = {ranks, 2 * ranks} if schedule == "interleaved-1f1b" else {ranks, 2 * ranks, ranks + 1, 1}
+    microbatches = draw(st.sampled_from(sorted(counts)))
+    plans = ["auto"]
+    if stages - 1 <= len(spec.split_points):
+        plans += ["pinned", "json"]
+    if dp == "none" and schedule not in SPLIT_BACKWARD:
+        plans.append("memory")
+    if spec.head is not None and schedule in ("gpipe", "1f1b"):
+        plans.append("heavy")
+    plan = draw(st.sampled_from(plans))
+    split: tuple[str, ...] = ()
+    if plan in ("pinned", "json"):
+        chosen = draw(st.sets(st.sampled_from(spec.split_points), min_size=stages - 1, max_size=stages - 1))
+        split = tuple(sorted(chosen, key=spec.split_points.index))
+    recompute = "none"
+    if plan in ("pinned", "json") and dp == "none" and schedule not in SPLIT_BACKWARD:
+        recompute = draw(st.sampled_from(RECOMPUTE))
+    accumulation = draw(st.integers(1, 3))
+    lasts = ["same"] + (["fewer_rows"] if dp == "none" else []) + (["shorter_seq"] if spec.seq is not None else [])
+    cfg = Config(
+        model=name, ranks=ranks, microbatches=microbatches, schedule=schedule, stages_per_rank=v,
+        plan=plan, split=split, chunk_heavy=plan == "auto" and draw(st.booleans()), recompute=recompute,
+        autocast=draw(st.sampled_from(AUTOCAST)),
+        reduction=draw(st.sampled_from(("mean", "sum"))), accumulation=accumulation,
+        no_sync=no_sync and accumulation > 1 and draw(st.booleans()),
+        last=draw(st.sampled_from(lasts)), eval_between=draw(st.booleans()), data_parallel=dp,
+        steps=draw(st.integers(2, max_steps)), clip=draw(st.sampled_from((None, 1.0, 0.05))),
+        rows=draw(st.sampled_from((2, 3))), seed=draw(st.integers(0, 3)),
+    )
+    assert not problems(cfg), (cfg, problems(cfg))
+    return cfg
+
+
+SIMPLER: dict[str, tuple[Any, ...]] = {
+    "data_parallel": ("none",), "plan": ("pinned", "auto"), "autocast": ("off",), "accumulation": (1, 2),
+    "no_sync": (False,), "steps": (2,), "eval_between": (False,), "last": ("same",), "recompute": ("none",),
+    "chunk_heavy": (False,), "schedule": ("gpipe", "1f1b"), "stages_per_rank": (1,), "reduction": ("mean",),
+    "clip": (None,), "ranks": (2, 3), "microbatches": (1, 2), "rows": (2,), "seed": (0,),
+}
+"""Shrinking: each field's simpler values, simplest first."""
+
+
+def simpler(cfg: Config) -> Iterator[Config]:
+    """Drawable configurations one step simpler than ``cfg`` (one field changed, or one split
+    point dropped together with one rank)."""
+    for name, values in SIMPLER.items():
+        for value in values:
+            if getattr(cfg, name) == value:
+                break  # only strictly simpler values
+            if name in ("ranks", "microbatches") and value > getattr(cfg, name):
+                continue
+            changed = dataclasses.replace(cfg, **{name: value})
+            for candidate in _fix_split(changed):
+                if not problems(candidate):
+                    yield candidate
+
+
+def _fix_split(cfg: Config) -> Iterator[Config]:
+    """``cfg`` with its split cut to its stage count (each way of dropping points), or as is."""
+    need = cfg.stages - 1 if cfg.plan in ("pinned", "json") else 0
+    if need == 0 and cfg.plan not in ("pinned", "json"):
+        yield dataclasses.replace(cfg, split=())
+        return
+    if len(cfg.split) == need:
+        yield cfg
+    elif len(cfg.split) > need:
+        extra = len(cfg.split) - need
+        yield dataclasses.replace(cfg, split=cfg.split[extra:])
+        yield dataclasses.replace(cfg, split=cfg.split[:need])
+    else:
+        points = MODELS[cfg.model].split_points
+        rest = [p for p in points if p not in cfg.split]
+        if len(rest) >= need - len(cfg.split):
+            merged = sorted((*cfg.split, *rest[: need - len(cfg.split)]), key=points.index)
+            yield dataclasses.replace(cfg, split=tuple(merged))
+
+
+def draw(count: int, seed: int | None = None, **kw: Any) -> list[Config]:
+    """``count`` configurations drawn by hypothesis (duplicates dropped, so maybe fewer):
+    from ``seed``, or derandomized (the same list on every run) when ``seed`` is None."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as seeded
+
+    drawn: list[Config] = []
+
+    @settings(max_examples=count, database=None, derandomize=seed is None, phases=[Phase.generate],
+              deadline=None, suppress_health_check=list(HealthCheck))
+    @given(configs(**kw))
+    def collect(cfg: Config) -> None:
+        drawn.append(cfg)
+
+    (seeded(seed)(collect) if seed is not None else collect)()
+    return list(dict.fromkeys(drawn))

@@ -1,0 +1,179 @@
+"""Running many fuzzer configurations on few forks, and shrinking a failing one.
+
+Compiling is cheap with a given or fast plan (~0.5 s), forking and joining a process group
+is not free, so a pool of ``world`` forked ranks (gloo over a FileStore, one thread each, as
+tests/harness.py) runs a whole list of configurations with the same world size one after the
+other, writing each configuration's result per rank as soon as it has it. A rank that fails
+stops (pipecut tears its process groups down on a failure; see runtime/failure.py), the other
+ranks then fail or time out, and the driver starts a fresh pool for the configurations left.
+A pool that makes no progress for ``job_timeout`` seconds is killed: the configuration it was
+running is a hang.
+
+Shrinking is our own, over the :class:`~tests.fuzz_config.Config` dataclass (hypothesis cannot
+shrink an example whose run spans several processes of a pool): greedily, each field is set
+to a simpler value (:func:`tests.fuzz_config.simpler`) and the change kept while the
+configuration still fails the same way (mismatch, error or hang).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipecut.errors import PipecutError, PipelineRuntimeError
+from tests.fuzz_check import Mismatch, check
+from tests.fuzz_config import Config, simpler
+from tests.fuzz_run import make_plan, run_config
+
+FAILURES = ("mismatch", "error", "hang")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Outcome:
+    config: Config
+    kind: str
+    """match, refused (a PipecutError: a pass), or one of :data:`FAILURES`."""
+    detail: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.kind in FAILURES
+
+
+def _rank_main(jobs: Sequence[tuple[Config, Any]], rank: int, world: int, store: str, out: str,
+               timeout: float) -> None:
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout))
+        for i, (cfg, plan) in enumerate(jobs):
+            try:
+                result: dict[str, Any] = {"ok": run_config(rank, world, cfg, plan, timeout)}
+            except BaseException as e:
+                result = {"error": traceback.format_exc(), "type": type(e).__name__,
+                          "refusal": isinstance(e, PipecutError) and not isinstance(e, PipelineRuntimeError),
+                          "message": str(e)}
+            torch.save(result, f"{out}/{i}-{rank}.pt")
+            if "error" in result:
+                break
+    finally:
+        os._exit(0)
+
+
+def _pool(jobs: Sequence[tuple[Config, Any]], world: int, job_timeout: float) -> dict[int, list[dict[str, Any]]]:
+    """Run ``jobs`` on one pool; job index -> every rank's result, for the jobs that have one."""
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        store, out = f"{tmp}/store", Path(tmp, "out")
+        out.mkdir()
+        procs = [ctx.Process(target=_rank_main, args=(jobs, r, world, store, str(out), job_timeout))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        seen, last = 0, time.monotonic()
+        while any(p.is_alive() for p in procs):
+            time.sleep(0.05)
+            count = len(list(out.iterdir()))
+            if count != seen:
+                seen, last = count, time.monotonic()
+            elif time.monotonic() - last > job_timeout + 15:
+                break
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        results: dict[int, list[dict[str, Any]]] = {}
+        for i in range(len(jobs)):
+            files = [out / f"{i}-{r}.pt" for r in range(world)]
+            if any(f.exists() for f in files):
+                results[i] = [torch.load(f, weights_only=False) if f.exists() else {} for f in files]
+        return results
+
+
+def _judge(cfg: Config, ranks: list[dict[str, Any]]) -> Outcome:
+    """A job's outcome from its ranks' results (a missing result: the rank never got there)."""
+    errors = [r for r in ranks if "error" in r]
+    refusals = [r for r in errors if r["refusal"]]
+    if refusals:
+        first = refusals[0]
+        return Outcome(config=cfg, kind="refused", detail=f"{first['type']}: {first['message']}")
+    if errors:
+        own = [r for r in errors if "stopped because" not in r["message"]] or errors
+        return Outcome(config=cfg, kind="error", detail=own[0]["error"])
+    if any("ok" not in r for r in ranks):
+        return Outcome(config=cfg, kind="hang", detail="a rank returned nothing for this configuration")
+    try:
+        check(cfg, [r["ok"] for r in ranks])
+    except Mismatch as e:
+        return Outcome(config=cfg, kind="mismatch", detail=str(e))
+    except Exception:
+        return Outcome(config=cfg, kind="error", detail="in the reference:\n" + traceback.format_exc())
+    return Outcome(config=cfg, kind="match")
+
+
+def run_configs(configs: Sequence[Config], job_timeout: float = 60.0,
+                progress: Callable[[Outcome], None] | None = None) -> list[Outcome]:
+    """Every configuration's outcome, in order; pools grouped by world size."""
+    outcomes: dict[int, Outcome] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        jobs: dict[int, list[tuple[int, Any]]] = {}
+        for index, cfg in enumerate(configs):
+            try:
+                plan = make_plan(cfg, Path(folder))
+            except PipecutError as e:
+                outcomes[index] = Outcome(config=cfg, kind="refused", detail=f"{type(e).__name__}: {e}")
+                if progress:
+                    progress(outcomes[index])
+                continue
+            jobs.setdefault(cfg.world, []).append((index, plan))
+        for world, todo in sorted(jobs.items()):
+            while todo:
+                results = _pool([(configs[i], plan) for i, plan in todo], world, job_timeout)
+                done = 0
+                for pos, (index, _) in enumerate(todo):
+                    if pos not in results:
+                        break
+                    outcomes[index] = _judge(configs[index], results[pos])
+                    done = pos + 1
+                    if progress:
+                        progress(outcomes[index])
+                    if any("ok" not in r for r in results[pos]):
+                        break  # this job stopped the pool
+                if done == 0:  # the first job never finished anywhere: it hung
+                    index = todo[0][0]
+                    outcomes[index] = Outcome(config=configs[index], kind="hang",
+                                              detail=f"no rank finished within {job_timeout} s")
+                    if progress:
+                        progress(outcomes[index])
+                    done = 1
+                todo = todo[done:]
+    return [outcomes[i] for i in range(len(configs))]
+
+
+def shrink(outcome: Outcome, job_timeout: float = 60.0, budget: int = 60) -> tuple[Outcome, int]:
+    """The simplest configuration found that fails as ``outcome`` does, and the runs it took."""
+    best, runs = outcome, 0
+    improved = True
+    while improved and runs < budget:
+        improved = False
+        for candidate in simpler(best.config):
+            runs += 1
+            (result,) = run_configs([candidate], job_timeout)
+            if result.kind == best.kind:
+                best, improved = result, True
+                break
+            if runs >= budget:
+                break
+    return best, runs

@@ -1,0 +1,227 @@
+"""Running one fuzzer configuration: its batches, its plan (made in the driver, before the
+ranks fork) and the training loop each rank runs.
+
+The loop is the README's: ``steps`` optimizer steps of AdamW, each after ``accumulation``
+``pipe.step`` calls (all but the last under ``pipe.no_sync()`` when drawn), clipped with
+``pipe.clip_grad_norm_``, under autocast (fp16 with ``pipe.grad_scaler()``), with an eval step
+under ``no_grad`` between optimizer steps when drawn. A rank returns what the reference check
+compares: every loss, every gradient (before clipping), every weight after each step, the
+clipping norms and the buffers at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+import pipecut
+from pipecut.capture import as_planned, capture, fingerprint
+from pipecut.capture.modes import describe_graph
+from pipecut.core.batching import first_microbatch
+from pipecut.partition import partition_costs
+from pipecut.passes.chain import is_unit
+from pipecut.passes.chunk_rows import piece_names
+from pipecut.plan import ChunkedNode, DeviceSpec, Plan, Recompute, ScheduleKind
+from pipecut.runtime.pipeline import Pipeline
+from tests.fuzz_config import Config
+from tests.fuzz_models import MODELS
+
+ADAMW = {"lr": 1e-3, "eps": 1e-3, "weight_decay": 0.01}
+"""eps 1e-3 (not 1e-8): Adam divides by sqrt(v) + eps, so a gradient error d changes an update
+by at most lr * d / eps; with 1e-8 a few ulps of difference on a near-zero gradient would move
+a weight by up to 2 * lr, hiding a real difference under the noise of a faithful run."""
+SCALE = 2.0**8
+"""The fp16 GradScaler's initial scale: no overflow in these models' gradients."""
+NO_SYNC = hasattr(Pipeline, "no_sync")
+"""Whether this pipecut has ``pipe.no_sync()`` (the fuzzer draws it only then)."""
+SHORTER = 3
+"""Positions dropped from a shorter last sequence."""
+
+
+def batch(cfg: Config, step: int, micro: int, *, evaluation: bool = False) -> tuple[Any, torch.Tensor, int]:
+    """The global batch (every replica's rows) of optimizer step ``step``, accumulation step
+    ``micro``: (inputs, target, normalizer: the target's valid entries)."""
+    spec = MODELS[cfg.model]
+    replicas = 2 if cfg.data_parallel != "none" else 1
+    rows, seq = cfg.batch, spec.seq or 0
+    last = step == cfg.steps - 1 and not evaluation
+    if last and cfg.last == "fewer_rows":
+        rows = max(1, rows - cfg.rows + 1)
+    if last and cfg.last == "shorter_seq":
+        seq -= SHORTER
+    seed = cfg.seed * 10_000 + 100 * step + micro + (50 if evaluation else 0)
+    inputs, target = spec.data(rows * replicas, seed, seq)
+    if cfg.reduction == "sum":  # padding, so the normalizer differs from the rows
+        target = target.clone()
+        target.view(-1)[1::3] = -100
+    return inputs, target, int((target != -100).sum())
+
+
+def share(value: Any, replica: int, replicas: int) -> Any:
+    """Replica ``replica``'s equal slice of every batched tensor in ``value``."""
+    if isinstance(value, dict):
+        return {k: share(v, replica, replicas) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(share(v, replica, replicas) for v in value)
+    rows = value.shape[0] // replicas
+    return value[replica * rows : (replica + 1) * rows]
+
+
+def autocast(cfg: Config) -> Any:
+    if cfg.autocast == "off":
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=torch.bfloat16 if cfg.autocast == "bf16" else torch.float16)
+
+
+def loss_fn(cfg: Config) -> Any:
+    spec = MODELS[cfg.model]
+    return spec.loss if cfg.reduction == "mean" else spec.loss_sum
+
+
+# --- plans, made once in the driver -----------------------------------------------------------
+
+
+def make_plan(cfg: Config, folder: Path) -> Plan | str | None:
+    """What compile's ``plan=`` gets: None (compile plans), a Plan, or a JSON path."""
+    if cfg.plan == "auto":
+        return None
+    spec = MODELS[cfg.model]
+    model = spec.build(cfg.seed)
+    inputs, target, _ = batch(dataclasses.replace(cfg, data_parallel="none"), 0, 0)
+    common = dict(loss_fn=loss_fn(cfg), target=target, microbatches=cfg.microbatches,
+                  schedule=cfg.schedule, calibrate=False, repeats=1, warmup=0,
+                  stages_per_rank=cfg.stages_per_rank, chunk_heavy=False)
+    if cfg.plan == "heavy":
+        return _heavy_plan(cfg, model, inputs)
+    if cfg.plan == "memory":
+        plain = pipecut.plan(model, inputs, cfg.ranks, **common)
+        cap = int(max(s.peak_memory_bytes for s in plain.stages) * 0.8)  # no plain split fits
+        devices = [DeviceSpec(name=f"cpu{r}", memory_bytes=cap) for r in range(cfg.ranks)]
+        return pipecut.plan(model, inputs, devices, ilp_time_limit=2.0, **common)
+    plan = pipecut.plan(model, inputs, cfg.ranks, split=list(cfg.split), **common)
+    plan = _recompute(plan, cfg.recompute, MODELS[cfg.model].blocks)
+    if cfg.plan == "json":
+        path = folder / f"plan-{abs(hash(cfg))}.json"
+        plan.to_json(path)
+        return str(path)
+    return plan
+
+
+def _recompute(plan: Plan, how: str, prefix: str) -> Plan:
+    """Every stage recomputing its whole forward (full), or its first block ``prefix``.N
+    (selective; stages without such a block keep all activations)."""
+    if how == "full":
+        return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=Recompute.FULL)
+                                                      for s in plan.stages))
+    if how == "none":
+        return plan
+    depth = prefix.count(".") + 2
+
+    def block(name: str) -> str | None:
+        module = plan.node(name).module
+        return ".".join(module.split(".")[:depth]) if module.startswith(prefix + ".") else None
+
+    stages = []
+    for s in plan.stages:
+        first = next((b for n in s.nodes if (b := block(n)) is not None), None)
+        names = tuple(n for n in s.nodes if first is not None and block(n) == first)
+        stages.append(dataclasses.replace(s, recompute=Recompute.SELECTIVE, recomputed=names) if names else s)
+    return dataclasses.replace(plan, stages=tuple(stages))
+
+
+def _heavy_plan(cfg: Config, model: torch.nn.Module, inputs: Any) -> Plan:
+    """The head in one piece per rank, each piece far heavier than the rest (as in
+    tests/dist/test_chunked_head.py), so the pieces land on different stages."""
+    head = MODELS[cfg.model].head
+    assert head is not None
+    chunks = (ChunkedNode(node=head, pieces=cfg.ranks),)
+    size, first = first_microbatch(inputs, cfg.microbatches)
+    captured = capture(model, first)
+    rewritten = as_planned(captured, chunks)
+    pieces = set(piece_names(head, cfg.ranks)[1])
+    rows = tuple(
+        dataclasses.replace(n, forward_ms=30.0 if n.name in pieces else 0.1, backward_ms=0.1) if is_unit(n) else n
+        for n in describe_graph(rewritten, rewritten.flatten_inputs(first))
+    )
+    plan = partition_costs(rows, devices=cfg.ranks, microbatches=cfg.microbatches, batch_size=size,
+                           schedule=ScheduleKind(cfg.schedule), fingerprint=fingerprint(captured.gm),
+                           capture=captured.method, inputs=captured.input_names)
+    return dataclasses.replace(plan, chunked=chunks)
+
+
+# --- the loop on one rank ---------------------------------------------------------------------
+
+
+def run_config(rank: int, world: int, cfg: Config, plan: Plan | str | None, timeout: float) -> dict[str, Any]:
+    """Compile ``cfg`` on this rank and run its training loop; what :mod:`tests.fuzz_check` compares."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    spec = MODELS[cfg.model]
+    replicas, replica, devices = 1, 0, cfg.ranks
+    if cfg.data_parallel != "none":
+        mesh = init_device_mesh("cpu", (2, cfg.ranks), mesh_dim_names=("dp", "pp"))
+        replicas, replica, devices = 2, mesh.get_local_rank("dp"), mesh
+    model = spec.build(cfg.seed)
+    inputs, target, _ = batch(cfg, 0, 0)
+    planning = {} if plan is not None else dict(
+        microbatches=cfg.microbatches, schedule=cfg.schedule, stages_per_rank=cfg.stages_per_rank,
+        chunk_heavy=cfg.chunk_heavy)
+    pipe = pipecut.compile(
+        model, devices, example_inputs=share(inputs, replica, replicas), loss_fn=loss_fn(cfg),
+        target=share(target, replica, replicas), plan=plan, calibration_steps=0, timeout=timeout,
+        loss_reduction=cfg.reduction, data_parallel=None if cfg.data_parallel == "none" else cfg.data_parallel,
+        **planning,
+    )
+    opt = torch.optim.AdamW(pipe.parameters(), **ADAMW)
+    scaler = pipe.grad_scaler(init_scale=SCALE) if cfg.autocast == "fp16" else None
+    out: dict[str, Any] = {"losses": [], "evals": [], "grads": [], "norms": [], "weights": [],
+                           "plan": pipe.plan.to_json(), "stages": pipe.stages}
+
+    def run(step: int, micro: int, evaluation: bool = False) -> torch.Tensor:
+        x, t, n = batch(cfg, step, micro, evaluation=evaluation)
+        kw = {"normalizer": n} if cfg.reduction == "sum" else {}
+        return pipe.step(share(x, replica, replicas), share(t, replica, replicas),
+                         scaler=None if evaluation else scaler, **kw)
+
+    for step in range(cfg.steps):
+        for micro in range(cfg.accumulation):
+            quiet = cfg.no_sync and micro < cfg.accumulation - 1
+            with pipe.no_sync() if quiet else contextlib.nullcontext(), autocast(cfg):  # type: ignore[attr-defined]
+                out["losses"].append(run(step, micro))
+        if scaler is not None:
+            scaler.unscale_(opt)
+        out["grads"].append(_tensors(pipe, grads=True))
+        if cfg.clip is not None:
+            out["norms"].append(pipe.clip_grad_norm_(cfg.clip))
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        out["weights"].append(_tensors(pipe, grads=False))
+        if cfg.eval_between and step < cfg.steps - 1:
+            pipe.eval()
+            with torch.no_grad(), autocast(cfg):
+                out["evals"].append(run(step, 0, evaluation=True))
+            pipe.train()
+    out["buffers"] = {n: b.detach().clone() for n, b in pipe.named_buffers()}
+    out["scale"] = scaler.get_scale() if scaler is not None else None
+    return out
+
+
+def _tensors(pipe: Any, grads: bool) -> dict[str, torch.Tensor]:
+    """This rank's gradients (those not None) or weights by the model's names; FSDP shards
+    gathered (a collective over the replicas, in the same order on each)."""
+    out = {}
+    for name, p in pipe.named_parameters():
+        t = p.grad if grads else p.detach()
+        if t is None:
+            continue
+        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    return out
