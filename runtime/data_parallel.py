@@ -22,8 +22,12 @@ last is microbatch 0. :func:`last_backwards` reads it off the rank's action list
   then this rank's shard (a DTensor), and an optimizer over ``pipe.parameters()`` keeps
   only its shard of the state.
 
+Under ``pipe.no_sync()`` (gradient accumulation) no backward of the step is the last one:
+gradients accumulate locally, and the next step outside it reduces everything at once, as
+DDP's own ``no_sync`` does.
+
 Both average over replicas, as DDP does. Tied weights (one parameter on two stages of a
-replica) are summed over their stages afterwards (``reduce_tied_grads``); the two reductions
+replica) are summed over their stages afterwards (``pipecut.runtime.tied``); the two reductions
 are linear and act on different groups, so their order does not change the result, but the
 tied sum must follow the replica average because only then are the gradients complete.
 """
@@ -108,7 +112,7 @@ def _ddp(worker: StageWorker, group: dist.ProcessGroup, last_mb: int) -> None:
     )
 
     def before_backward(mb: int) -> None:
-        if mb == last_mb:
+        if mb == last_mb and worker.reduce_grads:
             ddp.reducer.prepare_for_backward([])
 
     worker.call = NoSyncForward(ddp)
@@ -120,7 +124,7 @@ def _fsdp(worker: StageWorker, mesh: DeviceMesh, last_mb: int) -> None:
     assert isinstance(module, FSDPModule)
 
     def before_backward(mb: int) -> None:
-        last = mb == last_mb
+        last = mb == last_mb and worker.reduce_grads
         module.set_requires_gradient_sync(last)
         module.set_is_last_backward(last)
         module.set_reshard_after_backward(last)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from pipecut.core.shapes import (
     planned_signature,
     signature,
 )
-from pipecut.errors import InputError
+from pipecut.errors import InputError, PipelineRuntimeError
 from pipecut.plan import NodeCost, Plan
 from pipecut.runtime.data_parallel import average_loss
 from pipecut.runtime.executor import Event, run_actions
@@ -39,7 +39,8 @@ from pipecut.runtime.grads import (
 )
 from pipecut.runtime.nccl import check_nccl
 from pipecut.runtime.p2p import Step, comm_program, wiring
-from pipecut.runtime.stage import StageWorker, reduce_tied_grads, tree_to
+from pipecut.runtime.stage import StageWorker, tree_to
+from pipecut.runtime.tied import TiedGrads
 from pipecut.runtime.trace import chrome_trace, write_chrome_trace
 
 WireResolver = Callable[[Signature, Sequence[Any]], Mapping[str, NodeCost] | None]
@@ -85,7 +86,10 @@ class Pipeline:
         """This rank's index in the pipeline group."""
         self.ranks = tuple(ranks)
         self.group = group
-        self.tied_groups = tuple(tied_groups)
+        self.tied = TiedGrads(tied_groups)
+        """Tied weights' gradients, summed over their stages once per contribution."""
+        self._reduce = True
+        """Whether steps reduce gradients across ranks (False inside :meth:`no_sync`)."""
         self.dp_group = dp_group
         self.loss_reduction = loss_reduction
         self._wire = wire
@@ -345,6 +349,9 @@ class Pipeline:
         weights = loss_weights(sizes)
         for w in workers.values():
             w.prepare(wire, weights)
+            w.reduce_grads = self._reduce
+        if training:
+            self.tied.begin(self._canonical_parameters())
         if record:
             dist.barrier(group=self.group)  # align the ranks' clocks for the timeline
         with contextlib.ExitStack() as stack:
@@ -355,9 +362,7 @@ class Pipeline:
             loss, events = run_actions(workers, program, mb_inputs, targets, record)
         self.events = events
         if training:
-            canonical = {id(p): self._alias.get(name, name) for m in self.modules
-                         for name, p in m.named_parameters(remove_duplicate=False)}
-            reduce_tied_grads(self.parameters(), canonical, self.tied_groups)
+            self.tied.end(self._canonical_parameters(), reduce=self._reduce)
         result: torch.Tensor | None = None
         if compute_loss:
             result = loss.detach().float() if loss is not None else torch.zeros((), device=self._device)
@@ -373,6 +378,37 @@ class Pipeline:
                                        group=self.group)
             whole = tree_to(box[0], self._device)
         return result, whole
+
+    def _canonical_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters, each once, under the captured graph's first name for it
+        (the names the plan's tied groups use)."""
+        seen: dict[int, tuple[str, torch.nn.Parameter]] = {}
+        for m in self.modules:
+            for name, p in m.named_parameters(remove_duplicate=False):
+                seen.setdefault(id(p), (self._alias.get(name, name), p))
+        return list(seen.values())
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation without communication, as DDP's ``no_sync``: steps inside
+        reduce no gradient across ranks (data-parallel replicas, tied weights' stages); their
+        gradients accumulate locally, and the first step after the block reduces everything
+        at once. Run the last step of an accumulation window outside the block::
+
+            with pipe.no_sync():
+                pipe.step(batch_1, target_1)
+            pipe.step(batch_2, target_2)   # reduces both steps' gradients
+            opt.step(); opt.zero_grad()
+
+        Accumulating without ``no_sync`` is exact too, only slower. Until the reducing step,
+        ``.grad`` of a tied weight holds this stage's own contributions only, and clipping is
+        refused."""
+        previous = self._reduce
+        self._reduce = False
+        try:
+            yield
+        finally:
+            self._reduce = previous
 
     def _program(
         self, schedule: Schedule, workers: Mapping[int, StageWorker], training: bool, m: int
@@ -408,6 +444,12 @@ class Pipeline:
         scaled by the same coefficient. Collective over the pipeline group; with data
         parallelism, replicas hold equal gradients after ``step``, so each replica reduces
         over its own pipeline group only."""
+        if self.tied.pending or not self._reduce:
+            raise PipelineRuntimeError(
+                f"rank {self.rank}: clip_grad_norm_ after steps under no_sync(), whose gradients "
+                f"are not reduced across ranks yet; run the window's last step outside "
+                f"no_sync() first, then clip"
+            )
         named = [(self._alias.get(n, n), p) for n, p in self.named_parameters()]
         return clip_grad_norm_(named, self.plan, self.rank, self.group, self._device, max_norm,
                                norm_type, error_if_nonfinite, foreach)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from pipecut.core.program import StageProgram
@@ -35,7 +34,7 @@ from pipecut.runtime.memory import ActivationMeter
 from pipecut.runtime.p2p import Direction, Op, Transfer
 from pipecut.runtime.recompute_state import StateReplay
 
-__all__ = ["LossFn", "StageWorker", "reduce_tied_grads", "tree_to"]
+__all__ = ["LossFn", "StageWorker", "tree_to"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -111,6 +110,9 @@ class StageWorker:
         """What a forward calls: the stage module, or its data-parallel wrapper."""
         self.before_backward: Callable[[int], None] = lambda mb: None
         """Data parallelism: tells the wrapper whether a microbatch's backward is the last."""
+        self.reduce_grads = True
+        """Whether this step's gradients are reduced across ranks (False under ``no_sync``):
+        the data-parallel wrappers read it before the last backward."""
 
     def prepare(self, wire: Sequence[Mapping[str, NodeCost] | None], weights: Sequence[Fraction]) -> None:
         """Before a step: each microbatch's cut values (None: as planned) and loss factor."""
@@ -263,23 +265,6 @@ class StageWorker:
         """Leave the tensors for the executor's next batch (gloo needs contiguous buffers)."""
         for i, t in enumerate(tensors):
             self.outbox[(direction, mb, i)] = t.detach().contiguous()
-
-
-def reduce_tied_grads(
-    params: Iterable[torch.nn.Parameter],
-    canonical: dict[int, str],
-    groups: Sequence[tuple[str, dist.ProcessGroup | None]],
-) -> None:
-    """Sum the gradients of parameters held by several ranks over the ranks holding them."""
-    by_name = {canonical[id(p)]: p for p in params if id(p) in canonical}
-    for fqn, group in groups:
-        p = by_name.get(fqn)
-        if p is None or not p.requires_grad:  # a frozen weight keeps .grad None, as in PyTorch
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # FSDP: this shard
-        dist.all_reduce(grad, group=group)
 
 
 def tree_to(value: Any, device: torch.device) -> Any:
