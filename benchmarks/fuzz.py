@@ -23,16 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.fuzz_config import draw  # noqa: E402
-from tests.fuzz_pool import Outcome, run_configs, shrink  # noqa: E402
-from tests.fuzz_run import NO_SYNC  # noqa: E402
-
-
-def signature(outcome: Outcome) -> str:
-    """What kind of failure: the kind and the quantity that differs, numbers blanked."""
-    first = outcome.detail.strip().splitlines()[-1] if outcome.kind == "error" else outcome.detail.split(":")[0:3]
-    text = first if isinstance(first, str) else ":".join(first)
-    return outcome.kind + " " + re.sub(r"\d+", "N", text)[:160]
+from tests.fuzz_config import Config, draw
+from tests.fuzz_pool import Outcome, run_configs, shrink
+from tests.fuzz_run import NO_SYNC
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,11 +36,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shrink-budget", type=int, default=40, help="runs per failure while shrinking")
     parser.add_argument("--no-shrink", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--replay", action="append", default=[], metavar="CONFIG",
+                        help='run (and shrink) these instead of drawing: "Config(model=..., ...)" as printed')
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    configs = draw(args.examples, args.seed, no_sync=NO_SYNC)
-    print(f"{len(configs)} distinct configurations drawn (seed {args.seed}, no_sync drawn: {NO_SYNC})", flush=True)
+    if args.replay:
+        configs = [eval(text, {"Config": Config}) for text in args.replay]  # our own printout
+    else:
+        configs = draw(args.examples, args.seed, no_sync=NO_SYNC)
+    print(f"{len(configs)} distinct configurations (seed {args.seed}, no_sync drawn: {NO_SYNC})", flush=True)
 
     def show(o: Outcome) -> None:
         mark = {"match": ".", "refused": "r"}.get(o.kind, "F")
@@ -65,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: dict[str, list[Outcome]] = {}
     for o in outcomes:
         if o.failed:
-            failures.setdefault(signature(o), []).append(o)
+            failures.setdefault(o.signature, []).append(o)
     report = []
     for sig, group in failures.items():
         first = min(group, key=lambda o: len(o.config.short()))

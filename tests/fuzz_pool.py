@@ -21,6 +21,7 @@ import dataclasses
 import datetime
 import multiprocessing as mp
 import os
+import re
 import tempfile
 import time
 import traceback
@@ -49,6 +50,19 @@ class Outcome:
     @property
     def failed(self) -> bool:
         return self.kind in FAILURES
+
+    @property
+    def signature(self) -> str:
+        """What failed, without numbers and names: the kind and, for an error, its last line
+        (the exception); for a mismatch, which quantity (loss, grad, weight, norm, buffer...)."""
+        if self.kind == "error":
+            text = self.detail.strip().splitlines()[-1]
+        elif self.kind == "mismatch":
+            found = re.search(r"(loss|grad|weight|clip_grad_norm_|buffer|gradients on no rank|scale)", self.detail)
+            text = found.group(1) if found else ""
+        else:
+            text = ""
+        return f"{self.kind} {re.sub(r'[0-9]+', 'N', text)[:160]}".strip()
 
 
 def _rank_main(jobs: Sequence[tuple[Config, Any]], rank: int, world: int, store: str, out: str,
@@ -129,9 +143,14 @@ def run_configs(configs: Sequence[Config], job_timeout: float = 60.0,
     outcomes: dict[int, Outcome] = {}
     with tempfile.TemporaryDirectory() as folder:
         jobs: dict[int, list[tuple[int, Any]]] = {}
+        plans: dict[Config, Any] = {}  # drawn configurations often share a plan
         for index, cfg in enumerate(configs):
+            key = dataclasses.replace(cfg, autocast="off", accumulation=1, no_sync=False, last="same",
+                                      eval_between=False, data_parallel="none", steps=2, clip=None, seed=0)
             try:
-                plan = make_plan(cfg, Path(folder))
+                if key not in plans:
+                    plans[key] = make_plan(cfg, Path(folder))
+                plan = plans[key]
             except PipecutError as e:
                 outcomes[index] = Outcome(config=cfg, kind="refused", detail=f"{type(e).__name__}: {e}")
                 if progress:
@@ -163,7 +182,8 @@ def run_configs(configs: Sequence[Config], job_timeout: float = 60.0,
 
 
 def shrink(outcome: Outcome, job_timeout: float = 60.0, budget: int = 60) -> tuple[Outcome, int]:
-    """The simplest configuration found that fails as ``outcome`` does, and the runs it took."""
+    """The simplest configuration found that fails as ``outcome`` does (same
+    :attr:`Outcome.signature`), and the runs it took."""
     best, runs = outcome, 0
     improved = True
     while improved and runs < budget:
@@ -171,7 +191,7 @@ def shrink(outcome: Outcome, job_timeout: float = 60.0, budget: int = 60) -> tup
         for candidate in simpler(best.config):
             runs += 1
             (result,) = run_configs([candidate], job_timeout)
-            if result.kind == best.kind:
+            if result.signature == best.signature:
                 best, improved = result, True
                 break
             if runs >= budget:
