@@ -13,9 +13,8 @@ that other tests pin, so drawing it would spend the budget on one known PlanErro
 - more pinned stages than the model has split points (the split is then chosen by compile);
 - data parallelism with a smaller last batch: InputError in ``Pipeline.step`` ("every replica
   must pass the planned batch size ... drop_last=True");
-- interleaved-1f1b with M not a multiple of K: compile accepts the plan but every step, even
-  with the planned batch, raises InputError ("a batch of 6 does not split into at most 3
-  microbatches"): a refusal, but at the first step rather than at compile (reported).
+- interleaved-1f1b with several stages per rank and M not a multiple of K: ScheduleError in
+  compile ("interleaved 1F1B needs the microbatches (3) to be a multiple of the ranks (2)").
 
 Everything else is drawn, including combinations pipecut may refuse (a microbatch count the
 schedule cannot run, a last batch the plan does not accept): a PipecutError is a pass.
@@ -131,8 +130,8 @@ def problems(cfg: Config) -> list[str]:
         out.append("a shorter sequence needs a sequence model")
     if dp and cfg.last == "fewer_rows":
         out.append("data parallelism refuses a smaller last batch")
-    if cfg.schedule == "interleaved-1f1b" and cfg.microbatches % cfg.ranks:
-        out.append("interleaved-1f1b steps refuse M not a multiple of K")
+    if cfg.stages_per_rank > 1 and cfg.microbatches % cfg.ranks:
+        out.append("several stages per rank refuse M not a multiple of K")
     return out
 
 
@@ -152,7 +151,7 @@ def configs(draw: Any, *, no_sync: bool = False, plans: tuple[str, ...] = PLANS)
     if "auto" not in plans:  # a pinned split needs a split point per later stage
         ranks = min(ranks, max(2, (len(spec.split_points) + 1) // per_rank))
     stages = ranks * per_rank
-    counts = {ranks, 2 * ranks} if schedule == "interleaved-1f1b" else {ranks, 2 * ranks, ranks + 1, 1}
+    counts = {ranks, 2 * ranks} if v > 1 else {ranks, 2 * ranks, ranks + 1, 1}
     microbatches = draw(st.sampled_from(sorted(counts)))
     options = []
     if stages - 1 <= len(spec.split_points):

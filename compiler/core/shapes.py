@@ -139,7 +139,8 @@ def check_microbatch(plan: Plan, names: Sequence[str], values: Sequence[Any]) ->
 def microbatch_sizes(batch: int, plan: Plan) -> tuple[int, ...]:
     """How a batch of ``batch`` splits: the plan's M equal microbatches when it can; for a
     smaller batch, M microbatches as equal as possible (sizes differ by at most one), or fewer
-    when there are fewer samples than M (a multiple of the ranks for interleaved schedules),
+    when there are fewer samples than M (a multiple of the ranks for interleaved schedules with
+    several stages per rank),
     each within the plan's accepted microbatch sizes."""
     m = plan.microbatches
     hi = plan.batch_size // m
@@ -147,8 +148,8 @@ def microbatch_sizes(batch: int, plan: Plan) -> tuple[int, ...]:
     if batch > plan.batch_size:
         raise _refuse(plan, f"the batch has {batch} samples, more than the planned {plan.batch_size}")
     n = min(m, batch // lo) if lo > 0 else m
-    if plan.schedule is ScheduleKind.INTERLEAVED_1F1B:
-        n -= n % plan.num_ranks
+    if plan.schedule is ScheduleKind.INTERLEAVED_1F1B and plan.stages_per_rank > 1:
+        n -= n % plan.num_ranks  # one stage per rank is plain 1F1B: any count runs
     if n < 1 or -(-batch // n) > hi:
         raise _refuse(
             plan, f"a batch of {batch} does not split into at most {m} microbatches of "

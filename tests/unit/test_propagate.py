@@ -142,14 +142,27 @@ def test_microbatch_sizes(mlp_plan: Any, batch: int, lo: int, expected: tuple[in
     assert microbatch_sizes(batch, plan) == expected
 
 
-def test_interleaved_schedules_get_a_multiple_of_the_ranks(mlp_plan: Any) -> None:
-    plan = dataclasses.replace(mlp_plan[0], batch_size=16, microbatches=4, schedule=ScheduleKind.INTERLEAVED_1F1B,
-                               stages_per_rank=1)
-    assert plan.num_ranks == 2
+def test_interleaved_schedules_get_a_multiple_of_the_ranks() -> None:
+    model, inputs, loss_fn, target = mlp.build(batch_size=16, width=16, depth=4)
+    plan = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=4, repeats=1, warmup=0,
+                        schedule=ScheduleKind.INTERLEAVED_1F1B, stages_per_rank=2, calibrate=False)
+    assert plan.num_ranks == 2 and plan.num_stages == 4
     assert microbatch_sizes(10, plan) == (3, 3, 2, 2)
     assert microbatch_sizes(3, plan) == (2, 1)
     with pytest.raises(InputError, match="a batch of 1 does not split"):
         microbatch_sizes(1, plan)
+
+
+def test_interleaved_with_one_stage_per_rank_runs_any_count(mlp_plan: Any) -> None:
+    """It is plain 1F1B (tests/dist/test_fuzz_regressions.py: M = 3 on 2 ranks was refused at
+    every step, even with the planned batch)."""
+    plan = dataclasses.replace(mlp_plan[0], batch_size=6, microbatches=3, schedule=ScheduleKind.INTERLEAVED_1F1B,
+                               stages_per_rank=1,
+                               accepts=(InputShape(name="x", dtype="float32", min_shape=(1, 16), max_shape=(2, 16)),))
+    assert plan.num_ranks == 2
+    assert microbatch_sizes(6, plan) == (2, 2, 2)
+    assert microbatch_sizes(3, plan) == (1, 1, 1)
+    assert microbatch_sizes(1, plan) == (1,)
 
 
 def test_microbatch_sizes_refuse_what_cannot_split(mlp_plan: Any) -> None:

@@ -1,0 +1,129 @@
+"""Bugs the differential fuzzer found, one test each, with the shrunk configuration and what was
+seen (benchmarks/fuzz.py; reproduce one with ``benchmarks/fuzz.py --replay "Config(...)"``).
+
+Those still open are strict xfails: when a fix lands the test passes, pytest reports XPASS as
+a failure, and the marker (and the matching entry of ``OPEN_BUGS`` in tests/dist/test_fuzz.py)
+should go. A configuration passes when it matches the plain model or raises a PipecutError.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fuzz_config import Config
+from tests.fuzz_pool import Outcome, run_configs
+
+pytestmark = pytest.mark.dist
+
+TIED_ACCUMULATION = Config(model="tied_lm", ranks=3, microbatches=1, schedule="zero-bubble",
+                           split=("blocks.0", "blocks.3.mlp"), reduction="sum", accumulation=3,
+                           last="fewer_rows", eval_between=True)
+TIED_NO_SYNC = Config(model="tied_lm", ranks=2, microbatches=2, schedule="1f1b", split=("blocks.2",),
+                      accumulation=3, no_sync=True)
+FSDP_CLIP = Config(model="moe", ranks=2, microbatches=1, schedule="gpipe", split=("pre",),
+                   data_parallel="fsdp", clip=0.05)
+DDP_FROZEN_STAGE = Config(model="frozen", ranks=2, microbatches=1, schedule="gpipe", split=("layers.0",),
+                          data_parallel="ddp", clip=None)
+FSDP_AUTOCAST_1F1B = Config(model="skip", ranks=2, microbatches=2, schedule="1f1b", split=("layers.3",),
+                            autocast="bf16", data_parallel="fsdp", clip=None)
+FSDP_AUTOCAST_GPIPE = Config(model="skip", ranks=2, microbatches=2, schedule="gpipe", split=("layers.3",),
+                             autocast="bf16", data_parallel="fsdp", clip=None)
+INTERLEAVED_ODD = Config(model="skip", ranks=2, microbatches=3, schedule="interleaved-1f1b", split=("layers.3",),
+                         last="fewer_rows")
+CASES = (INTERLEAVED_ODD, TIED_ACCUMULATION, TIED_NO_SYNC, FSDP_CLIP, DDP_FROZEN_STAGE, FSDP_AUTOCAST_1F1B, FSDP_AUTOCAST_GPIPE)
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[Config, Outcome]:
+    return {o.config: o for o in run_configs(CASES, job_timeout=120)}
+
+
+def _passes(outcome: Outcome) -> None:
+    assert outcome.kind in ("match", "refused"), f"{outcome.kind}: {outcome.detail}"
+
+
+@pytest.mark.timeout(300)
+def test_accumulating_a_tied_weight_counts_each_step_once(outcomes: dict[Config, Outcome]) -> None:
+    """Fixed on main (8c698d9: the tied gradient of earlier steps is set aside before summing).
+    Before, two ``pipe.step`` calls before ``opt.step()`` all-reduced the tied weight's whole
+    ``.grad`` each time, counting earlier steps once per stage:
+
+        step 0: rank 0 grad tok_emb.weight: Tensor-likes are not close!
+        Mismatched elements: 2048 / 2048 (100.0%)
+        Greatest absolute difference: 1.209555983543396 at index (3, 2) (up to 4.7e-06 allowed)
+    """
+    _passes(outcomes[TIED_ACCUMULATION])
+    _passes(outcomes[TIED_NO_SYNC])
+    assert outcomes[TIED_NO_SYNC].kind == "match"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(strict=True, reason="runtime/grads.py total_grad_norm mixes DTensor norms of FSDP "
+                                       "gradients with plain tensors")
+def test_fsdp_clip_grad_norm(outcomes: dict[Config, Outcome]) -> None:
+    """``pipe.clip_grad_norm_`` after a step with ``data_parallel="fsdp"`` (any schedule; also
+    interleaved), 2 x 2 ranks:
+
+        File "runtime/pipeline.py", line 454, in clip_grad_norm_
+        File "runtime/grads.py", line 233, in clip_grad_norm_
+        File "runtime/grads.py", line 197, in total_grad_norm
+            exchange[index] = torch.stack([x.to(device, torch.float64) for x in norms])
+        RuntimeError: aten.index_put_.default got mixed torch.Tensor and DTensor, need to convert
+        all torch.Tensor to DTensor before calling distributed operators!
+    """
+    _passes(outcomes[FSDP_CLIP])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(strict=True, reason="runtime/data_parallel.py wraps a stage without trainable "
+                                       "parameters in DDP, which torch refuses")
+def test_ddp_with_a_frozen_stage(outcomes: dict[Config, Outcome]) -> None:
+    """A pinned split whose first stage holds only frozen parameters (``inp``, requires_grad
+    False), under ``data_parallel="ddp"``; compile fails with torch's error, not a pipecut one
+    (FSDP runs the same split and matches):
+
+        File "compiler/api.py", line 298, in compile
+        File "runtime/data_parallel.py", line 150, in replicate
+        File "runtime/data_parallel.py", line 106, in _ddp
+        RuntimeError: DistributedDataParallel is not needed when a module doesn't have any
+        parameter that requires a gradient.
+    """
+    _passes(outcomes[DDP_FROZEN_STAGE])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(strict=True, reason="FSDP2 + autocast: a forward after a backward on one stage "
+                                       "(1F1B) loses gradients; autocast's weight-cast cache suspected")
+def test_fsdp_autocast_1f1b(outcomes: dict[Config, Outcome]) -> None:
+    """FSDP under bf16 (or fp16) autocast with 1F1B: the last stage, which runs F0 B0 F1 B1,
+    gets gradients 0.48-0.72x the plain model's (norm ratio per tensor); the first stage (F0 F1
+    B0 B1) and the same run under GPipe match, and so do DDP and fp32:
+
+        step 0: rank 1 grad layers.3.0.bias: Tensor-likes are not close!
+        Mismatched elements: 14 / 32 (43.8%)
+        Greatest absolute difference: 0.0174713134765625 at index (11,) (up to 0.0066796875 allowed)
+
+    With ``torch.autocast(..., cache_enabled=False)`` around ``pipe.step`` it matches: autocast
+    keeps the bf16 copy of each parameter it cast until the autocast context exits, so the
+    second forward reuses the copy made from FSDP's first unsharded parameter, which FSDP
+    freed (resharded) after the first backward."""
+    _passes(outcomes[FSDP_AUTOCAST_1F1B])
+
+
+def test_fsdp_autocast_gpipe_matches(outcomes: dict[Config, Outcome]) -> None:
+    """The control for the xfail above: every forward before any backward."""
+    assert outcomes[FSDP_AUTOCAST_GPIPE].kind == "match", outcomes[FSDP_AUTOCAST_GPIPE].detail
+
+
+def test_interleaved_with_one_stage_per_rank_runs_any_microbatch_count(outcomes: dict[Config, Outcome]) -> None:
+    """Fixed (compiler/core/shapes.py): interleaved-1f1b with one stage per rank, K = 2, M = 3,
+    a batch of 6: compile planned and built the pipeline, and every step, even with the very
+    batch it was planned for, raised
+
+        InputError: a batch of 6 does not split into at most 3 microbatches of 1..2 samples.
+        This plan accepts microbatches of x: float32 [1..2, 16] (batch up to 6 in 3 microbatches)
+
+    ``microbatch_sizes`` rounded M down to a multiple of K for every interleaved plan; only
+    several stages per rank need that (one is plain 1F1B, whose generator runs any count).
+    With several, compile refuses M = 3 with a ScheduleError naming the cause."""
+    assert outcomes[INTERLEAVED_ODD].kind == "match", outcomes[INTERLEAVED_ODD].detail
