@@ -20,7 +20,7 @@ from pipecut.core.shapes import microbatch_sizes
 from pipecut.plan import Plan
 from tests.fuzz_config import Config
 from tests.fuzz_models import MODELS
-from tests.fuzz_run import ADAMW, SCALE, autocast, batch, loss_fn, share
+from tests.fuzz_run import ADAMW, SCALE, autocast, batch, loss_fn, optimizer_step, share
 
 TOLERANCES = {"off": (1e-4, 1e-5), "bf16": (2e-2, 2e-2), "fp16": (5e-3, 5e-3)}
 """autocast -> (rtol, atol as a fraction of the largest reference value of the step).
@@ -94,12 +94,7 @@ def reference(cfg: Config, plan: Plan, start: list[dict[str, torch.Tensor]] | No
         out["grads"].append({names[id(p)]: p.grad.clone() for p in model.parameters() if p.grad is not None})
         if cfg.clip is not None:
             out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip))
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad()
+        optimizer_step(opt, scaler)
         out["weights"].append({names[id(p)]: p.detach().clone() for p in model.parameters()})
         if start is not None:
             with torch.no_grad():

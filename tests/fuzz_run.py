@@ -26,7 +26,7 @@ from pipecut.core.batching import first_microbatch
 from pipecut.partition import partition_costs
 from pipecut.passes.chain import is_unit
 from pipecut.passes.chunk_rows import piece_names
-from pipecut.plan import ChunkedNode, DeviceSpec, Plan, Recompute, ScheduleKind
+from pipecut.plan import ChunkedNode, DeviceSpec, Plan, ScheduleKind
 from pipecut.runtime.pipeline import Pipeline
 from tests.fuzz_config import Config
 from tests.fuzz_models import MODELS
@@ -115,23 +115,9 @@ def make_plan(cfg: Config, folder: Path) -> Plan | str | None:
 def _recompute(plan: Plan, how: str, prefix: str) -> Plan:
     """Every stage recomputing its whole forward (full), or its first block ``prefix``.N
     (selective; stages without such a block keep all activations)."""
-    if how == "full":
-        return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=Recompute.FULL)
-                                                      for s in plan.stages))
-    if how == "none":
-        return plan
-    depth = prefix.count(".") + 2
+    from tests.dist.test_recompute import _blocks, _whole
 
-    def block(name: str) -> str | None:
-        module = plan.node(name).module
-        return ".".join(module.split(".")[:depth]) if module.startswith(prefix + ".") else None
-
-    stages = []
-    for s in plan.stages:
-        first = next((b for n in s.nodes if (b := block(n)) is not None), None)
-        names = tuple(n for n in s.nodes if first is not None and block(n) == first)
-        stages.append(dataclasses.replace(s, recompute=Recompute.SELECTIVE, recomputed=names) if names else s)
-    return dataclasses.replace(plan, stages=tuple(stages))
+    return {"none": plan, "full": _whole(plan), "selective": _blocks(plan, prefix, 1)}[how]
 
 
 def _heavy_plan(cfg: Config, model: torch.nn.Module, inputs: Any) -> Plan:
@@ -198,12 +184,7 @@ def run_config(rank: int, world: int, cfg: Config, plan: Plan | str | None, time
         out["grads"].append(_tensors(pipe, grads=True))
         if cfg.clip is not None:
             out["norms"].append(pipe.clip_grad_norm_(cfg.clip))
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad()
+        optimizer_step(opt, scaler)
         out["weights"].append(_tensors(pipe, grads=False))
         if cfg.eval_between and step < cfg.steps - 1:
             pipe.eval()
@@ -213,6 +194,16 @@ def run_config(rank: int, world: int, cfg: Config, plan: Plan | str | None, time
     out["buffers"] = {n: b.detach().clone() for n, b in pipe.named_buffers()}
     out["scale"] = scaler.get_scale() if scaler is not None else None
     return out
+
+
+def optimizer_step(opt: torch.optim.Optimizer, scaler: Any) -> None:
+    """``opt.step()`` (through the GradScaler when there is one), then ``zero_grad``."""
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad()
 
 
 def _tensors(pipe: Any, grads: bool) -> dict[str, torch.Tensor]:
