@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from pipecut.core.batching import split_by_sizes
 from pipecut.core.shapes import microbatch_sizes
@@ -75,6 +76,17 @@ def plain_loss(cfg: Config, model: torch.nn.Module, plan: Plan, step: int, micro
     return total
 
 
+def plain_outputs(cfg: Config, model: torch.nn.Module, step: int) -> list[Any]:
+    """The model's outputs on each replica's share of the eval batch after ``step``."""
+    inputs, _, _ = batch(cfg, step, 0, evaluation=True)
+    replicas = 2 if cfg.data_parallel != "none" else 1
+    out = []
+    for r in range(replicas):
+        x = share(inputs, r, replicas)
+        out.append(model(**x) if isinstance(x, dict) else model(*x))
+    return out
+
+
 def reference(cfg: Config, plan: Plan, start: list[dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
     """What :func:`tests.fuzz_run.run_config` returns, from the plain model; ``start``: the
     weights each step after the first starts from (see :func:`forced`)."""
@@ -82,7 +94,7 @@ def reference(cfg: Config, plan: Plan, start: list[dict[str, torch.Tensor]] | No
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE) if cfg.autocast == "fp16" else None
     names = {id(p): n for n, p in model.named_parameters()}
-    out: dict[str, Any] = {"losses": [], "evals": [], "grads": [], "norms": [], "weights": []}
+    out: dict[str, Any] = {"losses": [], "evals": [], "outputs": [], "grads": [], "norms": [], "weights": []}
     for step in range(cfg.steps):
         for micro in range(cfg.accumulation):
             with autocast(cfg):
@@ -104,8 +116,10 @@ def reference(cfg: Config, plan: Plan, start: list[dict[str, torch.Tensor]] | No
             model.eval()
             with torch.no_grad(), autocast(cfg):
                 out["evals"].append(plain_loss(cfg, model, plan, step, 0, evaluation=True))
+                out["outputs"].append(plain_outputs(cfg, model, step))
             model.train()
     out["buffers"] = {n: b.clone() for n, b in model.named_buffers()}
+    out["state"] = model.state_dict()
     out["scale"] = scaler.get_scale() if scaler is not None else None
     return out
 
@@ -154,6 +168,17 @@ def compare(cfg: Config, ref: dict[str, Any], ranks: list[dict[str, Any]]) -> No
                 want = ref["evals"][step]
                 close(got["evals"][step], want, f"after step {step}: rank {r} eval loss",
                       frac * abs(want.item()))
+                outputs = tree_leaves(got["outputs"][step])
+                wanted = tree_leaves(ref["outputs"][step][got["replica"]])
+                if len(outputs) != len(wanted):
+                    raise Mismatch(f"after step {step}: rank {r} eval outputs: {len(outputs)} tensors, "
+                                   f"the plain model {len(wanted)}")
+                for i, (a, b) in enumerate(zip(outputs, wanted)):
+                    close(a, b, f"after step {step}: rank {r} eval output {i}", frac * _scale(wanted))
+    keys = set().union(*(got["state"] for got in ranks))
+    if keys != set(ref["state"]):
+        raise Mismatch(f"end: merged state_dict keys differ from the plain model's: missing "
+                       f"{sorted(set(ref['state']) - keys)[:4]}, extra {sorted(keys - set(ref['state']))[:4]}")
     weighted = set().union(*(got["weights"][-1] for got in ranks))
     if set(ref["weights"][-1]) - weighted:
         raise Mismatch(f"weights on no rank: {sorted(set(ref['weights'][-1]) - weighted)[:4]}")
@@ -162,6 +187,11 @@ def compare(cfg: Config, ref: dict[str, Any], ranks: list[dict[str, Any]]) -> No
             if name in ref["buffers"]:
                 want = ref["buffers"][name]
                 close(b, want, f"end: rank {r} buffer {name}", frac * _scale([want]) if want.is_floating_point() else 0)
+        for key, value in got["state"].items():
+            want = ref["state"].get(key)
+            if want is None:
+                raise Mismatch(f"end: rank {r} state_dict has {key}, the plain model's has not")
+            close(value, want, f"end: rank {r} state_dict {key}", weight_atol(cfg) if want.is_floating_point() else 0)
         if got["scale"] != ref["scale"]:
             raise Mismatch(f"end: rank {r}: GradScaler scale {got['scale']}, the plain model's {ref['scale']}")
 
@@ -172,7 +202,7 @@ def _scale(tensors: Any) -> float:
 
 
 def _same_length(got: dict[str, Any], ref: dict[str, Any], rank: int) -> None:
-    for key in ("losses", "evals", "grads", "norms", "weights"):
+    for key in ("losses", "evals", "outputs", "grads", "norms", "weights"):
         if len(got[key]) != len(ref[key]):
             raise Mismatch(f"rank {rank}: {len(got[key])} {key}, the plain model {len(ref[key])}")
 

@@ -6,7 +6,7 @@ The loop is the README's: ``steps`` optimizer steps of AdamW, each after ``accum
 ``pipe.clip_grad_norm_``, under autocast (fp16 with ``pipe.grad_scaler()``), with an eval step
 under ``no_grad`` between optimizer steps when drawn. A rank returns what the reference check
 compares: every loss, every gradient (before clipping), every weight after each step, the
-clipping norms and the buffers at the end.
+clipping norms, the eval steps' losses and outputs, and the buffers and state dict at the end.
 """
 
 from __future__ import annotations
@@ -165,12 +165,14 @@ def run_config(rank: int, world: int, cfg: Config, plan: Plan | str | None, time
     )
     opt = torch.optim.AdamW(pipe.parameters(), **ADAMW)
     scaler = pipe.grad_scaler(init_scale=SCALE) if cfg.autocast == "fp16" else None
-    out: dict[str, Any] = {"losses": [], "evals": [], "grads": [], "norms": [], "weights": [],
-                           "plan": pipe.plan.to_json(), "stages": pipe.stages}
+    out: dict[str, Any] = {"losses": [], "evals": [], "outputs": [], "grads": [], "norms": [], "weights": [],
+                           "plan": pipe.plan.to_json(), "stages": pipe.stages, "replica": replica}
 
-    def run(step: int, micro: int, evaluation: bool = False) -> torch.Tensor:
+    def run(step: int, micro: int, evaluation: bool = False) -> Any:
         x, t, n = batch(cfg, step, micro, evaluation=evaluation)
-        kw = {"normalizer": n} if cfg.reduction == "sum" else {}
+        kw: dict[str, Any] = {"normalizer": n} if cfg.reduction == "sum" else {}
+        if evaluation:  # the model's outputs too, on every rank
+            kw.update(return_outputs=True, all_ranks=True)
         return pipe.step(share(x, replica, replicas), share(t, replica, replicas),
                          scaler=None if evaluation else scaler, **kw)
 
@@ -189,9 +191,12 @@ def run_config(rank: int, world: int, cfg: Config, plan: Plan | str | None, time
         if cfg.eval_between and step < cfg.steps - 1:
             pipe.eval()
             with torch.no_grad(), autocast(cfg):
-                out["evals"].append(run(step, 0, evaluation=True))
+                loss, outputs = run(step, 0, evaluation=True)
+            out["evals"].append(loss)
+            out["outputs"].append(outputs)
             pipe.train()
     out["buffers"] = {n: b.detach().clone() for n, b in pipe.named_buffers()}
+    out["state"] = {k: _full(v) for k, v in pipe.state_dict().items()}
     out["scale"] = scaler.get_scale() if scaler is not None else None
     return out
 
@@ -214,5 +219,9 @@ def _tensors(pipe: Any, grads: bool) -> dict[str, torch.Tensor]:
         t = p.grad if grads else p.detach()
         if t is None:
             continue
-        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+        out[name] = _full(t)
     return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
