@@ -28,6 +28,7 @@ from pipecut.partition import Devices, as_devices
 from pipecut.passes.split import split_stage
 from pipecut.passes.stages import plan_schedule, predicted_timeline
 from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
+from pipecut.planner import default_choices, warn_if_sequential
 from pipecut.planner import plan as make_plan
 from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn
@@ -113,8 +114,11 @@ def compile(
 
     ``devices``, ``microbatches``, ``schedule``, ``stages_per_rank``, ``link`` and
     ``capture_method`` left at None mean the plan's (with ``plan=``) or the defaults (one stage
-    per rank of the default group, 1, GPipe, 1, the default link, symbolic_trace then
-    torch.export); with ``plan=``, a value that contradicts the plan is a PlanError. Every
+    per rank of the default group, microbatches chosen by the planner ("auto") and the schedule
+    with them (GPipe beside a given microbatch count), 1, the link measured between
+    neighbours, symbolic_trace then torch.export; with ``data_parallel="auto"``, 1 microbatch
+    and GPipe); one microbatch on several ranks logs a
+    warning that the stages run one after another; with ``plan=``, a value that contradicts the plan is a PlanError. Every
     rank's stage weights are set to global rank 0's, as DistributedDataParallel does.
 
     ``model`` may be on the meta device (``with torch.device("meta"):``): each rank then
@@ -151,6 +155,8 @@ def compile(
             loss_reduction=reduction, weights=weights, init=init, seed=seed,
             data_parallel=None if chosen_layout.mesh is None else chosen_layout.kind,
         )
+    if given is None:  # left out: the planner chooses, so the default pipelines
+        microbatches, schedule = default_choices(microbatches, schedule)
     auto = AUTO in (microbatches, schedule)
     if auto and given is not None:
         raise PlanError(
@@ -204,6 +210,8 @@ def compile(
     chosen = plan_on_rank0(None) if auto else given  # "auto": capture at the chosen microbatches
     if chosen is not None:
         microbatches, schedule = chosen.microbatches, chosen.schedule
+        if given is not None and dist.get_rank() == 0:
+            warn_if_sequential(given)
     _, first = first_microbatch(example_inputs, microbatches)
     captured = capture(model, first, method=run.capture_method, leaf_modules=leaf_modules)
     expected = fingerprint(captured.gm)

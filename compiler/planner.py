@@ -8,6 +8,7 @@ re-partitioned for other devices without profiling again.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 
 from pipecut.autoplan import AUTO, Measurements, choose
 from pipecut.capture import as_planned, capture, fingerprint
+from pipecut.capture.modes import describe_graph
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.meta import has_meta, input_device
 from pipecut.core.program import Captured, Inputs
@@ -24,6 +26,7 @@ from pipecut.parallel import DataParallel
 from pipecut.partition import DEFAULT_LINK, Devices, Split, as_devices, as_schedule, partition_costs
 from pipecut.passes.chain import is_unit
 from pipecut.passes.ilp import IlpSolver
+from pipecut.passes.microbatching import with_structure
 from pipecut.passes.propagate import accepted_shapes
 from pipecut.plan import (
     CaptureMethod,
@@ -40,8 +43,11 @@ from pipecut.profile.calibrate import calibrate as calibrate_costs
 from pipecut.profile.calibrate import stage_times
 from pipecut.profile.nodes import LossFn, profile
 from pipecut.replicas import plan_replicas
+from pipecut.report.text import sequential_note
 
-__all__ = ["plan"]
+__all__ = ["default_choices", "plan", "warn_if_sequential"]
+
+log = logging.getLogger(__name__)
 
 def plan(
     model: torch.nn.Module,
@@ -50,8 +56,8 @@ def plan(
     *,
     loss_fn: LossFn | None = None,
     target: Any = None,
-    microbatches: int | str = 1,
-    schedule: str | ScheduleKind = ScheduleKind.GPIPE,
+    microbatches: int | str | None = None,
+    schedule: str | ScheduleKind | None = None,
     link: Link = DEFAULT_LINK,
     capture_method: CaptureMethod | None = None,
     leaf_modules: tuple[type, ...] = (),
@@ -77,6 +83,10 @@ def plan(
     tensors); ``target`` is the matching target for ``loss_fn(output, target)``.
     ``microbatches="auto"`` / ``schedule="auto"``: pick them by predicted step time (see
     :mod:`pipecut.autoplan`); the plan lists every pair considered (``plan.candidates``).
+    ``microbatches`` left out (None) is "auto", and so is ``schedule`` then, so a plan
+    pipelines by default (``schedule`` left out beside a given microbatch count is GPipe); with
+    ``data_parallel="auto"`` both must be given. One microbatch on several stages runs the
+    stages one after another: a warning is logged.
     ``recompute``, ``partitioner``, ``ilp_time_limit``, ``stages_per_rank``, ``data_parallel``,
     ``solver`` and ``split`` (a split you choose; the plan reports its cost beside pipecut's optimum) are
     as in :func:`partition_costs`. ``calibrate``: time the first split's
@@ -111,7 +121,7 @@ def plan(
             repeats=repeats, warmup=warmup, device=measure_on),
     )
     if data_parallel == AUTO:
-        if not isinstance(microbatches, int) or schedule == AUTO or stages_per_rank != 1 or split is not None:
+        if not isinstance(microbatches, int) or schedule is None or schedule == AUTO or stages_per_rank != 1 or split is not None:
             raise InputError(
                 "data_parallel='auto' chooses replicas and stages for a given microbatch count "
                 "and schedule: give microbatches and schedule as values (not 'auto'), with "
@@ -134,6 +144,7 @@ def plan(
             f"plan(data_parallel={data_parallel!r}): give 'auto', a DataParallel(kind=..., "
             f"replicas=...) or None"
         )
+    microbatches, schedule = default_choices(microbatches, schedule)  # left out: "auto" pipelines
     if microbatches == AUTO or schedule == AUTO:
         full, _ = first_microbatch(example_inputs, 1)
         tables: dict[int, Sequence[NodeCost]] = {}  # the table each microbatch count was planned on
@@ -152,7 +163,9 @@ def plan(
         )
         reuse = measured.at(first_microbatch(example_inputs, m)[1])  # captured (and profiled)
         if reuse is not None and reuse[1] is None:  # a size between those profiled, on their graph:
-            reuse = (reuse[0], tuple(tables[m]))  # its interpolated table, calibrated below
+            graph, first_m = reuse[0], first_microbatch(example_inputs, m)[1]  # its interpolated
+            described = describe_graph(graph, graph.flatten_inputs(first_m))  # table, calibrated
+            reuse = (graph, with_structure(tables[m], described))  # below, on its own values
         chosen = plan(
             model, example_inputs, specs, loss_fn=loss_fn, target=target, microbatches=m,
             schedule=chosen_kind, link=link, capture_method=capture_method,
@@ -239,8 +252,30 @@ def plan(
                      f"{best.predicted.step_ms:.3f} ms whole; {'chunked' if keep else 'kept whole'}")
         best = tried if keep else best
     notes.append("node costs calibrated on whole stages" if timed else "")
-    return _noted(dataclasses.replace(best, accepts=accepts, profiled_on=str(measure_on)),
-                  "; ".join(n for n in notes if n))
+    return warn_if_sequential(_noted(dataclasses.replace(best, accepts=accepts, profiled_on=str(measure_on)),
+                                     "; ".join(n for n in notes if n)))
+
+
+def default_choices(microbatches: int | str | None, schedule: Any) -> tuple[int | str, Any]:
+    """What ``microbatches`` and ``schedule`` left out (None) mean: the planner chooses
+    microbatches ("auto"), and the schedule with them unless one is given; a schedule left out
+    beside a given count is GPipe.
+
+    >>> default_choices(None, None), default_choices(None, "1f1b"), default_choices(4, None)
+    (('auto', 'auto'), ('auto', '1f1b'), (4, <ScheduleKind.GPIPE: 'gpipe'>))
+    """
+    if microbatches is None:
+        return AUTO, AUTO if schedule is None else schedule
+    return microbatches, ScheduleKind.GPIPE if schedule is None else schedule
+
+
+def warn_if_sequential(p: Plan) -> Plan:
+    """Log a warning when ``p`` cannot pipeline: one microbatch on several ranks runs the
+    stages one after another, K devices doing the work of one. Returns ``p``."""
+    note = sequential_note(p)
+    if note:
+        log.warning("%s", note)
+    return p
 
 
 def _noted(p: Plan, note: str) -> Plan:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from pipecut.plan import Leaf, LeafKind, NodeCost, ScheduleKind
 
-__all__ = ["candidate_microbatches", "costs_at"]
+__all__ = ["candidate_microbatches", "costs_at", "with_structure"]
 
 
 def candidate_microbatches(
@@ -76,3 +76,19 @@ def costs_at(
             shape=next((x.shape for x in leaves if x.kind is LeafKind.TENSOR), a.shape),
         ))
     return tuple(out)
+
+
+def with_structure(timed: Sequence[NodeCost], described: Sequence[NodeCost]) -> tuple[NodeCost, ...]:
+    """``timed``'s costs on ``described``'s values: the output leaves, shapes and dtypes of the
+    graph run (on fake tensors) at the size planned for. Interpolated rows (:func:`costs_at`) scale tensor
+    dimensions, but a Python number that crosses a cut (``x.size(0)``, a sequence length times
+    the microbatch) keeps the measured size's value, which the stages would then be built with."""
+    by_name = {n.name: n for n in described}
+    out = []
+    for row in timed:
+        d = by_name.get(row.name)
+        if d is None:
+            raise ValueError(f"node {row.name} is not in the described graph: tables of different graphs")
+        out.append(dataclasses.replace(row, leaves=d.leaves, shape=d.shape, dtype=d.dtype, treespec=d.treespec))
+    return tuple(out)
+

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["human_bytes", "summary"]
+__all__ = ["human_bytes", "sequential_note", "summary"]
 
 if TYPE_CHECKING:
     from pipecut.plan import Plan, ReplicaCandidate
@@ -41,6 +41,7 @@ def summary(plan: Plan) -> str:
         f"{p.bubble_fraction:.1%}, bottleneck stage {p.bottleneck_stage}; "
         f"{plan.solver.method.value} solved in {plan.solver.solve_ms:.1f} ms"
     )
+    lines += _chosen(plan)
     if plan.solver.method.value == "given" and p.optimum_step_ms:  # no import: plan imports us
         lines.append(
             f"split given ({plan.solver.detail.removeprefix('split given: ')}): pipecut's own "
@@ -58,6 +59,32 @@ def summary(plan: Plan) -> str:
     if plan.tied:
         lines.append("tied parameters: " + ", ".join(f"{t.fqn} on stages {list(t.stages)}" for t in plan.tied))
     return "\n".join(lines)
+
+
+def sequential_note(plan: Plan) -> str:
+    """Why ``plan`` does not pipeline, or "" when it does."""
+    if plan.microbatches > 1 or plan.num_ranks < 2:
+        return ""
+    return (f"1 microbatch on {plan.num_ranks} ranks: the stages run one after another (no "
+            f"pipelining, {plan.num_ranks} devices doing the work of one); give microbatches > 1 "
+            f"or leave microbatches out to let the planner choose")
+
+
+def _chosen(plan: Plan) -> list[str]:
+    """What the planner chose when asked to ("auto", the default) and why."""
+    lines = []
+    weighed = [c for c in plan.candidates if c.step_ms is not None]
+    if weighed:
+        best = min(weighed, key=lambda c: c.step_ms or 0.0)
+        others = sorted((c for c in weighed if c is not best), key=lambda c: c.step_ms or 0.0)[:3]
+        runner_up = ", ".join(f"{c.microbatches} x {c.schedule.value} {c.step_ms:.2f} ms" for c in others)
+        lines.append(
+            f"chosen by the planner: {plan.microbatches} microbatches, {plan.schedule.value} "
+            f"(lowest predicted step of {len(plan.candidates)} pairs weighed"
+            + (f"; next: {runner_up}" if runner_up else "") + ")"
+        )
+    note = sequential_note(plan)
+    return lines + ([f"warning: {note}"] if note else [])
 
 
 def _replica_row(c: ReplicaCandidate) -> str:

@@ -39,7 +39,7 @@ def hf_gpt2(batch_size: int = 8, seed: int = 0):
 
 
 FACTORIES = {**EXAMPLES, "hf_gpt2": hf_gpt2}
-# (factory, schedule, microbatches, reference microbatch by microbatch?)
+# (factory, schedule, microbatches, reference microbatch by microbatch?); None: left out
 SCENARIOS = [
     ("mlp", "gpipe", 4, False),
     ("gpt", "gpipe", 4, False),
@@ -48,10 +48,11 @@ SCENARIOS = [
     ("resnet", "gpipe", 4, True),  # BatchNorm: GPipe semantics, statistics per microbatch
     ("resnet", "zero-bubble", 4, True),
     ("hf_gpt2", "gpipe", 4, False),
+    ("gpt", None, None, False),  # left out: the planner chooses both, and the result pipelines
 ]
 
 
-def _scenarios(rank: int, world: int, scenarios: list[tuple[str, str, int, bool]]) -> list[dict[str, Any]]:
+def _scenarios(rank: int, world: int, scenarios: list[tuple[str, Any, Any, bool]]) -> list[dict[str, Any]]:
     results = []
     for name, schedule, m, _ in scenarios:
         model, inputs, loss_fn, target = FACTORIES[name]()
@@ -62,7 +63,8 @@ def _scenarios(rank: int, world: int, scenarios: list[tuple[str, str, int, bool]
         loss = pipe.step(inputs, target)
         results.append({
             "loss": loss, "grads": pipeline_grads(model, pipe), "capture": pipe.plan.capture.value,
-            "stages": [len(s.nodes) for s in pipe.plan.stages],
+            "stages": [len(s.nodes) for s in pipe.plan.stages], "microbatches": pipe.plan.microbatches,
+            "stages_per_rank": pipe.plan.stages_per_rank,
         })
     return results
 
@@ -74,7 +76,10 @@ def test_pipeline_matches_unsplit_model(world: int) -> None:
     for i, (name, _, m, per_mb) in enumerate(SCENARIOS):
         ref_loss, ref_grads = reference(FACTORIES[name], m, per_mb)
         results = [rank[i] for rank in per_rank]
-        assert all(n > 0 for n in results[0]["stages"]) and len(results[0]["stages"]) == world
+        assert all(n > 0 for n in results[0]["stages"])
+        assert len(results[0]["stages"]) == world * results[0]["stages_per_rank"]
+        if m is None:
+            assert results[0]["microbatches"] > 1  # the default pipelines
         assert_parity(ref_loss, ref_grads, results)
     assert per_rank[0][SCENARIOS.index(("hf_gpt2", "gpipe", 4, False))]["capture"] == "export"
     assert per_rank[0][0]["capture"] == "symbolic_trace"

@@ -56,3 +56,31 @@ def test_auto_picks_the_fastest_predicted_pair_and_records_every_candidate() -> 
     fixed = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=4,
                          schedule="auto", calibrate=False, repeats=1, warmup=0)
     assert fixed.microbatches == 4 and {c.microbatches for c in fixed.candidates} == {4}
+
+
+def test_an_interpolated_table_takes_the_values_of_its_own_size() -> None:
+    """Regression: compile() with microbatches left out chose M = 4 (microbatches of 4) for the
+    GPT example after profiling sizes 1 and 8; the interpolated table kept size 1's Python
+    numbers, and stage 0 failed at run time:
+    ``PipelineRuntimeError: stage 0: value size_4 is 4, the wire spec fixed it to 2``."""
+    from examples import gpt
+    from pipecut.capture import capture
+    from pipecut.capture.modes import describe_graph
+    from pipecut.core.batching import first_microbatch
+    from pipecut.passes.microbatching import with_structure
+
+    model, inputs, _, _ = gpt.build(8, vocab=32, dim=16, heads=2, layers=1, seq=8)
+    captured = capture(model, first_microbatch(inputs, 8)[1])  # symbolic_trace: any size
+
+    def at(size: int) -> tuple:
+        return describe_graph(captured, captured.flatten_inputs(first_microbatch(inputs, 8 // size)[1]))
+
+    lo, hi, mid = at(1), at(8), at(4)
+    numbers = [n.name for n in mid if any(x.kind is LeafKind.CONSTANT and (x.value or {}).get("t") == "int"
+                                          for x in n.leaves)]
+    assert numbers, "the GPT example sends sizes as Python numbers"
+    interpolated = costs_at(lo, hi, 1, 8, 4)
+    assert [n.leaves for n in interpolated if n.name in numbers] != [n.leaves for n in mid if n.name in numbers]
+    fixed = with_structure(interpolated, mid)
+    assert [n.leaves for n in fixed] == [n.leaves for n in mid]
+    assert [(n.forward_ms, n.output_bytes) for n in fixed] == [(n.forward_ms, n.output_bytes) for n in interpolated]

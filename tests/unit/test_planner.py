@@ -1,9 +1,15 @@
-"""pipecut.planner: option parsing and partitioning a cost table into a plan."""
+"""pipecut.planner: option parsing, partitioning a cost table into a plan, and the defaults
+(microbatches and schedule chosen when left out; a warning when one microbatch cannot pipeline)."""
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import pytest
 
+import pipecut
+from examples import mlp
 from pipecut.errors import InputError, PartitionError
 from pipecut.partition import as_devices, as_ilp_solver, as_schedule, partition_costs
 from pipecut.passes.ilp import IlpSolver
@@ -61,3 +67,23 @@ def test_the_ilp_agrees_with_the_dp_and_memory_limits_bring_recompute_or_an_erro
         partition_costs(plan.nodes, devices=tiny, **common)
     with pytest.raises(PartitionError, match=r"fits .* without recompute; .* or allow recompute"):
         partition_costs(plan.nodes, devices=tiny, recompute=False, **common)
+
+
+def test_plan_without_microbatches_or_schedule_chooses_them_and_says_so(caplog: Any) -> None:
+    model, inputs, loss_fn, target = mlp.build(8, width=16, depth=4)
+    with caplog.at_level(logging.WARNING, logger="pipecut"):
+        chosen = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, repeats=1, warmup=0)
+    assert len(chosen.candidates) > 1  # "auto" weighed several (microbatches, schedule) pairs
+    assert (chosen.microbatches, chosen.schedule) in {(c.microbatches, c.schedule) for c in chosen.candidates}
+    text = pipecut.summary(chosen)
+    assert f"chosen by the planner: {chosen.microbatches} microbatches, {chosen.schedule.value}" in text
+    if chosen.microbatches > 1:
+        assert not caplog.records
+
+    with caplog.at_level(logging.WARNING, logger="pipecut"):
+        one = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, repeats=1, warmup=0,
+                           microbatches=1, schedule="gpipe")
+    assert not one.candidates
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("1 microbatch on 2 ranks: the stages run one after another" in m for m in warned), warned
+    assert "warning: 1 microbatch on 2 ranks" in pipecut.summary(one)
