@@ -102,6 +102,11 @@ def choose(
                 candidates.append(Candidate(microbatches=m, schedule=kind, step_ms=None,
                                             note=f"needs recompute, which {kind.value} cannot run"))
                 continue
+            replicated = planned.data_parallel is not None and planned.data_parallel.replicas > 1
+            if kind.splits_backward and replicated:  # runtime.data_parallel.check_supported
+                candidates.append(Candidate(microbatches=m, schedule=kind, step_ms=None,
+                                            note=f"data parallelism cannot run {kind.value}"))
+                continue
             candidates.append(Candidate(microbatches=m, schedule=kind, step_ms=planned.predicted.step_ms))
     feasible = [c for c in candidates if c.step_ms is not None]
     if not feasible:

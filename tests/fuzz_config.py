@@ -41,6 +41,7 @@ RECOMPUTE = ("none", "selective", "full")
 AUTOCAST = ("off", "bf16", "fp16")
 LAST = ("same", "fewer_rows", "shorter_seq")
 DATA_PARALLEL = ("none", "ddp", "fsdp")
+CHOOSE = ("", "microbatches", "both")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,6 +58,9 @@ class Config:
     """Pinned plans: the modules where stages 1.. begin."""
     chunk_heavy: bool = False
     """Given to compile (plan ``auto``): may it put a heavy head in pieces."""
+    choose: str = ""
+    """Plan ``auto``: compile chooses ``"microbatches"`` (M = "auto"), or ``"both"`` M and the
+    schedule; :attr:`microbatches` then only sizes the batch."""
     recompute: str = "none"
     autocast: str = "off"
     reduction: str = "mean"
@@ -122,8 +126,8 @@ def problems(cfg: Config) -> list[str]:
         out.append("heavy-head plans: an LM head, gpipe or 1f1b")
     if cfg.recompute != "none" and cfg.plan not in ("pinned", "json"):
         out.append("recompute is set on a pinned plan (a memory limit makes the planner choose)")
-    if cfg.chunk_heavy and cfg.plan != "auto":
-        out.append("chunk_heavy matters only where compile plans")
+    if (cfg.chunk_heavy or cfg.choose) and cfg.plan != "auto":
+        out.append("chunk_heavy and choose matter only where compile plans")
     if cfg.no_sync and cfg.accumulation == 1:
         out.append("no_sync needs accumulation")
     if cfg.last == "shorter_seq" and spec.seq is None:
@@ -174,6 +178,7 @@ def configs(draw: Any, *, no_sync: bool = False, plans: tuple[str, ...] = PLANS)
     cfg = Config(
         model=name, ranks=ranks, microbatches=microbatches, schedule=schedule, stages_per_rank=v,
         plan=plan, split=split, chunk_heavy=plan == "auto" and draw(st.booleans()), recompute=recompute,
+        choose=draw(st.sampled_from(CHOOSE)) if plan == "auto" else "",
         autocast=draw(st.sampled_from(AUTOCAST)),
         reduction=draw(st.sampled_from(("mean", "sum"))), accumulation=accumulation,
         no_sync=no_sync and accumulation > 1 and draw(st.booleans()),
@@ -188,7 +193,7 @@ def configs(draw: Any, *, no_sync: bool = False, plans: tuple[str, ...] = PLANS)
 SIMPLER: dict[str, tuple[Any, ...]] = {
     "data_parallel": ("none",), "plan": ("pinned", "auto"), "autocast": ("off",), "accumulation": (1, 2),
     "no_sync": (False,), "steps": (2,), "eval_between": (False,), "last": ("same",), "recompute": ("none",),
-    "chunk_heavy": (False,), "schedule": ("gpipe", "1f1b"), "stages_per_rank": (1,), "reduction": ("mean",),
+    "chunk_heavy": (False,), "choose": ("",), "schedule": ("gpipe", "1f1b"), "stages_per_rank": (1,), "reduction": ("mean",),
     "clip": (None,), "ranks": (2, 3), "microbatches": (1, 2), "rows": (2,), "seed": (0,),
 }
 """Shrinking: each field's simpler values, simplest first."""
@@ -247,7 +252,7 @@ def draw(count: int, seed: int | None = None, **kw: Any) -> list[Config]:
     return list(dict.fromkeys(drawn))
 
 
-FEATURES = ("model", "schedule", "autocast", "data_parallel", "plan", "recompute", "accumulation",
+FEATURES = ("model", "schedule", "choose", "autocast", "data_parallel", "plan", "recompute", "accumulation",
             "no_sync", "last", "eval_between", "reduction", "ranks", "stages_per_rank")
 
 

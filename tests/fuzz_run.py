@@ -155,8 +155,9 @@ def run_config(rank: int, world: int, cfg: Config, plan: Plan | str | None, time
     model = spec.build(cfg.seed)
     inputs, target, _ = batch(cfg, 0, 0)
     planning = {} if plan is not None else dict(
-        microbatches=cfg.microbatches, schedule=cfg.schedule, stages_per_rank=cfg.stages_per_rank,
-        chunk_heavy=cfg.chunk_heavy)
+        microbatches="auto" if cfg.choose else cfg.microbatches,
+        schedule="auto" if cfg.choose == "both" else cfg.schedule,
+        stages_per_rank=cfg.stages_per_rank, chunk_heavy=cfg.chunk_heavy)
     pipe = pipecut.compile(
         model, devices, example_inputs=share(inputs, replica, replicas), loss_fn=loss_fn(cfg),
         target=share(target, replica, replicas), plan=plan, calibration_steps=0, timeout=timeout,

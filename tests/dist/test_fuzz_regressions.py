@@ -30,7 +30,9 @@ FSDP_AUTOCAST_GPIPE = Config(model="skip", ranks=2, microbatches=2, schedule="gp
                              autocast="bf16", data_parallel="fsdp", clip=None)
 INTERLEAVED_ODD = Config(model="skip", ranks=2, microbatches=3, schedule="interleaved-1f1b", split=("layers.3",),
                          last="fewer_rows")
-CASES = (INTERLEAVED_ODD, TIED_ACCUMULATION, TIED_NO_SYNC, FSDP_CLIP, DDP_FROZEN_STAGE, FSDP_AUTOCAST_1F1B, FSDP_AUTOCAST_GPIPE)
+AUTO_SCHEDULE_DDP = Config(model="skip", ranks=2, microbatches=4, schedule="1f1b", plan="auto", choose="both",
+                           data_parallel="ddp")
+CASES = (AUTO_SCHEDULE_DDP, INTERLEAVED_ODD, TIED_ACCUMULATION, TIED_NO_SYNC, FSDP_CLIP, DDP_FROZEN_STAGE, FSDP_AUTOCAST_1F1B, FSDP_AUTOCAST_GPIPE)
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +129,15 @@ def test_interleaved_with_one_stage_per_rank_runs_any_microbatch_count(outcomes:
     several stages per rank need that (one is plain 1F1B, whose generator runs any count).
     With several, compile refuses M = 3 with a ScheduleError naming the cause."""
     assert outcomes[INTERLEAVED_ODD].kind == "match", outcomes[INTERLEAVED_ODD].detail
+
+
+def test_an_automatic_schedule_with_data_parallelism_is_one_it_can_run(outcomes: dict[Config, Outcome]) -> None:
+    """Fixed (compiler/autoplan.py rules the split-backward schedules out when the plan has
+    replicas): ``compile(mesh, microbatches="auto", schedule="auto", data_parallel="ddp")``
+    chose ZBV, which it then refused:
+
+        PlanError: data_parallel='ddp' cannot run the zbv schedule: its weight pass writes .grad
+        with torch.autograd.grad, which neither DDP's nor FSDP's gradient hooks see; use
+        schedule='1f1b' or 'gpipe'
+    """
+    assert outcomes[AUTO_SCHEDULE_DDP].kind == "match", outcomes[AUTO_SCHEDULE_DDP].detail

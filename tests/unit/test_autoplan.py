@@ -9,6 +9,7 @@ import torch
 
 from pipecut.autoplan import AUTO, choose, schedules_to_try
 from pipecut.errors import InputError, PartitionError
+from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.plan import Recompute, ScheduleKind
 from tests.unit.tiny import mlp_plan
 
@@ -16,7 +17,7 @@ G, F, Z, V = ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUB
 ZV = ScheduleKind.ZBV
 
 
-def run(times, *, microbatches=AUTO, schedule=AUTO, recompute=(), profiled=None):
+def run(times, *, microbatches=AUTO, schedule=AUTO, recompute=(), profiled=None, data_parallel=None):
     """``times[(m, kind)]``: predicted step ms (None: does not fit)."""
     nodes = mlp_plan().nodes
 
@@ -30,7 +31,8 @@ def run(times, *, microbatches=AUTO, schedule=AUTO, recompute=(), profiled=None)
         if step is None:
             raise PartitionError(f"{m} does not fit")
         rc = Recompute.FULL if (m, kind) in recompute else Recompute.NONE
-        return SimpleNamespace(predicted=SimpleNamespace(step_ms=step), stages=(SimpleNamespace(recompute=rc),))
+        return SimpleNamespace(predicted=SimpleNamespace(step_ms=step), stages=(SimpleNamespace(recompute=rc),),
+                               data_parallel=data_parallel)
 
     return choose((torch.zeros(8, 3),), torch.zeros(8), ranks=2, microbatches=microbatches,
                   schedule=schedule, stages_per_rank=1, profile_at=profile_at, partition=partition)
@@ -74,6 +76,18 @@ def test_zbv_is_a_candidate_and_wins_where_it_is_fastest():
     m, kind, candidates = run(times, recompute={(m, ZV) for m in (2, 4, 8)})
     assert kind is not ZV
     assert {c.note for c in candidates if c.schedule is ZV} == {"needs recompute, which zbv cannot run"}
+
+
+def test_with_data_parallelism_split_backward_schedules_are_ruled_out():
+    """Found by the fuzzer (tests/dist/test_fuzz_regressions.py): compile(mesh, schedule="auto",
+    data_parallel="ddp") chose ZBV, then refused it: "PlanError: data_parallel='ddp' cannot
+    run the zbv schedule"."""
+    times = all_pairs(lambda m, k: {ZV: 5.0, Z: 6.0}.get(k, 10.0))
+    assert run(times)[:2] == (2, ZV)
+    _, kind, candidates = run(times, data_parallel=DataParallel(kind=DataParallelKind.DDP, replicas=2))
+    assert kind is F
+    assert {c.note for c in candidates if c.schedule in (Z, ZV)} == {f"data parallelism cannot run {k.value}" for k in (Z, ZV)}
+    assert run(times, data_parallel=DataParallel(kind=DataParallelKind.DDP, replicas=1))[1] is ZV
 
 
 def test_nothing_fits_and_bad_microbatches_are_refused():
