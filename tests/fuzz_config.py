@@ -39,7 +39,7 @@ memory limit that forces recompute (``memory``), or a plan with the LM head in r
 (``heavy``, set costs as in tests/dist/test_chunked_head.py)."""
 RECOMPUTE = ("none", "selective", "full")
 AUTOCAST = ("off", "bf16", "fp16")
-LAST = ("same", "fewer_rows", "shorter_seq")
+LAST = ("same", "fewer_rows", "one_row", "shorter_seq")
 DATA_PARALLEL = ("none", "ddp", "fsdp")
 CHOOSE = ("", "microbatches", "both")
 
@@ -67,7 +67,8 @@ class Config:
     accumulation: int = 1
     no_sync: bool = False
     last: str = "same"
-    """The last optimizer step's batch: the planned one, fewer rows or a shorter sequence."""
+    """The last optimizer step's batch: the planned one, fewer rows (one microbatch's worth
+    less, plus one), a single row, or a shorter sequence."""
     eval_between: bool = False
     data_parallel: str = "none"
     steps: int = 2
@@ -110,6 +111,8 @@ def problems(cfg: Config) -> list[str]:
         out.append("data parallelism refuses split-backward schedules and recompute")
     if cfg.schedule in SPLIT_BACKWARD and (cfg.recompute != "none" or cfg.plan == "memory"):
         out.append("split-backward schedules refuse recompute")
+    if spec.batchnorm and cfg.rows < 2:
+        out.append("BatchNorm statistics need 2 samples per microbatch (torch refuses one in training)")
     if dp and (spec.batchnorm or cfg.ranks != 2):
         out.append("data parallelism: 2 x 2 ranks, no BatchNorm")
     if cfg.stages_per_rank != 1 and cfg.schedule != "interleaved-1f1b":
@@ -132,7 +135,7 @@ def problems(cfg: Config) -> list[str]:
         out.append("no_sync needs accumulation")
     if cfg.last == "shorter_seq" and spec.seq is None:
         out.append("a shorter sequence needs a sequence model")
-    if dp and cfg.last == "fewer_rows":
+    if dp and cfg.last in ("fewer_rows", "one_row"):
         out.append("data parallelism refuses a smaller last batch")
     if cfg.stages_per_rank > 1 and cfg.microbatches % cfg.ranks:
         out.append("several stages per rank refuse M not a multiple of K")
@@ -174,7 +177,7 @@ def configs(draw: Any, *, no_sync: bool = False, plans: tuple[str, ...] = PLANS)
     if plan in ("pinned", "json") and dp == "none" and schedule not in SPLIT_BACKWARD:
         recompute = draw(st.sampled_from(RECOMPUTE))
     accumulation = draw(st.integers(1, 3))
-    lasts = ["same"] + (["fewer_rows"] if dp == "none" else []) + (["shorter_seq"] if spec.seq is not None else [])
+    lasts = ["same"] + (["fewer_rows", "one_row"] if dp == "none" else []) + (["shorter_seq"] if spec.seq is not None else [])
     cfg = Config(
         model=name, ranks=ranks, microbatches=microbatches, schedule=schedule, stages_per_rank=v,
         plan=plan, split=split, chunk_heavy=plan == "auto" and draw(st.booleans()), recompute=recompute,
@@ -184,7 +187,7 @@ def configs(draw: Any, *, no_sync: bool = False, plans: tuple[str, ...] = PLANS)
         no_sync=no_sync and accumulation > 1 and draw(st.booleans()),
         last=draw(st.sampled_from(lasts)), eval_between=draw(st.booleans()), data_parallel=dp,
         steps=draw(st.integers(2, 3)), clip=draw(st.sampled_from((None, 1.0, 0.05))),
-        rows=draw(st.sampled_from((2, 3))), seed=draw(st.integers(0, 3)),
+        rows=draw(st.sampled_from((2, 3) if spec.batchnorm else (1, 2, 3))), seed=draw(st.integers(0, 3)),
     )
     assert not problems(cfg), (cfg, problems(cfg))
     return cfg

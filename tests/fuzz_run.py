@@ -52,6 +52,8 @@ def batch(cfg: Config, step: int, micro: int, *, evaluation: bool = False) -> tu
     last = step == cfg.steps - 1 and not evaluation
     if last and cfg.last == "fewer_rows":
         rows = max(1, rows - cfg.rows + 1)
+    if last and cfg.last == "one_row":
+        rows = 1
     if last and cfg.last == "shorter_seq":
         seq -= SHORTER
     seed = cfg.seed * 10_000 + 100 * step + micro + (50 if evaluation else 0)
