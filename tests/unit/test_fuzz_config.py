@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 from tests.fuzz_config import FEATURES, Config, draw, problems, simpler, spread
-from tests.fuzz_models import MODELS
 
 
 def test_drawn_configurations_are_drawable_and_print_back() -> None:
