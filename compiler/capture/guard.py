@@ -21,7 +21,6 @@ inputs' version counters, which also catches writes through views (``x[:, 0].zer
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any

@@ -30,11 +30,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 
-from pipecut.core.graph import canonical_names, mutates_first_arg
+from pipecut.core.graph import canonical_names, mutates_first_arg, target_name
 from pipecut.core.meta import input_device, module_tensors, rebind
 from pipecut.core.program import Captured
+from pipecut.errors import InputError
 from pipecut.plan import NodeCost, NodeOp
 from pipecut.profile.flops import NodeWork, loss_work, node_work
 from pipecut.profile.nodes import node_row
@@ -71,6 +76,20 @@ def _faked_state(gm: fx.GraphModule, mode: FakeTensorMode, device: torch.device)
         yield
     finally:
         rebind(gm, back)
+
+
+@contextlib.contextmanager
+def _valueless(node: fx.Node) -> Iterator[None]:
+    """An InputError naming ``node`` if it needs values that fake tensors do not have."""
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        raise InputError(
+            f"node {node.name!r} ({target_name(node)}) needs tensor values to know its output "
+            f"({type(e).__name__}), and estimation counts on fake tensors, which have none. "
+            f"Estimate with real=True (runs every node here on real tensors, slow for a large "
+            f"model), or make the model's shapes depend on input shapes only"
+        ) from e
 
 
 def fake_work(
@@ -118,14 +137,15 @@ def fake_work(
                     node_cost = loss_work(captured, value, loss_fn, target)
                     saved.run(node.name, value, partial(loss_fn, output, target))
             else:
-                key = cost_key(node, gm, args, kwargs, mutates_first_arg(node, gm)) if reuse else None
-                if key is None or key not in counted:
-                    node_cost = node_work(runner, node, gm, args, kwargs)
-                    if key is not None:
-                        counted[key] = node_cost
-                else:
-                    node_cost = counted[key]
-                value = saved.run(node.name, (args, kwargs), partial(runner.call, node, args, kwargs))
+                with _valueless(node):
+                    key = cost_key(node, gm, args, kwargs, mutates_first_arg(node, gm)) if reuse else None
+                    if key is None or key not in counted:
+                        node_cost = node_work(runner, node, gm, args, kwargs)
+                        if key is not None:
+                            counted[key] = node_cost
+                    else:
+                        node_cost = counted[key]
+                    value = saved.run(node.name, (args, kwargs), partial(runner.call, node, args, kwargs))
             env[node] = value
             work[node.name] = node_cost
             rows.append(node_row(node, value, gm, canonical, 0.0, 0.0))

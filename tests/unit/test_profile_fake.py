@@ -158,3 +158,15 @@ def test_a_loss_that_is_not_a_scalar_is_refused_on_fake_tensors_too() -> None:
     model, inputs, _, target = mlp.build(batch_size=4)
     with pytest.raises(InputError, match=r"loss_fn must return a scalar tensor, got a tensor of shape \(2, 10\)"):
         pipecut.estimate_costs(model, inputs, microbatches=2, loss_fn=lambda out, t: out, target=target)
+
+
+class Nonzero(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nonzero(x > 0).float().sum()
+
+
+def test_a_value_dependent_shape_is_refused_with_the_real_path_as_the_fix() -> None:
+    x = torch.randn(4, 3)
+    with pytest.raises(InputError, match=r"node 'nonzero' \(torch.nonzero\) needs tensor values.*real=True"):
+        pipecut.estimate_costs(Nonzero(), (x,))
+    assert pipecut.estimate_costs(Nonzero(), (x,), real=True)  # the reference path runs it
