@@ -11,8 +11,10 @@ Each row runs in a fresh process (so its peak RSS is its own, read from ``os.wai
 - ``8b plan (CLI)``: the whole ``pipecut plan examples.llama_meta:build_8b --device-profile
   H100-SXM --devices 8 --microbatches 8 --schedule 1f1b``.
 
-Seconds are wall-clock on this machine (2 CPU cores shared with other work: expect drift);
-"capture s" is the part of it spent in ``pipecut.capture.capture``. Results go to
+Seconds are wall-clock on this machine (2 CPU cores shared with other work: expect drift; "process
+CPU s" is the child's user + system time, which the sharing moves less, and "load" the 1-minute
+load average when the row finished); "estimate s" is the ``estimate_costs`` call alone and
+"capture s" the part of it spent in ``pipecut.capture.capture``. Results go to
 ``benchmarks/estimate_scale.json``.
 """
 
@@ -61,8 +63,8 @@ def one(size: str) -> dict[str, object]:
     }
 
 
-def _run(command: list[str]) -> tuple[float, int, str]:
-    """Wall seconds, peak RSS (bytes) and stdout of one child process."""
+def _run(command: list[str]) -> tuple[float, float, int, str]:
+    """Wall seconds, CPU seconds (user + system), peak RSS (bytes) and stdout of one child process."""
     start = time.perf_counter()
     child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -71,7 +73,7 @@ def _run(command: list[str]) -> tuple[float, int, str]:
     _, status, usage = os.wait4(child.pid, 0)
     if status != 0:
         raise SystemExit(f"{' '.join(command)} failed (status {status})")
-    return time.perf_counter() - start, usage.ru_maxrss * 1024, out
+    return time.perf_counter() - start, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, out
 
 
 def main() -> None:
@@ -86,21 +88,21 @@ def main() -> None:
     results = []
     for name in args.models:
         if name == "8b-cli":
-            wall, rss, _ = _run([sys.executable, "-m", "pipecut", *CLI])
-            row: dict[str, object] = {"model": "8b plan (CLI)", "process_seconds": wall, "peak_rss_bytes": rss}
+            wall, cpu, rss, _ = _run([sys.executable, "-m", "pipecut", *CLI])
+            row: dict[str, object] = {"model": "8b plan (CLI)"}
         else:
-            wall, rss, out = _run([sys.executable, __file__, "--one", name])
-            row = {"model": f"{name} estimate", **json.loads(out.strip().splitlines()[-1]),
-                   "process_seconds": wall, "peak_rss_bytes": rss}
+            wall, cpu, rss, out = _run([sys.executable, __file__, "--one", name])
+            row = {"model": f"{name} estimate", **json.loads(out.strip().splitlines()[-1])}
+        row.update(process_seconds=wall, cpu_seconds=cpu, peak_rss_bytes=rss, load=os.getloadavg()[0])
         results.append(row)
         print(f"done {row['model']}: {wall:.1f} s", file=sys.stderr)
-    print("| model | estimate s | capture s | process s | peak RSS | nodes |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| model | estimate s | capture s | process s | process CPU s | peak RSS | nodes | load |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         est = f"{r['seconds']:.1f}" if "seconds" in r else "–"
         cap = f"{r['capture_seconds']:.1f}" if "capture_seconds" in r else "–"
-        print(f"| {r['model']} | {est} | {cap} | {r['process_seconds']:.1f} | "
-              f"{r['peak_rss_bytes'] / 2**30:.2f} GiB | {r.get('nodes', '–')} |")
+        print(f"| {r['model']} | {est} | {cap} | {r['process_seconds']:.1f} | {r['cpu_seconds']:.1f} | "
+              f"{r['peak_rss_bytes'] / 2**30:.2f} GiB | {r.get('nodes', '–')} | {r['load']:.1f} |")
     Path(args.json).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
