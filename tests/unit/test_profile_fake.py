@@ -17,6 +17,7 @@ import pipecut.profile.fake
 from examples import gpt, llama_meta, mlp, resnet, zoo
 from pipecut.capture import capture
 from pipecut.core.batching import first_microbatch
+from pipecut.core.meta import to_meta
 from pipecut.devices import count_costs
 from pipecut.errors import InputError
 from pipecut.plan import CostSource
@@ -170,3 +171,14 @@ def test_a_value_dependent_shape_is_refused_with_the_real_path_as_the_fix() -> N
     with pytest.raises(InputError, match=r"node 'nonzero' \(torch.nonzero\) needs tensor values.*real=True"):
         pipecut.estimate_costs(Nonzero(), (x,))
     assert pipecut.estimate_costs(Nonzero(), (x,), real=True)  # the reference path runs it
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt2"])
+def test_meta_inputs_give_the_estimate_of_real_inputs(name: str) -> None:
+    """Only the inputs' shapes and dtypes are read: meta inputs (symbolic_trace for gpt,
+    torch.export for gpt2) give the very rows that real ones give."""
+    model, inputs, loss_fn, target = MODELS[name]()
+    want = pipecut.estimate_costs(model, inputs, microbatches=2, loss_fn=loss_fn, target=target)
+    got = pipecut.estimate_costs(model, to_meta(inputs), microbatches=2, loss_fn=loss_fn,
+                                 target=to_meta(target))
+    assert got == want
