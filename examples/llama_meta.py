@@ -9,7 +9,10 @@ captured and planned from a device profile without any arithmetic::
         --microbatches 8 --schedule 1f1b
 
 Each factory returns ``(model, inputs, loss_fn, target)`` like the other examples, with a
-batch of ``batch_size`` sequences of ``seq`` tokens (default 8 x 8192).
+batch of ``batch_size`` sequences of ``seq`` tokens (default 8 x 8192). Attention is SDPA (what
+an H100 would run; its FLOPs are counted by the same formula as the CUDA kernels'). Llama 3.1's
+"llama3" RoPE frequency scaling is left out: it changes the rotary frequencies, no shape and no
+FLOP count.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def config(size: str, **overrides: Any) -> Any:
     fields: dict[str, Any] = dict(
         vocab_size=VOCAB, max_position_embeddings=131072, rope_theta=ROPE_THETA, rms_norm_eps=1e-5,
         tie_word_embeddings=False, use_cache=False, attention_dropout=0.0, attn_implementation="sdpa",
-        torch_dtype=torch.bfloat16, **SIZES[size],
+        **SIZES[size],
     )
     fields.update(overrides)
     return LlamaConfig(**fields)
