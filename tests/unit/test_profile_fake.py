@@ -182,3 +182,17 @@ def test_meta_inputs_give_the_estimate_of_real_inputs(name: str) -> None:
     got = pipecut.estimate_costs(model, to_meta(inputs), microbatches=2, loss_fn=loss_fn,
                                  target=to_meta(target))
     assert got == want
+
+
+def test_the_model_keeps_its_own_tensors_and_values() -> None:
+    """The fake stand-ins are rebound only while counting (symbolic_trace's graph shares the
+    model's modules): afterwards the model holds its very tensors, unchanged, BatchNorm
+    statistics included."""
+    model, inputs, loss_fn, target = resnet.build(batch_size=4)
+    before = {n: (t, t.detach().clone()) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    pipecut.estimate_costs(model, inputs, microbatches=2, loss_fn=loss_fn, target=target)
+    after = dict([*model.named_parameters(), *model.named_buffers()])
+    assert after.keys() == before.keys()
+    for name, (tensor, value) in before.items():
+        assert after[name] is tensor and not isinstance(after[name], FakeTensor)
+        torch.testing.assert_close(after[name], value, rtol=0, atol=0)  # untouched: bit for bit
