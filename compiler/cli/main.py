@@ -138,16 +138,16 @@ def _print_json(data: Any) -> None:
 def _plan_estimated(args: argparse.Namespace, example: Any, link: Link | None) -> Plan:
     """Plan for a device profile: costs from FLOPs and bytes, no timing here (pipecut.devices)."""
     import pipecut
-    from pipecut.capture import capture, fingerprint
+    from pipecut.capture import fingerprint
     from pipecut.core.batching import first_microbatch
+    from pipecut.devices import estimate_captured
 
-    nodes = pipecut.estimate_costs(
+    # the capture comes back too, for the fingerprint that lets the plan be replayed
+    captured, nodes = estimate_captured(
         example.model, example.inputs, args.device_profile, microbatches=args.microbatches,
         loss_fn=example.loss_fn, target=example.target,
     )
-    # the same capture estimate_costs made, for the fingerprint that lets the plan be replayed
-    size, first = first_microbatch(example.inputs, args.microbatches)
-    captured = capture(example.model, first)
+    size, _ = first_microbatch(example.inputs, args.microbatches)
     devices = [dataclasses.replace(d, memory_bytes=args.memory_limit or d.memory_bytes)
                for d in pipecut.device_specs(args.device_profile, args.devices)]
     return pipecut.partition_costs(
