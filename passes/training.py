@@ -151,8 +151,10 @@ def _as_link(c: Interconnect) -> Link:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Stage:
-    """One stage at one replica's share: per FSDP unit (root first), compute and bytes."""
+    """One stage at one replica's share: per FSDP unit in execution order, compute and bytes."""
 
+    units: tuple[int, ...]
+    """The FSDP units: block indices, -1 for the root (everything outside the blocks)."""
     forward_ms: tuple[float, ...]
     backward_ms: tuple[float, ...]
     recompute_ms: tuple[float, ...]
@@ -194,7 +196,7 @@ def _stage(work: Workload, blocks: tuple[int, ...], start: int, end: int, d: int
         else:
             kept += act[b]
     return _Stage(
-        forward_ms=tuple(fwd[b] for b in order), backward_ms=tuple(bwd[b] for b in order),
+        units=tuple(order), forward_ms=tuple(fwd[b] for b in order), backward_ms=tuple(bwd[b] for b in order),
         recompute_ms=tuple(rec[b] for b in order), param_bytes=tuple(par[b] for b in order),
         kept_bytes=kept, transient_bytes=transient,
     )
@@ -209,8 +211,9 @@ def stage_memory(stage: _Stage, *, replicas: int, stages: int, inflight: int, sh
     shard = STATE_BYTES_PER_PARAM * params / replicas
     per_param = 1 + REDUCE_BYTES_PER_PARAM / shape.param_dtype_bytes  # bf16 weight + fp32 grad
     if stages == 1:  # two blocks gathered at once (prefetch), and the root
-        blocks = sorted(stage.param_bytes[1:] if len(stage.param_bytes) > 1 else (), reverse=True)
-        gathered = (stage.param_bytes[0] + sum(blocks[:2])) * per_param
+        root = sum(p for u, p in zip(stage.units, stage.param_bytes) if u < 0)
+        blocks = sorted((p for u, p in zip(stage.units, stage.param_bytes) if u >= 0), reverse=True)
+        gathered = (root + sum(blocks[:2])) * per_param
     else:  # the whole stage's bf16 weights and gradients, kept over the microbatches
         gathered = 2 * sum(stage.param_bytes)
     return math.ceil(shard + gathered + acts)
