@@ -9,6 +9,7 @@ from pipecut import Plan, summary
 from pipecut.cluster import Cluster, Layout
 from pipecut.clusters import parse_cluster, plan_cluster, predict_run
 from pipecut.errors import InputError, PartitionError
+from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.training import RunShape
 from pipecut.plan import NodeCost, NodeOp
 
@@ -96,3 +97,16 @@ def test_a_model_that_does_not_fit_is_refused_with_its_need_and_the_smallest_clu
     best, _, _ = predict_run(rows, parse_cluster("2x1xH100-SXM"), shape)
     assert best.placement.replicas == 2 and isinstance(parse_cluster("2x1xH100-SXM"), Cluster)
     assert best.placement.layout is Layout.STAGES_INSIDE_NODES
+
+
+def test_pipecut_plan_with_a_cluster_is_plan_cluster() -> None:
+    import pipecut
+
+    model, batch = _tiny_llama()
+    via_plan = pipecut.plan(model, batch, cluster="1x2xH100-SXM", microbatches=2, schedule="1f1b",
+                            recompute=True, data_parallel=DataParallel(kind=DataParallelKind.FSDP, replicas=2))
+    direct = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2, recompute="full", data_parallel=2)
+    assert via_plan.run == direct.run and via_plan.placement == direct.placement
+    assert via_plan.placement is not None and via_plan.placement.replicas == 2
+    with pytest.raises(InputError, match="needs microbatches and schedule as values"):
+        pipecut.plan(model, batch, cluster="1x2xH100-SXM", microbatches="auto")
