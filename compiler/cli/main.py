@@ -263,9 +263,15 @@ def summary_data(plan: Plan) -> dict[str, Any]:
             "kind": plan.data_parallel.kind.value, "replicas": plan.data_parallel.replicas},
         "replica_candidates": [
             {"replicas": c.replicas, "stages": c.stages, "per_stage": list(c.per_stage),
-             "step_ms": c.step_ms, "note": c.note}
+             "step_ms": c.step_ms, "layout": c.layout.value if c.layout else None, "note": c.note}
             for c in plan.replica_candidates
         ],
+        "cluster": None if plan.cluster is None else plan.cluster.spec,
+        "placement": None if plan.placement is None else {
+            "layout": plan.placement.layout.value, "replicas": plan.placement.replicas,
+            "stages": plan.placement.stages,
+            "gpus": [{"replica": r, "stage": s} for r, s in plan.placement.grid()]},
+        "run": None if plan.run is None else dataclasses.asdict(plan.run),
     }
 
 

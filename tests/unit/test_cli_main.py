@@ -407,6 +407,10 @@ def test_plan_for_a_cluster_writes_the_run_and_placement(in_repo, tmp_path, caps
     assert plan.placement is not None and plan.run is not None and plan.run.recompute == "none"
     assert "cluster 2x2xH100-SXM" in capsys.readouterr().out
     assert "gpu-grid" in html.read_text()
+    assert main(["show", str(out), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["cluster"] == "2x2xH100-SXM" and shown["run"]["mfu"] == plan.run.mfu
+    assert len(shown["placement"]["gpus"]) == 4
 
 
 @pytest.mark.parametrize(("argv", "message"), [
