@@ -216,9 +216,11 @@ def plan_cluster(
 
     nodes = costs(example_inputs, target)
     batch = size
-    flops = model_flops_per_token(nodes, layers=layers, hidden=hidden, seq=seq)
+    width = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
+    flops = model_flops_per_token(nodes, layers=layers, hidden=hidden, seq=seq, param_dtype_bytes=width)
     shape = RunShape(batch_size=batch, microbatches=microbatches, tokens_per_sample=seq,
-                     model_flops_per_token=flops, schedule=kind, recompute=rec, sharding=shard)
+                     model_flops_per_token=flops, schedule=kind, recompute=rec, sharding=shard,
+                     param_dtype_bytes=width)
     best, choice, _ = predict_run(nodes, c, shape,
                                   replicas=None if data_parallel == "auto" else int(data_parallel))
     d, k = best.placement.replicas, best.placement.stages

@@ -399,7 +399,7 @@ def test_plan_measures_on_the_gpu_when_there_is_one(monkeypatch):
 def test_plan_for_a_cluster_writes_the_run_and_placement(in_repo, tmp_path, capsys):
     out, html = tmp_path / "cluster.json", tmp_path / "cluster.html"
     assert main(["plan", "examples.mlp:build", "-m", "2", "--batch-size", "8",
-                 "--cluster", "2x2xH100-SXM", "--recompute", "none", "-o", str(out),
+                 "--cluster", "2x2xH100-SXM", "--data-parallel", "auto", "--recompute", "none", "-o", str(out),
                  "--html", str(html), "-q"]) == 0
     plan = pipecut.Plan.from_json(out)
     validate_plan_dict(json.loads(out.read_text()))

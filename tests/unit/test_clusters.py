@@ -110,3 +110,15 @@ def test_pipecut_plan_with_a_cluster_is_plan_cluster() -> None:
     assert via_plan.placement is not None and via_plan.placement.replicas == 2
     with pytest.raises(InputError, match="needs microbatches and schedule as values"):
         pipecut.plan(model, batch, cluster="1x2xH100-SXM", microbatches="auto")
+
+
+def test_parameters_are_counted_in_the_models_own_dtype() -> None:
+    model, batch = _tiny_llama()
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    for dtype in (torch.bfloat16, torch.float32):
+        plan = plan_cluster(model.to(dtype), batch, "1x1xH100-SXM", recompute="none")
+        assert plan.run is not None
+        tokens = plan.run.tokens_per_s_per_gpu
+        flops = plan.run.mfu * plan.cluster.peak_flops / tokens  # per token
+        attention = 12 * 2 * 64 * 16  # layers, hidden, sequence
+        assert flops == pytest.approx(6 * params + attention)
