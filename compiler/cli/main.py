@@ -184,7 +184,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise InputError("--device-profile plans from estimated costs at one microbatch size: give "
                          "--microbatches and --schedule as values, not 'auto'")
     if args.data_parallel is not None and args.device_profile is not None:
-        raise InputError("--data-parallel auto profiles the model here: drop --device-profile")
+        raise InputError(
+            f"--data-parallel auto profiles the model here: drop --device-profile, or plan the "
+            f"run for that hardware with --cluster 1x{args.devices}x{args.device_profile} (D x K "
+            f"with FSDP priced on its links)")
     if (args.stages_per_rank > 1 and args.schedule != "auto"
             and as_schedule(args.schedule) is not ScheduleKind.INTERLEAVED_1F1B
             and as_schedule(args.schedule).fixed_stages_per_rank != args.stages_per_rank):

@@ -416,6 +416,8 @@ def test_plan_for_a_cluster_writes_the_run_and_placement(in_repo, tmp_path, caps
 @pytest.mark.parametrize(("argv", "message"), [
     (["--cluster", "8x8"], "cannot read cluster '8x8'"),
     (["--cluster", "1x2xH100-SXM", "--device-profile", "A100-80GB"], "--cluster names the device"),
+    (["-k", "4", "--device-profile", "A100-80GB", "--data-parallel", "auto"],
+     "or plan the run for that hardware with --cluster 1x4xA100-80GB"),
 ])
 def test_cluster_flag_errors(in_repo, argv, message, capsys):
     assert main(["plan", "examples.mlp:build", "-m", "2", *argv, "-q"]) == 1
