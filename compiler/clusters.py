@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pipecut.cluster import Cluster, Interconnect, RunPrediction
+from pipecut.cluster import Cluster, Interconnect, Layout, RunPrediction
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.choices import enum_choice
 from pipecut.core.program import Inputs
@@ -164,7 +164,8 @@ def predict_run(
     bigger = None
     for factor in (2, 4, 8, 16, 32, 64):
         wider = dataclasses.replace(cluster, nodes=cluster.nodes * factor)
-        if choose_run(work, blocks, shape, wider, replicas=replicas).best is not None:
+        fits = choose_run(work, blocks, shape, wider, replicas=replicas, layouts=(Layout.STAGES_INSIDE_NODES,))
+        if fits.best is not None:
             bigger = wider.spec
             break
     hint = f"the smallest {cluster.device} cluster that fits is {bigger}" if bigger else (

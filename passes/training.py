@@ -304,10 +304,11 @@ class RunChoice:
 
 def choose_run(
     work: Workload, blocks: tuple[int, ...], shape: RunShape, cluster: Cluster, *,
-    replicas: int | None = None,
+    replicas: int | None = None, layouts: tuple[Layout, ...] = tuple(Layout),
 ) -> RunChoice:
     """Every factorisation of the cluster's GPUs into D × K (or K = N / ``replicas`` only), in
-    both layouts, ranked by predicted step; over-memory shapes are skipped with their need."""
+    ``layouts``, ranked by predicted step; over-memory shapes are skipped with their need.
+    (Memory does not depend on the layout: one layout answers "does anything fit".)"""
     n = cluster.gpus
     shapes = [(n // k, k) for k in range(1, n + 1) if n % k == 0 and k <= work.units]
     if replicas is not None:
@@ -316,8 +317,7 @@ def choose_run(
     skipped: list[Skipped] = []
     least: int | None = None
     for d, k in shapes:
-        layouts = (Layout.STAGES_INSIDE_NODES,) if d == 1 or k == 1 else tuple(Layout)
-        for layout in layouts:
+        for layout in layouts[:1] if d == 1 or k == 1 else layouts:
             c = evaluate_run(work, blocks, shape, cluster, replicas=d, stages=k, layout=layout)
             if isinstance(c, Skipped):
                 skipped.append(c)
