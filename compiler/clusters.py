@@ -173,7 +173,8 @@ def predict_run(
     raise PartitionError(
         f"the model does not fit on {cluster.spec} with pipeline × FSDP: it needs at least "
         f"{need / 2**30:.1f} GiB per GPU, a {cluster.device} has {cluster.memory_bytes / 2**30:.1f} "
-        f"GiB; {hint} (or use full activation checkpointing, a smaller batch, more microbatches)"
+        f"GiB; {hint} (or use {'' if shape.recompute is Recompute.FULL else 'full activation checkpointing, '}"
+        f"a smaller batch or more microbatches)"
         + ("" if replicas is None else f"; with data_parallel={replicas} fixed")
     )
 
