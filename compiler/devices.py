@@ -83,6 +83,12 @@ class DeviceProfile:
     link_bytes_per_s: float
     """Device-to-device bandwidth per direction (NVLink or PCIe)."""
     datasheet: str
+    family: str = ""
+    """Architecture ("ampere", "hopper", "blackwell", "cdna3"): devices of one family share a
+    fitted compute efficiency (see :mod:`pipecut.clusters`)."""
+    network_bytes_per_s: float = 0.0
+    """Inter-node bandwidth of one GPU's network port per direction, as the platform's reference
+    design ships it (0: not given); the default of a cluster of these devices."""
 
     def peak_flops(self, precision: Precision) -> float:
         for p, value in self.flops:
@@ -107,6 +113,8 @@ def _load() -> tuple[DeviceProfile, ...]:
             interconnect=d["interconnect"],
             link_bytes_per_s=float(d["link_bytes_per_s"]),
             datasheet=d["datasheet"],
+            family=d.get("family", ""),
+            network_bytes_per_s=float(d.get("network_bytes_per_s", 0.0)),
         ))
     return tuple(out)
 
