@@ -252,9 +252,10 @@ def materialize_stage(
     )
 
 
-def raise_together(failure: BaseException | None) -> None:
-    """Collective: every rank learns whether any rank failed to build its stage, so that the
-    others fail at once naming it instead of waiting in the next collective until timeout."""
+def raise_together(failure: BaseException | None, what: str = "build its stage") -> None:
+    """Collective: every rank learns whether any rank failed to ``what`` (build its stage), so
+    that the others fail at once naming it instead of waiting in the next collective until
+    timeout. Also a barrier of every rank."""
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, None if failure is None else f"{type(failure).__name__}: {failure}")
     if failure is not None:
@@ -263,7 +264,7 @@ def raise_together(failure: BaseException | None) -> None:
     if bad:
         rank, message = bad[0]
         raise PipelineRuntimeError(
-            f"rank {dist.get_rank()} stopped because rank {rank} failed to build its stage: {message}"
+            f"rank {dist.get_rank()} stopped because rank {rank} failed to {what}: {message}"
         )
 
 

@@ -25,7 +25,7 @@ import contextlib
 import copy
 import re
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -112,3 +112,20 @@ def initialise(
             if fqn in wanted:
                 with seeded(fqn):
                     owner._init_weights(module)
+
+
+def saved_name(keys: Sequence[str], model: torch.nn.Module | None) -> str:
+    """The one of a tied weight's state-dict ``keys`` (in the model's order) that
+    ``save_pretrained`` writes: for a Hugging Face model, the names matching its
+    ``_tied_weights_keys`` (which ``from_pretrained`` ties again) are dropped, in sorted order
+    and keeping one, as ``remove_tied_weights_from_state_dict`` does; of the rest, and for any
+    other model, the first (``transformer.wte.weight``, not GPT-2's ``lm_head.weight``)."""
+    if len(keys) == 1 or model is None or not is_pretrained(model):
+        return keys[0]
+    targets = [f"{prefix}.{k}" if prefix else str(k) for prefix, sub in model.named_modules()
+               for k in getattr(sub, "_tied_weights_keys", None) or ()]
+    dropped: set[str] = set()
+    for key in sorted(keys):
+        if len(dropped) < len(keys) - 1 and any(re.search(p, key) for p in targets):
+            dropped.add(key)
+    return next(k for k in keys if k not in dropped)
