@@ -102,8 +102,8 @@ def _write_index(directory: Path, weight_map: dict[str, str], total_size: int,
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     _replace(directory / INDEX_FILE,
              lambda tmp: tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n"))
-    config = getattr(model, "config", None)
-    if model is not None and hasattr(config, "save_pretrained"):
+    config: Any = getattr(model, "config", None)
+    if hasattr(config, "save_pretrained"):
         config = copy.deepcopy(config)  # the user's config is left as it is
         config.architectures = [type(model).__name__]
         config.save_pretrained(directory)

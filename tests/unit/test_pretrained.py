@@ -115,3 +115,14 @@ def test_old_checkpoints_with_rotary_buffers_load_into_hf_models_only():
     weights = {**Plain().state_dict(), "rotary_emb.inv_freq": torch.ones(2)}
     with pytest.raises(InputError, match=r"1 tensor\(s\) the model has no parameter or buffer for.*rotary_emb.inv_freq"):
         check_unexpected(open_weights(weights), Plain())
+
+
+def test_the_name_written_for_a_tied_weight_is_the_one_save_pretrained_keeps():
+    gpt2 = families.on_meta("gpt2")[0]
+    tied = ["transformer.wte.weight", "lm_head.weight"]
+    assert pretrained.saved_name(tied, gpt2) == "transformer.wte.weight"
+    # HF drops the _tied_weights_keys names whatever the order; other models keep the first.
+    assert pretrained.saved_name(tied[::-1], gpt2) == "transformer.wte.weight"
+    assert pretrained.saved_name(tied[::-1], None) == "lm_head.weight"
+    assert pretrained.saved_name(tied[::-1], nn.Linear(2, 2)) == "lm_head.weight"
+    assert pretrained.saved_name(["lm_head.weight"], gpt2) == "lm_head.weight"  # one name: kept
