@@ -60,7 +60,7 @@ def _keys(pipe: Pipeline) -> dict[str, tuple[list[str], torch.Tensor]]:
     names = pipe.captured.names
     out: dict[str, tuple[list[str], torch.Tensor]] = {}
     for m in pipe.modules:
-        persistent = set(m.state_dict())
+        persistent = set(m.state_dict()) if names is None else set()
         for name, t in itertools.chain(m.named_parameters(remove_duplicate=False),
                                        m.named_buffers(remove_duplicate=False)):
             first = name if names is None else names.public(name)
@@ -70,14 +70,6 @@ def _keys(pipe: Pipeline) -> dict[str, tuple[list[str], torch.Tensor]]:
             found = out.setdefault(first, ([], t))[0]
             found += [k for k in keys if k not in found]
     return out
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's full value on the CPU (FSDP's shards gathered: collective over replicas)."""
-    value = t.detach()
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    return value.cpu().contiguous()
 
 
 def _replace(path: Path, write: Any) -> None:
@@ -127,9 +119,15 @@ def export(pipe: Pipeline, directory: str | os.PathLike[str], model: torch.nn.Mo
     replica = dist.get_rank(pipe.dp_group) if pipe.dp_group is not None else 0
     mine = owned(pipe)
     stage = {saved_name(keys, model): t for first, (keys, t) in sorted(_keys(pipe).items()) if first in mine}
-    tensors = {key: _whole(t) for key, t in sorted(stage.items())}  # the same order on every replica
+    tensors: dict[str, torch.Tensor] = {}
+    for key, t in sorted(stage.items()):  # the same order on every replica
+        value = t.detach()
+        if isinstance(value, DTensor):  # FSDP: gathered whole, a collective over the replicas
+            value = value.full_tensor()
+        if replica == 0:  # the other replicas only take part in the gathers
+            tensors[key] = value.cpu().contiguous()
     everyone: list[Any] = [None] * len(pipe.ranks)
-    dist.all_gather_object(everyone, {k: t.numel() * t.element_size() for k, t in tensors.items()},
+    dist.all_gather_object(everyone, {k: t.numel() * t.element_size() for k, t in stage.items()},
                            group=pipe.group)
     writers = [r for r, sizes in enumerate(everyone) if sizes]
     files = {r: shard_name(i + 1, len(writers)) for i, r in enumerate(writers)}

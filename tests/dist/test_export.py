@@ -99,7 +99,14 @@ def _replicas(rank: int, world: int, root: str) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     replica = mesh.get_local_rank("dp")
     half = slice(8 * replica, 8 * replica + 8)
-    out: dict[str, Any] = {"replica": replica}
+    out: dict[str, Any] = {"replica": replica, "wrote": []}
+    real = export_module._write_shard
+
+    def counted(directory, name, tensors):
+        out["wrote"].append(name)
+        real(directory, name, tensors)
+
+    export_module._write_shard = counted
     for kind in ("ddp", "fsdp"):
         model, inputs, loss_fn, target = families.FAMILIES["gpt2"](batch_size=16, seed=0)
         mine, mine_target = {"input_ids": inputs["input_ids"][half]}, target[half]
@@ -216,6 +223,9 @@ def test_replicas_write_one_copy(replicas, kind):
     root, ranks = replicas
     assert sorted(r["replica"] for r in ranks) == [0, 0, 1, 1]
     assert all(r[f"{kind} sharded"] == (kind == "fsdp") for r in ranks)  # FSDP: gathered to write
+    wrote = sorted(name for r in ranks if r["replica"] == 0 for name in r["wrote"])
+    assert wrote == sorted(["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"] * 2)
+    assert all(not r["wrote"] for r in ranks if r["replica"] == 1), "replica 1 wrote a shard"
     files = _files(root / kind)
     for replica in (0, 1):  # replicas hold equal weights after the step; replica 0 wrote them
         state = _merged([r[kind] for r in ranks if r["replica"] == replica])
