@@ -7,7 +7,7 @@ Every rank of the pipeline writes its stage's tensors, under the model's own nam
     model-00001-of-00002.safetensors     pipeline rank 0's tensors
     model-00002-of-00002.safetensors     pipeline rank 1's tensors
     model.safetensors.index.json         {"metadata": {"total_size": bytes}, "weight_map": {key: file}}
-    config.json                          the model's config, when ``model`` is given and has one
+    config.json                          the model's config, when it has one
 
 A tensor held by several stages (a tied weight, a chunked head's weight) is written once, by
 the stage that owns it in checkpoints (:func:`pipecut.runtime.checkpoint.owned`), and under one
@@ -89,15 +89,15 @@ def _write_shard(directory: Path, name: str, tensors: dict[str, torch.Tensor]) -
     _replace(directory / name, lambda tmp: save_file(tensors, str(tmp), metadata=_FORMAT))
 
 
-def _write_index(directory: Path, weight_map: dict[str, str], total_size: int,
+def _write_index(directory: Path, weight_map: dict[str, str], total_size: int, config: Any,
                  model: torch.nn.Module | None) -> None:
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     _replace(directory / INDEX_FILE,
              lambda tmp: tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n"))
-    config: Any = getattr(model, "config", None)
     if hasattr(config, "save_pretrained"):
         config = copy.deepcopy(config)  # the user's config is left as it is
-        config.architectures = [type(model).__name__]
+        if model is not None:
+            config.architectures = [type(model).__name__]
         config.save_pretrained(directory)
     shards = set(weight_map.values())
     for stale in directory.iterdir():
@@ -108,8 +108,10 @@ def _write_index(directory: Path, weight_map: dict[str, str], total_size: int,
 def export(pipe: Pipeline, directory: str | os.PathLike[str], model: torch.nn.Module | None = None) -> Path:
     """Write the model's weights into ``directory`` in the Hugging Face format (see the module
     doc). Collective: call on every rank with the same ``directory`` (shared by the ranks that
-    write). ``model``: the model given to compile (on meta or not), for its ``config.json`` and
-    its rule on which name of a tied weight is written."""
+    write). ``config.json`` is the config of the model compiled (kept at capture), or of
+    ``model`` if given; ``model`` (the model given to compile, on meta or not) also sets the
+    config's ``architectures`` and decides by its ``_tied_weights_keys`` which name of a tied
+    weight is written (else the model's first name, the same for Hugging Face's models)."""
     directory = Path(directory)
     if (directory / ".metadata").exists():
         raise InputError(
@@ -145,7 +147,8 @@ def export(pipe: Pipeline, directory: str | os.PathLike[str], model: torch.nn.Mo
     try:
         if replica == 0 and pipe.rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
-            _write_index(directory, weight_map, sum(sum(s.values()) for s in everyone), model)
+            config = getattr(model, "config", None) or pipe.captured.config
+            _write_index(directory, weight_map, sum(sum(s.values()) for s in everyone), config, model)
     except Exception as e:
         failure = e
     raise_together(failure, f"write the index of {directory}")

@@ -2,10 +2,12 @@
 ``from_pretrained``, ``load_state_dict`` and ``compile(..., weights=dir)`` read back.
 
 Scenarios, in two forked runs:
-- K = 2 (GPT-2 with its tied embeddings, Llama; GPT-2 again with two stages per rank): one SGD step so the weights written are the
-  trained ones, ``save_pretrained``, then a meta model compiled from the directory, whose
-  state dict must be the saved pipeline's; a rank whose shard write fails makes every rank
-  raise (naming it) and leaves no index; a directory holding a pipecut checkpoint is refused.
+- K = 2 (GPT-2 with its tied embeddings, Llama; GPT-2 again with two stages per rank): one SGD
+  step so that the weights written are the trained ones, ``save_pretrained`` (GPT-2 given the
+  model, Llama not: config.json comes from the model compiled either way), then a meta model
+  compiled from the directory, whose state dict must be the saved pipeline's; a rank whose
+  shard write fails makes every rank raise (naming it) and leaves no index; a directory
+  holding a pipecut checkpoint is refused.
 - 2 × 2 on 4 ranks (DDP and FSDP2): one SGD step, ``save_pretrained``: replica 0 writes two
   shards, one copy of every tensor, FSDP's shards gathered whole.
 
@@ -22,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -56,11 +58,13 @@ def _two_stages(rank: int, world: int, root: str) -> dict[str, Any]:
         pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
                                microbatches=M, timeout=60, calibration_steps=0)
         state = _trained(pipe, inputs, target)
-        written = pipe.save_pretrained(f"{root}/{name}", model)
+        # config.json: from the model compiled; the model given adds its class as architectures.
+        written = pipe.save_pretrained(f"{root}/{name}", model if name == "gpt2" else None)
         meta, *_ = families.on_meta(name)
         again = pipecut.compile(meta, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
                                 microbatches=M, timeout=60, weights=f"{root}/{name}", plan=pipe.plan)
-        out[name] = {"state": state, "written": str(written), "reloaded": again.state_dict()}
+        out[name] = {"state": state, "written": str(written), "reloaded": again.state_dict(),
+                     "architectures": model.config.architectures}
         if name == "gpt2":
             out["failed"] = _failing_write(rank, pipe, f"{root}/failed")
             ckpt.save(pipe, f"{root}/checkpoint")
@@ -122,6 +126,11 @@ def _replicas(rank: int, world: int, root: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
+    stale = root / "llama"  # an earlier save's files: from_pretrained would read model.safetensors
+    stale.mkdir()
+    for name in ("model.safetensors", "model-00003-of-00003.safetensors"):
+        save_file({"old": torch.zeros(1)}, stale / name)
+    (stale / "README.md").write_text("kept")
     return root, run_ranks(_two_stages, 2, str(root), timeout=380)
 
 
@@ -167,13 +176,18 @@ def test_two_stages_write_what_hf_reads_back(two, name):
     path = root / name
     assert all(r[name]["written"] == str(path) for r in ranks)
     state = _merged([r[name]["state"] for r in ranks])
-    files = _files(path)
+    files = _files(path)  # the stale shards are gone (only the index's are left)
+    assert name != "llama" or (path / "README.md").read_text() == "kept"
     # The keys save_pretrained of the plain model writes: GPT-2's tied head once, as wte.
     plain = families.FAMILIES[name](batch_size=8, seed=0)[0]
     plain.save_pretrained(root / f"hf-{name}")
     assert sorted(files) == sorted(load_file(root / f"hf-{name}" / "model.safetensors"))
     for key, value in files.items():
         torch.testing.assert_close(value, state[key], **EXACT)
+    assert all(r[name]["architectures"] is None for r in ranks), "save_pretrained changed the user's config"
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == plain.config.model_type
+    assert config.get("architectures") == (["GPT2LMHeadModel"] if name == "gpt2" else None)
     loaded = families.from_pretrained(str(path))
     assert type(loaded) is type(plain)
     for key, value in loaded.state_dict().items():
