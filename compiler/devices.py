@@ -20,18 +20,20 @@ import dataclasses
 import enum
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from pipecut.capture import capture
 from pipecut.core.batching import batch_size, split_microbatches
-from pipecut.core.program import Inputs
+from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError
 from pipecut.plan import CostSource, DeviceSpec, Link, NodeCost
+from pipecut.profile.fake import fake_work
 from pipecut.profile.flops import NodeWork, count_work
 from pipecut.profile.nodes import LossFn, profile
 
@@ -41,10 +43,12 @@ __all__ = [
     "MEMORY_EFFICIENCY",
     "DeviceProfile",
     "Precision",
+    "count_costs",
     "device_link",
     "device_profile",
     "device_profiles",
     "device_specs",
+    "estimate_captured",
     "estimate_costs",
     "estimate_rows",
     "roofline_ms",
@@ -79,6 +83,12 @@ class DeviceProfile:
     link_bytes_per_s: float
     """Device-to-device bandwidth per direction (NVLink or PCIe)."""
     datasheet: str
+    family: str = ""
+    """Architecture ("ampere", "hopper", "blackwell", "cdna3"): devices of one family share a
+    fitted compute efficiency (see :mod:`pipecut.clusters`)."""
+    network_bytes_per_s: float = 0.0
+    """Inter-node bandwidth of one GPU's network port per direction, as the platform's reference
+    design ships it (0: not given); the default of a cluster of these devices."""
 
     def peak_flops(self, precision: Precision) -> float:
         for p, value in self.flops:
@@ -103,6 +113,8 @@ def _load() -> tuple[DeviceProfile, ...]:
             interconnect=d["interconnect"],
             link_bytes_per_s=float(d["link_bytes_per_s"]),
             datasheet=d["datasheet"],
+            family=d.get("family", ""),
+            network_bytes_per_s=float(d.get("network_bytes_per_s", 0.0)),
         ))
     return tuple(out)
 
@@ -171,6 +183,29 @@ def _precision(model: torch.nn.Module) -> Precision:
     return {torch.bfloat16: Precision.BF16, torch.float16: Precision.FP16}.get(dtype, Precision.FP32)
 
 
+def _own(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.device.type != "meta":
+        return x.detach().clone(memory_format=torch.contiguous_format).requires_grad_(x.requires_grad)
+    return x
+
+
+def count_costs(
+    captured: Captured, inputs: Sequence[Any], *, loss_fn: LossFn | None = None, target: Any = None,
+    real: bool = False,
+) -> tuple[tuple[NodeCost, ...], dict[str, NodeWork]]:
+    """Rows (shapes, output, parameter and saved bytes; times not estimated yet) and the FLOPs and
+    bytes of every node on flat placeholder ``inputs`` of one microbatch: on fake tensors
+    (:func:`~pipecut.profile.fake.fake_work`), or with ``real`` by running every node for real
+    (:func:`~pipecut.profile.nodes.profile` once and
+    :func:`~pipecut.profile.flops.count_work`: the reference the fake count must equal)."""
+    if not real:
+        return fake_work(captured, inputs, loss_fn=loss_fn, target=target)
+    # each microbatch in a storage of its own, as a stage gets it (not a view of the batch)
+    inputs, target = pytree.tree_map(_own, (list(inputs), target))
+    rows = profile(captured, inputs, loss_fn=loss_fn, target=target, repeats=1, warmup=0)
+    return rows, count_work(captured, inputs, loss_fn=loss_fn, target=target)
+
+
 def estimate_costs(
     model: torch.nn.Module,
     example_inputs: Inputs,
@@ -182,14 +217,41 @@ def estimate_costs(
     target: Any = None,
     compute_efficiency: float = COMPUTE_EFFICIENCY,
     memory_efficiency: float = MEMORY_EFFICIENCY,
+    real: bool = False,
 ) -> tuple[NodeCost, ...]:
     """Cost table of ``model`` on one microbatch, with times estimated for ``device``.
 
-    The model runs here (on CPU is fine) once to capture it, record shapes and count FLOPs and
-    bytes; no time is measured. ``precision``: the arithmetic the device would use; default from
-    the model's parameter dtype (float32 -> fp32; pass "tf32" for TF32 tensor cores). Bytes are
+    The model (real, or built on the meta device) is captured here and its nodes' shapes,
+    FLOPs, bytes and saved bytes are counted on fake tensors (:mod:`pipecut.profile.fake`): no
+    arithmetic, no real tensor beyond the model's own, so a 405B model is estimated on a laptop.
+    No time is measured. ``precision``: the arithmetic the device would use; default from the
+    model's parameter dtype (float32 -> fp32; pass "tf32" for TF32 tensor cores). Bytes are
     those of the model's own dtypes: cast the model (``model.to(torch.bfloat16)``) to plan BF16.
+    ``real``: count by running every node for real instead (the reference the fake count is
+    tested against; slow, and a meta model's weights are made one node at a time).
     """
+    return estimate_captured(
+        model, example_inputs, device, precision=precision, microbatches=microbatches,
+        loss_fn=loss_fn, target=target, compute_efficiency=compute_efficiency,
+        memory_efficiency=memory_efficiency, real=real,
+    )[1]
+
+
+def estimate_captured(
+    model: torch.nn.Module,
+    example_inputs: Inputs,
+    device: str | DeviceProfile = "A100-80GB",
+    *,
+    precision: Precision | str | None = None,
+    microbatches: int = 1,
+    loss_fn: LossFn | None = None,
+    target: Any = None,
+    compute_efficiency: float = COMPUTE_EFFICIENCY,
+    memory_efficiency: float = MEMORY_EFFICIENCY,
+    real: bool = False,
+) -> tuple[Captured, tuple[NodeCost, ...]]:
+    """:func:`estimate_costs` and the capture it made (for the plan's fingerprint, without
+    capturing a large model twice)."""
     prof = device_profile(device)
     try:
         prec = Precision(precision) if precision is not None else _precision(model)
@@ -212,9 +274,8 @@ def estimate_costs(
     )
     captured = capture(model, first_inputs)
     flat = captured.flatten_inputs(first_inputs)
-    rows = profile(captured, flat, loss_fn=loss_fn, target=first_target, repeats=1, warmup=0)
-    work = count_work(captured, flat, loss_fn=loss_fn, target=first_target)
-    return estimate_rows(
+    rows, work = count_costs(captured, flat, loss_fn=loss_fn, target=first_target, real=real)
+    return captured, estimate_rows(
         rows, work, prof, prec, compute_efficiency=compute_efficiency,
         memory_efficiency=memory_efficiency,
     )

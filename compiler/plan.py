@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from pipecut.cluster import Cluster, ClusterPlacement, Layout, RunPrediction
 from pipecut.core.schedule import Placement, rank_of, stages_on
 from pipecut.errors import PlanError
 from pipecut.parallel import DataParallel
@@ -312,6 +313,8 @@ class ReplicaCandidate:
     per_stage: tuple[int, ...] = ()
     """Replicas of each stage for an uneven (per-stage) candidate, empty for D × K; a
     prediction only: the runtime replicates every stage equally."""
+    layout: Layout | None = None
+    """On a cluster: how the D × K GPUs were laid onto nodes for this prediction."""
     note: str = ""
     """"chosen", or why the shape was ruled out or cannot run."""
 
@@ -383,6 +386,12 @@ class Plan:
     """Nodes of the captured graph computed in row pieces (a heavy LM head): the runtime applies
     :func:`pipecut.passes.chunk_rows.chunk_rows` with these to the graph it captures (after
     checking ``fingerprint`` against it) before splitting it into stages."""
+    cluster: Cluster | None = None
+    """The cluster planned for (``pipecut.clusters.plan_cluster``); None for other plans."""
+    placement: ClusterPlacement | None = None
+    """On ``cluster``: which GPU holds which stage of which replica."""
+    run: RunPrediction | None = None
+    """On ``cluster``: the predicted step, tokens/s per GPU, MFU and memory of the whole run."""
     profiled_on: str = ""
     """The device the node costs were measured on (``"cuda:0"``, ``"cpu"``); empty where the
     costs were given or estimated rather than measured here."""

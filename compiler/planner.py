@@ -17,12 +17,13 @@ import torch
 from pipecut.autoplan import AUTO, Measurements, choose
 from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.capture.modes import describe_graph
+from pipecut.cluster import Cluster
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.meta import has_meta, input_device
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError, PartitionError
 from pipecut.heavy import heavy_chunks, merge_costs, new_names
-from pipecut.parallel import DataParallel
+from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.partition import DEFAULT_LINK, Devices, Split, as_devices, as_schedule, partition_costs
 from pipecut.passes.chain import is_unit
 from pipecut.passes.ilp import IlpSolver
@@ -37,6 +38,7 @@ from pipecut.plan import (
     NodeOp,
     Partitioner,
     Plan,
+    Recompute,
     ScheduleKind,
 )
 from pipecut.profile.calibrate import calibrate as calibrate_costs
@@ -75,6 +77,7 @@ def plan(
     solver: IlpSolver | str = IlpSolver.HIGHS,
     device: torch.device | str | None = None,
     chunk_heavy: bool = True,
+    cluster: str | Cluster | None = None,
     _profiled: Sequence[NodeCost] | None = None,
 ) -> Plan:
     """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
@@ -105,12 +108,25 @@ def plan(
     stages, where that lowers the predicted step (see :mod:`pipecut.heavy`); the plan lists such
     nodes in ``chunked`` and the solver detail gives both predictions. The model is unchanged.
 
+    ``cluster="8x8xH100-SXM"`` (or a :class:`~pipecut.cluster.Cluster`): plan a whole training
+    run on a cluster that is not here, from estimated costs (the model may be on meta): see
+    :func:`pipecut.clusters.plan_cluster`, which this calls with ``data_parallel`` ("auto" or
+    None: weigh every D × K of FSDP replicas; a ``DataParallel`` fixes D and the engine), ``microbatches``, ``schedule`` and ``recompute``
+    (the run's activation checkpointing; None: selective, True: full, False: none); ``devices``
+    and the profiling options are then unused.
+
     ``device``: where to measure the nodes (None: where ``example_inputs`` are). Give the device
     the stages will run on (``compile`` gives each run's own GPU): a model left on the CPU is
     then timed on that GPU one node at a time, never moved there whole, and not calibrated on
     whole stages here (``compile`` calibrates on the running ranks). The plan records it in
     ``profiled_on``.
     """
+    if cluster is not None:
+        return _plan_for_cluster(  # left out: plan_cluster's defaults (its run model weighs the bubble)
+            cluster, model, example_inputs, loss_fn=loss_fn, target=target,
+            microbatches=1 if microbatches is None else microbatches,
+            schedule=ScheduleKind.ONE_F_ONE_B if schedule is None else schedule,
+            recompute=recompute, data_parallel=data_parallel)
     specs = as_devices(devices)
     here = input_device(example_inputs)
     measure_on = torch.device(device) if device is not None else here
@@ -276,6 +292,27 @@ def warn_if_sequential(p: Plan) -> Plan:
     if note:
         log.warning("%s", note)
     return p
+
+
+def _plan_for_cluster(
+    cluster: str | Cluster, model: torch.nn.Module, example_inputs: Inputs, *,
+    loss_fn: LossFn | None, target: Any, microbatches: int | str, schedule: str | ScheduleKind,
+    recompute: bool | None, data_parallel: DataParallel | str | None,
+) -> Plan:
+    from pipecut.clusters import plan_cluster
+
+    if not isinstance(microbatches, int) or schedule == AUTO:
+        raise InputError("plan(cluster=...) needs microbatches and schedule as values, not 'auto'")
+    if isinstance(data_parallel, str) and data_parallel != AUTO:
+        raise InputError(f"plan(cluster=...): data_parallel must be 'auto', None or a "
+                         f"DataParallel(kind=..., replicas=...), got {data_parallel!r}")
+    rec = {None: Recompute.SELECTIVE, True: Recompute.FULL, False: Recompute.NONE}[recompute]
+    fixed = data_parallel if isinstance(data_parallel, DataParallel) else None
+    return plan_cluster(
+        model, example_inputs, cluster, data_parallel=fixed.replicas if fixed else "auto",
+        microbatches=microbatches, schedule=as_schedule(schedule), recompute=rec,
+        sharding=fixed.kind if fixed else DataParallelKind.FSDP, loss_fn=loss_fn, target=target,
+    )
 
 
 def _noted(p: Plan, note: str) -> Plan:

@@ -58,6 +58,7 @@ __all__ = [
     "HybridPlan",
     "Skipped",
     "Workload",
+    "balanced_split",
     "evaluate",
     "lower_bound_ms",
     "plan_hybrid",
@@ -158,27 +159,14 @@ def _problem(
     )
 
 
-def evaluate(
-    work: Workload,
-    replicas: int,
-    stages: int,
-    *,
-    microbatches: int,
-    batch_size: int,
-    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B,
-    link: Link,
-    allreduce: Link,
-    memory_bytes: int | None = None,
-    refine: bool = True,
-) -> Candidate | Skipped:
-    """Split ``work`` into ``stages`` stages for ``replicas`` replicas and predict its step."""
-    d, k, m = replicas, stages, microbatches
-    if batch_size % m or (batch_size // m) % d:
-        return Skipped(
-            replicas=d, stages=k,
-            reason=f"a microbatch of {batch_size / m:g} samples does not split over {d} replicas",
-        )
-    inflight = inflight_microbatches(schedule, k, m)
+def balanced_split(
+    work: Workload, replicas: int, stages: int, *, microbatches: int, schedule: ScheduleKind,
+    link: Link, memory_bytes: int | None = None, refine: bool = True,
+) -> tuple[tuple[int, ...], float] | Skipped:
+    """The min-bottleneck split of ``work`` into ``stages`` at one of ``replicas`` replicas'
+    share (its K + 1 unit bounds and the largest stage memory), or why there is none."""
+    d, k = replicas, stages
+    inflight = inflight_microbatches(schedule, k, microbatches)
     problem = _problem(work, d, k, link=link, memory_bytes=memory_bytes, inflight=inflight)
     cuts = problem.allowed_cuts()
     if len(cuts) < k - 1:
@@ -201,7 +189,36 @@ def evaluate(
             replicas=d, stages=k,
             reason=f"no split into {k} stages fits in {_gb(memory_bytes)} per device",
         )
-    b = split.bounds
+    return split.bounds, max(s.memory_bytes for s in split.stages)
+
+
+def evaluate(
+    work: Workload,
+    replicas: int,
+    stages: int,
+    *,
+    microbatches: int,
+    batch_size: int,
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B,
+    link: Link,
+    allreduce: Link,
+    memory_bytes: int | None = None,
+    refine: bool = True,
+) -> Candidate | Skipped:
+    """Split ``work`` into ``stages`` stages for ``replicas`` replicas and predict its step."""
+    d, k, m = replicas, stages, microbatches
+    if batch_size % m or (batch_size // m) % d:
+        return Skipped(
+            replicas=d, stages=k,
+            reason=f"a microbatch of {batch_size / m:g} samples does not split over {d} replicas",
+        )
+    split = balanced_split(
+        work, d, k, microbatches=m, schedule=schedule, link=link, memory_bytes=memory_bytes,
+        refine=refine,
+    )
+    if isinstance(split, Skipped):
+        return split
+    b, peak = split
     fwd = work.cut_forward_bytes or (0,) * (work.units + 1)
     bwd = work.cut_backward_bytes or (0,) * (work.units + 1)
     f_ms = tuple(sum(work.forward_ms[b[s]:b[s + 1]]) / d for s in range(k))
@@ -224,7 +241,7 @@ def evaluate(
         pipeline_ms=max(ends),
         step_ms=step,
         efficiency=single / (d * k * step) if step > 0 else 1.0,
-        peak_memory_bytes=max(s.memory_bytes for s in split.stages),
+        peak_memory_bytes=peak,
     )
 
 

@@ -100,6 +100,8 @@ class NoSyncForward:
 def _ddp(worker: StageWorker, group: dist.ProcessGroup, last_mb: int) -> None:
     module = worker.program.module
     device = worker.device
+    if not any(p.requires_grad for p in module.parameters()):
+        return  # a frozen stage has no gradient to average (and DDP refuses such a module)
     # Buffers (BatchNorm statistics) stay per replica rather than rank 0's at every forward.
     # torch >= 2.13 names this forward_sync_buffers and warns about the older broadcast_buffers.
     buffers: dict[str, Any] = {"forward_sync_buffers" if _HAS_FORWARD_SYNC else "broadcast_buffers": False}
@@ -130,6 +132,25 @@ def _fsdp(worker: StageWorker, mesh: DeviceMesh, last_mb: int) -> None:
         module.set_reshard_after_backward(last)
 
     worker.before_backward = before_backward
+    worker.call = _without_cast_cache(worker.program.module, worker.device)
+
+
+def _without_cast_cache(module: torch.nn.Module, device: torch.device) -> Any:
+    """Call ``module`` under the caller's autocast but with autocast's weight-cast cache off.
+
+    Autocast caches the low-precision copy of each parameter until the outermost autocast
+    exits. FSDP2 hands a stage fresh unsharded parameter tensors when it gathers them again,
+    so a forward that reuses a copy cached by an earlier microbatch (1F1B: F0 B0 F1) sends its
+    gradient to a tensor FSDP no longer reads, and that microbatch's weight gradients are lost.
+    Casting again on every forward costs one cast per weight per microbatch."""
+
+    def call(*args: Any) -> Any:
+        if not torch.is_autocast_enabled(device.type):
+            return module(*args)
+        with torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type), cache_enabled=False):
+            return module(*args)
+
+    return call
 
 
 def replicate(

@@ -12,7 +12,8 @@ is split, and each is easy to get silently wrong:
   Each parameter is counted on the first stage that holds it; the per-parameter norms are
   exchanged in one all-reduce over the pipeline group, so every rank sees all of them in the
   plan's order and computes bitwise the same total. Data-parallel replicas hold equal
-  gradients after averaging, so the pipeline group suffices.
+  gradients after averaging, so the pipeline group suffices; under FSDP each parameter's norm
+  is first reduced over its replicas' shards.
 - **Loss scaling.** ``torch.amp.GradScaler`` looks for inf/NaN in this rank's gradients only,
   so stages would disagree on skipping a step. ``ShardedGradScaler`` all-reduces its finding
   over a process group; over the pipeline group every rank skips the same steps and updates
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 from pipecut.errors import InputError, PipelineRuntimeError
 from pipecut.plan import Plan
@@ -189,7 +191,9 @@ def total_grad_norm(
     exchange = torch.zeros(2 * n, dtype=torch.float64, device=device)
     if mine:
         grads = [g for _, g in mine]
-        if foreach is False:
+        if any(isinstance(g, DTensor) for g in grads):  # FSDP: each norm over the replicas' shards
+            norms = [_full(torch.linalg.vector_norm(g, norm_type)) for g in grads]
+        elif foreach is False:
             norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
         else:
             norms = list(torch._foreach_norm(grads, norm_type))
@@ -231,5 +235,25 @@ def clip_grad_norm_(
     """``torch.nn.utils.clip_grad_norm_`` over all stages: every rank scales its gradients (a
     tied weight's copies included) by the same coefficient and returns the same total norm."""
     total = total_grad_norm(named, plan, rank, group, device, norm_type, error_if_nonfinite, foreach)
-    torch.nn.utils.clip_grads_with_norm_([p for _, p in named], max_norm, total, foreach)
+    sharded = [p for _, p in named if isinstance(p.grad, DTensor)]
+    if not sharded:
+        torch.nn.utils.clip_grads_with_norm_([p for _, p in named], max_norm, total, foreach)
+        return total
+    # FSDP: scale each rank's shards by the coefficient torch's clip_grads_with_norm_ computes
+    # (its foreach kernels refuse DTensor gradients beside a plain total).
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for _, p in named:
+            if p.grad is not None:
+                _local(p.grad).mul_(coef.to(p.grad.device))
     return total
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A norm computed on a DTensor as a plain tensor (the reduction over shards is a
+    collective over the gradient's mesh: every replica of the stage runs it in the same order)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t

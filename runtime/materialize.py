@@ -7,7 +7,9 @@ source is searched under any of them, so a Hugging Face GPT-2 directory, which s
 ``transformer.wte.weight``, fills ``lm_head.weight`` too.
 
 Without weights, a tensor is initialised by the module that owns it under its *canonical*
-(first) name, with ``init(fqn, module)`` if given, else ``module.reset_parameters()``, under a
+(first) name, with ``init(fqn, module)`` if given, else ``module.reset_parameters()`` (for a
+Hugging Face model: its own ``_init_weights``, as ``from_pretrained`` runs it, which also
+computes what no checkpoint holds, such as rotary ``inv_freq``; see :mod:`.pretrained`), under a
 seed derived from ``seed`` and the module's name: every rank gets the values the whole model
 would get, whatever the number of stages (:func:`materialize_model` is that whole model). The
 owner runs on a copy of itself (cheap: its tensors are meta) whose slots hold this stage's new
@@ -17,9 +19,11 @@ tensors start as NaN; one the initialiser left untouched is an error, never unin
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +32,7 @@ import torch.distributed as dist
 
 from pipecut.core.meta import empty_like, is_meta, module_tensors, rebind
 from pipecut.errors import InputError, PipelineRuntimeError
+from pipecut.runtime import pretrained
 from pipecut.runtime.weights import WeightSource
 
 __all__: list[str] = []
@@ -70,9 +75,7 @@ def _non_persistent(model: torch.nn.Module) -> set[str]:
 def check_unexpected(source: WeightSource, model: torch.nn.Module) -> None:
     """Refuse weights holding tensors the model has no name for (another model's checkpoint)."""
     known = {name for name, _ in module_tensors(model)}
-    ignore = [str(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
-    import re
-
+    ignore = pretrained.ignored_unexpected(model)
     unexpected = sorted(k for k in source.keys - known if not any(re.search(p, k) for p in ignore))
     if unexpected:
         raise InputError(
@@ -119,19 +122,49 @@ def _copy_in(
         new.copy_(value)
 
 
+@contextlib.contextmanager
+def _seeded(seed: int, fqn: str, device: torch.device) -> Iterator[None]:
+    """The RNG seeded for the module named ``fqn``, as it was again on exit."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(module_seed(seed, fqn))
+        yield
+
+
+def _run_initialisers(
+    owners: list[str], model: torch.nn.Module, new_by_name: dict[str, torch.Tensor],
+    init: Init | None, seed: int, device: torch.device,
+) -> None:
+    """``init(fqn, clone)`` or ``clone.reset_parameters()`` per owner, in a fixed order, each
+    under its own seed, on a copy of the owner whose slots hold the new tensors."""
+    for fqn in owners:
+        owner = model.get_submodule(fqn)
+        dot = f"{fqn}." if fqn else ""
+        memo: dict[int, Any] = {}
+        for name, t in module_tensors(owner):
+            memo[id(t)] = new_by_name.get(dot + name, t.detach().to("meta"))
+        clone = copy.deepcopy(owner, memo)
+        with _seeded(seed, fqn, device), torch.no_grad():
+            if init is not None:
+                init(fqn, clone)
+            else:
+                clone.reset_parameters()  # type: ignore[operator]
+
+
 def _initialise(
     todo: dict[int, tuple[torch.Tensor, torch.Tensor, list[str]]], model: torch.nn.Module,
     init: Init | None, seed: int, device: torch.device, where: str, non_persistent: set[str],
     loaded_some: bool = False,
 ) -> list[str]:
-    """Run each owner's initialiser on a copy of it whose slots hold the new tensors."""
+    """Run each owner's initialiser on a copy of it whose slots hold the new tensors (for a
+    Hugging Face model without ``init``: its ``_init_weights``, see :mod:`.pretrained`)."""
     by_owner: dict[str, list[int]] = {}
     for i, (_, _, names) in todo.items():
         by_owner.setdefault(names[0].rpartition(".")[0], []).append(i)
     new_by_name = {n: new for _, new, names in todo.values() for n in names}
+    hugging_face = init is None and pretrained.is_pretrained(model)
     missing_init = [
         f"{fqn or '<root>'} ({type(model.get_submodule(fqn)).__name__})" for fqn in by_owner
-        if init is None and not hasattr(model.get_submodule(fqn), "reset_parameters")
+        if init is None and not hugging_face and not hasattr(model.get_submodule(fqn), "reset_parameters")
     ]
     if missing_init:
         buffers = sorted(names[0] for _, _, names in todo.values() if names[0] in non_persistent)
@@ -143,8 +176,7 @@ def _initialise(
             f"{where}: {'the weights lack tensors of' if loaded_some else 'weights=None and'} "
             f"these modules, which have no reset_parameters() to initialise them: "
             f"{missing_init[:10]}; pass weights= (a safetensors file or save_pretrained "
-            f"directory) or init=callable(fqn, module) (for Hugging Face models: "
-            f"init=lambda fqn, m: model._init_weights(m)){hint}"
+            f"directory) or init=callable(fqn, module){hint}"
         )
     with torch.no_grad():
         for _, new, _ in todo.values():
@@ -152,20 +184,10 @@ def _initialise(
                 new.fill_(float("nan"))
             else:
                 new.zero_()
-    for fqn in sorted(by_owner):  # a fixed order; each owner has its own seed anyway
-        owner = model.get_submodule(fqn)
-        dot = f"{fqn}." if fqn else ""
-        memo: dict[int, Any] = {}
-        for name, t in module_tensors(owner):
-            memo[id(t)] = new_by_name.get(dot + name, t.detach().to("meta"))
-        clone = copy.deepcopy(owner, memo)
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            torch.manual_seed(module_seed(seed, fqn))
-            if init is not None:
-                init(fqn, clone)
-            else:
-                clone.reset_parameters()  # type: ignore[operator]
+    if hugging_face:
+        pretrained.initialise(model, new_by_name, lambda fqn: _seeded(seed, fqn, device))
+    else:
+        _run_initialisers(sorted(by_owner), model, new_by_name, init, seed, device)
     untouched = [names[0] for _, new, names in todo.values() if new.is_floating_point() and new.isnan().any()]
     if untouched:
         buffers = [n for n in untouched if n in non_persistent]
@@ -208,9 +230,9 @@ def materialize_stage(
     loaded_set = set(loaded)
     rest = {i: v for i, v in todo.items() if is_meta(v[0]) and v[2][0] not in loaded_set}
     non_persistent = _non_persistent(model)
-    if source is not None:
-        absent = [v[2][0] for v in todo.values()
-                  if v[2][0] not in loaded_set and v[2][0] not in non_persistent]
+    if source is not None:  # what no checkpoint holds is initialised; anything else must be there
+        unloaded = [v[2][0] for v in todo.values() if v[2][0] not in loaded_set]
+        absent = sorted(set(unloaded) - non_persistent - pretrained.self_initialised(model, unloaded))
         if absent:
             raise InputError(
                 f"{where}: weights {source.description} lack {len(absent)} tensor(s) this stage "
@@ -230,9 +252,10 @@ def materialize_stage(
     )
 
 
-def raise_together(failure: BaseException | None) -> None:
-    """Collective: every rank learns whether any rank failed to build its stage, so that the
-    others fail at once naming it instead of waiting in the next collective until timeout."""
+def raise_together(failure: BaseException | None, what: str = "build its stage") -> None:
+    """Collective: every rank learns whether any rank failed to ``what`` (build its stage), so
+    that the others fail at once naming it instead of waiting in the next collective until
+    timeout. Also a barrier of every rank."""
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, None if failure is None else f"{type(failure).__name__}: {failure}")
     if failure is not None:
@@ -241,7 +264,7 @@ def raise_together(failure: BaseException | None) -> None:
     if bad:
         rank, message = bad[0]
         raise PipelineRuntimeError(
-            f"rank {dist.get_rank()} stopped because rank {rank} failed to build its stage: {message}"
+            f"rank {dist.get_rank()} stopped because rank {rank} failed to {what}: {message}"
         )
 
 

@@ -459,3 +459,15 @@ class Pipeline:
         rank skips the same steps and updates the scale identically. ``kwargs``: init_scale,
         growth_factor, backoff_factor, growth_interval, enabled."""
         return sharded_grad_scaler(self._device, self.group, **kwargs)
+
+    def save_pretrained(self, directory: str | Path, model: torch.nn.Module | None = None) -> Path:
+        """Write the model's weights into ``directory`` as Hugging Face does: one safetensors
+        shard per rank with its stage's tensors under the model's names (a tied weight once),
+        ``model.safetensors.index.json``, and ``config.json`` when the model compiled has a
+        config. ``model`` (optional: the model given to compile, on meta or not) adds its class
+        to the config's ``architectures``. ``from_pretrained``, ``load_state_dict`` and
+        ``compile(..., weights=directory)`` read it. Collective: every rank calls it; with data
+        parallelism replica 0 writes. See :func:`pipecut.runtime.export.export`."""
+        from pipecut.runtime.export import export
+
+        return export(self, directory, model)

@@ -21,16 +21,16 @@ inputs' version counters, which also catches writes through views (``x[:, 0].zer
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipecut.core.graph import mutates_first_arg
-from pipecut.core.meta import to_meta
+from pipecut.core.meta import META, to_meta
 from pipecut.errors import CaptureError
 
 __all__: list[str] = []
@@ -179,16 +179,33 @@ def _swapped_run(
     return None
 
 
+class _OnMeta(TorchDispatchMode):
+    """Every op that takes a device makes its tensor on meta, whichever device the graph names:
+    a graph's own constants (``arange(..., device=cpu)`` building a causal mask of seq² entries)
+    would otherwise be computed for real before they meet the meta inputs."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        args, kwargs = list(args), dict(kwargs or {})
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.name != "device":
+                continue
+            if argument.kwarg_only or i >= len(args):
+                kwargs["device"] = META
+            else:
+                args[i] = META
+        return func(*args, **kwargs)
+
+
 def _first_write(gm: fx.GraphModule, names: Sequence[str], values: Sequence[Any]) -> tuple[fx.Node, str] | None:
-    """On meta tensors; where an op cannot run on them (a real constant made inside the graph
-    meets a meta input), on fake tensors (the first use in a process imports torch._dynamo:
+    """On meta tensors (constants the graph makes included: :class:`_OnMeta`); where an op cannot
+    run on them (a value-dependent op), on fake tensors (the first use in a process imports torch._dynamo:
     seconds and ~30 MiB that every rank would keep); where an op cannot run on those either,
     the in-place ops applied to an input itself (then writes through views are not seen).
 
     A run that fails part-way saw no write before the failing node (each node's writes are
     checked as it runs), so the next way starts afresh."""
     try:
-        return _swapped_run(gm, names, values, to_meta, contextlib.nullcontext())
+        return _swapped_run(gm, names, values, to_meta, _OnMeta())
     except Exception:  # not the model's error: the fake-tensor run decides
         pass
     from torch._subclasses.fake_tensor import FakeTensorMode

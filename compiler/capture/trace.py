@@ -67,7 +67,8 @@ def capture(
     check_inputs(example_inputs, "example_inputs")
     captured = _capture(model, example_inputs, method, leaf_modules)
     check_input_writes(captured.gm, captured.input_names, captured.flatten_inputs(example_inputs))
-    return dataclasses.replace(captured, names=model_names(captured.gm, model))
+    return dataclasses.replace(captured, names=model_names(captured.gm, model),
+                               config=getattr(model, "config", None))
 
 
 def _untouched(model: torch.nn.Module, trace: Callable[[], fx.GraphModule]) -> tuple[fx.GraphModule, list[str]]:

@@ -138,16 +138,16 @@ def _print_json(data: Any) -> None:
 def _plan_estimated(args: argparse.Namespace, example: Any, link: Link | None) -> Plan:
     """Plan for a device profile: costs from FLOPs and bytes, no timing here (pipecut.devices)."""
     import pipecut
-    from pipecut.capture import capture, fingerprint
+    from pipecut.capture import fingerprint
     from pipecut.core.batching import first_microbatch
+    from pipecut.devices import estimate_captured
 
-    nodes = pipecut.estimate_costs(
+    # the capture comes back too, for the fingerprint that lets the plan be replayed
+    captured, nodes = estimate_captured(
         example.model, example.inputs, args.device_profile, microbatches=args.microbatches,
         loss_fn=example.loss_fn, target=example.target,
     )
-    # the same capture estimate_costs made, for the fingerprint that lets the plan be replayed
-    size, first = first_microbatch(example.inputs, args.microbatches)
-    captured = capture(example.model, first)
+    size, _ = first_microbatch(example.inputs, args.microbatches)
     devices = [dataclasses.replace(d, memory_bytes=args.memory_limit or d.memory_bytes)
                for d in pipecut.device_specs(args.device_profile, args.devices)]
     return pipecut.partition_costs(
@@ -184,7 +184,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise InputError("--device-profile plans from estimated costs at one microbatch size: give "
                          "--microbatches and --schedule as values, not 'auto'")
     if args.data_parallel is not None and args.device_profile is not None:
-        raise InputError("--data-parallel auto profiles the model here: drop --device-profile")
+        raise InputError(
+            f"--data-parallel auto profiles the model here: drop --device-profile, or plan the "
+            f"run for that hardware with --cluster 1x{args.devices}x{args.device_profile} (D x K "
+            f"with FSDP priced on its links)")
     if (args.stages_per_rank > 1 and args.schedule != "auto"
             and as_schedule(args.schedule) is not ScheduleKind.INTERLEAVED_1F1B
             and as_schedule(args.schedule).fixed_stages_per_rank != args.stages_per_rank):
@@ -193,13 +196,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"(got {args.schedule}); use --stages-per-rank 1 otherwise"
         )
     as_ilp_solver(args.solver)
+    if args.cluster is not None:
+        from pipecut.clusters import parse_cluster
+
+        if args.device_profile is not None or "auto" in (args.microbatches, args.schedule):
+            raise InputError("--cluster names the device and weighs D x K itself: drop "
+                             "--device-profile, and give --microbatches and --schedule as values")
+        parse_cluster(args.cluster)
     if args.device_profile is not None:
         device_profile(args.device_profile)
     factory = load_factory(args.factory)
     example = call_factory(factory, batch_size=args.batch_size, seed=args.seed, spec=args.factory)
     log.info("planning %s on %d devices, %s microbatches, %s", args.factory, args.devices,
              args.microbatches, args.schedule)
-    if args.device_profile is not None:
+    if args.cluster is not None:
+        from pipecut.clusters import plan_cluster
+
+        plan = plan_cluster(
+            example.model, example.inputs, args.cluster, data_parallel="auto",
+            microbatches=args.microbatches, schedule=args.schedule, recompute=args.recompute,
+            loss_fn=example.loss_fn, target=example.target,
+        )
+    elif args.device_profile is not None:
         plan = _plan_estimated(args, example, args.link)
     else:
         devices = [DeviceSpec(name=d.name, memory_bytes=args.memory_limit, speed=d.speed)
@@ -248,9 +266,15 @@ def summary_data(plan: Plan) -> dict[str, Any]:
             "kind": plan.data_parallel.kind.value, "replicas": plan.data_parallel.replicas},
         "replica_candidates": [
             {"replicas": c.replicas, "stages": c.stages, "per_stage": list(c.per_stage),
-             "step_ms": c.step_ms, "note": c.note}
+             "step_ms": c.step_ms, "layout": c.layout.value if c.layout else None, "note": c.note}
             for c in plan.replica_candidates
         ],
+        "cluster": None if plan.cluster is None else plan.cluster.spec,
+        "placement": None if plan.placement is None else {
+            "layout": plan.placement.layout.value, "replicas": plan.placement.replicas,
+            "stages": plan.placement.stages,
+            "gpus": [{"replica": r, "stage": s} for r, s in plan.placement.grid()]},
+        "run": None if plan.run is None else dataclasses.asdict(plan.run),
     }
 
 
@@ -352,6 +376,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan for this GPU instead of profiling here: times estimated from FLOPs "
                    "and bytes, memory and link from its datasheet; one of "
                    f"{', '.join(_profile_names())}")
+    p.add_argument("--cluster", metavar="NxGxPROFILE", default=None,
+                   help="plan a training run for N nodes of G GPUs of a device profile, e.g. "
+                   "8x8xH100-SXM: costs estimated, D replicas x K stages and their placement on "
+                   "nodes chosen by predicted step (FSDP, bf16 with fp32 AdamW); see docs/clusters.md")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="selective",
+                   help="with --cluster: the run's activation checkpointing (default selective)")
     p.add_argument("--measure-on", metavar="DEVICE", default=None,
                    help="time the nodes on this device, one node's weights there at a time "
                    "(default: cuda when CUDA is available, else where the factory's inputs are)")

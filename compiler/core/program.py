@@ -40,6 +40,9 @@ class Captured:
     """For symbolic_trace: each placeholder's default value (``NO_DEFAULT`` if none)."""
     names: ModelNames | None = None
     """The user's model's names for the graph's tensors (None: the graph's own names)."""
+    config: Any = None
+    """The user's model's ``config`` (a Hugging Face model's), for ``pipe.save_pretrained``'s
+    ``config.json``; None if it has none."""
 
     def flatten_inputs(self, inputs: Inputs) -> list[Any]:
         """Map user inputs (a tuple of positionals or a dict of keywords) to placeholder values."""

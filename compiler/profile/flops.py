@@ -21,14 +21,22 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from pipecut.core.graph import mutates_first_arg, node_parameters
 from pipecut.core.meta import input_device, read_by, scratch, substitute
 from pipecut.core.program import Captured
-from pipecut.profile.running import LossFn, NodeRunner, cut, detached_leaves, preserved_state
+from pipecut.profile.running import (
+    LossFn,
+    NodeRunner,
+    check_loss,
+    cut,
+    detached_leaves,
+    preserved_state,
+)
+from pipecut.profile.saved import storage_key
 
-__all__ = ["NodeWork", "count_work", "moved_bytes", "node_work"]
+__all__ = ["NodeWork", "count_work", "loss_work", "moved_bytes", "node_work"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,9 +55,10 @@ def _storage(t: torch.Tensor) -> int:
     if t.device.type == "meta":  # no storage to compare: a view's base stands for it
         return id(t._base if t._base is not None else t)
     try:
-        return t.untyped_storage().data_ptr()
+        key = storage_key(t)  # a fake tensor's storage object stands for its (absent) data
     except (RuntimeError, NotImplementedError):
         return -1
+    return 0 if key is None else key
 
 
 def moved_bytes(inputs: Any, output: Any) -> int:
@@ -62,8 +71,27 @@ def moved_bytes(inputs: Any, output: Any) -> int:
     return sum(t.numel() * t.element_size() for t in ins + written)
 
 
+def _cpu_attention(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return int(sdpa_flop_count(query, key, value))
+
+
+def _cpu_attention_backward(
+    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any
+) -> int:
+    return int(sdpa_backward_flop_count(grad_out, query, key, value))
+
+
+_CPU_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+}
+"""The counter knows the CUDA kernels of ``scaled_dot_product_attention`` but not the CPU one
+that a model on the CPU (or on fake CPU tensors) runs: the same formulas (non-causal, as
+torch's own) for it, so attention is not counted as free."""
+
+
 def _count(fn: Any, *args: Any) -> tuple[Any, int]:
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION) as counter:
         value = fn(*args)
     return value, int(counter.get_total_flops())
 
@@ -106,7 +134,7 @@ def count_work(
                 continue
             if node.op == "output":
                 env[node] = args[0]
-                work[node.name] = _loss_work(captured, args[0], loss_fn, target)
+                work[node.name] = loss_work(captured, args[0], loss_fn, target)
                 continue
             with scratch(gm, read_by(node, gm, (args, kwargs)), device) as real:
                 args, kwargs = substitute((args, kwargs), real)  # a meta model's node weights
@@ -131,11 +159,11 @@ def node_work(runner: NodeRunner, node: fx.Node, gm: fx.GraphModule, args: Any, 
     )
 
 
-def _loss_work(captured: Captured, value: Any, loss_fn: LossFn | None, target: Any) -> NodeWork:
+def loss_work(captured: Captured, value: Any, loss_fn: LossFn | None, target: Any) -> NodeWork:
     if loss_fn is None:
         return NodeWork()
     output, leaves = detached_leaves(captured.unflatten_output(value))
-    loss, flops = _count(lambda: loss_fn(output, target))
+    loss, flops = _count(lambda: check_loss(loss_fn(output, target)))
     nbytes = moved_bytes((output, target), loss)
     bwd = _backward_flops(loss, leaves)
     return NodeWork(

@@ -32,15 +32,21 @@ from pipecut.core.graph import (
 )
 from pipecut.core.meta import elsewhere, input_device, read_by, scratch, substitute, to_meta
 from pipecut.core.program import Captured
-from pipecut.errors import InputError
 from pipecut.plan import NodeCost, NodeOp
 from pipecut.profile.flops import NodeWork
 from pipecut.profile.oversized import estimate_oversized, is_out_of_memory, meta_work, stand_in
-from pipecut.profile.running import LossFn, NodeRunner, cut, detached_leaves, preserved_state
+from pipecut.profile.running import (
+    LossFn,
+    NodeRunner,
+    check_loss,
+    cut,
+    detached_leaves,
+    preserved_state,
+)
 from pipecut.profile.saved import SavedBytes
 from pipecut.profile.signature import cost_key
 
-__all__ = ["LossFn", "profile"]
+__all__ = ["LossFn", "node_row", "profile"]
 
 STEADY = 0.1
 """Sampling stops early once three or more samples lie within this fraction of their median:
@@ -103,13 +109,7 @@ def _time_loss(loss_fn: LossFn, output: Any, target: Any, timer: Timer) -> tuple
 
     output = pytree.tree_map(detach, output)
     forward_ms = timer.ms(lambda: loss_fn(output, target))
-    loss = loss_fn(output, target)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise InputError(
-            f"loss_fn must return a scalar tensor, got {got}; reduce it (e.g. .mean(), or "
-            f"reduction='mean') so that the step's loss is the mean over the batch"
-        )
+    loss = check_loss(loss_fn(output, target))
     wrt = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not wrt or not loss.requires_grad:
         return forward_ms, 0.0
@@ -207,7 +207,7 @@ def profile(
                 saved.produced(None, value)
             elif node.op == "get_attr":
                 saved.constant(value)
-            rows.append(_row(node, value, gm, canonical, forward_ms, backward_ms))
+            rows.append(node_row(node, value, gm, canonical, forward_ms, backward_ms))
             for n in node.all_input_nodes:  # free values no later node reads
                 if last_use[n] == i and n.op != "output":
                     env.pop(n, None)
@@ -230,7 +230,7 @@ def _placed(values: Any, device: torch.device) -> Any:
     )
 
 
-def _row(
+def node_row(
     node: fx.Node, value: Any, gm: fx.GraphModule, canonical: dict[int, str],
     forward_ms: float, backward_ms: float,
 ) -> NodeCost:

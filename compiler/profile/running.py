@@ -15,9 +15,22 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-__all__ = ["LossFn", "NodeRunner", "cut", "detached_leaves", "preserved_state"]
+from pipecut.errors import InputError
+
+__all__ = ["LossFn", "NodeRunner", "check_loss", "cut", "detached_leaves", "preserved_state"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def check_loss(loss: Any) -> torch.Tensor:
+    """``loss`` if it is a scalar tensor; else the InputError that says how to reduce it."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise InputError(
+            f"loss_fn must return a scalar tensor, got {got}; reduce it (e.g. .mean(), or "
+            f"reduction='mean') so that the step's loss is the mean over the batch"
+        )
+    return loss
 
 
 @contextlib.contextmanager

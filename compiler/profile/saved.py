@@ -21,18 +21,29 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["SavedBytes"]
+__all__ = ["SavedBytes", "storage_key"]
+
+
+def storage_key(t: torch.Tensor) -> int | None:
+    """What identifies ``t``'s storage (views share it): its address for a real tensor, the
+    storage object's own address for a fake tensor (whose storage has no data); None for a meta
+    tensor or an empty storage."""
+    if isinstance(t, FakeTensor):
+        storage = t.untyped_storage()
+        return storage._cdata if storage.nbytes() else None
+    if t.device.type == "meta":
+        return None
+    return t.untyped_storage().data_ptr() or None
 
 
 def _storages(tree: Any) -> dict[int, int]:
-    """Storage address -> bytes of every tensor in ``tree`` (meta tensors have none)."""
+    """Storage key -> bytes of every tensor in ``tree`` (meta tensors have none)."""
     out = {}
     for t in pytree.tree_leaves(tree):
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            storage = t.untyped_storage()
-            if storage.data_ptr():
-                out[storage.data_ptr()] = storage.nbytes()
+        if isinstance(t, torch.Tensor) and (key := storage_key(t)) is not None:
+            out[key] = t.untyped_storage().nbytes()
     return out
 
 

@@ -53,6 +53,8 @@ def summary(plan: Plan) -> str:
             f"data parallel: {dp.replicas} replicas x {plan.num_ranks} ranks ({dp.kind.value}), "
             f"global batch {plan.batch_size * dp.replicas}"
         )
+    if plan.cluster is not None and plan.run is not None:
+        lines += _cluster_lines(plan)
     if plan.replica_candidates:
         lines.append("replicas x stages weighed (data_parallel='auto'):")
         lines += [f"  {_replica_row(c)}" for c in plan.replica_candidates]
@@ -90,4 +92,21 @@ def _chosen(plan: Plan) -> list[str]:
 def _replica_row(c: ReplicaCandidate) -> str:
     shape = "/".join(map(str, c.per_stage)) if c.per_stage else str(c.replicas)
     step = f"{c.step_ms:.2f} ms" if c.step_ms is not None else "-"
-    return f"{shape} x {c.stages}: {step}" + (f"  ({c.note})" if c.note else "")
+    layout = f" {c.layout.value}" if c.layout is not None else ""
+    return f"{shape} x {c.stages}{layout}: {step}" + (f"  ({c.note})" if c.note else "")
+
+
+def _cluster_lines(plan: Plan) -> list[str]:
+    c, r, place = plan.cluster, plan.run, plan.placement
+    assert c is not None and r is not None
+    where = (f"{place.replicas} replicas x {place.stages} stages, {place.layout.value}"
+             if place is not None else "")
+    lines = [
+        f"cluster {c.spec}: {c.gpus} GPUs, intra-node {c.intra.name}, inter-node {c.inter.name}; {where}",
+        f"run ({r.sharding}, recompute {r.recompute}): step {r.step_ms:.1f} ms, bubble "
+        f"{r.bubble_fraction:.1%}, {r.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {r.mfu:.1%}, "
+        f"peak memory {human_bytes(r.peak_memory_bytes)} per GPU of {human_bytes(c.memory_bytes)}; "
+        f"exposed collectives {r.exposed_comm_ms:.1f} ms",
+    ]
+    lines += [f"  note: {n}" for n in r.notes]
+    return lines

@@ -102,3 +102,22 @@ def test_measured_timeline_is_drawn(browser, tmp_path):
     open_report(browser, page)
     assert browser.console_errors() == []
     assert browser.evaluate("document.querySelectorAll('#gantt-measured .box').length") == len(spans)
+
+
+def test_cluster_grid_shows_every_gpu_with_its_replica_and_stage(browser, tmp_path):
+    import dataclasses
+
+    from pipecut.cluster import ClusterPlacement, Layout, RunPrediction
+    from pipecut.clusters import parse_cluster
+
+    plan = synthetic_plan(layers=6, stages=2)
+    placement = ClusterPlacement(layout=Layout.STAGES_INSIDE_NODES, replicas=4, stages=2)
+    run = RunPrediction(step_ms=100.0, bubble_fraction=0.1, tokens_per_s_per_gpu=1000.0, mfu=0.4,
+                        peak_memory_bytes=2**30, notes=("tensor parallelism is not planned",))
+    plan = dataclasses.replace(plan, cluster=parse_cluster("2x4xH100-SXM"), placement=placement, run=run)
+    page = pipecut.render(plan, tmp_path / "cluster.html")
+    open_report(browser, page)
+    assert browser.console_errors() == []
+    assert browser.evaluate("document.querySelectorAll('.gpu-node').length") == 2
+    cells = browser.evaluate("Array.from(document.querySelectorAll('.gpu'), e => e.textContent.trim())")
+    assert cells == [f"r{r}·s{s}" for r, s in placement.grid()]

@@ -394,3 +394,31 @@ def test_plan_measures_on_the_gpu_when_there_is_one(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert measure_on(None) is None  # where the factory's inputs are
     assert build_parser().parse_args(["plan", "examples.mlp:build", "--measure-on", "meta"]).measure_on == "meta"
+
+
+def test_plan_for_a_cluster_writes_the_run_and_placement(in_repo, tmp_path, capsys):
+    out, html = tmp_path / "cluster.json", tmp_path / "cluster.html"
+    assert main(["plan", "examples.mlp:build", "-m", "2", "--batch-size", "8",
+                 "--cluster", "2x2xH100-SXM", "--data-parallel", "auto", "--recompute", "none", "-o", str(out),
+                 "--html", str(html), "-q"]) == 0
+    plan = pipecut.Plan.from_json(out)
+    validate_plan_dict(json.loads(out.read_text()))
+    assert plan.cluster is not None and plan.cluster.spec == "2x2xH100-SXM"
+    assert plan.placement is not None and plan.run is not None and plan.run.recompute == "none"
+    assert "cluster 2x2xH100-SXM" in capsys.readouterr().out
+    assert "gpu-grid" in html.read_text()
+    assert main(["show", str(out), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["cluster"] == "2x2xH100-SXM" and shown["run"]["mfu"] == plan.run.mfu
+    assert len(shown["placement"]["gpus"]) == 4
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--cluster", "8x8"], "cannot read cluster '8x8'"),
+    (["--cluster", "1x2xH100-SXM", "--device-profile", "A100-80GB"], "--cluster names the device"),
+    (["-k", "4", "--device-profile", "A100-80GB", "--data-parallel", "auto"],
+     "or plan the run for that hardware with --cluster 1x4xA100-80GB"),
+])
+def test_cluster_flag_errors(in_repo, argv, message, capsys):
+    assert main(["plan", "examples.mlp:build", "-m", "2", *argv, "-q"]) == 1
+    assert message in capsys.readouterr().err

@@ -50,3 +50,20 @@ def test_moved_bytes_counts_reads_and_writes():
     a = torch.zeros(10)
     assert moved_bytes((a,), a + 1) == 80
     assert moved_bytes((a,), a[2:]) == 0
+
+
+class Attention(torch.nn.Module):
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+def test_attention_on_the_cpu_is_counted_like_the_cuda_kernels():
+    """torch's counter knows only the CUDA attention kernels; the CPU one (which a model on the
+    CPU or on fake CPU tensors runs) gets the same formulas: QK^T and PV, 2·b·h·s²·d each."""
+    b, h, s, d = 2, 4, 32, 8
+    q = torch.randn(b, h, s, d, requires_grad=True)
+    captured = capture(Attention(), (q,))
+    work = count_work(captured, captured.flatten_inputs((q,)))
+    node = next(name for name in work if "scaled_dot_product" in name)
+    assert work[node].forward_flops == 2 * (2 * b * h * s * s * d)
+    assert work[node].backward_flops == 5 * (2 * b * h * s * s * d)  # recomputed scores + four products

@@ -1,6 +1,6 @@
 """The package's folders are layers, bottom to top, and no import points upwards.
 
-1. data: the plan (``pipecut.plan``, ``errors``, ``schema``, ``parallel``) and ``pipecut.core``
+1. data: the plan (``pipecut.plan``, ``errors``, ``schema``, ``parallel``, ``cluster``) and ``pipecut.core``
    (schedule IR, programs, values, shapes);
 2. passes (``pipecut.passes``): pure functions over data;
 3. runtime (``pipecut.runtime``): executes a plan's programs and schedule;
@@ -19,7 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"compiler": "pipecut", "passes": "pipecut.passes", "runtime": "pipecut.runtime"}
-DATA = ("pipecut.plan", "pipecut.errors", "pipecut.schema", "pipecut.parallel", "pipecut.core")
+DATA = ("pipecut.plan", "pipecut.errors", "pipecut.schema", "pipecut.parallel", "pipecut.cluster",
+        "pipecut.core")
 
 
 def layer(module: str) -> str:

@@ -234,17 +234,16 @@ def test_estimated_costs_of_a_meta_model_equal_the_real_models():
     assert any(n.forward_ms > 0 for n in got)
 
 
-def test_llama_rotary_buffers_come_from_hf_init_weights(tmp_path):
-    """Llama's rotary inv_freq is a non-persistent buffer: in no checkpoint. Loading a meta Llama
-    from its save_pretrained directory refuses without init= and, with the initialiser the error
-    suggests, gives the plain model's buffers and logits."""
+def test_an_explicit_init_is_used_for_hugging_face_models_too(tmp_path):
+    """Without init=, a Hugging Face model computes what no checkpoint holds as from_pretrained
+    does (tests/unit/test_pretrained.py); an init= given is used instead, as for any model."""
     plain, inputs, *_ = zoo.llama(batch_size=2)
     plain.save_pretrained(tmp_path)
     with torch.device("meta"):
         meta = type(plain)(plain.config)
-    with pytest.raises(InputError, match=r"the weights lack tensors of these modules.*rotary_emb.*_init_weights.*non-persistent buffers \['model.rotary_emb.inv_freq'"):
-        _fill(meta, tmp_path)
-    filled = _fill(meta, tmp_path, init=lambda fqn, m: meta._init_weights(m))
+    calls = []
+    filled = _fill(meta, tmp_path, init=lambda fqn, m: (calls.append(fqn), meta._init_weights(m)))
+    assert calls == ["model.rotary_emb"]
     for name, value in plain.named_buffers():
         torch.testing.assert_close(dict(filled.named_buffers())[name], value, rtol=0, atol=0)
     with torch.no_grad():  # same weights, same eager code: identical

@@ -1,0 +1,152 @@
+"""A cluster as plan data: nodes × GPUs per node of one device, and the two links between GPUs.
+
+Sits with the plan data (the plan records the cluster it was made for and where each stage of
+each replica runs), below the passes that price it (:mod:`pipecut.passes.training`). Parsing
+``"8x8xH100-SXM"`` needs the device profiles and lives in :mod:`pipecut.clusters`.
+
+GPU ``g`` sits on node ``g // gpus_per_node``. Two GPUs of one node talk over ``intra`` (NVLink);
+GPUs of different nodes over ``inter`` (InfiniBand or RoCE: the bandwidth of one GPU's own
+network port, per direction). A ring collective whose members span nodes runs at ``inter``: a
+ring is as fast as its slowest hop.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from pipecut.errors import InputError
+
+__all__ = ["Cluster", "ClusterPlacement", "Interconnect", "Layout", "RunPrediction"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Interconnect:
+    """One kind of link between two GPUs, per direction, with its per-message latency."""
+
+    name: str
+    bandwidth_bytes_per_ms: float
+    latency_ms: float
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_bytes_per_ms <= 0 or self.latency_ms < 0:
+            raise InputError(
+                f"link {self.name!r}: bandwidth must be positive and latency non-negative, got "
+                f"{self.bandwidth_bytes_per_ms} bytes/ms and {self.latency_ms} ms"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    device: str
+    """Name of the device profile every GPU has (``pipecut.devices.device_profile``)."""
+    memory_bytes: int
+    """Memory of one GPU (from the profile)."""
+    peak_flops: float
+    """Dense bf16 peak FLOP/s of one GPU, from its datasheet: the denominator of MFU."""
+    intra: Interconnect
+    """Between GPUs of one node."""
+    inter: Interconnect
+    """Between GPUs of different nodes (one GPU's network port)."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise InputError(
+                f"a cluster needs at least 1 node of at least 1 GPU, got {self.nodes} node(s) of "
+                f"{self.gpus_per_node}"
+            )
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def spec(self) -> str:
+        """``"8x8xH100-SXM"``: what :func:`pipecut.clusters.parse_cluster` reads back."""
+        return f"{self.nodes}x{self.gpus_per_node}x{self.device}"
+
+    def node_of(self, gpu: int) -> int:
+        if not 0 <= gpu < self.gpus:
+            raise InputError(f"GPU {gpu} is not in {self.spec} (GPUs 0..{self.gpus - 1})")
+        return gpu // self.gpus_per_node
+
+    def link_between(self, a: int, b: int) -> Interconnect:
+        """The link a message from GPU ``a`` to GPU ``b`` crosses."""
+        return self.intra if self.node_of(a) == self.node_of(b) else self.inter
+
+    def ring_link(self, gpus: tuple[int, ...]) -> Interconnect:
+        """The link bounding a ring collective over ``gpus``: inter-node if they span nodes."""
+        return self.intra if len({self.node_of(g) for g in gpus}) <= 1 else self.inter
+
+
+class Layout(enum.Enum):
+    """How D replicas × K stages are laid onto the cluster's GPUs (numbered node by node)."""
+
+    STAGES_INSIDE_NODES = "stages_inside_nodes"
+    """Replica r's stage s on GPU r·K + s: a pipeline's cuts stay on NVLink where K fits a node;
+    each stage's replica group spans nodes."""
+    REPLICAS_INSIDE_NODES = "replicas_inside_nodes"
+    """Stage s of replica r on GPU s·D + r: a stage's replica ring stays on NVLink where D fits a
+    node; the pipeline's cuts cross nodes."""
+
+    def gpu(self, replica: int, stage: int, replicas: int, stages: int) -> int:
+        if self is Layout.STAGES_INSIDE_NODES:
+            return replica * stages + stage
+        return stage * replicas + replica
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterPlacement:
+    """Which GPU holds which stage of which replica (chosen by predicted step)."""
+
+    layout: Layout
+    replicas: int
+    stages: int
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.stages < 1:
+            raise InputError(f"a placement needs replicas and stages ≥ 1, got {self.replicas} × {self.stages}")
+
+    def gpu(self, replica: int, stage: int) -> int:
+        return self.layout.gpu(replica, stage, self.replicas, self.stages)
+
+    def grid(self) -> tuple[tuple[int, int], ...]:
+        """Per GPU, in order: (replica, stage) it holds."""
+        out: dict[int, tuple[int, int]] = {}
+        for r in range(self.replicas):
+            for s in range(self.stages):
+                out[self.gpu(r, s)] = (r, s)
+        return tuple(out[g] for g in sorted(out))
+
+    def replica_group(self, stage: int) -> tuple[int, ...]:
+        """The GPUs holding ``stage`` of every replica (its FSDP/DDP ring)."""
+        return tuple(self.gpu(r, stage) for r in range(self.replicas))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunPrediction:
+    """What a training step on the cluster is predicted to achieve (one optimizer step)."""
+
+    step_ms: float
+    bubble_fraction: float
+    """Share of the GPUs' step spent idle in the pipeline (0 for K = 1)."""
+    tokens_per_s_per_gpu: float
+    """Tokens (samples × sequence length) of the global batch per second, divided by the GPUs."""
+    mfu: float
+    """Model FLOP/s achieved (6·params·tokens + attention, per second per GPU) / ``peak_flops``."""
+    peak_memory_bytes: int
+    """Largest predicted memory of one GPU."""
+    compute_ms: float = 0.0
+    """Busy compute of the slowest GPU in the step (recompute included)."""
+    exposed_comm_ms: float = 0.0
+    """FSDP/DDP collectives not hidden behind compute, on the slowest stage."""
+    recompute: str = "none"
+    """Activation checkpointing assumed: none, selective or full."""
+    sharding: str = "fsdp"
+    """fsdp (parameters, gradients, optimizer state sharded over replicas) or ddp."""
+    compute_efficiency: float = 0.0
+    """Fraction of peak FLOP/s a matrix product reaches, for the device family (fitted once)."""
+    notes: tuple[str, ...] = ()
+    """What the model assumes or cannot express (tensor parallelism, ...)."""

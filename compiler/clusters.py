@@ -1,0 +1,266 @@
+"""Plan a real-size training run for a cluster that is not here: ``"8x8xH100-SXM"``.
+
+:func:`parse_cluster` reads ``nodes x gpus_per_node x device_profile`` into a
+:class:`~pipecut.cluster.Cluster` (NVLink inside a node from the profile, the platform's
+per-GPU network port between nodes). :func:`plan_cluster` estimates the model's cost table for
+the device (:func:`pipecut.devices.estimate_costs`, the model may be on meta), weighs every
+D replicas × K stages in both layouts on the training-run model of
+:mod:`pipecut.passes.training` (FSDP2, bf16 with fp32 AdamW state, activation checkpointing,
+the link each cut and ring crosses), and returns the K-stage plan of one replica with the
+cluster, the placement and the run's prediction (step, bubble, tokens/s per GPU, MFU, memory).
+
+Compute efficiency: the roofline's fraction of peak FLOP/s, **one constant per device family**,
+fitted once on one published run each (``FAMILY_EFFICIENCY``, with the run it came from); every
+other published run is a check (``benchmarks/cluster.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pipecut.cluster import Cluster, Interconnect, Layout, RunPrediction
+from pipecut.core.batching import first_microbatch, split_microbatches
+from pipecut.core.choices import enum_choice
+from pipecut.core.program import Inputs
+from pipecut.devices import (
+    LINK_LATENCY_MS,
+    DeviceProfile,
+    Precision,
+    device_profile,
+    estimate_costs,
+)
+from pipecut.errors import InputError, PartitionError
+from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.partition import partition_costs
+from pipecut.passes.training import RunCandidate, RunChoice, RunShape, block_of, choose_run
+from pipecut.passes.workload import Workload, workload
+from pipecut.plan import DeviceSpec, Link, NodeCost, Plan, Recompute, ReplicaCandidate, ScheduleKind
+from pipecut.profile.nodes import LossFn
+
+__all__ = [
+    "FAMILY_EFFICIENCY",
+    "INTER_NODE_LATENCY_MS",
+    "NOT_MODELLED",
+    "model_flops_per_token",
+    "parse_cluster",
+    "plan_cluster",
+    "predict_run",
+]
+
+FAMILY_EFFICIENCY: dict[str, tuple[float, str]] = {
+    "ampere": (0.73, "torchtitan docs/performance.md, Llama 3 8B on 64 A100 80GB, FSDP, local "
+                     "batch 1 x 8192, selective layer checkpointing: 2,904 tokens/s per GPU"),
+    "hopper": (0.38, "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Llama 3.1 8B on 8 "
+                     "H100 96GB HBM2e at 500 W, FSDP, local batch 2 x 8192, selective "
+                     "checkpointing: 5,762 tokens/s per GPU"),
+}
+"""Family -> (fraction of the datasheet dense peak a matrix product reaches in a real run, the
+published run it was fitted on). Families without a fitted run use
+:data:`pipecut.devices.COMPUTE_EFFICIENCY` and say so in the prediction's notes."""
+
+INTER_NODE_LATENCY_MS = 0.02
+"""20 µs per message between nodes: the order of NCCL's latency over InfiniBand."""
+
+NOT_MODELLED = (
+    "tensor parallelism is not planned (torchtitan's 70B and 405B H100 runs use TP 8): every "
+    "stage holds whole layers",
+    "context and expert parallelism are not planned",
+)
+
+_SPEC = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*x\s*(.+?)\s*$", re.IGNORECASE)
+
+
+def parse_cluster(
+    spec: str | Cluster, *, inter_bytes_per_s: float | None = None,
+    inter_latency_ms: float = INTER_NODE_LATENCY_MS, intra_latency_ms: float = LINK_LATENCY_MS,
+) -> Cluster:
+    """``"8x8xH100-SXM"``: 8 nodes of 8 GPUs of the ``H100-SXM`` profile.
+
+    Inside a node: the profile's NVLink (``link_bytes_per_s``); between nodes: ``inter_bytes_per_s``
+    per GPU (default: the profile's ``network_bytes_per_s``)."""
+    if isinstance(spec, Cluster):
+        return spec
+    match = _SPEC.match(str(spec))
+    if match is None:
+        raise InputError(
+            f"cannot read cluster {spec!r}: write nodes x GPUs per node x device profile, e.g. "
+            f"'8x8xH100-SXM' (64 GPUs); profiles: {_profile_names()}"
+        )
+    nodes, per_node, name = int(match[1]), int(match[2]), match[3]
+    if nodes < 1 or per_node < 1:
+        raise InputError(f"cluster {spec!r}: nodes and GPUs per node must be at least 1")
+    profile = device_profile(name)
+    network = inter_bytes_per_s if inter_bytes_per_s is not None else profile.network_bytes_per_s
+    if network <= 0:
+        if nodes > 1:
+            raise InputError(
+                f"cluster {spec!r}: the {profile.name} profile gives no inter-node bandwidth; pass "
+                f"inter_bytes_per_s (e.g. 50e9 for 400 Gb/s InfiniBand per GPU)"
+            )
+        network = profile.link_bytes_per_s
+    return Cluster(
+        nodes=nodes, gpus_per_node=per_node, device=profile.name,
+        memory_bytes=profile.memory_bytes, peak_flops=profile.peak_flops(Precision.BF16),
+        intra=Interconnect(name=profile.interconnect, bandwidth_bytes_per_ms=profile.link_bytes_per_s / 1e3,
+                           latency_ms=intra_latency_ms),
+        inter=Interconnect(name=f"network {network * 8 / 1e9:g} Gb/s per GPU",
+                           bandwidth_bytes_per_ms=network / 1e3, latency_ms=inter_latency_ms),
+    )
+
+
+def _profile_names() -> list[str]:
+    from pipecut.devices import device_profiles
+
+    return [p.name for p in device_profiles()]
+
+
+def family_efficiency(profile: DeviceProfile) -> tuple[float, str]:
+    from pipecut.devices import COMPUTE_EFFICIENCY
+
+    if profile.family in FAMILY_EFFICIENCY:
+        value, source = FAMILY_EFFICIENCY[profile.family]
+        return value, f"compute efficiency {value:g} of the {profile.family} family, fitted on {source}"
+    return COMPUTE_EFFICIENCY, (
+        f"compute efficiency {COMPUTE_EFFICIENCY:g}: no published run fitted for the "
+        f"{profile.family or profile.name} family"
+    )
+
+
+def model_flops_per_token(nodes: Sequence[NodeCost], *, layers: int = 0, hidden: int = 0,
+                          seq: int = 0, param_dtype_bytes: int = 2) -> float:
+    """``6·params + 12·layers·hidden·seq`` (torchtitan's count): params without the input
+    embedding (a lookup, no product), attention scores and values for every token pair."""
+    lookups = {i for n in nodes if "embedding" in n.target for i in n.inputs}
+    params = sum(n.param_bytes for n in nodes
+                 if n.name not in lookups and "embedding" not in n.target) / param_dtype_bytes
+    return 6 * params + 12 * layers * hidden * seq
+
+
+def _attention_dims(model: torch.nn.Module) -> tuple[int, int]:
+    """(layers, hidden) from a Hugging Face config, else (0, 0): attention not counted."""
+    cfg = getattr(model, "config", None)
+    return int(getattr(cfg, "num_hidden_layers", 0) or 0), int(getattr(cfg, "hidden_size", 0) or 0)
+
+
+def predict_run(
+    nodes: Sequence[NodeCost], cluster: Cluster, shape: RunShape, *, replicas: int | None = None,
+) -> tuple[RunCandidate, RunChoice, Workload]:
+    """The fastest fitting D × K × layout for a cost table at microbatch ``B / M``; refuses, with
+    the memory needed per GPU and the smallest cluster of that device that fits, when none fits."""
+    work = workload(nodes)
+    blocks = block_of(work.modules or ("",) * work.units)
+    choice = choose_run(work, blocks, shape, cluster, replicas=replicas)
+    if choice.best is not None:
+        return choice.best, choice, work
+    need = choice.smallest_memory_bytes
+    if need is None:
+        reasons = "; ".join(f"D={s.replicas} K={s.stages}: {s.reason}" for s in choice.skipped)
+        raise PartitionError(f"no D × K shape can run on {cluster.spec} ({reasons})")
+    bigger = None
+    for factor in (2, 4, 8, 16, 32, 64):
+        wider = dataclasses.replace(cluster, nodes=cluster.nodes * factor)
+        fits = choose_run(work, blocks, shape, wider, replicas=replicas, layouts=(Layout.STAGES_INSIDE_NODES,))
+        if fits.best is not None:
+            bigger = wider.spec
+            break
+    hint = f"the smallest {cluster.device} cluster that fits is {bigger}" if bigger else (
+        f"no cluster up to {cluster.nodes * 64} nodes of {cluster.device} fits")
+    raise PartitionError(
+        f"the model does not fit on {cluster.spec} with pipeline × FSDP: it needs at least "
+        f"{need / 2**30:.1f} GiB per GPU, a {cluster.device} has {cluster.memory_bytes / 2**30:.1f} "
+        f"GiB; {hint} (or use {'' if shape.recompute is Recompute.FULL else 'full activation checkpointing, '}"
+        f"a smaller batch or more microbatches)"
+        + ("" if replicas is None else f"; with data_parallel={replicas} fixed")
+    )
+
+
+def plan_cluster(
+    model: torch.nn.Module,
+    example_inputs: Inputs,
+    cluster: str | Cluster,
+    *,
+    data_parallel: str | int = "auto",
+    microbatches: int = 1,
+    schedule: str | ScheduleKind = ScheduleKind.ONE_F_ONE_B,
+    recompute: str | Recompute = Recompute.SELECTIVE,
+    sharding: str | DataParallelKind = DataParallelKind.FSDP,
+    loss_fn: LossFn | None = None,
+    target: Any = None,
+) -> Plan:
+    """Plan ``model`` (on meta is fine) for ``cluster`` with one global batch ``example_inputs``.
+
+    ``data_parallel``: "auto" weighs every D × K, an int fixes D. ``recompute``: the activation
+    checkpointing the run uses (none, selective, full). ``sharding``: fsdp or ddp. The returned
+    plan is one replica's K stages at its share of the batch; ``plan.run`` is the whole run's
+    prediction, ``plan.placement`` where each stage of each replica sits, and
+    ``plan.replica_candidates`` every shape weighed."""
+    c = parse_cluster(cluster)
+    profile = device_profile(c.device)
+    efficiency, source = family_efficiency(profile)
+    kind = enum_choice(ScheduleKind, schedule, "schedule")
+    rec = enum_choice(Recompute, recompute, "recompute")
+    shard = enum_choice(DataParallelKind, sharding, "sharding")
+    if data_parallel != "auto" and not isinstance(data_parallel, int):
+        raise InputError(f"data_parallel={data_parallel!r}: give 'auto' or a replica count")
+    size, first = first_microbatch(example_inputs, microbatches)
+    seq = _sequence_length(first)
+    layers, hidden = _attention_dims(model)
+
+    def costs(inputs: Inputs, tgt: Any) -> tuple[NodeCost, ...]:
+        return estimate_costs(model, inputs, profile, precision=Precision.BF16,
+                              microbatches=microbatches, loss_fn=loss_fn, target=tgt,
+                              compute_efficiency=efficiency)
+
+    nodes = costs(example_inputs, target)
+    batch = size
+    width = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
+    flops = model_flops_per_token(nodes, layers=layers, hidden=hidden, seq=seq, param_dtype_bytes=width)
+    shape = RunShape(batch_size=batch, microbatches=microbatches, tokens_per_sample=seq,
+                     model_flops_per_token=flops, schedule=kind, recompute=rec, sharding=shard,
+                     param_dtype_bytes=width)
+    best, choice, _ = predict_run(nodes, c, shape,
+                                  replicas=None if data_parallel == "auto" else int(data_parallel))
+    d, k = best.placement.replicas, best.placement.stages
+    share = split_microbatches(example_inputs, d, batch, "example_inputs")[0]
+    share_target = split_microbatches(target, d, batch, "target")[0] if target is not None else None
+    intra = Link(bandwidth_bytes_per_ms=c.intra.bandwidth_bytes_per_ms, latency_ms=c.intra.latency_ms)
+    planned = partition_costs(
+        costs(share, share_target), devices=tuple(DeviceSpec(name=c.device) for _ in range(k)),
+        microbatches=microbatches, batch_size=batch // d, schedule=kind, link=intra,
+        data_parallel=DataParallel(kind=shard, replicas=d) if d > 1 else None,
+    )
+    notes = (source, *NOT_MODELLED) + (() if layers else (
+        "attention FLOPs not counted in MFU: the model has no Hugging Face config",))
+    run = RunPrediction(
+        step_ms=best.step_ms, bubble_fraction=best.bubble_fraction,
+        tokens_per_s_per_gpu=best.tokens_per_s_per_gpu, mfu=best.mfu,
+        peak_memory_bytes=best.peak_memory_bytes, compute_ms=best.compute_ms,
+        exposed_comm_ms=best.exposed_comm_ms, recompute=rec.value, sharding=shard.value,
+        compute_efficiency=efficiency, notes=notes,
+    )
+    return dataclasses.replace(planned, cluster=c, placement=best.placement, run=run,
+                               replica_candidates=_candidates(choice))
+
+
+def _candidates(choice: RunChoice) -> tuple[ReplicaCandidate, ...]:
+    rows = [ReplicaCandidate(replicas=c.placement.replicas, stages=c.placement.stages,
+                             step_ms=c.step_ms, layout=c.placement.layout,
+                             note="chosen" if i == 0 else "")
+            for i, c in enumerate(choice.candidates)]
+    rows += [ReplicaCandidate(replicas=s.replicas, stages=s.stages, step_ms=None, note=s.reason)
+             for s in choice.skipped]
+    return tuple(rows)
+
+
+def _sequence_length(inputs: Inputs) -> int:
+    """Tokens per sample: the second dimension of the first 2-D (or more) input tensor, else 1."""
+    values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.dim() >= 2:
+            return int(v.shape[1])
+    return 1

@@ -1,0 +1,124 @@
+"""Clusters from text, plan_cluster on a small Llama, JSON round-trip, refusal with the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipecut import Plan, summary
+from pipecut.cluster import Cluster, Layout
+from pipecut.clusters import parse_cluster, plan_cluster, predict_run
+from pipecut.errors import InputError, PartitionError
+from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.passes.training import RunShape
+from pipecut.plan import NodeCost, NodeOp
+
+
+def test_parse_cluster_reads_nodes_gpus_and_profile() -> None:
+    c = parse_cluster("8x8xH100-SXM")
+    assert (c.nodes, c.gpus_per_node, c.gpus, c.device) == (8, 8, 64, "H100-SXM")
+    assert c.intra.bandwidth_bytes_per_ms == 450e9 / 1e3 and c.inter.bandwidth_bytes_per_ms == 50e9 / 1e3
+    assert c.peak_flops == 989.5e12 and parse_cluster(c.spec) == c
+    assert c.link_between(0, 7) is c.intra and c.link_between(7, 8) is c.inter
+    assert c.ring_link((0, 1)) is c.intra and c.ring_link((0, 8)) is c.inter
+
+
+@pytest.mark.parametrize(("spec", "match"), [
+    ("8x8", "cannot read cluster '8x8': write nodes x GPUs per node x device profile"),
+    ("0x8xH100-SXM", "at least 1"),
+    ("2x8xNOPE", "no device profile named 'NOPE'"),
+    ("2x1xL4", "gives no inter-node bandwidth; pass inter_bytes_per_s"),
+])
+def test_parse_cluster_errors(spec: str, match: str) -> None:
+    with pytest.raises(InputError, match=match):
+        parse_cluster(spec)
+
+
+def test_gpu_outside_the_cluster_is_refused() -> None:
+    with pytest.raises(InputError, match="GPU 4 is not in 1x4xA100-80GB"):
+        parse_cluster("1x4xA100-80GB").node_of(4)
+
+
+def _tiny_llama() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=100, use_cache=False)
+    return LlamaForCausalLM(cfg).to(torch.bfloat16), {"input_ids": torch.zeros(8, 16, dtype=torch.long)}
+
+
+def test_plan_cluster_records_cluster_placement_and_run_and_round_trips() -> None:
+    model, batch = _tiny_llama()
+    plan = plan_cluster(model, batch, "2x2xH100-SXM", microbatches=2)
+    assert plan.cluster == parse_cluster("2x2xH100-SXM") and plan.placement is not None and plan.run is not None
+    d, k = plan.placement.replicas, plan.placement.stages
+    assert d * k == 4 and plan.num_stages == k and plan.batch_size == 8 // d
+    assert sorted(plan.placement.grid()) == sorted((r, s) for r in range(d) for s in range(k))
+    assert plan.run.tokens_per_s_per_gpu > 0 and 0 < plan.run.mfu < 1 and plan.run.peak_memory_bytes > 0
+    assert any("tensor parallelism is not planned" in n for n in plan.run.notes)
+    chosen = [c for c in plan.replica_candidates if c.note == "chosen"]
+    assert len(chosen) == 1 and chosen[0].layout is plan.placement.layout
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.run == plan.run and again.placement == plan.placement
+    text = summary(plan)
+    assert "cluster 2x2xH100-SXM" in text and "tokens/s per GPU" in text and "MFU" in text
+
+
+def test_old_plans_read_without_cluster_fields() -> None:
+    model, batch = _tiny_llama()
+    plan = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2)
+    data = plan.to_dict()
+    for key in ("cluster", "placement", "run"):
+        data.pop(key)
+    old = Plan.from_dict(data)
+    assert old.cluster is None and old.run is None
+
+
+def _heavy_rows(blocks: int, param_bytes: int) -> tuple[NodeCost, ...]:
+    rows = [NodeCost(name="x", op=NodeOp.PLACEHOLDER, target="x")]
+    prev = "x"
+    for i in range(blocks):
+        rows.append(NodeCost(name=f"b{i}", op=NodeOp.CALL_MODULE, target="blk", module=f"layers.{i}",
+                             inputs=(prev,), forward_ms=1.0, backward_ms=2.0, param_bytes=param_bytes,
+                             parameters=(f"layers.{i}.w",)))
+        prev = f"b{i}"
+    rows.append(NodeCost(name="output", op=NodeOp.OUTPUT, target="output", inputs=(prev,)))
+    return tuple(rows)
+
+
+def test_a_model_that_does_not_fit_is_refused_with_its_need_and_the_smallest_cluster() -> None:
+    # 6e9 parameters: 96 GB of state on one GPU; FSDP over 2 halves it (plus two gathered blocks)
+    rows = _heavy_rows(4, 3 * 10**9)
+    shape = RunShape(batch_size=2, microbatches=1, tokens_per_sample=1, model_flops_per_token=1.0)
+    with pytest.raises(PartitionError, match=r"needs at least \d+\.\d GiB per GPU.*smallest H100-SXM "
+                                             r"cluster that fits is 2x1xH100-SXM"):
+        predict_run(rows, parse_cluster("1x1xH100-SXM"), shape)
+    best, _, _ = predict_run(rows, parse_cluster("2x1xH100-SXM"), shape)
+    assert best.placement.replicas == 2 and isinstance(parse_cluster("2x1xH100-SXM"), Cluster)
+    assert best.placement.layout is Layout.STAGES_INSIDE_NODES
+
+
+def test_pipecut_plan_with_a_cluster_is_plan_cluster() -> None:
+    import pipecut
+
+    model, batch = _tiny_llama()
+    via_plan = pipecut.plan(model, batch, cluster="1x2xH100-SXM", microbatches=2, schedule="1f1b",
+                            recompute=True, data_parallel=DataParallel(kind=DataParallelKind.FSDP, replicas=2))
+    direct = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2, recompute="full", data_parallel=2)
+    assert via_plan.run == direct.run and via_plan.placement == direct.placement
+    assert via_plan.placement is not None and via_plan.placement.replicas == 2
+    with pytest.raises(InputError, match="needs microbatches and schedule as values"):
+        pipecut.plan(model, batch, cluster="1x2xH100-SXM", microbatches="auto")
+
+
+def test_parameters_are_counted_in_the_models_own_dtype() -> None:
+    model, batch = _tiny_llama()
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    for dtype in (torch.bfloat16, torch.float32):
+        plan = plan_cluster(model.to(dtype), batch, "1x1xH100-SXM", recompute="none")
+        assert plan.run is not None
+        tokens = plan.run.tokens_per_s_per_gpu
+        flops = plan.run.mfu * plan.cluster.peak_flops / tokens  # per token
+        attention = 12 * 2 * 64 * 16  # layers, hidden, sequence
+        assert flops == pytest.approx(6 * params + attention)
