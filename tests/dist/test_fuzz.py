@@ -22,6 +22,7 @@ Run a longer campaign with ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fuzz.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 
@@ -37,15 +38,10 @@ DRAWN = 400
 COUNT that cover the most pairs of feature values."""
 PLANS = ("pinned", "json", "heavy")
 
-OPEN_BUGS = {
-    "FSDP: pipe.clip_grad_norm_ raises (test_fsdp_clip_grad_norm)":
-        lambda c: c.data_parallel == "fsdp" and c.clip is not None,
-    "DDP on a stage without trainable parameters (test_ddp_with_a_frozen_stage)":
-        lambda c: c.data_parallel == "ddp" and c.model == "frozen",
-    "FSDP under autocast with a forward after a backward (test_fsdp_autocast_1f1b)":
-        lambda c: c.data_parallel == "fsdp" and c.autocast != "off" and (c.schedule != "gpipe" or c.choose == "both"),
-}
-"""Open bug -> which configurations hit it. Delete an entry when its xfail starts passing."""
+OPEN_BUGS: dict[str, Callable[[Config], bool]] = {}
+"""Open bug -> which configurations hit it (e.g. ``lambda c: c.data_parallel == "fsdp" and
+c.clip is not None``, while pipe.clip_grad_norm_ failed under FSDP). Delete an entry when its
+xfail starts passing; the three found so far are fixed."""
 
 
 def _open_bug(cfg: Config) -> bool:

@@ -1,9 +1,10 @@
 """Bugs the differential fuzzer found, one test each, with the shrunk configuration and what was
 seen (benchmarks/fuzz.py; reproduce one with ``benchmarks/fuzz.py --replay "Config(...)"``).
 
-Those still open are strict xfails: when a fix lands the test passes, pytest reports XPASS as
-a failure, and the marker (and the matching entry of ``OPEN_BUGS`` in tests/dist/test_fuzz.py)
-should go. A configuration passes when it matches the plain model or raises a PipecutError.
+A bug still open is a strict xfail (with an entry in ``OPEN_BUGS`` of tests/dist/test_fuzz.py
+that keeps the fixed budget off it); when its fix lands, XPASS fails the run and both go.
+None is open now. A configuration passes when it matches the plain model or raises a
+PipecutError.
 """
 
 from __future__ import annotations
@@ -60,10 +61,9 @@ def test_accumulating_a_tied_weight_counts_each_step_once(outcomes: dict[Config,
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="runtime/grads.py total_grad_norm mixes DTensor norms of FSDP "
-                                       "gradients with plain tensors")
 def test_fsdp_clip_grad_norm(outcomes: dict[Config, Outcome]) -> None:
-    """``pipe.clip_grad_norm_`` after a step with ``data_parallel="fsdp"`` (any schedule; also
+    """Fixed on main (802ce3b: the norm of each FSDP gradient is reduced over its shards).
+    ``pipe.clip_grad_norm_`` after a step with ``data_parallel="fsdp"`` (any schedule; also
     interleaved), 2 x 2 ranks:
 
         File "runtime/pipeline.py", line 454, in clip_grad_norm_
@@ -77,10 +77,9 @@ def test_fsdp_clip_grad_norm(outcomes: dict[Config, Outcome]) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="runtime/data_parallel.py wraps a stage without trainable "
-                                       "parameters in DDP, which torch refuses")
 def test_ddp_with_a_frozen_stage(outcomes: dict[Config, Outcome]) -> None:
-    """A pinned split whose first stage holds only frozen parameters (``inp``, requires_grad
+    """Fixed on main (802ce3b: such a stage is not wrapped). A pinned split whose first stage
+    holds only frozen parameters (``inp``, requires_grad
     False), under ``data_parallel="ddp"``; compile fails with torch's error, not a pipecut one
     (FSDP runs the same split and matches):
 
@@ -94,10 +93,9 @@ def test_ddp_with_a_frozen_stage(outcomes: dict[Config, Outcome]) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="FSDP2 + autocast: a forward after a backward on one stage "
-                                       "(1F1B) loses gradients; autocast's weight-cast cache suspected")
 def test_fsdp_autocast_1f1b(outcomes: dict[Config, Outcome]) -> None:
-    """FSDP under bf16 (or fp16) autocast with 1F1B: the last stage, which runs F0 B0 F1 B1,
+    """Fixed on main (802ce3b: FSDP stages run without autocast's weight-cast cache).
+    FSDP under bf16 (or fp16) autocast with 1F1B: the last stage, which runs F0 B0 F1 B1,
     gets gradients 0.48-0.72x the plain model's (norm ratio per tensor); the first stage (F0 F1
     B0 B1) and the same run under GPipe match, and so do DDP and fp32:
 
@@ -113,7 +111,7 @@ def test_fsdp_autocast_1f1b(outcomes: dict[Config, Outcome]) -> None:
 
 
 def test_fsdp_autocast_gpipe_matches(outcomes: dict[Config, Outcome]) -> None:
-    """The control for the xfail above: every forward before any backward."""
+    """The control for the test above: every forward before any backward (matched before the fix)."""
     assert outcomes[FSDP_AUTOCAST_GPIPE].kind == "match", outcomes[FSDP_AUTOCAST_GPIPE].detail
 
 
