@@ -86,7 +86,10 @@ def choose(
     candidates: list[Candidate] = []
     for kind in kinds:
         for m in counts:
-            if kind is ScheduleKind.INTERLEAVED_1F1B and m % ranks:
+            if kind is ScheduleKind.INTERLEAVED_1F1B and stages_per_rank > 1 and m % ranks:
+                candidates.append(Candidate(  # with one stage per rank it is 1F1B: any count runs
+                    microbatches=m, schedule=kind, step_ms=None,
+                    note=f"{stages_per_rank} stages per rank need a multiple of the {ranks} ranks"))
                 continue
             costs: Sequence[NodeCost]
             if same_graph:

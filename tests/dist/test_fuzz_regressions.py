@@ -33,7 +33,10 @@ INTERLEAVED_ODD = Config(model="skip", ranks=2, microbatches=3, schedule="interl
                          last="fewer_rows")
 AUTO_SCHEDULE_DDP = Config(model="skip", ranks=2, microbatches=4, schedule="1f1b", plan="auto", choose="both",
                            data_parallel="ddp")
-CASES = (AUTO_SCHEDULE_DDP, INTERLEAVED_ODD, TIED_ACCUMULATION, TIED_NO_SYNC, FSDP_CLIP, DDP_FROZEN_STAGE, FSDP_AUTOCAST_1F1B, FSDP_AUTOCAST_GPIPE)
+AUTO_COUNT_INTERLEAVED = Config(model="tied_lm", ranks=2, microbatches=3, schedule="interleaved-1f1b", plan="auto",
+                                chunk_heavy=True, choose="microbatches", accumulation=2, no_sync=True,
+                                last="shorter_seq", eval_between=True, data_parallel="fsdp", rows=3)
+CASES = (AUTO_COUNT_INTERLEAVED, AUTO_SCHEDULE_DDP, INTERLEAVED_ODD, TIED_ACCUMULATION, TIED_NO_SYNC, FSDP_CLIP, DDP_FROZEN_STAGE, FSDP_AUTOCAST_1F1B, FSDP_AUTOCAST_GPIPE)
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +142,13 @@ def test_an_automatic_schedule_with_data_parallelism_is_one_it_can_run(outcomes:
         schedule='1f1b' or 'gpipe'
     """
     assert outcomes[AUTO_SCHEDULE_DDP].kind == "match", outcomes[AUTO_SCHEDULE_DDP].detail
+
+
+def test_an_automatic_count_for_interleaved_with_one_stage_per_rank(outcomes: dict[Config, Outcome]) -> None:
+    """Fixed (compiler/autoplan.py): a batch of 9 per replica on 2 ranks, interleaved-1f1b with
+    one stage per rank, ``microbatches="auto"``: every count was skipped as not a multiple of
+    the ranks (only several stages per rank need one), and compile refused with no reason:
+
+        PartitionError: no microbatch count and schedule fits:
+    """
+    assert outcomes[AUTO_COUNT_INTERLEAVED].kind == "match", outcomes[AUTO_COUNT_INTERLEAVED].detail

@@ -90,6 +90,24 @@ def test_with_data_parallelism_split_backward_schedules_are_ruled_out():
     assert run(times, data_parallel=DataParallel(kind=DataParallelKind.DDP, replicas=1))[1] is ZV
 
 
+def test_interleaved_counts_need_a_multiple_of_the_ranks_only_with_several_stages_per_rank():
+    """Found by the fuzzer: a batch of 3 on 2 ranks under interleaved-1f1b with one stage per
+    rank (plain 1F1B) was refused with "PartitionError: no microbatch count and schedule
+    fits: " and no reason (every count was skipped silently)."""
+    nodes = mlp_plan().nodes
+
+    def partition(costs, m, kind):
+        return SimpleNamespace(predicted=SimpleNamespace(step_ms=1.0), stages=(), data_parallel=None)
+
+    def pick(v):
+        return choose((torch.zeros(3, 3),), torch.zeros(3), ranks=2, microbatches=AUTO, schedule=V,
+                      stages_per_rank=v, profile_at=lambda first, target: nodes, partition=partition)
+
+    assert pick(1)[:2] == (3, V)
+    with pytest.raises(PartitionError, match="3/interleaved-1f1b: 2 stages per rank need a multiple of the 2 ranks"):
+        pick(2)
+
+
 def test_nothing_fits_and_bad_microbatches_are_refused():
     with pytest.raises(PartitionError, match="no microbatch count and schedule fits: 2/gpipe: 2 does not fit"):
         run(all_pairs(lambda m, k: None))
