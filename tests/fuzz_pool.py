@@ -56,7 +56,7 @@ class Outcome:
         """What failed, without numbers and names: the kind and, for an error, its last line
         (the exception); for a mismatch, which quantity (loss, grad, weight, norm, buffer...)."""
         if self.kind == "error":
-            text = self.detail.strip().splitlines()[-1]
+            text = self.detail.split("\nevery rank's error:")[0].strip().splitlines()[-1]
         elif self.kind == "mismatch":
             found = re.search(r"(loss|grad|weight|clip_grad_norm_|buffer|gradients on no rank|scale)", self.detail)
             text = found.group(1) if found else ""
@@ -124,8 +124,11 @@ def _judge(cfg: Config, ranks: list[dict[str, Any]]) -> Outcome:
         first = refusals[0]
         return Outcome(config=cfg, kind="refused", detail=f"{first['type']}: {first['message']}")
     if errors:
-        own = [r for r in errors if "stopped because" not in r["message"]] or errors
-        return Outcome(config=cfg, kind="error", detail=own[0]["error"])
+        # The cause first: a rank's own error before one saying that another rank failed.
+        own = sorted(errors, key=lambda r: (r["type"] == "PipelineRuntimeError",
+                                            "stopped because" in r["message"] or "probably failed" in r["message"]))
+        others = "".join(f"\n--- rank {i}: {r['type']}: {r['message'][:300]}" for i, r in enumerate(ranks) if "error" in r)
+        return Outcome(config=cfg, kind="error", detail=own[0]["error"] + "\nevery rank's error:" + others)
     if any("ok" not in r for r in ranks):
         return Outcome(config=cfg, kind="hang", detail="a rank returned nothing for this configuration")
     try:
