@@ -1,14 +1,15 @@
 """Published training runs beside pipecut's cluster prediction.
 
-    .venv/bin/python benchmarks/cluster.py [--rows standin|estimate] [--layers N] [--seq T]
+    .venv/bin/python benchmarks/cluster.py [--rows estimate|standin] [--fit] [--layers N] [--seq T]
                                             [--out benchmarks/cluster.json]
 
 Each run of :data:`published.RUNS` (torchtitan's FSDP Llama runs on H100 and A100) is predicted
 by :func:`pipecut.clusters.predict_run` with one compute efficiency per device family
 (:data:`pipecut.clusters.FAMILY_EFFICIENCY`, each fitted on the run marked "fit"); the GPipe
-row is the predicted throughput ratio of 8 stages over 2. ``--rows estimate`` prices the model
-with :func:`pipecut.estimate_costs` on a meta Llama (needs the fast meta estimator: today it
-runs each node on the CPU); the default is the stand-in table of :func:`published.llama_rows`.
+row is the predicted throughput ratio of 8 stages over 2. The model is priced by
+:func:`pipecut.estimate_costs` on a meta Llama (fake tensors, without the loss: about 15 s a run
+here); ``--rows standin`` uses the hand-written table of :func:`published.llama_rows`
+instead, a cross-check. ``--fit`` bisects each family's efficiency on its fitted run.
 ``--layers``/``--seq`` shrink the model for a quick look (the published figures then do not
 apply).
 """
@@ -28,33 +29,30 @@ import published
 __all__ = ["main"]
 
 
-def _estimated(run: published.PublishedRun, dims: published.LlamaDims, seq: int):  # pragma: no cover
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pipecut import estimate_costs
-    from pipecut.clusters import family_efficiency, parse_cluster
-    from pipecut.devices import device_profile
-
-    cluster = parse_cluster(run.cluster)
-    cfg = LlamaConfig(hidden_size=dims.hidden, intermediate_size=dims.ffn, num_hidden_layers=dims.layers,
-                      num_attention_heads=dims.heads, num_key_value_heads=dims.kv_heads,
-                      vocab_size=dims.vocab, max_position_embeddings=seq, use_cache=False)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    ids = torch.zeros(run.local_batch * cluster.gpus, seq, dtype=torch.long, device="meta")
-    eff, _ = family_efficiency(device_profile(cluster.device))
-    return estimate_costs(model, {"input_ids": ids}, cluster.device, precision="bf16",
-                          compute_efficiency=eff)
+def fit(run: published.PublishedRun, dims: published.LlamaDims, lo: float = 0.1, hi: float = 1.0,
+        steps: int = 12) -> float:  # pragma: no cover
+    """The compute efficiency at which the run's predicted throughput equals the published
+    one (bisection; throughput rises with efficiency)."""
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        p = published.predict(run, rows=published.estimated_rows(run, dims, efficiency=mid))
+        lo, hi = (mid, hi) if p.tokens_per_s_per_gpu < run.tokens_per_s_per_gpu else (lo, mid)
+    return round((lo + hi) / 2, 3)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", choices=("standin", "estimate"), default="standin")
+    ap.add_argument("--rows", choices=("standin", "estimate"), default="estimate")
+    ap.add_argument("--fit", action="store_true",
+                    help="print each family's efficiency fitted on its run marked fitted, then stop")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--out", default=str(Path(__file__).with_name("cluster.json")))
     args = ap.parse_args(argv)
+    if args.fit:
+        for run in (r for r in published.RUNS if r.fitted):
+            print(f"{run.name}: compute efficiency {fit(run, published.LLAMA[run.model])}")
+        return 0
     out = []
     print(f"{'run':20} {'D×K':>7} {'tok/s/GPU':>10} {'published':>9} {'diff':>7} "
           f"{'GiB':>6} {'published':>9} {'diff':>7} {'MFU':>6} {'s':>5}")
@@ -65,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.seq:
             run = dataclasses.replace(run, seq=args.seq)
         t = time.perf_counter()
-        rows = _estimated(run, dims, run.seq) if args.rows == "estimate" else None
-        if rows is None and args.layers:
+        rows = published.estimated_rows(run, dims) if args.rows == "estimate" else None
+        if rows is None:
             from pipecut.clusters import family_efficiency, parse_cluster
             from pipecut.devices import device_profile
 

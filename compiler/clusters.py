@@ -53,9 +53,9 @@ __all__ = [
 ]
 
 FAMILY_EFFICIENCY: dict[str, tuple[float, str]] = {
-    "ampere": (0.73, "torchtitan docs/performance.md, Llama 3 8B on 64 A100 80GB, FSDP, local "
+    "ampere": (0.957, "torchtitan docs/performance.md, Llama 3 8B on 64 A100 80GB, FSDP, local "
                      "batch 1 x 8192, selective layer checkpointing: 2,904 tokens/s per GPU"),
-    "hopper": (0.38, "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Llama 3.1 8B on 8 "
+    "hopper": (0.512, "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Llama 3.1 8B on 8 "
                      "H100 96GB HBM2e at 500 W, FSDP, local batch 2 x 8192, selective "
                      "checkpointing: 5,762 tokens/s per GPU"),
 }

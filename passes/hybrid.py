@@ -63,6 +63,7 @@ __all__ = [
     "lower_bound_ms",
     "plan_hybrid",
     "ring_allreduce_ms",
+    "unsplittable",
     "workload",
 ]
 
@@ -207,11 +208,9 @@ def evaluate(
 ) -> Candidate | Skipped:
     """Split ``work`` into ``stages`` stages for ``replicas`` replicas and predict its step."""
     d, k, m = replicas, stages, microbatches
-    if batch_size % m or (batch_size // m) % d:
-        return Skipped(
-            replicas=d, stages=k,
-            reason=f"a microbatch of {batch_size / m:g} samples does not split over {d} replicas",
-        )
+    unsplit = unsplittable(batch_size, m, d, k)
+    if unsplit is not None:
+        return unsplit
     split = balanced_split(
         work, d, k, microbatches=m, schedule=schedule, link=link, memory_bytes=memory_bytes,
         refine=refine,
@@ -243,6 +242,15 @@ def evaluate(
         efficiency=single / (d * k * step) if step > 0 else 1.0,
         peak_memory_bytes=peak,
     )
+
+
+def unsplittable(batch_size: int, microbatches: int, replicas: int, stages: int) -> Skipped | None:
+    """Why ``replicas`` × ``stages`` cannot run a batch in ``microbatches`` (each microbatch is
+    shared out over the replicas), or None if it can."""
+    if batch_size % microbatches or (batch_size // microbatches) % replicas:
+        return Skipped(replicas=replicas, stages=stages, reason=(
+            f"a microbatch of {batch_size / microbatches:g} samples does not split over {replicas} replicas"))
+    return None
 
 
 def _gb(nbytes: int | None) -> str:

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pipecut.cluster import Cluster, ClusterPlacement, Interconnect, Layout
 from pipecut.core.schedule import rank_end_ms
 from pipecut.parallel import DataParallelKind
-from pipecut.passes.hybrid import Skipped, balanced_split
+from pipecut.passes.hybrid import Skipped, balanced_split, unsplittable
 from pipecut.passes.schedules import build
 from pipecut.passes.stages import inflight_microbatches
 from pipecut.passes.workload import Workload
@@ -245,9 +245,9 @@ def evaluate_run(
     d, k, m = replicas, stages, shape.microbatches
     if d * k != cluster.gpus:
         return Skipped(replicas=d, stages=k, reason=f"{d} × {k} is not the cluster's {cluster.gpus} GPUs")
-    if shape.batch_size % m or (shape.batch_size // m) % d:
-        return Skipped(replicas=d, stages=k, reason=(
-            f"a microbatch of {shape.batch_size / m:g} samples does not split over {d} replicas"))
+    unsplit = unsplittable(shape.batch_size, m, d, k)
+    if unsplit is not None:
+        return unsplit
     place = ClusterPlacement(layout=layout, replicas=d, stages=k)
     cut_links = tuple(
         cluster.inter if any(cluster.node_of(place.gpu(r, s)) != cluster.node_of(place.gpu(r, s + 1))

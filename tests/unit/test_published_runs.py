@@ -1,9 +1,10 @@
 """The cluster model against published training runs (benchmarks/published.py), within tolerance.
 
-One compute efficiency per device family, each fitted on one run (``fitted``); every run must
-come within ±20% of its published throughput and ±15% of its published peak memory. The cost
-tables are the stand-in ``llama_rows`` (the same rows ``estimate_costs`` gives, from the Llama
-shapes): today's ``estimate_costs`` takes minutes per layer on the CPU at 8B width.
+One compute efficiency per device family, each fitted on one run (``fitted``) with the cost
+table ``estimate_costs`` gives on a meta Llama; every run must come within ±20% of its published
+throughput and ±15% of its published peak memory. The whole path (the estimate on fake
+tensors, then the run model) is checked on the three 8B runs, about 10 s each; the 70B run
+(25 s to estimate) is in ``benchmarks/cluster.py``'s table only.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from pipecut.clusters import FAMILY_EFFICIENCY, parse_cluster
 from pipecut.devices import device_profile
 
 
-@pytest.mark.parametrize("run", published.RUNS, ids=lambda r: r.name)
-def test_prediction_within_tolerance_of_the_published_run(run: published.PublishedRun) -> None:
-    p = published.predict(run)
+def _within_tolerance(run: published.PublishedRun, p: published.Predicted) -> None:
     assert p.tokens_per_s_per_gpu == pytest.approx(run.tokens_per_s_per_gpu, rel=0.20)
     if run.memory_gib is not None:
         assert p.memory_gib == pytest.approx(run.memory_gib, rel=0.15)
+
+
+@pytest.mark.parametrize("run", [r for r in published.RUNS if r.model == "llama3-8b"], ids=lambda r: r.name)
+def test_prediction_from_the_meta_estimate_within_tolerance(run: published.PublishedRun) -> None:
+    _within_tolerance(run, published.predict(run))
 
 
 def test_one_fitted_run_per_family_and_it_is_recorded() -> None:
