@@ -9,6 +9,7 @@ Also here: the options every planning entry point reads (devices, schedule, ILP 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -263,13 +264,18 @@ def _refined(
     """With several stages per rank (interleaved, ZBV) the solvers' objective, the slowest
     stage, is only a proxy for the step, and their memory check is per stage while a rank's
     stages share its memory: the cuts are moved among module boundaries while the simulated
-    step falls (a split whose rank does not fit counts as infinitely slow, so one that does
-    not fit is moved to one that does where a single cut's move finds it). Returns the bounds
+    step falls (a split whose rank does not fit, or with a stage holding no parameter, counts as
+    infinitely slow, so one that does not fit is moved to one that does where a single cut's
+    move finds it). Returns the bounds
     and a note for the solver's detail (empty if nothing moved)."""
     if len(bounds) - 1 <= len(ranks):
         return tuple(bounds), ""
 
+    holds = form.problem.holds_params
+
     def step(b: Sequence[int]) -> float:
+        if any(holds) and not all(any(holds[i:j]) for i, j in itertools.pairwise(b)):
+            return math.inf  # a stage without parameters: the solvers' constraint holds here too
         return _simulated_step(nodes, form.live, b, specs, ranks, link, kind, microbatches,
                                stages_per_rank, data_parallel)
 

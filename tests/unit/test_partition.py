@@ -160,3 +160,19 @@ def test_a_split_whose_rank_does_not_fit_its_two_stages_is_moved_to_one_that_fit
     monkeypatch.setattr(pipecut.partition, "refine_cuts", lambda bounds, _, evaluate: (tuple(bounds), evaluate(bounds)))
     with pytest.raises(PartitionError, match=r"rank 0 \(cpu\) runs stages \[0, 3\] of the zbv schedule"):
         partition_costs(nodes, devices=devices, **kw)  # the solvers' own split does not fit
+
+
+def test_moving_cuts_never_leaves_a_stage_without_parameters() -> None:
+    """Regression (fuzzer, ZBV on 4 ranks, 2 of 63 replays): refining the DP's cuts on the
+    simulated step ignored the solvers' every-stage-holds-a-parameter constraint, and a rank got
+    no parameters: ``ValueError: optimizer got an empty parameter list`` from
+    ``AdamW(pipe.parameters())``. Here three heavy parameter-free layers invite the move:
+    without the constraint the third stage held none (stage parameters [1, 24, 0, 2])."""
+    nodes = transformer_costs(6, nodes_per_layer=40)
+    free = [n.module.startswith(("h.3.", "h.4.", "h.5.")) for n in nodes]
+    nodes = [dataclasses.replace(n, param_bytes=0, parameters=(), forward_ms=4 * n.forward_ms,
+                                 backward_ms=4 * n.backward_ms) if f else n for n, f in zip(nodes, free)]
+    plan = partition_costs(nodes, devices=2, microbatches=8, batch_size=16, schedule="interleaved-1f1b",
+                           stages_per_rank=2)
+    assert "cuts moved" in plan.solver.detail  # the refinement ran and moved cuts
+    assert all(s.parameters for s in plan.stages), [len(s.parameters) for s in plan.stages]
