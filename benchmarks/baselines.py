@@ -2,7 +2,7 @@
 
 All of them split a sequence of *layers* (the children of an ``nn.Sequential``), so a layer here
 is a run of units under one layer-level module (see :func:`layer_starts`). Each function returns
-the unit indices where stages start; :func:`pipecut.passes.problem.evaluate` then scores the split
+the unit indices where stages start; :func:`pipecut.passes.partition.problem.evaluate` then scores the split
 with the same cost model as pipecut's own, communication included.
 
 - :func:`equal_layers`: the same number of layers per stage (DeepSpeed ``partition_method=

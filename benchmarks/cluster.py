@@ -4,8 +4,8 @@
                                             [--out benchmarks/cluster.json]
 
 Each run of :data:`published.RUNS` (torchtitan's FSDP Llama runs on H100 and A100) is predicted
-by :func:`pipecut.clusters.predict_run` with one compute efficiency per device family
-(:data:`pipecut.clusters.FAMILY_EFFICIENCY`, each fitted on the run marked "fit"); the GPipe
+by :func:`pipecut.planning.clusters.predict_run` with one compute efficiency per device family
+(:data:`pipecut.planning.clusters.FAMILY_EFFICIENCY`, each fitted on the run marked "fit"); the GPipe
 row is the predicted throughput ratio of 8 stages over 2. The model is priced by
 :func:`pipecut.estimate_costs` on a meta Llama (fake tensors, without the loss: about 15 s a run
 here); ``--rows standin`` uses the hand-written table of :func:`published.llama_rows`
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         rows = published.estimated_rows(run, dims) if args.rows == "estimate" else None
         if rows is None:
-            from pipecut.clusters import family_efficiency, parse_cluster
-            from pipecut.devices import device_profile
+            from pipecut.planning.clusters import family_efficiency, parse_cluster
+            from pipecut.profile.devices import device_profile
 
             c = parse_cluster(run.cluster)
             rows = published.llama_rows(dims, samples=run.local_batch * c.gpus, seq=run.seq, device=c.device,

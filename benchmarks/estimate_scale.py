@@ -37,11 +37,11 @@ CLI = ["plan", "examples.llama_meta:build_8b", "--device-profile", "H100-SXM", "
 
 def one(size: str) -> dict[str, object]:
     """In the child: estimate Llama-3.1-``size`` and report what it took."""
-    import pipecut.devices
+    import pipecut.profile.devices
     from examples.llama_meta import build
 
     spent = [0.0]
-    capture = pipecut.devices.capture
+    capture = pipecut.profile.devices.capture
 
     def timed_capture(*args: object, **kwargs: object) -> object:
         start = time.perf_counter()
@@ -50,10 +50,10 @@ def one(size: str) -> dict[str, object]:
         finally:
             spent[0] += time.perf_counter() - start
 
-    pipecut.devices.capture = timed_capture  # type: ignore[assignment]
+    pipecut.profile.devices.capture = timed_capture  # type: ignore[assignment]
     model, inputs, loss_fn, target = build(size)
     start = time.perf_counter()
-    rows = pipecut.devices.estimate_costs(model, inputs, "H100-SXM", microbatches=8, loss_fn=loss_fn,
+    rows = pipecut.profile.devices.estimate_costs(model, inputs, "H100-SXM", microbatches=8, loss_fn=loss_fn,
                                           target=target)
     seconds = time.perf_counter() - start
     return {

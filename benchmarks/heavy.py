@@ -3,10 +3,10 @@
     .venv/bin/python benchmarks/partition.py --heavy [--out benchmarks/heavy.json]
 
 Each model is captured and profiled once on one microbatch (loss included, on the output row).
-For each K, :func:`pipecut.heavy.heavy_chunks` picks the heads above total / K and their piece
+For each K, :func:`pipecut.planning.heavy.heavy_chunks` picks the heads above total / K and their piece
 count as the planner does; the graph with those pieces is profiled where it changed
 (``profile(..., only=new_names(chunks))``), and every node it left alone keeps the first
-profile's cost (:func:`pipecut.heavy.merge_costs`), so the two tables differ only
+profile's cost (:func:`pipecut.planning.heavy.merge_costs`), so the two tables differ only
 in the head. Both are partitioned by the same DP for 1F1B with 8 microbatches on the default
 link; the rows give the slowest stage of each (ms per microbatch, compute plus the stage's
 communication), the bound total / K, and the head's share of the total. No calibration: these
@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from pipecut.capture import as_planned, capture
-from pipecut.heavy import heavy_chunks, merge_costs, new_names
-from pipecut.partition import DEFAULT_LINK, partition_costs
-from pipecut.passes.chain import is_unit
+from pipecut.passes.partition.chain import is_unit
 from pipecut.plan import ChunkedNode, NodeCost, ScheduleKind
+from pipecut.planning.heavy import heavy_chunks, merge_costs, new_names
+from pipecut.planning.partition import DEFAULT_LINK, partition_costs
 from pipecut.profile.nodes import profile
 
 __all__ = ["heavy_main", "heavy_rows"]

@@ -33,7 +33,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pipecut
-from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR
+from pipecut.passes.costs.stages import OPTIMIZER_STATE_FACTOR
 from tests.harness import run_ranks
 
 WIDTH, BATCH, MICROBATCHES = 2048, 16, 4

@@ -10,7 +10,7 @@ schedule's inflight microbatches). Prints two markdown tables: the slowest stage
 without a memory limit, and with a memory limit that needs recompute.
 
 ``--heavy``: 32k-vocabulary LMs whose head outweighs a stage's share at K = 4 and 8, the
-slowest stage with the head whole and in row pieces (``pipecut.heavy``), beside the bound
+slowest stage with the head whole and in row pieces (``pipecut.planning.heavy``), beside the bound
 total / K; both tables share every untouched node's measured cost (see
 :func:`benchmarks.heavy.heavy_rows`).
 """
@@ -32,12 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pipecut
 from benchmarks.baselines import Baseline, baseline_bounds, layer_sums
 from benchmarks.synthetic import transformer_costs
-from pipecut.partition import DEFAULT_LINK, partition_costs
-from pipecut.passes.memory_dp import lower_bound
-from pipecut.passes.memory_floor import min_peak_memory
-from pipecut.passes.memory_partition import partition_ilp
-from pipecut.passes.problem import evaluate, formulate
+from pipecut.passes.partition.memory_dp import lower_bound
+from pipecut.passes.partition.memory_floor import min_peak_memory
+from pipecut.passes.partition.memory_partition import partition_ilp
+from pipecut.passes.partition.problem import evaluate, formulate
 from pipecut.plan import DeviceSpec, NodeCost, NodeOp, ScheduleKind
+from pipecut.planning.partition import DEFAULT_LINK, partition_costs
 
 MICROBATCHES = 8
 SCHEDULE = ScheduleKind.ONE_F_ONE_B

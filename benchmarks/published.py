@@ -2,21 +2,21 @@
 
 ``RUNS`` are data: each run's configuration and its published figure, with the source. The
 benchmark (``benchmarks/cluster.py``) and the unit test (``tests/unit/test_published_runs.py``)
-predict each with :func:`pipecut.clusters.predict_run`.
+predict each with :func:`pipecut.planning.clusters.predict_run`.
 
 Runs are priced with :func:`estimated_rows`: :func:`pipecut.estimate_costs` on a meta Llama
 (fake tensors, about 15 s for 8B at 16 x 8192 tokens). ``llama_rows`` writes the same kind of
 rows by hand from the Llama shapes (a cross-check, ``benchmarks/cluster.py --rows standin``, and
 the 48-layer model of the GPipe row), priced with the estimator's own roofline
-(:func:`pipecut.devices.estimate_rows`).
+(:func:`pipecut.profile.devices.estimate_rows`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipecut.devices import Precision, device_profile, estimate_rows
 from pipecut.plan import Leaf, LeafKind, NodeCost, NodeOp
+from pipecut.profile.devices import Precision, device_profile, estimate_rows
 from pipecut.profile.flops import NodeWork
 
 _TENSOR = '[1, {"type": null, "context": null, "children_spec": []}]'
@@ -88,8 +88,8 @@ def estimated_rows(run: PublishedRun, dims: LlamaDims, *, efficiency: float | No
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pipecut import estimate_costs
-    from pipecut.clusters import family_efficiency, parse_cluster
-    from pipecut.devices import device_profile
+    from pipecut.planning.clusters import family_efficiency, parse_cluster
+    from pipecut.profile.devices import device_profile
 
     cluster = parse_cluster(run.cluster)
     cfg = LlamaConfig(hidden_size=dims.hidden, intermediate_size=dims.ffn, num_hidden_layers=dims.layers,
@@ -180,13 +180,13 @@ class Predicted:
 def predict(run: PublishedRun, *, rows: tuple[NodeCost, ...] | None = None) -> Predicted:
     """pipecut's prediction of ``run`` (FSDP, one microbatch per step as torchtitan runs it).
     ``rows``: the cost table at the global batch; default :func:`estimated_rows`."""
-    from pipecut.clusters import (
+    from pipecut.passes.parallel.training import RunShape
+    from pipecut.plan import Recompute
+    from pipecut.planning.clusters import (
         model_flops_per_token,
         parse_cluster,
         predict_run,
     )
-    from pipecut.passes.training import RunShape
-    from pipecut.plan import Recompute
 
     cluster = parse_cluster(run.cluster)
     dims = LLAMA[run.model]
@@ -211,14 +211,14 @@ the speedup is a ratio of bubble-bound steps, insensitive to the width)."""
 
 def gpipe_speedup(*, microbatches: int = 32, seq: int = 1024) -> float:
     """Throughput of K = 8 over K = 2 pipeline stages (one replica, GPipe schedule, M = 32)."""
-    from pipecut.clusters import (
+    from pipecut.passes.parallel.training import RunShape
+    from pipecut.plan import Recompute, ScheduleKind
+    from pipecut.planning.clusters import (
         family_efficiency,
         model_flops_per_token,
         parse_cluster,
         predict_run,
     )
-    from pipecut.passes.training import RunShape
-    from pipecut.plan import Recompute, ScheduleKind
 
     out = []
     for k in (2, 8):

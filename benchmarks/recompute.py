@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pipecut
 from benchmarks.runtime import MODELS, with_recompute
-from pipecut.passes.stages import state_bytes
+from pipecut.passes.costs.stages import state_bytes
 from tests.harness import run_ranks
 
 MICROBATCHES, WORLD = 8, 2

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pipecut
 from examples import gpt, mlp, resnet
-from pipecut.passes.chain import liveness
-from pipecut.passes.stages import build_stages
+from pipecut.passes.costs.stages import build_stages
+from pipecut.passes.partition.chain import liveness
 from tests.harness import run_ranks
 
 BATCH, MICROBATCHES, WORLD = 16, 8, 2

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 
 from pipecut.api import compile
-from pipecut.devices import device_link, device_profiles, device_specs, estimate_costs
 from pipecut.errors import (
     CaptureError,
     InputError,
@@ -20,8 +19,7 @@ from pipecut.errors import (
     PlanError,
     ScheduleError,
 )
-from pipecut.partition import partition_costs
-from pipecut.passes.ilp import IlpSolver
+from pipecut.passes.partition.ilp import IlpSolver
 from pipecut.plan import (
     CaptureMethod,
     DeviceSpec,
@@ -32,8 +30,10 @@ from pipecut.plan import (
     Recompute,
     ScheduleKind,
 )
-from pipecut.planner import plan
-from pipecut.replicas import choose_replicas
+from pipecut.planning.partition import partition_costs
+from pipecut.planning.planner import plan
+from pipecut.planning.replicas import choose_replicas
+from pipecut.profile.devices import device_link, device_profiles, device_specs, estimate_costs
 from pipecut.report.render import render
 from pipecut.report.text import summary
 

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecut.autoplan import AUTO
 from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.capture.modes import Modes, derive_other_mode
 from pipecut.core.batching import first_microbatch
@@ -24,12 +23,13 @@ from pipecut.core.schedule import validate
 from pipecut.errors import CaptureError, InputError, PipecutError, PlanError
 from pipecut.layout import Layout, auto_layout, layout_of, plan_from_rank0, replication_of
 from pipecut.parallel import DataParallelKind
-from pipecut.partition import Devices, as_devices
-from pipecut.passes.split import split_stage
-from pipecut.passes.stages import plan_schedule, predicted_timeline
+from pipecut.passes.costs.stages import plan_schedule, predicted_timeline
+from pipecut.passes.rewrite.split import split_stage
 from pipecut.plan import CaptureMethod, Link, Plan, Recompute, ScheduleKind
-from pipecut.planner import default_choices, warn_if_sequential
-from pipecut.planner import plan as make_plan
+from pipecut.planning.autoplan import AUTO
+from pipecut.planning.partition import Devices, as_devices
+from pipecut.planning.planner import default_choices, warn_if_sequential
+from pipecut.planning.planner import plan as make_plan
 from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn
 from pipecut.replay import settings

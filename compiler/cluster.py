@@ -1,8 +1,8 @@
 """A cluster as plan data: nodes × GPUs per node of one device, and the two links between GPUs.
 
 Sits with the plan data (the plan records the cluster it was made for and where each stage of
-each replica runs), below the passes that price it (:mod:`pipecut.passes.training`). Parsing
-``"8x8xH100-SXM"`` needs the device profiles and lives in :mod:`pipecut.clusters`.
+each replica runs), below the passes that price it (:mod:`pipecut.passes.parallel.training`). Parsing
+``"8x8xH100-SXM"`` needs the device profiles and lives in :mod:`pipecut.planning.clusters`.
 
 GPU ``g`` sits on node ``g // gpus_per_node``. Two GPUs of one node talk over ``intra`` (NVLink);
 GPUs of different nodes over ``inter`` (InfiniBand or RoCE: the bandwidth of one GPU's own
@@ -41,7 +41,7 @@ class Cluster:
     nodes: int
     gpus_per_node: int
     device: str
-    """Name of the device profile every GPU has (``pipecut.devices.device_profile``)."""
+    """Name of the device profile every GPU has (``pipecut.profile.devices.device_profile``)."""
     memory_bytes: int
     """Memory of one GPU (from the profile)."""
     peak_flops: float
@@ -64,7 +64,7 @@ class Cluster:
 
     @property
     def spec(self) -> str:
-        """``"8x8xH100-SXM"``: what :func:`pipecut.clusters.parse_cluster` reads back."""
+        """``"8x8xH100-SXM"``: what :func:`pipecut.planning.clusters.parse_cluster` reads back."""
         return f"{self.nodes}x{self.gpus_per_node}x{self.device}"
 
     def node_of(self, gpu: int) -> int:

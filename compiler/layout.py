@@ -17,14 +17,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from pipecut.autoplan import AUTO
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.program import Inputs
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
 from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
-from pipecut.partition import DEFAULT_LINK
 from pipecut.plan import CaptureMethod, Link, Plan, ScheduleKind
-from pipecut.planner import plan as make_plan
+from pipecut.planning.autoplan import AUTO
+from pipecut.planning.partition import DEFAULT_LINK
+from pipecut.planning.planner import plan as make_plan
 from pipecut.profile.nodes import LossFn
 from pipecut.runtime.launch import ensure_process_group, local_device
 from pipecut.runtime.linkprobe import measure_link

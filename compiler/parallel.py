@@ -1,6 +1,6 @@
 """Data parallelism across pipeline replicas, as plan data: which engine, how many replicas.
 
-Imported by the planner's memory model (``pipecut.passes.stages.state_bytes``) and by the
+Imported by the planner's memory model (``pipecut.passes.costs.stages.state_bytes``) and by the
 runtime (``pipecut.runtime.data_parallel``), so it sits with the plan data, below both.
 """
 

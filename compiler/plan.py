@@ -104,7 +104,7 @@ class CostSource(enum.Enum):
     MEASURED = "measured"
     """Timed by running the node (``pipecut.profile.nodes``)."""
     ESTIMATED = "estimated"
-    """Roofline estimate from FLOP and byte counts and a device profile (``pipecut.devices``)."""
+    """Roofline estimate from FLOP and byte counts and a device profile (``pipecut.profile.devices``)."""
 
 
 class Partitioner(enum.Enum):
@@ -250,7 +250,7 @@ class Edge:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ChunkedNode:
     """A node of the captured graph that the plan computes in row pieces (see
-    :mod:`pipecut.passes.chunk_rows`): a node heavier than a stage's share, so that its pieces
+    :mod:`pipecut.passes.rewrite.chunk_rows`): a node heavier than a stage's share, so that its pieces
     can land on different stages. The plan's cost table and stages are those of the rewritten
     graph; its fingerprint is the original graph's."""
 
@@ -303,7 +303,7 @@ class Candidate:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ReplicaCandidate:
     """One way of spreading N devices that ``data_parallel="auto"`` weighed: D replicas of a
-    K-stage pipeline (see :mod:`pipecut.replicas`)."""
+    K-stage pipeline (see :mod:`pipecut.planning.replicas`)."""
 
     replicas: int
     stages: int
@@ -384,10 +384,10 @@ class Plan:
     made before this field existed: then only the planned shapes are accepted."""
     chunked: tuple[ChunkedNode, ...] = ()
     """Nodes of the captured graph computed in row pieces (a heavy LM head): the runtime applies
-    :func:`pipecut.passes.chunk_rows.chunk_rows` with these to the graph it captures (after
+    :func:`pipecut.passes.rewrite.chunk_rows.chunk_rows` with these to the graph it captures (after
     checking ``fingerprint`` against it) before splitting it into stages."""
     cluster: Cluster | None = None
-    """The cluster planned for (``pipecut.clusters.plan_cluster``); None for other plans."""
+    """The cluster planned for (``pipecut.planning.clusters.plan_cluster``); None for other plans."""
     placement: ClusterPlacement | None = None
     """On ``cluster``: which GPU holds which stage of which replica."""
     run: RunPrediction | None = None

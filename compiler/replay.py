@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipecut.errors import PlanError
-from pipecut.partition import DEFAULT_LINK, as_devices, as_schedule
 from pipecut.plan import CaptureMethod, Link, Plan, ScheduleKind
+from pipecut.planning.partition import DEFAULT_LINK, as_devices, as_schedule
 
 __all__: list[str] = []
 

@@ -18,9 +18,9 @@ import torch.fx as fx
 from pipecut.core.schedule import Schedule, validate
 from pipecut.core.shapes import Signature, accepted, describe_accepted, planned_signature
 from pipecut.errors import InputError, ScheduleError
-from pipecut.passes.propagate import PropagationError, cut_values
-from pipecut.passes.schedules import build
-from pipecut.passes.stages import plan_costs
+from pipecut.passes.costs.stages import plan_costs
+from pipecut.passes.rewrite.propagate import PropagationError, cut_values
+from pipecut.passes.schedules.standard import build
 from pipecut.plan import NodeCost, Plan
 
 __all__: list[str] = []
@@ -35,7 +35,7 @@ class WireSpecs:
     The planned signature without autocast uses the plan's own rows (exactly the former
     behaviour, and no propagation, so models whose graph cannot run on fake tensors still run
     their planned shapes). Any other signature propagates fake tensors through the captured
-    graph (``pipecut.passes.propagate``); one that cannot propagate is refused.
+    graph (``pipecut.passes.rewrite.propagate``); one that cannot propagate is refused.
     """
 
     def __init__(self, gm: fx.GraphModule, plan: Plan, device: torch.device) -> None:

@@ -8,11 +8,11 @@ names, and a lazily exported function would be shadowed by its module once that 
 from __future__ import annotations
 
 from pipecut.core.program import StageProgram
-from pipecut.passes.hybrid import HybridPlan, plan_hybrid
-from pipecut.passes.ilp import IlpSolver
-from pipecut.passes.replication import ReplicationKind
-from pipecut.passes.split import split, split_stage
-from pipecut.passes.workload import Workload, workload
+from pipecut.passes.costs.workload import Workload, workload
+from pipecut.passes.parallel.hybrid import HybridPlan, plan_hybrid
+from pipecut.passes.parallel.replication import ReplicationKind
+from pipecut.passes.partition.ilp import IlpSolver
+from pipecut.passes.rewrite.split import split, split_stage
 
 __all__ = [
     "HybridPlan",

@@ -1,6 +1,6 @@
 """The reference partitioner for tests: the plain O(K·N²) dynamic program over a chain.
 
-The package plans with :mod:`pipecut.passes.memory_dp` (the same optimum over the full cost
+The package plans with :mod:`pipecut.passes.partition.memory_dp` (the same optimum over the full cost
 model, pruned by a bound); tests check it, the ILP and the holder rule against this one.
 
 Pure numbers, no torch. Stage ``s`` over units ``[i, j)`` costs
@@ -16,7 +16,7 @@ is exact for this objective. It runs in O(K·N²) with the inner minimum vectori
 Optional per-stage memory capacities make a (i, j) choice infeasible when the stage's memory
 ``fixed_bytes[i:j].sum() + inflight[s] * activation_bytes[i:j].sum()`` exceeds capacity.
 With ``holds_params`` every stage must hold a unit that reads a parameter
-(:mod:`pipecut.passes.holders`): otherwise its rank would have nothing to train.
+(:mod:`pipecut.passes.partition.holders`): otherwise its rank would have nothing to train.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipecut.errors import PartitionError
-from pipecut.passes.holders import holder_prefix, stage_count_error
+from pipecut.passes.partition.holders import holder_prefix, stage_count_error
 
 __all__ = ["Chain", "Partition", "partition_dp", "stage_cost"]
 

@@ -1,6 +1,6 @@
 """The graph a plan runs: the captured graph with the plan's heavy nodes computed in row pieces.
 
-A plan with ``chunked`` nodes (see :mod:`pipecut.passes.chunk_rows`) was partitioned on the
+A plan with ``chunked`` nodes (see :mod:`pipecut.passes.rewrite.chunk_rows`) was partitioned on the
 rewritten graph, while its fingerprint is the captured one's, so that a plan is checked against
 the model as captured. Every path that splits a captured graph into stages (compile, the
 other train/eval mode, calibration, live re-planning) goes through :func:`as_planned` after the
@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from pipecut.core.program import Captured
-from pipecut.passes.chunk_rows import chunk_rows
+from pipecut.passes.rewrite.chunk_rows import chunk_rows
 from pipecut.plan import ChunkedNode
 
 __all__ = ["as_planned"]

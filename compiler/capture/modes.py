@@ -9,7 +9,7 @@ without communication and the plan format is unchanged. Identical graphs (a mode
 modules handle the mode at run time, as symbolic_trace's ``nn.Dropout``/``nn.BatchNorm``
 leaves do) share one set of programs; otherwise the graph is described by running it on fake
 tensors (shapes, dtypes, which values need gradients: no real compute, no state touched) and
-its nodes are mapped onto the plan's stages by :func:`pipecut.passes.eval_graph.map_stages`.
+its nodes are mapped onto the plan's stages by :func:`pipecut.passes.rewrite.eval_graph.map_stages`.
 If the other mode cannot be captured or mapped, switching to it raises that error; training
 in the compiled mode is unaffected.
 """
@@ -30,8 +30,8 @@ from pipecut.core.cut_values import describe
 from pipecut.core.graph import attr_tensor, module_path, node_parameters, target_name
 from pipecut.core.program import Captured, Inputs, StageProgram
 from pipecut.errors import InputError
-from pipecut.passes.eval_graph import map_stages
-from pipecut.passes.split import split_stage
+from pipecut.passes.rewrite.eval_graph import map_stages
+from pipecut.passes.rewrite.split import split_stage
 from pipecut.plan import NodeCost, NodeOp, Plan
 from pipecut.runtime.stage import StageWorker
 

@@ -152,7 +152,7 @@ def _export(
 ) -> fx.GraphModule:
     """torch.export with every tensor dimension left to export to keep symbolic where the model
     allows (``Dim.AUTO``), so one graph serves shorter sequences and smaller microbatches
-    (``pipecut.passes.propagate.accepted_shapes`` reads which dimensions stayed symbolic).
+    (``pipecut.passes.rewrite.propagate.accepted_shapes`` reads which dimensions stayed symbolic).
     Where that fails, the shape-specialised export, whose plans accept only the planned shapes.
     The ExportedProgram is appended to ``out``."""
     # Fresh copies: an example that is a view (tokens[:, :-1]) makes export guard on its

@@ -49,7 +49,7 @@ def env_rank() -> int:
 
 
 class RankFormatter(logging.Formatter):
-    """``[rank 1] WARNING pipecut.planner: message`` so interleaved ranks can be told apart."""
+    """``[rank 1] WARNING pipecut.planning.planner: message`` so interleaved ranks can be told apart."""
 
     def __init__(self, rank: int) -> None:
         super().__init__(f"[rank {rank}] %(levelname)s %(name)s: %(message)s")

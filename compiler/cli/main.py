@@ -136,11 +136,11 @@ def _print_json(data: Any) -> None:
 
 # --- commands ---------------------------------------------------------------------------------
 def _plan_estimated(args: argparse.Namespace, example: Any, link: Link | None) -> Plan:
-    """Plan for a device profile: costs from FLOPs and bytes, no timing here (pipecut.devices)."""
+    """Plan for a device profile: costs from FLOPs and bytes, no timing here (pipecut.profile.devices)."""
     import pipecut
     from pipecut.capture import fingerprint
     from pipecut.core.batching import first_microbatch
-    from pipecut.devices import estimate_captured
+    from pipecut.profile.devices import estimate_captured
 
     # the capture comes back too, for the fingerprint that lets the plan be replayed
     captured, nodes = estimate_captured(
@@ -172,8 +172,8 @@ def measure_on(asked: str | None) -> str | None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     import pipecut
-    from pipecut.devices import device_profile
-    from pipecut.partition import DEFAULT_LINK, as_devices, as_ilp_solver, as_schedule
+    from pipecut.planning.partition import DEFAULT_LINK, as_devices, as_ilp_solver, as_schedule
+    from pipecut.profile.devices import device_profile
     from pipecut.report.render import render
 
     # everything that can be checked is checked before the (slow) profiling starts
@@ -197,7 +197,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     as_ilp_solver(args.solver)
     if args.cluster is not None:
-        from pipecut.clusters import parse_cluster
+        from pipecut.planning.clusters import parse_cluster
 
         if args.device_profile is not None or "auto" in (args.microbatches, args.schedule):
             raise InputError("--cluster names the device and weighs D x K itself: drop "
@@ -210,7 +210,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     log.info("planning %s on %d devices, %s microbatches, %s", args.factory, args.devices,
              args.microbatches, args.schedule)
     if args.cluster is not None:
-        from pipecut.clusters import plan_cluster
+        from pipecut.planning.clusters import plan_cluster
 
         plan = plan_cluster(
             example.model, example.inputs, args.cluster, data_parallel="auto",
@@ -312,13 +312,13 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def _profile_names() -> list[str]:
-    from pipecut.devices import device_profiles
+    from pipecut.profile.devices import device_profiles
 
     return [p.name for p in device_profiles()]
 
 
 def _solver_names() -> list[str]:
-    from pipecut.passes.ilp import IlpSolver
+    from pipecut.passes.partition.ilp import IlpSolver
 
     return [s.value for s in IlpSolver]
 

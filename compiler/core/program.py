@@ -2,7 +2,7 @@
 
 :class:`Captured` is what capture produces (a GraphModule, how user inputs flatten into its
 placeholders and how its outputs rebuild the model's output); :class:`StageProgram` is what
-:func:`pipecut.passes.split.split` produces for each stage. Both are data the runtime executes.
+:func:`pipecut.passes.rewrite.split.split` produces for each stage. Both are data the runtime executes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A run of a stage's nodes that recomputes in backward: a submodule holding no tensors.
 
-Built by :func:`pipecut.passes.segments.checkpoint_segments`. Its code is generated from the
+Built by :func:`pipecut.passes.rewrite.segments.checkpoint_segments`. Its code is generated from the
 run's nodes and called with ``self`` bound to the stage module, so it reads the stage's own
 parameters and buffers by their names: nothing is renamed, nothing is registered twice, and
 whatever replaces a parameter later (moving to a device, FSDP's sharded parameters) is what the

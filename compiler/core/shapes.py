@@ -4,7 +4,7 @@ A plan is made for one batch shape, but a training loop sees shorter sequences a
 last batch. Instead of a shape handshake between ranks (a source of hangs in other tools),
 every rank derives the same :class:`Signature` from the batch it is given (all ranks of a
 pipeline get the same batch) and the autocast state it runs under; the wire spec of every cut
-value is a deterministic function of that signature (``pipecut.passes.propagate``). This module
+value is a deterministic function of that signature (``pipecut.passes.rewrite.propagate``). This module
 holds the plain data and checks; it imports no pass and no runtime.
 """
 

@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 from pipecut.core.schedule import Action, ActionKind
 from pipecut.parallel import DataParallel
-from pipecut.partition import partition_costs
-from pipecut.passes.chain import liveness
-from pipecut.passes.stages import build_stages
+from pipecut.passes.costs.stages import build_stages
+from pipecut.passes.partition.chain import liveness
 from pipecut.plan import Link, NodeCost, Partitioner, Plan, Recompute
+from pipecut.planning.partition import partition_costs
 from pipecut.profile.calibrate import calibrate
 
 __all__ = ["LiveTimes", "fit_latency", "measure_stages", "recalibrate"]

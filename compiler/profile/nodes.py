@@ -140,7 +140,7 @@ def profile(
     the CPU is timed on the GPU its stages will run on without ever being there whole.
     ``only``: time just these nodes (the rest run once, for their values, and get zero times;
     the loss is not timed unless ``"output"`` is named): a graph rewritten in a few places is
-    measured where it changed (see :mod:`pipecut.heavy`)."""
+    measured where it changed (see :mod:`pipecut.planning.heavy`)."""
     gm = captured.gm
     canonical = canonical_names(gm)
     runner = NodeRunner(gm)

@@ -1,7 +1,7 @@
 """Timelines as spans: the predicted schedule laid out in time, and a measured Chrome trace.
 
 The predicted spans come from the same simulation that gives the plan its predicted step time
-(``pipecut.passes.stages.predicted_timeline``), so the Gantt chart in the HTML report is the
+(``pipecut.passes.costs.stages.predicted_timeline``), so the Gantt chart in the HTML report is the
 prediction, not a drawing of it: its last end is ``plan.predicted.step_ms``.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 from pipecut.core.schedule import Action, ActionKind, Schedule, timeline
 from pipecut.errors import PlanError, ScheduleError
-from pipecut.passes.stages import predicted_timeline
+from pipecut.passes.costs.stages import predicted_timeline
 from pipecut.plan import Plan, Recompute
 
 __all__ = ["Span", "layout", "load_trace", "predicted_spans", "recompute_ms", "to_trace"]

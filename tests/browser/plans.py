@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pipecut import DeviceSpec, Plan
-from pipecut.partition import partition_costs
 from pipecut.plan import Leaf, LeafKind, NodeCost, NodeOp
+from pipecut.planning.partition import partition_costs
 
 TENSOR_SPEC = '[1, {"type": null, "context": null, "children_spec": []}]'
 """The serialized pytree spec of a single tensor (``treespec_dumps`` of a leaf)."""

@@ -12,7 +12,7 @@ import pipecut
 import pipecut.api as api
 from examples import gpt
 from pipecut.errors import ScheduleError
-from pipecut.passes.stages import inflight_microbatches
+from pipecut.passes.costs.stages import inflight_microbatches
 from pipecut.core.schedule import parse_schedule
 from tests.harness import run_ranks
 

@@ -133,7 +133,7 @@ def test_interleaved_with_one_stage_per_rank_runs_any_microbatch_count(outcomes:
 
 
 def test_an_automatic_schedule_with_data_parallelism_is_one_it_can_run(outcomes: dict[Config, Outcome]) -> None:
-    """Fixed (compiler/autoplan.py rules the split-backward schedules out when the plan has
+    """Fixed (compiler/planning/autoplan.py rules the split-backward schedules out when the plan has
     replicas): ``compile(mesh, microbatches="auto", schedule="auto", data_parallel="ddp")``
     chose ZBV, which it then refused:
 
@@ -145,7 +145,7 @@ def test_an_automatic_schedule_with_data_parallelism_is_one_it_can_run(outcomes:
 
 
 def test_an_automatic_count_for_interleaved_with_one_stage_per_rank(outcomes: dict[Config, Outcome]) -> None:
-    """Fixed (compiler/autoplan.py): a batch of 9 per replica on 2 ranks, interleaved-1f1b with
+    """Fixed (compiler/planning/autoplan.py): a batch of 9 per replica on 2 ranks, interleaved-1f1b with
     one stage per rank, ``microbatches="auto"``: every count was skipped as not a multiple of
     the ranks (only several stages per rank need one), and compile refused with no reason:
 

@@ -1,4 +1,4 @@
-"""pipecut.autoplan: choosing microbatches and schedule by predicted step time."""
+"""pipecut.planning.autoplan: choosing microbatches and schedule by predicted step time."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipecut.autoplan import AUTO, choose, schedules_to_try
 from pipecut.errors import InputError, PartitionError
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.plan import Recompute, ScheduleKind
+from pipecut.planning.autoplan import AUTO, choose, schedules_to_try
 from tests.unit.tiny import mlp_plan
 
 G, F, Z, V = ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUBBLE, ScheduleKind.INTERLEAVED_1F1B

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 import pipecut
-from pipecut.autoplan import Measurements, accepts
 from pipecut.capture import capture, fingerprint
 from pipecut.plan import CaptureMethod
+from pipecut.planning.autoplan import Measurements, accepts
 from pipecut.profile.nodes import profile
 
 
@@ -96,11 +96,11 @@ def test_auto_plans_the_graph_a_fixed_plan_at_the_chosen_count_would() -> None:
 
 
 def test_a_winner_between_the_profiled_sizes_is_planned_on_their_graph_without_profiling_again(monkeypatch) -> None:
-    import pipecut.planner
+    import pipecut.planning.planner
 
     torch.manual_seed(0)
     model, x, y = Net(), torch.randn(8, 8), torch.randn(8, 4)
-    real_choose, real_profile = pipecut.planner.choose, pipecut.planner.profile
+    real_choose, real_profile = pipecut.planning.planner.choose, pipecut.planning.planner.profile
     profiled: list[int] = []
 
     def middle(*args, **kwargs):  # as if M = 4 (microbatch size 2) won, between 8 and 2
@@ -111,8 +111,8 @@ def test_a_winner_between_the_profiled_sizes_is_planned_on_their_graph_without_p
         profiled.append(inputs[0].shape[0])
         return real_profile(captured, inputs, **kwargs)
 
-    monkeypatch.setattr(pipecut.planner, "choose", middle)
-    monkeypatch.setattr(pipecut.planner, "profile", counted)
+    monkeypatch.setattr(pipecut.planning.planner, "choose", middle)
+    monkeypatch.setattr(pipecut.planning.planner, "profile", counted)
     auto = pipecut.plan(model, (x,), 2, loss_fn=_loss, target=y, microbatches="auto",
                         capture_method=CaptureMethod.EXPORT, repeats=1, warmup=0, chunk_heavy=False)
     assert auto.microbatches == 4 and sorted(profiled) == [1, 4]  # the two ends only

@@ -21,7 +21,7 @@ from torch import nn
 from examples import gpt
 from pipecut.capture import capture, fingerprint
 from pipecut.errors import PlanError
-from pipecut.passes.chunk_rows import chunk_rows, chunkable, piece_names, row_chunk
+from pipecut.passes.rewrite.chunk_rows import chunk_rows, chunkable, piece_names, row_chunk
 from pipecut.plan import CaptureMethod, ChunkedNode
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -251,10 +251,10 @@ def test_version(capsys):
 
 def test_plan_for_a_device_profile_estimates_without_profiling(in_repo, tmp_path, monkeypatch):
     from pipecut.capture import capture, fingerprint
-    from pipecut.devices import device_link, device_profile
     from pipecut.plan import CostSource
+    from pipecut.profile.devices import device_link, device_profile
 
-    monkeypatch.setattr(pipecut.planner, "profile", lambda *a, **k: pytest.fail("profiled"))
+    monkeypatch.setattr(pipecut.planning.planner, "profile", lambda *a, **k: pytest.fail("profiled"))
     out = tmp_path / "a100.json"
     assert main(["plan", "examples.mlp:build", "-k", "2", "-m", "2", "--batch-size", "8",
                  "--device-profile", "a100-80gb", "-o", str(out), "-q"]) == 0
@@ -287,7 +287,7 @@ def test_plan_chunks_a_heavy_head_unless_told_not_to(in_repo, tmp_path, monkeypa
     import dataclasses
 
     from pipecut.capture.modes import describe_graph
-    from pipecut.passes.chain import is_unit
+    from pipecut.passes.partition.chain import is_unit
 
     def profile(captured, inputs, **_):  # set costs: the head 500 ms, any piece its share
         rows = describe_graph(captured, inputs)
@@ -298,7 +298,7 @@ def test_plan_chunks_a_heavy_head_unless_told_not_to(in_repo, tmp_path, monkeypa
             return 500.0 if name == "lm_head" and not pieces else 1.0
         return tuple(dataclasses.replace(n, forward_ms=ms(n.name)) if is_unit(n) else n for n in rows)
 
-    monkeypatch.setattr(pipecut.planner, "profile", profile)
+    monkeypatch.setattr(pipecut.planning.planner, "profile", profile)
     common = ["plan", "examples.gpt:build", "-k", "4", "-m", "4", "--batch-size", "8", "--no-calibrate", "-q"]
     assert main([*common, "-o", str(tmp_path / "a.json")]) == 0
     assert main([*common, "--no-chunk-heavy", "-o", str(tmp_path / "b.json")]) == 0

@@ -7,11 +7,11 @@ import torch
 
 from pipecut import Plan, summary
 from pipecut.cluster import Cluster, Layout
-from pipecut.clusters import parse_cluster, plan_cluster, predict_run
 from pipecut.errors import InputError, PartitionError
 from pipecut.parallel import DataParallel, DataParallelKind
-from pipecut.passes.training import RunShape
+from pipecut.passes.parallel.training import RunShape
 from pipecut.plan import NodeCost, NodeOp
+from pipecut.planning.clusters import parse_cluster, plan_cluster, predict_run
 
 
 def test_parse_cluster_reads_nodes_gpus_and_profile() -> None:

@@ -1,10 +1,10 @@
-"""pipecut.passes.coarsen: choosing candidate cut positions in large graphs."""
+"""pipecut.passes.partition.coarsen: choosing candidate cut positions in large graphs."""
 
 from __future__ import annotations
 
 import math
 
-from pipecut.passes.coarsen import candidate_cuts, chain_cuts, module_cuts
+from pipecut.passes.partition.coarsen import candidate_cuts, chain_cuts, module_cuts
 
 
 def test_module_cuts_at_each_depth():

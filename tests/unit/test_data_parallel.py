@@ -7,12 +7,12 @@ import pytest
 from benchmarks.synthetic import transformer_costs
 from pipecut.errors import InputError, PartitionError
 from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
-from pipecut.partition import DEFAULT_LINK, partition_costs
-from pipecut.passes.memory_floor import min_peak_memory
-from pipecut.passes.problem import formulate
-from pipecut.passes.schedules import gpipe, interleaved_1f1b, one_f_one_b
-from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, state_bytes
+from pipecut.passes.costs.stages import OPTIMIZER_STATE_FACTOR, state_bytes
+from pipecut.passes.partition.memory_floor import min_peak_memory
+from pipecut.passes.partition.problem import formulate
+from pipecut.passes.schedules.standard import gpipe, interleaved_1f1b, one_f_one_b
 from pipecut.plan import DeviceSpec, Partitioner, ScheduleKind
+from pipecut.planning.partition import DEFAULT_LINK, partition_costs
 from pipecut.runtime.data_parallel import last_backwards
 
 

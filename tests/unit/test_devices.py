@@ -8,7 +8,10 @@ import pytest
 import torch
 
 import pipecut
-from pipecut.devices import (
+from pipecut.errors import InputError
+from pipecut.plan import CostSource, NodeOp, Plan
+from pipecut.planning.partition import partition_costs
+from pipecut.profile.devices import (
     DeviceProfile,
     Precision,
     device_link,
@@ -17,9 +20,6 @@ from pipecut.devices import (
     device_specs,
     roofline_ms,
 )
-from pipecut.errors import InputError
-from pipecut.partition import partition_costs
-from pipecut.plan import CostSource, NodeOp, Plan
 from pipecut.schema import validate_plan_dict
 
 

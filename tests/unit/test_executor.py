@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from examples import mlp
-from pipecut.passes.split import split
-from pipecut.passes.stages import plan_schedule
+from pipecut.passes.costs.stages import plan_schedule
+from pipecut.passes.rewrite.split import split
 from pipecut.runtime.executor import run_actions
 from pipecut.runtime.p2p import comm_program, wiring
 from pipecut.runtime.stage import StageWorker

@@ -19,12 +19,12 @@ import pipecut
 from examples import gpt
 from pipecut.capture import as_planned, capture
 from pipecut.capture.modes import describe_graph
-from pipecut.heavy import MAX_PIECES, heavy_chunks, merge_costs, new_names
-from pipecut.partition import partition_costs
-from pipecut.passes.chain import is_unit
-from pipecut.passes.chunk_rows import piece_names
-from pipecut.passes.split import split, verify
+from pipecut.passes.partition.chain import is_unit
+from pipecut.passes.rewrite.chunk_rows import piece_names
+from pipecut.passes.rewrite.split import split, verify
 from pipecut.plan import ChunkedNode, NodeCost, NodeOp, Plan, ScheduleKind
+from pipecut.planning.heavy import MAX_PIECES, heavy_chunks, merge_costs, new_names
+from pipecut.planning.partition import partition_costs
 from pipecut.schema import schema
 
 K = 4
@@ -143,7 +143,7 @@ def _plan(**kwargs):  # type: ignore[no-untyped-def]
 
 
 def test_the_planner_chunks_a_heavy_head_and_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("pipecut.planner.profile", _fake_profile(None))
+    monkeypatch.setattr("pipecut.planning.planner.profile", _fake_profile(None))
     plan = _plan()
     assert [c.node for c in plan.chunked] == ["lm_head"]
     found = re.search(r"predicted step ([\d.]+) ms, ([\d.]+) ms whole; chunked", plan.solver.detail)
@@ -167,7 +167,7 @@ def test_the_planner_chunks_a_heavy_head_and_round_trips(monkeypatch: pytest.Mon
 
 
 def test_the_planner_keeps_the_head_whole_when_pieces_cost_more(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("pipecut.planner.profile", _fake_profile(HEAD_MS))  # each piece a whole head
+    monkeypatch.setattr("pipecut.planning.planner.profile", _fake_profile(HEAD_MS))  # each piece a whole head
     plan = _plan()
     assert plan.chunked == ()
     assert re.search(r"heavy node\(s\) lm_head in \d row pieces: .* ms whole; kept whole", plan.solver.detail)

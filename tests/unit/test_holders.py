@@ -11,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipecut.errors import PartitionError
-from pipecut.partition import partition_costs
-from pipecut.passes.holders import max_stages, stage_count_error
-from pipecut.passes.ilp import solve_ilp
-from pipecut.passes.memory_dp import partition_bounded
-from pipecut.passes.memory_partition import partition_ilp
-from pipecut.passes.problem import Evaluation, Problem, evaluate
+from pipecut.passes.partition.holders import max_stages, stage_count_error
+from pipecut.passes.partition.ilp import solve_ilp
+from pipecut.passes.partition.memory_dp import partition_bounded
+from pipecut.passes.partition.memory_partition import partition_ilp
+from pipecut.passes.partition.problem import Evaluation, Problem, evaluate
 from pipecut.plan import Leaf, LeafKind, NodeCost, NodeOp, Partitioner
+from pipecut.planning.partition import partition_costs
 from tests.exact_dp import Chain, partition_dp
 
 SETTINGS = settings(max_examples=40, deadline=None)

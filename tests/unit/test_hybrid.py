@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from benchmarks.synthetic import transformer_costs
 from pipecut.errors import PartitionError
-from pipecut.passes.hybrid import (
+from pipecut.passes.parallel.hybrid import (
     Candidate,
     Workload,
     evaluate,

@@ -88,7 +88,7 @@ def test_no_module_imports_a_layer_above_or_beside_its_own() -> None:
 
 def test_the_rule_is_checked_on_every_module() -> None:
     known = modules()
-    assert {"pipecut.core.schedule", "pipecut.passes.split", "pipecut.runtime.pipeline",
+    assert {"pipecut.core.schedule", "pipecut.passes.rewrite.split", "pipecut.runtime.pipeline",
             "pipecut.api", "pipecut.report.render"} <= set(known)
     assert {layer(m) for m in known} == {"data", "passes", "runtime", "top"}
 

@@ -35,10 +35,10 @@ def test_configure_prefixes_the_rank_and_replaces_its_own_handler():
         configure(1, rank=2, stream=first)
         configure(1, rank=1, stream=second)
         assert sum(getattr(h, "_pipecut", False) for h in logger.handlers) == 1
-        logging.getLogger("pipecut.planner").warning("hello %d", 5)
-        logging.getLogger("pipecut.planner").info("hidden off rank 0")
+        logging.getLogger("pipecut.planning.planner").warning("hello %d", 5)
+        logging.getLogger("pipecut.planning.planner").info("hidden off rank 0")
         assert first.getvalue() == ""
-        assert second.getvalue() == "[rank 1] WARNING pipecut.planner: hello 5\n"
+        assert second.getvalue() == "[rank 1] WARNING pipecut.planning.planner: hello 5\n"
         assert logger.propagate is False
     finally:
         logger.handlers[:], logger.level, logger.propagate = before[0], before[1], before[2]

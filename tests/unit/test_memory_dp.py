@@ -1,4 +1,4 @@
-"""pipecut.passes.memory_dp: the exact bounded DP agrees with brute force on small problems."""
+"""pipecut.passes.partition.memory_dp: the exact bounded DP agrees with brute force on small problems."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from pipecut.passes.memory_dp import lower_bound, partition_bounded
-from pipecut.passes.problem import Problem, evaluate
+from pipecut.passes.partition.memory_dp import lower_bound, partition_bounded
+from pipecut.passes.partition.problem import Problem, evaluate
 from pipecut.plan import Recompute
 
 

@@ -1,4 +1,4 @@
-"""pipecut.passes.memory_floor: the least memory any split needs, and the error when none fits."""
+"""pipecut.passes.partition.memory_floor: the least memory any split needs, and the error when none fits."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import random
 import pytest
 
 from pipecut.errors import PartitionError
-from pipecut.passes.memory_floor import infeasible_error, min_peak_memory
-from pipecut.passes.problem import Problem, stage_options
-from pipecut.passes.stages import inflight_microbatches
+from pipecut.passes.costs.stages import inflight_microbatches
+from pipecut.passes.partition.memory_floor import infeasible_error, min_peak_memory
+from pipecut.passes.partition.problem import Problem, stage_options
 from pipecut.plan import ScheduleKind
 
 

@@ -1,4 +1,4 @@
-"""pipecut.passes.memory_partition: the memory-aware partitioner (bounded DP + ILP) end to end."""
+"""pipecut.passes.partition.memory_partition: the memory-aware partitioner (bounded DP + ILP) end to end."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import pytest
 
 from pipecut.errors import PartitionError
-from pipecut.passes.memory_dp import partition_bounded
-from pipecut.passes.memory_partition import partition_ilp
-from pipecut.passes.problem import Problem
+from pipecut.passes.partition.memory_dp import partition_bounded
+from pipecut.passes.partition.memory_partition import partition_ilp
+from pipecut.passes.partition.problem import Problem
 
 
 def problem(n=8, k=2, *, caps=None, recompute=False, boundary=None) -> Problem:

@@ -8,7 +8,7 @@ import pytest
 
 import pipecut
 from examples import mlp
-from pipecut.passes.microbatching import candidate_microbatches, costs_at
+from pipecut.passes.costs.microbatching import candidate_microbatches, costs_at
 from pipecut.plan import Leaf, LeafKind, NodeCost, NodeOp, ScheduleKind
 
 
@@ -67,7 +67,7 @@ def test_an_interpolated_table_takes_the_values_of_its_own_size() -> None:
     from pipecut.capture import capture
     from pipecut.capture.modes import describe_graph
     from pipecut.core.batching import first_microbatch
-    from pipecut.passes.microbatching import with_structure
+    from pipecut.passes.costs.microbatching import with_structure
 
     model, inputs, _, _ = gpt.build(8, vocab=32, dim=16, heads=2, layers=1, seq=8)
     captured = capture(model, first_microbatch(inputs, 8)[1])  # symbolic_trace: any size

@@ -14,7 +14,7 @@ import pytest
 
 from pipecut.core.schedule import Action, Placement, Schedule, parse_schedule, simulate
 from pipecut.errors import ScheduleError
-from pipecut.passes.schedules import build, gpipe, interleaved_1f1b, one_f_one_b
+from pipecut.passes.schedules.standard import build, gpipe, interleaved_1f1b, one_f_one_b
 from pipecut.plan import ScheduleKind
 from pipecut.runtime.nccl import check_nccl, check_programs
 from pipecut.runtime.p2p import (

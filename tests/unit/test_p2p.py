@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipecut.core.schedule import Action
-from pipecut.passes.schedules import build, one_f_one_b
+from pipecut.passes.schedules.standard import build, one_f_one_b
 from pipecut.plan import LeafKind, ScheduleKind
 from pipecut.runtime.p2p import (
     Direction,

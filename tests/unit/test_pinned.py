@@ -7,9 +7,9 @@ import pytest
 import pipecut
 from examples import gpt
 from pipecut.errors import PartitionError
-from pipecut.partition import partition_costs
-from pipecut.passes.pinned import bounds_from_modules, bounds_from_split_points
+from pipecut.passes.partition.pinned import bounds_from_modules, bounds_from_split_points
 from pipecut.plan import NodeCost, NodeOp, Partitioner
+from pipecut.planning.partition import partition_costs
 
 
 def _units(modules: list[str]) -> list[NodeCost]:

@@ -1,4 +1,4 @@
-"""pipecut.planner: option parsing, partitioning a cost table into a plan, and the defaults
+"""pipecut.planning.planner: option parsing, partitioning a cost table into a plan, and the defaults
 (microbatches and schedule chosen when left out; a warning when one microbatch cannot pipeline)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import pipecut
 from examples import mlp
 from pipecut.errors import InputError, PartitionError
-from pipecut.partition import as_devices, as_ilp_solver, as_schedule, partition_costs
-from pipecut.passes.ilp import IlpSolver
+from pipecut.passes.partition.ilp import IlpSolver
 from pipecut.plan import DeviceSpec, Partitioner, ScheduleKind
+from pipecut.planning.partition import as_devices, as_ilp_solver, as_schedule, partition_costs
 from tests.unit.tiny import mlp_plan
 
 

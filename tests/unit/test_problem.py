@@ -1,4 +1,4 @@
-"""pipecut.passes.problem: the partitioning problem as numbers, and its exact cost model."""
+"""pipecut.passes.partition.problem: the partitioning problem as numbers, and its exact cost model."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pipecut.passes.problem import Problem, best_stage, evaluate, stage_options
+from pipecut.passes.partition.problem import Problem, best_stage, evaluate, stage_options
 from pipecut.plan import Recompute
 
 

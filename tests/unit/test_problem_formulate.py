@@ -1,12 +1,12 @@
-"""pipecut.passes.problem: a plan's cost table as the partitioning problem."""
+"""pipecut.passes.partition.problem: a plan's cost table as the partitioning problem."""
 
 from __future__ import annotations
 
 import pytest
 
 from pipecut.parallel import DataParallel, DataParallelKind
-from pipecut.passes.problem import evaluate, formulate, unit_fixed_bytes
-from pipecut.passes.stages import inflight_microbatches, state_bytes
+from pipecut.passes.costs.stages import inflight_microbatches, state_bytes
+from pipecut.passes.partition.problem import evaluate, formulate, unit_fixed_bytes
 from pipecut.plan import DeviceSpec, Link, NodeCost, NodeOp, ScheduleKind
 from tests.unit.tiny import mlp_plan
 

@@ -24,7 +24,12 @@ from pipecut.core.shapes import (
     signature,
 )
 from pipecut.errors import InputError, PipelineRuntimeError
-from pipecut.passes.propagate import PropagationError, accepted_shapes, cut_values, propagate
+from pipecut.passes.rewrite.propagate import (
+    PropagationError,
+    accepted_shapes,
+    cut_values,
+    propagate,
+)
 from pipecut.plan import InputShape, LeafKind, Plan, ScheduleKind
 from pipecut.resolve import WireSpecs, schedules
 from pipecut.runtime.comm import WireSpec, pack, unpack

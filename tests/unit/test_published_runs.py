@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import published
-from pipecut.clusters import FAMILY_EFFICIENCY, parse_cluster
-from pipecut.devices import device_profile
+from pipecut.planning.clusters import FAMILY_EFFICIENCY, parse_cluster
+from pipecut.profile.devices import device_profile
 
 
 def _within_tolerance(run: published.PublishedRun, p: published.Predicted) -> None:

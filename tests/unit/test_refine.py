@@ -1,11 +1,11 @@
-"""pipecut.passes.refine: coordinate descent of cuts on a simulated step."""
+"""pipecut.passes.partition.refine: coordinate descent of cuts on a simulated step."""
 
 from __future__ import annotations
 
 import itertools
 import math
 
-from pipecut.passes.refine import refine_cuts
+from pipecut.passes.partition.refine import refine_cuts
 
 
 def _ranks_of_four(costs: list[float]):  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import pipecut
 from pipecut.core.schedule import simulate
-from pipecut.passes.schedules import build
+from pipecut.passes.schedules.standard import build
 from pipecut.plan import Recompute, ScheduleKind
 from pipecut.report.dot import edge_label, to_dot
 from pipecut.report.gantt import Span, layout, load_trace, predicted_spans, to_trace
@@ -171,7 +171,7 @@ def test_trace_ranks_from_tid_and_os_pids():
 
 
 def test_runtime_chrome_trace_keeps_the_measured_ranks(plan):
-    from pipecut.passes.stages import predicted_timeline
+    from pipecut.passes.costs.stages import predicted_timeline
 
     chrome_trace = pytest.importorskip("pipecut.runtime.trace").chrome_trace
 

@@ -10,15 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipecut.errors import PartitionError
-from pipecut.passes.hybrid import Candidate, plan_hybrid
-from pipecut.passes.replication import (
+from pipecut.passes.costs.workload import Workload
+from pipecut.passes.parallel.hybrid import Candidate, plan_hybrid
+from pipecut.passes.parallel.replication import (
     ReplicationKind,
     inflight,
     plan_replicated,
     stage_memory_bytes,
     stage_ms,
 )
-from pipecut.passes.workload import Workload
 from pipecut.plan import Link, ScheduleKind
 
 INSTANT = Link(bandwidth_bytes_per_ms=1e30)

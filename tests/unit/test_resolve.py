@@ -10,7 +10,7 @@ import torch
 from pipecut.core.schedule import validate
 from pipecut.core.shapes import AutocastState, signature
 from pipecut.errors import InputError
-from pipecut.passes.stages import plan_schedule
+from pipecut.passes.costs.stages import plan_schedule
 from pipecut.plan import ScheduleKind
 from pipecut.resolve import WireSpecs, schedules
 from tests.unit.tiny import mlp_captured, mlp_plan

@@ -17,7 +17,7 @@ from pipecut.core.schedule import (
     validate,
 )
 from pipecut.errors import ScheduleError
-from pipecut.passes.schedules import build, gpipe, one_f_one_b, unit_costs
+from pipecut.passes.schedules.standard import build, gpipe, one_f_one_b, unit_costs
 from pipecut.plan import ScheduleKind
 
 

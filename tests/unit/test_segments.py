@@ -1,4 +1,4 @@
-"""pipecut.passes.segments: runs of a stage's nodes recomputed through checkpointed segments."""
+"""pipecut.passes.rewrite.segments: runs of a stage's nodes recomputed through checkpointed segments."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from examples import gpt
 from pipecut.core.graph import module_path
 from pipecut.core.segment import Segment
 from pipecut.errors import PlanError
-from pipecut.passes.segments import checkpoint_segments, segment_runs
+from pipecut.passes.rewrite.segments import checkpoint_segments, segment_runs
 
 
 def _saved_bytes(fn) -> tuple[int, torch.Tensor]:

@@ -27,7 +27,7 @@ from pipecut.core.schedule import (
     validate,
 )
 from pipecut.errors import ScheduleError
-from pipecut.passes.schedules import build
+from pipecut.passes.schedules.standard import build
 from pipecut.plan import ScheduleKind
 
 F, B, IN, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.INPUT, ActionKind.WEIGHT

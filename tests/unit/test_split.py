@@ -13,7 +13,7 @@ from examples import EXAMPLES
 from pipecut.capture import capture
 from pipecut.core.graph import canonical_names
 from pipecut.core.segment import Segment
-from pipecut.passes.split import split, split_stage, verify
+from pipecut.passes.rewrite.split import split, split_stage, verify
 from pipecut.plan import Recompute
 
 

@@ -13,7 +13,7 @@ import torch
 
 from examples import mlp
 from pipecut.errors import PipelineRuntimeError
-from pipecut.passes.split import split
+from pipecut.passes.rewrite.split import split
 from pipecut.runtime.p2p import Direction, Op, Transfer
 from pipecut.runtime.stage import StageWorker, tree_to
 from tests.unit.tiny import mlp_captured, mlp_plan

@@ -1,4 +1,4 @@
-"""pipecut.passes.stages: memory of a stage's state, in-flight microbatches, schedule and prediction."""
+"""pipecut.passes.costs.stages: memory of a stage's state, in-flight microbatches, schedule and prediction."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import pytest
 
 from pipecut.errors import ScheduleError
 from pipecut.parallel import DataParallel, DataParallelKind
-from pipecut.passes.schedules import build
-from pipecut.passes.stages import (
+from pipecut.passes.costs.stages import (
     OPTIMIZER_STATE_FACTOR,
     inflight_microbatches,
     plan_schedule,
@@ -17,6 +16,7 @@ from pipecut.passes.stages import (
     stage_params,
     state_bytes,
 )
+from pipecut.passes.schedules.standard import build
 from pipecut.plan import NodeCost, NodeOp, ScheduleKind
 from tests.unit.tiny import mlp_plan
 
@@ -69,7 +69,7 @@ def test_stage_costs_and_the_zero_bubble_constraint():
 
 def test_data_parallel_adds_each_ranks_gradient_all_reduce():
     from pipecut.parallel import DataParallel, DataParallelKind
-    from pipecut.passes.stages import ring_allreduce_ms
+    from pipecut.passes.costs.stages import ring_allreduce_ms
 
     plan = mlp_plan()
     alone = predict(plan.stages, plan.microbatches, plan.nodes, plan.schedule, plan.link)

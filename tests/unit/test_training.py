@@ -8,7 +8,8 @@ import pytest
 
 from pipecut.cluster import Cluster, Interconnect, Layout
 from pipecut.parallel import DataParallelKind
-from pipecut.passes.training import (
+from pipecut.passes.costs.workload import Workload
+from pipecut.passes.parallel.training import (
     REDUCE_BYTES_PER_PARAM,
     STATE_BYTES_PER_PARAM,
     RunCandidate,
@@ -19,7 +20,6 @@ from pipecut.passes.training import (
     exposed_ms,
     ring_ms,
 )
-from pipecut.passes.workload import Workload
 from pipecut.plan import Recompute, ScheduleKind
 
 NVLINK = Interconnect(name="nvlink", bandwidth_bytes_per_ms=4e8, latency_ms=0.01)

@@ -1,12 +1,12 @@
-"""pipecut.passes.workload: the hybrid planner's view of a cost table, and all-reduce time."""
+"""pipecut.passes.costs.workload: the hybrid planner's view of a cost table, and all-reduce time."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pipecut.passes.stages import ring_allreduce_ms
-from pipecut.passes.workload import Workload, workload
+from pipecut.passes.costs.stages import ring_allreduce_ms
+from pipecut.passes.costs.workload import Workload, workload
 from pipecut.plan import Link, NodeOp
 from tests.unit.tiny import mlp_plan
 

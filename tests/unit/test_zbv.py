@@ -22,11 +22,11 @@ from pipecut.core.schedule import (
     validate,
 )
 from pipecut.errors import InputError, PartitionError, PlanError, ScheduleError
-from pipecut.partition import partition_costs
-from pipecut.passes.schedules import build, unit_costs
-from pipecut.passes.stages import inflight_microbatches, plan_costs, stage_costs
-from pipecut.passes.zbv import zbv, zbv_inflight
+from pipecut.passes.costs.stages import inflight_microbatches, plan_costs, stage_costs
+from pipecut.passes.schedules.standard import build, unit_costs
+from pipecut.passes.schedules.zbv import zbv, zbv_inflight
 from pipecut.plan import DeviceSpec, ScheduleKind
+from pipecut.planning.partition import partition_costs
 from pipecut.report.gantt import predicted_spans
 from pipecut.runtime.p2p import Wiring, receives, sends
 from tests.unit.tiny import mlp_plan

@@ -14,9 +14,9 @@ from examples import EXAMPLES
 from pipecut.capture import capture
 from pipecut.core.schedule import ActionKind, format_schedule, simulate, timeline, validate
 from pipecut.errors import ScheduleError
-from pipecut.passes.schedules import one_f_one_b
-from pipecut.passes.split import split
-from pipecut.passes.zero_bubble import zero_bubble
+from pipecut.passes.rewrite.split import split
+from pipecut.passes.schedules.standard import one_f_one_b
+from pipecut.passes.schedules.zero_bubble import zero_bubble
 from pipecut.runtime.backward_split import split_backward
 
 

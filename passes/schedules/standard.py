@@ -2,10 +2,10 @@
 
 The schedule IR they produce (:class:`~pipecut.core.schedule.Action`, its text form and the
 timing rule) lives in :mod:`pipecut.core.schedule`; the zero-bubble orders, which are list
-scheduled on the stages' costs, in :mod:`pipecut.passes.zero_bubble` (one stage per rank) and
-:mod:`pipecut.passes.zbv` (two per rank, on a V). :func:`build` is the one
+scheduled on the stages' costs, in :mod:`pipecut.passes.schedules.zero_bubble` (one stage per rank) and
+:mod:`pipecut.passes.schedules.zbv` (two per rank, on a V). :func:`build` is the one
 door to all of them: plans call it with their :class:`~pipecut.core.schedule.StageCosts`
-(``pipecut.passes.stages.plan_schedule``). The text of every generator's output for a few
+(``pipecut.passes.costs.stages.plan_schedule``). The text of every generator's output for a few
 sizes is kept under ``tests/golden/``.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pipecut.core.schedule import Action, ActionKind, Schedule, StageCosts
 from pipecut.errors import ScheduleError
-from pipecut.passes.zbv import zbv
-from pipecut.passes.zero_bubble import zero_bubble
+from pipecut.passes.schedules.zbv import zbv
+from pipecut.passes.schedules.zero_bubble import zero_bubble
 from pipecut.plan import ScheduleKind
 
 __all__ = ["build", "gpipe", "interleaved_1f1b", "one_f_one_b", "unit_costs"]

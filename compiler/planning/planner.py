@@ -1,7 +1,7 @@
 """``pipecut.plan``: capture, profile and partition a model into a :class:`~pipecut.plan.Plan`.
 
 Planning runs in one process and needs no torch.distributed. The pure part (cost table in,
-plan out) is :func:`pipecut.partition.partition_costs`, so a saved plan's cost table can be
+plan out) is :func:`pipecut.planning.partition.partition_costs`, so a saved plan's cost table can be
 re-partitioned for other devices without profiling again.
 """
 
@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from pipecut.autoplan import AUTO, Measurements, choose
 from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.capture.modes import describe_graph
 from pipecut.cluster import Cluster
@@ -22,13 +21,11 @@ from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.meta import has_meta, input_device
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError, PartitionError
-from pipecut.heavy import heavy_chunks, merge_costs, new_names
 from pipecut.parallel import DataParallel, DataParallelKind
-from pipecut.partition import DEFAULT_LINK, Devices, Split, as_devices, as_schedule, partition_costs
-from pipecut.passes.chain import is_unit
-from pipecut.passes.ilp import IlpSolver
-from pipecut.passes.microbatching import with_structure
-from pipecut.passes.propagate import accepted_shapes
+from pipecut.passes.costs.microbatching import with_structure
+from pipecut.passes.partition.chain import is_unit
+from pipecut.passes.partition.ilp import IlpSolver
+from pipecut.passes.rewrite.propagate import accepted_shapes
 from pipecut.plan import (
     CaptureMethod,
     ChunkedNode,
@@ -41,10 +38,20 @@ from pipecut.plan import (
     Recompute,
     ScheduleKind,
 )
+from pipecut.planning.autoplan import AUTO, Measurements, choose
+from pipecut.planning.heavy import heavy_chunks, merge_costs, new_names
+from pipecut.planning.partition import (
+    DEFAULT_LINK,
+    Devices,
+    Split,
+    as_devices,
+    as_schedule,
+    partition_costs,
+)
+from pipecut.planning.replicas import plan_replicas
 from pipecut.profile.calibrate import calibrate as calibrate_costs
 from pipecut.profile.calibrate import stage_times
 from pipecut.profile.nodes import LossFn, profile
-from pipecut.replicas import plan_replicas
 from pipecut.report.text import sequential_note
 
 __all__ = ["default_choices", "plan", "warn_if_sequential"]
@@ -85,7 +92,7 @@ def plan(
     ``example_inputs`` is one full batch (a tuple of positional tensors or a dict of keyword
     tensors); ``target`` is the matching target for ``loss_fn(output, target)``.
     ``microbatches="auto"`` / ``schedule="auto"``: pick them by predicted step time (see
-    :mod:`pipecut.autoplan`); the plan lists every pair considered (``plan.candidates``).
+    :mod:`pipecut.planning.autoplan`); the plan lists every pair considered (``plan.candidates``).
     ``microbatches`` left out (None) is "auto", and so is ``schedule`` then, so a plan
     pipelines by default (``schedule`` left out beside a given microbatch count is GPipe); with
     ``data_parallel="auto"`` both must be given. One microbatch on several stages runs the
@@ -98,19 +105,19 @@ def plan(
 
     ``data_parallel="auto"``: ``devices`` are N equal devices; choose D replicas of a K-stage
     pipeline (N = D × K) by predicted step, gradient all-reduce included (see
-    :mod:`pipecut.replicas`), and return the K-stage plan of one replica, planned again at its
+    :mod:`pipecut.planning.replicas`), and return the K-stage plan of one replica, planned again at its
     share of the batch (``batch_size`` = B / D), with ``data_parallel`` = D DDP replicas and
     every shape weighed in ``replica_candidates``. ``link`` serves both the pipeline and the
     all-reduce.
 
     ``chunk_heavy``: with GPipe or (interleaved) 1F1B, a linear-like node costing more than
     total / K (a large-vocabulary LM head) is computed in row pieces that can go to different
-    stages, where that lowers the predicted step (see :mod:`pipecut.heavy`); the plan lists such
+    stages, where that lowers the predicted step (see :mod:`pipecut.planning.heavy`); the plan lists such
     nodes in ``chunked`` and the solver detail gives both predictions. The model is unchanged.
 
     ``cluster="8x8xH100-SXM"`` (or a :class:`~pipecut.cluster.Cluster`): plan a whole training
     run on a cluster that is not here, from estimated costs (the model may be on meta): see
-    :func:`pipecut.clusters.plan_cluster`, which this calls with ``data_parallel`` ("auto" or
+    :func:`pipecut.planning.clusters.plan_cluster`, which this calls with ``data_parallel`` ("auto" or
     None: weigh every D × K of FSDP replicas; a ``DataParallel`` fixes D and the engine), ``microbatches``, ``schedule`` and ``recompute``
     (the run's activation checkpointing; None: selective, True: full, False: none); ``devices``
     and the profiling options are then unused.
@@ -299,7 +306,7 @@ def _plan_for_cluster(
     loss_fn: LossFn | None, target: Any, microbatches: int | str, schedule: str | ScheduleKind,
     recompute: bool | None, data_parallel: DataParallel | str | None,
 ) -> Plan:
-    from pipecut.clusters import plan_cluster
+    from pipecut.planning.clusters import plan_cluster
 
     if not isinstance(microbatches, int) or schedule == AUTO:
         raise InputError("plan(cluster=...) needs microbatches and schedule as values, not 'auto'")

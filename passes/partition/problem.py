@@ -17,7 +17,7 @@ Where a stage does not fit without recompute, its selective option recomputes th
 free the most bytes per millisecond first, until it fits; if that takes every block, the whole
 stage recomputes instead (the same time for less memory).
 
-which is the model of :func:`pipecut.passes.stages.build_stages`. Every solver (DP, ILP,
+which is the model of :func:`pipecut.passes.costs.stages.build_stages`. Every solver (DP, ILP,
 baselines, brute force) is judged by :func:`evaluate`, so they can be compared number for number.
 No torch here: tests build problems by hand.
 """
@@ -31,7 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipecut.parallel import DataParallel
-from pipecut.passes.chain import (
+from pipecut.passes.costs.stages import inflight_microbatches, state_bytes
+from pipecut.passes.partition.chain import (
     Liveness,
     boundary_bytes,
     boundary_messages,
@@ -39,9 +40,8 @@ from pipecut.passes.chain import (
     liveness,
     unit_param_bytes,
 )
-from pipecut.passes.coarsen import block_cuts
-from pipecut.passes.holders import holds_params
-from pipecut.passes.stages import inflight_microbatches, state_bytes
+from pipecut.passes.partition.coarsen import block_cuts
+from pipecut.passes.partition.holders import holds_params
 from pipecut.plan import DeviceSpec, Link, NodeCost, Recompute, ScheduleKind
 
 __all__ = [
@@ -87,7 +87,7 @@ class Problem:
     names: tuple[str, ...] = ()
     holds_params: tuple[bool, ...] = ()
     """Per unit: reads a parameter. When given (and some unit does), a stage fits only if it
-    holds one such unit (:mod:`pipecut.passes.holders`): otherwise its rank has nothing to train."""
+    holds one such unit (:mod:`pipecut.passes.partition.holders`): otherwise its rank has nothing to train."""
 
     def __post_init__(self) -> None:
         n, k = len(self.compute_ms), len(self.speeds)

@@ -3,7 +3,7 @@
 A stage without parameters cannot train with the README's loop: on its rank
 ``torch.optim.AdamW(pipe.parameters())`` raises "optimizer got an empty parameter list". So when
 the model has parameters, each solver (the reference DP of ``tests/exact_dp.py``, the bounded DP
-of :mod:`pipecut.passes.memory_dp` and the ILP of :mod:`pipecut.passes.ilp`) only takes splits in
+of :mod:`pipecut.passes.partition.memory_dp` and the ILP of :mod:`pipecut.passes.partition.ilp`) only takes splits in
 which every stage holds at least one unit that reads a parameter (a tied weight counts on every
 stage that reads it). :func:`max_stages` says how many stages a chain allows, and
 :func:`stage_count_error` turns "too many" into an error that says so. Pure numbers, no torch.
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipecut.errors import PartitionError
-from pipecut.passes.chain import reads_params
+from pipecut.passes.partition.chain import reads_params
 from pipecut.plan import NodeCost
 
 __all__ = ["holder_prefix", "holds_params", "max_stages", "stage_count_error"]

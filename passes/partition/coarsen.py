@@ -11,7 +11,7 @@ subset of positions. Three reductions, in order of how much they can cost:
 3. *Chains*: a block heavier than ``total / max_positions`` (a flat graph without modules) is
    split at equal compute intervals, at the cheapest cut in each interval.
 
-The exact bounded DP (:mod:`pipecut.passes.memory_dp`) still sees every position; its cuts are
+The exact bounded DP (:mod:`pipecut.passes.partition.memory_dp`) still sees every position; its cuts are
 added to the candidates so that the ILP over the candidates can only confirm or improve on it.
 """
 

@@ -2,9 +2,9 @@
 
 A node costing more than a stage's share (total / K) caps every split: the stage holding it is
 at least that node. When such a node is linear-like (an LM head; see
-:mod:`pipecut.passes.chunk_rows`), the planner rewrites the graph with the node in row pieces,
+:mod:`pipecut.passes.rewrite.chunk_rows`), the planner rewrites the graph with the node in row pieces,
 each at most a share, profiles the rewritten graph, and keeps the result only where its
-predicted step beats the plain plan's (see :func:`pipecut.planner.plan`, ``chunk_heavy``).
+predicted step beats the plain plan's (see :func:`pipecut.planning.planner.plan`, ``chunk_heavy``).
 
 Both functions here are pure: a cost table (and the graph, to ask what is chunkable) in, plan
 data out.
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch.fx as fx
 
-from pipecut.passes.chain import is_unit
-from pipecut.passes.chunk_rows import chunkable, piece_names
+from pipecut.passes.partition.chain import is_unit
+from pipecut.passes.rewrite.chunk_rows import chunkable, piece_names
 from pipecut.plan import ChunkedNode, NodeCost, NodeOp
 
 __all__ = ["MAX_PIECES", "heavy_chunks", "merge_costs", "new_names"]

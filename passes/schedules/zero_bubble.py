@@ -6,7 +6,7 @@ an input-gradient part ``I`` (which the previous stage waits for) and a weight-g
 rank, whenever it is free, starts a ready ``I`` first, else a ready ``F``, else a pending ``W``
 (filling what would have been a bubble), else waits for the earliest input to arrive; of the
 ranks, the one that can start earliest (then the lowest) goes first, found with a heap in
-O(log K) per action (:func:`list_schedule`, which :mod:`pipecut.passes.zbv` uses for two
+O(log K) per action (:func:`list_schedule`, which :mod:`pipecut.passes.schedules.zbv` uses for two
 stages per rank on a V). The result is an ordinary schedule (per-rank action lists), checked and timed by
 :func:`pipecut.core.schedule.simulate` like any other; any valid order is correct, the costs
 only decide how well the bubbles are filled. Two ranks, four microbatches, F = I = W::

@@ -60,7 +60,7 @@ def checkpoint_segments(gm: fx.GraphModule, recomputed: Collection[str], where: 
             f"{where} recomputes node(s) {unknown[:5]} that its graph lacks; "
             f"the plan was made for another graph: re-plan"
         )
-    graph = fx.Graph()  # a stage's graph has the default code generation (see passes/split.py)
+    graph = fx.Graph()  # a stage's graph has the default code generation (see passes/rewrite/split.py)
     graph.output(graph.graph_copy(gm.graph, {}))
     out = fx.GraphModule(gm, graph, type(gm).__name__)
     out.training = gm.training

@@ -21,7 +21,7 @@ from pipecut.core.schedule import (
     timeline,
 )
 from pipecut.parallel import DataParallel, DataParallelKind
-from pipecut.passes.chain import (
+from pipecut.passes.partition.chain import (
     Liveness,
     boundary_bytes,
     boundary_messages,
@@ -31,7 +31,7 @@ from pipecut.passes.chain import (
     value_bytes,
     value_messages,
 )
-from pipecut.passes.schedules import build as build_schedule
+from pipecut.passes.schedules.standard import build as build_schedule
 from pipecut.plan import (
     DeviceSpec,
     Edge,

@@ -1,17 +1,17 @@
 """The memory-aware partitioner end to end: exact bounded DP, ILP over candidate cuts, errors.
 
-1. :func:`~pipecut.passes.memory_dp.partition_bounded` finds the optimal split over every allowed
+1. :func:`~pipecut.passes.partition.memory_dp.partition_bounded` finds the optimal split over every allowed
    cut position (speeds, memory and recompute included) in well under a second for thousands
    of units, or shows that nothing fits.
-2. The ILP (:func:`~pipecut.passes.ilp.solve_ilp`) runs over every position when there are at
+2. The ILP (:func:`~pipecut.passes.partition.ilp.solve_ilp`) runs over every position when there are at
    most ``max_positions``, else over the candidate cuts of
-   :func:`~pipecut.passes.coarsen.candidate_cuts` plus the DP's cuts, warm-started from the DP's
+   :func:`~pipecut.passes.partition.coarsen.candidate_cuts` plus the DP's cuts, warm-started from the DP's
    split. The solver (HiGHS by default, or CBC) either proves that split optimal over those positions or stops at its time limit;
    the plan records which. The two are independent solvers of one model, so a disagreement is
    reported in the plan's solver detail rather than hidden. One part of the model is the DP's
    alone: recomputing single blocks of a stage (``Recompute.SELECTIVE``); the ILP chooses only
    between no recompute and the whole stage's, so where blocks pay it can only come out slower.
-3. Nothing fits: :func:`~pipecut.passes.memory_floor.infeasible_error` names the memory per device and
+3. Nothing fits: :func:`~pipecut.passes.partition.memory_floor.infeasible_error` names the memory per device and
    the device count that would.
 """
 
@@ -22,12 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipecut.errors import PartitionError
-from pipecut.passes.coarsen import candidate_cuts
-from pipecut.passes.holders import stage_count_error
-from pipecut.passes.ilp import IlpSolver, IlpStatus, default_windows, solve_ilp
-from pipecut.passes.memory_dp import partition_bounded
-from pipecut.passes.memory_floor import infeasible_error
-from pipecut.passes.problem import Evaluation, Problem
+from pipecut.passes.partition.coarsen import candidate_cuts
+from pipecut.passes.partition.holders import stage_count_error
+from pipecut.passes.partition.ilp import IlpSolver, IlpStatus, default_windows, solve_ilp
+from pipecut.passes.partition.memory_dp import partition_bounded
+from pipecut.passes.partition.memory_floor import infeasible_error
+from pipecut.passes.partition.problem import Evaluation, Problem
 from pipecut.plan import Recompute
 
 __all__ = ["IlpPlan", "partition_ilp"]

@@ -7,12 +7,12 @@ turns round on rank K - 1 without leaving it. Each stage's backward is an input-
 ``I`` (which the stage before waits for) and a weight part ``W`` (which nobody waits for).
 
 The order is list scheduled on the stages' costs by the scheduler of
-:mod:`pipecut.passes.zero_bubble` (:func:`~pipecut.passes.zero_bubble.list_schedule`): whenever a rank is free it starts, of its two stages, a ready ``I`` (the
+:mod:`pipecut.passes.schedules.zero_bubble` (:func:`~pipecut.passes.schedules.zero_bubble.list_schedule`): whenever a rank is free it starts, of its two stages, a ready ``I`` (the
 stage with the earlier ready time, then the later stage), else a ready ``F`` (likewise), else
 its oldest pending ``W`` (filling what would have been a bubble), else waits for the earliest
 input; of the ranks, the one that can start earliest (then the lowest) goes first. A stage s
 keeps at most ``min(M, 2K - s)`` microbatches between its ``F`` and its ``W`` (the in-flight
-count :func:`pipecut.passes.stages.inflight_microbatches` charges memory for), which bounds
+count :func:`pipecut.passes.costs.stages.inflight_microbatches` charges memory for), which bounds
 rank r's activations to ``2K + 1`` half-size stages, about 1F1B's first rank. Two ranks, four
 microbatches, F = I = W::
 
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from pipecut.core.schedule import Placement, Schedule
 from pipecut.errors import ScheduleError
-from pipecut.passes.zero_bubble import list_schedule
+from pipecut.passes.schedules.zero_bubble import list_schedule
 
 __all__ = ["zbv", "zbv_inflight"]
 

@@ -19,7 +19,7 @@ over the units of stage s is ``at(A, s+1) - at(A, s)``, so each stage is a few l
 Stage order follows the topological unit order, which respects every data dependency, and the
 answer is a set of contiguous ranges, which is what the split pass and the runtime execute.
 Windows restrict each cut to a subset of positions; that is how coarsening and refinement
-(see :mod:`pipecut.passes.coarsen`) keep the program small.
+(see :mod:`pipecut.passes.partition.coarsen`) keep the program small.
 
 The program is solved by HiGHS (the ``highspy`` package, in process) or by CBC (the binary
 bundled with PuLP, which PuLP deprecates for 4.0); :class:`IlpSolver` picks one.
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
-from pipecut.passes.holders import holder_prefix
-from pipecut.passes.problem import Evaluation, Problem, evaluate
+from pipecut.passes.partition.holders import holder_prefix
+from pipecut.passes.partition.problem import Evaluation, Problem, evaluate
 
 __all__ = ["IlpResult", "IlpSolver", "IlpStatus", "default_windows", "solve_ilp"]
 

@@ -1,7 +1,7 @@
 """``microbatches="auto"`` and ``schedule="auto"``: the planner picks them by predicted step time.
 
 The graph is profiled at two microbatch sizes (the smallest and the largest candidate), node
-times are modelled as affine in the microbatch size (:mod:`pipecut.passes.microbatching`), and
+times are modelled as affine in the microbatch size (:mod:`pipecut.passes.costs.microbatching`), and
 every (microbatches, schedule) pair is partitioned and simulated on the interpolated costs.
 Pairs whose plan does not fit memory, or that the runtime cannot run (zero-bubble or ZBV with
 recompute), are ruled out; ZBV is among the candidates (it cuts 2K stages, two per rank, on a
@@ -28,9 +28,9 @@ import torch
 from pipecut.core.batching import batch_size, first_microbatch, split_microbatches
 from pipecut.core.program import Captured
 from pipecut.errors import InputError, PartitionError, ScheduleError
-from pipecut.partition import as_schedule
-from pipecut.passes.microbatching import candidate_microbatches, costs_at
+from pipecut.passes.costs.microbatching import candidate_microbatches, costs_at
 from pipecut.plan import Candidate, CaptureMethod, NodeCost, Plan, Recompute, ScheduleKind
+from pipecut.planning.partition import as_schedule
 
 __all__ = ["AUTO", "Measurements", "accepts", "choose"]
 

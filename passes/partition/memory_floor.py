@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from pipecut.errors import PartitionError
-from pipecut.passes.problem import Problem
+from pipecut.passes.partition.problem import Problem
 
 __all__ = ["infeasible_error", "min_peak_memory"]
 

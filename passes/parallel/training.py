@@ -1,9 +1,9 @@
 """A training run on a cluster: D replicas × K stages laid onto nodes, priced link by link.
 
-Pure numbers, no torch. The cost table (a :class:`~pipecut.passes.workload.Workload`) is at one
+Pure numbers, no torch. The cost table (a :class:`~pipecut.passes.costs.workload.Workload`) is at one
 microbatch of ``B / M`` samples of the global batch ``B``; D replicas each run ``B / (M·D)``
 samples per microbatch, so compute and activation bytes scale by ``1 / D`` (as in
-:mod:`pipecut.passes.hybrid`, whose min-bottleneck split the K stages reuse). What real runs
+:mod:`pipecut.passes.parallel.hybrid`, whose min-bottleneck split the K stages reuse). What real runs
 configure, and what this model assumes of it:
 
 * **Precision and state.** Compute in bf16 with fp32 master weights and AdamW: 16 bytes per
@@ -50,10 +50,10 @@ from dataclasses import dataclass
 from pipecut.cluster import Cluster, ClusterPlacement, Interconnect, Layout
 from pipecut.core.schedule import rank_end_ms
 from pipecut.parallel import DataParallelKind
-from pipecut.passes.hybrid import Skipped, balanced_split, unsplittable
-from pipecut.passes.schedules import build
-from pipecut.passes.stages import inflight_microbatches
-from pipecut.passes.workload import Workload
+from pipecut.passes.costs.stages import inflight_microbatches
+from pipecut.passes.costs.workload import Workload
+from pipecut.passes.parallel.hybrid import Skipped, balanced_split, unsplittable
+from pipecut.passes.schedules.standard import build
 from pipecut.plan import Link, Recompute, ScheduleKind
 
 __all__ = [

@@ -1,7 +1,7 @@
 """The hybrid planner's view of a model: a chain of units with their costs at the full batch.
 
-Shared by the uniform D × K planner (:mod:`pipecut.passes.hybrid`) and the per-stage
-replication DP (:mod:`pipecut.passes.replication`). Pure numbers, no torch.
+Shared by the uniform D × K planner (:mod:`pipecut.passes.parallel.hybrid`) and the per-stage
+replication DP (:mod:`pipecut.passes.parallel.replication`). Pure numbers, no torch.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipecut.passes.chain import boundary_bytes, liveness, unit_param_bytes
+from pipecut.passes.partition.chain import boundary_bytes, liveness, unit_param_bytes
 from pipecut.plan import NodeCost
 
 __all__ = ["Workload", "workload"]

@@ -6,7 +6,7 @@ that reads them, so parameters keep their fully qualified names and a tied weigh
 stage that uses it. Every stage but the last returns the tuple of values it sends
 (``plan.stages[s].outputs``); the last returns the model's output. A stage that recomputes
 some blocks (``Recompute.SELECTIVE``) calls them through checkpointed segments
-(:mod:`pipecut.passes.segments`). The input graph is never modified: stage graphs are built
+(:mod:`pipecut.passes.rewrite.segments`). The input graph is never modified: stage graphs are built
 from copies of its nodes.
 
     >>> programs = split(captured.gm, plan)
@@ -21,7 +21,7 @@ from pipecut.core.graph import canonical_names, mutates_first_arg
 from pipecut.core.program import StageProgram
 from pipecut.core.segment import Segment
 from pipecut.errors import PlanError
-from pipecut.passes.segments import checkpoint_segments
+from pipecut.passes.rewrite.segments import checkpoint_segments
 from pipecut.plan import LeafKind, Plan, Recompute
 
 __all__ = ["split", "split_stage", "verify"]

@@ -1,16 +1,16 @@
 """``data_parallel="auto"``: how many pipeline replicas, and how many stages, for N devices.
 
-Every factorisation N = D × K is weighed by the D × K planner (:func:`pipecut.passes.hybrid.
+Every factorisation N = D × K is weighed by the D × K planner (:func:`pipecut.passes.parallel.hybrid.
 plan_hybrid`) on the profiled cost table: D replicas each run the M microbatches on a D-th of
 the batch, the K stages are the exact min-bottleneck split, the pipeline is simulated, and each
 stage's ring all-reduce over its D replicas is added after its last backward. The shortest
 predicted step wins. PipeDream-style uneven replica counts per stage
-(:mod:`pipecut.passes.replication`) are weighed on the same model and listed when they would be
+(:mod:`pipecut.passes.parallel.replication`) are weighed on the same model and listed when they would be
 faster, as a prediction only: the runtime replicates every stage equally, so such a row is never
 chosen.
 
 :func:`choose_replicas` is pure (a cost table and numbers in, a choice out);
-:func:`plan_replicas` drives it for :func:`pipecut.planner.plan`, which hands it the profiling
+:func:`plan_replicas` drives it for :func:`pipecut.planning.planner.plan`, which hands it the profiling
 and planning as functions: it plans the chosen K stages again at one replica's share of the
 batch.
 """
@@ -25,8 +25,8 @@ from typing import Any
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.errors import InputError
 from pipecut.parallel import DataParallel, DataParallelKind
-from pipecut.passes.hybrid import HybridPlan, plan_hybrid, workload
-from pipecut.passes.replication import ReplicationKind
+from pipecut.passes.parallel.hybrid import HybridPlan, plan_hybrid, workload
+from pipecut.passes.parallel.replication import ReplicationKind
 from pipecut.plan import DeviceSpec, Link, NodeCost, Plan, ReplicaCandidate, ScheduleKind
 
 __all__ = ["ReplicaChoice", "choose_replicas", "plan_replicas"]

@@ -8,10 +8,10 @@ Pure numbers, no torch. The model, kept simple on purpose:
   efficiency on small microbatches; this model does not, so it favours large D slightly.)
   ``b`` must split into D whole samples; other D are skipped with the reason.
 * The K stages of a pipeline are the exact min-bottleneck split of
-  :func:`pipecut.passes.memory_dp.partition_bounded` at the scaled costs (memory capacities,
+  :func:`pipecut.passes.partition.memory_dp.partition_bounded` at the scaled costs (memory capacities,
   cut communication and the schedule's in-flight activations included). Above
   ``COARSE_ABOVE`` units the split is first found over module-boundary positions
-  (:func:`pipecut.passes.coarsen.candidate_cuts`); a D × K with no fitting split there is
+  (:func:`pipecut.passes.partition.coarsen.candidate_cuts`); a D × K with no fitting split there is
   skipped as not fitting, and ``refine`` then searches every position, bounded by the coarse
   answer. (Without the coarse pass, proving that nothing fits takes a minute at 4,000 units.)
 * The step of one pipeline is simulated action by action (:func:`pipecut.core.schedule.rank_end_ms`), with
@@ -40,16 +40,16 @@ from dataclasses import dataclass
 
 from pipecut.core.schedule import rank_end_ms
 from pipecut.errors import PartitionError
-from pipecut.passes.chain import boundary_ms
-from pipecut.passes.coarsen import candidate_cuts
-from pipecut.passes.memory_dp import partition_bounded
-from pipecut.passes.problem import Problem
-from pipecut.passes.replication import ReplicatedPlan, ReplicationKind, plan_replicated
-from pipecut.passes.schedules import build
-from pipecut.passes.stages import inflight_microbatches, state_bytes
-from pipecut.passes.stages import ring_allreduce_ms as ring_allreduce_ms
-from pipecut.passes.workload import Workload as Workload
-from pipecut.passes.workload import workload as workload
+from pipecut.passes.costs.stages import inflight_microbatches, state_bytes
+from pipecut.passes.costs.stages import ring_allreduce_ms as ring_allreduce_ms
+from pipecut.passes.costs.workload import Workload as Workload
+from pipecut.passes.costs.workload import workload as workload
+from pipecut.passes.parallel.replication import ReplicatedPlan, ReplicationKind, plan_replicated
+from pipecut.passes.partition.chain import boundary_ms
+from pipecut.passes.partition.coarsen import candidate_cuts
+from pipecut.passes.partition.memory_dp import partition_bounded
+from pipecut.passes.partition.problem import Problem
+from pipecut.passes.schedules.standard import build
 from pipecut.plan import Link, ScheduleKind
 
 __all__ = [
@@ -280,7 +280,7 @@ def plan_hybrid(
     """Every factorisation ``devices = D × K``, ranked by predicted step (best first).
 
     ``replication=ReplicationKind.PER_STAGE`` also runs the per-stage replication DP
-    (:func:`pipecut.passes.replication.plan_replicated`) on the same cost model; the result is
+    (:func:`pipecut.passes.parallel.replication.plan_replicated`) on the same cost model; the result is
     ``per_stage`` and :attr:`HybridPlan.fastest` picks between it and the best uniform one.
 
     ``link``: point-to-point link between consecutive stages; ``allreduce``: the per-device

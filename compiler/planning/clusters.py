@@ -3,9 +3,9 @@
 :func:`parse_cluster` reads ``nodes x gpus_per_node x device_profile`` into a
 :class:`~pipecut.cluster.Cluster` (NVLink inside a node from the profile, the platform's
 per-GPU network port between nodes). :func:`plan_cluster` estimates the model's cost table for
-the device (:func:`pipecut.devices.estimate_costs`, the model may be on meta), weighs every
+the device (:func:`pipecut.profile.devices.estimate_costs`, the model may be on meta), weighs every
 D replicas × K stages in both layouts on the training-run model of
-:mod:`pipecut.passes.training` (FSDP2, bf16 with fp32 AdamW state, activation checkpointing,
+:mod:`pipecut.passes.parallel.training` (FSDP2, bf16 with fp32 AdamW state, activation checkpointing,
 the link each cut and ring crosses), and returns the K-stage plan of one replica with the
 cluster, the placement and the run's prediction (step, bubble, tokens/s per GPU, MFU, memory).
 
@@ -27,19 +27,19 @@ from pipecut.cluster import Cluster, Interconnect, Layout, RunPrediction
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.choices import enum_choice
 from pipecut.core.program import Inputs
-from pipecut.devices import (
+from pipecut.errors import InputError, PartitionError
+from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.passes.costs.workload import Workload, workload
+from pipecut.passes.parallel.training import RunCandidate, RunChoice, RunShape, block_of, choose_run
+from pipecut.plan import DeviceSpec, Link, NodeCost, Plan, Recompute, ReplicaCandidate, ScheduleKind
+from pipecut.planning.partition import partition_costs
+from pipecut.profile.devices import (
     LINK_LATENCY_MS,
     DeviceProfile,
     Precision,
     device_profile,
     estimate_costs,
 )
-from pipecut.errors import InputError, PartitionError
-from pipecut.parallel import DataParallel, DataParallelKind
-from pipecut.partition import partition_costs
-from pipecut.passes.training import RunCandidate, RunChoice, RunShape, block_of, choose_run
-from pipecut.passes.workload import Workload, workload
-from pipecut.plan import DeviceSpec, Link, NodeCost, Plan, Recompute, ReplicaCandidate, ScheduleKind
 from pipecut.profile.nodes import LossFn
 
 __all__ = [
@@ -61,7 +61,7 @@ FAMILY_EFFICIENCY: dict[str, tuple[float, str]] = {
 }
 """Family -> (fraction of the datasheet dense peak a matrix product reaches in a real run, the
 published run it was fitted on). Families without a fitted run use
-:data:`pipecut.devices.COMPUTE_EFFICIENCY` and say so in the prediction's notes."""
+:data:`pipecut.profile.devices.COMPUTE_EFFICIENCY` and say so in the prediction's notes."""
 
 INTER_NODE_LATENCY_MS = 0.02
 """20 µs per message between nodes: the order of NCCL's latency over InfiniBand."""
@@ -114,13 +114,13 @@ def parse_cluster(
 
 
 def _profile_names() -> list[str]:
-    from pipecut.devices import device_profiles
+    from pipecut.profile.devices import device_profiles
 
     return [p.name for p in device_profiles()]
 
 
 def family_efficiency(profile: DeviceProfile) -> tuple[float, str]:
-    from pipecut.devices import COMPUTE_EFFICIENCY
+    from pipecut.profile.devices import COMPUTE_EFFICIENCY
 
     if profile.family in FAMILY_EFFICIENCY:
         value, source = FAMILY_EFFICIENCY[profile.family]

@@ -22,17 +22,21 @@ from pipecut.core.choices import enum_choice
 from pipecut.core.schedule import rank_of, stages_on
 from pipecut.errors import InputError, PartitionError
 from pipecut.parallel import DataParallel
-from pipecut.passes.chain import boundary_bytes, can_cross, is_unit, liveness
-from pipecut.passes.coarsen import block_cuts, candidate_cuts
-from pipecut.passes.holders import stage_count_error
-from pipecut.passes.ilp import IlpSolver
-from pipecut.passes.memory_dp import partition_bounded
-from pipecut.passes.memory_floor import infeasible_error
-from pipecut.passes.memory_partition import partition_ilp
-from pipecut.passes.pinned import bounds_from_modules, bounds_from_split_points, is_split_points
-from pipecut.passes.problem import Formulation, formulate
-from pipecut.passes.refine import refine_cuts
-from pipecut.passes.stages import build_stages, inflight_microbatches
+from pipecut.passes.costs.stages import build_stages, inflight_microbatches
+from pipecut.passes.partition.chain import boundary_bytes, can_cross, is_unit, liveness
+from pipecut.passes.partition.coarsen import block_cuts, candidate_cuts
+from pipecut.passes.partition.holders import stage_count_error
+from pipecut.passes.partition.ilp import IlpSolver
+from pipecut.passes.partition.memory_dp import partition_bounded
+from pipecut.passes.partition.memory_floor import infeasible_error
+from pipecut.passes.partition.memory_partition import partition_ilp
+from pipecut.passes.partition.pinned import (
+    bounds_from_modules,
+    bounds_from_split_points,
+    is_split_points,
+)
+from pipecut.passes.partition.problem import Formulation, formulate
+from pipecut.passes.partition.refine import refine_cuts
 from pipecut.plan import (
     CaptureMethod,
     DeviceSpec,
@@ -133,14 +137,14 @@ def partition_costs(
     exact DP for equal devices without memory limits or recompute and the ILP otherwise; DP or
     ILP forces one. ``ilp_time_limit``: seconds the ILP solver may spend in total; the plan's
     solver record says whether the ILP proved its answer optimal. ``solver``: the ILP's solver,
-    ``"highs"`` (default) or ``"cbc"`` (:class:`~pipecut.passes.ilp.IlpSolver`).
+    ``"highs"`` (default) or ``"cbc"`` (:class:`~pipecut.passes.partition.ilp.IlpSolver`).
 
     ``split`` pins the split instead: module FQNs per stage (``[["emb", "blocks.0"],
     ["blocks.1", "head"]]``) or the modules where stages 1.. begin (``["blocks.1"]``). The plan
     then reports pipecut's own optimum beside it (``predicted.optimum_step_ms``).
     ``data_parallel``: the replicas each
     stage will have and their engine; FSDP shrinks the memory a stage needs (see
-    :func:`pipecut.passes.stages.state_bytes`).
+    :func:`pipecut.passes.costs.stages.state_bytes`).
     """
     kind = as_schedule(schedule)
     ilp_solver = as_ilp_solver(solver)  # checked even when the DP runs: a typo is refused

@@ -25,8 +25,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from pipecut.errors import PlanError
-from pipecut.passes.chain import is_unit
-from pipecut.passes.stages import stage_params
+from pipecut.passes.costs.stages import stage_params
+from pipecut.passes.partition.chain import is_unit
 from pipecut.plan import NodeCost, NodeOp, Plan, Recompute, Stage
 
 __all__ = ["holders", "map_stages"]

@@ -11,9 +11,9 @@ and only start at ``i`` with ``prefix[j] - prefix[i] ≤ U · speed_s``. Startin
 above the lower bound ``total / Σ speed`` and growing it until a split is found keeps the
 answer exact (a split of bottleneck ≤ U is never pruned) and visits a sliver of the pairs.
 
-Each stage takes its fastest option that fits (:func:`pipecut.passes.problem.best_stage`), so this
+Each stage takes its fastest option that fits (:func:`pipecut.passes.partition.problem.best_stage`), so this
 is exact for the whole cost model, recompute included; tests check it against brute force. A
-stage must also hold a parameter where the problem asks (:mod:`pipecut.passes.holders`).
+stage must also hold a parameter where the problem asks (:mod:`pipecut.passes.partition.holders`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipecut.passes.holders import holder_prefix
-from pipecut.passes.problem import Evaluation, Problem, best_stage, evaluate
+from pipecut.passes.partition.holders import holder_prefix
+from pipecut.passes.partition.problem import Evaluation, Problem, best_stage, evaluate
 
 __all__ = ["lower_bound", "partition_bounded"]
 

@@ -1,4 +1,4 @@
-"""pipecut.passes.schedules: the schedule generators, checked against their tables.
+"""pipecut.passes.schedules.standard: the schedule generators, checked against their tables.
 
 Each row is one rank's actions in order (``1F2``: stage 1, forward, microbatch 2).
 """
@@ -9,7 +9,7 @@ import pytest
 
 from pipecut.core.schedule import validate
 from pipecut.errors import ScheduleError
-from pipecut.passes.schedules import build, gpipe, interleaved_1f1b, one_f_one_b
+from pipecut.passes.schedules.standard import build, gpipe, interleaved_1f1b, one_f_one_b
 from pipecut.plan import ScheduleKind
 
 

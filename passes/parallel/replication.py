@@ -1,6 +1,6 @@
 """Per-stage replication, as PipeDream does: stage boundaries and a replica count per stage.
 
-:mod:`pipecut.passes.hybrid` gives every stage the same D replicas. Here each stage ``s`` gets
+:mod:`pipecut.passes.parallel.hybrid` gives every stage the same D replicas. Here each stage ``s`` gets
 its own ``r_s ≥ 1`` with ``Σ r_s = N`` devices, so a heavy stage can take three devices and a
 light one a single device. Pure numbers, no torch. The model of one stage over units ``[i, j)``
 with ``r`` replicas, per microbatch of ``b = B / M`` samples:
@@ -11,7 +11,7 @@ with ``r`` replicas, per microbatch of ``b = B / M`` samples:
 * it receives its input cut and sends its output cut (activations forward, gradients backward),
   each replica its ``1 / r`` share, over its own point-to-point link;
 * once per step its replicas all-reduce the stage's gradients with a ring
-  (:func:`pipecut.passes.workload.ring_allreduce_ms`), amortised over the M microbatches.
+  (:func:`pipecut.passes.costs.workload.ring_allreduce_ms`), amortised over the M microbatches.
 
     stage_ms(i, j, r) = compute[i:j] / r + transfer(in_i / r) + transfer(out_j / r)
                         + ring(params[i:j], r) / M
@@ -32,7 +32,7 @@ The predicted step of the chosen plan is simulated like a uniform candidate's
 (:func:`pipecut.core.schedule.rank_end_ms`, each stage's all-reduce after its last backward; a cut between
 stages of ``r`` and ``r'`` replicas moves ``bytes / min(r, r')`` per device), so the two can be
 compared; ``bottleneck_ms`` is the DP's objective. Above ``max_positions`` allowed cuts the DP
-runs over the module-boundary positions of :func:`pipecut.passes.coarsen.candidate_cuts` only.
+runs over the module-boundary positions of :func:`pipecut.passes.partition.coarsen.candidate_cuts` only.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ import numpy as np
 
 from pipecut.core.schedule import rank_end_ms
 from pipecut.errors import PartitionError
-from pipecut.passes.coarsen import candidate_cuts
-from pipecut.passes.schedules import build
-from pipecut.passes.stages import OPTIMIZER_STATE_FACTOR, ring_allreduce_ms, state_bytes
-from pipecut.passes.workload import Workload
+from pipecut.passes.costs.stages import OPTIMIZER_STATE_FACTOR, ring_allreduce_ms, state_bytes
+from pipecut.passes.costs.workload import Workload
+from pipecut.passes.partition.coarsen import candidate_cuts
+from pipecut.passes.schedules.standard import build
 from pipecut.plan import Link, ScheduleKind
 
 __all__ = [
@@ -215,7 +215,7 @@ def plan_replicated(
 ) -> ReplicatedPlan:
     """Stage boundaries and per-stage replica counts over exactly ``devices`` devices.
 
-    Links and memory as in :func:`pipecut.passes.hybrid.plan_hybrid`; ``max_positions``: above
+    Links and memory as in :func:`pipecut.passes.parallel.hybrid.plan_hybrid`; ``max_positions``: above
     this many allowed cuts, search only module-boundary positions (coarsening).
     """
     if devices < 1:

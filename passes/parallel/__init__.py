@@ -1,0 +1,3 @@
+"""Data × pipeline parallelism: uniform and per-stage replicas, and a run on a cluster."""
+
+__all__: list[str] = []

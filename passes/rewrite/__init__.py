@@ -1,0 +1,3 @@
+"""Graph rewrites: stage programs, the other train/eval mode, shapes, recompute segments, row pieces."""
+
+__all__: list[str] = []
