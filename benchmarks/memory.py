@@ -80,9 +80,11 @@ def _rank(rank: int, world: int, depth: int, steps: int, weights: str | None,
     with torch.device("cpu" if real else "meta"):  # --real: every rank builds the whole model
         model = ResidualMLP(WIDTH, depth)
     devices = [pipecut.DeviceSpec(name="cpu", memory_bytes=capacity)] * world if capacity else world
-    pipe = pipecut.compile(model, devices, example_inputs=(x,), loss_fn=nn.functional.cross_entropy,
-                           target=y, microbatches=MICROBATCHES, timeout=600, weights=weights,
-                           lean_host_memory=lean)
+    pipe = pipecut.compile(
+        model, devices, example_inputs=(x,), loss_fn=nn.functional.cross_entropy, target=y,
+        microbatches=MICROBATCHES, weights=weights,
+        runtime=pipecut.RuntimeOptions(timeout=600, lean_host_memory=lean),
+    )
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
     times = []
     for _ in range(steps):

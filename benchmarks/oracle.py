@@ -60,8 +60,10 @@ def candidate_splits(blocks: list[str], stages: int, most: int, seed: int = 0) -
 
 def _measure(rank: int, world: int, name: str, plans: list[str], rounds: int, steps: int) -> list[list[float]]:
     model, inputs, loss_fn, target = MODELS[name]()
-    pipes = [pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                             plan=pipecut.Plan.from_json(p), timeout=600) for p in plans]
+    pipes = [pipecut.compile(
+        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+        plan=pipecut.Plan.from_json(p), runtime=pipecut.RuntimeOptions(timeout=600),
+    ) for p in plans]
     times: list[list[float]] = [[] for _ in pipes]
     for pipe in pipes:  # warm-up
         pipe.step(inputs, target)
@@ -80,9 +82,12 @@ def _measure(rank: int, world: int, name: str, plans: list[str], rounds: int, st
 def _compiled(rank: int, world: int, name: str, schedule: str, per_rank: int) -> str:
     """The plan ``pipecut.compile`` ends with: planned, then calibrated on the running ranks."""
     model, inputs, loss_fn, target = MODELS[name]()
-    pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=MICROBATCHES, schedule=schedule,
-                           stages_per_rank=per_rank if per_rank > 1 else None, timeout=600)
+    pipe = pipecut.compile(
+        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+        microbatches=MICROBATCHES, schedule=schedule,
+        scheduling=pipecut.ScheduleOptions(stages_per_rank=per_rank if per_rank > 1 else None),
+        runtime=pipecut.RuntimeOptions(timeout=600),
+    )
     return pipe.plan.to_json()
 
 
@@ -95,10 +100,13 @@ def run(name: str, ranks: int, rounds: int, steps: int, most: int, schedule: str
     chosen_starts = tuple(units[[u.name for u in units].index(s.nodes[0])].module for s in chosen.stages[1:])
     splits = candidate_splits(trunk(model), chosen.num_stages, most)
     given = [
-        partition_costs(chosen.nodes, devices=chosen.devices[: chosen.num_ranks], microbatches=MICROBATCHES, batch_size=BATCH,
-                        schedule=chosen.schedule, link=chosen.link, fingerprint=chosen.fingerprint,
-                        capture=chosen.capture, inputs=chosen.inputs, split=list(points),
-                        stages_per_rank=chosen.stages_per_rank)
+        partition_costs(
+            chosen.nodes, devices=chosen.devices[: chosen.num_ranks], microbatches=MICROBATCHES,
+            batch_size=BATCH, schedule=chosen.schedule, link=chosen.link,
+            fingerprint=chosen.fingerprint, capture=chosen.capture, inputs=chosen.inputs,
+            stages_per_rank=chosen.stages_per_rank,
+            partition=pipecut.PartitionOptions(split=list(points)),
+        )
         for points in splits
     ]
     # A block-boundary split identical to pipecut's is measured once, as pipecut's.

@@ -94,8 +94,10 @@ def _vision() -> dict[str, Callable[[], tuple]]:
 def cost_table(build: Callable[[], tuple], repeats: int) -> tuple[tuple[NodeCost, ...], int, float]:
     model, inputs, loss_fn, target = build()
     start = time.perf_counter()
-    plan = pipecut.plan(model, inputs, 1, loss_fn=loss_fn, target=target,
-                        microbatches=MICROBATCHES, repeats=repeats, warmup=1)
+    plan = pipecut.plan(
+        model, inputs, 1, loss_fn=loss_fn, target=target, microbatches=MICROBATCHES,
+        measure=pipecut.MeasureOptions(repeats=repeats, warmup=1),
+    )
     return plan.nodes, plan.batch_size, time.perf_counter() - start
 
 

@@ -129,13 +129,17 @@ def _paired(rank: int, name: str, pipeline_step: Callable[[], Any], rounds: int,
 def _pipecut_rank(rank: int, world: int, name: str, schedule: str, rounds: int, steps: int) -> dict[str, Any]:
     model, inputs, loss_fn, target = MODELS[name]()
     recompute = schedule.endswith("+recompute")
-    pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=MICROBATCHES, schedule=schedule.removesuffix("+recompute"),
-                           timeout=300)
+    pipe = pipecut.compile(
+        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+        microbatches=MICROBATCHES, schedule=schedule.removesuffix("+recompute"),
+        runtime=pipecut.RuntimeOptions(timeout=300),
+    )
     if recompute:  # the same split with every stage recomputing its forward in backward
         plan = with_recompute(pipe.plan)
-        pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                               microbatches=MICROBATCHES, plan=plan, timeout=300)
+        pipe = pipecut.compile(
+            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+            microbatches=MICROBATCHES, plan=plan, runtime=pipecut.RuntimeOptions(timeout=300),
+        )
 
     def step() -> None:
         pipe.step(inputs, target)

@@ -160,8 +160,10 @@ def replication_table(microbatches: int, batch: int) -> list[str]:
     from examples import gpt
 
     model, inputs, loss_fn, target = gpt.build(batch_size=64)
-    nodes = pipecut.plan(model, inputs, 1, loss_fn=loss_fn, target=target, microbatches=8,
-                         repeats=3, warmup=1).nodes
+    nodes = pipecut.plan(
+        model, inputs, 1, loss_fn=loss_fn, target=target, microbatches=8,
+        measure=pipecut.MeasureOptions(repeats=3, warmup=1),
+    ).nodes
     slow = Link(bandwidth_bytes_per_ms=1e6, latency_ms=0.05)
     gpt_work = workload(nodes)
     for n in (4, 8, 16):

@@ -17,7 +17,20 @@ from dataclasses import dataclass
 
 from pipecut.errors import InputError
 
-__all__ = ["Cluster", "ClusterPlacement", "Interconnect", "Layout", "RunPrediction"]
+__all__ = ["Cluster", "ClusterPlacement", "Interconnect", "Layout", "Link", "RunPrediction"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Link:
+    """A link between neighbouring stages: bandwidth per direction and latency per message."""
+
+    bandwidth_bytes_per_ms: float
+    latency_ms: float = 0.0
+    measured: bool = False
+
+    def transfer_ms(self, nbytes: int, messages: int = 1) -> float:
+        """``nbytes`` sent as ``messages`` tensors, each paying the latency once."""
+        return 0.0 if nbytes == 0 else self.latency_ms * max(1, messages) + nbytes / self.bandwidth_bytes_per_ms
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

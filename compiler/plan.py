@@ -7,14 +7,23 @@ Times are per microbatch in milliseconds; shapes are per microbatch.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pipecut.cluster import Cluster, ClusterPlacement, Layout, RunPrediction
-from pipecut.core.schedule import Placement, rank_of, stages_on
+from pipecut.cluster import Cluster, ClusterPlacement, Layout, Link, RunPrediction
+from pipecut.core.kinds import (
+    CaptureMethod,
+    CostSource,
+    LeafKind,
+    NodeOp,
+    Partitioner,
+    Recompute,
+    ScheduleKind,
+)
+from pipecut.core.schedule import rank_of, stages_on
 from pipecut.errors import PlanError
+from pipecut.options import Options
 from pipecut.parallel import DataParallel
 
 __all__ = [
@@ -40,77 +49,8 @@ __all__ = [
     "TiedGroup",
 ]
 
-FORMAT_VERSION = 1
-
-
-class NodeOp(enum.Enum):
-    """The six torch.fx opcodes."""
-
-    PLACEHOLDER = "placeholder"
-    GET_ATTR = "get_attr"
-    CALL_FUNCTION = "call_function"
-    CALL_METHOD = "call_method"
-    CALL_MODULE = "call_module"
-    OUTPUT = "output"
-
-
-class CaptureMethod(enum.Enum):
-    SYMBOLIC_TRACE = "symbolic_trace"
-    EXPORT = "export"
-
-
-class ScheduleKind(enum.Enum):
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED_1F1B = "interleaved-1f1b"
-    ZERO_BUBBLE = "zero-bubble"
-    ZBV = "zbv"
-    """Zero-bubble V: two stages per rank laid as a V (rank r runs stages r and 2K - 1 - r),
-    backward split into I and W."""
-
-    @property
-    def placement(self) -> Placement:
-        """How the schedule lays its stages on the ranks (see :func:`pipecut.core.schedule.rank_of`)."""
-        return Placement.V if self is ScheduleKind.ZBV else Placement.LOOP
-
-    @property
-    def splits_backward(self) -> bool:
-        """Runs each backward as an input-gradient part I and a weight part W."""
-        return self in (ScheduleKind.ZERO_BUBBLE, ScheduleKind.ZBV)
-
-    @property
-    def fixed_stages_per_rank(self) -> int | None:
-        """The stages per rank the schedule always runs (ZBV: 2), or None where it is chosen."""
-        return 2 if self is ScheduleKind.ZBV else None
-
-
-class Recompute(enum.Enum):
-    NONE = "none"
-    FULL = "full"
-    """The whole stage's forward runs again in backward: only the stage's inputs are kept."""
-    SELECTIVE = "selective"
-    """Some blocks of the stage (``Stage.recomputed``) run again in backward; the rest keep
-    their activations: memory traded for time in steps finer than a whole stage."""
-
-
-class LeafKind(enum.Enum):
-    TENSOR = "tensor"
-    CONSTANT = "constant"
-
-
-class CostSource(enum.Enum):
-    """Where a node's times came from."""
-
-    MEASURED = "measured"
-    """Timed by running the node (``pipecut.profile.nodes``)."""
-    ESTIMATED = "estimated"
-    """Roofline estimate from FLOP and byte counts and a device profile (``pipecut.profile.devices``)."""
-
-
-class Partitioner(enum.Enum):
-    DP = "dp"
-    ILP = "ilp"
-    GIVEN = "given"
+FORMAT_VERSION = 2
+"""2 added ``options``; version 1 plans are read as version 2 without them (:mod:`pipecut.schema`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,17 +121,6 @@ class DeviceSpec:
     def __post_init__(self) -> None:
         if self.speed <= 0:
             raise ValueError(f"device {self.name}: speed must be > 0, got {self.speed}")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Link:
-    bandwidth_bytes_per_ms: float
-    latency_ms: float = 0.0
-    measured: bool = False
-
-    def transfer_ms(self, nbytes: int, messages: int = 1) -> float:
-        """``nbytes`` sent as ``messages`` tensors, each paying the latency once."""
-        return 0.0 if nbytes == 0 else self.latency_ms * max(1, messages) + nbytes / self.bandwidth_bytes_per_ms
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -392,6 +321,9 @@ class Plan:
     """On ``cluster``: which GPU holds which stage of which replica."""
     run: RunPrediction | None = None
     """On ``cluster``: the predicted step, tokens/s per GPU, MFU and memory of the whole run."""
+    options: Options | None = None
+    """What was asked of ``plan``/``compile`` (the weights aside), beside what the fields above
+    say was chosen; None in plans made before version 2 or from a bare cost table."""
     profiled_on: str = ""
     """The device the node costs were measured on (``"cuda:0"``, ``"cpu"``); empty where the
     costs were given or estimated rather than measured here."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import typing
 from collections.abc import Iterable
 from dataclasses import fields, is_dataclass
@@ -135,11 +136,34 @@ def dump_plan(plan: Plan) -> str:
 
 def load_plan(text: str | bytes) -> Plan:
     """Parse, check and build a plan from JSON text in one pass; :class:`PlanError` names the
-    JSON path of a bad field."""
+    JSON path of a bad field. A version 1 plan is read as version 2 (:func:`upgraded`)."""
+    text = upgraded(text)
     try:
         return typing.cast(Plan, _validator().validate_json(text))
     except pydantic_core.ValidationError as e:
         raise PlanError(_describe(e, text)) from None
+
+
+_VERSION_1 = re.compile(rb'"format_version"\s*:\s*1\b')
+
+
+def upgraded(text: str | bytes) -> str | bytes:
+    """A plan of format version 1 as version 2: the fields are the same, only ``options`` (what
+    was asked) is new, and absent (None) in an old plan. Other text is returned as it is.
+
+    >>> import json
+    >>> json.loads(upgraded('{"format_version": 1, "microbatches": 4}'))
+    {'format_version': 2, 'microbatches': 4}
+    """
+    if not _VERSION_1.search(text if isinstance(text, bytes) else text.encode()):
+        return text  # not version 1: no second parse of a large plan
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text  # the validator says what is wrong with it
+    if isinstance(data, dict) and data.get("format_version") == 1:
+        return json.dumps({**data, "format_version": FORMAT_VERSION})
+    return text
 
 
 def validate_plan_dict(data: Any) -> Plan:

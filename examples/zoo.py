@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pipecut
+
 Built = tuple[nn.Module, Any, Callable[[Any, Any], torch.Tensor], torch.Tensor]
 
 VOCAB = 128
@@ -257,13 +259,15 @@ def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_si
     Returns what the parity check compares: the loss, this stage's gradients and buffers by
     parameter/buffer name, and how the model was captured.
     """
-    import pipecut
 
     model, inputs, loss_fn, target = ZOO[name](batch_size=batch_size, seed=seed)
     # Parity does not depend on the split: no calibration steps on the running pipeline.
-    pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=microbatches, timeout=timeout, schedule=schedule,
-                           calibration_steps=0)
+    pipe = pipecut.compile(
+        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+        microbatches=microbatches, schedule=schedule,
+        runtime=pipecut.RuntimeOptions(timeout=timeout),
+        measure=pipecut.MeasureOptions(calibration_steps=0),
+    )
     loss = pipe.step(inputs, target)
     return {
         "loss": loss,

@@ -22,7 +22,6 @@ is split, and each is easy to get silently wrong:
 
 from __future__ import annotations
 
-import enum
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -34,10 +33,10 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from pipecut.errors import InputError, PipelineRuntimeError
+from pipecut.options import LossReduction
 from pipecut.plan import Plan
 
 __all__ = [
-    "LossReduction",
     "clip_grad_norm_",
     "loss_divisor",
     "parse_loss_reduction",
@@ -45,16 +44,6 @@ __all__ = [
     "sharded_grad_scaler",
     "total_grad_norm",
 ]
-
-
-class LossReduction(enum.Enum):
-    """How the microbatch losses of a step make the step's loss."""
-
-    MEAN = "mean"
-    """``loss_fn`` returns a mean; the step's loss is the mean over microbatches (each / M)."""
-    SUM = "sum"
-    """``loss_fn`` returns a sum; the step's loss is the sum over microbatches divided by the
-    ``normalizer`` given to ``step`` (e.g. the number of valid tokens in the whole batch)."""
 
 
 def parse_loss_reduction(value: str | LossReduction) -> LossReduction:

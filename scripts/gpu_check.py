@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import pipecut
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 # pipecut and the examples are imported where used, so that the check without CUDA is quick.
@@ -138,10 +140,11 @@ def _parity(rank: int, world: int, names: list[str], microbatches: int, autocast
         model, inputs, loss_fn, target = factories()[name]()
         model.to(device)
         inputs, target = _to(inputs, device), _to(target, device)
-        import pipecut
 
-        pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                               microbatches=microbatches, schedule="1f1b", timeout=120)
+        pipe = pipecut.compile(
+            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+            microbatches=microbatches, schedule="1f1b", runtime=pipecut.RuntimeOptions(timeout=120),
+        )
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = pipe.step(inputs, target)
         out.append(_pipe_result(model, pipe, loss))
@@ -163,10 +166,11 @@ def _hybrid(rank: int, world: int, kinds: list[str]) -> list[dict[str, Any]]:
         model.to(device)
         half = slice(8 * replica, 8 * replica + 8)
         x, t = (inputs[0][half].to(device),), target[half].to(device)
-        import pipecut
 
-        pipe = pipecut.compile(model, mesh, example_inputs=x, loss_fn=loss_fn, target=t,
-                               microbatches=4, schedule="1f1b", data_parallel=kind, timeout=120)
+        pipe = pipecut.compile(
+            model, mesh, example_inputs=x, loss_fn=loss_fn, target=t, microbatches=4,
+            schedule="1f1b", data_parallel=kind, runtime=pipecut.RuntimeOptions(timeout=120),
+        )
         loss = pipe.step(x, t)
         grads = {}
         for n, p in pipe.named_parameters():
@@ -183,10 +187,11 @@ def _step_ms(rank: int, world: int, steps: int) -> float:
     model, inputs, loss_fn, target = build_demo(batch_size=32)
     model.to(device)
     inputs, target = _to(inputs, device), _to(target, device)
-    import pipecut
 
-    pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=8, schedule="1f1b", timeout=120)
+    pipe = pipecut.compile(
+        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=8,
+        schedule="1f1b", runtime=pipecut.RuntimeOptions(timeout=120),
+    )
     times = []
     for _ in range(steps + 2):
         torch.cuda.synchronize()
@@ -233,7 +238,6 @@ def _profile_check() -> str:
     model, inputs, loss_fn, target = factories()["gpt"]()
     model.cuda()
     inputs, target = _to(inputs, "cuda"), _to(target, "cuda")
-    import pipecut
 
     plan = pipecut.plan(model, inputs, devices=1, loss_fn=loss_fn, target=target, microbatches=4)
     times = [n.forward_ms + n.backward_ms for n in plan.nodes]
@@ -252,8 +256,10 @@ def _profile_check() -> str:
     node_fwd = sum(n.forward_ms for n in plan.nodes)
     # A model left on the CPU is measured on the GPU its stages will run on, a node at a time.
     cpu_model, cpu_inputs, _, cpu_target = factories()["gpt"]()
-    elsewhere = pipecut.plan(cpu_model, cpu_inputs, devices=1, loss_fn=loss_fn, target=cpu_target,
-                             microbatches=4, device="cuda")
+    elsewhere = pipecut.plan(
+        cpu_model, cpu_inputs, devices=1, loss_fn=loss_fn, target=cpu_target, microbatches=4,
+        measure=pipecut.MeasureOptions(device="cuda"),
+    )
     assert elsewhere.profiled_on.startswith("cuda"), elsewhere.profiled_on
     assert all(p.device.type == "cpu" for p in cpu_model.parameters()), "planning moved the model"
     there = sum(n.forward_ms for n in elsewhere.nodes)

@@ -104,8 +104,14 @@ def make_plan(cfg: Config, folder: Path) -> Plan | str | None:
         plain = pipecut.plan(model, inputs, cfg.ranks, **common)
         cap = int(max(s.peak_memory_bytes for s in plain.stages) * 0.8)  # no plain split fits
         devices = [DeviceSpec(name=f"cpu{r}", memory_bytes=cap) for r in range(cfg.ranks)]
-        return pipecut.plan(model, inputs, devices, ilp_time_limit=2.0, **common)
-    plan = pipecut.plan(model, inputs, cfg.ranks, split=list(cfg.split), **common)
+        return pipecut.plan(
+            model, inputs, devices, partition=pipecut.PartitionOptions(ilp_time_limit=2.0),
+            **common,
+        )
+    plan = pipecut.plan(
+        model, inputs, cfg.ranks, partition=pipecut.PartitionOptions(split=list(cfg.split)),
+        **common,
+    )
     plan = _recompute(plan, cfg.recompute, MODELS[cfg.model].blocks)
     if cfg.plan == "json":
         path = folder / f"plan-{abs(hash(cfg))}.json"
@@ -162,9 +168,10 @@ def run_config(rank: int, world: int, cfg: Config, plan: Plan | str | None, time
         stages_per_rank=cfg.stages_per_rank, chunk_heavy=cfg.chunk_heavy)
     pipe = pipecut.compile(
         model, devices, example_inputs=share(inputs, replica, replicas), loss_fn=loss_fn(cfg),
-        target=share(target, replica, replicas), plan=plan, calibration_steps=0, timeout=timeout,
-        loss_reduction=cfg.reduction, data_parallel=None if cfg.data_parallel == "none" else cfg.data_parallel,
-        **planning,
+        target=share(target, replica, replicas), plan=plan,
+        data_parallel=None if cfg.data_parallel == "none" else cfg.data_parallel,
+        measure=pipecut.MeasureOptions(calibration_steps=0),
+        runtime=pipecut.RuntimeOptions(timeout=timeout, loss_reduction=cfg.reduction), **planning,
     )
     opt = torch.optim.AdamW(pipe.parameters(), **ADAMW)
     scaler = pipe.grad_scaler(init_scale=SCALE) if cfg.autocast == "fp16" else None

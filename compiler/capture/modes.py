@@ -81,7 +81,7 @@ def state_reads(gm: fx.GraphModule, names: Mapping[int, str]) -> dict[str, tuple
 
 
 def capture_in_mode(
-    model: torch.nn.Module, inputs: Inputs, training: bool, like: Captured, leaf_modules: tuple[type, ...]
+    model: torch.nn.Module, inputs: Inputs, training: bool, like: Captured, leaf_modules: Sequence[type | str]
 ) -> Captured:
     """``model`` captured as in ``like`` but with ``model.train(training)``; the modes of its
     modules are restored afterwards."""
@@ -155,7 +155,7 @@ def share_state(gm: torch.nn.Module, like: torch.nn.Module) -> None:
 
 
 def derive_other_mode(
-    model: torch.nn.Module, inputs: Inputs, captured: Captured, plan: Plan, leaf_modules: tuple[type, ...]
+    model: torch.nn.Module, inputs: Inputs, captured: Captured, plan: Plan, leaf_modules: Sequence[type | str]
 ) -> tuple[Captured, Plan] | None:
     """The other mode's graph and its plan (the same stages, re-cut), or None when the other
     mode captures the very same graph. Deterministic: every rank derives the same."""

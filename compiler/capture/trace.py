@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,16 +29,21 @@ from pipecut.core.meta import has_meta, input_device, relocate_meta, to_meta
 from pipecut.core.names import model_names
 from pipecut.core.program import NO_DEFAULT, Captured, Inputs, split_args
 from pipecut.errors import CaptureError, InputError
+from pipecut.options import leaf_name
 from pipecut.plan import CaptureMethod
 
 __all__ = ["capture", "fingerprint"]
 
-def _trace_fx(model: torch.nn.Module, leaf_modules: tuple[type, ...]) -> fx.GraphModule:
+def _trace_fx(model: torch.nn.Module, leaf_modules: Sequence[type | str]) -> fx.GraphModule:
+    leaves = {leaf_name(c) for c in leaf_modules}
+
     class Tracer(fx.Tracer):
         proxy_buffer_attributes = True  # buffers become get_attr nodes, sliceable by traced sizes
 
         def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-            return isinstance(m, leaf_modules) or super().is_leaf_module(m, qualname)
+            # By class name (the plan records names), subclasses included, as isinstance would.
+            is_leaf = any(leaf_name(c) in leaves for c in type(m).__mro__)
+            return is_leaf or super().is_leaf_module(m, qualname)
 
         def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
             # fx does not see grad-mode changes: note them, so no_grad blocks can be honoured.
@@ -55,9 +60,10 @@ def capture(
     example_inputs: Inputs,
     *,
     method: CaptureMethod | None = None,
-    leaf_modules: tuple[type, ...] = (),
+    leaf_modules: Sequence[type | str] = (),
 ) -> Captured:
     """Capture ``model``; try symbolic_trace, then torch.export, unless ``method`` forces one.
+    ``leaf_modules``: module classes (or their ``module.QualName``) symbolic_trace keeps whole.
 
     The model is left as it was (see :mod:`pipecut.capture.guard`); a model that writes into its
     inputs, or changes Python number attributes in forward, is refused with a CaptureError.
@@ -89,7 +95,7 @@ def _capture(
     model: torch.nn.Module,
     example_inputs: Inputs,
     method: CaptureMethod | None,
-    leaf_modules: tuple[type, ...],
+    leaf_modules: Sequence[type | str],
 ) -> Captured:
     attempts: list[str] = []
     if method in (None, CaptureMethod.SYMBOLIC_TRACE):

@@ -153,10 +153,17 @@ def _plan_estimated(args: argparse.Namespace, example: Any, link: Link | None) -
     return pipecut.partition_costs(
         nodes, devices=devices, link=link or pipecut.device_link(args.device_profile),
         microbatches=args.microbatches, batch_size=size, schedule=args.schedule,
-        stages_per_rank=args.stages_per_rank, solver=args.solver, split=args.split,
+        stages_per_rank=args.stages_per_rank, partition=partition_options(args),
         fingerprint=fingerprint(captured.gm), capture=captured.method,
         inputs=captured.input_names,
     )
+
+
+def partition_options(args: argparse.Namespace) -> Any:
+    """The partition flags as :class:`~pipecut.options.PartitionOptions`."""
+    from pipecut.options import PartitionOptions
+
+    return PartitionOptions(solver=args.solver, split=args.split, heavy_pieces=getattr(args, "chunk_heavy", True))
 
 
 def measure_on(asked: str | None) -> str | None:
@@ -172,6 +179,7 @@ def measure_on(asked: str | None) -> str | None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     import pipecut
+    from pipecut.options import MeasureOptions, ScheduleOptions
     from pipecut.planning.partition import DEFAULT_LINK, as_devices, as_ilp_solver, as_schedule
     from pipecut.profile.devices import device_profile
     from pipecut.report.render import render
@@ -227,10 +235,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             plan = pipecut.plan(
                 example.model, example.inputs, devices, loss_fn=example.loss_fn,
                 target=example.target, microbatches=args.microbatches, schedule=args.schedule,
-                progress=bar, link=args.link or DEFAULT_LINK,
-                stages_per_rank=args.stages_per_rank, calibrate=args.calibrate,
-                chunk_heavy=args.chunk_heavy, solver=args.solver, split=args.split, data_parallel=args.data_parallel,
-                device=measure_on(args.measure_on),
+                progress=bar, partition=partition_options(args), data_parallel=args.data_parallel,
+                scheduling=ScheduleOptions(stages_per_rank=args.stages_per_rank),
+                measure=MeasureOptions(calibrate=args.calibrate, device=measure_on(args.measure_on),
+                                       link=args.link or DEFAULT_LINK),
             )
     if args.out:
         plan.to_json(args.out)
@@ -318,7 +326,7 @@ def _profile_names() -> list[str]:
 
 
 def _solver_names() -> list[str]:
-    from pipecut.passes.partition.ilp import IlpSolver
+    from pipecut.options import IlpSolver
 
     return [s.value for s in IlpSolver]
 

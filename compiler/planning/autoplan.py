@@ -25,19 +25,65 @@ from typing import Any
 
 import torch
 
+from pipecut.capture import capture
+from pipecut.capture.modes import describe_graph
 from pipecut.core.batching import batch_size, first_microbatch, split_microbatches
 from pipecut.core.program import Captured
 from pipecut.errors import InputError, PartitionError, ScheduleError
-from pipecut.passes.costs.microbatching import candidate_microbatches, costs_at
+from pipecut.options import AUTO
+from pipecut.passes.costs.microbatching import candidate_microbatches, costs_at, with_structure
 from pipecut.plan import Candidate, CaptureMethod, NodeCost, Plan, Recompute, ScheduleKind
-from pipecut.planning.partition import as_schedule
+from pipecut.planning.partition import as_schedule, partition_costs
+from pipecut.planning.request import Request
+from pipecut.profile.nodes import profile
 
-__all__ = ["AUTO", "Measurements", "accepts", "choose"]
+__all__ = ["AUTO", "Measurements", "accepts", "choose", "measurements", "plan_auto"]
 
-AUTO = "auto"
+PlanAt = Callable[[Request, Captured | None, Sequence[NodeCost] | None], Plan]
+"""``(request at fixed microbatches and schedule, graph, cost table) -> plan``: the planner's
+fixed plan, given what was captured and measured at that size already (or None)."""
 _PREFERENCE = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUBBLE, ScheduleKind.ZBV,
                ScheduleKind.GPIPE, ScheduleKind.INTERLEAVED_1F1B)
 _TIE = 0.01
+
+
+def plan_auto(request: Request, plan_at: PlanAt) -> Plan:
+    """Choose the microbatches and schedule the request leaves "auto" by predicted step, plan
+    the winner for real on what was measured at its size, and record every pair considered."""
+    measured = measurements(request)
+    full, _ = first_microbatch(request.example_inputs, 1)
+    tables: dict[int, Sequence[NodeCost]] = {}  # the table each microbatch count was planned on
+
+    def partition_at(costs: Sequence[NodeCost], m: int, kind: ScheduleKind) -> Plan:
+        tables[m] = costs
+        return partition_costs(
+            costs, devices=request.devices, microbatches=m, batch_size=full, schedule=kind,
+            link=request.link, partition=request.options.partition, stages_per_rank=request.stages_per_rank,
+            data_parallel=request.options.data_parallel.fixed)
+
+    scheduling = request.options.scheduling
+    m, kind, candidates = choose(
+        request.example_inputs, request.target, ranks=len(request.devices), microbatches=scheduling.microbatches
+        if scheduling.microbatches is not None else AUTO, schedule=scheduling.kind,
+        stages_per_rank=request.stages_per_rank, profile_at=measured.costs, partition=partition_at,
+    )
+    first = first_microbatch(request.example_inputs, m)[1]
+    graph, table = measured.at(first) or (None, None)
+    if graph is not None and table is None:  # a size between those profiled, on their graph: its
+        table = with_structure(tables[m], describe_graph(graph, graph.flatten_inputs(first)))  # interpolated table
+    chosen = plan_at(request.with_scheduling(microbatches=m, kind=kind), graph, table)
+    return dataclasses.replace(chosen, candidates=candidates)
+
+
+def measurements(request: Request) -> Measurements:
+    """Capture and profile the request's model at any microbatch size, each once."""
+    options, measure = request.options.capture, request.options.measure
+    return Measurements(
+        lambda first: capture(request.model, first, method=options.method, leaf_modules=options.leaf_modules),
+        lambda captured, first, first_target: profile(
+            captured, captured.flatten_inputs(first), loss_fn=request.loss_fn, target=first_target,
+            repeats=measure.repeats, warmup=measure.warmup, device=request.measure_on),
+    )
 
 
 def schedules_to_try(schedule: Any, stages_per_rank: int) -> tuple[ScheduleKind, ...]:

@@ -6,22 +6,27 @@ at least that node. When such a node is linear-like (an LM head; see
 each at most a share, profiles the rewritten graph, and keeps the result only where its
 predicted step beats the plain plan's (see :func:`pipecut.planning.planner.plan`, ``chunk_heavy``).
 
-Both functions here are pure: a cost table (and the graph, to ask what is chunkable) in, plan
-data out.
+:func:`heavy_chunks` and :func:`merge_costs` are pure: a cost table (and the graph, to ask what
+is chunkable) in, plan data out. :func:`try_pieces` is the planner's step that uses them: it
+profiles the rewritten graph where it changed and keeps the cheaper plan.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch.fx as fx
 
+from pipecut.capture import as_planned
+from pipecut.core.program import Captured
 from pipecut.passes.partition.chain import is_unit
 from pipecut.passes.rewrite.chunk_rows import chunkable, piece_names
-from pipecut.plan import ChunkedNode, NodeCost, NodeOp
+from pipecut.plan import ChunkedNode, CostSource, NodeCost, NodeOp, Plan
+from pipecut.planning.request import FirstBatch, Request
+from pipecut.profile.nodes import profile
 
-__all__ = ["MAX_PIECES", "heavy_chunks", "merge_costs", "new_names"]
+__all__ = ["MAX_PIECES", "heavy_chunks", "merge_costs", "new_names", "try_pieces"]
 
 MAX_PIECES = 16
 """More pieces than this only add small matmuls and a wider concatenation."""
@@ -83,3 +88,32 @@ def merge_costs(
     return tuple(
         before[n.name] if n.name in before and n.name not in replaced else n for n in rewritten
     )
+
+
+Partition = Callable[[Captured, Sequence[NodeCost], tuple[ChunkedNode, ...]], Plan]
+"""``(graph, cost table, chunked nodes) -> plan``: the planner's partition (and calibration)."""
+
+
+def try_pieces(request: Request, captured: Captured, batch: FirstBatch, best: Plan,
+               nodes: Sequence[NodeCost], partition: Partition) -> tuple[Plan, str]:
+    """``best``, or the plan with its heavy nodes in row pieces where that predicts a shorter
+    step, and a note for the solver's detail. Only GPipe and (interleaved) 1F1B without a split
+    given, with ``PartitionOptions.heavy_pieces``."""
+    kind = best.schedule
+    if not request.options.partition.heavy_pieces or request.options.partition.split is not None or kind.splits_backward:
+        return best, ""
+    chunks = heavy_chunks(best.nodes, best.num_stages, captured.gm)
+    if not chunks:
+        return best, ""
+    chunked = as_planned(captured, chunks)
+    estimated = any(n.source is CostSource.ESTIMATED for n in nodes)  # rates need every node
+    measure = request.options.measure
+    pieces_table = profile(chunked, batch.flat(captured), loss_fn=request.loss_fn, target=batch.target,
+                           repeats=measure.repeats, warmup=measure.warmup, device=request.measure_on,
+                           only=None if estimated else new_names(chunks))
+    tried = partition(chunked, merge_costs(best.nodes, pieces_table, chunks), chunks)
+    keep = tried.predicted.step_ms < best.predicted.step_ms
+    what = ", ".join(f"{c.node} in {c.pieces} row pieces" for c in chunks)
+    note = (f"heavy node(s) {what}: predicted step {tried.predicted.step_ms:.3f} ms, "
+            f"{best.predicted.step_ms:.3f} ms whole; {'chunked' if keep else 'kept whole'}")
+    return (tried if keep else best), note

@@ -21,12 +21,12 @@ import pipecut
 from pipecut.core.choices import enum_choice
 from pipecut.core.schedule import rank_of, stages_on
 from pipecut.errors import InputError, PartitionError
+from pipecut.options import IlpSolver, PartitionOptions, with_legacy
 from pipecut.parallel import DataParallel
 from pipecut.passes.costs.stages import build_stages, inflight_microbatches
 from pipecut.passes.partition.chain import boundary_bytes, can_cross, is_unit, liveness
 from pipecut.passes.partition.coarsen import block_cuts, candidate_cuts
 from pipecut.passes.partition.holders import stage_count_error
-from pipecut.passes.partition.ilp import IlpSolver
 from pipecut.passes.partition.memory_dp import partition_bounded
 from pipecut.passes.partition.memory_floor import infeasible_error
 from pipecut.passes.partition.memory_partition import partition_ilp
@@ -53,6 +53,7 @@ from pipecut.plan import (
 __all__ = [
     "DEFAULT_LINK",
     "LARGE_GRAPH_UNITS",
+    "PARTITION_KEYWORDS",
     "Devices",
     "Split",
     "as_devices",
@@ -107,6 +108,10 @@ def _use_ilp(specs: Sequence[DeviceSpec], recompute: bool) -> bool:
     )
 
 
+PARTITION_KEYWORDS = ("recompute", "partitioner", "ilp_time_limit", "split", "solver")
+"""The keyword arguments of pipecut 0.1's ``partition_costs`` that moved into :class:`PartitionOptions`."""
+
+
 def partition_costs(
     nodes: Sequence[NodeCost],
     *,
@@ -115,149 +120,189 @@ def partition_costs(
     batch_size: int,
     schedule: str | ScheduleKind = ScheduleKind.GPIPE,
     link: Link = DEFAULT_LINK,
+    partition: PartitionOptions | None = None,
+    stages_per_rank: int = 1,
+    data_parallel: DataParallel | None = None,
     fingerprint: str = "",
     capture: CaptureMethod = CaptureMethod.SYMBOLIC_TRACE,
     inputs: Sequence[str] = (),
-    recompute: bool | None = None,
-    partitioner: Partitioner | None = None,
-    ilp_time_limit: float = 5.0,
-    stages_per_rank: int = 1,
-    split: Split | None = None,
-    data_parallel: DataParallel | None = None,
-    solver: IlpSolver | str = IlpSolver.HIGHS,
+    **legacy: Any,
 ) -> Plan:
-    """Partition a cost table (pure data) into a plan.
+    """Partition a cost table (pure data) into a plan: set the problem up, cut it (a split
+    given, the exact DP or the ILP), and build the plan's stages and prediction.
 
     ``devices`` are the ranks; with ``stages_per_rank`` V > 1 (interleaved schedules) the graph
     is cut into K * V stages and stage s runs on device s mod K. ZBV always cuts 2K stages
     (``stages_per_rank`` 1, the default, or 2), rank r running stages r and 2K - 1 - r.
 
-    ``recompute``: may a stage recompute its forward in backward to fit in memory? None (the
-    default) allows it when some device has a memory capacity. ``partitioner``: None picks the
-    exact DP for equal devices without memory limits or recompute and the ILP otherwise; DP or
-    ILP forces one. ``ilp_time_limit``: seconds the ILP solver may spend in total; the plan's
-    solver record says whether the ILP proved its answer optimal. ``solver``: the ILP's solver,
-    ``"highs"`` (default) or ``"cbc"`` (:class:`~pipecut.passes.partition.ilp.IlpSolver`).
+    ``partition`` (:class:`~pipecut.options.PartitionOptions`): ``recompute`` may a stage
+    recompute its forward in backward to fit in memory (None: where some device has a memory
+    capacity); ``partitioner`` None picks the exact DP for equal devices without memory limits
+    or recompute and the ILP otherwise, DP or ILP forces one; ``ilp_time_limit`` seconds the ILP
+    may spend in total (the plan's solver record says whether it proved its answer optimal);
+    ``solver`` HiGHS (default) or CBC; ``split`` pins the split instead, module FQNs per stage
+    (``[["emb", "blocks.0"], ["blocks.1", "head"]]``) or the modules where stages 1.. begin
+    (``["blocks.1"]``), and the plan then reports pipecut's own optimum beside it
+    (``predicted.optimum_step_ms``). The keyword arguments of pipecut 0.1 (``recompute=``, ...)
+    still work, with a DeprecationWarning.
 
-    ``split`` pins the split instead: module FQNs per stage (``[["emb", "blocks.0"],
-    ["blocks.1", "head"]]``) or the modules where stages 1.. begin (``["blocks.1"]``). The plan
-    then reports pipecut's own optimum beside it (``predicted.optimum_step_ms``).
-    ``data_parallel``: the replicas each
-    stage will have and their engine; FSDP shrinks the memory a stage needs (see
-    :func:`pipecut.passes.costs.stages.state_bytes`).
+    ``data_parallel``: the replicas each stage will have and their engine; FSDP shrinks the
+    memory a stage needs (see :func:`pipecut.passes.costs.stages.state_bytes`).
     """
-    kind = as_schedule(schedule)
-    ilp_solver = as_ilp_solver(solver)  # checked even when the DP runs: a typo is refused
-    stages_per_rank = _stages_per_rank(kind, stages_per_rank)
-    ranks = as_devices(devices)
-    specs = tuple(ranks[rank_of(s, len(ranks), kind.placement)] for s in range(len(ranks) * stages_per_rank))
-    k = len(specs)
-    allow = any(d.memory_bytes is not None for d in specs) if recompute is None else recompute
-    method = partitioner or (Partitioner.ILP if _use_ilp(specs, allow) else Partitioner.DP)
-    if method is Partitioner.GIVEN:
-        raise InputError("partitioner must be Partitioner.DP, Partitioner.ILP or None")
-    start = time.perf_counter()
-    units = sum(1 for n in nodes if is_unit(n))
-    optimum_ms = 0.0
-    recomputed: list[tuple[str, ...]] = [()] * k  # per stage, under Recompute.SELECTIVE
-    if split is not None:
-        live = liveness(nodes)
-        bounds, recomputes = _given_bounds(nodes, live, split, k, link), [Recompute.NONE] * k
-        optimum = partition_costs(
-            nodes, devices=ranks, microbatches=microbatches, batch_size=batch_size,
-            schedule=kind, link=link, recompute=recompute, partitioner=partitioner,
-            ilp_time_limit=ilp_time_limit, stages_per_rank=stages_per_rank,
-            data_parallel=data_parallel, solver=solver,
-        )
-        optimum_ms = optimum.predicted.step_ms
-        record = Solver(
-            method=Partitioner.GIVEN, solve_ms=(time.perf_counter() - start) * 1e3,
-            optimal=False, detail=f"split given: {_describe_split(split)}",
-        )
-    elif method is Partitioner.DP:
-        # The exact DP over the whole cost model, pruned by a bound (10,000 units in 0.1 s);
-        # on large graphs a split over module boundaries first tightens the bound.
-        form = formulate(
-            nodes, devices=specs, link=link, schedule=kind, microbatches=microbatches,
-            recompute=False, data_parallel=data_parallel,
-        )
-        live = form.live
-        cuts = form.problem.allowed_cuts()
-        if k - 1 > len(cuts):
-            raise PartitionError(
-                f"cannot cut this graph into {k} stages: it has {form.problem.units} partitionable "
-                f"nodes and only {len(cuts)} places where every live value can cross a cut; "
-                f"use at most {len(cuts) + 1} devices"
-            )
-        too_many = stage_count_error(k, form.problem.holds_params, cuts)
-        if too_many is not None:
-            raise too_many
-        coarse = (candidate_cuts(form.modules, form.problem.compute_ms, form.problem.boundary_ms)
-                  if units > LARGE_GRAPH_UNITS else ())
-        best = partition_bounded(form.problem, coarse=coarse)
-        if best is None:
-            raise infeasible_error(
-                form.problem, inflight_for=lambda m: inflight_microbatches(kind, m, microbatches),
-                positions=coarse or None,
-            )
-        bounds, recomputes = best.bounds, [Recompute.NONE] * k
-        bounds, moved = _refined(bounds, form, nodes, specs, ranks, link, kind, microbatches,
-                                 stages_per_rank, data_parallel)
-        record = Solver(
-            method=Partitioner.DP, solve_ms=(time.perf_counter() - start) * 1e3, optimal=True,
-            detail=f"exact DP over {units} units{moved}",
-        )
+    options = with_legacy({"partition": partition or PartitionOptions()}, legacy, "partition_costs",
+                          PARTITION_KEYWORDS)["partition"]
+    setup = _Setup.of(nodes, devices, microbatches, batch_size, schedule, link, options, stages_per_rank,
+                      data_parallel)
+    if options.split is not None:
+        cut = _given_split(setup, options.split)
+    elif setup.method is Partitioner.DP:
+        cut = _exact(setup)
     else:
-        form = formulate(
-            nodes, devices=specs, link=link, schedule=kind, microbatches=microbatches,
-            recompute=allow, data_parallel=data_parallel,
-        )
-        live = form.live
-        result = partition_ilp(
-            form.problem,
-            modules=form.modules,
-            inflight_for=lambda n: inflight_microbatches(kind, n, microbatches),
-            time_limit_s=ilp_time_limit,
-            solver=ilp_solver,
-        )
-        bounds, recomputes = result.evaluation.bounds, list(result.evaluation.recompute)
-        recomputed = [tuple(u for a, e in st.recomputed for u in live.units[a:e])
-                      for st in result.evaluation.stages]
-        moved = ""
-        if all(r is Recompute.NONE for r in recomputes):
-            bounds, moved = _refined(bounds, form, nodes, specs, ranks, link, kind, microbatches,
-                                     stages_per_rank, data_parallel)
-        record = Solver(
-            method=Partitioner.ILP, solve_ms=result.solve_ms, optimal=result.optimal,
-            detail=result.detail + moved,
-        )
+        cut = _ilp(setup)
     facts = build_stages(
-        nodes, live, bounds, devices=specs, link=link, schedule=kind, microbatches=microbatches,
-        recompute=recomputes, recomputed=recomputed, stages_per_rank=stages_per_rank,
-        data_parallel=data_parallel,
+        nodes, cut.live, cut.bounds, devices=setup.specs, link=link, schedule=setup.kind,
+        microbatches=microbatches, recompute=cut.recomputes, recomputed=cut.recomputed,
+        stages_per_rank=setup.stages_per_rank, data_parallel=data_parallel,
     )
-    _check_rank_memory(facts.stages, ranks, kind)
-    predicted = dataclasses.replace(facts.predicted, optimum_step_ms=optimum_ms or facts.predicted.step_ms)
+    _check_rank_memory(facts.stages, setup.ranks, setup.kind)
+    predicted = dataclasses.replace(facts.predicted, optimum_step_ms=cut.optimum_ms or facts.predicted.step_ms)
     return Plan(
-        fingerprint=fingerprint,
-        capture=capture,
-        schedule=kind,
-        microbatches=microbatches,
-        batch_size=batch_size,
-        inputs=tuple(inputs),
-        nodes=tuple(nodes),
-        stages=facts.stages,
-        edges=facts.edges,
-        devices=specs,
-        link=link,
-        predicted=predicted,
-        solver=record,
-        tied=facts.tied,
-        stages_per_rank=stages_per_rank,
-        data_parallel=data_parallel,
-        pipecut_version=pipecut.__version__,
-        torch_version=torch.__version__,
+        fingerprint=fingerprint, capture=capture, schedule=setup.kind, microbatches=microbatches,
+        batch_size=batch_size, inputs=tuple(inputs), nodes=tuple(nodes), stages=facts.stages,
+        edges=facts.edges, devices=setup.specs, link=link, predicted=predicted, solver=cut.record,
+        tied=facts.tied, stages_per_rank=setup.stages_per_rank, data_parallel=data_parallel,
+        pipecut_version=pipecut.__version__, torch_version=torch.__version__,
     )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Setup:
+    """One partitioning problem, its arguments normalised."""
+
+    nodes: Sequence[NodeCost]
+    kind: ScheduleKind
+    ranks: tuple[DeviceSpec, ...]
+    specs: tuple[DeviceSpec, ...]
+    """The device of every stage (K × stages per rank)."""
+    link: Link
+    microbatches: int
+    batch_size: int
+    stages_per_rank: int
+    data_parallel: DataParallel | None
+    options: PartitionOptions
+    allow_recompute: bool
+    method: Partitioner
+    start: float
+    """``time.perf_counter()`` when partitioning began."""
+
+    @classmethod
+    def of(cls, nodes: Sequence[NodeCost], devices: Devices, microbatches: int, batch_size: int,
+           schedule: str | ScheduleKind, link: Link, options: PartitionOptions, stages_per_rank: int, data_parallel: DataParallel | None) -> _Setup:
+        kind = as_schedule(schedule)
+        per_rank = _stages_per_rank(kind, stages_per_rank)
+        ranks = as_devices(devices)
+        specs = tuple(ranks[rank_of(s, len(ranks), kind.placement)] for s in range(len(ranks) * per_rank))
+        allow = any(d.memory_bytes is not None for d in specs) if options.recompute is None else options.recompute
+        method = options.partitioner or (Partitioner.ILP if _use_ilp(specs, allow) else Partitioner.DP)
+        if method is Partitioner.GIVEN:
+            raise InputError("partitioner must be Partitioner.DP, Partitioner.ILP or None")
+        return cls(nodes=nodes, kind=kind, ranks=ranks, specs=specs, link=link, microbatches=microbatches,
+                   batch_size=batch_size, stages_per_rank=per_rank, data_parallel=data_parallel, options=options,
+                   allow_recompute=allow, method=method, start=time.perf_counter())
+
+    @property
+    def stages(self) -> int:
+        return len(self.specs)
+
+    @property
+    def units(self) -> int:
+        return sum(1 for n in self.nodes if is_unit(n))
+
+    def formulate(self, recompute: bool) -> Formulation:
+        return formulate(self.nodes, devices=self.specs, link=self.link, schedule=self.kind,
+                         microbatches=self.microbatches, recompute=recompute, data_parallel=self.data_parallel)
+
+    def inflight(self, stages: int) -> Sequence[int]:
+        """Microbatches in flight on each of ``stages`` stages under the schedule."""
+        return inflight_microbatches(self.kind, stages, self.microbatches)
+
+    def refined(self, bounds: Sequence[int], form: Formulation) -> tuple[tuple[int, ...], str]:
+        return _refined(bounds, form, self.nodes, self.specs, self.ranks, self.link, self.kind,
+                        self.microbatches, self.stages_per_rank, self.data_parallel)
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.start) * 1e3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Cut:
+    """Where a solver cut the chain, and its record."""
+
+    live: Any
+    bounds: tuple[int, ...]
+    recomputes: list[Recompute]
+    recomputed: list[tuple[str, ...]]
+    """Per stage, the units recomputed under ``Recompute.SELECTIVE``."""
+    record: Solver
+    optimum_ms: float = 0.0
+    """With a split given: pipecut's own optimum's step."""
+
+
+def _given_split(setup: _Setup, split: Split) -> _Cut:
+    """A split the user chose, scored beside pipecut's optimum."""
+    live = liveness(setup.nodes)
+    bounds = _given_bounds(setup.nodes, live, split, setup.stages, setup.link)
+    optimum = partition_costs(
+        setup.nodes, devices=setup.ranks, microbatches=setup.microbatches, batch_size=setup.batch_size,
+        schedule=setup.kind, link=setup.link, partition=dataclasses.replace(setup.options, split=None),
+        stages_per_rank=setup.stages_per_rank, data_parallel=setup.data_parallel,
+    )
+    record = Solver(method=Partitioner.GIVEN, solve_ms=setup.elapsed_ms(), optimal=False,
+                    detail=f"split given: {_describe_split(split)}")
+    return _Cut(live=live, bounds=tuple(bounds), recomputes=[Recompute.NONE] * setup.stages,
+                recomputed=[()] * setup.stages, record=record, optimum_ms=optimum.predicted.step_ms)
+
+
+def _exact(setup: _Setup) -> _Cut:
+    """The exact DP over the whole cost model, pruned by a bound (10,000 units in 0.1 s); on
+    large graphs a split over module boundaries first tightens the bound."""
+    form = setup.formulate(recompute=False)
+    k, cuts = setup.stages, form.problem.allowed_cuts()
+    if k - 1 > len(cuts):
+        raise PartitionError(
+            f"cannot cut this graph into {k} stages: it has {form.problem.units} partitionable "
+            f"nodes and only {len(cuts)} places where every live value can cross a cut; "
+            f"use at most {len(cuts) + 1} devices"
+        )
+    too_many = stage_count_error(k, form.problem.holds_params, cuts)
+    if too_many is not None:
+        raise too_many
+    coarse = (candidate_cuts(form.modules, form.problem.compute_ms, form.problem.boundary_ms)
+              if setup.units > LARGE_GRAPH_UNITS else ())
+    best = partition_bounded(form.problem, coarse=coarse)
+    if best is None:
+        raise infeasible_error(form.problem, inflight_for=setup.inflight, positions=coarse or None)
+    bounds, moved = setup.refined(best.bounds, form)
+    record = Solver(method=Partitioner.DP, solve_ms=setup.elapsed_ms(), optimal=True,
+                    detail=f"exact DP over {setup.units} units{moved}")
+    return _Cut(live=form.live, bounds=bounds, recomputes=[Recompute.NONE] * k, recomputed=[()] * k,
+                record=record)
+
+
+def _ilp(setup: _Setup) -> _Cut:
+    """The memory-aware ILP over candidate cuts, recompute where allowed."""
+    form = setup.formulate(recompute=setup.allow_recompute)
+    result = partition_ilp(form.problem, modules=form.modules, inflight_for=setup.inflight,
+                           time_limit_s=setup.options.ilp_time_limit, solver=setup.options.solver)
+    bounds, recomputes = tuple(result.evaluation.bounds), list(result.evaluation.recompute)
+    recomputed = [tuple(u for a, e in st.recomputed for u in form.live.units[a:e])
+                  for st in result.evaluation.stages]
+    moved = ""
+    if all(r is Recompute.NONE for r in recomputes):
+        bounds, moved = setup.refined(bounds, form)
+    record = Solver(method=Partitioner.ILP, solve_ms=result.solve_ms, optimal=result.optimal,
+                    detail=result.detail + moved)
+    return _Cut(live=form.live, bounds=bounds, recomputes=recomputes, recomputed=recomputed, record=record)
 
 
 def _refined(

@@ -24,12 +24,16 @@ from typing import Any
 
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.errors import InputError
+from pipecut.options import AUTO, DataParallelOptions
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.parallel.hybrid import HybridPlan, plan_hybrid, workload
 from pipecut.passes.parallel.replication import ReplicationKind
 from pipecut.plan import DeviceSpec, Link, NodeCost, Plan, ReplicaCandidate, ScheduleKind
+from pipecut.planning.autoplan import measurements
+from pipecut.planning.partition import as_schedule
+from pipecut.planning.request import Request
 
-__all__ = ["ReplicaChoice", "choose_replicas", "plan_replicas"]
+__all__ = ["ReplicaChoice", "choose_replicas", "plan_replicas", "plan_replicated"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,3 +145,27 @@ def plan_replicas(
     replicated = DataParallel(kind=DataParallelKind.DDP, replicas=d)
     chosen = plan_share(share, share_target, choice.stages, replicated)
     return dataclasses.replace(chosen, replica_candidates=choice.candidates)
+
+
+def plan_replicated(request: Request, plan_at: Callable[[Request], Plan]) -> Plan:
+    """``plan(..., data_parallel="auto")``: :func:`plan_replicas` with the request's options;
+    ``plan_at`` plans one replica's share on K devices."""
+    scheduling = request.options.scheduling
+    if (not isinstance(scheduling.microbatches, int) or scheduling.kind in (None, AUTO)
+            or request.stages_per_rank != 1 or request.options.partition.split is not None):
+        raise InputError(
+            "data_parallel='auto' chooses replicas and stages for a given microbatch count "
+            "and schedule: give microbatches and schedule as values (not 'auto'), with "
+            "stages_per_rank=1 and no split"
+        )
+
+    def plan_share(share: Any, share_target: Any, k: int, replicated: DataParallel) -> Plan:
+        dp = DataParallelOptions(kind=replicated.kind, replicas=replicated.replicas)
+        return plan_at(dataclasses.replace(request.with_options(data_parallel=dp), example_inputs=share,
+                                           target=share_target, devices=request.devices[:k]))
+
+    return plan_replicas(
+        request.example_inputs, request.target, devices=request.devices, microbatches=scheduling.microbatches,
+        schedule=as_schedule(scheduling.kind), link=request.link, profile_at=measurements(request).costs,
+        plan_share=plan_share,
+    )

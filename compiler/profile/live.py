@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from pipecut.core.schedule import Action, ActionKind
+from pipecut.options import PartitionOptions
 from pipecut.parallel import DataParallel
 from pipecut.passes.costs.stages import build_stages
 from pipecut.passes.partition.chain import liveness
@@ -188,10 +189,10 @@ def recalibrate(
             nodes, devices=plan.devices[: plan.num_ranks], microbatches=plan.microbatches,
             batch_size=plan.batch_size, schedule=plan.schedule, link=link,
             fingerprint=plan.fingerprint, capture=plan.capture, inputs=plan.inputs,
-            partitioner=plan.solver.method, stages_per_rank=plan.stages_per_rank,
+            partition=PartitionOptions(partitioner=plan.solver.method), stages_per_rank=plan.stages_per_rank,
             data_parallel=data_parallel,
         )
         again = dataclasses.replace(again, candidates=plan.candidates, accepts=plan.accepts, profiled_on=plan.profiled_on,
-                                    chunked=plan.chunked)
+                                    chunked=plan.chunked, options=plan.options)
     detail = f"{plan.solver.detail}; {note}" if plan.solver.detail else note  # keeps earlier notes
     return dataclasses.replace(again, solver=dataclasses.replace(again.solver, detail=detail))

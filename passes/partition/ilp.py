@@ -39,19 +39,11 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
+from pipecut.options import IlpSolver
 from pipecut.passes.partition.holders import holder_prefix
 from pipecut.passes.partition.problem import Evaluation, Problem, evaluate
 
-__all__ = ["IlpResult", "IlpSolver", "IlpStatus", "default_windows", "solve_ilp"]
-
-
-class IlpSolver(enum.Enum):
-    """The MILP solver behind :func:`solve_ilp`, both driven through PuLP."""
-
-    HIGHS = "highs"
-    """HiGHS via ``highspy`` (the default): in process, started from the warm-start split."""
-    CBC = "cbc"
-    """COIN-OR CBC, the binary bundled with PuLP 3 (``PULP_CBC_CMD``, deprecated for PuLP 4)."""
+__all__ = ["IlpResult", "IlpStatus", "default_windows", "solve_ilp"]
 
 
 class IlpStatus(enum.Enum):

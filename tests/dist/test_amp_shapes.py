@@ -89,8 +89,10 @@ def _ranks(rank: int, world: int, plans: dict[tuple[str, str], str]) -> list[Any
     for name, schedule, steps in SCENARIOS:
         build, m = MODELS[name]
         model, inputs, loss_fn, target = build()
-        pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                               microbatches=m, plan=plans[name, schedule], timeout=60)
+        pipe = pipecut.compile(
+            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=m,
+            plan=plans[name, schedule], runtime=pipecut.RuntimeOptions(timeout=60),
+        )
         for step in steps:
             x = _cut(inputs, step.rows or 10**9, step.seq)
             y = _cut(target, step.rows or 10**9, step.seq)
@@ -142,7 +144,8 @@ def test_autocast_and_variable_shapes_match_plain_model() -> None:
             model, inputs, loss_fn, target = build()
             plans[name, schedule] = pipecut.plan(
                 model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=m,
-                schedule=ScheduleKind(schedule), repeats=1, warmup=0, calibrate=False,
+                schedule=ScheduleKind(schedule),
+                measure=pipecut.MeasureOptions(repeats=1, warmup=0, calibrate=False),
             ).to_json()
     # torch.export kept batch and sequence symbolic (from its lower bound of 2), as one symbol each.
     accepts = pipecut.Plan.from_json(plans["hf_gpt2", "gpipe"]).accepts

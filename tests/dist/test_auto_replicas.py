@@ -22,8 +22,10 @@ pytestmark = pytest.mark.dist
 def _auto(rank: int, world: int) -> dict[str, Any]:
     model, inputs, loss_fn, target = EXAMPLES["gpt"]()  # a global batch of 16
     alias = _aliases(model)
-    pipe = pipecut.compile(model, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=8, schedule="1f1b", timeout=60, data_parallel="auto")
+    pipe = pipecut.compile(
+        model, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=8,
+        schedule="1f1b", data_parallel="auto", runtime=pipecut.RuntimeOptions(timeout=60),
+    )
     dp = pipe.plan.data_parallel
     assert dp is not None
     replica = dist.get_rank(pipe.dp_group) if pipe.dp_group is not None else 0

@@ -30,8 +30,10 @@ M = 4
 
 def _compile(name, world, plan=None):
     model, inputs, loss_fn, target = MODELS[name](batch_size=8, seed=0)
-    pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=M, timeout=60, plan=plan)
+    pipe = pipecut.compile(
+        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+        plan=plan, runtime=pipecut.RuntimeOptions(timeout=60),
+    )
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     return pipe, opt, inputs, target
 
@@ -132,9 +134,11 @@ def _run(rank, world, root, kill_after, resume, plan):
     model, inputs, loss_fn, target = zoo.gpt2(batch_size=8, seed=0)
     last = ckpt.latest(root) if resume else None
     # The killed run's survivors notice the dead rank by their receive deadline: keep it short.
-    pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=M, timeout=10 if kill_after else 60,
-                           plan=plan or (last and last / ckpt.PLAN_FILE))
+    pipe = pipecut.compile(
+        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+        plan=plan or (last and last / ckpt.PLAN_FILE),
+        runtime=pipecut.RuntimeOptions(timeout=10 if kill_after else 60),
+    )
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     start = ckpt.load(pipe, last, opt).step if last else 0
     losses = {}

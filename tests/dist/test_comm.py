@@ -25,8 +25,10 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     model, inputs, loss_fn, target = gpt.build()
     plain = loss_fn(model(*inputs), target).item()
-    pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=M, schedule="1f1b", timeout=60)
+    pipe = pipecut.compile(
+        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+        schedule="1f1b", runtime=pipecut.RuntimeOptions(timeout=60),
+    )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         loss = pipe.step(inputs, target)
     out["loss"], out["plain"] = loss.item(), plain
@@ -44,8 +46,10 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     original = api.plan_schedule
     api.plan_schedule = lambda plan: bad
     try:
-        pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                        microbatches=M, plan=pipe.plan, timeout=60)
+        pipecut.compile(
+            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+            plan=pipe.plan, runtime=pipecut.RuntimeOptions(timeout=60),
+        )
         out["refused"] = None
     except ScheduleError as e:
         out["refused"] = str(e)

@@ -55,14 +55,19 @@ def _two_stages(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in ("gpt2", "llama"):
         model, inputs, loss_fn, target = families.FAMILIES[name](batch_size=8, seed=0)
-        pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                               microbatches=M, timeout=60, calibration_steps=0)
+        pipe = pipecut.compile(
+            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+            runtime=pipecut.RuntimeOptions(timeout=60),
+            measure=pipecut.MeasureOptions(calibration_steps=0),
+        )
         state = _trained(pipe, inputs, target)
         # config.json: from the model compiled; the model given adds its class as architectures.
         written = pipe.save_pretrained(f"{root}/{name}", model if name == "gpt2" else None)
         meta, *_ = families.on_meta(name)
-        again = pipecut.compile(meta, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                                microbatches=M, timeout=60, weights=f"{root}/{name}", plan=pipe.plan)
+        again = pipecut.compile(
+            meta, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+            weights=f"{root}/{name}", plan=pipe.plan, runtime=pipecut.RuntimeOptions(timeout=60),
+        )
         out[name] = {"state": state, "written": str(written), "reloaded": again.state_dict(),
                      "architectures": model.config.architectures}
         if name == "gpt2":
@@ -74,9 +79,12 @@ def _two_stages(rank: int, world: int, root: str) -> dict[str, Any]:
             except Exception as e:
                 out["checkpoint"] = f"{type(e).__name__}: {e}"
     model, inputs, loss_fn, target = families.FAMILIES["gpt2"](batch_size=8, seed=0)
-    pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=M, timeout=60, calibration_steps=0,
-                           schedule="interleaved-1f1b", stages_per_rank=2)
+    pipe = pipecut.compile(
+        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+        schedule="interleaved-1f1b", runtime=pipecut.RuntimeOptions(timeout=60),
+        measure=pipecut.MeasureOptions(calibration_steps=0),
+        scheduling=pipecut.ScheduleOptions(stages_per_rank=2),
+    )
     out["interleaved"] = {"state": _trained(pipe, inputs, target), "stages": pipe.stages}
     pipe.save_pretrained(f"{root}/interleaved", model)
     return out
@@ -114,8 +122,11 @@ def _replicas(rank: int, world: int, root: str) -> dict[str, Any]:
     for kind in ("ddp", "fsdp"):
         model, inputs, loss_fn, target = families.FAMILIES["gpt2"](batch_size=16, seed=0)
         mine, mine_target = {"input_ids": inputs["input_ids"][half]}, target[half]
-        pipe = pipecut.compile(model, mesh, example_inputs=mine, loss_fn=loss_fn, target=mine_target,
-                               microbatches=M, timeout=60, data_parallel=kind, calibration_steps=0)
+        pipe = pipecut.compile(
+            model, mesh, example_inputs=mine, loss_fn=loss_fn, target=mine_target, microbatches=M,
+            data_parallel=kind, runtime=pipecut.RuntimeOptions(timeout=60),
+            measure=pipecut.MeasureOptions(calibration_steps=0),
+        )
         state = _trained(pipe, mine, mine_target)
         pipe.save_pretrained(f"{root}/{kind}", model)
         out[kind] = state

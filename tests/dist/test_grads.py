@@ -100,8 +100,10 @@ def clip_reference(name: str) -> dict[float, dict[str, Any]]:
 def _clip_scenario(world: int, name: str, schedule: str, ref: dict[float, dict[str, Any]],
                    foreach: bool | None = None, **kw: Any):
     model, inputs, loss_fn, target = FACTORIES[name]()
-    pipe = pipecut.compile(model, kw.pop("devices", world), example_inputs=inputs, loss_fn=loss_fn,
-                           target=target, microbatches=4, schedule=schedule, timeout=60, **kw)
+    pipe = pipecut.compile(
+        model, kw.pop("devices", world), example_inputs=inputs, loss_fn=loss_fn, target=target,
+        microbatches=4, schedule=schedule, runtime=pipecut.RuntimeOptions(timeout=60), **kw,
+    )
     results = {}
     for p in NORMS:
         for q in pipe.parameters():
@@ -126,8 +128,10 @@ def _scaler_scenario(rank: int, world: int) -> dict[str, Any]:
     """Scale 2^10 grows every clean step (growth_interval=1) and halves on a skipped one.
     Zero-bubble: the last stage's split backward starts from the scaled loss too."""
     model, inputs, loss_fn, target = small_mlp()
-    pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=4, schedule="zero-bubble", timeout=60)
+    pipe = pipecut.compile(
+        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=4,
+        schedule="zero-bubble", runtime=pipecut.RuntimeOptions(timeout=60),
+    )
     with pytest.raises(pipecut.InputError, match="checks for inf/NaN on each of the 2 pipeline ranks"):
         pipe.step(inputs, target, scaler=torch.amp.GradScaler("cpu"))
     scaler = pipe.grad_scaler(init_scale=2.0**10, growth_interval=1)
@@ -156,8 +160,10 @@ def _scaler_scenario(rank: int, world: int) -> dict[str, Any]:
 def _token_scenario(world: int, pipe: Any) -> dict[str, Any]:
     """Token-averaged loss with loss_reduction='sum', reusing the GPT plan (same graph)."""
     model, inputs, _, target = padded_gpt()
-    tokens = pipecut.compile(model, world, example_inputs=inputs, loss_fn=token_sum, target=target,
-                             microbatches=4, plan=pipe.plan, loss_reduction="sum", timeout=60)
+    tokens = pipecut.compile(
+        model, world, example_inputs=inputs, loss_fn=token_sum, target=target, microbatches=4,
+        plan=pipe.plan, runtime=pipecut.RuntimeOptions(loss_reduction="sum", timeout=60),
+    )
     with pytest.raises(pipecut.InputError, match="normalizer must be finite and > 0"):
         tokens.step(inputs, target, normalizer=0)
     with pytest.raises(pipecut.InputError, match="compiled with loss_reduction='mean'"):
@@ -257,8 +263,10 @@ def _four_ranks(rank: int, world: int, refs: dict[str, Any]) -> dict[str, Any]:
     half = slice(4 * mesh.get_local_rank("dp"), 4 * mesh.get_local_rank("dp") + 4)
     model, inputs, _, target = padded_gpt()
     local = (inputs[0][half],)
-    pipe = pipecut.compile(model, mesh, example_inputs=local, loss_fn=token_sum, target=target[half],
-                           microbatches=2, loss_reduction="sum", timeout=60)
+    pipe = pipecut.compile(
+        model, mesh, example_inputs=local, loss_fn=token_sum, target=target[half], microbatches=2,
+        runtime=pipecut.RuntimeOptions(loss_reduction="sum", timeout=60),
+    )
     loss = pipe.step(local, target[half], normalizer=(target != PAD).sum())
     norm = pipe.clip_grad_norm_(refs["tokens"]["max_norm"])
     return {"clip": clip, "dp": {"loss": loss, "norm": norm, "grads": pipeline_grads(model, pipe)}}

@@ -26,8 +26,11 @@ def _interleaved(rank: int, world: int, names: list[str]) -> list[dict[str, Any]
     out = []
     for name in names:
         model, inputs, loss_fn, target = EXAMPLES[name]()
-        pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                               microbatches=4, schedule="interleaved-1f1b", stages_per_rank=2, timeout=60)
+        pipe = pipecut.compile(
+            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=4,
+            schedule="interleaved-1f1b", scheduling=pipecut.ScheduleOptions(stages_per_rank=2),
+            runtime=pipecut.RuntimeOptions(timeout=60),
+        )
         loss = pipe.step(inputs, target)
         out.append({"loss": loss, "grads": pipeline_grads(model, pipe), "stages": pipe.stages})
     return out
@@ -90,9 +93,12 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
         alias = _aliases(model)
         virtual = 2 if schedule == "interleaved-1f1b" else 1
         plan = plans.get((schedule, virtual))  # rank 0 profiles once per layout; then replay
-        pipe = pipecut.compile(model, mesh, example_inputs=local_inputs, loss_fn=loss_fn,
-                               target=local_target, microbatches=4, schedule=schedule, plan=plan,
-                               stages_per_rank=virtual, timeout=60, data_parallel=kind)
+        pipe = pipecut.compile(
+            model, mesh, example_inputs=local_inputs, loss_fn=loss_fn, target=local_target,
+            microbatches=4, schedule=schedule, plan=plan, data_parallel=kind,
+            scheduling=pipecut.ScheduleOptions(stages_per_rank=virtual),
+            runtime=pipecut.RuntimeOptions(timeout=60),
+        )
         plans[(schedule, virtual)] = pipe.plan
         if virtual == 1:
             for other in ("1f1b", "gpipe"):
@@ -116,8 +122,11 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
                             (mesh, {"data_parallel": "zero"}),
                             (mesh, {"plan": dataclasses.replace(plans[("1f1b", 1)], schedule=ScheduleKind.ZERO_BUBBLE)})]:
         try:
-            pipecut.compile(model, devices, example_inputs=(inputs[0][half],), loss_fn=loss_fn,
-                            target=target[half], microbatches=4, timeout=60, **kwargs)
+            pipecut.compile(
+                model, devices, example_inputs=(inputs[0][half],), loss_fn=loss_fn,
+                target=target[half], microbatches=4, runtime=pipecut.RuntimeOptions(timeout=60),
+                **kwargs,
+            )
             out["errors"].append("no error")
         except (InputError, PlanError) as e:
             out["errors"].append(f"{type(e).__name__}: {e}")

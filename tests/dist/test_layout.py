@@ -1,4 +1,4 @@
-"""pipecut.layout: the groups each rank talks to, from an int, a device list or a DeviceMesh."""
+"""pipecut.build.layout: the groups each rank talks to, from an int, a device list or a DeviceMesh."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipecut.errors import InputError, PipelineRuntimeError
-from pipecut.layout import layout_of, plan_from_rank0, replication_of
+from pipecut.build.layout import layout_of, plan_from_rank0, replication_of
 from pipecut.parallel import DataParallelKind
 from tests.harness import run_ranks
 from tests.unit.tiny import mlp_plan

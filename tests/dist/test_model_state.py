@@ -40,16 +40,20 @@ def _seeded(rank: int, world: int, schedule: str, stages_per_rank: int, bucket: 
     sync.BUCKET_BYTES = bucket  # 4 KiB in the interleaved run: the weights go in many messages
     model, _, _, _ = GPT(seed=rank)  # every rank its own weights: a common script bug
     _, inputs, loss_fn, target = GPT(seed=0)
-    pipe = pipecut.compile(model, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=M, schedule=schedule, stages_per_rank=stages_per_rank,
-                           timeout=60)
+    pipe = pipecut.compile(
+        model, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+        schedule=schedule, scheduling=pipecut.ScheduleOptions(stages_per_rank=stages_per_rank),
+        runtime=pipecut.RuntimeOptions(timeout=60),
+    )
     return {"loss": pipe.step(inputs, target), "grads": pipeline_grads(model, pipe)}
 
 
 def _names(rank: int, name: str, plan: pipecut.Plan) -> dict[str, Any]:
     model, inputs, loss_fn, target = NAMED[name]()
-    pipe = pipecut.compile(model, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           plan=plan, timeout=60)
+    pipe = pipecut.compile(
+        model, example_inputs=inputs, loss_fn=loss_fn, target=target, plan=plan,
+        runtime=pipecut.RuntimeOptions(timeout=60),
+    )
     torch.optim.AdamW(pipe.parameters())  # every rank has parameters to train
     return {
         "parameters": [n for n, _ in pipe.named_parameters()],
@@ -61,8 +65,10 @@ def _names(rank: int, name: str, plan: pipecut.Plan) -> dict[str, Any]:
 def _counts_calls(rank: int) -> dict[str, Any]:
     model, inputs, loss_fn, target = counts_calls()
     before = snapshot(model, inputs)
-    pipe = pipecut.compile(model, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=M, timeout=60)
+    pipe = pipecut.compile(
+        model, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+        runtime=pipecut.RuntimeOptions(timeout=60),
+    )
     assert_unchanged(before, model, inputs)
     loss = pipe.step(inputs, target)
     return {"loss": loss, "grads": pipeline_grads(model, pipe), "capture": pipe.plan.capture.value,
@@ -72,8 +78,10 @@ def _counts_calls(rank: int) -> dict[str, Any]:
 def _batchnorm_untouched(rank: int) -> bool:
     model, inputs, loss_fn, target = resnet.build(batch_size=8)
     before = snapshot(model, inputs)
-    pipecut.compile(model, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=2,
-                    timeout=60)
+    pipecut.compile(
+        model, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=2,
+        runtime=pipecut.RuntimeOptions(timeout=60),
+    )
     assert_unchanged(before, model, inputs)
     return True
 
@@ -107,9 +115,10 @@ def _run(rank: int, world: int, plans: dict[str, pipecut.Plan]) -> dict[str, Any
 
 def _plan(build: Any, microbatches: int, schedule: str = "1f1b") -> pipecut.Plan:
     model, inputs, loss_fn, target = build()
-    return pipecut.plan(model, inputs, devices=2, loss_fn=loss_fn, target=target,
-                        microbatches=microbatches, schedule=schedule, repeats=1, warmup=0,
-                        calibrate=False)
+    return pipecut.plan(
+        model, inputs, devices=2, loss_fn=loss_fn, target=target, microbatches=microbatches,
+        schedule=schedule, measure=pipecut.MeasureOptions(repeats=1, warmup=0, calibrate=False),
+    )
 
 
 @pytest.mark.timeout(400)

@@ -18,8 +18,11 @@ pytestmark = pytest.mark.dist
 def _calibrated(rank: int, world: int) -> dict[str, Any]:
     model, inputs, loss_fn, target = resnet.build()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=4, calibration_steps=1, timeout=120)
+    pipe = pipecut.compile(
+        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=4,
+        measure=pipecut.MeasureOptions(calibration_steps=1),
+        runtime=pipecut.RuntimeOptions(timeout=120),
+    )
     untouched = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     no_grads = all(p.grad is None for p in model.parameters())
     loss = pipe.step(inputs, target)
@@ -31,14 +34,20 @@ def _calibrated(rank: int, world: int) -> dict[str, Any]:
 
     model, inputs, loss_fn, target = resnet.build()  # fresh: the first pipeline's step left gradients
     with unittest.mock.patch.object(pipecut.Plan, "runs_like", lambda self, other: False):
-        rebuilt = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                                  microbatches=4, calibration_steps=1, timeout=120)
+        rebuilt = pipecut.compile(
+            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=4,
+            measure=pipecut.MeasureOptions(calibration_steps=1),
+            runtime=pipecut.RuntimeOptions(timeout=120),
+        )
     out["rebuilt"] = {"loss": rebuilt.step(inputs, target), "grads": pipeline_grads(model, rebuilt),
                       "detail": rebuilt.plan.solver.detail}
     # The planner chooses microbatches and schedule; the link is measured at compile.
     model, inputs, loss_fn, target = mlp.build(batch_size=8, depth=4)
-    auto = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches="auto", schedule="auto", calibration_steps=0, timeout=120)
+    auto = pipecut.compile(
+        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches="auto",
+        schedule="auto", measure=pipecut.MeasureOptions(calibration_steps=0),
+        runtime=pipecut.RuntimeOptions(timeout=120),
+    )
     out["auto"] = {"loss": auto.step(inputs, target), "grads": pipeline_grads(model, auto),
                    "plan": auto.plan.to_json()}
     return out

@@ -23,8 +23,10 @@ pytestmark = pytest.mark.dist
 
 
 def _compile(model: Any, world: int, inputs: Any, loss_fn: Any, target: Any, **kw: Any) -> Any:
-    return pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                           microbatches=4, timeout=kw.pop("timeout", 60), **kw)
+    return pipecut.compile(
+        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=4,
+        runtime=pipecut.RuntimeOptions(timeout=kw.pop("timeout", 60)), **kw,
+    )
 
 
 def _features(rank: int, world: int, tmp: str) -> dict[str, Any]:

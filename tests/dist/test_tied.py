@@ -113,8 +113,11 @@ def _compile(world: Any, layers: int, vocab: int, loss: str, plan: Plan | None =
     model, inputs, lm_loss, target = _model(layers, vocab)
     if loss == "sum":
         kw["loss_reduction"] = "sum"
-    pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=token_sum if loss == "sum" else lm_loss,
-                           target=target, microbatches=M, timeout=60, calibration_steps=0, plan=plan, **kw)
+    pipe = pipecut.compile(
+        model, world, example_inputs=inputs, loss_fn=token_sum if loss == "sum" else lm_loss,
+        target=target, microbatches=M, plan=plan, runtime=pipecut.RuntimeOptions(timeout=60),
+        measure=pipecut.MeasureOptions(calibration_steps=0), **kw,
+    )
     return model, pipe
 
 
@@ -200,9 +203,11 @@ def _four_ranks(rank: int, world: int) -> dict[str, Any]:
         for no_sync in (False, True):
             model, inputs, lm_loss, target = _model()
             alias = _aliases(model)
-            pipe = pipecut.compile(model, mesh, example_inputs=(inputs[0][share],), loss_fn=lm_loss,
-                                   target=target[share], microbatches=2, timeout=60, data_parallel=kind,
-                                   schedule="1f1b")
+            pipe = pipecut.compile(
+                model, mesh, example_inputs=(inputs[0][share],), loss_fn=lm_loss,
+                target=target[share], microbatches=2, data_parallel=kind, schedule="1f1b",
+                runtime=pipecut.RuntimeOptions(timeout=60),
+            )
             out[kind, no_sync] = _windows(pipe, model, 64, "mean", no_sync,
                                           grads=lambda _, p, alias=alias: _full_grads(alias, p), share=share)
     return out

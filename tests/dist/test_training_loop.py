@@ -64,8 +64,11 @@ def _ranks(rank: int, world: int) -> list[dict[str, Any]]:
     out = []
     for schedule in SCHEDULES:
         model, inputs, loss_fn, target = _seeded(rank)
-        pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                               microbatches=M, schedule=schedule, calibration_steps=0, timeout=120)
+        pipe = pipecut.compile(
+            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+            schedule=schedule, measure=pipecut.MeasureOptions(calibration_steps=0),
+            runtime=pipecut.RuntimeOptions(timeout=120),
+        )
         res: dict[str, Any] = {}
         with torch.autocast("cpu", dtype=torch.bfloat16):
             res["bf16"] = {"loss": pipe.step(inputs, target), "grads": pipeline_grads(model, pipe)}
@@ -97,9 +100,11 @@ def _ranks(rank: int, world: int) -> list[dict[str, Any]]:
         pipe.train()
         res["state"] = pipe.state_dict()
         model, inputs, _, target = _padded()
-        summed = pipecut.compile(model, world, example_inputs=inputs, loss_fn=_summed, target=target,
-                                 microbatches=M, schedule=schedule, calibration_steps=0, timeout=120,
-                                 loss_reduction="sum")
+        summed = pipecut.compile(
+            model, world, example_inputs=inputs, loss_fn=_summed, target=target, microbatches=M,
+            schedule=schedule, measure=pipecut.MeasureOptions(calibration_steps=0),
+            runtime=pipecut.RuntimeOptions(timeout=120, loss_reduction="sum"),
+        )
         tokens = summed.step(inputs, target, normalizer=(target != -100).sum())
         res["tokens"] = {"loss": tokens, "grads": pipeline_grads(model, summed)}
         out.append(res)

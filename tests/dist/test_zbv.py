@@ -23,8 +23,10 @@ def _scenarios(rank: int, world: int, scenarios: list[tuple[str, int]]) -> list[
     results = []
     for name, m in scenarios:
         model, inputs, loss_fn, target = EXAMPLES[name]()
-        pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                               microbatches=m, schedule="zbv", timeout=60)
+        pipe = pipecut.compile(
+            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=m,
+            schedule="zbv", runtime=pipecut.RuntimeOptions(timeout=60),
+        )
         loss = pipe.step(inputs, target, record=True)
         ran = sorted({e.action[0] for e in pipe.events})
         grads = pipeline_grads(model, pipe)

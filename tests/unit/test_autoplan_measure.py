@@ -86,21 +86,30 @@ def test_auto_plans_the_graph_a_fixed_plan_at_the_chosen_count_would() -> None:
     torch.manual_seed(0)
     model, x, y = Net(), torch.randn(8, 8), torch.randn(8, 4)
     for method in (CaptureMethod.EXPORT, CaptureMethod.SYMBOLIC_TRACE):
-        auto = pipecut.plan(model, (x,), 2, loss_fn=_loss, target=y, microbatches="auto",
-                            capture_method=method, repeats=1, warmup=0, chunk_heavy=False)
-        fixed = pipecut.plan(model, (x,), 2, loss_fn=_loss, target=y, microbatches=auto.microbatches,
-                             capture_method=method, repeats=1, warmup=0, chunk_heavy=False)
+        auto = pipecut.plan(
+            model, (x,), 2, loss_fn=_loss, target=y, microbatches="auto",
+            capture=pipecut.CaptureOptions(method=method),
+            measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+            partition=pipecut.PartitionOptions(heavy_pieces=False),
+        )
+        fixed = pipecut.plan(
+            model, (x,), 2, loss_fn=_loss, target=y, microbatches=auto.microbatches,
+            capture=pipecut.CaptureOptions(method=method),
+            measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+            partition=pipecut.PartitionOptions(heavy_pieces=False),
+        )
         assert auto.fingerprint == fixed.fingerprint and auto.capture is method
         assert [n.name for n in auto.nodes] == [n.name for n in fixed.nodes]
         assert auto.accepts == fixed.accepts
 
 
 def test_a_winner_between_the_profiled_sizes_is_planned_on_their_graph_without_profiling_again(monkeypatch) -> None:
+    import pipecut.planning.autoplan
     import pipecut.planning.planner
 
     torch.manual_seed(0)
     model, x, y = Net(), torch.randn(8, 8), torch.randn(8, 4)
-    real_choose, real_profile = pipecut.planning.planner.choose, pipecut.planning.planner.profile
+    real_choose, real_profile = pipecut.planning.autoplan.choose, pipecut.planning.planner.profile
     profiled: list[int] = []
 
     def middle(*args, **kwargs):  # as if M = 4 (microbatch size 2) won, between 8 and 2
@@ -111,13 +120,22 @@ def test_a_winner_between_the_profiled_sizes_is_planned_on_their_graph_without_p
         profiled.append(inputs[0].shape[0])
         return real_profile(captured, inputs, **kwargs)
 
-    monkeypatch.setattr(pipecut.planning.planner, "choose", middle)
-    monkeypatch.setattr(pipecut.planning.planner, "profile", counted)
-    auto = pipecut.plan(model, (x,), 2, loss_fn=_loss, target=y, microbatches="auto",
-                        capture_method=CaptureMethod.EXPORT, repeats=1, warmup=0, chunk_heavy=False)
+    monkeypatch.setattr(pipecut.planning.autoplan, "choose", middle)
+    monkeypatch.setattr(pipecut.planning.autoplan, "profile", counted)  # the auto choice's profiles
+    monkeypatch.setattr(pipecut.planning.planner, "profile", counted)  # the winner's
+    auto = pipecut.plan(
+        model, (x,), 2, loss_fn=_loss, target=y, microbatches="auto",
+        capture=pipecut.CaptureOptions(method=CaptureMethod.EXPORT),
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+        partition=pipecut.PartitionOptions(heavy_pieces=False),
+    )
     assert auto.microbatches == 4 and sorted(profiled) == [1, 4]  # the two ends only
-    fixed = pipecut.plan(model, (x,), 2, loss_fn=_loss, target=y, microbatches=4,
-                         capture_method=CaptureMethod.EXPORT, repeats=1, warmup=0, chunk_heavy=False)
+    fixed = pipecut.plan(
+        model, (x,), 2, loss_fn=_loss, target=y, microbatches=4,
+        capture=pipecut.CaptureOptions(method=CaptureMethod.EXPORT),
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+        partition=pipecut.PartitionOptions(heavy_pieces=False),
+    )
     assert auto.fingerprint == fixed.fingerprint  # compile's capture at M = 4 will match
     linear = next(n for n in auto.nodes if n.name == "linear")
     assert linear.shape == (2, 16) and "calibrated on whole stages" in auto.solver.detail

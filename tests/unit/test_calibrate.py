@@ -13,8 +13,10 @@ from pipecut.profile.calibrate import calibrate, stage_times
 
 def test_stage_timing_leaves_the_model_untouched_and_calibration_matches_it() -> None:
     model, inputs, loss_fn, target = resnet.build(batch_size=4)
-    plan = pipecut.plan(model, inputs, 3, loss_fn=loss_fn, target=target, microbatches=2,
-                        repeats=1, warmup=0, calibrate=False)
+    plan = pipecut.plan(
+        model, inputs, 3, loss_fn=loss_fn, target=target, microbatches=2,
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0, calibrate=False),
+    )
     assert "calibrated" not in plan.solver.detail
     before = {k: v.clone() for k, v in model.state_dict().items()}  # BatchNorm statistics too
     rng = torch.get_rng_state()
@@ -36,5 +38,8 @@ def test_stage_timing_leaves_the_model_untouched_and_calibration_matches_it() ->
 
 def test_plan_calibrates_by_default() -> None:
     model, inputs, loss_fn, target = resnet.build(batch_size=4)
-    plan = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2, repeats=1, warmup=0)
+    plan = pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2,
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+    )
     assert "calibrated on whole stages" in plan.solver.detail

@@ -15,7 +15,10 @@ from tests.exact_dp import Chain, partition_dp
 
 def _nodes(build, **kw):  # type: ignore[no-untyped-def]
     model, inputs, loss_fn, target = build(batch_size=2)
-    return pipecut.plan(model, inputs, 1, loss_fn=loss_fn, target=target, repeats=1, warmup=0, **kw).nodes
+    return pipecut.plan(
+        model, inputs, 1, loss_fn=loss_fn, target=target,
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0), **kw,
+    ).nodes
 
 
 def test_residual_stream_is_live_across_block_interiors() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import pipecut
 from pipecut import Plan, summary
 from pipecut.cluster import Cluster, Layout
 from pipecut.errors import InputError, PartitionError
@@ -100,11 +101,13 @@ def test_a_model_that_does_not_fit_is_refused_with_its_need_and_the_smallest_clu
 
 
 def test_pipecut_plan_with_a_cluster_is_plan_cluster() -> None:
-    import pipecut
 
     model, batch = _tiny_llama()
-    via_plan = pipecut.plan(model, batch, cluster="1x2xH100-SXM", microbatches=2, schedule="1f1b",
-                            recompute=True, data_parallel=DataParallel(kind=DataParallelKind.FSDP, replicas=2))
+    via_plan = pipecut.plan(
+        model, batch, cluster="1x2xH100-SXM", microbatches=2, schedule="1f1b",
+        data_parallel=DataParallel(kind=DataParallelKind.FSDP, replicas=2),
+        partition=pipecut.PartitionOptions(recompute=True),
+    )
     direct = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2, recompute="full", data_parallel=2)
     assert via_plan.run == direct.run and via_plan.placement == direct.placement
     assert via_plan.placement is not None and via_plan.placement.replicas == 2

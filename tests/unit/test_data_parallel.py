@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import pipecut
 from benchmarks.synthetic import transformer_costs
 from pipecut.errors import InputError, PartitionError
 from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
@@ -49,9 +50,11 @@ def test_state_bytes_replicated_and_sharded() -> None:
 def test_plan_memory_follows_the_data_parallel_option(partitioner: Partitioner) -> None:
     nodes = transformer_costs(4, nodes_per_layer=40)
     plans = {
-        kind: partition_costs(nodes, devices=[DeviceSpec(name="d")] * 2, microbatches=4, batch_size=8,
-                              schedule="1f1b", partitioner=partitioner,
-                              data_parallel=DataParallel(kind=kind, replicas=8))
+        kind: partition_costs(
+            nodes, devices=[DeviceSpec(name="d")] * 2, microbatches=4, batch_size=8,
+            schedule="1f1b", data_parallel=DataParallel(kind=kind, replicas=8),
+            partition=pipecut.PartitionOptions(partitioner=partitioner),
+        )
         for kind in DataParallelKind
     }
     ddp, fsdp = plans[DataParallelKind.DDP], plans[DataParallelKind.FSDP]
@@ -76,8 +79,11 @@ def test_a_memory_limit_that_only_fsdp_meets() -> None:
     devices = [DeviceSpec(name=f"d{i}", memory_bytes=cap) for i in range(2)]
 
     def plan(kind: DataParallelKind):
-        return partition_costs(nodes, devices=devices, microbatches=4, batch_size=8, schedule="1f1b",
-                               recompute=False, data_parallel=DataParallel(kind=kind, replicas=8))
+        return partition_costs(
+            nodes, devices=devices, microbatches=4, batch_size=8, schedule="1f1b",
+            data_parallel=DataParallel(kind=kind, replicas=8),
+            partition=pipecut.PartitionOptions(recompute=False),
+        )
 
     assert all(s.peak_memory_bytes <= cap for s in plan(DataParallelKind.FSDP).stages)
     with pytest.raises(PartitionError):

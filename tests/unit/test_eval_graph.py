@@ -86,8 +86,11 @@ class FunctionalDropout(nn.Module):
 
 def _plan(model: nn.Module, x: torch.Tensor, method: CaptureMethod | None = None) -> pipecut.Plan:
     """A 2-stage plan cut by equal node costs (measured times would make the cut vary)."""
-    measured = pipecut.plan(model, (x,), 2, loss_fn=lambda o, t: o.pow(2).mean(), target=x,
-                            microbatches=2, repeats=1, warmup=0, calibrate=False, capture_method=method)
+    measured = pipecut.plan(
+        model, (x,), 2, loss_fn=lambda o, t: o.pow(2).mean(), target=x, microbatches=2,
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0, calibrate=False),
+        capture=pipecut.CaptureOptions(method=method),
+    )
     nodes = [dataclasses.replace(n, forward_ms=1.0, backward_ms=1.0) for n in measured.nodes]
     return partition_costs(nodes, devices=2, microbatches=2, batch_size=8, fingerprint=measured.fingerprint,
                            capture=measured.capture, inputs=measured.inputs)
@@ -136,8 +139,10 @@ def test_other_mode_keeps_the_plan_stages(method: CaptureMethod) -> None:
 
 def test_identical_graphs_are_shared() -> None:
     model, inputs, loss_fn, target = mlp.build(batch_size=8, width=16, depth=2)
-    plan = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2,
-                        repeats=1, warmup=0, calibrate=False)
+    plan = pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2,
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0, calibrate=False),
+    )
     _, first = first_microbatch(inputs, 2)
     assert derive_other_mode(model, first, capture(model, first), plan, ()) is None
 

@@ -10,7 +10,8 @@ import torch
 
 import pipecut
 from examples import mlp
-from pipecut.runtime.grads import LossReduction, loss_divisor, parse_loss_reduction, scale_loss_fn
+from pipecut.options import LossReduction
+from pipecut.runtime.grads import loss_divisor, parse_loss_reduction, scale_loss_fn
 
 CPU = torch.device("cpu")
 
@@ -25,8 +26,10 @@ def test_loss_reduction_accepts_strings_and_lists_the_options() -> None:
 def test_compile_refuses_an_unknown_reduction_before_any_process_group() -> None:
     model, inputs, loss_fn, target = mlp.build(4, width=8, depth=1)
     with pytest.raises(pipecut.InputError, match="unknown loss_reduction 'token'"):
-        pipecut.compile(model, 2, example_inputs=inputs, loss_fn=loss_fn, target=target,
-                        loss_reduction="token")
+        pipecut.compile(
+            model, 2, example_inputs=inputs, loss_fn=loss_fn, target=target,
+            runtime=pipecut.RuntimeOptions(loss_reduction="token"),
+        )
 
 
 def test_loss_divisor() -> None:

@@ -34,8 +34,10 @@ def test_plan_leaves_model_and_inputs_unchanged(name: str) -> None:
     model, inputs, loss_fn, target = FACTORIES[name]()
     before = snapshot(model, inputs)
     rng = torch.get_rng_state()
-    plan = pipecut.plan(model, inputs, devices=2, loss_fn=loss_fn, target=target, microbatches=2,
-                        repeats=1, warmup=0)
+    plan = pipecut.plan(
+        model, inputs, devices=2, loss_fn=loss_fn, target=target, microbatches=2,
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+    )
     assert plan.num_stages == 2
     assert_unchanged(before, model, inputs)
     assert torch.equal(torch.get_rng_state(), rng)

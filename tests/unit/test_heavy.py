@@ -136,14 +136,17 @@ def _fake_profile(piece_ms: float | None):  # type: ignore[no-untyped-def]
 def _plan(**kwargs):  # type: ignore[no-untyped-def]
     model, (idx,), loss_fn, target = gpt.build(batch_size=8, vocab=512, dim=32, layers=2, seq=16)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    plan = pipecut.plan(model, (idx,), K, loss_fn=loss_fn, target=target, microbatches=4,
-                        schedule="1f1b", calibrate=False, **kwargs)
+    plan = pipecut.plan(
+        model, (idx,), K, loss_fn=loss_fn, target=target, microbatches=4, schedule="1f1b",
+        measure=pipecut.MeasureOptions(calibrate=False), **kwargs,
+    )
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # model unchanged
     return plan
 
 
 def test_the_planner_chunks_a_heavy_head_and_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("pipecut.planning.planner.profile", _fake_profile(None))
+    monkeypatch.setattr("pipecut.planning.heavy.profile", _fake_profile(None))
     plan = _plan()
     assert [c.node for c in plan.chunked] == ["lm_head"]
     found = re.search(r"predicted step ([\d.]+) ms, ([\d.]+) ms whole; chunked", plan.solver.detail)
@@ -159,7 +162,7 @@ def test_the_planner_chunks_a_heavy_head_and_round_trips(monkeypatch: pytest.Mon
     again = Plan.from_json(plan.to_json())
     assert again == plan and again.chunked == plan.chunked
     jsonschema.Draft202012Validator(schema()).validate(plan.to_dict())
-    plain = _plan(chunk_heavy=False)
+    plain = _plan(partition=pipecut.PartitionOptions(heavy_pieces=False))
     assert plain.chunked == () and "heavy" not in plain.solver.detail
     assert plain.fingerprint == plan.fingerprint  # both checked against the captured graph
     assert max(plain.predicted.stage_ms) >= HEAD_MS
@@ -168,6 +171,7 @@ def test_the_planner_chunks_a_heavy_head_and_round_trips(monkeypatch: pytest.Mon
 
 def test_the_planner_keeps_the_head_whole_when_pieces_cost_more(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("pipecut.planning.planner.profile", _fake_profile(HEAD_MS))  # each piece a whole head
+    monkeypatch.setattr("pipecut.planning.heavy.profile", _fake_profile(HEAD_MS))
     plan = _plan()
     assert plan.chunked == ()
     assert re.search(r"heavy node\(s\) lm_head in \d row pieces: .* ms whole; kept whole", plan.solver.detail)

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pipecut
 from pipecut.errors import PartitionError
 from pipecut.passes.partition.holders import max_stages, stage_count_error
 from pipecut.passes.partition.ilp import solve_ilp
@@ -151,8 +152,14 @@ def _table() -> tuple[NodeCost, ...]:
 @pytest.mark.parametrize("partitioner", ["dp", "ilp"])
 def test_every_planned_stage_has_parameters(partitioner: str) -> None:
     method = Partitioner.DP if partitioner == "dp" else Partitioner.ILP
-    plan = partition_costs(_table(), devices=3, microbatches=1, batch_size=2, partitioner=method)
+    plan = partition_costs(
+        _table(), devices=3, microbatches=1, batch_size=2,
+        partition=pipecut.PartitionOptions(partitioner=method),
+    )
     assert [s.nodes for s in plan.stages] == [("fc1", "heavy"), ("heavier", "fc2"), ("fc3", "output")]
     assert all(stage.parameters for stage in plan.stages)
     with pytest.raises(PartitionError, match="at most 3 pipeline stages"):
-        partition_costs(_table(), devices=4, microbatches=1, batch_size=2, partitioner=method)
+        partition_costs(
+            _table(), devices=4, microbatches=1, batch_size=2,
+            partition=pipecut.PartitionOptions(partitioner=method),
+        )

@@ -75,12 +75,12 @@ def test_the_solver_is_chosen_by_name_and_recorded_in_the_plan() -> None:
     devices = [pipecut.DeviceSpec(name="d", memory_bytes=2**30)] * 2
     kw = dict(devices=devices, microbatches=2, batch_size=4, inputs=("x",))
     default = pipecut.partition_costs(nodes, **kw)
-    cbc = pipecut.partition_costs(nodes, **kw, solver="cbc")
+    cbc = pipecut.partition_costs(nodes, partition=pipecut.PartitionOptions(solver="cbc"), **kw)
     assert default.solver.method is pipecut.Partitioner.ILP
     assert "ILP (HIGHS," in default.solver.detail and "ILP (CBC," in cbc.solver.detail
     assert default.stages == cbc.stages
     with pytest.raises(InputError, match=r"unknown ILP solver 'gurobi'; choose one of \['highs', 'cbc'\]"):
-        pipecut.partition_costs(nodes, **kw, solver="gurobi")
+        pipecut.partition_costs(nodes, partition=pipecut.PartitionOptions(solver="gurobi"), **kw)
 
 
 def same(a: Evaluation | None, b: Evaluation | None) -> bool:

@@ -1,10 +1,11 @@
 """The package's folders are layers, bottom to top, and no import points upwards.
 
-1. data: the plan (``pipecut.plan``, ``errors``, ``schema``, ``parallel``, ``cluster``) and ``pipecut.core``
-   (schedule IR, programs, values, shapes);
+1. data: the plan (``pipecut.plan``, ``errors``, ``schema``, ``parallel``, ``cluster``), the
+   options (``pipecut.options``) and ``pipecut.core`` (kinds, schedule IR, programs, values, shapes);
 2. passes (``pipecut.passes``): pure functions over data;
 3. runtime (``pipecut.runtime``): executes a plan's programs and schedule;
-4. everything else: capture, profiling, the planner and ``compile``, reports, the CLI.
+4. everything else: capture, profiling, planning (``pipecut.planning``), ``compile``, reports,
+   the CLI.
 
 Passes and the runtime are siblings on top of the data: neither imports the other. Imports
 inside functions count too (they are still dependencies); ``if TYPE_CHECKING:`` blocks do not.
@@ -20,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"compiler": "pipecut", "passes": "pipecut.passes", "runtime": "pipecut.runtime"}
 DATA = ("pipecut.plan", "pipecut.errors", "pipecut.schema", "pipecut.parallel", "pipecut.cluster",
-        "pipecut.core")
+        "pipecut.options", "pipecut.core")
 
 
 def layer(module: str) -> str:
@@ -89,7 +90,8 @@ def test_no_module_imports_a_layer_above_or_beside_its_own() -> None:
 def test_the_rule_is_checked_on_every_module() -> None:
     known = modules()
     assert {"pipecut.core.schedule", "pipecut.passes.rewrite.split", "pipecut.runtime.pipeline",
-            "pipecut.api", "pipecut.report.render"} <= set(known)
+            "pipecut.api", "pipecut.report.render", "pipecut.planning.planner", "pipecut.options",
+            "pipecut.passes.partition.ilp"} <= set(known)
     assert {layer(m) for m in known} == {"data", "passes", "runtime", "top"}
 
 

@@ -42,7 +42,10 @@ def _fill(meta: nn.Module, weights, init=None) -> nn.Module:
 
 def test_meta_gpt2_captures_like_the_real_one_and_plans():
     plain, meta, inputs, loss_fn, target = _gpt2()
-    plan = pipecut.plan(meta, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2, repeats=1, warmup=0)
+    plan = pipecut.plan(
+        meta, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2,
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+    )
     captured = capture(plain, {"input_ids": inputs["input_ids"][:2]})
     assert plan.fingerprint == fingerprint(captured.gm)  # device constants rewritten from meta
     assert "meta model" in plan.solver.detail
@@ -215,7 +218,10 @@ def test_profiling_a_meta_model_never_holds_more_than_a_node_of_scratch_weights(
     _, inputs, loss_fn, target = mlp.build(batch_size=8, seed=0, width=64, depth=8)
     with torch.device("meta"):
         model = mlp.MLP(64, 8)
-    pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2, repeats=1, warmup=0)
+    pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2,
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+    )
     layer = (64 * 64 + 64) * 4
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     assert peak[0] > 0, "the profiler made no scratch weights: the test measures nothing"

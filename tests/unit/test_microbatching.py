@@ -43,8 +43,10 @@ def test_costs_are_affine_in_the_microbatch_and_only_changing_dims_scale() -> No
 
 def test_auto_picks_the_fastest_predicted_pair_and_records_every_candidate() -> None:
     model, inputs, loss_fn, target = mlp.build(batch_size=8, depth=4)
-    plan = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches="auto",
-                        schedule="auto", calibrate=False, repeats=1, warmup=0)
+    plan = pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches="auto", schedule="auto",
+        measure=pipecut.MeasureOptions(calibrate=False, repeats=1, warmup=0),
+    )
     pairs = {(c.microbatches, c.schedule) for c in plan.candidates}
     assert pairs == {(m, k) for m in (2, 4, 8) for k in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B,
                                                           ScheduleKind.ZERO_BUBBLE, ScheduleKind.ZBV)}
@@ -53,8 +55,10 @@ def test_auto_picks_the_fastest_predicted_pair_and_records_every_candidate() -> 
     best = min(c.step_ms for c in plan.candidates if c.step_ms is not None)
     assert chosen[0].step_ms <= best * 1.01
     assert pipecut.Plan.from_json(plan.to_json()) == plan  # candidates round-trip
-    fixed = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=4,
-                         schedule="auto", calibrate=False, repeats=1, warmup=0)
+    fixed = pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=4, schedule="auto",
+        measure=pipecut.MeasureOptions(calibrate=False, repeats=1, warmup=0),
+    )
     assert fixed.microbatches == 4 and {c.microbatches for c in fixed.candidates} == {4}
 
 

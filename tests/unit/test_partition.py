@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pipecut
 from benchmarks.baselines import balanced, block_partition, equal_layers, layer_starts
 from benchmarks.synthetic import transformer_costs
 from pipecut.errors import PartitionError
@@ -66,7 +67,7 @@ def _plan(nodes, devices, **kw) -> Plan:
 def test_dp_is_default_and_ilp_agrees_when_unconstrained() -> None:
     nodes = transformer_costs(4, nodes_per_layer=40)
     dp = _plan(nodes, 3)
-    ilp = _plan(nodes, 3, partitioner=Partitioner.ILP)
+    ilp = _plan(nodes, 3, partition=pipecut.PartitionOptions(partitioner=Partitioner.ILP))
     assert dp.solver.method is Partitioner.DP and ilp.solver.method is Partitioner.ILP
     assert ilp.solver.optimal
     assert math.isclose(max(dp.predicted.stage_ms), max(ilp.predicted.stage_ms), rel_tol=1e-9)
@@ -98,7 +99,7 @@ def test_memory_limit_uses_ilp_with_recompute_and_fits() -> None:
     assert Plan.from_json(plan.to_json()) == plan
     with pytest.raises(PartitionError, match="or allow recompute"):
         _plan(nodes, [DeviceSpec(name=f"d{i}", memory_bytes=cap) for i in range(3)],
-              recompute=False)
+              partition=pipecut.PartitionOptions(recompute=False))
 
 
 def test_faster_device_gets_more_work() -> None:
@@ -150,7 +151,8 @@ def test_a_split_whose_rank_does_not_fit_its_two_stages_is_moved_to_one_that_fit
     # device the solvers (which fit each stage alone) pick a split whose rank 0 needs more;
     # moving one cut finds one that fits both of its stages together.
     nodes = transformer_costs(6, nodes_per_layer=40)
-    kw = {"microbatches": 8, "batch_size": 16, "schedule": "zbv", "recompute": False}
+    kw = {"microbatches": 8, "batch_size": 16, "schedule": "zbv",
+          "partition": pipecut.PartitionOptions(recompute=False)}
     free = partition_costs(nodes, devices=2, **kw)
     cap = max(sum(free.stages[s].peak_memory_bytes for s in free.stages_on(r)) for r in range(2))
     devices = [DeviceSpec(name="cpu", memory_bytes=cap)] * 2

@@ -51,14 +51,18 @@ def test_bad_split_points_are_refused() -> None:
 @pytest.fixture(scope="module")
 def gpt_costs() -> tuple[NodeCost, ...]:
     model, inputs, loss_fn, target = gpt.build(batch_size=4)
-    return pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2,
-                        calibrate=False, repeats=1, warmup=0).nodes
+    return pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2,
+        measure=pipecut.MeasureOptions(calibrate=False, repeats=1, warmup=0),
+    ).nodes
 
 
 def test_a_given_split_is_planned_and_priced_beside_the_optimum(gpt_costs: tuple[NodeCost, ...]) -> None:
     kw = dict(devices=2, microbatches=2, batch_size=4)
     best = partition_costs(gpt_costs, **kw)
-    given = partition_costs(gpt_costs, split=["blocks.3"], **kw)
+    given = partition_costs(
+        gpt_costs, partition=pipecut.PartitionOptions(split=["blocks.3"]), **kw,
+    )
     assert given.solver.method is Partitioner.GIVEN and "blocks.3" in given.solver.detail
     assert given.stages[1].nodes[0] == next(n.name for n in gpt_costs if n.module.startswith("blocks.3"))
     # Beside the given split: the step pipecut's own partitioner predicts for the same setting
@@ -67,4 +71,7 @@ def test_a_given_split_is_planned_and_priced_beside_the_optimum(gpt_costs: tuple
     assert best.predicted.optimum_step_ms == best.predicted.step_ms
     assert "pipecut's own split is predicted at" in pipecut.summary(given)
     with pytest.raises(PartitionError, match="has 2 stages but 4 are planned"):
-        partition_costs(gpt_costs, split=["blocks.3"], **{**kw, "devices": 4})
+        partition_costs(
+            gpt_costs, partition=pipecut.PartitionOptions(split=["blocks.3"]),
+            **{**kw, "devices": 4},
+        )

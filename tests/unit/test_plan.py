@@ -10,7 +10,7 @@ import pytest
 
 import pipecut
 from examples import mlp
-from pipecut.api import _check_fingerprint
+from pipecut.build.choice import check_fingerprint
 from pipecut.errors import PlanError
 from pipecut.plan import ChunkedNode, NodeCost, NodeOp, Plan
 
@@ -18,7 +18,10 @@ from pipecut.plan import ChunkedNode, NodeCost, NodeOp, Plan
 @pytest.fixture(scope="module")
 def plan() -> Plan:
     model, inputs, loss_fn, target = mlp.build()
-    return pipecut.plan(model, inputs, 3, loss_fn=loss_fn, target=target, microbatches=4, repeats=1, warmup=0)
+    return pipecut.plan(
+        model, inputs, 3, loss_fn=loss_fn, target=target, microbatches=4,
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+    )
 
 
 def test_round_trip(plan: Plan, tmp_path: Path) -> None:
@@ -65,7 +68,7 @@ def test_bad_field_names_its_path(plan: Plan) -> None:
 
 def test_plan_for_another_model_refused(plan: Plan) -> None:
     with pytest.raises(PlanError, match="made for another model"):
-        _check_fingerprint(plan, "0123456789abcdef")
+        check_fingerprint(plan, "0123456789abcdef")
 
 
 def test_summary_lists_every_stage(plan: Plan) -> None:

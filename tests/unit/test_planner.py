@@ -11,7 +11,7 @@ import pytest
 import pipecut
 from examples import mlp
 from pipecut.errors import InputError, PartitionError
-from pipecut.passes.partition.ilp import IlpSolver
+from pipecut.options import IlpSolver
 from pipecut.plan import DeviceSpec, Partitioner, ScheduleKind
 from pipecut.planning.partition import as_devices, as_ilp_solver, as_schedule, partition_costs
 from tests.unit.tiny import mlp_plan
@@ -54,8 +54,14 @@ def test_the_ilp_agrees_with_the_dp_and_memory_limits_bring_recompute_or_an_erro
     plan = mlp_plan()
     common = dict(microbatches=plan.microbatches, batch_size=plan.batch_size, schedule=plan.schedule,
                   link=plan.link, inputs=plan.inputs)
-    dp = partition_costs(plan.nodes, devices=3, partitioner=Partitioner.DP, **common)
-    ilp = partition_costs(plan.nodes, devices=3, partitioner=Partitioner.ILP, **common)
+    dp = partition_costs(
+        plan.nodes, devices=3, partition=pipecut.PartitionOptions(partitioner=Partitioner.DP),
+        **common,
+    )
+    ilp = partition_costs(
+        plan.nodes, devices=3, partition=pipecut.PartitionOptions(partitioner=Partitioner.ILP),
+        **common,
+    )
     assert ilp.predicted.step_ms == pytest.approx(dp.predicted.step_ms, rel=1e-6)
     need = max(s.peak_memory_bytes for s in dp.stages)
     capped = [DeviceSpec(name="cpu", memory_bytes=need)] * 3
@@ -66,13 +72,18 @@ def test_the_ilp_agrees_with_the_dp_and_memory_limits_bring_recompute_or_an_erro
     with pytest.raises(PartitionError, match="no split of 10 nodes into 3 stages fits in the device memory"):
         partition_costs(plan.nodes, devices=tiny, **common)
     with pytest.raises(PartitionError, match=r"fits .* without recompute; .* or allow recompute"):
-        partition_costs(plan.nodes, devices=tiny, recompute=False, **common)
+        partition_costs(
+            plan.nodes, devices=tiny, partition=pipecut.PartitionOptions(recompute=False), **common,
+        )
 
 
 def test_plan_without_microbatches_or_schedule_chooses_them_and_says_so(caplog: Any) -> None:
     model, inputs, loss_fn, target = mlp.build(8, width=16, depth=4)
     with caplog.at_level(logging.WARNING, logger="pipecut"):
-        chosen = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, repeats=1, warmup=0)
+        chosen = pipecut.plan(
+            model, inputs, 2, loss_fn=loss_fn, target=target,
+            measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+        )
     assert len(chosen.candidates) > 1  # "auto" weighed several (microbatches, schedule) pairs
     assert (chosen.microbatches, chosen.schedule) in {(c.microbatches, c.schedule) for c in chosen.candidates}
     text = pipecut.summary(chosen)
@@ -81,8 +92,10 @@ def test_plan_without_microbatches_or_schedule_chooses_them_and_says_so(caplog: 
         assert not caplog.records
 
     with caplog.at_level(logging.WARNING, logger="pipecut"):
-        one = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, repeats=1, warmup=0,
-                           microbatches=1, schedule="gpipe")
+        one = pipecut.plan(
+            model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=1, schedule="gpipe",
+            measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+        )
     assert not one.candidates
     warned = [r.getMessage() for r in caplog.records]
     assert any("1 microbatch on 2 ranks: the stages run one after another" in m for m in warned), warned

@@ -13,8 +13,10 @@ from pipecut.profile.live import LiveTimes, fit_latency, recalibrate
 
 def test_recalibrate_moves_the_split_unless_told_to_keep_it() -> None:
     model, inputs, loss_fn, target = mlp.build(batch_size=4, depth=6)
-    plan = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2,
-                        schedule="1f1b", repeats=1, warmup=0, calibrate=False)
+    plan = pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2, schedule="1f1b",
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0, calibrate=False),
+    )
     # Stage 0 ran four times slower than its costs said: a free re-plan moves work off it.
     times = [(4 * plan.stages[0].forward_ms, 4 * plan.stages[0].backward_ms),
              (plan.stages[1].forward_ms, plan.stages[1].backward_ms)]
@@ -30,8 +32,10 @@ def test_recalibrate_moves_the_split_unless_told_to_keep_it() -> None:
 
 def test_the_message_latency_is_fitted_to_the_measured_step() -> None:
     model, inputs, loss_fn, target = mlp.build(batch_size=4, depth=6)
-    plan = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2,
-                        schedule="1f1b", repeats=1, warmup=0, calibrate=False)
+    plan = pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2, schedule="1f1b",
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0, calibrate=False),
+    )
     plan = dataclasses.replace(plan, link=dataclasses.replace(plan.link, latency_ms=0.0))
     assert fit_latency(plan, plan.nodes, 0.5 * plan.predicted.step_ms).latency_ms == 0.0  # no lower
     slower = plan.predicted.step_ms + 5.0

@@ -74,7 +74,10 @@ def test_a_loss_that_is_not_a_scalar_is_refused() -> None:
         return torch.nn.functional.cross_entropy(out, y, reduction="none")
 
     with pytest.raises(InputError, match=r"scalar tensor, got a tensor of shape \(2,\); reduce it"):
-        pipecut.plan(model, inputs, 2, loss_fn=per_sample, target=target, microbatches=2, repeats=1, warmup=0)
+        pipecut.plan(
+            model, inputs, 2, loss_fn=per_sample, target=target, microbatches=2,
+            measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+        )
 
 
 def test_identical_blocks_are_measured_once_and_share_their_times() -> None:
@@ -161,11 +164,16 @@ def test_profiling_on_another_device_copies_one_nodes_weights_at_a_time() -> Non
 
 def test_plan_records_where_it_measured_and_skips_whole_stage_calibration_elsewhere() -> None:
     model, inputs, loss_fn, target = gpt.build(batch_size=4)
-    here = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2, repeats=1, warmup=0)
+    here = pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2,
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+    )
     assert here.profiled_on == "cpu"
     assert "calibrated on whole stages" in here.solver.detail
-    there = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2, repeats=1,
-                         warmup=0, device="meta")
+    there = pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2,
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0, device="meta"),
+    )
     assert there.profiled_on == "meta"
     assert "measured one at a time on meta" in there.solver.detail
     assert pipecut.Plan.from_json(there.to_json()).profiled_on == "meta"

@@ -48,8 +48,11 @@ def test_the_oversized_node_is_estimated_the_others_measured_and_planning_goes_o
     # Priced at the rate the measured products ran at: the same FLOPs as its twin.
     assert 0.2 * twin.forward_ms < big.forward_ms < 5 * twin.forward_ms
     assert 0.2 * twin.backward_ms < big.backward_ms < 5 * twin.backward_ms
-    plan = pipecut.plan(model, (x,), 2, loss_fn=nn.functional.cross_entropy, target=y, microbatches=4,
-                        leaf_modules=(TooBig,), repeats=1, warmup=0)
+    plan = pipecut.plan(
+        model, (x,), 2, loss_fn=nn.functional.cross_entropy, target=y, microbatches=4,
+        capture=pipecut.CaptureOptions(leaf_modules=(TooBig,)),
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+    )
     assert plan.node(big.name).source is CostSource.ESTIMATED
     assert "too big to run on cpu estimated from their work (_4)" in plan.solver.detail
     assert sum(len(s.nodes) for s in plan.stages) > 0

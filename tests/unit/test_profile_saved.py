@@ -34,7 +34,10 @@ def test_a_saved_input_is_charged_to_its_producer_and_own_tensors_to_the_node() 
 
 def test_profiling_records_what_is_kept_and_the_planner_counts_it() -> None:
     model, inputs, loss_fn, target = gpt.build()
-    plan = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2, repeats=1, warmup=0)
+    plan = pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2,
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+    )
     calls = [n for n in plan.nodes if n.op.value.startswith("call_")]
     assert all(n.saved_bytes is not None for n in calls)
     kept, outputs = sum(n.kept_bytes for n in calls), sum(n.output_bytes for n in calls)

@@ -11,6 +11,7 @@ import torch
 
 import pipecut
 from examples import gpt, mlp
+from pipecut.build.resolve import WireSpecs, schedules
 from pipecut.capture import capture
 from pipecut.core.batching import split_by_sizes
 from pipecut.core.cut_values import describe
@@ -31,7 +32,6 @@ from pipecut.passes.rewrite.propagate import (
     propagate,
 )
 from pipecut.plan import InputShape, LeafKind, Plan, ScheduleKind
-from pipecut.resolve import WireSpecs, schedules
 from pipecut.runtime.comm import WireSpec, pack, unpack
 
 OFF = AutocastState("", False, "")
@@ -41,8 +41,10 @@ CPU = torch.device("cpu")
 
 def _plan(build: Any, m: int = 2, **kw: Any) -> tuple[Plan, Any, list[Any]]:
     model, inputs, loss_fn, target = build(**kw)
-    plan = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=m, repeats=1,
-                        warmup=0, calibrate=False)
+    plan = pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=m,
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0, calibrate=False),
+    )
     captured = capture(model, tuple(x[: x.shape[0] // m] for x in inputs))
     return Plan.from_json(plan.to_json()), captured, [x[: x.shape[0] // m] for x in inputs]
 
@@ -111,8 +113,10 @@ def test_inputs_sharing_a_sequence_length_must_agree() -> None:
         ("tokens", (1, 1), (2, 16), ("", "size16")), ("mask", (1, 1), (2, 16), ("", "size16")),
     ]
     plan = dataclasses.replace(
-        pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2, repeats=1,
-                     warmup=0, calibrate=False),
+        pipecut.plan(
+            model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2,
+            measure=pipecut.MeasureOptions(repeats=1, warmup=0, calibrate=False),
+        ),
         accepts=shapes,
     )
     check_microbatch(plan, ["tokens", "mask"], [torch.zeros(2, 12, dtype=torch.long), torch.zeros(2, 12)])
@@ -149,8 +153,12 @@ def test_microbatch_sizes(mlp_plan: Any, batch: int, lo: int, expected: tuple[in
 
 def test_interleaved_schedules_get_a_multiple_of_the_ranks() -> None:
     model, inputs, loss_fn, target = mlp.build(batch_size=16, width=16, depth=4)
-    plan = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=4, repeats=1, warmup=0,
-                        schedule=ScheduleKind.INTERLEAVED_1F1B, stages_per_rank=2, calibrate=False)
+    plan = pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=4,
+        schedule=ScheduleKind.INTERLEAVED_1F1B,
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0, calibrate=False),
+        scheduling=pipecut.ScheduleOptions(stages_per_rank=2),
+    )
     assert plan.num_ranks == 2 and plan.num_stages == 4
     assert microbatch_sizes(10, plan) == (3, 3, 2, 2)
     assert microbatch_sizes(3, plan) == (2, 1)

@@ -24,8 +24,11 @@ def test_no_cut_between_a_no_grad_node_and_the_detach_that_closes_its_block() ->
     requires_grad=True; the next stage detached it and sent back zeros, so ``frozen.weight``
     got a zero ``.grad`` where the plain model has None (AdamW would then decay it)."""
     model, inputs, loss_fn, target = frozen()
-    plan = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=M,
-                        capture_method=CaptureMethod.SYMBOLIC_TRACE, calibrate=False, repeats=1, warmup=0)
+    plan = pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=M,
+        capture=pipecut.CaptureOptions(method=CaptureMethod.SYMBOLIC_TRACE),
+        measure=pipecut.MeasureOptions(calibrate=False, repeats=1, warmup=0),
+    )
     live = liveness(plan.nodes)
     _, _, allowed = boundary_bytes(plan.nodes, live)
     blocked = {live.units[b] for b in range(len(live.units)) if not allowed[b]}
@@ -47,7 +50,10 @@ def test_calibration_does_not_make_a_buffer_require_grad() -> None:
     ``Leaf.requires_grad``, as the runtime does."""
     model, inputs, loss_fn, target = counts_calls()
     before = model.calls.clone()
-    plan = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=4, repeats=1, warmup=0)
+    plan = pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=4,
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+    )
     assert plan.capture is CaptureMethod.EXPORT and "calibrated" in plan.solver.detail
     assert not model.calls.requires_grad and torch.equal(model.calls, before)
 

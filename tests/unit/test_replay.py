@@ -8,11 +8,11 @@ import torch
 
 import pipecut
 from examples import gpt, mlp
+from pipecut.build.replay import DEFAULTS, settings
 from pipecut.capture import capture
 from pipecut.core.names import model_names
 from pipecut.errors import PlanError
 from pipecut.plan import CaptureMethod, DeviceSpec, Link, ScheduleKind
-from pipecut.replay import DEFAULTS, settings
 
 NONE = dict(microbatches=None, schedule=None, stages_per_rank=None, link=None, capture_method=None,
             devices=None)
@@ -21,8 +21,10 @@ NONE = dict(microbatches=None, schedule=None, stages_per_rank=None, link=None, c
 @pytest.fixture(scope="module")
 def plan() -> pipecut.Plan:
     model, inputs, loss_fn, target = mlp.build(batch_size=8)
-    return pipecut.plan(model, inputs, devices=2, loss_fn=loss_fn, target=target, microbatches=4,
-                        schedule="1f1b", repeats=1, warmup=0, calibrate=False)
+    return pipecut.plan(
+        model, inputs, devices=2, loss_fn=loss_fn, target=target, microbatches=4, schedule="1f1b",
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0, calibrate=False),
+    )
 
 
 def test_none_means_the_plans_value_or_the_default(plan: pipecut.Plan) -> None:

@@ -69,9 +69,11 @@ def auto_plans() -> dict[str, Plan]:
     out = {}
     for name, width, link in (("fast", 32, FAST), ("slow", 512, SLOW)):
         model, inputs, loss_fn, target = mlp.build(batch_size=16, width=width, depth=4)
-        out[name] = pipecut.plan(model, inputs, 4, loss_fn=loss_fn, target=target, microbatches=4,
-                                 schedule="1f1b", link=link, data_parallel="auto", calibrate=False,
-                                 repeats=2, warmup=1)
+        out[name] = pipecut.plan(
+            model, inputs, 4, loss_fn=loss_fn, target=target, microbatches=4, schedule="1f1b",
+            data_parallel="auto",
+            measure=pipecut.MeasureOptions(link=link, calibrate=False, repeats=2, warmup=1),
+        )
     return out
 
 
@@ -102,7 +104,7 @@ def test_auto_refuses_what_it_cannot_choose_with() -> None:
     kw = {"loss_fn": loss_fn, "target": target, "data_parallel": "auto"}
     with pytest.raises(InputError, match="give microbatches and schedule as values"):
         pipecut.plan(model, inputs, 4, microbatches="auto", **kw)
-    with pytest.raises(InputError, match=r"give 'auto', a DataParallel"):
+    with pytest.raises(InputError, match=r"unknown data_parallel 'zero'; choose one of \['ddp', 'fsdp', 'auto'\]"):
         pipecut.plan(model, inputs, 4, microbatches=2, **{**kw, "data_parallel": "zero"})
     with pytest.raises(InputError, match="zbv runs 2 per device"):
         pipecut.choose_replicas(synthetic_nodes(4, micro=4), devices=CPUS, link=FAST,

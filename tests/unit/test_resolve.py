@@ -1,4 +1,4 @@
-"""pipecut.resolve: wire specs and schedules for microbatches other than the planned one."""
+"""pipecut.build.resolve: wire specs and schedules for microbatches other than the planned one."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
+from pipecut.build.resolve import WireSpecs, schedules
 from pipecut.core.schedule import validate
 from pipecut.core.shapes import AutocastState, signature
 from pipecut.errors import InputError
 from pipecut.passes.costs.stages import plan_schedule
 from pipecut.plan import ScheduleKind
-from pipecut.resolve import WireSpecs, schedules
 from tests.unit.tiny import mlp_captured, mlp_plan
 
 OFF = AutocastState("", False, "")

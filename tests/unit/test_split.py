@@ -46,8 +46,10 @@ def _assert_chained_is_the_model(programs: Any, cap: Any, model: Any, inputs: An
 def test_chained_stages_equal_the_model(name: str, k: int) -> None:
     model, inputs, loss_fn, target = EXAMPLES[name](batch_size=4)
     model.eval()  # BatchNorm in eval mode: both runs see the same statistics
-    plan = pipecut.plan(model, inputs, k, loss_fn=loss_fn, target=target, repeats=1, warmup=0,
-                        microbatches=1, schedule="gpipe")
+    plan = pipecut.plan(
+        model, inputs, k, loss_fn=loss_fn, target=target, microbatches=1, schedule="gpipe",
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+    )
     cap = capture(model, inputs)
     programs = split(cap.gm, plan)
     verify(cap.gm, programs, plan)
@@ -59,8 +61,10 @@ def test_chained_stages_equal_the_model(name: str, k: int) -> None:
 
 def test_tied_embedding_lives_on_both_ends() -> None:
     model, inputs, loss_fn, target = EXAMPLES["gpt"](batch_size=2)
-    plan = pipecut.plan(model, inputs, 3, loss_fn=loss_fn, target=target, repeats=1, warmup=0,
-                        microbatches=1, schedule="gpipe")
+    plan = pipecut.plan(
+        model, inputs, 3, loss_fn=loss_fn, target=target, microbatches=1, schedule="gpipe",
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+    )
     assert [(t.fqn, t.stages) for t in plan.tied] == [("tok_emb.weight", (0, 2))]
     programs = split(capture(model, inputs).gm, plan)
     assert programs[0].module.get_parameter("tok_emb.weight") is model.tok_emb.weight
@@ -69,8 +73,10 @@ def test_tied_embedding_lives_on_both_ends() -> None:
 
 def test_skip_connections_are_relayed() -> None:
     model, inputs, loss_fn, target = EXAMPLES["resnet"](batch_size=2)
-    plan = pipecut.plan(model, inputs, 4, loss_fn=loss_fn, target=target, repeats=1, warmup=0,
-                        microbatches=1, schedule="gpipe")
+    plan = pipecut.plan(
+        model, inputs, 4, loss_fn=loss_fn, target=target, microbatches=1, schedule="gpipe",
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+    )
     for a, b in zip(plan.stages, plan.stages[1:]):
         assert a.outputs == b.inputs and a.outputs  # every cut carries the values live across it
 
@@ -81,8 +87,10 @@ def test_stages_recomputing_some_nodes_equal_the_model(name: str) -> None:
     verify still finds every node once, and the result is bitwise the model's."""
     model, inputs, loss_fn, target = EXAMPLES[name](batch_size=4)
     model.eval()
-    plan = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, repeats=1, warmup=0,
-                        microbatches=1, schedule="gpipe")
+    plan = pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=1, schedule="gpipe",
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+    )
     stages = tuple(dataclasses.replace(s, recompute=Recompute.SELECTIVE,
                                        recomputed=s.nodes[len(s.nodes) // 3: 2 * len(s.nodes) // 3])
                    for s in plan.stages)
@@ -96,8 +104,10 @@ def test_stages_recomputing_some_nodes_equal_the_model(name: str) -> None:
 
 def test_verify_catches_a_lost_or_duplicated_node() -> None:
     model, inputs, loss_fn, target = EXAMPLES["gpt"](batch_size=2)
-    plan = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, repeats=1, warmup=0,
-                        microbatches=1, schedule="gpipe")
+    plan = pipecut.plan(
+        model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=1, schedule="gpipe",
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+    )
     gm = capture(model, inputs).gm
     programs = split(gm, plan)
     moved = plan.stages[1].nodes[0]

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pipecut
 from pipecut.core.schedule import (
     ActionKind,
     Placement,
@@ -133,11 +134,15 @@ def test_two_stages_on_a_rank_must_fit_its_memory_together() -> None:
     devices = [DeviceSpec(name="cpu", memory_bytes=room)] * 2
     assert max(need) > room
     with pytest.raises(PartitionError, match=r"rank \d \(cpu\) runs stages \[\d, \d\] of the zbv schedule"):
-        partition_costs(plan.nodes, devices=devices, microbatches=4, batch_size=8, schedule="zbv",
-                        recompute=False)
+        partition_costs(
+            plan.nodes, devices=devices, microbatches=4, batch_size=8, schedule="zbv",
+            partition=pipecut.PartitionOptions(recompute=False),
+        )
     fits = [DeviceSpec(name="cpu", memory_bytes=max(need))] * 2
-    assert partition_costs(plan.nodes, devices=fits, microbatches=4, batch_size=8, schedule="zbv",
-                           recompute=False).num_stages == 4
+    assert partition_costs(
+        plan.nodes, devices=fits, microbatches=4, batch_size=8, schedule="zbv",
+        partition=pipecut.PartitionOptions(recompute=False),
+    ).num_stages == 4
 
 
 def test_data_parallel_refuses_the_split_backward() -> None:

@@ -24,8 +24,10 @@ def _stage_runs(name: str, k: int) -> list[dict[str, Any]]:
     """Each stage run on fresh leaves (as a rank sees them), with the gradient it receives."""
     model, inputs, loss_fn, target = EXAMPLES[name](batch_size=4)
     model.eval()
-    plan = pipecut.plan(model, inputs, k, loss_fn=loss_fn, target=target, repeats=1, warmup=0,
-                        microbatches=1, schedule="gpipe")
+    plan = pipecut.plan(
+        model, inputs, k, loss_fn=loss_fn, target=target, microbatches=1, schedule="gpipe",
+        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+    )
     cap = capture(model, inputs)
     flat = dict(zip(cap.input_names, cap.flatten_inputs(inputs)))
     runs, received = [], ()

@@ -21,8 +21,10 @@ def _mlp():  # type: ignore[no-untyped-def]
 def mlp_plan(stages: int = 3, microbatches: int = 4, schedule: str = "1f1b") -> Plan:
     """A plan of the example MLP (width 32, depth 4), profiled once without warm-up."""
     model, inputs, loss_fn, target = _mlp()
-    return pipecut.plan(model, inputs, stages, loss_fn=loss_fn, target=target,
-                        microbatches=microbatches, schedule=schedule, repeats=1, warmup=0)
+    return pipecut.plan(
+        model, inputs, stages, loss_fn=loss_fn, target=target, microbatches=microbatches,
+        schedule=schedule, measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+    )
 
 
 @functools.cache

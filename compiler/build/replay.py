@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipecut.errors import PlanError
+from pipecut.options import AUTO, Options
 from pipecut.plan import CaptureMethod, Link, Plan, ScheduleKind
 from pipecut.planning.partition import DEFAULT_LINK, as_devices, as_schedule
+from pipecut.planning.request import default_choices
 
-__all__: list[str] = []
+__all__ = ["Asked", "Settings", "asked"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,6 +37,41 @@ DEFAULTS = Settings(
     microbatches=1, schedule=ScheduleKind.GPIPE, stages_per_rank=1, link=DEFAULT_LINK,
     capture_method=None,
 )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Asked:
+    """What a ``compile`` call runs with (:class:`Settings`), and what it asks the planner."""
+
+    run: Settings
+    microbatches: int | str
+    """The microbatch count, or "auto"."""
+    schedule: ScheduleKind | str
+    """The schedule, or "auto"."""
+
+    @property
+    def auto(self) -> bool:
+        """The planner chooses the microbatches or the schedule (before capture, at its count)."""
+        return AUTO in (self.microbatches, self.schedule)
+
+
+def asked(given: Plan | None, options: Options, devices: Any) -> Asked:
+    """Resolve a ``compile`` call's scheduling against the plan it replays (``given``), or the
+    defaults: left out without a plan, the planner chooses ("auto")."""
+    s = options.scheduling
+    m, kind = (s.microbatches, s.kind) if given is not None else default_choices(s.microbatches, s.kind)
+    if AUTO in (m, kind) and given is not None:
+        raise PlanError(
+            "microbatches/schedule='auto' ask the planner to choose, but plan= fixes them; drop "
+            "plan= to plan again, or leave microbatches and schedule out to replay the plan"
+        )
+    run = settings(
+        given, microbatches=m if isinstance(m, int) else None, schedule=None if kind == AUTO else kind,
+        stages_per_rank=s.stages_per_rank, link=options.measure.link, capture_method=options.capture.method,
+        devices=devices,
+    )
+    return Asked(run=run, microbatches=m if m is not None else run.microbatches,
+                 schedule=kind if kind is not None else run.schedule)
 
 
 def settings(

@@ -8,10 +8,10 @@ builds that mesh on every rank. :func:`plan_from_rank0` is how every rank gets r
 
 from __future__ import annotations
 
-import datetime
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,12 +22,15 @@ from pipecut.core.program import Inputs
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
 from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
 from pipecut.plan import CaptureMethod, Link, Plan, ScheduleKind
-from pipecut.planning.autoplan import AUTO
+from pipecut.options import AUTO
 from pipecut.planning.partition import DEFAULT_LINK
 from pipecut.planning.planner import plan as make_plan
 from pipecut.profile.nodes import LossFn
 from pipecut.runtime.launch import ensure_process_group, local_device
 from pipecut.runtime.linkprobe import measure_link
+
+if TYPE_CHECKING:  # context.py reads this module's Layout
+    from pipecut.build.context import Job
 
 __all__ = ["Auto", "Layout", "auto_layout", "layout_of", "plan_from_rank0", "replication_of"]
 
@@ -83,39 +86,35 @@ class Auto:
     kind: DataParallelKind
 
 
-def auto_layout(
-    model: torch.nn.Module, devices: Any, given: Plan | None, *, example_inputs: Inputs,
-    loss_fn: LossFn, target: Any, microbatches: Any, schedule: Any, link: Link | None,
-    wait: datetime.timedelta, capture_method: CaptureMethod | None, leaf_modules: tuple[type, ...],
-    stages_per_rank: int | None,
-) -> tuple[Auto, tuple[Inputs, Any]]:
+def auto_layout(job: Job) -> tuple[Auto, tuple[Inputs, Any]]:
     """data_parallel="auto": rank 0 chooses D × K for every rank of the default group (or the
     given plan's), all ranks build the mesh, and each takes its replica's share of the batch."""
     device = local_device()
-    ensure_process_group(wait, device)
+    ensure_process_group(job.wait, device)
     world = dist.get_world_size()
+    devices, scheduling = job.devices, job.options.scheduling
     if devices is not None and (isinstance(devices, bool) or devices != world):
         raise InputError(
             f"data_parallel='auto' spreads the model over every rank of the process group "
             f"({world}); pass devices=None or devices={world}, or pass a ('dp', 'pp') "
             f"DeviceMesh with data_parallel='ddp' or 'fsdp' to choose the layout yourself"
         )
-    if AUTO in (microbatches, schedule) or stages_per_rank not in (None, 1):
+    if AUTO in (scheduling.microbatches, scheduling.kind) or scheduling.stages_per_rank not in (None, 1):
         raise InputError(
             "data_parallel='auto' needs microbatches and schedule as values, not 'auto', and "
             "one stage per rank (stages_per_rank=1)"
         )
-    if given is None:
+    chosen = job.given
+    if chosen is None:
+        link = job.options.measure.link
         used = link or measure_link(list(range(world)), dist.get_rank(), None, device) or DEFAULT_LINK
+        measure = dataclasses.replace(job.options.measure, link=used, device=str(device))  # where stages run
         chosen = plan_from_rank0(lambda: make_plan(
-            model, example_inputs, world, loss_fn=loss_fn, target=target,
-            microbatches=microbatches if microbatches is not None else 1,
-            schedule=schedule if schedule is not None else ScheduleKind.GPIPE, link=used,
-            capture_method=capture_method, leaf_modules=leaf_modules, data_parallel=AUTO,
-            device=device,  # measured where the stages run, not where the model was left
+            job.model, job.example_inputs, world, loss_fn=job.loss_fn, target=job.target,
+            microbatches=scheduling.microbatches if scheduling.microbatches is not None else 1,
+            schedule=scheduling.kind if scheduling.kind is not None else ScheduleKind.GPIPE,
+            capture=job.options.capture, measure=measure, partition=job.options.partition, data_parallel=AUTO,
         ))
-    else:
-        chosen = given
     dp = chosen.data_parallel
     d = dp.replicas if dp is not None else 1
     if d * chosen.num_ranks != world:
@@ -125,12 +124,12 @@ def auto_layout(
         )
     kind = dp.kind if dp is not None else DataParallelKind.DDP
     if d == 1:
-        return Auto(chosen, None, kind), (example_inputs, target)
+        return Auto(chosen, None, kind), (job.example_inputs, job.target)
     mesh = init_device_mesh(device.type, (d, chosen.num_ranks), mesh_dim_names=("dp", "pp"))
     replica = mesh.get_local_rank("dp")
-    size, _ = first_microbatch(example_inputs, 1)
-    share = split_microbatches(example_inputs, d, size, "example_inputs")[replica]
-    share_target = split_microbatches(target, d, size, "target")[replica] if target is not None else None
+    size, _ = first_microbatch(job.example_inputs, 1)
+    share = split_microbatches(job.example_inputs, d, size, "example_inputs")[replica]
+    share_target = split_microbatches(job.target, d, size, "target")[replica] if job.target is not None else None
     return Auto(chosen, mesh, kind), (share, share_target)
 
 

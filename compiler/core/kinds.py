@@ -1,0 +1,83 @@
+"""The kinds plan data names: fx opcodes, capture methods, schedules, recompute, cost sources.
+
+Enums, not strings: the plan, the options (:mod:`pipecut.options`) and the passes share them,
+and :mod:`pipecut.plan` re-exports them where users import them from.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from pipecut.core.schedule import Placement
+
+__all__ = ["CaptureMethod", "CostSource", "LeafKind", "NodeOp", "Partitioner", "Recompute", "ScheduleKind"]
+
+
+class NodeOp(enum.Enum):
+    """The six torch.fx opcodes."""
+
+    PLACEHOLDER = "placeholder"
+    GET_ATTR = "get_attr"
+    CALL_FUNCTION = "call_function"
+    CALL_METHOD = "call_method"
+    CALL_MODULE = "call_module"
+    OUTPUT = "output"
+
+
+class CaptureMethod(enum.Enum):
+    SYMBOLIC_TRACE = "symbolic_trace"
+    EXPORT = "export"
+
+
+class ScheduleKind(enum.Enum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+    ZERO_BUBBLE = "zero-bubble"
+    ZBV = "zbv"
+    """Zero-bubble V: two stages per rank laid as a V (rank r runs stages r and 2K - 1 - r),
+    backward split into I and W."""
+
+    @property
+    def placement(self) -> Placement:
+        """How the schedule lays its stages on the ranks (see :func:`pipecut.core.schedule.rank_of`)."""
+        return Placement.V if self is ScheduleKind.ZBV else Placement.LOOP
+
+    @property
+    def splits_backward(self) -> bool:
+        """Runs each backward as an input-gradient part I and a weight part W."""
+        return self in (ScheduleKind.ZERO_BUBBLE, ScheduleKind.ZBV)
+
+    @property
+    def fixed_stages_per_rank(self) -> int | None:
+        """The stages per rank the schedule always runs (ZBV: 2), or None where it is chosen."""
+        return 2 if self is ScheduleKind.ZBV else None
+
+
+class Recompute(enum.Enum):
+    NONE = "none"
+    FULL = "full"
+    """The whole stage's forward runs again in backward: only the stage's inputs are kept."""
+    SELECTIVE = "selective"
+    """Some blocks of the stage (``Stage.recomputed``) run again in backward; the rest keep
+    their activations: memory traded for time in steps finer than a whole stage."""
+
+
+class LeafKind(enum.Enum):
+    TENSOR = "tensor"
+    CONSTANT = "constant"
+
+
+class CostSource(enum.Enum):
+    """Where a node's times came from."""
+
+    MEASURED = "measured"
+    """Timed by running the node (``pipecut.profile.nodes``)."""
+    ESTIMATED = "estimated"
+    """Roofline estimate from FLOP and byte counts and a device profile (``pipecut.profile.devices``)."""
+
+
+class Partitioner(enum.Enum):
+    DP = "dp"
+    ILP = "ilp"
+    GIVEN = "given"

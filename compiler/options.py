@@ -1,0 +1,333 @@
+"""What a user asks of ``plan`` and ``compile``, as data: one frozen options object per concern.
+
+``pipecut.plan(model, inputs, devices, partition=PartitionOptions(recompute=True))`` and
+``pipecut.compile(...)`` take the model, the inputs, a few flat shortcuts for the common knobs
+(``microbatches``, ``schedule``) and these objects:
+
+- :class:`CaptureOptions`: how the graph is captured;
+- :class:`MeasureOptions`: where and how node and stage costs are measured, and the link;
+- :class:`PartitionOptions`: the solver, recompute, a split you choose, heavy nodes in pieces;
+- :class:`ScheduleOptions`: microbatches, the schedule, stages per rank;
+- :class:`DataParallelOptions`: replicas of the pipeline and their engine;
+- :class:`WeightOptions`: where a meta model's weights come from (``compile`` only);
+- :class:`RuntimeOptions`: timeouts, host memory, loss reduction (``compile`` only).
+
+Each normalises what it is given (a kind's name becomes its enum, module classes their names)
+so that two equal requests compare equal, and all but the weights (a file or a function, not
+data) are recorded in the plan as :class:`Options` (``plan.options``: what was asked, beside
+what was chosen), so that a replayed plan carries them. :data:`LEGACY` maps the keyword
+arguments of earlier releases onto these fields; :func:`with_legacy` applies them with a
+deprecation warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from pipecut.cluster import Link
+from pipecut.core.choices import enum_choice
+from pipecut.core.kinds import CaptureMethod, Partitioner, ScheduleKind
+from pipecut.errors import InputError
+from pipecut.parallel import DataParallel, DataParallelKind
+
+__all__ = [
+    "AUTO",
+    "LEGACY",
+    "CaptureOptions",
+    "DataParallelOptions",
+    "IlpSolver",
+    "LossReduction",
+    "MeasureOptions",
+    "Options",
+    "PartitionOptions",
+    "RuntimeOptions",
+    "ScheduleOptions",
+    "WeightOptions",
+    "as_data_parallel_options",
+    "leaf_name",
+    "options_of",
+    "requested",
+    "with_legacy",
+]
+
+AUTO: Literal["auto"] = "auto"
+"""The value that asks the planner to choose (microbatches, schedule, data parallelism)."""
+
+
+class IlpSolver(enum.Enum):
+    """The MILP solver behind the memory-aware partitioner, both driven through PuLP."""
+
+    HIGHS = "highs"
+    """HiGHS via ``highspy`` (the default): in process, started from the warm-start split."""
+    CBC = "cbc"
+    """COIN-OR CBC, the binary bundled with PuLP 3 (``PULP_CBC_CMD``, deprecated for PuLP 4)."""
+
+
+class LossReduction(enum.Enum):
+    """How the microbatch losses of a step make the step's loss."""
+
+    MEAN = "mean"
+    """``loss_fn`` returns a mean; the step's loss is the mean over microbatches (each / M)."""
+    SUM = "sum"
+    """``loss_fn`` returns a sum; the step's loss is the sum over microbatches divided by the
+    ``normalizer`` given to ``step`` (e.g. the number of valid tokens in the whole batch)."""
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)  # normalising a frozen dataclass in __post_init__
+
+
+def leaf_name(cls: type | str) -> str:
+    """A module class as ``module.QualName`` (a name is kept): how the plan records leaves."""
+    return cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CaptureOptions:
+    method: CaptureMethod | None = None
+    """None: ``symbolic_trace``, then ``torch.export`` where tracing fails."""
+    leaf_modules: tuple[str, ...] = ()
+    """Module classes (or their ``module.QualName``) captured as one call, not traced into."""
+
+    def __post_init__(self) -> None:
+        if self.method is not None:
+            _set(self, "method", enum_choice(CaptureMethod, self.method, "capture method"))
+        _set(self, "leaf_modules", tuple(leaf_name(c) for c in self.leaf_modules))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeasureOptions:
+    device: str | None = None
+    """Where nodes are timed: None is where ``example_inputs`` are (``compile``: each rank's own
+    device)."""
+    repeats: int = 5
+    """Timed runs per node (the median is kept)."""
+    warmup: int = 2
+    """Untimed runs per node first."""
+    calibrate: bool = True
+    """``plan``: time the first split's stages whole, scale node costs to them, plan again."""
+    calibration_steps: int = 2
+    """``compile``: timed steps of the built pipeline on all ranks; 0 skips live calibration."""
+    link: Link | None = None
+    """The link between neighbouring stages: None is measured (``compile``) or a loopback
+    default (``plan``)."""
+
+    def __post_init__(self) -> None:
+        if self.device is not None:
+            _set(self, "device", str(self.device))
+        if self.repeats < 1 or self.warmup < 0 or self.calibration_steps < 0:
+            raise InputError(f"MeasureOptions: repeats must be >= 1 and warmup, calibration_steps "
+                             f">= 0, got {self.repeats}, {self.warmup}, {self.calibration_steps}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartitionOptions:
+    partitioner: Partitioner | None = None
+    """None: the exact DP for equal devices without memory limits or recompute, else the ILP."""
+    solver: IlpSolver = IlpSolver.HIGHS
+    ilp_time_limit: float = 5.0
+    """Seconds the ILP solver may spend in total."""
+    recompute: bool | None = None
+    """May a stage recompute its forward in backward to fit? None: where a device has a memory
+    capacity. (``plan(cluster=...)``: None selective, True full, False no checkpointing.)"""
+    split: tuple[str, ...] | tuple[tuple[str, ...], ...] | None = None
+    """A split you choose: the modules where stages 1.. begin, or module names per stage."""
+    heavy_pieces: bool = True
+    """A node heavier than a stage's share (an LM head) may be computed in row pieces."""
+
+    def __post_init__(self) -> None:
+        if self.partitioner is not None:
+            _set(self, "partitioner", enum_choice(Partitioner, self.partitioner, "partitioner"))
+        _set(self, "solver", enum_choice(IlpSolver, self.solver, "ILP solver"))
+        if self.split is not None:
+            _set(self, "split", tuple(s if isinstance(s, str) else tuple(s) for s in self.split))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScheduleOptions:
+    microbatches: int | Literal["auto"] | None = None
+    """None: chosen by the planner ("auto"), or the plan's when one is replayed."""
+    kind: ScheduleKind | Literal["auto"] | None = None
+    """None: chosen with the microbatches, GPipe beside a given count, or the plan's."""
+    stages_per_rank: int | None = None
+    """Virtual stages per rank (interleaved 1F1B); None: 1, or the plan's."""
+
+    def __post_init__(self) -> None:
+        if self.kind is not None and self.kind != AUTO:
+            _set(self, "kind", enum_choice(ScheduleKind, self.kind, "schedule"))
+        m = self.microbatches
+        if m is not None and m != AUTO and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise InputError(f"microbatches must be a positive int or 'auto', got {m!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataParallelOptions:
+    kind: DataParallelKind | Literal["auto"] | None = None
+    """``ddp``/``fsdp`` over a mesh's "dp" dimension, "auto" (choose D × K), None (no replicas,
+    or DDP where the mesh has a "dp" dimension)."""
+    replicas: int | None = None
+    """``plan``: D replicas to plan for (``compile`` reads D from the mesh)."""
+
+    def __post_init__(self) -> None:
+        if self.kind is not None and self.kind != AUTO:
+            try:
+                _set(self, "kind", enum_choice(DataParallelKind, self.kind, "data_parallel"))
+            except InputError:
+                raise InputError(f"unknown data_parallel {self.kind!r}; choose one of ['ddp', 'fsdp', "
+                                 f"'auto'] or None") from None
+        if self.replicas is not None and self.replicas < 1:
+            raise InputError(f"DataParallelOptions(replicas={self.replicas}): at least 1")
+
+    @property
+    def fixed(self) -> DataParallel | None:
+        """The replicas asked for as plan data; None unless both kind and replicas are given."""
+        if isinstance(self.kind, DataParallelKind) and self.replicas is not None:
+            return DataParallel(kind=self.kind, replicas=self.replicas)
+        return None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightOptions:
+    source: str | os.PathLike[str] | Mapping[str, Any] | None = None
+    """A ``.safetensors`` file, a ``save_pretrained`` or pipecut checkpoint directory, or a state
+    dict; each rank reads its stage's tensors from it."""
+    init: Callable[[str, Any], Any] | None = None
+    """Without ``source``: ``init(fqn, module)`` fills a meta model's new tensors."""
+    seed: int = 0
+    """Seeds each module's initialisation (with its name), so values do not depend on K."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RuntimeOptions:
+    timeout: float = 300.0
+    """Seconds every collective and transfer may wait before the rank fails."""
+    lean_host_memory: bool = False
+    """CPU ranks: give every freed block of 1 MiB or more back at once (peak RSS follows the
+    plan, steps slower)."""
+    loss_reduction: LossReduction = LossReduction.MEAN
+
+    def __post_init__(self) -> None:
+        _set(self, "loss_reduction", enum_choice(LossReduction, self.loss_reduction, "loss_reduction"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Options:
+    """Everything asked of ``plan``/``compile`` but the weights; ``plan.options`` records it."""
+
+    capture: CaptureOptions = field(default_factory=CaptureOptions)
+    measure: MeasureOptions = field(default_factory=MeasureOptions)
+    partition: PartitionOptions = field(default_factory=PartitionOptions)
+    scheduling: ScheduleOptions = field(default_factory=ScheduleOptions)
+    data_parallel: DataParallelOptions = field(default_factory=DataParallelOptions)
+    runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
+
+    GROUPS: ClassVar[tuple[str, ...]] = (
+        "capture", "measure", "partition", "scheduling", "data_parallel", "runtime")
+
+
+LEGACY: dict[str, tuple[str, str]] = {
+    "capture_method": ("capture", "method"),
+    "leaf_modules": ("capture", "leaf_modules"),
+    "device": ("measure", "device"),
+    "repeats": ("measure", "repeats"),
+    "warmup": ("measure", "warmup"),
+    "calibrate": ("measure", "calibrate"),
+    "calibration_steps": ("measure", "calibration_steps"),
+    "link": ("measure", "link"),
+    "partitioner": ("partition", "partitioner"),
+    "solver": ("partition", "solver"),
+    "ilp_time_limit": ("partition", "ilp_time_limit"),
+    "recompute": ("partition", "recompute"),
+    "split": ("partition", "split"),
+    "chunk_heavy": ("partition", "heavy_pieces"),
+    "stages_per_rank": ("scheduling", "stages_per_rank"),
+    "init": ("weights", "init"),
+    "seed": ("weights", "seed"),
+    "timeout": ("runtime", "timeout"),
+    "lean_host_memory": ("runtime", "lean_host_memory"),
+    "loss_reduction": ("runtime", "loss_reduction"),
+}
+"""Keyword arguments of pipecut 0.1 → (options group, field). ``data_parallel=`` and
+``weights=`` are still keyword arguments: they now take the group's object (or, as before, a
+kind or a weights source)."""
+
+
+def with_legacy(groups: Mapping[str, Any], legacy: Mapping[str, Any], where: str,
+                accepted: Sequence[str], stacklevel: int = 3) -> dict[str, Any]:
+    """``groups`` (group name → options object) with the 0.1 keyword arguments in ``legacy``
+    applied to their fields, warning once per call; TypeError for a keyword that never existed
+    or that ``where`` never took (``accepted``)."""
+    unknown = sorted(k for k in legacy if k not in LEGACY or k not in accepted)
+    if unknown:
+        raise TypeError(f"{where}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
+    out = dict(groups)
+    for old, value in legacy.items():
+        group, name = LEGACY[old]
+        out[group] = dataclasses.replace(out[group], **{name: value})
+    if legacy:
+        moved = ", ".join(f"{k}= → {LEGACY[k][0]}={_class_of(LEGACY[k][0])}({LEGACY[k][1]}=...)"
+                          for k in legacy)
+        warnings.warn(f"{where}(): keyword arguments of pipecut 0.1 are deprecated and will be "
+                      f"removed in 0.3: {moved}", DeprecationWarning, stacklevel=stacklevel)
+    return out
+
+
+def _class_of(group: str) -> str:
+    return {"capture": "CaptureOptions", "measure": "MeasureOptions", "partition": "PartitionOptions",
+            "scheduling": "ScheduleOptions", "data_parallel": "DataParallelOptions",
+            "weights": "WeightOptions", "runtime": "RuntimeOptions"}[group]
+
+
+def requested(
+    where: str,
+    *,
+    microbatches: int | str | None = None,
+    schedule: str | ScheduleKind | None = None,
+    data_parallel: DataParallelOptions | DataParallel | DataParallelKind | str | None = None,
+    groups: Mapping[str, Any],
+    legacy: Mapping[str, Any],
+    accepted: Sequence[str],
+) -> dict[str, Any]:
+    """The options of one ``plan``/``compile`` call, group name → object (``weights`` too where
+    given): the groups given (None: the defaults), the 0.1 keyword arguments applied
+    (:func:`with_legacy`), then the flat shortcuts. A shortcut that contradicts its group is an
+    InputError: the call would say two things."""
+    defaults = {"capture": CaptureOptions(), "measure": MeasureOptions(), "partition": PartitionOptions(),
+                "scheduling": ScheduleOptions(), "runtime": RuntimeOptions(), "weights": WeightOptions()}
+    out = with_legacy({k: groups.get(k) or v for k, v in defaults.items()}, legacy, where, accepted,
+                      stacklevel=4)  # the caller of plan/compile
+    out["data_parallel"] = as_data_parallel_options(data_parallel)
+    sched = out["scheduling"]
+    for name, field_name, value in (("microbatches", "microbatches", microbatches), ("schedule", "kind", schedule)):
+        if value is None:
+            continue
+        given = getattr(sched, field_name)
+        sched = dataclasses.replace(sched, **{field_name: value})
+        if given is not None and given != getattr(sched, field_name):
+            raise InputError(f"{where}({name}={value!r}) contradicts scheduling=ScheduleOptions("
+                             f"{field_name}={given!r}); give it once")
+    out["scheduling"] = sched
+    return out
+
+
+def as_data_parallel_options(
+    value: DataParallelOptions | DataParallel | DataParallelKind | str | None,
+) -> DataParallelOptions:
+    """``data_parallel=`` as options: the object, a kind ("ddp", "fsdp", "auto"), a
+    :class:`~pipecut.parallel.DataParallel` (kind and replicas), or None."""
+    if isinstance(value, DataParallelOptions):
+        return value
+    if isinstance(value, DataParallel):
+        return DataParallelOptions(kind=value.kind, replicas=value.replicas)
+    return DataParallelOptions(kind=value)  # type: ignore[arg-type]  # checked in __post_init__
+
+
+def options_of(groups: Mapping[str, Any]) -> Options:
+    """The recorded part of :func:`requested`'s groups (all but the weights)."""
+    return Options(**{g: groups[g] for g in Options.GROUPS})

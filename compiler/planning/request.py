@@ -1,0 +1,113 @@
+"""One planning request: the model, its inputs, the devices and the options, passed step to step.
+
+``pipecut.plan`` builds a :class:`Request` once and every planning step (auto choices, replicas,
+a cluster, one fixed plan) reads it, instead of threading two dozen keyword arguments through
+each. :class:`FirstBatch` is the microbatch a fixed plan is captured and measured on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipecut.core.batching import first_microbatch, split_microbatches
+from pipecut.core.meta import input_device
+from pipecut.core.program import Captured, Inputs
+from pipecut.options import AUTO, Options
+from pipecut.plan import DeviceSpec, Plan, ScheduleKind
+from pipecut.planning.partition import DEFAULT_LINK
+from pipecut.profile.nodes import LossFn
+from pipecut.report.text import sequential_note
+
+__all__ = ["FirstBatch", "Request", "default_choices", "warn_if_sequential"]
+
+log = logging.getLogger("pipecut.planning.planner")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Request:
+    """What ``pipecut.plan`` was asked: read by every planning step, never changed (a step that
+    plans a variant makes a new one with :meth:`with_options`)."""
+
+    model: torch.nn.Module
+    example_inputs: Inputs
+    target: Any
+    loss_fn: LossFn | None
+    devices: tuple[DeviceSpec, ...]
+    options: Options
+    progress: Callable[[int, int], None] | None = None
+
+    def with_options(self, **groups: Any) -> Request:
+        """This request with some option groups replaced (``scheduling=...``)."""
+        return dataclasses.replace(self, options=dataclasses.replace(self.options, **groups))
+
+    def with_scheduling(self, **fields: Any) -> Request:
+        """This request with some scheduling fields replaced (``microbatches=4``)."""
+        return self.with_options(scheduling=dataclasses.replace(self.options.scheduling, **fields))
+
+    @property
+    def link(self) -> Any:
+        return self.options.measure.link or DEFAULT_LINK
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.options.scheduling.stages_per_rank or 1
+
+    @property
+    def here(self) -> torch.device:
+        """Where the example inputs are."""
+        return input_device(self.example_inputs)
+
+    @property
+    def measure_on(self) -> torch.device:
+        """Where nodes are timed: the asked device, else where the inputs are."""
+        device = self.options.measure.device
+        return torch.device(device) if device is not None else self.here
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FirstBatch:
+    """The first of M microbatches of the request's batch: what a plan is captured and timed on."""
+
+    batch_size: int
+    """The whole batch's size."""
+    inputs: Inputs
+    target: Any
+
+    @classmethod
+    def of(cls, request: Request, microbatches: int) -> FirstBatch:
+        size, inputs = first_microbatch(request.example_inputs, microbatches)
+        target = request.target
+        first_target = split_microbatches(target, microbatches, size, "target")[0] if target is not None else None
+        return cls(batch_size=size, inputs=inputs, target=first_target)
+
+    def flat(self, captured: Captured) -> list[Any]:
+        """The inputs as ``captured``'s placeholders take them."""
+        return list(captured.flatten_inputs(self.inputs))
+
+
+def default_choices(microbatches: int | str | None, schedule: Any) -> tuple[int | str, Any]:
+    """What ``microbatches`` and ``schedule`` left out (None) mean: the planner chooses
+    microbatches ("auto"), and the schedule with them unless one is given; a schedule left out
+    beside a given count is GPipe.
+
+    >>> default_choices(None, None), default_choices(None, "1f1b"), default_choices(4, None)
+    (('auto', 'auto'), ('auto', '1f1b'), (4, <ScheduleKind.GPIPE: 'gpipe'>))
+    """
+    if microbatches is None:
+        return AUTO, AUTO if schedule is None else schedule
+    return microbatches, ScheduleKind.GPIPE if schedule is None else schedule
+
+
+def warn_if_sequential(p: Plan) -> Plan:
+    """Log a warning when ``p`` cannot pipeline: one microbatch on several ranks runs the
+    stages one after another, K devices doing the work of one. Returns ``p``."""
+    note = sequential_note(p)
+    if note:
+        log.warning("%s", note)
+    return p
