@@ -215,7 +215,8 @@ def test_the_cli_page_runs_as_written(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_the_readme_plans_in_one_process() -> None:
-    """The README example's model and batch, planned by the README's one-process call."""
+    """The README example's model and batch, planned by the README's one-process call; its
+    command line is one the parser takes."""
     source = block("README.md", "layers = [torch.nn.Sequential")
     scope: dict[str, Any] = {}
     exec(source.split("# Rank 0 captures")[0], scope)  # the model and the batch
@@ -224,6 +225,10 @@ def test_the_readme_plans_in_one_process() -> None:
     plan = eval(calls[0].replace("\n", " "), scope)
     assert plan.num_stages == 2 and plan.microbatches == 4
     assert len({n for s in plan.stages for n in s.parameters}) == len(list(scope["model"].parameters()))
+    inline = re.findall(r"`(pipecut plan [^`]*)`", (ROOT / "README.md").read_text())
+    assert inline
+    for command in inline:
+        _check_command(shlex.split(command))
 
 
 @pytest.mark.hf
@@ -259,8 +264,7 @@ def test_relative_links_lead_to_files_and_headings(page: str) -> None:
             continue  # https:, mailto:
         path, _, anchor = target.partition("#")
         dest = (here.parent / path).resolve() if path else here
-        headings_ok = not anchor or dest.suffix != ".md" or anchor in _anchors(dest)
-        if not (dest.exists() and headings_ok):
+        if not (dest.exists() and (not anchor or dest.suffix != ".md" or anchor in _anchors(dest))):
             broken.append(target)
     assert not broken, f"{page}: links to nothing: {broken}"
 
