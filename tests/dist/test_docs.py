@@ -48,21 +48,31 @@ def _two_ranks(rank: int, world: int, folder: str) -> dict[str, Any]:
             "replay": Path("plan.json").is_file()}
 
 
-def _plain_readme_losses() -> list[float]:
-    """The README script's model, batch and loop in one process without pipecut."""
-    scope: dict[str, Any] = {}
-    exec(block("README.md", README_MARKER).split("# Rank 0 captures")[0], scope)
-    model, x, y, loss_fn = scope["model"], scope["x"], scope["y"], scope["loss_fn"]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(3):
-        loss = loss_fn(model(x), y)
+def _plain_steps(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Any, *, lr: float,
+                 steps: int, dtype: torch.dtype | None = None) -> tuple[list[float], list[float]]:
+    """Clipped AdamW steps of the plain model (under autocast to ``dtype`` if given): each
+    step's loss, and the eval loss after each step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, evals = [], []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = loss_fn(model(x), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses
+        with torch.no_grad():
+            evals.append(loss_fn(model.eval()(x), y).item())
+        model.train()
+    return losses, evals
+
+
+def _plain_readme_losses() -> list[float]:
+    """The README script's model, batch and loop in one process without pipecut."""
+    scope: dict[str, Any] = {}
+    exec(block("README.md", README_MARKER).split("# Rank 0 captures")[0], scope)
+    return _plain_steps(scope["model"], scope["x"], scope["y"], scope["loss_fn"], lr=1e-3, steps=3)[0]
 
 
 @pytest.mark.timeout(300)
@@ -112,21 +122,8 @@ def _loop(rank: int, world: int, folder: str) -> list[dict[str, Any]]:
 def _plain_loop() -> tuple[list[float], float]:
     """Two bf16-autocast, clipped AdamW steps of the plain model; the eval loss after the first."""
     model, (x,), loss_fn, y = _gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    losses, val = [], 0.0
-    for step in range(2):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = loss_fn(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        if step == 0:
-            with torch.no_grad():
-                val = loss_fn(model.eval()(x), y).item()
-            model.train()
-    return losses, val
+    losses, evals = _plain_steps(model, x, y, loss_fn, lr=3e-4, steps=2, dtype=torch.bfloat16)
+    return losses, evals[0]
 
 
 @pytest.mark.timeout(600)
