@@ -57,7 +57,7 @@ FAMILIES: dict[str, Callable[..., zoo.Built]] = {
 
 
 def on_meta(name: str, batch_size: int = 8, seed: int = 0) -> zoo.Built:
-    """The README's recipe: ``AutoModelForCausalLM.from_config`` on meta, with the family's
+    """docs/big-models.md's recipe: ``AutoModelForCausalLM.from_config`` on meta, with the family's
     example batch and loss."""
     from transformers import AutoModelForCausalLM
 

@@ -1,4 +1,4 @@
-"""The README's big-model recipe, unchanged, on five Hugging Face families at K = 2: the model
+"""docs/big-models.md's recipe, unchanged, on five Hugging Face families at K = 2: the model
 built on meta with ``AutoModelForCausalLM.from_config``, compiled with ``weights=`` its
 ``save_pretrained`` directory and no ``init=``. What no checkpoint holds (rotary ``inv_freq``,
 Gemma's ``embed_scale``) is computed on each rank for its stage as ``from_pretrained`` computes

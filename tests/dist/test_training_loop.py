@@ -1,4 +1,4 @@
-"""The README's training loop at 4 ranks, under GPipe, 1F1B and zero-bubble: every feature of an
+"""docs/training-loop.md's training loop at 4 ranks, under GPipe, 1F1B and zero-bubble: every feature of an
 ordinary loop matches the plain model (2-rank coverage of each feature is in test_amp_shapes,
 test_eval, test_grads and test_model_state).
 

@@ -1,4 +1,4 @@
-"""The public surface: what the README imports exists, every module says what it exports."""
+"""The public surface: what the docs import exists, every module says what it exports."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 import pipecut
 from pipecut.plan import CostSource
+from tests.docs import code
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"compiler": "pipecut", "passes": "pipecut.passes", "runtime": "pipecut.runtime"}
@@ -55,18 +56,13 @@ def test_subpackages_export_their_documented_entry_points() -> None:
         pipecut.passes.nothing  # noqa: B018
 
 
-def _readme_block(marker: str) -> str:
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    return next(b for b in blocks if marker in b)
-
-
-def test_the_readme_plans_for_hardware_that_is_not_here(capsys) -> None:
-    """The README's estimate_costs → partition_costs → choose_replicas block runs as written."""
+def test_the_docs_plan_for_hardware_that_is_not_here(capsys) -> None:
+    """docs/clusters.md's estimate_costs → partition_costs → choose_replicas block runs as written."""
     from examples import mlp
 
     model, (x,), loss_fn, y = mlp.build(batch_size=16, width=32, depth=4)
     scope = {"model": model, "x": x, "loss_fn": loss_fn, "y": y}
-    exec(compile(_readme_block("partition_costs"), "README.md", "exec"), scope)
+    exec(code("docs/clusters.md", "partition_costs"), scope)
     plan = scope["plan"]
     assert plan.num_stages == 4 and plan.devices[0].name == "A100-80GB"
     assert {n.source for n in plan.nodes} == {CostSource.ESTIMATED}
