@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import warnings
 
 import pytest
@@ -123,3 +124,20 @@ def test_the_plan_carries_its_options_through_json_and_reads_version_1() -> None
     read = Plan.from_json(json.dumps(old))
     assert read.options is None and read.format_version == 2
     assert dataclasses.replace(read, options=plan.options) == plan
+
+
+def test_the_options_page_runs_and_its_table_is_the_mapping() -> None:
+    from tests.docs import ROOT, code
+
+    exec(code("docs/options.md", "heavy_pieces=False"), {})  # type: ignore[arg-type]
+    rows = [line for line in (ROOT / "docs" / "options.md").read_text().splitlines()
+            if line.startswith("| `") and "=`" in line.split("|")[1]]
+    documented = {}
+    for row in rows:
+        olds, now = row.split("|")[1], row.split("|")[2]
+        group_class = now.split("(")[0].strip(" `")
+        names = [o.strip(" `=") for o in olds.split(",")]
+        fields = names if "same names" in now else re.findall(r"(\w+)=\.\.\.", now)
+        documented.update((o, (group_class, f)) for o, f in zip(names, fields, strict=True))
+    expected = {old: (type(GROUP_CLASSES[g]()).__name__, f) for old, (g, f) in LEGACY.items()}
+    assert documented == expected
