@@ -110,12 +110,14 @@ def compile(
     way). Every rank's stage weights are set to global rank 0's. ``model`` is left as it is.
     The keyword arguments of pipecut 0.1 still work, with a DeprecationWarning.
     """
-    groups = requested(
-        "compile", microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
-        groups={"capture": capture, "measure": measure, "partition": partition, "scheduling": scheduling,
-                "runtime": runtime, "weights": _weight_options(weights)},
-        legacy=legacy, accepted=COMPILE_KEYWORDS)
     given = None if plan is None else plan if isinstance(plan, Plan) else Plan.from_json(plan)
+    carried = given.options if given is not None and given.options is not None else None
+    groups = requested(  # a replayed plan carries how it was captured and run
+        "compile", microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
+        groups={"capture": capture or (carried and carried.capture), "measure": measure,
+                "partition": partition, "scheduling": scheduling,
+                "runtime": runtime or (carried and carried.runtime), "weights": _weight_options(weights)},
+        legacy=legacy, accepted=COMPILE_KEYWORDS)
     job = Job(model=model, devices=devices, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
               options=options_of(groups), weights=groups["weights"], given=given)
     if job.options.data_parallel.kind == AUTO:

@@ -109,12 +109,12 @@ def auto_layout(job: Job) -> tuple[Auto, tuple[Inputs, Any]]:
         link = job.options.measure.link
         used = link or measure_link(list(range(world)), dist.get_rank(), None, device) or DEFAULT_LINK
         measure = dataclasses.replace(job.options.measure, link=used, device=str(device))  # where stages run
-        chosen = plan_from_rank0(lambda: make_plan(
+        chosen = plan_from_rank0(lambda: dataclasses.replace(make_plan(
             job.model, job.example_inputs, world, loss_fn=job.loss_fn, target=job.target,
             microbatches=scheduling.microbatches if scheduling.microbatches is not None else 1,
             schedule=scheduling.kind if scheduling.kind is not None else ScheduleKind.GPIPE,
             capture=job.options.capture, measure=measure, partition=job.options.partition, data_parallel=AUTO,
-        ))
+        ), options=job.options))
     dp = chosen.data_parallel
     d = dp.replicas if dp is not None else 1
     if d * chosen.num_ranks != world:

@@ -26,7 +26,7 @@ from pipecut.report.text import sequential_note
 
 __all__ = ["FirstBatch", "Request", "default_choices", "warn_if_sequential"]
 
-log = logging.getLogger("pipecut.planning.planner")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

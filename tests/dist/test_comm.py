@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pipecut
-import pipecut.api as api
+import pipecut.build.choice as choice
 from examples import gpt
 from pipecut.errors import ScheduleError
 from pipecut.passes.costs.stages import inflight_microbatches
@@ -43,8 +43,8 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     rest = range(2, M)
     bad = parse_schedule(" ".join(["0F0 0B0 0F1 0B1"] + [f"0F{i} 0B{i}" for i in rest]) + "\n"
                          + " ".join(["1F1 1B1 1F0 1B0"] + [f"1F{i} 1B{i}" for i in rest]))
-    original = api.plan_schedule
-    api.plan_schedule = lambda plan: bad
+    original = choice.plan_schedule
+    choice.plan_schedule = lambda plan: bad
     try:
         pipecut.compile(
             model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
@@ -54,7 +54,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     except ScheduleError as e:
         out["refused"] = str(e)
     finally:
-        api.plan_schedule = original
+        choice.plan_schedule = original
     return out
 
 

@@ -41,16 +41,22 @@ def _features(rank: int, world: int, tmp: str) -> dict[str, Any]:
     torch.distributed.barrier()
 
     # Replaying the saved plan must not profile or plan again.
-    import pipecut.api
+    import pipecut.build.choice
 
     def no_planning(*a: Any, **k: Any) -> None:
         raise AssertionError("replaying a plan must not plan")
 
-    pipecut.api.make_plan = no_planning  # type: ignore[assignment]
+    assert hasattr(pipecut.build.choice, "make_plan")  # the name compile plans through
+    pipecut.build.choice.make_plan = no_planning  # type: ignore[assignment]
     saved = Plan.from_json(f"{tmp}/plan.json")
     model, inputs, loss_fn, target = gpt.build()
     pipe = _compile(model, world, inputs, loss_fn, target, plan=f"{tmp}/plan.json")
     out["replayed_same_plan"] = pipe.plan == saved
+    # The plan carries compile's options: replayed without runtime=, it runs with its timeout.
+    carried = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+                              plan=f"{tmp}/plan.json")
+    out["carried"] = (saved.options.runtime.timeout, carried.plan.options.runtime.timeout,
+                      {p.timeout.total_seconds() for w in carried.workers.values() for p in (w.prev, w.next) if p})
 
     # Recompute everywhere: same gradients, less activation memory kept.
     recompute = dataclasses.replace(
@@ -95,6 +101,7 @@ def test_recompute_trace_replay_and_bad_input(tmp_path: Path) -> None:
     assert_parity(ref_loss, ref_grads, [r["recompute"] for r in results])
     for r in results:
         assert r["replayed_same_plan"]
+        assert r["carried"] == (60, 60, {60.0})
         assert 0 < r["recompute_peak"] < r["plain_peak"]
         assert "microbatch shape (4, 128)" in r["shape"] and "idx: int64 [1..4, 1..64]" in r["shape"]
         assert "32 samples, more than the planned 16" in r["batch"]

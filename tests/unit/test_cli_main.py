@@ -254,7 +254,8 @@ def test_plan_for_a_device_profile_estimates_without_profiling(in_repo, tmp_path
     from pipecut.plan import CostSource
     from pipecut.profile.devices import device_link, device_profile
 
-    monkeypatch.setattr(pipecut.planning.planner, "profile", lambda *a, **k: pytest.fail("profiled"))
+    for step in (pipecut.planning.planner, pipecut.planning.autoplan, pipecut.planning.heavy):
+        monkeypatch.setattr(step, "profile", lambda *a, **k: pytest.fail("profiled"))
     out = tmp_path / "a100.json"
     assert main(["plan", "examples.mlp:build", "-k", "2", "-m", "2", "--batch-size", "8",
                  "--device-profile", "a100-80gb", "-o", str(out), "-q"]) == 0
@@ -299,6 +300,7 @@ def test_plan_chunks_a_heavy_head_unless_told_not_to(in_repo, tmp_path, monkeypa
         return tuple(dataclasses.replace(n, forward_ms=ms(n.name)) if is_unit(n) else n for n in rows)
 
     monkeypatch.setattr(pipecut.planning.planner, "profile", profile)
+    monkeypatch.setattr(pipecut.planning.heavy, "profile", profile)  # the pieces
     common = ["plan", "examples.gpt:build", "-k", "4", "-m", "4", "--batch-size", "8", "--no-calibrate", "-q"]
     assert main([*common, "-o", str(tmp_path / "a.json")]) == 0
     assert main([*common, "--no-chunk-heavy", "-o", str(tmp_path / "b.json")]) == 0
