@@ -96,20 +96,21 @@ def make_plan(cfg: Config, folder: Path) -> Plan | str | None:
     model = spec.build(cfg.seed)
     inputs, target, _ = batch(dataclasses.replace(cfg, data_parallel="none"), 0, 0)
     common = dict(loss_fn=loss_fn(cfg), target=target, microbatches=cfg.microbatches,
-                  schedule=cfg.schedule, calibrate=False, repeats=1, warmup=0,
-                  stages_per_rank=cfg.stages_per_rank, chunk_heavy=False)
+                  schedule=cfg.schedule, measure=pipecut.MeasureOptions(calibrate=False, repeats=1, warmup=0),
+                  scheduling=pipecut.ScheduleOptions(stages_per_rank=cfg.stages_per_rank))
+    whole = pipecut.PartitionOptions(heavy_pieces=False)
     if cfg.plan == "heavy":
         return _heavy_plan(cfg, model, inputs)
     if cfg.plan == "memory":
-        plain = pipecut.plan(model, inputs, cfg.ranks, **common)
+        plain = pipecut.plan(model, inputs, cfg.ranks, partition=whole, **common)
         cap = int(max(s.peak_memory_bytes for s in plain.stages) * 0.8)  # no plain split fits
         devices = [DeviceSpec(name=f"cpu{r}", memory_bytes=cap) for r in range(cfg.ranks)]
         return pipecut.plan(
-            model, inputs, devices, partition=pipecut.PartitionOptions(ilp_time_limit=2.0),
+            model, inputs, devices, partition=dataclasses.replace(whole, ilp_time_limit=2.0),
             **common,
         )
     plan = pipecut.plan(
-        model, inputs, cfg.ranks, partition=pipecut.PartitionOptions(split=list(cfg.split)),
+        model, inputs, cfg.ranks, partition=dataclasses.replace(whole, split=tuple(cfg.split)),
         **common,
     )
     plan = _recompute(plan, cfg.recompute, MODELS[cfg.model].blocks)
@@ -165,7 +166,8 @@ def run_config(rank: int, world: int, cfg: Config, plan: Plan | str | None, time
     planning = {} if plan is not None else dict(
         microbatches="auto" if cfg.choose else cfg.microbatches,
         schedule="auto" if cfg.choose == "both" else cfg.schedule,
-        stages_per_rank=cfg.stages_per_rank, chunk_heavy=cfg.chunk_heavy)
+        scheduling=pipecut.ScheduleOptions(stages_per_rank=cfg.stages_per_rank),
+        partition=pipecut.PartitionOptions(heavy_pieces=cfg.chunk_heavy))
     pipe = pipecut.compile(
         model, devices, example_inputs=share(inputs, replica, replicas), loss_fn=loss_fn(cfg),
         target=share(target, replica, replicas), plan=plan,

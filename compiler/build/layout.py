@@ -70,7 +70,7 @@ def replication_of(layout: Layout, data_parallel: str | DataParallelKind | None)
     if layout.dp_group is None:
         if data_parallel is not None:
             raise InputError(
-                f"data_parallel={data_parallel!r} needs replicas: pass a DeviceMesh with "
+                f"data_parallel={getattr(data_parallel, 'value', data_parallel)!r} needs replicas: pass a DeviceMesh with "
                 f"dimensions ('dp', 'pp') as devices, or leave data_parallel=None"
             )
         return None

@@ -186,7 +186,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     # Frozen parts on both capture paths.
     for method in (CaptureMethod.SYMBOLIC_TRACE, CaptureMethod.EXPORT):
         model, inputs, loss_fn, target = frozen()
-        pipe = _compile(model, world, inputs, loss_fn, target, capture_method=method)
+        pipe = _compile(model, world, inputs, loss_fn, target, capture=pipecut.CaptureOptions(method=method))
         loss = pipe.step(inputs, target)
         frozen_grads = [p.grad for n, p in pipe.named_parameters() if n.startswith(("first.", "frozen."))]
         res[f"frozen_{method.value}"] = {

@@ -194,7 +194,7 @@ def _two_ranks(rank: int, world: int, refs: dict[str, Any]) -> dict[str, Any]:
     gpt_pipe, out["gpt-1f1b"] = _clip_scenario(world, "gpt", "1f1b", refs["gpt"])
     _, out["gpt-zero-bubble"] = _clip_scenario(world, "gpt", "zero-bubble", refs["gpt"])
     _, out["gpt-interleaved"] = _clip_scenario(world, "gpt", "interleaved-1f1b", refs["gpt"],
-                                               foreach=False, stages_per_rank=2)
+                                               foreach=False, scheduling=pipecut.ScheduleOptions(stages_per_rank=2))
     out["scaler"] = _scaler_scenario(rank, world)
     out["tokens"] = _token_scenario(world, gpt_pipe)
     _, inputs, _, target = small_gpt()

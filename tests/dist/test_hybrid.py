@@ -180,5 +180,5 @@ def test_ddp_and_fsdp_two_stages_times_two_replicas_match_the_whole_batch() -> N
     for r in results:
         no_dp, unknown, zero_bubble = r["errors"]
         assert "InputError: data_parallel='fsdp' needs replicas" in no_dp
-        assert "InputError: unknown data_parallel 'zero'; choose one of ['ddp', 'fsdp']" in unknown
+        assert "InputError: unknown data_parallel 'zero'; choose one of ['ddp', 'fsdp', 'auto']" in unknown
         assert "PlanError: data_parallel='ddp' cannot run the zero-bubble schedule" in zero_bubble

@@ -92,7 +92,7 @@ def _scenarios(rank, world, root):
         "gpt2_dir": _step(world, _gpt2_meta, weights=f"{root}/gpt2"),
         "mlp_file": _step(world, _mlp_meta, weights=f"{root}/mlp.safetensors",
                           save=f"{root}/ckpt-{world}"),
-        "mlp_init": _step(world, _mlp_meta, seed=3),
+        "mlp_init": _step(world, _mlp_meta, weights=pipecut.WeightOptions(seed=3)),
     }
     # A checkpoint saved by a meta-built pipeline is a weight source for another one.
     out["mlp_ckpt"] = _step(world, _mlp_meta, weights=f"{root}/ckpt-{world}")

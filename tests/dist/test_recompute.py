@@ -61,8 +61,8 @@ def _run(build: Any, world: int, how: Any = None, devices: Any = None, base: Pla
     """One training step and one eval step of ``build``'s model; ``how`` rewrites the plan
     (``base``, or a fresh one) before compiling with it."""
     model, inputs, loss_fn, target = build()
-    kw = dict(example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M, timeout=60,
-              calibration_steps=0)
+    kw = dict(example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+              runtime=pipecut.RuntimeOptions(timeout=60), measure=pipecut.MeasureOptions(calibration_steps=0))
     plan = None
     if how is not None:
         plan = how(base if base is not None else pipecut.compile(model, world, **kw).plan)

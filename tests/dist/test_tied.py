@@ -111,11 +111,10 @@ def _windows(pipe: Any, model: Any, vocab: int, loss: str, no_sync: bool,
 def _compile(world: Any, layers: int, vocab: int, loss: str, plan: Plan | None = None,
              **kw: Any) -> tuple[Any, Any]:
     model, inputs, lm_loss, target = _model(layers, vocab)
-    if loss == "sum":
-        kw["loss_reduction"] = "sum"
     pipe = pipecut.compile(
         model, world, example_inputs=inputs, loss_fn=token_sum if loss == "sum" else lm_loss,
-        target=target, microbatches=M, plan=plan, runtime=pipecut.RuntimeOptions(timeout=60),
+        target=target, microbatches=M, plan=plan,
+        runtime=pipecut.RuntimeOptions(timeout=60, loss_reduction="sum" if loss == "sum" else "mean"),
         measure=pipecut.MeasureOptions(calibration_steps=0), **kw,
     )
     return model, pipe
@@ -125,8 +124,9 @@ TWO_RANKS = [  # (name, layers, vocab, loss, compile keywords)
     ("gpipe", 2, 64, "mean", {"schedule": "gpipe"}),
     ("1f1b", 2, 64, "mean", {"schedule": "1f1b"}),
     ("zero-bubble", 2, 64, "mean", {"schedule": "zero-bubble"}),
-    ("zbv", 4, 64, "mean", {"schedule": "zbv", "stages_per_rank": 2}),
-    ("interleaved", 4, 64, "mean", {"schedule": "interleaved-1f1b", "stages_per_rank": 2}),
+    ("zbv", 4, 64, "mean", {"schedule": "zbv", "scheduling": pipecut.ScheduleOptions(stages_per_rank=2)}),
+    ("interleaved", 4, 64, "mean", {"schedule": "interleaved-1f1b",
+                                        "scheduling": pipecut.ScheduleOptions(stages_per_rank=2)}),
     ("sum", 2, 64, "sum", {"schedule": "1f1b"}),
 ]
 
