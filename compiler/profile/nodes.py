@@ -141,86 +141,115 @@ def profile(
     ``only``: time just these nodes (the rest run once, for their values, and get zero times;
     the loss is not timed unless ``"output"`` is named): a graph rewritten in a few places is
     measured where it changed (see :mod:`pipecut.planning.heavy`)."""
-    gm = captured.gm
-    canonical = canonical_names(gm)
-    runner = NodeRunner(gm)
-    env: dict[fx.Node, Any] = {}
-    placeholders = iter(inputs)
-    rows: list[NodeCost] = []
-    nodes = list(gm.graph.nodes)
-    last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
     device = torch.device(device) if device is not None else input_device(inputs)
-    inputs, target = _placed((inputs, target), device)
     timer = Timer(repeats, warmup, device, steady=STEADY)  # CUDA events on a GPU
-    measured: dict[Hashable, tuple[float, float]] = {}
-    metas: dict[fx.Node, Any] = {}
-    oversized: dict[str, NodeWork] = {}
-    saved = SavedBytes([*gm.parameters(), *gm.buffers()])
-    with preserved_state(gm), torch.enable_grad():
+    inputs, target = _placed((inputs, target), device)
+    walk = _Walk(captured, device, timer, loss_fn=loss_fn, target=target, reuse=reuse, only=only)
+    nodes = list(captured.gm.graph.nodes)
+    last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
+    placeholders = iter(inputs)
+    with preserved_state(captured.gm), torch.enable_grad():
         for i, node in enumerate(nodes):
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-            forward_ms = backward_ms = 0.0
-            if node.op == "placeholder":
-                value = next(placeholders)
-            elif node.op == "output":
-                value = args[0]
-                if loss_fn is not None:
-                    output = captured.unflatten_output(value)
-                    if only is None or node.name in only:
-                        forward_ms, backward_ms = _time_loss(loss_fn, output, target, timer)
-                    saved.run(node.name, value, partial(loss_fn, output, target))  # what the loss keeps
-            elif node.op == "get_attr":
-                value = runner.call(node, args, kwargs)
-            else:
-                metas[node] = to_meta((args, kwargs))  # for estimates, if any are needed
-                try:
-                    # A meta model's weights (or weights on another device) are here only while their node is measured.
-                    with scratch(gm, read_by(node, gm, (args, kwargs)), device) as real:
-                        args, kwargs = substitute((args, kwargs), real)
-                        inplace = mutates_first_arg(node, gm)
-                        key = cost_key(node, gm, args, kwargs, inplace) if reuse else None
-                        if only is not None and node.name not in only:
-                            pass  # run below for its value only
-                        elif key is not None and key in measured:
-                            forward_ms, backward_ms = measured[key]
-                        else:
-                            forward_ms = _forward_ms(runner, node, args, kwargs, inplace, timer)
-                            backward_ms = _backward_ms(runner, node, args, kwargs,
-                                                       [p for _, p in node_parameters(node, gm)], inplace,
-                                                       timer)
-                            if key is not None:
-                                measured[key] = (forward_ms, backward_ms)
-                        value = saved.run(node.name, (args, kwargs), partial(runner.call, node, args, kwargs),
-                                          exclude=real.values())
-                        if real:  # cut the autograd graph: it would keep the scratch weights alive
-                            value = pytree.tree_map(cut, value)
-                except Exception as e:
-                    if not is_out_of_memory(e):
-                        raise
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                    forward_ms = backward_ms = 0.0  # estimated below, from the measured nodes' rates
-                    margs, mkwargs = metas[node]
-                    value, oversized[node.name] = stand_in(runner, node, gm, margs, mkwargs, device)
-            env[node] = value
-            if node.op == "placeholder":
-                saved.produced(None, value)
-            elif node.op == "get_attr":
-                saved.constant(value)
-            rows.append(node_row(node, value, gm, canonical, forward_ms, backward_ms))
+            walk.visit(node, next(placeholders) if node.op == "placeholder" else None)
             for n in node.all_input_nodes:  # free values no later node reads
                 if last_use[n] == i and n.op != "output":
-                    env.pop(n, None)
+                    walk.env.pop(n, None)
             if progress is not None:
                 progress(i + 1, len(nodes))
-        # What autograd keeps per node, the loss's on the output row (estimated rows keep their
-        # whole output: nothing measured).
-        rows = [dataclasses.replace(r, saved_bytes=saved.bytes_of(r.name))
-                if r.op is not NodeOp.GET_ATTR and r.name not in oversized else r for r in rows]
-        if oversized:  # nodes too big to run here: priced at the rates the others ran at
-            work = {n.name: meta_work(runner, n, gm, a, k)[1] for n, (a, k) in metas.items() if n.name not in oversized}
-            return estimate_oversized(rows, work, oversized)
-    return tuple(rows)
+        return walk.table()
+
+
+class _Walk:
+    """One pass over a graph: each node run (and timed) on the values before it, its row kept."""
+
+    def __init__(self, captured: Captured, device: torch.device, timer: Timer, *, loss_fn: LossFn | None,
+                 target: Any, reuse: bool, only: Collection[str] | None) -> None:
+        self.captured, self.gm, self.device, self.timer = captured, captured.gm, device, timer
+        self.loss_fn, self.target, self.reuse, self.only = loss_fn, target, reuse, only
+        self.canonical = canonical_names(self.gm)
+        self.runner = NodeRunner(self.gm)
+        self.env: dict[fx.Node, Any] = {}
+        self.rows: list[NodeCost] = []
+        self.measured: dict[Hashable, tuple[float, float]] = {}  # by cost key: each op-on-shapes once
+        self.metas: dict[fx.Node, Any] = {}
+        self.oversized: dict[str, NodeWork] = {}
+        self.saved = SavedBytes([*self.gm.parameters(), *self.gm.buffers()])
+
+    def visit(self, node: fx.Node, placeholder: Any) -> None:
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: self.env[n])
+        times = (0.0, 0.0)
+        if node.op == "placeholder":
+            value = placeholder
+            self.saved.produced(None, value)
+        elif node.op == "output":
+            value = args[0]
+            times = self._loss(node, value)
+        elif node.op == "get_attr":
+            value = self.runner.call(node, args, kwargs)
+            self.saved.constant(value)
+        else:
+            self.metas[node] = to_meta((args, kwargs))  # for estimates, if any are needed
+            value, times = self._operation(node, args, kwargs)
+        self.env[node] = value
+        self.rows.append(node_row(node, value, self.gm, self.canonical, *times))
+
+    def _loss(self, node: fx.Node, value: Any) -> tuple[float, float]:
+        if self.loss_fn is None:
+            return 0.0, 0.0
+        output = self.captured.unflatten_output(value)
+        times = (0.0, 0.0)
+        if self.only is None or node.name in self.only:
+            times = _time_loss(self.loss_fn, output, self.target, self.timer)
+        self.saved.run(node.name, value, partial(self.loss_fn, output, self.target))  # what the loss keeps
+        return times
+
+    def _operation(self, node: fx.Node, args: Any, kwargs: Any) -> tuple[Any, tuple[float, float]]:
+        """Run and time an operation; one too big for the device gets a stand-in value and is
+        estimated later from the others' rates."""
+        try:
+            # A meta model's weights (or weights on another device) are here only while their node is measured.
+            with scratch(self.gm, read_by(node, self.gm, (args, kwargs)), self.device) as real:
+                args, kwargs = substitute((args, kwargs), real)
+                times = self._timed(node, args, kwargs)
+                value = self.saved.run(node.name, (args, kwargs), partial(self.runner.call, node, args, kwargs),
+                                       exclude=real.values())
+                if real:  # cut the autograd graph: it would keep the scratch weights alive
+                    value = pytree.tree_map(cut, value)
+                return value, times
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            margs, mkwargs = self.metas[node]
+            value, self.oversized[node.name] = stand_in(self.runner, node, self.gm, margs, mkwargs, self.device)
+            return value, (0.0, 0.0)  # estimated in table(), from the measured nodes' rates
+
+    def _timed(self, node: fx.Node, args: Any, kwargs: Any) -> tuple[float, float]:
+        if self.only is not None and node.name not in self.only:
+            return 0.0, 0.0  # run for its value only
+        inplace = mutates_first_arg(node, self.gm)
+        key = cost_key(node, self.gm, args, kwargs, inplace) if self.reuse else None
+        if key is not None and key in self.measured:
+            return self.measured[key]
+        forward_ms = _forward_ms(self.runner, node, args, kwargs, inplace, self.timer)
+        params = [p for _, p in node_parameters(node, self.gm)]
+        times = (forward_ms, _backward_ms(self.runner, node, args, kwargs, params, inplace, self.timer))
+        if key is not None:
+            self.measured[key] = times
+        return times
+
+    def table(self) -> tuple[NodeCost, ...]:
+        """The rows with what autograd keeps per node (the loss's on the output row; estimated
+        rows keep their whole output: nothing measured), oversized nodes priced at the rates
+        the others ran at."""
+        rows = [dataclasses.replace(r, saved_bytes=self.saved.bytes_of(r.name))
+                if r.op is not NodeOp.GET_ATTR and r.name not in self.oversized else r for r in self.rows]
+        if not self.oversized:
+            return tuple(rows)
+        work = {n.name: meta_work(self.runner, n, self.gm, a, k)[1]
+                for n, (a, k) in self.metas.items() if n.name not in self.oversized}
+        return estimate_oversized(rows, work, self.oversized)
 
 
 def _placed(values: Any, device: torch.device) -> Any:
