@@ -1,0 +1,104 @@
+"""Which plan this build runs, on which graph: compile's capture → plan → broadcast → check steps.
+
+A plan given is replayed; otherwise global rank 0 plans and every rank receives its plan (with
+"auto" microbatches or schedule, before capture: the graph is captured at the chosen count).
+Every rank captures the model itself and checks the plan against its graph, its process group
+and what the runtime can run, before any stage is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+
+from pipecut.build.context import Job, Place
+from pipecut.build.layout import plan_from_rank0
+from pipecut.build.replay import Asked
+from pipecut.capture import as_planned, capture, fingerprint
+from pipecut.core.batching import first_microbatch
+from pipecut.core.program import Captured, Inputs
+from pipecut.core.schedule import Schedule, validate
+from pipecut.errors import PlanError
+from pipecut.options import ScheduleOptions
+from pipecut.passes.costs.stages import plan_schedule
+from pipecut.plan import Plan, Recompute
+from pipecut.planning.planner import plan as make_plan
+from pipecut.planning.request import warn_if_sequential
+from pipecut.runtime.data_parallel import check_supported
+from pipecut.runtime.nccl import check_nccl
+from pipecut.runtime.p2p import wiring
+
+__all__ = ["Chosen", "check_fingerprint", "choose", "runnable_schedule"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Chosen:
+    """The plan this build runs, the graph its stages name, and the first microbatch."""
+
+    plan: Plan
+    captured: Captured
+    first: Inputs
+
+
+def choose(job: Job, place: Place, asked: Asked) -> Chosen:
+    """Capture the model on every rank; replay the given plan or take rank 0's, checked."""
+    chosen = _on_rank0(job, place, asked, None) if asked.auto else job.given
+    if chosen is not None and job.given is not None and dist.get_rank() == 0:
+        warn_if_sequential(job.given)
+    microbatches = chosen.microbatches if chosen is not None else asked.run.microbatches
+    _, first = first_microbatch(job.example_inputs, microbatches)
+    options = job.options.capture
+    captured = capture(job.model, first, method=asked.run.capture_method, leaf_modules=options.leaf_modules)
+    if chosen is None:
+        chosen = _on_rank0(job, place, asked, captured)
+    check_fingerprint(chosen, fingerprint(captured.gm))
+    if chosen.num_ranks != place.world:
+        raise PlanError(
+            f"the plan is for {chosen.num_ranks} ranks ({chosen.num_stages} stages) but the "
+            f"pipeline process group has {place.world} ranks; launch with "
+            f"--nproc_per_node={chosen.num_ranks} or re-plan for {place.world} devices"
+        )
+    if chosen.microbatches != microbatches and job.given is None:
+        raise PlanError(f"plan has {chosen.microbatches} microbatches, asked for {microbatches}")
+    return Chosen(plan=chosen, captured=as_planned(captured, chosen.chunked), first=first)
+
+
+def _on_rank0(job: Job, place: Place, asked: Asked, captured: Captured | None) -> Plan:
+    """Global rank 0 plans; every rank of every replica gets the same plan."""
+    options = job.options
+    measure = dataclasses.replace(
+        options.measure, link=place.link,
+        device=str(place.device))  # measured where rank 0's stage will run, not where the model was left
+    return plan_from_rank0(lambda: dataclasses.replace(make_plan(
+        job.model, job.example_inputs, place.specs, loss_fn=job.loss_fn, target=job.target,
+        microbatches=asked.microbatches, schedule=asked.schedule, captured=captured,
+        capture=options.capture, measure=measure, partition=options.partition,
+        scheduling=ScheduleOptions(stages_per_rank=asked.run.stages_per_rank),
+        data_parallel=place.replication,
+    ), options=options))  # what compile was asked, its runtime options included
+
+
+def check_fingerprint(loaded: Plan, expected: str) -> None:
+    if loaded.fingerprint != expected:
+        raise PlanError(
+            f"the plan was made for another model (plan fingerprint {loaded.fingerprint}, this "
+            f"model's graph {expected}); re-plan with pipecut.plan(...) for this model"
+        )
+
+
+def runnable_schedule(plan: Plan, place: Place) -> Schedule:
+    """The plan's per-rank schedule, refused before anything runs where the runtime cannot run
+    it: split backward with recompute, an order that would hang NCCL, an engine the stages
+    cannot use."""
+    if plan.schedule.splits_backward and any(s.recompute is not Recompute.NONE for s in plan.stages):
+        raise PlanError(
+            f"the {plan.schedule.value} schedule cannot yet run stages that recompute; use "
+            f"schedule='1f1b' or plan without recompute"
+        )
+    sched = plan_schedule(plan)
+    validate(sched, plan.microbatches, plan.schedule.placement)
+    check_nccl(sched, wiring(plan))
+    if place.replication is not None:
+        check_supported(plan, place.replication.kind)
+    return sched

@@ -1,0 +1,106 @@
+"""What ``compile`` was asked (:class:`Job`) and where this rank sits (:class:`Place`).
+
+:func:`connect` is compile's first step on every rank: join (or start) the process group on
+this rank's device, read the layout of ``devices`` (a stage count, device names or a
+("dp", "pp") DeviceMesh), and measure the link between neighbours unless a plan or the options
+give it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipecut.build.layout import Layout, layout_of, replication_of
+from pipecut.build.replay import Settings
+from pipecut.core.program import Inputs
+from pipecut.errors import InputError
+from pipecut.options import Options, WeightOptions
+from pipecut.parallel import DataParallel
+from pipecut.plan import DeviceSpec, Link, Plan
+from pipecut.planning.partition import as_devices
+from pipecut.profile.nodes import LossFn
+from pipecut.runtime.allocator import return_large_frees
+from pipecut.runtime.capacity import gathered_free_bytes, with_capacities
+from pipecut.runtime.launch import ensure_process_group, local_device
+from pipecut.runtime.linkprobe import measure_link
+
+__all__ = ["Job", "Place", "connect"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    """One ``compile`` call, its options resolved; the same on every rank."""
+
+    model: torch.nn.Module
+    devices: Any
+    example_inputs: Inputs
+    loss_fn: LossFn
+    target: Any
+    options: Options
+    weights: WeightOptions
+    given: Plan | None
+    """The plan to replay (``plan=``), or None to plan here."""
+    remeasure: bool = False
+    """A rebuild after live calibration moved the split: time it again, keep its split."""
+
+    @property
+    def wait(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.options.runtime.timeout)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Place:
+    """Where this rank sits: its device, its pipeline's group and ranks, the devices and link."""
+
+    device: torch.device
+    layout: Layout
+    rank: int
+    """This rank's index in its pipeline (its position, stage order)."""
+    ranks: tuple[int, ...]
+    """The global rank of every position of this rank's pipeline."""
+    specs: tuple[DeviceSpec, ...]
+    link: Link
+    replication: DataParallel | None
+
+    @property
+    def group(self) -> Any:
+        return self.layout.pp_group
+
+    @property
+    def world(self) -> int:
+        return len(self.ranks)
+
+
+def connect(job: Job, run: Settings) -> Place:
+    """Join the process group on this rank's device and read where this rank sits. Collective:
+    every rank calls it (NCCL needs the device chosen before any collective)."""
+    device = local_device()
+    ensure_process_group(job.wait, device)
+    if job.options.runtime.lean_host_memory and device.type == "cpu" and not return_large_frees():
+        warnings.warn("lean_host_memory: the allocator was left as it is (not glibc, or "
+                      "MALLOC_MMAP_THRESHOLD_ or PIPECUT_KEEP_MALLOC=1 set)", stacklevel=3)
+    layout = layout_of(job.devices)
+    replication = replication_of(layout, job.options.data_parallel.kind)
+    group = layout.pp_group
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    ranks = tuple(dist.get_global_rank(group, r) if group is not None else r for r in range(world))
+    specs = as_devices(layout.devices)
+    if len(specs) != world:
+        raise InputError(
+            f"{len(specs)} devices (stages) asked for, but the pipeline process group has "
+            f"{world} ranks; launch with --nproc_per_node={len(specs)} or pass devices={world}"
+        )
+    if device.type == "cuda":  # free memory as capacity; CPU ranks share the host: no limit read
+        specs = with_capacities(specs, gathered_free_bytes(device, group))
+    link = run.link
+    if job.given is None and job.options.measure.link is None:  # measured, the same on every rank
+        link = measure_link(list(ranks), rank, group, device) or run.link
+    return Place(device=device, layout=layout, rank=rank, ranks=ranks, specs=tuple(specs), link=link,
+                 replication=replication)

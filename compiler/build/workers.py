@@ -1,0 +1,109 @@
+"""This rank's stages: built from the plan, their weights made real, then made rank 0's.
+
+compile's build → materialise → sync steps. Each stage of this rank is split out of the
+captured graph, its tensors made real on this rank's device (a meta model's filled from the
+weights or initialised), and wrapped in a :class:`~pipecut.runtime.stage.StageWorker`; then
+every rank's stage tensors are set to global rank 0's, as DistributedDataParallel does, and the
+process groups of tied weights are made.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipecut.build.context import Job, Place
+from pipecut.build.layout import Layout
+from pipecut.core.meta import has_meta
+from pipecut.core.program import Captured, StageProgram
+from pipecut.errors import InputError
+from pipecut.passes.rewrite.split import split_stage
+from pipecut.plan import Plan
+from pipecut.runtime.materialize import materialize_stage, raise_together
+from pipecut.runtime.stage import StageWorker
+from pipecut.runtime.sync import stage_state, sync_from_rank0
+from pipecut.runtime.weights import WeightSource
+
+__all__ = ["WorkerFactory", "build_workers", "sync_weights", "tied_groups", "worker_factory"]
+
+WorkerFactory = Callable[[StageProgram, Plan, Callable[[Any], Any]], StageWorker]
+"""``(program, plan, unflatten_output) -> worker`` on this rank: the eval mode builds its own."""
+
+
+def worker_factory(job: Job, place: Place) -> WorkerFactory:
+    def make(program: StageProgram, for_plan: Plan, unflatten: Callable[[Any], Any]) -> StageWorker:
+        return StageWorker(
+            program, for_plan, rank=place.rank, ranks=list(place.ranks), group=place.group,
+            device=place.device, loss_fn=job.loss_fn, unflatten_output=unflatten, timeout=job.wait,
+        )
+    return make
+
+
+def build_workers(job: Job, place: Place, captured: Captured, plan: Plan, source: WeightSource | None,
+                  make: WorkerFactory) -> tuple[Captured, dict[int, StageWorker]]:
+    """The workers of this rank's stages, their tensors real on its device; the captured graph
+    they were split from (this rank's copy where the model is on meta). A rank that cannot
+    build its stage fails together with every other where weights are loaded."""
+    if has_meta(captured.gm):  # this rank's copy (meta: no storage); only its stage becomes real
+        with warnings.catch_warnings():  # torch's own pytree warns while copying export's specs
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*is deprecated", category=FutureWarning)
+            captured = dataclasses.replace(captured, gm=copy.deepcopy(captured.gm))
+    workers = {}
+    failure: BaseException | None = None
+    for stage in plan.stages_on(place.rank):
+        program = split_stage(captured.gm, plan, stage)
+        try:
+            materialize_stage(
+                program.module, (captured.gm,), job.model, device=place.device, source=source,
+                init=job.weights.init, seed=job.weights.seed, where=f"stage {stage} (rank {dist.get_rank()})",
+            )
+        except InputError as e:
+            failure = failure or e
+            continue
+        program.module.to(place.device)
+        workers[stage] = make(program, plan, captured.unflatten_output)
+    if source is not None or has_meta(job.model):  # the same on every rank
+        raise_together(failure)
+    return captured, workers
+
+
+def sync_weights(job: Job, place: Place, captured: Captured, plan: Plan, workers: dict[int, StageWorker]) -> None:
+    """Every rank's stage tensors := global rank 0's (rank 0 holds them all in its captured
+    graph): ranks seeded differently still train one model."""
+    mine = [t for _, t in stage_state([workers[s].program.module for s in sorted(workers)])]
+    sources: dict[int, list[torch.Tensor]] = {}
+    if dist.get_rank() == 0:
+        by_position: dict[int, list[torch.Tensor]] = {}
+        for replica in place.layout.replicas:
+            for position, global_rank in enumerate(replica):
+                if global_rank == 0:
+                    continue
+                if position not in by_position:
+                    modules = [split_stage(captured.gm, plan, s).module for s in plan.stages_on(position)]
+                    by_position[position] = [t for _, t in stage_state(modules)]
+                sources[global_rank] = by_position[position]
+    sync_from_rank0(mine, sources, place.device, job.wait)
+
+
+def tied_groups(plan: Plan, layout: Layout, job: Job) -> list[tuple[str, Any]]:
+    """Process groups over the ranks that hold each tied parameter. Every rank creates every
+    group (new_group is collective), in plan order, replica by replica."""
+    mine = []
+    made: dict[tuple[int, ...], Any] = {}
+    for replica in layout.replicas:
+        for tied in plan.tied:
+            holders = tuple(sorted({plan.rank_of(s) for s in tied.stages}))
+            if len(holders) < 2:
+                continue  # the stages holding it share one rank, and so one parameter object
+            global_ranks = tuple(replica[h] for h in holders)
+            if global_ranks not in made:
+                made[global_ranks] = dist.new_group(list(global_ranks), timeout=job.wait)
+            if dist.get_rank() in global_ranks:
+                mine.append((tied.fqn, made[global_ranks]))
+    return mine
