@@ -258,14 +258,23 @@ def _run(
     in a flat list indexed by ``(stage * M + microbatch) * 2 + (0 forward | 1 backward)``, where
     an I counts as the stage's backward (what the stage before waits for).
     """
-    sim = _Simulation(schedule, forward_ms, backward_ms, forward_link_ms, backward_link_ms,
-                      weight_ms)
+    stages = len(forward_ms)
+    fwd = [float(x) for x in forward_ms]
+    fwd_link = [float(x) for x in forward_link_ms] or [0.0] * max(stages - 1, 0)
+    bwd_link = [float(x) for x in backward_link_ms] or fwd_link  # one link time for both directions
+    weight = [float(x) for x in weight_ms] or [0.0] * stages
+    bwd = [float(x) for x in backward_ms]
+    inp = [b - w for b, w in zip(bwd, weight)]
+    sim = _Simulation(schedule, (fwd, fwd_link, bwd, bwd_link, inp, weight))
     ready = list(range(len(schedule) - 1, -1, -1))  # rank 0 first
     while ready:
-        ready.extend(sim.run_rank(ready.pop()))
+        sim.run_rank(ready.pop(), ready)
     if len(sim.order) != sum(len(actions) for actions in schedule):
         raise _deadlock(schedule, sim.pos)
     return sim.starts, sim.ends, sim.order, sim.clock
+
+
+_StageTimes = tuple[list[float], list[float], list[float], list[float], list[float], list[float]]
 
 
 class _Simulation:
@@ -274,27 +283,14 @@ class _Simulation:
 
     __slots__ = ("clock", "ends", "order", "pos", "schedule", "starts", "state")
 
-    def __init__(
-        self,
-        schedule: Schedule,
-        forward_ms: Sequence[float],
-        backward_ms: Sequence[float],
-        forward_link_ms: Sequence[float],
-        backward_link_ms: Sequence[float],
-        weight_ms: Sequence[float],
-    ) -> None:
-        ranks, stages = len(schedule), len(forward_ms)
-        fwd = [float(x) for x in forward_ms]
-        fwd_link = [float(x) for x in forward_link_ms] or [0.0] * max(stages - 1, 0)
-        bwd_link = [float(x) for x in backward_link_ms] or fwd_link  # one link time for both directions
-        weight = [float(x) for x in weight_ms] or [0.0] * stages
-        bwd = [float(x) for x in backward_ms]
-        inp = [b - w for b, w in zip(bwd, weight)]
+    def __init__(self, schedule: Schedule, costs: _StageTimes) -> None:
+        """``costs``: per stage forward, forward link, backward, backward link, I and W times."""
+        ranks, stages = len(schedule), len(costs[0])
         m = 1 + max((a.microbatch for actions in schedule for a in actions), default=0)
         finish = [_UNSET] * (2 * m * max(stages, 1))  # by (stage * M + mb) * 2 + (0 F | 1 B or I)
         parked: dict[int, list[int]] = {}  # finish index -> the ranks waiting for it
         # what run_rank reads, as one tuple: it runs once per rank wake-up, so it unpacks once
-        self.state = (fwd, fwd_link, bwd, bwd_link, inp, weight, finish, parked, m, stages - 1)
+        self.state = (*costs, finish, parked, m, stages - 1)
         self.schedule = schedule
         self.starts: list[list[float]] = [[] for _ in range(ranks)]
         self.ends: list[list[float]] = [[] for _ in range(ranks)]
@@ -302,14 +298,13 @@ class _Simulation:
         self.pos = [0] * ranks
         self.order: list[int] = []
 
-    def run_rank(self, r: int) -> list[int]:
+    def run_rank(self, r: int, ready: list[int]) -> None:
         """Run rank r's actions until the next one waits for an action not yet run (r parks on
-        it) or none is left; return the ranks parked on the actions it finished."""
+        it) or none is left; the ranks parked on the actions it finished go onto ``ready``."""
         forward, backward, weight_kind, unset = _KINDS_AND_UNSET
         fwd, fwd_link, bwd, bwd_link, inp, weight, finish, parked, m, last = self.state
         actions, t, i = self.schedule[r], self.clock[r], self.pos[r]
         run_starts, run_ends, order = self.starts[r], self.ends[r], self.order
-        woken: list[int] = []
         while i < len(actions):
             a = actions[i]
             s, kind, mb = a.stage, a.kind, a.microbatch
@@ -344,9 +339,8 @@ class _Simulation:
                 finish[me] = t
                 waiting = parked.pop(me, None)
                 if waiting:
-                    woken.extend(waiting)
+                    ready.extend(waiting)
         self.clock[r], self.pos[r] = t, i
-        return woken
 
 
 _UNSET = -math.inf
