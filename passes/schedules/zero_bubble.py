@@ -61,8 +61,15 @@ def list_schedule(
     W. A free rank starts, of its stages, a ready ``I`` (the earlier, then the later stage), else
     a ready ``F``, else its oldest pending ``W``, else waits for the earliest input; of the
     ranks, the one that can start earliest (then the lowest) goes first."""
-    sched = _ListScheduler(ranks, microbatches, placement, limit, forward_ms, backward_ms,
-                           weight_ms, forward_link_ms, backward_link_ms)
+    k, n = ranks, len(forward_ms)
+    f_link = list(forward_link_ms) or [0.0] * (n - 1)
+    sched = _ListScheduler(
+        microbatches, limit,
+        owner=[rank_of(s, k, placement) for s in range(n)],
+        mine=[stages_on(r, k, n, placement) for r in range(k)],
+        times=(forward_ms, [b - w for b, w in zip(backward_ms, weight_ms)], weight_ms),
+        links=(f_link, list(backward_link_ms) or f_link),
+    )
     for r in range(ranks):
         sched.push(r)
     for _ in range(3 * len(forward_ms) * microbatches):
@@ -82,24 +89,20 @@ class _ListScheduler:
 
     def __init__(
         self,
-        ranks: int,
         microbatches: int,
-        placement: Placement,
         limit: Sequence[int],
-        forward_ms: Sequence[float],
-        backward_ms: Sequence[float],
-        weight_ms: Sequence[float],
-        forward_link_ms: Sequence[float],
-        backward_link_ms: Sequence[float],
+        *,
+        owner: list[int],
+        mine: list[tuple[int, ...]],
+        times: tuple[Sequence[float], Sequence[float], Sequence[float]],
+        links: tuple[list[float], list[float]],
     ) -> None:
-        k, n = ranks, len(forward_ms)
-        self.m, self.n, self.limit = microbatches, n, limit
-        self.forward_ms, self.weight_ms = forward_ms, weight_ms
-        self.owner = [rank_of(s, k, placement) for s in range(n)]
-        self.mine = [stages_on(r, k, n, placement) for r in range(k)]
-        self.f_link = list(forward_link_ms) or [0.0] * (n - 1)
-        self.b_link = list(backward_link_ms) or self.f_link
-        self.input_ms = [b - w for b, w in zip(backward_ms, weight_ms)]
+        """``owner[s]``: the rank of stage s; ``mine[r]``: the stages of rank r; ``times``: per
+        stage F, I and W times; ``links``: per cut the forward and backward link times."""
+        k, n = len(mine), len(owner)
+        self.m, self.n, self.limit, self.owner, self.mine = microbatches, n, limit, owner, mine
+        self.forward_ms, self.input_ms, self.weight_ms = times
+        self.f_link, self.b_link = links
         self.clock = [0.0] * k
         self.next_f, self.next_i, self.in_flight = [0] * n, [0] * n, [0] * n
         # (stage, mb) per rank, oldest first
