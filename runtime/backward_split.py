@@ -84,9 +84,34 @@ def split_backward(
     accumulators = {get_gradient_edge(p).node: p for p in params}
     reaches_input = _Reaches({get_gradient_edge(t).node for t in inputs})
     reaches_param = _Reaches(set(accumulators))
+    frontier, roots = _frontier(outputs, grads, reaches_input, reaches_param)
+    input_grads, captured = _input_pass(outputs, grads, inputs, frontier)
 
+    def weight_pass() -> None:
+        _accumulate(_weight_jobs(captured, roots, accumulators, reaches_input, reaches_param))
+        # Drop every reference to the graph now, so its saved tensors go with this microbatch.
+        captured.clear()
+        roots.clear()
+        reaches_input.clear()
+        reaches_param.clear()
+
+    return input_grads, weight_pass
+
+
+_Root = tuple[Node, torch.Tensor, torch.Tensor]
+"""An output that reaches no input: its autograd node, the output and its gradient."""
+_Job = tuple[Sequence[Any], list[torch.Tensor], dict[int, torch.Tensor]]
+"""Where the weight pass enters the graph, with which gradients, and the parameters below."""
+
+
+def _frontier(
+    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], reaches_input: _Reaches,
+    reaches_param: _Reaches,
+) -> tuple[list[Node], list[_Root]]:
+    """The frontier nodes on the paths from ``outputs`` to the inputs, and the outputs that
+    reach parameters but no input (left whole to the weight pass)."""
     frontier: list[Node] = []
-    roots: list[tuple[Node, torch.Tensor, torch.Tensor]] = []  # outputs reaching no input
+    roots: list[_Root] = []
     seen: set[Node] = set()
     stack = []
     for out, grad in zip(outputs, grads):
@@ -105,7 +130,14 @@ def split_backward(
         if any(not reaches_input(c) and reaches_param(c) for c in children):
             frontier.append(node)
         stack += [c for c in children if reaches_input(c)]
+    return frontier, roots
 
+
+def _input_pass(
+    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+    frontier: list[Node],
+) -> tuple[list[torch.Tensor | None], dict[Node, tuple[torch.Tensor | None, ...]]]:
+    """The inputs' gradients, and the gradient each frontier node's output got on the way."""
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     hooks = [n.register_prehook(lambda g, n=n: captured.__setitem__(n, tuple(g))) for n in frontier]
     input_grads: list[torch.Tensor | None] = []
@@ -115,33 +147,41 @@ def split_backward(
     finally:
         for h in hooks:
             h.remove()
+    return input_grads, captured
 
-    def weight_pass() -> None:
-        jobs: list[tuple[Sequence[Any], list[torch.Tensor], dict[int, torch.Tensor]]] = []
-        for node, node_grads in captured.items():
-            below: dict[int, torch.Tensor] = {}
-            for child, _ in node.next_functions:
-                if child is not None and not reaches_input(child) and reaches_param(child):
-                    _params_below(child, accumulators, below)
-            edges = [(GradientEdge(node, i), g) for i, g in enumerate(node_grads) if g is not None]
-            jobs.append(([e for e, _ in edges], [g for _, g in edges], below))
-        if roots:
-            below = {}
-            for fn, _, _ in roots:
-                _params_below(fn, accumulators, below)
-            jobs.append(([o for _, o, _ in roots], [g for _, _, g in roots], below))
-        for outs, outs_grads, below in jobs:
-            targets = list(below.values())
-            if not targets or not outs:
-                continue
-            found = torch.autograd.grad(outs, targets, outs_grads, retain_graph=True, allow_unused=True)
-            for p, g in zip(targets, found):
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad.add_(g)
-        # Drop every reference to the graph now, so its saved tensors go with this microbatch.
-        captured.clear()
-        roots.clear()
-        reaches_input.clear()
-        reaches_param.clear()
 
-    return input_grads, weight_pass
+def _weight_jobs(
+    captured: dict[Node, tuple[torch.Tensor | None, ...]],
+    roots: list[_Root],
+    accumulators: dict[Node, torch.Tensor],
+    reaches_input: _Reaches,
+    reaches_param: _Reaches,
+) -> list[_Job]:
+    """One job per frontier node (its captured gradients, the parameters below its children
+    that reach no input), and one for all the roots together."""
+    jobs: list[_Job] = []
+    for node, node_grads in captured.items():
+        below: dict[int, torch.Tensor] = {}
+        for child, _ in node.next_functions:
+            if child is not None and not reaches_input(child) and reaches_param(child):
+                _params_below(child, accumulators, below)
+        edges = [(GradientEdge(node, i), g) for i, g in enumerate(node_grads) if g is not None]
+        jobs.append(([e for e, _ in edges], [g for _, g in edges], below))
+    if roots:
+        below = {}
+        for fn, _, _ in roots:
+            _params_below(fn, accumulators, below)
+        jobs.append(([o for _, o, _ in roots], [g for _, _, g in roots], below))
+    return jobs
+
+
+def _accumulate(jobs: list[_Job]) -> None:
+    """Run each job's autograd and add the gradients into the parameters' ``.grad``."""
+    for outs, outs_grads, below in jobs:
+        targets = list(below.values())
+        if not targets or not outs:
+            continue
+        found = torch.autograd.grad(outs, targets, outs_grads, retain_graph=True, allow_unused=True)
+        for p, g in zip(targets, found):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)

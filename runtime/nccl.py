@@ -55,49 +55,99 @@ def check_nccl(schedule: Schedule, w: Wiring) -> None:
 
 def check_programs(programs: Sequence[Sequence[Step]], schedule: Schedule | None = None) -> None:
     """Replay per-rank step lists (see the module docstring); ``schedule`` is printed on error."""
-    ranks = len(programs)
-    ops: list[_Op] = []
-    batches: list[_Batch] = []
-    streams: list[deque[int]] = [deque() for _ in range(ranks)]
-    sent: dict[tuple[int, int], list[int]] = {}  # (src, dst) -> op indices in issue order
-    received: dict[tuple[int, int], list[int]] = {}
-    batch_of: list[dict[Transfer, int]] = [{} for _ in range(ranks)]
-    pc = [0] * ranks
+    replay = _Replay(programs)
+    progressed = True
+    while progressed:
+        progressed = replay.run_hosts()
+        progressed = replay.run_streams() or progressed
+    stuck = [r for r in range(len(programs)) if replay.pc[r] < len(programs[r])]
+    if stuck:
+        raise ScheduleError(_deadlock_message(programs, replay.pc, stuck, replay.ops,
+                                              replay.batches, replay.streams, schedule))
 
-    def issue(rank: int, transfers: Sequence[Transfer]) -> None:
-        b = len(batches)
-        batches.append(_Batch(rank))
+
+class _Replay:
+    """The state of one replay: every op issued, the batches, each rank's stream of batches
+    not yet complete, the messages per pair in issue order, and each host's next step."""
+
+    def __init__(self, programs: Sequence[Sequence[Step]]) -> None:
+        ranks = len(programs)
+        self.programs = programs
+        self.ops: list[_Op] = []
+        self.batches: list[_Batch] = []
+        self.streams: list[deque[int]] = [deque() for _ in range(ranks)]
+        self.sent: dict[tuple[int, int], list[int]] = {}  # (src, dst) -> op indices in issue order
+        self.received: dict[tuple[int, int], list[int]] = {}
+        self.batch_of: list[dict[Transfer, int]] = [{} for _ in range(ranks)]
+        self.pc = [0] * ranks
+
+    def run_hosts(self) -> bool:
+        """Run every host until it blocks; True if any ran a step."""
+        progressed = False
+        for r, program in enumerate(self.programs):
+            while self.pc[r] < len(program) and self.host_ready(r, program[self.pc[r]]):
+                step = program[self.pc[r]]
+                if step.kind is StepKind.ISSUE and step.transfers:
+                    self.issue(r, step.transfers)
+                self.pc[r] += 1
+                progressed = True
+        return progressed
+
+    def run_streams(self) -> bool:
+        """Complete what the batch at the head of each stream can; True if anything did."""
+        ops, batches, progressed = self.ops, self.batches, False
+        for stream in self.streams:
+            while stream:
+                head = batches[stream[0]]
+                for i in list(head.pending):
+                    j = self.partner(i)
+                    theirs = self.streams[ops[j].rank] if j is not None else None
+                    if j is not None and theirs and theirs[0] == ops[j].batch:
+                        head.pending.discard(i)
+                        batches[ops[j].batch].pending.discard(j)
+                        progressed = True
+                if head.pending:
+                    break
+                stream.popleft()
+                progressed = True
+        return progressed
+
+    def issue(self, rank: int, transfers: Sequence[Transfer]) -> None:
+        b = len(self.batches)
+        self.batches.append(_Batch(rank))
         for t in transfers:
-            i = len(ops)
+            i = len(self.ops)
             pair = (rank, t.peer) if t.op is Op.SEND else (t.peer, rank)
-            queue = (sent if t.op is Op.SEND else received).setdefault(pair, [])
-            ops.append(_Op(t, rank, b, len(queue)))
+            queue = (self.sent if t.op is Op.SEND else self.received).setdefault(pair, [])
+            self.ops.append(_Op(t, rank, b, len(queue)))
             queue.append(i)
-            batches[b].pending.add(i)
-            batch_of[rank][t] = b
-        streams[rank].append(b)
+            self.batches[b].pending.add(i)
+            self.batch_of[rank][t] = b
+        self.streams[rank].append(b)
 
-    def host_ready(rank: int, step: Step) -> bool:
+    def host_ready(self, rank: int, step: Step) -> bool:
         if step.kind is StepKind.WAIT:  # its batches and every batch this rank issued before
             # (a batch's transfers complete only at the head of its stream, so batches complete
             # in issue order: the last one being complete means all before it are)
-            return not batches[max(batch_of[rank][t] for t in step.transfers)].pending
+            return not self.batches[max(self.batch_of[rank][t] for t in step.transfers)].pending
         if step.kind is StepKind.DRAIN:
-            return not streams[rank]
+            return not self.streams[rank]
         return True
 
-    def partner(i: int) -> int | None:
-        op = ops[i]
+    def partner(self, i: int) -> int | None:
+        """The op matched with op i (the same message the other way), or None while the peer
+        has not issued it; a different message there is a mismatch."""
+        op = self.ops[i]
         t = op.transfer
         pair = (op.rank, t.peer) if t.op is Op.SEND else (t.peer, op.rank)
-        theirs = received if t.op is Op.SEND else sent
+        theirs = self.received if t.op is Op.SEND else self.sent
         n = op.position
         other = theirs.get(pair, [])
         if n >= len(other):
             return None
         j = other[n]
-        if ops[j].transfer.message != t.message:
-            s, r = (op, ops[j]) if t.op is Op.SEND else (ops[j], op)
+        if self.ops[j].transfer.message != t.message:
+            s, r = (op, self.ops[j]) if t.op is Op.SEND else (self.ops[j], op)
             raise ScheduleError(
                 f"messages mismatch under {RULES}: rank {s.rank}'s send {s.transfer} is the "
                 f"receive {r.transfer} on rank {r.rank} (their {n}th message between the two); "
@@ -105,34 +155,6 @@ def check_programs(programs: Sequence[Sequence[Step]], schedule: Schedule | None
                 f"messages between them in the same order"
             )
         return j
-
-    while True:
-        progressed = False
-        for r in range(ranks):  # hosts run until they block
-            while pc[r] < len(programs[r]) and host_ready(r, programs[r][pc[r]]):
-                step = programs[r][pc[r]]
-                if step.kind is StepKind.ISSUE and step.transfers:
-                    issue(r, step.transfers)
-                pc[r] += 1
-                progressed = True
-        for r in range(ranks):  # the batch at the head of each stream progresses
-            while streams[r]:
-                head = batches[streams[r][0]]
-                for i in list(head.pending):
-                    j = partner(i)
-                    if j is not None and streams[ops[j].rank] and streams[ops[j].rank][0] == ops[j].batch:
-                        head.pending.discard(i)
-                        batches[ops[j].batch].pending.discard(j)
-                        progressed = True
-                if head.pending:
-                    break
-                streams[r].popleft()
-                progressed = True
-        if not progressed:
-            break
-    stuck = [r for r in range(ranks) if pc[r] < len(programs[r])]
-    if stuck:
-        raise ScheduleError(_deadlock_message(programs, pc, stuck, ops, batches, streams, schedule))
 
 
 def _where(program: Sequence[Step], pc: int) -> Action | None:

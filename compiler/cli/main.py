@@ -23,7 +23,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from pipecut.cli import logs
 from pipecut.cli.factory import SHIPPED, call_factory, load_factory
@@ -332,6 +332,9 @@ def _solver_names() -> list[str]:
 
 
 # --- parser -----------------------------------------------------------------------------------
+_Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
 def _verbosity(default: object) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="count", default=default,
@@ -354,11 +357,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pipecut {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_plan(sub, common)
+    _add_show(sub, common)
+    _add_diff(sub, common)
+    _add_render(sub, common)
+    return parser
+
+
+def _add_plan(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "plan", parents=[common], help="capture, profile and partition a model",
         description="Plan a model. FACTORY returns (model, example_inputs, loss_fn, target); "
         f"shipped examples: {', '.join(SHIPPED)}.",
     )
+    _plan_shape_arguments(p)
+    _plan_cost_arguments(p)
+    _plan_output_arguments(p)
+    p.set_defaults(run=cmd_plan)
+
+
+def _plan_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """What to plan: the model, the stages, the microbatches, the schedule, the split."""
     p.add_argument("factory", metavar="MODULE:FACTORY",
                    help="dotted module or .py path, a colon, and the factory function's name")
     p.add_argument("--devices", "-k", type=_positive, default=2, metavar="K",
@@ -380,6 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(gradient all-reduce included); the plan is one replica's K stages")
     p.add_argument("--stages-per-rank", type=_positive, default=1, metavar="V",
                    help="virtual stages per device, with --schedule interleaved-1f1b (default 1; zbv always runs 2)")
+
+
+def _plan_cost_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the costs come from: the device, the cluster, the link, the solver."""
     p.add_argument("--device-profile", metavar="NAME", default=None,
                    help="plan for this GPU instead of profiling here: times estimated from FLOPs "
                    "and bytes, memory and link from its datasheet; one of "
@@ -403,19 +426,26 @@ def build_parser() -> argparse.ArgumentParser:
                    "pieces spread over stages")
     p.add_argument("--solver", choices=_solver_names(), default="highs",
                    help="ILP solver, when memory limits or device speeds need the ILP")
+
+
+def _plan_output_arguments(p: argparse.ArgumentParser) -> None:
+    """The factory's own arguments and the files to write."""
     p.add_argument("--batch-size", type=_positive, default=None,
                    help="passed to the factory as batch_size=")
     p.add_argument("--seed", type=int, default=None, help="passed to the factory as seed=")
     p.add_argument("--out", "-o", metavar="PLAN.json", help="write the plan as JSON")
     p.add_argument("--html", metavar="PLAN.html", help="write the HTML report")
     p.add_argument("--dot", metavar="PLAN.dot", help="write the stage graph as Graphviz DOT")
-    p.set_defaults(run=cmd_plan)
 
+
+def _add_show(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("show", parents=[common], help="print a plan's summary table")
     p.add_argument("plan", metavar="PLAN.json")
     p.add_argument("--json", action="store_true", help="the summary as JSON")
     p.set_defaults(run=cmd_show)
 
+
+def _add_diff(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("diff", parents=[common],
                        help="which nodes moved between stages, and the predicted effect")
     p.add_argument("a", metavar="A.json")
@@ -423,6 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the diff as JSON")
     p.set_defaults(run=cmd_diff)
 
+
+def _add_render(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("render", parents=[common],
                        help="write a plan as self-contained HTML (or DOT for a .dot output)")
     p.add_argument("plan", metavar="PLAN.json")
@@ -432,7 +464,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output path, .html or .dot (default: the plan's path with .html)")
     p.add_argument("--title", help="page title")
     p.set_defaults(run=cmd_render)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -258,30 +258,53 @@ def _run(
     in a flat list indexed by ``(stage * M + microbatch) * 2 + (0 forward | 1 backward)``, where
     an I counts as the stage's backward (what the stage before waits for).
     """
-    ranks = len(schedule)
     stages = len(forward_ms)
-    last = stages - 1
     fwd = [float(x) for x in forward_ms]
-    fwd_link = [float(x) for x in forward_link_ms] or [0.0] * max(last, 0)
+    fwd_link = [float(x) for x in forward_link_ms] or [0.0] * max(stages - 1, 0)
     bwd_link = [float(x) for x in backward_link_ms] or fwd_link  # one link time for both directions
     weight = [float(x) for x in weight_ms] or [0.0] * stages
     bwd = [float(x) for x in backward_ms]
     inp = [b - w for b, w in zip(bwd, weight)]
-    forward, backward, weight_kind = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
-    m = 1 + max((a.microbatch for actions in schedule for a in actions), default=0)
-    unset = -math.inf  # finish time of an action not run yet
-    finish = [unset] * (2 * m * max(stages, 1))
-    parked: dict[int, list[int]] = {}
-    starts: list[list[float]] = [[] for _ in range(ranks)]
-    ends: list[list[float]] = [[] for _ in range(ranks)]
-    clock = [0.0] * ranks
-    pos = [0] * ranks
-    order: list[int] = []
-    ready = list(range(ranks - 1, -1, -1))  # rank 0 first
+    sim = _Simulation(schedule, (fwd, fwd_link, bwd, bwd_link, inp, weight))
+    ready = list(range(len(schedule) - 1, -1, -1))  # rank 0 first
     while ready:
-        r = ready.pop()
-        actions, t, i = schedule[r], clock[r], pos[r]
-        run_starts, run_ends = starts[r], ends[r]
+        sim.run_rank(ready.pop(), ready)
+    if len(sim.order) != sum(len(actions) for actions in schedule):
+        raise _deadlock(schedule, sim.pos)
+    return sim.starts, sim.ends, sim.order, sim.clock
+
+
+_StageTimes = tuple[list[float], list[float], list[float], list[float], list[float], list[float]]
+
+
+class _Simulation:
+    """The state of one :func:`_run`: costs as floats, finish times, parked ranks, and per
+    rank its clock, its next action and the spans of the actions it ran."""
+
+    __slots__ = ("clock", "ends", "order", "pos", "schedule", "starts", "state")
+
+    def __init__(self, schedule: Schedule, costs: _StageTimes) -> None:
+        """``costs``: per stage forward, forward link, backward, backward link, I and W times."""
+        ranks, stages = len(schedule), len(costs[0])
+        m = 1 + max((a.microbatch for actions in schedule for a in actions), default=0)
+        finish = [_UNSET] * (2 * m * max(stages, 1))  # by (stage * M + mb) * 2 + (0 F | 1 B or I)
+        parked: dict[int, list[int]] = {}  # finish index -> the ranks waiting for it
+        # what run_rank reads, as one tuple: it runs once per rank wake-up, so it unpacks once
+        self.state = (*costs, finish, parked, m, stages - 1)
+        self.schedule = schedule
+        self.starts: list[list[float]] = [[] for _ in range(ranks)]
+        self.ends: list[list[float]] = [[] for _ in range(ranks)]
+        self.clock = [0.0] * ranks
+        self.pos = [0] * ranks
+        self.order: list[int] = []
+
+    def run_rank(self, r: int, ready: list[int]) -> None:
+        """Run rank r's actions until the next one waits for an action not yet run (r parks on
+        it) or none is left; the ranks parked on the actions it finished go onto ``ready``."""
+        forward, backward, weight_kind, unset = _KINDS_AND_UNSET
+        fwd, fwd_link, bwd, bwd_link, inp, weight, finish, parked, m, last = self.state
+        actions, t, i = self.schedule[r], self.clock[r], self.pos[r]
+        run_starts, run_ends, order = self.starts[r], self.ends[r], self.order
         while i < len(actions):
             a = actions[i]
             s, kind, mb = a.stage, a.kind, a.microbatch
@@ -317,15 +340,25 @@ def _run(
                 waiting = parked.pop(me, None)
                 if waiting:
                     ready.extend(waiting)
-        clock[r], pos[r] = t, i
-    if len(order) != sum(len(actions) for actions in schedule):
-        stuck = {r: schedule[r][pos[r]] for r in range(ranks) if pos[r] < len(schedule[r])}
-        where = ", ".join(f"rank {r} stops at {a}" for r, a in stuck.items())
-        raise ScheduleError(
-            f"schedule deadlocks: {where} (each waits for an action that never runs)\n"
-            + format_marked(schedule, dict(stuck))
-        )
-    return starts, ends, order, clock
+        self.clock[r], self.pos[r] = t, i
+
+
+_UNSET = -math.inf
+"""Finish time of an action not run yet."""
+_KINDS_AND_UNSET = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT, _UNSET)
+"""What :meth:`_Simulation.run_rank` compares with, read once per call (an enum member's
+lookup costs about as much as running an action)."""
+
+
+def _deadlock(schedule: Schedule, pos: Sequence[int]) -> ScheduleError:
+    """The error for a schedule whose ranks stopped at ``pos``, each waiting for an action
+    that never runs."""
+    stuck = {r: schedule[r][pos[r]] for r in range(len(schedule)) if pos[r] < len(schedule[r])}
+    where = ", ".join(f"rank {r} stops at {a}" for r, a in stuck.items())
+    return ScheduleError(
+        f"schedule deadlocks: {where} (each waits for an action that never runs)\n"
+        + format_marked(schedule, dict(stuck))
+    )
 
 
 def format_marked(schedule: Schedule, at: dict[int, Action | None]) -> str:

@@ -112,12 +112,35 @@ def choose(
     """
     kinds = schedules_to_try(schedule, stages_per_rank)
     size, _ = first_microbatch(example_inputs, 1)
+    counts = _counts(microbatches, kinds, size, ranks)
+    costs_of = _cost_tables(example_inputs, target, size, counts, profile_at)
+    return _pick([
+        _candidate(kind, m, ranks, stages_per_rank, costs_of, partition)
+        for kind in kinds
+        for m in counts
+    ])
+
+
+def _counts(microbatches: int | str, kinds: Sequence[ScheduleKind], size: int, ranks: int) -> list[int]:
+    """The microbatch counts to try: the one asked for, or with 'auto' every candidate count
+    of every schedule tried."""
     if microbatches == AUTO:
-        counts = sorted({m for k in kinds for m in candidate_microbatches(size, ranks, k)})
-    elif isinstance(microbatches, int) and not isinstance(microbatches, bool):
-        counts = [microbatches]
-    else:
-        raise InputError(f"microbatches must be an int or 'auto', got {microbatches!r}")
+        return sorted({m for k in kinds for m in candidate_microbatches(size, ranks, k)})
+    if isinstance(microbatches, int) and not isinstance(microbatches, bool):
+        return [microbatches]
+    raise InputError(f"microbatches must be an int or 'auto', got {microbatches!r}")
+
+
+def _cost_tables(
+    example_inputs: Any,
+    target: Any,
+    size: int,
+    counts: Sequence[int],
+    profile_at: Callable[[Any, Any], Sequence[NodeCost]],
+) -> Callable[[int], Sequence[NodeCost]]:
+    """The cost table for M = m, for every m of ``counts``: the smallest and largest
+    microbatches are profiled now, the others interpolated between them when the graph is the
+    same at both sizes (else profiled when asked for)."""
 
     def measure(m: int) -> Sequence[NodeCost]:
         _, first = first_microbatch(example_inputs, m)
@@ -129,34 +152,46 @@ def choose(
     large = measure(m_large) if m_large != m_small else small
     same_graph = [n.name for n in small] == [n.name for n in large]
 
-    candidates: list[Candidate] = []
-    for kind in kinds:
-        for m in counts:
-            if kind is ScheduleKind.INTERLEAVED_1F1B and stages_per_rank > 1 and m % ranks:
-                candidates.append(Candidate(  # with one stage per rank it is 1F1B: any count runs
-                    microbatches=m, schedule=kind, step_ms=None,
-                    note=f"{stages_per_rank} stages per rank need a multiple of the {ranks} ranks"))
-                continue
-            costs: Sequence[NodeCost]
-            if same_graph:
-                costs = costs_at(small, large, size // m_small, size // m_large, size // m)
-            else:  # the capture is shape-specialised and differs by size: measure this one
-                costs = small if m == m_small else large if m == m_large else measure(m)
-            try:
-                planned = partition(costs, m, kind)
-            except (PartitionError, ScheduleError, InputError) as e:
-                candidates.append(Candidate(microbatches=m, schedule=kind, step_ms=None, note=str(e)[:200]))
-                continue
-            if kind.splits_backward and any(s.recompute is not Recompute.NONE for s in planned.stages):
-                candidates.append(Candidate(microbatches=m, schedule=kind, step_ms=None,
-                                            note=f"needs recompute, which {kind.value} cannot run"))
-                continue
-            replicated = planned.data_parallel is not None and planned.data_parallel.replicas > 1
-            if kind.splits_backward and replicated:  # runtime.data_parallel.check_supported
-                candidates.append(Candidate(microbatches=m, schedule=kind, step_ms=None,
-                                            note=f"data parallelism cannot run {kind.value}"))
-                continue
-            candidates.append(Candidate(microbatches=m, schedule=kind, step_ms=planned.predicted.step_ms))
+    def costs_of(m: int) -> Sequence[NodeCost]:
+        if same_graph:
+            return costs_at(small, large, size // m_small, size // m_large, size // m)
+        # the capture is shape-specialised and differs by size: measure this one
+        return small if m == m_small else large if m == m_large else measure(m)
+
+    return costs_of
+
+
+def _candidate(
+    kind: ScheduleKind,
+    m: int,
+    ranks: int,
+    stages_per_rank: int,
+    costs_of: Callable[[int], Sequence[NodeCost]],
+    partition: Callable[[Sequence[NodeCost], int, ScheduleKind], Plan],
+) -> Candidate:
+    """``kind`` with M = m planned and predicted, or why it cannot run."""
+    if kind is ScheduleKind.INTERLEAVED_1F1B and stages_per_rank > 1 and m % ranks:
+        return Candidate(  # with one stage per rank it is 1F1B: any count runs
+            microbatches=m, schedule=kind, step_ms=None,
+            note=f"{stages_per_rank} stages per rank need a multiple of the {ranks} ranks")
+    costs = costs_of(m)
+    try:
+        planned = partition(costs, m, kind)
+    except (PartitionError, ScheduleError, InputError) as e:
+        return Candidate(microbatches=m, schedule=kind, step_ms=None, note=str(e)[:200])
+    if kind.splits_backward and any(s.recompute is not Recompute.NONE for s in planned.stages):
+        return Candidate(microbatches=m, schedule=kind, step_ms=None,
+                         note=f"needs recompute, which {kind.value} cannot run")
+    replicated = planned.data_parallel is not None and planned.data_parallel.replicas > 1
+    if kind.splits_backward and replicated:  # runtime.data_parallel.check_supported
+        return Candidate(microbatches=m, schedule=kind, step_ms=None,
+                         note=f"data parallelism cannot run {kind.value}")
+    return Candidate(microbatches=m, schedule=kind, step_ms=planned.predicted.step_ms)
+
+
+def _pick(candidates: Sequence[Candidate]) -> tuple[int, ScheduleKind, tuple[Candidate, ...]]:
+    """The fastest candidate (within a tie margin, the preferred schedule, then the fewest
+    microbatches), and every candidate with the chosen one marked."""
     feasible = [c for c in candidates if c.step_ms is not None]
     if not feasible:
         reasons = "; ".join(f"{c.microbatches}/{c.schedule.value}: {c.note}" for c in candidates[:4])

@@ -202,11 +202,7 @@ def plan_cluster(
     c = parse_cluster(cluster)
     profile = device_profile(c.device)
     efficiency, source = family_efficiency(profile)
-    kind = enum_choice(ScheduleKind, schedule, "schedule")
-    rec = enum_choice(Recompute, recompute, "recompute")
-    shard = enum_choice(DataParallelKind, sharding, "sharding")
-    if data_parallel != "auto" and not isinstance(data_parallel, int):
-        raise InputError(f"data_parallel={data_parallel!r}: give 'auto' or a replica count")
+    kind, rec, shard = _choices(schedule, recompute, sharding, data_parallel)
     size, first = first_microbatch(example_inputs, microbatches)
     seq = _sequence_length(first)
     layers, hidden = _attention_dims(model)
@@ -217,34 +213,54 @@ def plan_cluster(
                               compute_efficiency=efficiency)
 
     nodes = costs(example_inputs, target)
-    batch = size
     width = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
     flops = model_flops_per_token(nodes, layers=layers, hidden=hidden, seq=seq, param_dtype_bytes=width)
-    shape = RunShape(batch_size=batch, microbatches=microbatches, tokens_per_sample=seq,
+    shape = RunShape(batch_size=size, microbatches=microbatches, tokens_per_sample=seq,
                      model_flops_per_token=flops, schedule=kind, recompute=rec, sharding=shard,
                      param_dtype_bytes=width)
     best, choice, _ = predict_run(nodes, c, shape,
                                   replicas=None if data_parallel == "auto" else int(data_parallel))
     d, k = best.placement.replicas, best.placement.stages
-    share = split_microbatches(example_inputs, d, batch, "example_inputs")[0]
-    share_target = split_microbatches(target, d, batch, "target")[0] if target is not None else None
+    share = split_microbatches(example_inputs, d, size, "example_inputs")[0]
+    share_target = split_microbatches(target, d, size, "target")[0] if target is not None else None
     intra = Link(bandwidth_bytes_per_ms=c.intra.bandwidth_bytes_per_ms, latency_ms=c.intra.latency_ms)
     planned = partition_costs(
         costs(share, share_target), devices=tuple(DeviceSpec(name=c.device) for _ in range(k)),
-        microbatches=microbatches, batch_size=batch // d, schedule=kind, link=intra,
+        microbatches=microbatches, batch_size=size // d, schedule=kind, link=intra,
         data_parallel=DataParallel(kind=shard, replicas=d) if d > 1 else None,
     )
-    notes = (source, *NOT_MODELLED) + (() if layers else (
+    run = _run_prediction(best, rec, shard, efficiency, source, has_config=bool(layers))
+    return dataclasses.replace(planned, cluster=c, placement=best.placement, run=run,
+                               replica_candidates=_candidates(choice))
+
+
+def _choices(
+    schedule: str | ScheduleKind, recompute: str | Recompute, sharding: str | DataParallelKind,
+    data_parallel: str | int,
+) -> tuple[ScheduleKind, Recompute, DataParallelKind]:
+    """:func:`plan_cluster`'s options as enums; InputError for one that is not."""
+    kind = enum_choice(ScheduleKind, schedule, "schedule")
+    rec = enum_choice(Recompute, recompute, "recompute")
+    shard = enum_choice(DataParallelKind, sharding, "sharding")
+    if data_parallel != "auto" and not isinstance(data_parallel, int):
+        raise InputError(f"data_parallel={data_parallel!r}: give 'auto' or a replica count")
+    return kind, rec, shard
+
+
+def _run_prediction(
+    best: RunCandidate, rec: Recompute, shard: DataParallelKind, efficiency: float, source: str,
+    *, has_config: bool,
+) -> RunPrediction:
+    """The whole run's prediction for the chosen candidate, with what it does not model."""
+    notes = (source, *NOT_MODELLED) + (() if has_config else (
         "attention FLOPs not counted in MFU: the model has no Hugging Face config",))
-    run = RunPrediction(
+    return RunPrediction(
         step_ms=best.step_ms, bubble_fraction=best.bubble_fraction,
         tokens_per_s_per_gpu=best.tokens_per_s_per_gpu, mfu=best.mfu,
         peak_memory_bytes=best.peak_memory_bytes, compute_ms=best.compute_ms,
         exposed_comm_ms=best.exposed_comm_ms, recompute=rec.value, sharding=shard.value,
         compute_efficiency=efficiency, notes=notes,
     )
-    return dataclasses.replace(planned, cluster=c, placement=best.placement, run=run,
-                               replica_candidates=_candidates(choice))
 
 
 def _candidates(choice: RunChoice) -> tuple[ReplicaCandidate, ...]:

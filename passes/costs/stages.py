@@ -120,72 +120,133 @@ def build_stages(
     stages_per_rank: int = 1,
     data_parallel: DataParallel | None = None,
 ) -> StageFacts:
+    """The stages of the cut at ``bounds``, the values crossing stages, the parameters several
+    stages read, and the predicted step."""
     k = len(bounds) - 1
-    by_name = {n.name: n for n in nodes}
     fwd, bwd, allowed = boundary_bytes(nodes, live)
-    cut_ms = boundary_ms(fwd, bwd, allowed, link, boundary_messages(nodes, live))
+    cut = _Cut(
+        by_name={n.name: n for n in nodes}, live=live, bounds=bounds, fwd=fwd, bwd=bwd,
+        cut_ms=boundary_ms(fwd, bwd, allowed, link, boundary_messages(nodes, live)),
+    )
     inflight = inflight_microbatches(schedule, k, microbatches)
     recompute = list(recompute) if recompute is not None else [Recompute.NONE] * k
     recomputed = list(recomputed) if recomputed is not None else [()] * k
-    stage_of = {name: s for s in range(k) for name in live.units[bounds[s] : bounds[s + 1]]}
+    stages = [
+        _stage(cut, s, devices[s], recompute[s], tuple(recomputed[s]),
+               inflight[s], data_parallel)
+        for s in range(k)
+    ]
+    return StageFacts(
+        stages=tuple(stages),
+        edges=_edges(nodes, cut),
+        tied=_tied(stages),
+        predicted=predict(stages, microbatches, nodes, schedule, link, stages_per_rank, data_parallel),
+    )
 
-    stages = []
-    for s in range(k):
-        units = [by_name[u] for u in live.units[bounds[s] : bounds[s + 1]]]
-        inputs = tuple(live.crossing(bounds[s]))
-        outputs = tuple(live.crossing(bounds[s + 1]))
-        fqns, pbytes = stage_params(units, by_name)
-        speed = devices[s].speed
-        fwd_ms = sum(u.forward_ms for u in units) / speed
-        bwd_ms = sum(u.backward_ms for u in units) / speed
-        # dW and dX of a product cost the same: half the backward of a node reading weights.
-        # A stage no gradient leaves (the first: its inputs are data) has no dX to hand on, so
-        # a split backward's I does nothing there and W is the whole backward.
-        wgt_ms = sum(u.backward_ms for u in units if reads_params(u, by_name)) / (2 * speed)
-        if bwd[bounds[s]] == 0:
-            wgt_ms = bwd_ms
-        in_bytes = sum(value_bytes(by_name[v])[0] for v in inputs)
-        if recompute[s] is Recompute.FULL:
-            act = in_bytes  # only the stage inputs are kept; the rest is recomputed in backward
-            bwd_ms += fwd_ms
-        else:
-            act = in_bytes + sum(u.kept_bytes for u in units)
-            for a, e in _runs(sorted(live.index[n] for n in recomputed[s])):  # SELECTIVE's blocks
-                block = [by_name[u] for u in live.units[a:e]]
-                act -= sum(u.kept_bytes for u in block) - (fwd[a] if a > bounds[s] else 0)
-                bwd_ms += sum(u.forward_ms for u in block) / speed
-        fixed = state_bytes(pbytes, data_parallel)
-        stages.append(
-            Stage(
-                index=s,
-                device=devices[s].name,
-                nodes=tuple(u.name for u in units),
-                parameters=fqns,
-                recompute=recompute[s],
-                recomputed=tuple(recomputed[s]),
-                forward_ms=fwd_ms,
-                backward_ms=bwd_ms,
-                weight_ms=wgt_ms if recompute[s] is Recompute.NONE else 0.0,  # ZB: no recompute
-                comm_ms=cut_ms[bounds[s]] + cut_ms[bounds[s + 1]],
-                param_bytes=pbytes,
-                activation_bytes=act,
-                peak_memory_bytes=fixed + inflight[s] * act,
-                send_bytes=fwd[bounds[s + 1]] if s < k - 1 else 0,
-                recv_bytes=fwd[bounds[s]] if s > 0 else 0,
-                inputs=inputs,
-                outputs=outputs,
-            )
-        )
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Cut:
+    """What every stage of one cut reads: the nodes by name, the liveness, the cut positions,
+    and per cut position the activation and gradient bytes and the communication time."""
+
+    by_name: dict[str, NodeCost]
+    live: Liveness
+    bounds: Sequence[int]
+    fwd: Sequence[int]
+    bwd: Sequence[int]
+    cut_ms: Sequence[float]
+
+    def units(self, s: int) -> list[NodeCost]:
+        return [self.by_name[u] for u in self.live.units[self.bounds[s] : self.bounds[s + 1]]]
+
+
+def _stage(
+    cut: _Cut,
+    s: int,
+    device: DeviceSpec,
+    recompute: Recompute,
+    recomputed: tuple[str, ...],
+    inflight: int,
+    data_parallel: DataParallel | None,
+) -> Stage:
+    """Stage s of the cut, its times on ``device`` and its memory with ``inflight`` microbatches."""
+    a, e, k = cut.bounds[s], cut.bounds[s + 1], len(cut.bounds) - 1
+    units = cut.units(s)
+    inputs = tuple(cut.live.crossing(a))
+    fqns, pbytes = stage_params(units, cut.by_name)
+    fwd_ms, bwd_ms, wgt_ms = _compute_ms(cut, s, units, device.speed)
+    act, bwd_ms = _recompute(cut, s, units, inputs, recompute, recomputed, device.speed, bwd_ms)
+    return Stage(
+        index=s,
+        device=device.name,
+        nodes=tuple(u.name for u in units),
+        parameters=fqns,
+        recompute=recompute,
+        recomputed=recomputed,
+        forward_ms=fwd_ms,
+        backward_ms=bwd_ms,
+        weight_ms=wgt_ms if recompute is Recompute.NONE else 0.0,  # ZB: no recompute
+        comm_ms=cut.cut_ms[a] + cut.cut_ms[e],
+        param_bytes=pbytes,
+        activation_bytes=act,
+        peak_memory_bytes=state_bytes(pbytes, data_parallel) + inflight * act,
+        send_bytes=cut.fwd[e] if s < k - 1 else 0,
+        recv_bytes=cut.fwd[a] if s > 0 else 0,
+        inputs=inputs,
+        outputs=tuple(cut.live.crossing(e)),
+    )
+
+
+def _compute_ms(cut: _Cut, s: int, units: Sequence[NodeCost], speed: float) -> tuple[float, float, float]:
+    """Stage s's forward, backward and weight-gradient times at ``speed``, before recompute."""
+    fwd_ms = sum(u.forward_ms for u in units) / speed
+    bwd_ms = sum(u.backward_ms for u in units) / speed
+    # dW and dX of a product cost the same: half the backward of a node reading weights.
+    # A stage no gradient leaves (the first: its inputs are data) has no dX to hand on, so
+    # a split backward's I does nothing there and W is the whole backward.
+    wgt_ms = sum(u.backward_ms for u in units if reads_params(u, cut.by_name)) / (2 * speed)
+    if cut.bwd[cut.bounds[s]] == 0:
+        wgt_ms = bwd_ms
+    return fwd_ms, bwd_ms, wgt_ms
+
+
+def _recompute(
+    cut: _Cut,
+    s: int,
+    units: Sequence[NodeCost],
+    inputs: Sequence[str],
+    recompute: Recompute,
+    recomputed: Sequence[str],
+    speed: float,
+    bwd_ms: float,
+) -> tuple[int, float]:
+    """Bytes stage s keeps per microbatch for its backward, and its backward time ``bwd_ms``
+    plus the forward it recomputes in place of what it did not keep."""
+    in_bytes = sum(value_bytes(cut.by_name[v])[0] for v in inputs)
+    if recompute is Recompute.FULL:
+        # only the stage inputs are kept; the rest is recomputed in backward
+        return in_bytes, bwd_ms + sum(u.forward_ms for u in units) / speed
+    act = in_bytes + sum(u.kept_bytes for u in units)
+    for a, e in _runs(sorted(cut.live.index[n] for n in recomputed)):  # SELECTIVE's blocks
+        block = [cut.by_name[u] for u in cut.live.units[a:e]]
+        act -= sum(u.kept_bytes for u in block) - (cut.fwd[a] if a > cut.bounds[s] else 0)
+        bwd_ms += sum(u.forward_ms for u in block) / speed
+    return act, bwd_ms
+
+
+def _edges(nodes: Sequence[NodeCost], cut: _Cut) -> tuple[Edge, ...]:
+    """One edge per value that stages other than its own read."""
+    bounds, units = cut.bounds, cut.live.units
+    stage_of = {name: s for s in range(len(bounds) - 1) for name in units[bounds[s] : bounds[s + 1]]}
     users: dict[str, list[str]] = {}
     for n in nodes:
         for src in n.inputs:
             users.setdefault(src, []).append(n.name)
     edges = []
-    for name in live.units:
+    for name in units:
         consumers = {stage_of[c] for c in users.get(name, ()) if c in stage_of} - {stage_of[name]}
         if consumers:
-            node = by_name[name]
+            node = cut.by_name[name]
             edges.append(
                 Edge(
                     src_node=name,
@@ -196,19 +257,17 @@ def build_stages(
                     bytes=value_bytes(node)[0],
                 )
             )
+    return tuple(edges)
 
+
+def _tied(stages: Sequence[Stage]) -> tuple[TiedGroup, ...]:
+    """The parameters more than one stage reads, with the stages that read them."""
     owners: dict[str, set[int]] = {}
     for st in stages:
         for fqn in st.parameters:
             owners.setdefault(fqn, set()).add(st.index)
-    tied = tuple(
+    return tuple(
         TiedGroup(fqn=fqn, stages=tuple(sorted(ss))) for fqn, ss in owners.items() if len(ss) > 1
-    )
-    return StageFacts(
-        stages=tuple(stages),
-        edges=tuple(edges),
-        tied=tied,
-        predicted=predict(stages, microbatches, nodes, schedule, link, stages_per_rank, data_parallel),
     )
 
 

@@ -34,8 +34,9 @@ no better than the best step found is skipped (``prune=False`` evaluates all of 
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipecut.core.schedule import rank_end_ms
@@ -287,40 +288,11 @@ def plan_hybrid(
     link of the ring all-reduce inside a stage's replica group (bandwidth in bytes/ms, latency
     per ring step); ``memory_bytes``: capacity of every device, None for unlimited.
     """
-    if devices < 1:
-        raise PartitionError(f"devices must be at least 1, got {devices}")
-    if microbatches < 1 or batch_size % microbatches:
-        raise PartitionError(
-            f"batch size {batch_size} does not split into {microbatches} microbatches; "
-            f"choose a batch size that is a multiple of the microbatch count"
-        )
-    shapes = [(devices // k, k) for k in range(1, devices + 1) if devices % k == 0]
-    shapes.sort(key=lambda dk: (lower_bound_ms(work, dk[0], dk[1], microbatches), dk[1]))
-    found: list[Candidate] = []
-    skipped: list[Skipped] = []
-    for d, k in shapes:
-        bound = lower_bound_ms(work, d, k, microbatches)
-        if prune and found and bound >= min(c.step_ms for c in found):
-            skipped.append(Skipped(
-                replicas=d, stages=k,
-                reason=f"pruned: lower bound {bound:.4g} ms ≥ best step {found[0].step_ms:.4g} ms",
-            ))
-            continue
-        result = evaluate(
-            work, d, k, microbatches=microbatches, batch_size=batch_size, schedule=schedule,
-            link=link, allreduce=allreduce, memory_bytes=memory_bytes, refine=refine,
-        )
-        if isinstance(result, Skipped):
-            skipped.append(result)
-        else:
-            found.append(result)
-            found.sort(key=lambda c: (c.step_ms, c.stages))
-    if not found:
-        reasons = "; ".join(f"D={s.replicas} K={s.stages}: {s.reason}" for s in skipped)
-        raise PartitionError(
-            f"no way to run this model on {devices} devices ({reasons}); give the devices more "
-            f"memory, use more devices, or change the batch size"
-        )
+    _check_request(devices, microbatches, batch_size)
+    found, skipped = _search(work, devices, microbatches, prune, functools.partial(
+        evaluate, work, microbatches=microbatches, batch_size=batch_size, schedule=schedule,
+        link=link, allreduce=allreduce, memory_bytes=memory_bytes, refine=refine,
+    ))
     per_stage, why = None, ""
     if replication is ReplicationKind.PER_STAGE:
         try:
@@ -341,3 +313,50 @@ def plan_hybrid(
         per_stage=per_stage,
         per_stage_reason=why,
     )
+
+
+def _check_request(devices: int, microbatches: int, batch_size: int) -> None:
+    if devices < 1:
+        raise PartitionError(f"devices must be at least 1, got {devices}")
+    if microbatches < 1 or batch_size % microbatches:
+        raise PartitionError(
+            f"batch size {batch_size} does not split into {microbatches} microbatches; "
+            f"choose a batch size that is a multiple of the microbatch count"
+        )
+
+
+def _search(
+    work: Workload,
+    devices: int,
+    microbatches: int,
+    prune: bool,
+    evaluate_at: Callable[[int, int], Candidate | Skipped],
+) -> tuple[list[Candidate], list[Skipped]]:
+    """Every ``D × K = devices`` by ``evaluate_at(D, K)``, most promising lower bound first,
+    the candidates best first; with ``prune``, a shape whose bound cannot beat the best found
+    is skipped. PartitionError if none runs."""
+    shapes = [(devices // k, k) for k in range(1, devices + 1) if devices % k == 0]
+    shapes.sort(key=lambda dk: (lower_bound_ms(work, dk[0], dk[1], microbatches), dk[1]))
+    found: list[Candidate] = []
+    skipped: list[Skipped] = []
+    for d, k in shapes:
+        bound = lower_bound_ms(work, d, k, microbatches)
+        if prune and found and bound >= min(c.step_ms for c in found):
+            skipped.append(Skipped(
+                replicas=d, stages=k,
+                reason=f"pruned: lower bound {bound:.4g} ms ≥ best step {found[0].step_ms:.4g} ms",
+            ))
+            continue
+        result = evaluate_at(d, k)
+        if isinstance(result, Skipped):
+            skipped.append(result)
+        else:
+            found.append(result)
+            found.sort(key=lambda c: (c.step_ms, c.stages))
+    if not found:
+        reasons = "; ".join(f"D={s.replicas} K={s.stages}: {s.reason}" for s in skipped)
+        raise PartitionError(
+            f"no way to run this model on {devices} devices ({reasons}); give the devices more "
+            f"memory, use more devices, or change the batch size"
+        )
+    return found, skipped

@@ -85,17 +85,13 @@ def solve_ilp(
     solver: IlpSolver = IlpSolver.HIGHS,
 ) -> IlpResult:
     """Minimise the slowest stage subject to memory, with a recompute choice per stage."""
-    p, k, n = problem, problem.stages, problem.units
+    p, k = problem, problem.stages
     wins = [sorted(set(w)) for w in (windows if windows is not None else default_windows(p))]
     if len(wins) != k - 1:
         raise ValueError(f"{k} stages need {k - 1} windows of cut positions, got {len(wins)}")
     start = time.perf_counter()
-    if any(not w for w in wins):
+    if any(not w for w in wins) or any(c is not None and c <= 0 for c in p.capacities):
         return IlpResult(status=IlpStatus.INFEASIBLE, evaluation=None, solve_ms=0.0, binaries=0)
-    compute, forward = _prefix(p.compute_ms), _prefix(p.forward_ms)
-    fixed, act = _prefix(p.fixed_bytes), _prefix(p.activation_bytes)
-    boundary = [0.0 if b in (0, n) else p.boundary_ms[b] for b in range(n + 1)]
-
     lp = pulp.LpProblem("pipecut_partition", pulp.LpMinimize)
     cut = [
         {b: lp.add_variable(f"c_{s}_{b}", cat=pulp.LpBinary) for b in wins[s - 1]}
@@ -103,58 +99,111 @@ def solve_ilp(
     ]
     top = lp.add_variable("T", lowBound=0)
     lp += top
+    _add_order(lp, p, cut)
+    sums = _Sums.of(p)
+    recompute_vars = {}
+    for s in range(k):
+        r = _add_stage(lp, p, cut, sums, s, top)
+        if r is not None:
+            recompute_vars[s] = r
+    warm = _set_warm_start(problem, cut, recompute_vars, warm_start)
+    lp.solve(_pulp_solver(solver, time_limit_s, warm))
+    solve_ms = (time.perf_counter() - start) * 1e3
+    return _result(lp, problem, cut, solve_ms, sum(len(c) for c in cut) + len(recompute_vars))
 
-    def at(values: Sequence[float] | np.ndarray, s: int) -> pulp.LpAffineExpression:
-        if s == 0:
-            return pulp.LpAffineExpression(constant=float(values[0]))
-        if s == k:
-            return pulp.LpAffineExpression(constant=float(values[n]))
-        return pulp.lpSum(float(values[b]) * v for b, v in cut[s - 1].items())
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Sums:
+    """The problem's prefix sums over units (and the boundary time per position), the ``A`` the
+    constraints take ``at`` the cuts."""
+
+    compute: np.ndarray
+    forward: np.ndarray
+    fixed: np.ndarray
+    act: np.ndarray
+    boundary: list[float]
+
+    @staticmethod
+    def of(p: Problem) -> _Sums:
+        n = p.units
+        return _Sums(
+            compute=_prefix(p.compute_ms), forward=_prefix(p.forward_ms),
+            fixed=_prefix(p.fixed_bytes), act=_prefix(p.activation_bytes),
+            boundary=[0.0 if b in (0, n) else p.boundary_ms[b] for b in range(n + 1)],
+        )
+
+
+def _at(
+    cut: list[dict[int, pulp.LpVariable]], n: int, values: Sequence[float] | np.ndarray, s: int
+) -> pulp.LpAffineExpression:
+    """``at(A, s)``: the value of ``values`` at where stage s starts (a constant for 0 and K)."""
+    if s == 0:
+        return pulp.LpAffineExpression(constant=float(values[0]))
+    if s == len(cut) + 1:
+        return pulp.LpAffineExpression(constant=float(values[n]))
+    return pulp.lpSum(float(values[b]) * v for b, v in cut[s - 1].items())
+
+
+def _add_order(lp: pulp.LpProblem, p: Problem, cut: list[dict[int, pulp.LpVariable]]) -> None:
+    """One position per cut, non-empty stages in unit order, a parameter on every stage."""
+    k, n = p.stages, p.units
     positions = list(range(n + 1))
     for s in range(1, k):
         lp += pulp.lpSum(cut[s - 1].values()) == 1, f"one_cut_{s}"
     for s in range(1, k - 1):
-        lp += at(positions, s + 1) - at(positions, s) >= 1, f"order_{s}"
+        lp += _at(cut, n, positions, s + 1) - _at(cut, n, positions, s) >= 1, f"order_{s}"
     if any(p.holds_params):  # (without it every unit counts and this is the order constraint)
         holders = holder_prefix(p.holds_params, n)
         for s in range(k):
-            lp += at(holders, s + 1) - at(holders, s) >= 1, f"holds_params_{s}"
+            lp += _at(cut, n, holders, s + 1) - _at(cut, n, holders, s) >= 1, f"holds_params_{s}"
 
-    recompute_vars = {}
-    for s in range(k):
-        speed, cap = p.speeds[s], p.capacities[s]
-        stage_time = (at(compute, s + 1) - at(compute, s)) * (1.0 / speed)
-        stage_time += at(boundary, s) + at(boundary, s + 1)
-        kept = at(act, s + 1) - at(act, s)
-        if cap is not None and p.recompute:
-            r = lp.add_variable(f"r_{s}", cat=pulp.LpBinary)
-            recompute_vars[s] = r
-            extra = lp.add_variable(f"R_{s}", lowBound=0)
-            big_f = float(forward[n]) / speed
-            lp += extra >= (at(forward, s + 1) - at(forward, s)) * (1.0 / speed) - big_f * (1 - r)
-            stage_time += extra
-            kept_var = lp.add_variable(f"A_{s}", lowBound=0)
-            lp += kept_var >= kept - float(act[n]) * r, f"kept_{s}"
-            kept = kept_var
-        if cap is not None:
-            if cap <= 0:
-                return IlpResult(
-                    status=IlpStatus.INFEASIBLE, evaluation=None, solve_ms=0.0, binaries=0
-                )
-            mem = (at(fixed, s + 1) - at(fixed, s)) + p.inflight[s] * (at(p.input_bytes, s) + kept)
-            lp += mem * (1.0 / cap) <= 1, f"memory_{s}"
-        lp += top >= stage_time, f"time_{s}"
 
-    warm = _set_warm_start(problem, cut, recompute_vars, warm_start)
-    lp.solve(_pulp_solver(solver, time_limit_s, warm))
-    solve_ms = (time.perf_counter() - start) * 1e3
-    binaries = sum(len(c) for c in cut) + len(recompute_vars)
+def _add_stage(
+    lp: pulp.LpProblem,
+    p: Problem,
+    cut: list[dict[int, pulp.LpVariable]],
+    sums: _Sums,
+    s: int,
+    top: pulp.LpVariable,
+) -> pulp.LpVariable | None:
+    """Stage s's time under ``top`` and its memory under its capacity; its recompute variable
+    ``r_s`` where it has a capacity and may recompute, else None."""
+    n = p.units
+
+    def delta(values: Sequence[float] | np.ndarray) -> pulp.LpAffineExpression:
+        return _at(cut, n, values, s + 1) - _at(cut, n, values, s)
+
+    speed, cap = p.speeds[s], p.capacities[s]
+    stage_time = delta(sums.compute) * (1.0 / speed)
+    stage_time += _at(cut, n, sums.boundary, s) + _at(cut, n, sums.boundary, s + 1)
+    kept = delta(sums.act)
+    r = None
+    if cap is not None and p.recompute:
+        r = lp.add_variable(f"r_{s}", cat=pulp.LpBinary)
+        extra = lp.add_variable(f"R_{s}", lowBound=0)
+        big_f = float(sums.forward[n]) / speed
+        lp += extra >= delta(sums.forward) * (1.0 / speed) - big_f * (1 - r)
+        stage_time += extra
+        kept_var = lp.add_variable(f"A_{s}", lowBound=0)
+        lp += kept_var >= kept - float(sums.act[n]) * r, f"kept_{s}"
+        kept = kept_var
+    if cap is not None:
+        mem = delta(sums.fixed) + p.inflight[s] * (_at(cut, n, p.input_bytes, s) + kept)
+        lp += mem * (1.0 / cap) <= 1, f"memory_{s}"
+    lp += top >= stage_time, f"time_{s}"
+    return r
+
+
+def _result(
+    lp: pulp.LpProblem, problem: Problem, cut: list[dict[int, pulp.LpVariable]], solve_ms: float,
+    binaries: int,
+) -> IlpResult:
+    """The solved program's status and split, evaluated on ``problem``."""
     if lp.status == pulp.LpStatusInfeasible or lp.sol_status == pulp.LpSolutionInfeasible:
         return IlpResult(
             status=IlpStatus.INFEASIBLE, evaluation=None, solve_ms=solve_ms, binaries=binaries
         )
-    bounds = _read_bounds(cut, n)
+    bounds = _read_bounds(cut, problem.units)
     if bounds is None:
         return IlpResult(
             status=IlpStatus.NO_SOLUTION, evaluation=None, solve_ms=solve_ms, binaries=binaries

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pipecut.errors import PartitionError
 from pipecut.passes.partition.coarsen import candidate_cuts
 from pipecut.passes.partition.holders import stage_count_error
-from pipecut.passes.partition.ilp import IlpSolver, IlpStatus, default_windows, solve_ilp
+from pipecut.passes.partition.ilp import IlpResult, IlpSolver, IlpStatus, default_windows, solve_ilp
 from pipecut.passes.partition.memory_dp import partition_bounded
 from pipecut.passes.partition.memory_floor import infeasible_error
 from pipecut.passes.partition.problem import Evaluation, Problem
@@ -57,25 +57,9 @@ def partition_ilp(
     inflight microbatches per stage for k stages (for the error that says how many devices fit).
     """
     start = time.perf_counter()
-    k, n = problem.stages, problem.units
-    allowed = problem.allowed_cuts()
-    if k - 1 > len(allowed):
-        raise PartitionError(
-            f"cannot cut this graph into {k} stages: it has {n} partitionable nodes and only "
-            f"{len(allowed)} places where every live value can cross a cut; "
-            f"use at most {len(allowed) + 1} devices"
-        )
-    too_many = stage_count_error(k, problem.holds_params, allowed)
-    if too_many is not None:
-        raise too_many
-    coarse: Sequence[int] = allowed
-    if len(allowed) > max_positions:
-        coarse = candidate_cuts(
-            modules or ("",) * n,
-            problem.compute_ms,
-            problem.boundary_ms,
-            max_positions=max_positions,
-        )
+    k, allowed = problem.stages, problem.allowed_cuts()
+    _check_stage_count(problem, allowed)
+    coarse = _coarse_positions(problem, allowed, modules, max_positions)
     exact = partition_bounded(problem, coarse=coarse if coarse is not allowed else ())
     if exact is None:
         raise infeasible_error(
@@ -98,16 +82,59 @@ def partition_ilp(
     ilp = res.evaluation
     if ilp is not None and ilp.fits and ilp.bottleneck_ms < exact.bottleneck_ms * (1 - 1e-9):
         best = ilp  # only possible if the DP were wrong; keep the better split
+    return IlpPlan(
+        evaluation=best,
+        optimal=res.status is IlpStatus.OPTIMAL,
+        solve_ms=(time.perf_counter() - start) * 1e3,
+        detail=_detail(exact, res, len(allowed), len(positions), dp_ms, solver),
+    )
+
+
+def _check_stage_count(problem: Problem, allowed: Sequence[int]) -> None:
+    """PartitionError if the graph has too few places to cut, or too few units holding
+    parameters, for ``problem.stages`` stages."""
+    k, n = problem.stages, problem.units
+    if k - 1 > len(allowed):
+        raise PartitionError(
+            f"cannot cut this graph into {k} stages: it has {n} partitionable nodes and only "
+            f"{len(allowed)} places where every live value can cross a cut; "
+            f"use at most {len(allowed) + 1} devices"
+        )
+    too_many = stage_count_error(k, problem.holds_params, allowed)
+    if too_many is not None:
+        raise too_many
+
+
+def _coarse_positions(
+    problem: Problem, allowed: Sequence[int], modules: Sequence[str], max_positions: int
+) -> Sequence[int]:
+    """``allowed`` itself when there are at most ``max_positions``, else the candidate cuts."""
+    if len(allowed) <= max_positions:
+        return allowed
+    return candidate_cuts(
+        modules or ("",) * problem.units,
+        problem.compute_ms,
+        problem.boundary_ms,
+        max_positions=max_positions,
+    )
+
+
+def _detail(
+    exact: Evaluation, res: IlpResult, allowed: int, positions: int, dp_ms: float,
+    solver: IlpSolver,
+) -> str:
+    """What the plan's solver detail says: the DP, the ILP over how many of the ``allowed``
+    positions, and whether the two agree."""
     agree = res.evaluation is not None and abs(
         res.evaluation.bottleneck_ms - exact.bottleneck_ms
     ) <= 1e-6 * max(exact.bottleneck_ms, 1e-9)
     scope = (
-        f"all {len(allowed)} cut positions"
-        if len(positions) >= len(allowed)
-        else f"{len(positions)} of {len(allowed)} cut positions (module boundaries + DP cuts)"
+        f"all {allowed} cut positions"
+        if positions >= allowed
+        else f"{positions} of {allowed} cut positions (module boundaries + DP cuts)"
     )
     detail = (
-        f"exact bounded DP over all {len(allowed)} cut positions in {dp_ms:.0f} ms; "
+        f"exact bounded DP over all {allowed} cut positions in {dp_ms:.0f} ms; "
         f"ILP ({solver.name}, {res.binaries} binaries) over {scope}: {res.status.value} in "
         f"{res.solve_ms:.0f} ms, " + ("agrees with the DP" if agree else "differs from the DP")
     )
@@ -115,9 +142,4 @@ def partition_ilp(
     if blocks and not agree:
         detail += (f" (the ILP models whole-stage recompute only; the DP's split recomputes "
                    f"single blocks on stage(s) {blocks})")
-    return IlpPlan(
-        evaluation=best,
-        optimal=res.status is IlpStatus.OPTIMAL,
-        solve_ms=(time.perf_counter() - start) * 1e3,
-        detail=detail,
-    )
+    return detail

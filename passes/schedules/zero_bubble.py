@@ -61,94 +61,132 @@ def list_schedule(
     W. A free rank starts, of its stages, a ready ``I`` (the earlier, then the later stage), else
     a ready ``F``, else its oldest pending ``W``, else waits for the earliest input; of the
     ranks, the one that can start earliest (then the lowest) goes first."""
-    k, m, n = ranks, microbatches, len(forward_ms)
-    owner = [rank_of(s, k, placement) for s in range(n)]
-    mine = [stages_on(r, k, n, placement) for r in range(k)]
+    k, n = ranks, len(forward_ms)
     f_link = list(forward_link_ms) or [0.0] * (n - 1)
-    b_link = list(backward_link_ms) or f_link
-    input_ms = [b - w for b, w in zip(backward_ms, weight_ms)]
-    clock = [0.0] * k
-    next_f, next_i, in_flight = [0] * n, [0] * n, [0] * n
-    weights: list[deque[tuple[int, int]]] = [deque() for _ in range(k)]  # (stage, mb), oldest first
-    f_done: dict[tuple[int, int], float] = {}
-    i_done: dict[tuple[int, int], float] = {}
-    orders: list[list[Action]] = [[] for _ in range(k)]
+    sched = _ListScheduler(
+        microbatches, limit,
+        owner=[rank_of(s, k, placement) for s in range(n)],
+        mine=[stages_on(r, k, n, placement) for r in range(k)],
+        times=(forward_ms, [b - w for b, w in zip(backward_ms, weight_ms)], weight_ms),
+        links=(f_link, list(backward_link_ms) or f_link),
+    )
+    for r in range(ranks):
+        sched.push(r)
+    for _ in range(3 * len(forward_ms) * microbatches):
+        start, r, kind, s = sched.pop(what)
+        s = sched.run(start, r, kind, s)
+        for near in sched.neighbours(s):
+            sched.push(near)
+    return tuple(tuple(o) for o in sched.orders)
 
-    def ready_input(s: int) -> float | None:
-        mb = next_i[s]
-        if mb >= next_f[s]:
+
+class _ListScheduler:
+    """One run of :func:`list_schedule`: per-rank clocks, per-stage counters, completion times,
+    and a heap of (start, rank) decisions.
+
+    After an action on stage s only the ranks of s - 1, s and s + 1 can decide differently, so
+    a heap of (start, rank) with stale entries skipped finds the earliest (then lowest) rank."""
+
+    def __init__(
+        self,
+        microbatches: int,
+        limit: Sequence[int],
+        *,
+        owner: list[int],
+        mine: list[tuple[int, ...]],
+        times: tuple[Sequence[float], Sequence[float], Sequence[float]],
+        links: tuple[list[float], list[float]],
+    ) -> None:
+        """``owner[s]``: the rank of stage s; ``mine[r]``: the stages of rank r; ``times``: per
+        stage F, I and W times; ``links``: per cut the forward and backward link times."""
+        k, n = len(mine), len(owner)
+        self.m, self.n, self.limit, self.owner, self.mine = microbatches, n, limit, owner, mine
+        self.forward_ms, self.input_ms, self.weight_ms = times
+        self.f_link, self.b_link = links
+        self.clock = [0.0] * k
+        self.next_f, self.next_i, self.in_flight = [0] * n, [0] * n, [0] * n
+        # (stage, mb) per rank, oldest first
+        self.weights: list[deque[tuple[int, int]]] = [deque() for _ in range(k)]
+        self.f_done: dict[tuple[int, int], float] = {}
+        self.i_done: dict[tuple[int, int], float] = {}
+        self.orders: list[list[Action]] = [[] for _ in range(k)]
+        self.version = [0] * k
+        self.heap: list[tuple[float, int, int, ActionKind, int]] = []
+
+    def ready_input(self, s: int) -> float | None:
+        mb = self.next_i[s]
+        if mb >= self.next_f[s]:
             return None  # its forward has not run yet
-        if s == n - 1:
-            return max(clock[owner[s]], f_done[(s, mb)])
-        done = i_done.get((s + 1, mb))
-        return None if done is None else max(clock[owner[s]], done + b_link[s])
+        if s == self.n - 1:
+            return max(self.clock[self.owner[s]], self.f_done[(s, mb)])
+        done = self.i_done.get((s + 1, mb))
+        return None if done is None else max(self.clock[self.owner[s]], done + self.b_link[s])
 
-    def ready_forward(s: int) -> float | None:
-        mb = next_f[s]
-        if mb >= m or in_flight[s] >= limit[s]:
+    def ready_forward(self, s: int) -> float | None:
+        mb = self.next_f[s]
+        if mb >= self.m or self.in_flight[s] >= self.limit[s]:
             return None
         if s == 0:
-            return clock[owner[s]]
-        done = f_done.get((s - 1, mb))
-        return None if done is None else max(clock[owner[s]], done + f_link[s - 1])
+            return self.clock[self.owner[s]]
+        done = self.f_done.get((s - 1, mb))
+        return None if done is None else max(self.clock[self.owner[s]], done + self.f_link[s - 1])
 
-    def decide(r: int) -> tuple[float, ActionKind, int] | None:
+    def decide(self, r: int) -> tuple[float, ActionKind, int] | None:
         """(start, kind, stage) of rank r's next action, or None while it has nothing to wait for."""
         options = [
             (t, order, -s, kind, s)
-            for s in mine[r]
-            for order, (t, kind) in enumerate(((ready_input(s), ActionKind.INPUT),
-                                               (ready_forward(s), ActionKind.FORWARD)))
+            for s in self.mine[r]
+            for order, (t, kind) in enumerate(((self.ready_input(s), ActionKind.INPUT),
+                                               (self.ready_forward(s), ActionKind.FORWARD)))
             if t is not None
         ]
-        now = [o for o in options if o[0] <= clock[r]]
+        now = [o for o in options if o[0] <= self.clock[r]]
         if now:
             _, _, _, kind, s = min(now, key=lambda o: (o[1], o[0], o[2]))  # I first, earliest, later stage
-            return clock[r], kind, s
-        if weights[r]:
-            return clock[r], ActionKind.WEIGHT, weights[r][0][0]
+            return self.clock[r], kind, s
+        if self.weights[r]:
+            return self.clock[r], ActionKind.WEIGHT, self.weights[r][0][0]
         if not options:
             return None
         t, _, _, kind, s = min(options)
         return t, kind, s
 
-    # After an action on stage s only the ranks of s - 1, s and s + 1 can decide differently, so
-    # a heap of (start, rank) with stale entries skipped finds the earliest (then lowest) rank.
-    version = [0] * k
-    heap: list[tuple[float, int, int, ActionKind, int]] = []
-
-    def push(r: int) -> None:
-        version[r] += 1
-        c = decide(r)
+    def push(self, r: int) -> None:
+        """Recompute rank r's next action; its older heap entries become stale."""
+        self.version[r] += 1
+        c = self.decide(r)
         if c is not None:
-            heapq.heappush(heap, (c[0], r, version[r], c[1], c[2]))
+            heapq.heappush(self.heap, (c[0], r, self.version[r], c[1], c[2]))
 
-    for r in range(k):
-        push(r)
-    remaining = 3 * n * m
-    while remaining:
-        while heap and heap[0][2] != version[heap[0][1]]:
-            heapq.heappop(heap)
-        if not heap:
+    def pop(self, what: str) -> tuple[float, int, ActionKind, int]:
+        """(start, rank, kind, stage) of the earliest (then lowest) rank's next action."""
+        while self.heap and self.heap[0][2] != self.version[self.heap[0][1]]:
+            heapq.heappop(self.heap)
+        if not self.heap:
             raise ScheduleError(f"{what} list scheduling found no runnable action")
-        start, r, _, kind, s = heapq.heappop(heap)
+        start, r, _, kind, s = heapq.heappop(self.heap)
+        return start, r, kind, s
+
+    def run(self, start: float, r: int, kind: ActionKind, s: int) -> int:
+        """Run the action on rank r from ``start``; return its stage (a W's is its oldest)."""
         if kind is ActionKind.FORWARD:
-            mb, cost = next_f[s], forward_ms[s]
-            next_f[s] += 1
-            in_flight[s] += 1
-            f_done[(s, mb)] = start + cost
+            mb, cost = self.next_f[s], self.forward_ms[s]
+            self.next_f[s] += 1
+            self.in_flight[s] += 1
+            self.f_done[(s, mb)] = start + cost
         elif kind is ActionKind.INPUT:
-            mb, cost = next_i[s], input_ms[s]
-            next_i[s] += 1
-            weights[r].append((s, mb))
-            i_done[(s, mb)] = start + cost
+            mb, cost = self.next_i[s], self.input_ms[s]
+            self.next_i[s] += 1
+            self.weights[r].append((s, mb))
+            self.i_done[(s, mb)] = start + cost
         else:
-            s, mb = weights[r].popleft()
-            cost = weight_ms[s]
-            in_flight[s] -= 1  # the microbatch's activations are freed after its weight pass
-        clock[r] = start + cost
-        orders[r].append(Action(s, kind, mb))
-        remaining -= 1
-        for near in {owner[x] for x in (s - 1, s, s + 1) if 0 <= x < n}:
-            push(near)
-    return tuple(tuple(o) for o in orders)
+            s, mb = self.weights[r].popleft()
+            cost = self.weight_ms[s]
+            self.in_flight[s] -= 1  # the microbatch's activations are freed after its weight pass
+        self.clock[r] = start + cost
+        self.orders[r].append(Action(s, kind, mb))
+        return s
+
+    def neighbours(self, s: int) -> set[int]:
+        """The ranks whose next action can change after one on stage s."""
+        return {self.owner[x] for x in (s - 1, s, s + 1) if 0 <= x < self.n}
