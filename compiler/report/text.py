@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+import enum
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["human_bytes", "sequential_note", "summary"]
 
@@ -16,6 +18,19 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def _asked(options: Any) -> str:
+    """The options that differ from their defaults, ``group.field=value``, in group order."""
+    out = []
+    for group in options.GROUPS:
+        given, default = getattr(options, group), type(getattr(options, group))()
+        for f in dataclasses.fields(given):
+            value = getattr(given, f.name)
+            if value != getattr(default, f.name):
+                shown = value.value if isinstance(value, enum.Enum) else value
+                out.append(f"{group}.{f.name}={shown!r}")
+    return ", ".join(out)
 
 
 def summary(plan: Plan) -> str:
@@ -42,6 +57,8 @@ def summary(plan: Plan) -> str:
         f"{plan.solver.method.value} solved in {plan.solver.solve_ms:.1f} ms"
     )
     lines += _chosen(plan)
+    if plan.options is not None and (asked := _asked(plan.options)):
+        lines.append(f"asked: {asked}")
     if plan.solver.method.value == "given" and p.optimum_step_ms:  # no import: plan imports us
         lines.append(
             f"split given ({plan.solver.detail.removeprefix('split given: ')}): pipecut's own "

@@ -73,6 +73,9 @@ def test_an_old_plan_call_gives_the_plan_of_its_options_and_records_them() -> No
                            partition=PartitionOptions(heavy_pieces=False), **common)
     assert old.options == new.options
     assert new.options.measure.repeats == 1 and new.options.scheduling.kind is ScheduleKind.ONE_F_ONE_B
+    asked = next(line for line in pipecut.summary(new).splitlines() if line.startswith("asked: "))
+    assert asked == ("asked: measure.repeats=1, measure.warmup=0, measure.calibrate=False, "
+                     "partition.heavy_pieces=False, scheduling.microbatches=2, scheduling.kind='1f1b'")
     assert [len(s.nodes) for s in old.stages] == [len(s.nodes) for s in new.stages] or old.nodes != new.nodes
 
 
