@@ -35,6 +35,7 @@ from pipecut.profile.nodes import LossFn
 from pipecut.replay import settings
 from pipecut.resolve import WireSpecs, schedules
 from pipecut.runtime.allocator import return_large_frees
+from pipecut.runtime.compiled import check_compilable
 from pipecut.runtime.capacity import gathered_free_bytes, with_capacities
 from pipecut.runtime.data_parallel import check_supported, replicate
 from pipecut.runtime.grads import LossReduction, parse_loss_reduction
@@ -82,6 +83,7 @@ def compile(
     seed: int = 0,
     lean_host_memory: bool = False,
     chunk_heavy: bool = True,
+    compile_stages: bool = False,
     _remeasure: bool = False,
 ) -> Pipeline:
     """Build this rank's stage of ``model`` pipelined over the ranks of the process group.
@@ -135,6 +137,10 @@ def compile(
     rank at K = 4 on the memory benchmark, against 0.74–1.07× with glibc's default), at the
     price of mapping fresh pages for every weight-sized gradient (steps 1.5× slower there).
 
+    ``compile_stages``: run each stage module through ``torch.compile`` (inductor), whole, in
+    place (see :mod:`pipecut.runtime.compiled`); each rank compiles its stages at their first
+    step, and ``pipe.compile_stats`` says how many graphs and seconds that took.
+
     ``chunk_heavy``: when planning, let a node heavier than a stage's share (a large-vocabulary
     LM head) be computed in row pieces on several stages (see ``pipecut.plan``); a plan given
     or planned with ``chunked`` nodes is run on the graph rewritten the same way.
@@ -154,6 +160,7 @@ def compile(
             timeout=timeout, capture_method=capture_method, leaf_modules=leaf_modules,
             loss_reduction=reduction, weights=weights, init=init, seed=seed,
             data_parallel=None if chosen_layout.mesh is None else chosen_layout.kind,
+            compile_stages=compile_stages,
         )
     if given is None:  # left out: the planner chooses, so the default pipelines
         microbatches, schedule = default_choices(microbatches, schedule)
@@ -238,15 +245,20 @@ def compile(
     sched = plan_schedule(chosen)
     validate(sched, chosen.microbatches, chosen.schedule.placement)
     check_nccl(sched, wiring(chosen))  # refuse an order that would hang, before anything runs
+    if compile_stages:  # issue 22: stages run through torch.compile (pipecut.runtime.compiled)
+        check_compilable(chosen, data_parallel=replication is not None)
     if replication is not None:
         check_supported(chosen, replication.kind)
     derived = other_mode(model, first, captured, chosen, leaf_modules)  # before moving to device
 
     def make_worker(program: StageProgram, for_plan: Plan, unflatten: Callable[[Any], Any]) -> StageWorker:
-        return StageWorker(
+        worker = StageWorker(
             program, for_plan, rank=rank, ranks=ranks, group=group, device=device, loss_fn=loss_fn,
             unflatten_output=unflatten, timeout=wait,
         )
+        if compile_stages:  # issue 22
+            worker.compile()
+        return worker
 
     if has_meta(captured.gm):  # this rank's copy (meta: no storage); only its stage becomes real
         with warnings.catch_warnings():  # torch's own pytree warns while copying export's specs
@@ -300,6 +312,7 @@ def compile(
                 timeout=timeout, capture_method=capture_method, leaf_modules=leaf_modules,
                 stages_per_rank=recalibrated.stages_per_rank, loss_reduction=reduction, data_parallel=data_parallel,
                 weights=weights, init=init, seed=seed, calibration_steps=calibration_steps, _remeasure=True,
+                compile_stages=compile_stages,
             )
     if replication is not None:  # after Pipeline has read the parameter names FSDP may change
         assert layout.dp_group is not None  # _replication gives None without a "dp" dimension
