@@ -146,14 +146,14 @@ def _compiled_reference(build: Build) -> tuple[torch.Tensor, dict[str, torch.Ten
 
 
 @pytest.fixture
-def inductor_cache(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Path:
+def inductor_cache(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """One inductor cache for the compiles of these tests, kept in pytest's cache directory
     (a second run reads its graphs back: the cache-hit path runs then); inductor compiling
     in-process."""
     path = request.config.cache.mkdir("inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(path))
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
-    return path
+    with torch._inductor.config.patch(compile_threads=1):
+        yield path
 
 
 @pytest.mark.timeout(600)
