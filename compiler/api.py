@@ -30,13 +30,15 @@ from pipecut.planning.autoplan import AUTO
 from pipecut.planning.partition import Devices, as_devices
 from pipecut.planning.planner import default_choices, warn_if_sequential
 from pipecut.planning.planner import plan as make_plan
+from pipecut.profile.compiled import AUTO as COMPILE_AUTO
+from pipecut.profile.compiled import measure_and_choose, parse_compile_stages, with_note
 from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn
 from pipecut.replay import settings
 from pipecut.resolve import WireSpecs, schedules
 from pipecut.runtime.allocator import return_large_frees
-from pipecut.runtime.compiled import check_compilable
 from pipecut.runtime.capacity import gathered_free_bytes, with_capacities
+from pipecut.runtime.compiled import check_compilable
 from pipecut.runtime.data_parallel import check_supported, replicate
 from pipecut.runtime.grads import LossReduction, parse_loss_reduction
 from pipecut.runtime.launch import ensure_process_group, local_device, ready_for_p2p
@@ -83,7 +85,7 @@ def compile(
     seed: int = 0,
     lean_host_memory: bool = False,
     chunk_heavy: bool = True,
-    compile_stages: bool = False,
+    compile_stages: bool | str = False,
     _remeasure: bool = False,
 ) -> Pipeline:
     """Build this rank's stage of ``model`` pipelined over the ranks of the process group.
@@ -139,13 +141,16 @@ def compile(
 
     ``compile_stages``: run each stage module through ``torch.compile`` (inductor), whole, in
     place (see :mod:`pipecut.runtime.compiled`); each rank compiles its stages at their first
-    step, and ``pipe.compile_stats`` says how many graphs and seconds that took.
+    step, and ``pipe.compile_stats`` says how many graphs and seconds that took. ``"auto"``:
+    the calibration steps time the stages eager and compiled, and the compiled ones are kept
+    if their saving pays for the compile time (see :mod:`pipecut.profile.compiled`).
 
     ``chunk_heavy``: when planning, let a node heavier than a stage's share (a large-vocabulary
     LM head) be computed in row pieces on several stages (see ``pipecut.plan``); a plan given
     or planned with ``chunked`` nodes is run on the graph rewritten the same way.
     """
     reduction = parse_loss_reduction(loss_reduction)
+    compile_stages = parse_compile_stages(compile_stages, calibrates=(plan is None or _remeasure) and calibration_steps > 0)
     wait = datetime.timedelta(seconds=timeout)
     given = None if plan is None else plan if isinstance(plan, Plan) else Plan.from_json(plan)
     if data_parallel == AUTO:
@@ -256,7 +261,7 @@ def compile(
             program, for_plan, rank=rank, ranks=ranks, group=group, device=device, loss_fn=loss_fn,
             unflatten_output=unflatten, timeout=wait,
         )
-        if compile_stages:  # issue 22
+        if compile_stages is True:  # issue 22 ("auto": after the calibration steps time eager)
             worker.compile()
         return worker
 
@@ -291,10 +296,16 @@ def compile(
         predicted=predicted_timeline(chosen),
     )
     if (plan is None or _remeasure) and calibration_steps > 0:  # before any wrapping: FSDP changes the modules
-        times = measure_stages(pipe, example_inputs, target, calibration_steps)
-        again: list[Any] = [
-            recalibrate(chosen, times, replication, keep_split=_remeasure).to_json() if dist.get_rank() == 0 else None
-        ]
+        choice = None
+        if compile_stages == COMPILE_AUTO:  # issue 22: eager and compiled timed, one kept
+            choice, times = measure_and_choose(pipe, example_inputs, target, calibration_steps)
+            compile_stages = choice.compiled
+        else:
+            times = measure_stages(pipe, example_inputs, target, calibration_steps)
+        again: list[Any] = [None]
+        if dist.get_rank() == 0:
+            again = [recalibrate(chosen, times, replication, keep_split=_remeasure)]
+            again = [(with_note(again[0], choice) if choice is not None else again[0]).to_json()]
         dist.broadcast_object_list(again, src=0)
         recalibrated = Plan.from_json(again[0])
         if _remeasure or recalibrated.runs_like(chosen):  # same split: keep this build, take the new costs

@@ -34,7 +34,7 @@ import torch
 from pipecut.errors import PlanError
 from pipecut.plan import Plan
 
-__all__ = ["CompileStats", "check_compilable", "compile_stage"]
+__all__ = ["CompileStats", "check_compilable", "compile_stage", "uncompile_stage"]
 
 
 @dataclass
@@ -45,7 +45,8 @@ class CompileStats:
     graphs: int = 0
     """Graphs compiled: one per shape family, mode and autocast state (and per graph break)."""
     seconds: float = 0.0
-    """Wall seconds inside the compiler backend (AOTAutograd and inductor, both passes)."""
+    """Wall seconds of the calls that compiled (Dynamo's tracing, AOTAutograd and inductor,
+    forward and backward graphs, and that call's own run, which is small beside them)."""
     cache_hits: int = 0
     """Of those graphs, how many inductor read from its FX graph cache instead of compiling."""
     shapes: list[str] = field(default_factory=list)
@@ -62,9 +63,7 @@ class _CountingBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         counters = torch._dynamo.utils.counters["inductor"]
         hits = counters["fxgraph_cache_hit"]
-        start = time.perf_counter()
         compiled = self.inductor(gm, example_inputs)
-        self.stats.seconds += time.perf_counter() - start
         self.stats.graphs += 1
         self.stats.cache_hits += counters["fxgraph_cache_hit"] - hits
         self.stats.shapes.append(", ".join(
@@ -95,4 +94,21 @@ def compile_stage(module: torch.nn.Module, stage: int, *, dynamic: bool | None =
     compile itself happens at the first call. Returns the stats that call and later ones fill."""
     stats = CompileStats(stage=stage)
     module.compile(backend=_CountingBackend(stats), dynamic=dynamic)
+    compiled = module._compiled_call_impl  # what nn.Module.__call__ runs once compiled
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        graphs, start = stats.graphs, time.perf_counter()
+        out = compiled(*args, **kwargs)
+        if stats.graphs != graphs:  # this call compiled
+            stats.seconds += time.perf_counter() - start
+        return out
+
+    module._compiled_call_impl = timed
     return stats
+
+
+def uncompile_stage(module: torch.nn.Module) -> None:
+    """Undo :func:`compile_stage`: calls of ``module`` run eagerly again. ``nn.Module.compile``
+    keeps the compiled callable in ``_compiled_call_impl``, which ``__call__`` prefers when set;
+    torch has no public inverse."""
+    module._compiled_call_impl = None

@@ -129,15 +129,15 @@ class Pipeline:
     def compile_stats(self) -> list[CompileStats]:
         """With ``compile_stages``: per stage of this rank and per mode built (train, and eval
         where its graph differs), the graphs compiled and the seconds it took; else empty."""
-        workers = [*self.workers.values()]
+        return [w.compiled for w in self.built_workers() if w.compiled is not None]
+
+    def built_workers(self) -> list[StageWorker]:
+        """This rank's stage workers of every mode built (train, and eval where its graph differs)."""
+        workers = {id(w): w for w in self.workers.values()}
         for mode in (True, False) if self._modes is not None else ():
             with contextlib.suppress(PipecutError):  # a mode this model cannot run has none
-                workers += self._modes.workers(mode).values()  # type: ignore[union-attr]
-        seen: dict[int, CompileStats] = {}
-        for w in workers:
-            if w.compiled is not None:
-                seen.setdefault(id(w.compiled), w.compiled)
-        return list(seen.values())
+                workers.update({id(w): w for w in self._modes.workers(mode).values()})  # type: ignore[union-attr]
+        return list(workers.values())
 
     @property
     def module(self) -> torch.nn.Module:

@@ -104,6 +104,16 @@ def _ranks(rank: int, world: int, plans: dict[str, str]) -> dict[str, Any]:
                                plan=plans[name], timeout=120, compile_stages=True)
         out[name] = list(_steps(pipe, model, inputs, target, steps))
         out[name + ":stats"] = [dataclasses.asdict(s) for s in pipe.compile_stats]
+    # "auto": the calibration step times the stages eager, then compiled, and keeps one.
+    model, inputs, loss_fn, target = _mlp()
+    pipe = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+                           microbatches=M, schedule="1f1b", timeout=120, compile_stages="auto",
+                           calibration_steps=1)
+    out["auto"] = {
+        "loss": pipe.step(inputs, target), "grads": pipeline_grads(model, pipe),
+        "note": pipe.plan.solver.detail, "graphs": sum(s.graphs for s in pipe.compile_stats),
+        "compiled_calls": [m._compiled_call_impl is not None for m in pipe.modules],
+    }
     model, inputs, loss_fn, target = _gpt()
     try:
         pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
@@ -191,6 +201,15 @@ def test_compiled_stages_match_plain_model(inductor_cache: Path) -> None:
         # state and mode, and no more, so recompiles stay bounded by the kinds of steps.
         assert all(1 <= g <= len(steps) for g in graphs.values()), (name, graphs)
 
+    ref_loss, ref_grads = reference(_mlp, M, per_microbatch=False)
+    auto = [r["auto"] for r in per_rank]
+    assert_parity(ref_loss, ref_grads, auto, rtol=RTOL, atol=ATOL)
+    for r in auto:  # both ranks kept the same mode, and run it
+        kept_compiled = "compiled stages kept: measured step" in r["note"]
+        assert kept_compiled or "eager stages kept: measured step" in r["note"], r["note"]
+        assert (r["graphs"] >= 1) == kept_compiled and r["compiled_calls"] == [kept_compiled], r
+    assert auto[0]["note"] == auto[1]["note"]
+
     ref_loss, ref_grads = _compiled_reference(_gpt)
     assert_parity(ref_loss, ref_grads, [r["gpt"][0] for r in per_rank], rtol=RTOL, atol=ATOL)
     assert per_rank[0]["zero-bubble"].startswith("compile_stages cannot run the zero-bubble schedule")
@@ -203,7 +222,7 @@ def test_refuses_split_backward_and_data_parallel() -> None:
         plan = _plan(_mlp, 2, schedule, 2 if schedule == "zbv" else 1)
         with pytest.raises(PlanError, match=f"cannot run the {schedule} schedule: its split backward"):
             check_compilable(plan)
-    with pytest.raises(PlanError, match="compile_stages with data parallelism .* is not supported yet"):
+    with pytest.raises(PlanError, match=r"compile_stages with data parallelism \(DDP or FSDP over pipeline replicas\) is not supported yet"):
         check_compilable(_plan(_mlp, 2, "1f1b", 1), data_parallel=True)
 
 
