@@ -8,9 +8,12 @@ for a stage that recomputes, a segment's checkpoint inside it) then runs compile
 
 Shapes: ``dynamic=None`` (torch's automatic dynamic) compiles the first shape static, and on
 the first change (a shorter sequence, a smaller last batch) compiles once more with the
-changing sizes symbolic, so a stage compiles at most twice per mode and autocast state
-(``eval()`` and autocast are guards: each is a graph of its own). :class:`CompileStats` counts
-the graphs each stage compiled and the seconds spent compiling them.
+changing sizes symbolic; later sizes reuse that graph, except a microbatch of one sample
+(Dynamo specializes sizes 0 and 1). ``eval()``, ``no_grad`` and autocast are guards: each state
+is a graph of its own. So the graphs of a stage are bounded by the kinds of steps it runs, not
+their number; past torch's ``recompile_limit`` (8 per stage) Dynamo would run the stage eagerly,
+which :class:`CompileStats` (the graphs each stage compiled, their input shapes, the seconds)
+makes visible.
 
 The inductor cache (``TORCHINDUCTOR_CACHE_DIR``, by default one directory per user under the
 system's temporary directory) is shared by every process of a host: a stage whose compiled
@@ -48,7 +51,8 @@ class CompileStats:
     """Wall seconds of the calls that compiled (Dynamo's tracing, AOTAutograd and inductor,
     forward and backward graphs, and that call's own run, which is small beside them)."""
     cache_hits: int = 0
-    """Of those graphs, how many inductor read from its FX graph cache instead of compiling."""
+    """Inductor FX graph cache hits while compiling them: graphs read back instead of compiled
+    (a stage another rank of the host compiled first, or a warm cache from an earlier run)."""
     shapes: list[str] = field(default_factory=list)
     """The input shapes each graph was compiled for, in order (symbolic sizes as ``s0``)."""
 
@@ -94,7 +98,8 @@ def compile_stage(module: torch.nn.Module, stage: int, *, dynamic: bool | None =
     compile itself happens at the first call. Returns the stats that call and later ones fill."""
     stats = CompileStats(stage=stage)
     module.compile(backend=_CountingBackend(stats), dynamic=dynamic)
-    compiled = module._compiled_call_impl  # what nn.Module.__call__ runs once compiled
+    compiled: Callable[..., Any] | None = module._compiled_call_impl  # what __call__ now runs
+    assert compiled is not None
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         graphs, start = stats.graphs, time.perf_counter()
