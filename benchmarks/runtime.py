@@ -1,7 +1,7 @@
 """Runtime benchmark: pipecut's schedules against torch.distributed.pipelining and one process.
 
     .venv/bin/python benchmarks/runtime.py [--rounds 5] [--steps 2] [--models gpt,mlp,...]
-        [--schedules gpipe,1f1b,zero-bubble,zbv] [--no-pippy]
+        [--schedules gpipe,1f1b,zero-bubble,zbv,1f1b+compiled] [--no-pippy] [--compiled]
 
 Two forked CPU ranks on gloo, one thread each; batch 16 in 8 microbatches. For each model:
 one plain process on the full batch (one thread), pipecut under each schedule, and
@@ -11,7 +11,11 @@ optimizer step in any of them). ZBV cuts the model into four stages, two per ran
 runs the first and the last). After the runs, a second table gives each pipecut runner's
 predicted against measured step and the error, with each rank's measured forward and backward
 per microbatch (its stages together, from the timeline of one recorded step) against the
-plan's, which shows where a prediction is off. Prints the tables and writes JSON. Not a test: numbers depend on
+plan's, which shows where a prediction is off. A schedule ``S+compiled`` runs pipecut with
+``compile_stages=True`` against one compiled process, with its compile times cold (an empty
+inductor cache, made for this run and shared by the ranks) and warm (a second run replaying its
+plan on that cache); ``--compiled`` adds torch.distributed.pipelining with its stage modules
+compiled. ``benchmarks/compiled.py`` times compiled against eager in alternation. Prints the tables and writes JSON. Not a test: numbers depend on
 the machine and on whatever else runs on it.
 """
 

@@ -54,11 +54,12 @@ class CompileStats:
     """Inductor FX graph cache hits while compiling them: graphs read back instead of compiled
     (a stage another rank of the host compiled first, or a warm cache from an earlier run)."""
     shapes: list[str] = field(default_factory=list)
-    """The input shapes each graph was compiled for, in order (symbolic sizes as ``s0``)."""
+    """The input shapes of the call that compiled each graph, in order (a graph compiled with
+    dynamic sizes serves other sizes too)."""
 
 
 class _CountingBackend:
-    """The inductor backend, counting and timing what it compiles for one stage."""
+    """The inductor backend, counting what it compiles for one stage."""
 
     def __init__(self, stats: CompileStats) -> None:
         self.stats = stats
