@@ -1,7 +1,7 @@
 """Runtime benchmark: pipecut's schedules against torch.distributed.pipelining and one process.
 
     .venv/bin/python benchmarks/runtime.py [--rounds 5] [--steps 2] [--models gpt,mlp,...]
-        [--schedules gpipe,1f1b,zero-bubble,zbv] [--no-pippy]
+        [--schedules gpipe,1f1b,zero-bubble,zbv,1f1b+compiled] [--no-pippy] [--compiled]
 
 Two forked CPU ranks on gloo, one thread each; batch 16 in 8 microbatches. For each model:
 one plain process on the full batch (one thread), pipecut under each schedule, and
@@ -11,7 +11,11 @@ optimizer step in any of them). ZBV cuts the model into four stages, two per ran
 runs the first and the last). After the runs, a second table gives each pipecut runner's
 predicted against measured step and the error, with each rank's measured forward and backward
 per microbatch (its stages together, from the timeline of one recorded step) against the
-plan's, which shows where a prediction is off. Prints the tables and writes JSON. Not a test: numbers depend on
+plan's, which shows where a prediction is off. A schedule ``S+compiled`` runs pipecut with
+``compile_stages=True`` against one compiled process, with its compile times cold (an empty
+inductor cache, made for this run and shared by the ranks) and warm (a second run replaying its
+plan on that cache); ``--compiled`` adds torch.distributed.pipelining with its stage modules
+compiled. ``benchmarks/compiled.py`` times compiled against eager in alternation. Prints the tables and writes JSON. Not a test: numbers depend on
 the machine and on whatever else runs on it.
 """
 
@@ -20,9 +24,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -101,19 +107,27 @@ def _timed(step: Callable[[], Any], steps: int, warmup: int = 0) -> list[float]:
     return times
 
 
-def _paired(rank: int, name: str, pipeline_step: Callable[[], Any], rounds: int, steps: int) -> dict[str, Any]:
+def _paired(rank: int, name: str, pipeline_step: Callable[[], Any], rounds: int, steps: int,
+            compiled: bool = False) -> dict[str, Any]:
     """Alternate pipelined steps (all ranks) with plain single-process steps (rank 0, the other
     ranks idle in a barrier), round after round, so both see the same machine conditions; this
-    machine's speed drifts by 20% or more between minutes."""
+    machine's speed drifts by 20% or more between minutes. ``compiled``: the single process
+    runs the model through ``torch.compile`` (its first step, which compiles, is timed apart)."""
     model, inputs, loss_fn, target = MODELS[name]()
+    if compiled:
+        model.compile()
 
     def single_step() -> None:
         loss_fn(_call(model, inputs), target).backward()
         model.zero_grad()
 
-    _timed(pipeline_step, 2)  # warm-up
+    first_ms = _timed(pipeline_step, 1)[0]  # warm-up (compiles, with compiled stages)
+    _timed(pipeline_step, 1)
+    single_first_ms = None
+    torch.distributed.barrier()
     if rank == 0:
-        _timed(single_step, 2)
+        single_first_ms = _timed(single_step, 1)[0]
+        _timed(single_step, 1)
     pipe_ms: list[float] = []
     single_ms: list[float] = []
     for _ in range(rounds):
@@ -123,17 +137,24 @@ def _paired(rank: int, name: str, pipeline_step: Callable[[], Any], rounds: int,
         if rank == 0:
             single_ms += _timed(single_step, steps)
     torch.distributed.barrier()
-    return {"ms": statistics.median(pipe_ms), "single_ms": statistics.median(single_ms) if single_ms else None}
+    return {"ms": statistics.median(pipe_ms) if pipe_ms else None,
+            "single_ms": statistics.median(single_ms) if single_ms else None,
+            "first_ms": first_ms, "single_first_ms": single_first_ms}
 
 
-def _pipecut_rank(rank: int, world: int, name: str, schedule: str, rounds: int, steps: int) -> dict[str, Any]:
+def _pipecut_rank(rank: int, world: int, name: str, schedule: str, rounds: int, steps: int,
+                  plan: str | None = None) -> dict[str, Any]:
     model, inputs, loss_fn, target = MODELS[name]()
     recompute = schedule.endswith("+recompute")
+    compiled = schedule.endswith("+compiled")
+    start = time.perf_counter()
     pipe = pipecut.compile(
         model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-        microbatches=MICROBATCHES, schedule=schedule.removesuffix("+recompute"),
-        runtime=pipecut.RuntimeOptions(timeout=300),
+        microbatches=MICROBATCHES, plan=plan,
+        schedule=schedule.removesuffix("+recompute").removesuffix("+compiled"),
+        runtime=pipecut.RuntimeOptions(timeout=300, compile_stages=compiled),
     )
+    build_s = time.perf_counter() - start  # capture, plan, calibrate (compiling, if compiled)
     if recompute:  # the same split with every stage recomputing its forward in backward
         plan = with_recompute(pipe.plan)
         pipe = pipecut.compile(
@@ -146,12 +167,15 @@ def _pipecut_rank(rank: int, world: int, name: str, schedule: str, rounds: int, 
         for module in pipe.modules:  # ZBV: two stages per rank
             module.zero_grad()
 
-    out = _paired(rank, name, step, rounds, steps)
+    out = _paired(rank, name, step, rounds, steps, compiled=compiled)
+    if rounds == 0:  # compile time only (the warm-cache run)
+        return {**out, "build_s": build_s, "compile": [dataclasses.asdict(c) for c in pipe.compile_stats]}
     pipe.step(inputs, target, record=True)
     pipe.trace()
     plan = pipe.plan
     first = plan.node(plan.stages[1].nodes[0])
-    return {**out, "predicted_ms": plan.predicted.step_ms,
+    return {**out, "build_s": build_s, "compile": [dataclasses.asdict(c) for c in pipe.compile_stats],
+            "plan": plan.to_json(), "predicted_ms": plan.predicted.step_ms,
             "bubble": plan.predicted.bubble_fraction, "peak_activation_bytes": pipe.peak_activation_bytes,
             "capture": plan.capture.value, "cut_module": first.module,
             "stage_nodes": [len(s.nodes) for s in plan.stages],
@@ -239,20 +263,23 @@ def pippy_gpipe(model: torch.nn.Module, inputs: Any, splits: list[str], rank: in
     return stage, step
 
 
-def _pippy_rank(rank: int, world: int, name: str, split: str, rounds: int, steps: int) -> dict[str, Any]:
+def _pippy_rank(rank: int, world: int, name: str, split: str, rounds: int, steps: int,
+                compiled: bool = False) -> dict[str, Any]:
     model, inputs, loss_fn, target = MODELS[name]()
     stage, pippy_step = pippy_gpipe(model, inputs, [split], rank, MICROBATCHES, loss_fn)
+    if compiled:  # as its users compile: the stage module, in place
+        stage.submod.compile()
 
     def step() -> None:
         pippy_step(inputs, target)
         stage.submod.zero_grad()
 
-    return _paired(rank, name, step, rounds, steps)
+    return _paired(rank, name, step, rounds, steps, compiled=compiled)
 
 
 def run(names: list[str], rounds: int, steps: int,
         schedules: tuple[str, ...] = ("gpipe", "1f1b", "zero-bubble", "zbv"),
-        pippy: bool = True) -> list[dict[str, Any]]:
+        pippy: bool = True, pippy_compiled: bool = False) -> list[dict[str, Any]]:
     rows = []
     for name in names:
         cut_module = ""
@@ -270,23 +297,47 @@ def run(names: list[str], rounds: int, steps: int,
                 "peak_activation_mib": [round(r["peak_activation_bytes"] / 2**20, 1) for r in res],
                 "capture": r0["capture"], "stage_nodes": r0["stage_nodes"],
                 "timeline": [r["timeline"] for r in res],
+                **(_compile_times(res, run_ranks(_pipecut_rank, WORLD, name, schedule, 0, steps, r0["plan"],
+                                                 timeout=1800, collective_timeout=600))
+                   if schedule.endswith("+compiled") else {}),
             })
         if not pippy:
             print_table([r for r in rows if r["model"] == name])
             continue
         model = MODELS[name]()[0]
         split = _split_point(cut_module, model) if cut_module else ""
-        runner = f"torch.distributed.pipelining gpipe (split {split})"
-        try:
-            res = run_ranks(_pippy_rank, WORLD, name, split, rounds, steps, timeout=1800,
-                            collective_timeout=600)
-            r0 = res[0]
-            rows.append({"model": name, "runner": runner, "ms": r0["ms"], "single_ms": r0["single_ms"],
-                         "speedup": r0["single_ms"] / r0["ms"]})
-        except Exception as e:  # recorded, not hidden
-            rows.append({"model": name, "runner": runner, "error": str(e).strip().splitlines()[-1][:200]})
+        for compiled in (False, True) if pippy_compiled else (False,):
+            runner = f"torch.distributed.pipelining gpipe{'+compiled' if compiled else ''} (split {split})"
+            try:
+                res = run_ranks(_pippy_rank, WORLD, name, split, rounds, steps, compiled, timeout=1800,
+                                collective_timeout=600)
+                r0 = res[0]
+                rows.append({"model": name, "runner": runner, "ms": r0["ms"], "single_ms": r0["single_ms"],
+                             "speedup": r0["single_ms"] / r0["ms"],
+                             **({"first_step_s": max(r["first_ms"] for r in res) / 1e3,
+                                 "single_first_step_s": r0["single_first_ms"] / 1e3} if compiled else {})})
+            except Exception as e:  # recorded, not hidden
+                rows.append({"model": name, "runner": runner, "error": str(e).strip().splitlines()[-1][:200]})
         print_table([r for r in rows if r["model"] == name])
     return rows
+
+
+def _compile_times(cold: list[dict[str, Any]], warm: list[dict[str, Any]]) -> dict[str, Any]:
+    """Compile times of a compiled runner: its first run with an empty inductor cache, then a
+    second run on the cache the first filled (shared by both ranks and the single process).
+    ``compile_s``: the slowest rank's seconds in its calls that compiled (all its graphs);
+    ``build_s``: the slowest rank's ``pipecut.compile`` (capture, plan, calibration steps,
+    which compile; the warm run replays the cold run's plan, so it neither plans nor
+    calibrates and compiles in its first step); ``first_step_s``: the slowest rank's first
+    step after ``compile``; ``single_first_step_s``: the compiled single process's first step."""
+    def times(res: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"compile_s": max(sum(c["seconds"] for c in r["compile"]) for r in res),
+                "graphs": [sum(c["graphs"] for c in r["compile"]) for r in res],
+                "cache_hits": [sum(c["cache_hits"] for c in r["compile"]) for r in res],
+                "build_s": max(r["build_s"] for r in res),
+                "first_step_s": max(r["first_ms"] for r in res) / 1e3,
+                "single_first_step_s": res[0]["single_first_ms"] / 1e3}
+    return {"compile_cold": times(cold), "compile_warm": times(warm)}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -298,6 +349,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         if "predicted_ms" in r:
             extra = (f"  predicted {r['predicted_ms']:7.1f} ms ({r['prediction_error']:+.0%})  bubble "
                      f"{r['bubble']:.0%}  activations MiB {r['peak_activation_mib']}")
+        if "compile_cold" in r:
+            c, w = r["compile_cold"], r["compile_warm"]
+            extra += (f"  compile cold {c['compile_s']:.0f} s (build {c['build_s']:.0f} s, one process "
+                      f"{c['single_first_step_s']:.0f} s), warm {w['compile_s']:.0f} s (build + first "
+                      f"step {w['build_s'] + w['first_step_s']:.0f} s, one process {w['single_first_step_s']:.0f} s)")
+        elif "first_step_s" in r:
+            extra += f"  first step {r['first_step_s']:.0f} s (one process {r['single_first_step_s']:.0f} s)"
         print(f"{r['model']:8} {r['runner']:58} {r['ms']:8.1f} ms  one process {r['single_ms']:8.1f} ms  "
               f"{r['speedup']:5.2f}x{extra}", flush=True)
 
@@ -330,11 +388,17 @@ def main() -> None:
     parser.add_argument("--schedules", default="gpipe,1f1b,zero-bubble,zbv",
                         help="pipecut schedules to run (the GPT example also runs gpipe+recompute)")
     parser.add_argument("--no-pippy", action="store_true", help="skip torch.distributed.pipelining")
+    parser.add_argument("--compiled", action="store_true",
+                        help="torch.distributed.pipelining with compiled stage modules too; name "
+                             "pipecut's compiled runs as schedules, e.g. 1f1b,1f1b+compiled")
     parser.add_argument("--out", default=str(Path(__file__).with_name("runtime.json")))
     args = parser.parse_args()
     torch.set_num_threads(1)
+    # Compiled runners start cold: an empty inductor cache, shared by the ranks and the single
+    # process (each runner's second, compile-only run then reads it warm).
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="pipecut-inductor-")
     rows = run(args.models.split(","), args.rounds, args.steps, tuple(args.schedules.split(",")),
-               not args.no_pippy)
+               not args.no_pippy, args.compiled)
     print_predictions(rows)
     Path(args.out).write_text(json.dumps({"batch": BATCH, "microbatches": MICROBATCHES, "ranks": WORLD,
                                           "torch": torch.__version__, "rows": rows}, indent=1))

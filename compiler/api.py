@@ -47,8 +47,10 @@ from pipecut.parallel import DataParallelKind
 from pipecut.passes.costs.stages import predicted_timeline
 from pipecut.plan import Plan
 from pipecut.planning.partition import Devices
+from pipecut.profile.compiled import check_auto, measure_and_choose, with_note
 from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn
+from pipecut.runtime.compiled import check_compilable
 from pipecut.runtime.data_parallel import replicate
 from pipecut.runtime.launch import ready_for_p2p
 from pipecut.runtime.materialize import check_unexpected
@@ -108,6 +110,9 @@ def compile(
     pipecut checkpoint or a state dict; or a :class:`~pipecut.options.WeightOptions`), or
     initialises them (``WeightOptions(init=..., seed=...)``, Hugging Face models their own
     way). Every rank's stage weights are set to global rank 0's. ``model`` is left as it is.
+    ``RuntimeOptions(compile_stages=True)`` runs each stage through ``torch.compile``
+    (:mod:`pipecut.runtime.compiled`); "auto" keeps compiled stages where the calibration steps
+    show they pay for their compile (:mod:`pipecut.profile.compiled`).
     The keyword arguments of pipecut 0.1 still work, with a DeprecationWarning.
     """
     given = None if plan is None else plan if isinstance(plan, Plan) else Plan.from_json(plan)
@@ -120,10 +125,11 @@ def compile(
         legacy=legacy, accepted=COMPILE_KEYWORDS)
     job = Job(model=model, devices=devices, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
               options=options_of(groups), weights=groups["weights"], given=given)
+    check_auto(job.options.runtime.compile_stages, calibrates=_calibrates(job))
     if job.options.data_parallel.kind == AUTO:
         job = _with_replicas(job)
     pipe, place = _build(job)
-    moved = _calibrated(job, pipe, place)
+    moved, job = _calibrated(job, pipe, place)
     if moved is not None:  # one build alive at a time: two would double every rank's peak memory
         del pipe
         gc.collect()
@@ -140,6 +146,8 @@ def _build(job: Job) -> tuple[Pipeline, Place]:
     place = connect(job, run.run)
     chosen = choose(job, place, run)
     sched = runnable_schedule(chosen.plan, place)
+    if job.options.runtime.compile_stages:
+        check_compilable(chosen.plan, data_parallel=place.replication is not None)
     derived = other_mode(job.model, chosen.first, chosen.captured, chosen.plan, job.options.capture.leaf_modules)
     make = worker_factory(job, place)
     captured, workers = build_workers(job, place, chosen.captured, chosen.plan, source, make)
@@ -155,23 +163,36 @@ def _build(job: Job) -> tuple[Pipeline, Place]:
     return pipe, place
 
 
-def _calibrated(job: Job, pipe: Pipeline, place: Place) -> Plan | None:
-    """Live calibration: time the stages of the running pipeline, scale the costs to them and
-    partition again on rank 0. The pipeline takes the new costs where the split stays (or is
-    being measured again); the new plan is returned where the split moved, to build again
-    (its prediction then comes from its own stages' times, and that split is kept)."""
-    steps = job.options.measure.calibration_steps
-    if (job.given is not None and not job.remeasure) or steps == 0:
-        return None
-    times = measure_stages(pipe, job.example_inputs, job.target, steps)  # before FSDP changes the modules
-    again: list[Any] = [recalibrate(pipe.plan, times, place.replication, keep_split=job.remeasure).to_json()
-                        if dist.get_rank() == 0 else None]
+def _calibrates(job: Job) -> bool:
+    """Live calibration runs: the plan is made here (or a moved split is measured again)."""
+    return (job.given is None or job.remeasure) and job.options.measure.calibration_steps > 0
+
+
+def _calibrated(job: Job, pipe: Pipeline, place: Place) -> tuple[Plan | None, Job]:
+    """Live calibration: time the stages of the running pipeline (with compile_stages="auto",
+    eager and compiled, one kept), scale the costs to them and partition again on rank 0. The
+    pipeline takes the new costs where the split stays (or is being measured again); the new
+    plan is returned where the split moved, to build again (its prediction then comes from its
+    own stages' times, and that split is kept), with the job that builds it."""
+    if not _calibrates(job):
+        return None, job
+    steps, choice = job.options.measure.calibration_steps, None
+    if job.options.runtime.compile_stages == AUTO:
+        choice, times = measure_and_choose(pipe, job.example_inputs, job.target, steps)
+        runtime = dataclasses.replace(job.options.runtime, compile_stages=choice.compiled)
+        job = dataclasses.replace(job, options=dataclasses.replace(job.options, runtime=runtime))
+    else:
+        times = measure_stages(pipe, job.example_inputs, job.target, steps)  # before FSDP changes the modules
+    again: list[Any] = [None]
+    if dist.get_rank() == 0:
+        made = recalibrate(pipe.plan, times, place.replication, keep_split=job.remeasure)
+        again = [(with_note(made, choice) if choice is not None else made).to_json()]
     dist.broadcast_object_list(again, src=0)
     recalibrated = Plan.from_json(again[0])
     if job.remeasure or recalibrated.runs_like(pipe.plan):  # same split: keep this build
         pipe.plan, pipe.predicted = recalibrated, tuple(predicted_timeline(recalibrated))
-        return None
-    return recalibrated
+        return None, job
+    return recalibrated, job
 
 
 def _replicated(pipe: Pipeline, place: Place) -> Pipeline:

@@ -10,7 +10,8 @@
 - :class:`ScheduleOptions`: microbatches, the schedule, stages per rank;
 - :class:`DataParallelOptions`: replicas of the pipeline and their engine;
 - :class:`WeightOptions`: where a meta model's weights come from (``compile`` only);
-- :class:`RuntimeOptions`: timeouts, host memory, loss reduction (``compile`` only).
+- :class:`RuntimeOptions`: timeouts, host memory, loss reduction, compiled stages (``compile``
+  only).
 
 Each normalises what it is given (a kind's name becomes its enum, module classes their names)
 so that two equal requests compare equal, and all but the weights (a file or a function, not
@@ -211,9 +212,16 @@ class RuntimeOptions:
     """CPU ranks: give every freed block of 1 MiB or more back at once (peak RSS follows the
     plan, steps slower)."""
     loss_reduction: LossReduction = LossReduction.MEAN
+    compile_stages: bool | Literal["auto"] = False
+    """Run each stage module through ``torch.compile`` (see :mod:`pipecut.runtime.compiled`);
+    "auto": the live calibration steps time the stages eager and compiled and keep compiled
+    where the saving pays for the compile (see :mod:`pipecut.profile.compiled`)."""
 
     def __post_init__(self) -> None:
         _set(self, "loss_reduction", enum_choice(LossReduction, self.loss_reduction, "loss_reduction"))
+        if self.compile_stages not in (True, False, AUTO):
+            raise InputError(f"RuntimeOptions(compile_stages={self.compile_stages!r}): use True, False "
+                             f"or {AUTO!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -24,8 +24,9 @@ from pipecut.core.shapes import (
     planned_signature,
     signature,
 )
-from pipecut.errors import InputError, PipelineRuntimeError
+from pipecut.errors import InputError, PipecutError, PipelineRuntimeError
 from pipecut.plan import NodeCost, Plan
+from pipecut.runtime.compiled import CompileStats
 from pipecut.runtime.data_parallel import average_loss
 from pipecut.runtime.executor import Event, run_actions
 from pipecut.runtime.failure import abort
@@ -123,6 +124,20 @@ class Pipeline:
     def modules(self) -> tuple[torch.nn.Module, ...]:
         """This rank's stage GraphModules; their parameters carry the original model's names."""
         return tuple(self.workers[s].program.module for s in self.stages)
+
+    @property
+    def compile_stats(self) -> list[CompileStats]:
+        """With ``compile_stages``: per stage of this rank and per mode built (train, and eval
+        where its graph differs), the graphs compiled and the seconds it took; else empty."""
+        return [w.compiled for w in self.built_workers() if w.compiled is not None]
+
+    def built_workers(self) -> list[StageWorker]:
+        """This rank's stage workers of every mode built (train, and eval where its graph differs)."""
+        workers = {id(w): w for w in self.workers.values()}
+        for mode in (True, False) if self._modes is not None else ():
+            with contextlib.suppress(PipecutError):  # a mode this model cannot run has none
+                workers.update({id(w): w for w in self._modes.workers(mode).values()})  # type: ignore[union-attr]
+        return list(workers.values())
 
     @property
     def module(self) -> torch.nn.Module:

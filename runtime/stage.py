@@ -29,6 +29,7 @@ from pipecut.errors import PipelineRuntimeError
 from pipecut.plan import NodeCost, Plan, Recompute
 from pipecut.runtime.backward_split import split_backward
 from pipecut.runtime.comm import Peer, WireSpec, pack, unpack
+from pipecut.runtime.compiled import CompileStats, compile_stage, uncompile_stage
 from pipecut.runtime.forward import check_grad_flags
 from pipecut.runtime.memory import ActivationMeter
 from pipecut.runtime.p2p import Direction, Op, Transfer
@@ -92,9 +93,7 @@ class StageWorker:
         self.meter = ActivationMeter(program.module.parameters())
         self.replay = StateReplay(program.module)
         """A recomputing stage's buffers as each forward saw them, for its recompute."""
-        for segment in (m for m in program.module.modules() if isinstance(m, Segment)):
-            segment.register_forward_pre_hook(lambda _, args: self.meter.keep(
-                a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)))
+        self._segment_hooks = self._hook_segments()
         self.state_storage = _storages(program.module)
         self.state: dict[int, _Microbatch] = {}
         self.inbox: dict[tuple[Direction, int], dict[int, torch.Tensor]] = {}
@@ -107,12 +106,40 @@ class StageWorker:
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
         """A GradScaler's ``scale``: backward starts from the scaled loss (set per step)."""
         self.call: Callable[..., Any] = program.module
+        self.compiled: CompileStats | None = None
+        """With ``compile_stages``: what compiling the stage module cost (see
+        :mod:`pipecut.runtime.compiled`); None when it runs eagerly."""
         """What a forward calls: the stage module, or its data-parallel wrapper."""
         self.before_backward: Callable[[int], None] = lambda mb: None
         """Data parallelism: tells the wrapper whether a microbatch's backward is the last."""
         self.reduce_grads = True
         """Whether this step's gradients are reduced across ranks (False under ``no_sync``):
         the data-parallel wrappers read it before the last backward."""
+
+    def _hook_segments(self) -> list[Any]:
+        """The meter counts the inputs each recomputing segment keeps (eager stages)."""
+        return [
+            segment.register_forward_pre_hook(lambda _, args: self.meter.keep(
+                a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)))
+            for segment in (m for m in self.program.module.modules() if isinstance(m, Segment))
+        ]
+
+    def compile(self) -> None:
+        """Run the stage module through ``torch.compile`` from its next call on (see
+        :mod:`pipecut.runtime.compiled`). The segments' inputs are then among the compiled
+        graph's saved tensors, which the meter counts already: their hooks go (a hook inside
+        the compiled region would also break its graph)."""
+        for hook in self._segment_hooks:
+            hook.remove()
+        self._segment_hooks = []
+        self.compiled = compile_stage(self.program.module, self.stage)
+
+    def uncompile(self) -> None:
+        """Back to eager calls of the stage module (``compile_stages="auto"`` chose eager)."""
+        if self.compiled is not None:
+            uncompile_stage(self.program.module)
+            self.compiled = None
+            self._segment_hooks = self._hook_segments()
 
     def prepare(self, wire: Sequence[Mapping[str, NodeCost] | None], weights: Sequence[Fraction]) -> None:
         """Before a step: each microbatch's cut values (None: as planned) and loss factor."""

@@ -37,11 +37,16 @@ WorkerFactory = Callable[[StageProgram, Plan, Callable[[Any], Any]], StageWorker
 
 
 def worker_factory(job: Job, place: Place) -> WorkerFactory:
+    """Workers of this rank, compiled where ``RuntimeOptions.compile_stages`` is True ("auto"
+    compiles them after the calibration steps timed them eager)."""
     def make(program: StageProgram, for_plan: Plan, unflatten: Callable[[Any], Any]) -> StageWorker:
-        return StageWorker(
+        worker = StageWorker(
             program, for_plan, rank=place.rank, ranks=list(place.ranks), group=place.group,
             device=place.device, loss_fn=job.loss_fn, unflatten_output=unflatten, timeout=job.wait,
         )
+        if job.options.runtime.compile_stages is True:
+            worker.compile()
+        return worker
     return make
 
 

@@ -1,0 +1,95 @@
+"""Compiled or eager stages, chosen on the running pipeline (``compile_stages="auto"``).
+
+Compiling a stage costs seconds to minutes once and may save milliseconds at every step, or
+nothing (small kernels gain little from fusion; inductor's own kernels can be slower than the
+library's). Neither is known before both have run here, so the ranks time their stages eager
+(:func:`pipecut.profile.live.measure_stages`, as live calibration does), compile them in place,
+time them again (the warm-up step compiles; what that took inside the compiler backend is the
+compile time), and keep the compiled stages if the predicted saving over
+:data:`AMORTIZED_STEPS` steps exceeds the compile time:
+
+    compiled  iff  (eager step - compiled step) x AMORTIZED_STEPS > compile seconds
+
+The stage times of the kept mode then calibrate the plan as usual, so its prediction is of the
+stages that run. A later run with a warm inductor cache compiles in a fraction of the time
+(``benchmarks/runtime.py`` gives both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipecut.errors import PlanError
+from pipecut.options import AUTO
+from pipecut.plan import Plan
+from pipecut.profile.live import LiveTimes, measure_stages
+
+__all__ = ["AMORTIZED_STEPS", "CompileChoice", "check_auto", "choose", "measure_and_choose", "with_note"]
+
+
+AMORTIZED_STEPS = 1000
+"""Steps over which a compile must pay for itself: a short fine-tuning run, or a few minutes
+of a pre-training run."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CompileChoice:
+    """Eager against compiled stages on this pipeline, and the choice."""
+
+    compiled: bool
+    eager_step_ms: float
+    compiled_step_ms: float
+    compile_s: float
+    """The slowest rank's seconds compiling (see ``CompileStats.seconds``)."""
+
+    def note(self) -> str:
+        kept = "compiled" if self.compiled else "eager"
+        return (f"{kept} stages kept: measured step {self.compiled_step_ms:.1f} ms compiled, "
+                f"{self.eager_step_ms:.1f} ms eager; compiling took {self.compile_s:.1f} s "
+                f"(kept compiled iff the saving over {AMORTIZED_STEPS} steps exceeds it)")
+
+
+def choose(eager: LiveTimes, compiled: LiveTimes, compile_s: float, steps: int = AMORTIZED_STEPS) -> CompileChoice:
+    """The rule above, on measured steps."""
+    saving_s = (eager.step_ms - compiled.step_ms) * steps / 1e3
+    return CompileChoice(compiled=saving_s > compile_s, eager_step_ms=eager.step_ms,
+                         compiled_step_ms=compiled.step_ms, compile_s=compile_s)
+
+
+def measure_and_choose(pipe: Any, inputs: Any, target: Any, steps: int) -> tuple[CompileChoice, LiveTimes]:
+    """Time ``pipe``'s stages eager, compile every stage of every mode, time them again; keep
+    the compiled stages or undo the compile, the same on every rank (rank 0's step times and
+    the slowest rank's compile time decide). Returns the choice and the kept mode's times."""
+    eager = measure_stages(pipe, inputs, target, steps)
+    workers = pipe.built_workers()
+    for w in workers:
+        w.compile()
+    compiled = measure_stages(pipe, inputs, target, steps)
+    seconds = torch.tensor([sum(s.seconds for s in pipe.compile_stats)], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    decided: list[Any] = [choose(eager, compiled, float(seconds.item()))]
+    dist.broadcast_object_list(decided, src=0)
+    choice: CompileChoice = decided[0]
+    if not choice.compiled:
+        for w in workers:
+            w.uncompile()
+    return choice, compiled if choice.compiled else eager
+
+
+def check_auto(value: bool | str, *, calibrates: bool) -> None:
+    """``compile_stages="auto"`` needs the live calibration steps to choose on."""
+    if value == AUTO and not calibrates:
+        raise PlanError(
+            "compile_stages='auto' chooses on the live calibration steps, which a given plan= or "
+            "calibration_steps=0 skips; pass compile_stages=True or False"
+        )
+
+
+def with_note(plan: Plan, choice: CompileChoice) -> Plan:
+    """``plan`` with the choice in its solver's notes (the summary and the report print them)."""
+    detail = f"{plan.solver.detail}; {choice.note()}" if plan.solver.detail else choice.note()
+    return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, detail=detail))
