@@ -29,6 +29,7 @@ from pipecut.options import (
     DataParallelOptions,
     MeasureOptions,
     PartitionOptions,
+    RuntimeOptions,
     ScheduleOptions,
     options_of,
     requested,
@@ -44,6 +45,7 @@ from pipecut.planning.replicas import plan_replicated
 from pipecut.planning.request import FirstBatch, Request, default_choices, warn_if_sequential
 from pipecut.profile.calibrate import calibrate as calibrate_costs
 from pipecut.profile.calibrate import stage_times
+from pipecut.profile.compiled import AMORTIZED_STEPS, CompileChoice, compiled_stage_times, with_note
 from pipecut.profile.nodes import LossFn, profile
 
 __all__ = ["PLAN_KEYWORDS", "plan", "plan_fixed"]
@@ -68,6 +70,7 @@ def plan(
     partition: PartitionOptions | None = None,
     scheduling: ScheduleOptions | None = None,
     data_parallel: DataParallelOptions | DataParallel | str | None = None,
+    runtime: RuntimeOptions | None = None,
     cluster: str | Cluster | None = None,
     progress: Callable[[int, int], None] | None = None,
     captured: Captured | None = None,
@@ -93,13 +96,19 @@ def plan(
     run on a cluster that is not here from estimated costs (the model may be on meta); see
     :func:`pipecut.planning.clusters.plan_cluster`.
 
+    ``runtime``: how the stages will run; with ``RuntimeOptions(compile_stages=True)`` the
+    calibration times the stages compiled (:func:`pipecut.profile.compiled.compiled_stage_times`),
+    so the plan prices what will run; "auto" times both and keeps the cheaper, compile time
+    included (the plan's solver note says which and why).
+
     ``captured``: the graph to plan, already captured at the first microbatch (``compile``).
     The keyword arguments of pipecut 0.1 (``repeats=``, ``recompute=``, ...) still work, with a
     DeprecationWarning naming their new place. The model is never changed.
     """
     groups = requested("plan", microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
                        groups={"capture": capture, "measure": measure, "partition": partition,
-                               "scheduling": scheduling}, legacy=legacy, accepted=PLAN_KEYWORDS)
+                               "scheduling": scheduling, "runtime": runtime},
+                       legacy=legacy, accepted=PLAN_KEYWORDS)
     request = Request(model=model, example_inputs=example_inputs, target=target, loss_fn=loss_fn,
                       devices=() if cluster is not None else as_devices(devices),
                       options=options_of(groups), progress=progress)
@@ -185,9 +194,21 @@ def _calibrated(request: Request, captured: Captured, on: Captured, batch: First
     planned = _partitioned(request, captured, batch.batch_size, costs, chunked)
     if not timed:
         return planned
-    times = stage_times(on, planned, batch.flat(on), request.loss_fn, batch.target,
-                        repeats=max(1, request.options.measure.repeats // 2))
-    return _partitioned(request, captured, batch.batch_size, calibrate_costs(costs, planned, times), chunked)
+    repeats, mode = max(1, request.options.measure.repeats // 2), request.options.runtime.compile_stages
+    eager = None
+    if mode is not True:
+        times = stage_times(on, planned, batch.flat(on), request.loss_fn, batch.target, repeats=repeats)
+        eager = _partitioned(request, captured, batch.batch_size, calibrate_costs(costs, planned, times), chunked)
+        if mode is False:
+            return eager
+    times, seconds = compiled_stage_times(on, planned, batch.flat(on), request.loss_fn, batch.target, repeats)
+    compiled = _partitioned(request, captured, batch.batch_size, calibrate_costs(costs, planned, times), chunked)
+    if eager is None:
+        return _noted(compiled, f"stages priced compiled (compiling took {seconds:.1f} s here)")
+    saving_s = (eager.predicted.step_ms - compiled.predicted.step_ms) * AMORTIZED_STEPS / 1e3
+    choice = CompileChoice(compiled=saving_s > seconds, eager_step_ms=eager.predicted.step_ms,
+                           compiled_step_ms=compiled.predicted.step_ms, compile_s=seconds, source="predicted")
+    return with_note(compiled if choice.compiled else eager, choice)
 
 
 def _partitioned(request: Request, captured: Captured, batch_size: int, costs: Sequence[NodeCost],

@@ -13,7 +13,7 @@ partitions again on the calibrated table. The model is left as it was: gradients
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 
 from pipecut.core.clock import Timer
 from pipecut.core.meta import input_device
-from pipecut.core.program import Captured
+from pipecut.core.program import Captured, StageProgram
 from pipecut.passes.rewrite.split import split
 from pipecut.plan import NodeCost, Plan
 from pipecut.profile.running import LossFn, preserved_state
@@ -63,9 +63,11 @@ def _backward_ms(outputs: list[torch.Tensor], wrt: list[torch.Tensor], timer: Ti
 
 def stage_times(
     captured: Captured, plan: Plan, inputs: Sequence[Any], loss_fn: LossFn | None, target: Any,
-    repeats: int = 3,
+    repeats: int = 3, prepare: Callable[[StageProgram], None] | None = None,
 ) -> list[tuple[float, float]]:
-    """(forward ms, backward ms) of every stage of ``plan`` on one microbatch, run in order."""
+    """(forward ms, backward ms) of every stage of ``plan`` on one microbatch, run in order.
+    ``prepare(program)`` runs on each stage program before it is timed (compiling it, say:
+    the untimed warm-up run then compiles)."""
     flat = dict(zip(captured.input_names, inputs))
     timer = Timer(repeats, warmup=1, device=input_device(inputs))  # CUDA events on a GPU
     times = []
@@ -74,6 +76,8 @@ def stage_times(
         for prog in split(captured.gm, plan):
             args, leaves = _float_leaves(received, [plan.node(n) for n in prog.received])
             params: list[torch.Tensor] = [p for p in prog.module.parameters() if p.requires_grad]
+            if prepare is not None:
+                prepare(prog)
 
             def forward(prog: Any = prog, args: list[Any] = args) -> Any:
                 out = prog.module(*args, *(flat[n] for n in prog.model_inputs))

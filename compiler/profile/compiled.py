@@ -26,9 +26,11 @@ import torch.distributed as dist
 from pipecut.errors import PlanError
 from pipecut.options import AUTO
 from pipecut.plan import Plan
+from pipecut.profile.calibrate import stage_times
 from pipecut.profile.live import LiveTimes, measure_stages
+from pipecut.runtime.compiled import CompileStats, compile_stage
 
-__all__ = ["AMORTIZED_STEPS", "CompileChoice", "check_auto", "choose", "measure_and_choose", "with_note"]
+__all__ = ["AMORTIZED_STEPS", "CompileChoice", "check_auto", "choose", "compiled_stage_times", "measure_and_choose", "with_note"]
 
 
 AMORTIZED_STEPS = 1000
@@ -45,10 +47,13 @@ class CompileChoice:
     compiled_step_ms: float
     compile_s: float
     """The slowest rank's seconds compiling (see ``CompileStats.seconds``)."""
+    source: str = "measured"
+    """Where the step times come from: "measured" on the running pipeline, "predicted" by a
+    plan from stage times taken in one process."""
 
     def note(self) -> str:
         kept = "compiled" if self.compiled else "eager"
-        return (f"{kept} stages kept: measured step {self.compiled_step_ms:.1f} ms compiled, "
+        return (f"{kept} stages kept: {self.source} step {self.compiled_step_ms:.1f} ms compiled, "
                 f"{self.eager_step_ms:.1f} ms eager; compiling took {self.compile_s:.1f} s "
                 f"(kept compiled iff the saving over {AMORTIZED_STEPS} steps exceeds it)")
 
@@ -78,6 +83,21 @@ def measure_and_choose(pipe: Any, inputs: Any, target: Any, steps: int) -> tuple
         for w in workers:
             w.uncompile()
     return choice, compiled if choice.compiled else eager
+
+
+def compiled_stage_times(
+    captured: Any, plan: Plan, inputs: Any, loss_fn: Any, target: Any, repeats: int = 3,
+) -> tuple[list[tuple[float, float]], float]:
+    """Every stage of ``plan`` compiled as ``compile_stages=True`` runs it, timed whole on one
+    microbatch in one process (as :func:`~pipecut.profile.calibrate.stage_times` times eager
+    stages), and the seconds compiling took: what ``pipecut.plan`` prices compiled stages by."""
+    stats: list[CompileStats] = []
+
+    def compiled(program: Any) -> None:
+        stats.append(compile_stage(program.module, program.index))
+
+    times = stage_times(captured, plan, inputs, loss_fn, target, repeats=repeats, prepare=compiled)
+    return times, sum(s.seconds for s in stats)
 
 
 def check_auto(value: bool | str, *, calibrates: bool) -> None:

@@ -166,11 +166,13 @@ def _compiled_reference(build: Build) -> tuple[torch.Tensor, dict[str, torch.Ten
 
 
 @pytest.fixture
-def inductor_cache(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def inductor_cache(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """One inductor cache for the compiles of these tests, kept in pytest's cache directory
-    (a second run reads its graphs back: the cache-hit path runs then); inductor compiling
-    in-process."""
-    path = request.config.cache.mkdir("inductor")
+    (a second run reads its graphs back: the cache-hit path runs then; a run without pytest's
+    cache gets a fresh one); inductor compiling in-process."""
+    cache = getattr(request.config, "cache", None)
+    path = cache.mkdir("inductor") if cache is not None else tmp_path_factory.mktemp("inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(path))
     with torch._inductor.config.patch(compile_threads=1):
         yield path

@@ -6,7 +6,10 @@ The measuring half (:func:`pipecut.profile.compiled.measure_and_choose`) runs on
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
 
 from pipecut.errors import InputError, PlanError
 from pipecut.options import RuntimeOptions
@@ -42,3 +45,37 @@ def test_compile_stages_values() -> None:
         RuntimeOptions(compile_stages="yes")
     with pytest.raises(PlanError, match=r"compile_stages='auto' chooses on the live calibration steps"):
         check_auto("auto", calibrates=False)
+
+
+def _mlp_plan(runtime: RuntimeOptions) -> Any:
+    import pipecut
+    from examples import mlp
+
+    model, inputs, loss_fn, target = mlp.build(8, width=16, depth=2)
+    return pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2, schedule="1f1b",
+                        measure=pipecut.MeasureOptions(repeats=2, warmup=0), runtime=runtime,
+                        partition=pipecut.PartitionOptions(heavy_pieces=False))
+
+
+def test_plan_prices_compiled_stages_with_the_compile_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    import pipecut.planning.planner as planner
+    from pipecut.profile.calibrate import stage_times
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    with torch._inductor.config.patch(compile_threads=1):
+        real = _mlp_plan(RuntimeOptions(compile_stages=True))  # compiled for real, in one process
+    assert "stages priced compiled (compiling took" in real.solver.detail
+    assert real.options.runtime.compile_stages is True
+
+    def faster(seconds: float) -> Any:  # compiled stages at half the eager times, compiling `seconds`
+        def timed(*args: Any, **kwargs: Any) -> tuple[list[tuple[float, float]], float]:
+            return [(f / 2, b / 2) for f, b in stage_times(*args, **kwargs)], seconds
+        return timed
+
+    monkeypatch.setattr(planner, "compiled_stage_times", faster(0.0))
+    kept = _mlp_plan(RuntimeOptions(compile_stages="auto"))
+    assert "compiled stages kept: predicted step" in kept.solver.detail
+    monkeypatch.setattr(planner, "compiled_stage_times", faster(1e9))  # never pays for itself
+    eager = _mlp_plan(RuntimeOptions(compile_stages="auto"))
+    assert "eager stages kept: predicted step" in eager.solver.detail
+    assert kept.predicted.step_ms < eager.predicted.step_ms
