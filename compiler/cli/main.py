@@ -179,7 +179,7 @@ def measure_on(asked: str | None) -> str | None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     import pipecut
-    from pipecut.options import MeasureOptions, ScheduleOptions
+    from pipecut.options import MeasureOptions, RuntimeOptions, ScheduleOptions
     from pipecut.planning.partition import DEFAULT_LINK, as_devices, as_ilp_solver, as_schedule
     from pipecut.profile.devices import device_profile
     from pipecut.report.render import render
@@ -239,6 +239,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 scheduling=ScheduleOptions(stages_per_rank=args.stages_per_rank),
                 measure=MeasureOptions(calibrate=args.calibrate, device=measure_on(args.measure_on),
                                        link=args.link or DEFAULT_LINK),
+                runtime=RuntimeOptions(compile_stages={"off": False, "on": True, "auto": "auto"}[args.compile_stages]),
             )
     if args.out:
         plan.to_json(args.out)
@@ -426,6 +427,9 @@ def _plan_cost_arguments(p: argparse.ArgumentParser) -> None:
                    "pieces spread over stages")
     p.add_argument("--solver", choices=_solver_names(), default="highs",
                    help="ILP solver, when memory limits or device speeds need the ILP")
+    p.add_argument("--compile-stages", choices=["off", "on", "auto"], default="off",
+                   help="price the stages as torch.compile runs them (on), or both ways keeping the "
+                   "cheaper with the compile time (auto); the calibration compiles them here")
 
 
 def _plan_output_arguments(p: argparse.ArgumentParser) -> None:

@@ -271,6 +271,15 @@ def test_plan_for_a_device_profile_estimates_without_profiling(in_repo, tmp_path
     assert plan.fingerprint == fingerprint(capture(model, (x[:4],)).gm)  # replayable
 
 
+def test_plan_flags_land_in_the_options_the_plan_records(in_repo, tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["plan", "examples.mlp:build", "-k", "2", "-m", "2", "--batch-size", "8", "--schedule",
+                 "1f1b", "--no-calibrate", "--compile-stages", "on", "--solver", "cbc", "-o", str(out), "-q"]) == 0
+    options = pipecut.Plan.from_json(out).options
+    assert options.runtime.compile_stages is True and not options.measure.calibrate
+    assert options.partition.solver.value == "cbc" and options.scheduling.microbatches == 2
+
+
 def test_plan_link_stages_per_rank_no_calibrate_and_solver(in_repo, tmp_path):
     out = tmp_path / "p.json"
     assert main(["plan", "examples.mlp:build", "-k", "2", "-m", "4", "--batch-size", "8",
