@@ -178,16 +178,36 @@ def measure_on(asked: str | None) -> str | None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import pipecut
-    from pipecut.options import MeasureOptions, RuntimeOptions, ScheduleOptions
-    from pipecut.planning.partition import DEFAULT_LINK, as_devices, as_ilp_solver, as_schedule
-    from pipecut.profile.devices import device_profile
-    from pipecut.report.render import render
+    """``pipecut plan``: check the flags, build the model, plan (for a cluster, from a device
+    profile, or measured here), write the files asked for, print the summary."""
+    _check_plan_args(args)  # everything that can be checked is, before the (slow) profiling starts
+    example = call_factory(load_factory(args.factory), batch_size=args.batch_size, seed=args.seed,
+                           spec=args.factory)
+    log.info("planning %s on %d devices, %s microbatches, %s", args.factory, args.devices,
+             args.microbatches, args.schedule)
+    if args.cluster is not None:
+        from pipecut.planning.clusters import plan_cluster
 
-    # everything that can be checked is checked before the (slow) profiling starts
-    check_output(args.out, "--out")
-    check_output(args.html, "--html")
-    check_output(args.dot, "--dot")
+        plan = plan_cluster(
+            example.model, example.inputs, args.cluster, data_parallel="auto",
+            microbatches=args.microbatches, schedule=args.schedule, recompute=args.recompute,
+            loss_fn=example.loss_fn, target=example.target,
+        )
+    elif args.device_profile is not None:
+        plan = _plan_estimated(args, example, args.link)
+    else:
+        plan = _plan_measured(args, example)
+    _write_plan(plan, args)
+    print(summary(plan))
+    return 0
+
+
+def _check_plan_args(args: argparse.Namespace) -> None:
+    from pipecut.planning.partition import as_ilp_solver, as_schedule
+    from pipecut.profile.devices import device_profile
+
+    for path, flag in ((args.out, "--out"), (args.html, "--html"), (args.dot, "--dot")):
+        check_output(path, flag)
     if args.device_profile is not None and "auto" in (args.microbatches, args.schedule):
         raise InputError("--device-profile plans from estimated costs at one microbatch size: give "
                          "--microbatches and --schedule as values, not 'auto'")
@@ -213,45 +233,40 @@ def cmd_plan(args: argparse.Namespace) -> int:
         parse_cluster(args.cluster)
     if args.device_profile is not None:
         device_profile(args.device_profile)
-    factory = load_factory(args.factory)
-    example = call_factory(factory, batch_size=args.batch_size, seed=args.seed, spec=args.factory)
-    log.info("planning %s on %d devices, %s microbatches, %s", args.factory, args.devices,
-             args.microbatches, args.schedule)
-    if args.cluster is not None:
-        from pipecut.planning.clusters import plan_cluster
 
-        plan = plan_cluster(
-            example.model, example.inputs, args.cluster, data_parallel="auto",
-            microbatches=args.microbatches, schedule=args.schedule, recompute=args.recompute,
-            loss_fn=example.loss_fn, target=example.target,
+
+def _plan_measured(args: argparse.Namespace, example: Any) -> Any:
+    """``pipecut.plan`` with the flags as options objects, the nodes measured here."""
+    import pipecut
+    from pipecut.options import MeasureOptions, RuntimeOptions, ScheduleOptions
+    from pipecut.planning.partition import DEFAULT_LINK, as_devices
+
+    devices = [DeviceSpec(name=d.name, memory_bytes=args.memory_limit, speed=d.speed)
+               for d in as_devices(args.devices)]
+    compiled: bool | str = {"off": False, "on": True}.get(args.compile_stages, "auto")
+    rank = logs.env_rank()
+    with logs.progress("profiling", enabled=logs.show_progress(rank, verbosity=args.verbose)) as bar:
+        return pipecut.plan(
+            example.model, example.inputs, devices, loss_fn=example.loss_fn,
+            target=example.target, microbatches=args.microbatches, schedule=args.schedule,
+            progress=bar, partition=partition_options(args), data_parallel=args.data_parallel,
+            scheduling=ScheduleOptions(stages_per_rank=args.stages_per_rank),
+            measure=MeasureOptions(calibrate=args.calibrate, device=measure_on(args.measure_on),
+                                   link=args.link or DEFAULT_LINK),
+            runtime=RuntimeOptions(compile_stages=compiled),  # type: ignore[arg-type]  # checked there
         )
-    elif args.device_profile is not None:
-        plan = _plan_estimated(args, example, args.link)
-    else:
-        devices = [DeviceSpec(name=d.name, memory_bytes=args.memory_limit, speed=d.speed)
-                   for d in as_devices(args.devices)]
-        rank = logs.env_rank()
-        with logs.progress("profiling", enabled=logs.show_progress(rank, verbosity=args.verbose)) as bar:
-            plan = pipecut.plan(
-                example.model, example.inputs, devices, loss_fn=example.loss_fn,
-                target=example.target, microbatches=args.microbatches, schedule=args.schedule,
-                progress=bar, partition=partition_options(args), data_parallel=args.data_parallel,
-                scheduling=ScheduleOptions(stages_per_rank=args.stages_per_rank),
-                measure=MeasureOptions(calibrate=args.calibrate, device=measure_on(args.measure_on),
-                                       link=args.link or DEFAULT_LINK),
-                runtime=RuntimeOptions(compile_stages={"off": False, "on": True, "auto": "auto"}[args.compile_stages]),
-            )
+
+
+def _write_plan(plan: Any, args: argparse.Namespace) -> None:
+    from pipecut.report.render import render
+
     if args.out:
         plan.to_json(args.out)
         log.info("wrote %s", args.out)
-    if args.html:
-        render(plan, args.html, title=f"pipecut plan of {args.factory}")
-        log.info("wrote %s", args.html)
-    if args.dot:
-        render(plan, args.dot)
-        log.info("wrote %s", args.dot)
-    print(summary(plan))
-    return 0
+    for path in (args.html, args.dot):
+        if path:
+            render(plan, path, **({"title": f"pipecut plan of {args.factory}"} if path == args.html else {}))
+            log.info("wrote %s", path)
 
 
 def summary_data(plan: Plan) -> dict[str, Any]:
