@@ -186,7 +186,9 @@ def _calibrated(job: Job, pipe: Pipeline, place: Place) -> tuple[Plan | None, Jo
     again: list[Any] = [None]
     if dist.get_rank() == 0:
         made = recalibrate(pipe.plan, times, place.replication, keep_split=job.remeasure)
-        again = [(with_note(made, choice) if choice is not None else made).to_json()]
+        if choice is not None:  # the plan replays with the mode chosen, and says why
+            made = dataclasses.replace(with_note(made, choice), options=job.options)
+        again = [made.to_json()]
     dist.broadcast_object_list(again, src=0)
     recalibrated = Plan.from_json(again[0])
     if job.remeasure or recalibrated.runs_like(pipe.plan):  # same split: keep this build

@@ -279,17 +279,11 @@ def with_legacy(groups: Mapping[str, Any], legacy: Mapping[str, Any], where: str
         group, name = LEGACY[old]
         out[group] = dataclasses.replace(out[group], **{name: value})
     if legacy:
-        moved = ", ".join(f"{k}= → {LEGACY[k][0]}={_class_of(LEGACY[k][0])}({LEGACY[k][1]}=...)"
+        moved = ", ".join(f"{k}= → {LEGACY[k][0]}={type(groups[LEGACY[k][0]]).__name__}({LEGACY[k][1]}=...)"
                           for k in legacy)
         warnings.warn(f"{where}(): keyword arguments of pipecut 0.1 are deprecated and will be "
                       f"removed in 0.3: {moved}", DeprecationWarning, stacklevel=stacklevel)
     return out
-
-
-def _class_of(group: str) -> str:
-    return {"capture": "CaptureOptions", "measure": "MeasureOptions", "partition": "PartitionOptions",
-            "scheduling": "ScheduleOptions", "data_parallel": "DataParallelOptions",
-            "weights": "WeightOptions", "runtime": "RuntimeOptions"}[group]
 
 
 def requested(

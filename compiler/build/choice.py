@@ -67,9 +67,8 @@ def choose(job: Job, place: Place, asked: Asked) -> Chosen:
 def _on_rank0(job: Job, place: Place, asked: Asked, captured: Captured | None) -> Plan:
     """Global rank 0 plans; every rank of every replica gets the same plan."""
     options = job.options
-    measure = dataclasses.replace(
-        options.measure, link=place.link,
-        device=str(place.device))  # measured where rank 0's stage will run, not where the model was left
+    measure = dataclasses.replace(  # by default measured where rank 0's stage will run, not where the model was left
+        options.measure, link=place.link, device=options.measure.device or str(place.device))
     return plan_from_rank0(lambda: dataclasses.replace(make_plan(
         job.model, job.example_inputs, place.specs, loss_fn=job.loss_fn, target=job.target,
         microbatches=asked.microbatches, schedule=asked.schedule, captured=captured,

@@ -87,6 +87,12 @@ def connect(job: Job, run: Settings) -> Place:
                       "MALLOC_MMAP_THRESHOLD_ or PIPECUT_KEEP_MALLOC=1 set)", stacklevel=3)
     layout = layout_of(job.devices)
     replication = replication_of(layout, job.options.data_parallel.kind)
+    asked = job.options.data_parallel.replicas
+    if asked is not None and (replication.replicas if replication else 1) != asked:
+        raise InputError(
+            f"DataParallelOptions(replicas={asked}) but the devices give "
+            f"{replication.replicas if replication else 1} replica(s) (the mesh's 'dp' dimension); "
+            f"compile reads the replicas from the mesh: leave replicas out or match it")
     group = layout.pp_group
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)

@@ -108,7 +108,8 @@ def auto_layout(job: Job) -> tuple[Auto, tuple[Inputs, Any]]:
     if chosen is None:
         link = job.options.measure.link
         used = link or measure_link(list(range(world)), dist.get_rank(), None, device) or DEFAULT_LINK
-        measure = dataclasses.replace(job.options.measure, link=used, device=str(device))  # where stages run
+        measure = dataclasses.replace(job.options.measure, link=used,  # by default where the stages run
+                                      device=job.options.measure.device or str(device))
         chosen = plan_from_rank0(lambda: dataclasses.replace(make_plan(
             job.model, job.example_inputs, world, loss_fn=job.loss_fn, target=job.target,
             microbatches=scheduling.microbatches if scheduling.microbatches is not None else 1,

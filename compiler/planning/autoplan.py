@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from pipecut.capture import capture
 from pipecut.capture.modes import describe_graph
 from pipecut.core.batching import batch_size, first_microbatch, split_microbatches
 from pipecut.core.program import Captured
@@ -34,8 +33,7 @@ from pipecut.options import AUTO
 from pipecut.passes.costs.microbatching import candidate_microbatches, costs_at, with_structure
 from pipecut.plan import Candidate, CaptureMethod, NodeCost, Plan, Recompute, ScheduleKind
 from pipecut.planning.partition import as_schedule, partition_costs
-from pipecut.planning.request import Request
-from pipecut.profile.nodes import profile
+from pipecut.planning.request import Request, capture_at, profile_at
 
 __all__ = ["AUTO", "Measurements", "accepts", "choose", "measurements", "plan_auto"]
 
@@ -77,12 +75,9 @@ def plan_auto(request: Request, plan_at: PlanAt) -> Plan:
 
 def measurements(request: Request) -> Measurements:
     """Capture and profile the request's model at any microbatch size, each once."""
-    options, measure = request.options.capture, request.options.measure
     return Measurements(
-        lambda first: capture(request.model, first, method=options.method, leaf_modules=options.leaf_modules),
-        lambda captured, first, first_target: profile(
-            captured, captured.flatten_inputs(first), loss_fn=request.loss_fn, target=first_target,
-            repeats=measure.repeats, warmup=measure.warmup, device=request.measure_on),
+        lambda first: capture_at(request, first),
+        lambda captured, first, first_target: profile_at(request, captured, first, first_target),
     )
 
 

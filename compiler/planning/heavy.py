@@ -23,8 +23,7 @@ from pipecut.core.program import Captured
 from pipecut.passes.partition.chain import is_unit
 from pipecut.passes.rewrite.chunk_rows import chunkable, piece_names
 from pipecut.plan import ChunkedNode, CostSource, NodeCost, NodeOp, Plan
-from pipecut.planning.request import FirstBatch, Request
-from pipecut.profile.nodes import profile
+from pipecut.planning.request import FirstBatch, Request, profile_at
 
 __all__ = ["MAX_PIECES", "heavy_chunks", "merge_costs", "new_names", "try_pieces"]
 
@@ -107,10 +106,8 @@ def try_pieces(request: Request, captured: Captured, batch: FirstBatch, best: Pl
         return best, ""
     chunked = as_planned(captured, chunks)
     estimated = any(n.source is CostSource.ESTIMATED for n in nodes)  # rates need every node
-    measure = request.options.measure
-    pieces_table = profile(chunked, batch.flat(captured), loss_fn=request.loss_fn, target=batch.target,
-                           repeats=measure.repeats, warmup=measure.warmup, device=request.measure_on,
-                           only=None if estimated else new_names(chunks))
+    pieces_table = profile_at(request, chunked, batch.inputs, batch.target,
+                              only=None if estimated else new_names(chunks))
     tried = partition(chunked, merge_costs(best.nodes, pieces_table, chunks), chunks)
     keep = tried.predicted.step_ms < best.predicted.step_ms
     what = ", ".join(f"{c.node} in {c.pieces} row pieces" for c in chunks)

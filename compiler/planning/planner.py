@@ -13,12 +13,13 @@ re-partitioned for other devices without profiling again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from pipecut.capture import capture, fingerprint
+from pipecut.capture import fingerprint
 from pipecut.cluster import Cluster
 from pipecut.core.meta import has_meta
 from pipecut.core.program import Captured, Inputs
@@ -42,11 +43,18 @@ from pipecut.planning.autoplan import plan_auto
 from pipecut.planning.heavy import try_pieces
 from pipecut.planning.partition import Devices, as_devices, as_schedule, partition_costs
 from pipecut.planning.replicas import plan_replicated
-from pipecut.planning.request import FirstBatch, Request, default_choices, warn_if_sequential
+from pipecut.planning.request import (
+    FirstBatch,
+    Request,
+    capture_at,
+    default_choices,
+    profile_at,
+    warn_if_sequential,
+)
 from pipecut.profile.calibrate import calibrate as calibrate_costs
 from pipecut.profile.calibrate import stage_times
 from pipecut.profile.compiled import AMORTIZED_STEPS, CompileChoice, compiled_stage_times, with_note
-from pipecut.profile.nodes import LossFn, profile
+from pipecut.profile.nodes import LossFn
 
 __all__ = ["PLAN_KEYWORDS", "plan", "plan_fixed"]
 
@@ -143,13 +151,17 @@ def plan_fixed(request: Request, captured: Captured | None = None,
     if not isinstance(m, int):
         raise InputError(f"microbatches must be an int or 'auto', got {m!r}")
     batch = FirstBatch.of(request, m)
-    captured = captured or _capture(request, batch)
+    captured = captured or capture_at(request, batch.inputs)  # one microbatch: export specialises shapes
     nodes = tuple(profiled) if profiled is not None else _measure(request, captured, batch)
     note = _not_calibrated(request, captured, nodes)
     timed = request.options.measure.calibrate and not note
+    _check_compiled_pricing(request, timed, note)
+
+    # Every plan names the graph as captured (a chunked plan is checked against it): hash it once.
+    named = functools.partial(_partitioned, request, captured, fingerprint(captured.gm), batch.batch_size)
 
     def partition(on: Captured, costs: Sequence[NodeCost], chunks: tuple[ChunkedNode, ...]) -> Plan:
-        return _calibrated(request, captured, on, batch, costs, chunks, timed=timed)
+        return _calibrated(request, on, batch, costs, chunks, named, timed=timed)
 
     best = partition(captured, nodes, ())
     best, heavy_note = try_pieces(request, captured, batch, best, nodes, partition)
@@ -157,17 +169,9 @@ def plan_fixed(request: Request, captured: Captured | None = None,
     return _finished(request, captured, batch, best, "; ".join(n for n in done if n))
 
 
-def _capture(request: Request, batch: FirstBatch) -> Captured:
-    """Capture on one microbatch: the stages run microbatches, and torch.export specialises shapes."""
-    options = request.options.capture
-    return capture(request.model, batch.inputs, method=options.method, leaf_modules=options.leaf_modules)
-
-
 def _measure(request: Request, captured: Captured, batch: FirstBatch) -> tuple[NodeCost, ...]:
     """The cost table: every node timed on the first microbatch (see :mod:`pipecut.profile.nodes`)."""
-    m = request.options.measure
-    nodes = profile(captured, batch.flat(captured), loss_fn=request.loss_fn, target=batch.target,
-                    repeats=m.repeats, warmup=m.warmup, progress=request.progress, device=request.measure_on)
+    nodes = profile_at(request, captured, batch.inputs, batch.target, progress=request.progress)
     if not any(is_unit(n) and n.op is not NodeOp.OUTPUT for n in nodes):
         raise PartitionError("the captured graph has no operations to partition")
     return nodes
@@ -186,23 +190,37 @@ def _not_calibrated(request: Request, captured: Captured, nodes: Sequence[NodeCo
     return ""
 
 
-def _calibrated(request: Request, captured: Captured, on: Captured, batch: FirstBatch,
-                costs: Sequence[NodeCost], chunked: tuple[ChunkedNode, ...], *, timed: bool) -> Plan:
-    """The plan of ``costs`` on ``on``'s graph (``captured``'s, or it with ``chunked`` nodes in
-    pieces); ``timed``: its stages timed whole, the costs scaled to them (see
+def _check_compiled_pricing(request: Request, timed: bool, why_not: str) -> None:
+    """Compiled stages are priced by timing them whole: refuse where this plan times nothing
+    whole (rather than price eager kernels as compiled ones)."""
+    asked = request.options.runtime.compile_stages
+    if asked and not timed:
+        raise InputError(
+            f"runtime=RuntimeOptions(compile_stages={asked!r}) prices the stages compiled by timing "
+            f"them whole here, which this plan does not: "
+            f"{why_not or 'calibration is off (MeasureOptions(calibrate=False))'}; plan with "
+            f"calibration, or without compile_stages (compile then times the compiled stages on "
+            f"the running ranks)")
+
+
+def _calibrated(request: Request, on: Captured, batch: FirstBatch, costs: Sequence[NodeCost],
+                chunked: tuple[ChunkedNode, ...], named: Callable[..., Plan], *, timed: bool) -> Plan:
+    """The plan of ``costs`` (``named(costs, chunked)``) on ``on``'s graph (the captured one,
+    or it with ``chunked`` nodes in pieces); ``timed``: its stages timed whole (eager,
+    compiled, or both as ``RuntimeOptions.compile_stages`` says), the costs scaled to them (see
     :mod:`pipecut.profile.calibrate`) and partitioned again."""
-    planned = _partitioned(request, captured, batch.batch_size, costs, chunked)
+    planned = named(costs, chunked)
     if not timed:
         return planned
     repeats, mode = max(1, request.options.measure.repeats // 2), request.options.runtime.compile_stages
     eager = None
     if mode is not True:
         times = stage_times(on, planned, batch.flat(on), request.loss_fn, batch.target, repeats=repeats)
-        eager = _partitioned(request, captured, batch.batch_size, calibrate_costs(costs, planned, times), chunked)
+        eager = named(calibrate_costs(costs, planned, times), chunked)
         if mode is False:
             return eager
     times, seconds = compiled_stage_times(on, planned, batch.flat(on), request.loss_fn, batch.target, repeats)
-    compiled = _partitioned(request, captured, batch.batch_size, calibrate_costs(costs, planned, times), chunked)
+    compiled = named(calibrate_costs(costs, planned, times), chunked)
     if eager is None:
         return _noted(compiled, f"stages priced compiled (compiling took {seconds:.1f} s here)")
     saving_s = (eager.predicted.step_ms - compiled.predicted.step_ms) * AMORTIZED_STEPS / 1e3
@@ -211,17 +229,16 @@ def _calibrated(request: Request, captured: Captured, on: Captured, batch: First
     return with_note(compiled if choice.compiled else eager, choice)
 
 
-def _partitioned(request: Request, captured: Captured, batch_size: int, costs: Sequence[NodeCost],
-                 chunked: tuple[ChunkedNode, ...]) -> Plan:
-    """:func:`partition_costs` for the request; the plan names ``captured``'s graph (a chunked
-    plan is checked against the graph as captured)."""
+def _partitioned(request: Request, captured: Captured, graph_fingerprint: str, batch_size: int,
+                 costs: Sequence[NodeCost], chunked: tuple[ChunkedNode, ...]) -> Plan:
+    """:func:`partition_costs` for the request; the plan names ``captured``'s graph."""
     scheduling = request.options.scheduling
     assert isinstance(scheduling.microbatches, int) and scheduling.kind not in (None, AUTO)
     planned = partition_costs(
         costs, devices=request.devices, microbatches=scheduling.microbatches, batch_size=batch_size,
         schedule=as_schedule(scheduling.kind), link=request.link, partition=request.options.partition,
         stages_per_rank=request.stages_per_rank, data_parallel=request.options.data_parallel.fixed,
-        fingerprint=fingerprint(captured.gm), capture=captured.method, inputs=captured.input_names,
+        fingerprint=graph_fingerprint, capture=captured.method, inputs=captured.input_names,
     )
     return dataclasses.replace(planned, chunked=chunked)
 
@@ -246,6 +263,9 @@ def _for_cluster(request: Request, cluster: str | Cluster) -> Plan:
     scheduling = request.options.scheduling
     if scheduling.microbatches == AUTO or scheduling.kind == AUTO:
         raise InputError("plan(cluster=...) needs microbatches and schedule as values, not 'auto'")
+    if request.options.runtime.compile_stages:
+        raise InputError("plan(cluster=...) estimates costs from a device profile: it cannot price "
+                         "compiled stages; drop runtime=RuntimeOptions(compile_stages=...)")
     dp = request.options.data_parallel
     if dp.kind is not None and dp.kind != AUTO and dp.fixed is None:
         raise InputError(f"plan(cluster=...): data_parallel must be 'auto', None or a "

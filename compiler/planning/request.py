@@ -9,22 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pipecut.capture import capture
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.meta import input_device
 from pipecut.core.program import Captured, Inputs
 from pipecut.options import AUTO, Options
-from pipecut.plan import DeviceSpec, Plan, ScheduleKind
+from pipecut.plan import DeviceSpec, NodeCost, Plan, ScheduleKind
 from pipecut.planning.partition import DEFAULT_LINK
-from pipecut.profile.nodes import LossFn
+from pipecut.profile.nodes import LossFn, profile
 from pipecut.report.text import sequential_note
 
-__all__ = ["FirstBatch", "Request", "default_choices", "warn_if_sequential"]
+__all__ = ["FirstBatch", "Request", "capture_at", "default_choices", "profile_at", "warn_if_sequential"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,23 @@ class FirstBatch:
     def flat(self, captured: Captured) -> list[Any]:
         """The inputs as ``captured``'s placeholders take them."""
         return list(captured.flatten_inputs(self.inputs))
+
+
+def capture_at(request: Request, inputs: Inputs) -> Captured:
+    """The request's model captured on ``inputs`` (one microbatch) as its options say."""
+    options = request.options.capture
+    return capture(request.model, inputs, method=options.method, leaf_modules=options.leaf_modules)
+
+
+def profile_at(request: Request, captured: Captured, inputs: Inputs, target: Any, *,
+               progress: Callable[[int, int], None] | None = None,
+               only: Collection[str] | None = None) -> tuple[NodeCost, ...]:
+    """``captured``'s cost table on ``inputs`` (one microbatch), timed as the request's
+    measurement options say, where they say (see :func:`pipecut.profile.nodes.profile`)."""
+    measure = request.options.measure
+    return profile(captured, captured.flatten_inputs(inputs), loss_fn=request.loss_fn, target=target,
+                   repeats=measure.repeats, warmup=measure.warmup, progress=progress,
+                   device=request.measure_on, only=only)
 
 
 def default_choices(microbatches: int | str | None, schedule: Any) -> tuple[int | str, Any]:

@@ -120,6 +120,7 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
     model, inputs, loss_fn, target = EXAMPLES["gpt"]()
     for devices, kwargs in [(world, {"data_parallel": "fsdp"}),
                             (mesh, {"data_parallel": "zero"}),
+                            (mesh, {"data_parallel": pipecut.DataParallelOptions(kind="ddp", replicas=4)}),
                             (mesh, {"plan": dataclasses.replace(plans[("1f1b", 1)], schedule=ScheduleKind.ZERO_BUBBLE)})]:
         try:
             pipecut.compile(
@@ -178,7 +179,8 @@ def test_ddp_and_fsdp_two_stages_times_two_replicas_match_the_whole_batch() -> N
             for run in runs:
                 assert run["sharded"] and all(run["sharded"]), run["sharded"]
     for r in results:
-        no_dp, unknown, zero_bubble = r["errors"]
+        no_dp, unknown, replicas, zero_bubble = r["errors"]
+        assert "InputError: DataParallelOptions(replicas=4) but the devices give 2 replica(s)" in replicas
         assert "InputError: data_parallel='fsdp' needs replicas" in no_dp
         assert "InputError: unknown data_parallel 'zero'; choose one of ['ddp', 'fsdp', 'auto']" in unknown
         assert "PlanError: data_parallel='ddp' cannot run the zero-bubble schedule" in zero_bubble

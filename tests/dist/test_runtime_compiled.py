@@ -119,6 +119,7 @@ def _ranks(rank: int, world: int, plans: dict[str, str]) -> dict[str, Any]:
     out["auto"] = {
         "loss": pipe.step(inputs, target), "grads": pipeline_grads(model, pipe),
         "note": pipe.plan.solver.detail, "graphs": sum(s.graphs for s in pipe.compile_stats),
+        "recorded": pipe.plan.options.runtime.compile_stages,  # what a replay of this plan runs
         "compiled_calls": [m._compiled_call_impl is not None for m in pipe.modules],
     }
     model, inputs, loss_fn, target = _gpt()
@@ -221,6 +222,7 @@ def test_compiled_stages_match_plain_model(inductor_cache: Path) -> None:
         kept_compiled = "compiled stages kept: measured step" in r["note"]
         assert kept_compiled or "eager stages kept: measured step" in r["note"], r["note"]
         assert (r["graphs"] >= 1) == kept_compiled and r["compiled_calls"] == [kept_compiled], r
+        assert r["recorded"] is kept_compiled
     assert auto[0]["note"] == auto[1]["note"]
 
     ref_loss, ref_grads = _compiled_reference(_gpt)

@@ -105,11 +105,11 @@ def test_auto_plans_the_graph_a_fixed_plan_at_the_chosen_count_would() -> None:
 
 def test_a_winner_between_the_profiled_sizes_is_planned_on_their_graph_without_profiling_again(monkeypatch) -> None:
     import pipecut.planning.autoplan
-    import pipecut.planning.planner
+    import pipecut.planning.request
 
     torch.manual_seed(0)
     model, x, y = Net(), torch.randn(8, 8), torch.randn(8, 4)
-    real_choose, real_profile = pipecut.planning.autoplan.choose, pipecut.planning.planner.profile
+    real_choose, real_profile = pipecut.planning.autoplan.choose, pipecut.planning.request.profile
     profiled: list[int] = []
 
     def middle(*args, **kwargs):  # as if M = 4 (microbatch size 2) won, between 8 and 2
@@ -121,8 +121,7 @@ def test_a_winner_between_the_profiled_sizes_is_planned_on_their_graph_without_p
         return real_profile(captured, inputs, **kwargs)
 
     monkeypatch.setattr(pipecut.planning.autoplan, "choose", middle)
-    monkeypatch.setattr(pipecut.planning.autoplan, "profile", counted)  # the auto choice's profiles
-    monkeypatch.setattr(pipecut.planning.planner, "profile", counted)  # the winner's
+    monkeypatch.setattr(pipecut.planning.request, "profile", counted)  # every profile of planning
     auto = pipecut.plan(
         model, (x,), 2, loss_fn=_loss, target=y, microbatches="auto",
         capture=pipecut.CaptureOptions(method=CaptureMethod.EXPORT),

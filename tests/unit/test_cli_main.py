@@ -254,8 +254,7 @@ def test_plan_for_a_device_profile_estimates_without_profiling(in_repo, tmp_path
     from pipecut.plan import CostSource
     from pipecut.profile.devices import device_link, device_profile
 
-    for step in (pipecut.planning.planner, pipecut.planning.autoplan, pipecut.planning.heavy):
-        monkeypatch.setattr(step, "profile", lambda *a, **k: pytest.fail("profiled"))
+    monkeypatch.setattr(pipecut.planning.request, "profile", lambda *a, **k: pytest.fail("profiled"))
     out = tmp_path / "a100.json"
     assert main(["plan", "examples.mlp:build", "-k", "2", "-m", "2", "--batch-size", "8",
                  "--device-profile", "a100-80gb", "-o", str(out), "-q"]) == 0
@@ -271,12 +270,18 @@ def test_plan_for_a_device_profile_estimates_without_profiling(in_repo, tmp_path
     assert plan.fingerprint == fingerprint(capture(model, (x[:4],)).gm)  # replayable
 
 
-def test_plan_flags_land_in_the_options_the_plan_records(in_repo, tmp_path):
+def test_plan_flags_land_in_the_options_the_plan_records(in_repo, tmp_path, monkeypatch):
+    from pipecut.profile.calibrate import stage_times
+
+    # the stages "compiled" by timing them eager: the flag's path, without inductor's minutes
+    monkeypatch.setattr(pipecut.planning.planner, "compiled_stage_times",
+                        lambda *a, **k: (stage_times(*a, **k), 0.0))
     out = tmp_path / "p.json"
     assert main(["plan", "examples.mlp:build", "-k", "2", "-m", "2", "--batch-size", "8", "--schedule",
-                 "1f1b", "--no-calibrate", "--compile-stages", "on", "--solver", "cbc", "-o", str(out), "-q"]) == 0
-    options = pipecut.Plan.from_json(out).options
-    assert options.runtime.compile_stages is True and not options.measure.calibrate
+                 "1f1b", "--compile-stages", "on", "--solver", "cbc", "-o", str(out), "-q"]) == 0
+    plan = pipecut.Plan.from_json(out)
+    options = plan.options
+    assert options.runtime.compile_stages is True and "stages priced compiled" in plan.solver.detail
     assert options.partition.solver.value == "cbc" and options.scheduling.microbatches == 2
 
 
@@ -308,8 +313,7 @@ def test_plan_chunks_a_heavy_head_unless_told_not_to(in_repo, tmp_path, monkeypa
             return 500.0 if name == "lm_head" and not pieces else 1.0
         return tuple(dataclasses.replace(n, forward_ms=ms(n.name)) if is_unit(n) else n for n in rows)
 
-    monkeypatch.setattr(pipecut.planning.planner, "profile", profile)
-    monkeypatch.setattr(pipecut.planning.heavy, "profile", profile)  # the pieces
+    monkeypatch.setattr(pipecut.planning.request, "profile", profile)  # the whole graph and the pieces
     common = ["plan", "examples.gpt:build", "-k", "4", "-m", "4", "--batch-size", "8", "--no-calibrate", "-q"]
     assert main([*common, "-o", str(tmp_path / "a.json")]) == 0
     assert main([*common, "--no-chunk-heavy", "-o", str(tmp_path / "b.json")]) == 0

@@ -145,8 +145,7 @@ def _plan(**kwargs):  # type: ignore[no-untyped-def]
 
 
 def test_the_planner_chunks_a_heavy_head_and_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("pipecut.planning.planner.profile", _fake_profile(None))
-    monkeypatch.setattr("pipecut.planning.heavy.profile", _fake_profile(None))
+    monkeypatch.setattr("pipecut.planning.request.profile", _fake_profile(None))
     plan = _plan()
     assert [c.node for c in plan.chunked] == ["lm_head"]
     found = re.search(r"predicted step ([\d.]+) ms, ([\d.]+) ms whole; chunked", plan.solver.detail)
@@ -170,8 +169,7 @@ def test_the_planner_chunks_a_heavy_head_and_round_trips(monkeypatch: pytest.Mon
 
 
 def test_the_planner_keeps_the_head_whole_when_pieces_cost_more(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("pipecut.planning.planner.profile", _fake_profile(HEAD_MS))  # each piece a whole head
-    monkeypatch.setattr("pipecut.planning.heavy.profile", _fake_profile(HEAD_MS))
+    monkeypatch.setattr("pipecut.planning.request.profile", _fake_profile(HEAD_MS))  # each piece a whole head
     plan = _plan()
     assert plan.chunked == ()
     assert re.search(r"heavy node\(s\) lm_head in \d row pieces: .* ms whole; kept whole", plan.solver.detail)

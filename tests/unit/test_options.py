@@ -76,7 +76,6 @@ def test_an_old_plan_call_gives_the_plan_of_its_options_and_records_them() -> No
     asked = next(line for line in pipecut.summary(new).splitlines() if line.startswith("asked: "))
     assert asked == ("asked: measure.repeats=1, measure.warmup=0, measure.calibrate=False, "
                      "partition.heavy_pieces=False, scheduling.microbatches=2, scheduling.kind='1f1b'")
-    assert [len(s.nodes) for s in old.stages] == [len(s.nodes) for s in new.stages] or old.nodes != new.nodes
 
 
 def test_old_partition_costs_keywords_give_the_same_plan() -> None:

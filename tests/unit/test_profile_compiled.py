@@ -47,19 +47,24 @@ def test_compile_stages_values() -> None:
         check_auto("auto", calibrates=False)
 
 
-def _mlp_plan(runtime: RuntimeOptions) -> Any:
-    import pipecut
+def _mlp() -> Any:
     from examples import mlp
 
-    model, inputs, loss_fn, target = mlp.build(8, width=16, depth=2)
+    return mlp.build(8, width=16, depth=2)
+
+
+def _mlp_plan(runtime: RuntimeOptions) -> Any:
+    import pipecut
+
+    model, inputs, loss_fn, target = _mlp()
     return pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2, schedule="1f1b",
                         measure=pipecut.MeasureOptions(repeats=2, warmup=0), runtime=runtime,
                         partition=pipecut.PartitionOptions(heavy_pieces=False))
 
 
 def test_plan_prices_compiled_stages_with_the_compile_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    import pipecut
     import pipecut.planning.planner as planner
-    from pipecut.profile.calibrate import stage_times
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     with torch._inductor.config.patch(compile_threads=1):
@@ -67,15 +72,24 @@ def test_plan_prices_compiled_stages_with_the_compile_time(monkeypatch: pytest.M
     assert "stages priced compiled (compiling took" in real.solver.detail
     assert real.options.runtime.compile_stages is True
 
-    def faster(seconds: float) -> Any:  # compiled stages at half the eager times, compiling `seconds`
-        def timed(*args: Any, **kwargs: Any) -> tuple[list[tuple[float, float]], float]:
-            return [(f / 2, b / 2) for f, b in stage_times(*args, **kwargs)], seconds
-        return timed
+    # Set stage times (no clock): eager 1 + 2 ms per stage, compiled half that.
+    monkeypatch.setattr(planner, "stage_times", lambda on, plan, *a, **k: [(1.0, 2.0)] * plan.num_stages)
 
-    monkeypatch.setattr(planner, "compiled_stage_times", faster(0.0))
+    def compiled(seconds: float) -> Any:
+        return lambda on, plan, *a, **k: ([(0.5, 1.0)] * plan.num_stages, seconds)
+
+    monkeypatch.setattr(planner, "compiled_stage_times", compiled(0.0))
     kept = _mlp_plan(RuntimeOptions(compile_stages="auto"))
     assert "compiled stages kept: predicted step" in kept.solver.detail
-    monkeypatch.setattr(planner, "compiled_stage_times", faster(1e9))  # never pays for itself
+    monkeypatch.setattr(planner, "compiled_stage_times", compiled(1e9))  # never pays for itself
     eager = _mlp_plan(RuntimeOptions(compile_stages="auto"))
     assert "eager stages kept: predicted step" in eager.solver.detail
-    assert kept.predicted.step_ms < eager.predicted.step_ms
+
+    model, inputs, loss_fn, target = _mlp()
+    with pytest.raises(InputError, match=r"compile_stages=True\) prices the stages compiled by timing them whole "
+                                         r"here, which this plan does not: calibration is off"):
+        pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2, schedule="1f1b",
+                     measure=pipecut.MeasureOptions(calibrate=False), runtime=RuntimeOptions(compile_stages=True))
+    with pytest.raises(InputError, match=r"plan\(cluster=...\) estimates costs .* cannot price compiled stages"):
+        pipecut.plan(model, inputs, cluster="1x2xH100-SXM", microbatches=2,
+                     runtime=RuntimeOptions(compile_stages=True))
