@@ -35,7 +35,7 @@ from pipecut.plan import Candidate, CaptureMethod, NodeCost, Plan, Recompute, Sc
 from pipecut.planning.partition import as_schedule, partition_costs
 from pipecut.planning.request import Request, capture_at, profile_at
 
-__all__ = ["AUTO", "Measurements", "accepts", "choose", "measurements", "plan_auto"]
+__all__ = ["Measurements", "accepts", "choose", "measurements", "plan_auto"]
 
 PlanAt = Callable[[Request, Captured | None, Sequence[NodeCost] | None], Plan]
 """``(request at fixed microbatches and schedule, graph, cost table) -> plan``: the planner's

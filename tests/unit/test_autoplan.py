@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from pipecut.errors import InputError, PartitionError
+from pipecut.options import AUTO
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.plan import Recompute, ScheduleKind
-from pipecut.planning.autoplan import AUTO, choose, schedules_to_try
+from pipecut.planning.autoplan import choose, schedules_to_try
 from tests.unit.tiny import mlp_plan
 
 G, F, Z, V = ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUBBLE, ScheduleKind.INTERLEAVED_1F1B
