@@ -4,10 +4,25 @@ The input-gradient pass (``I``) runs autograd only towards the stage's received 
 previous stage gets its gradients as early as possible. On the way, every autograd node that
 lies on a path to the inputs *and* has a child leading only to parameters (a *frontier* node:
 the matmul of a linear layer, whose child ``t()`` leads to the weight) has the gradient of its
-output captured by a pre-hook. The weight pass (``W``) later re-enters the graph at those
-frontier nodes with the captured gradients and asks only for the parameters below them, so each
-product is computed once: ``dy·Wᵀ`` in ``I``, ``xᵀ·dy`` in ``W``. Subgraphs that reach no input
-at all (the first stage) are left entirely to ``W``.
+output captured by a pre-hook. The weight pass (``W``) later runs each frontier node again, for
+its parameter-side children only, so each product is computed once: ``dy·Wᵀ`` in ``I``, ``xᵀ·dy``
+in ``W``; then it runs the parameter-only part of the graph below those children in one go.
+Subgraphs that reach no input at all (the first stage) are left entirely to ``W``.
+
+Why in two steps, and not "re-enter at each frontier node and ask for the parameters below it":
+a parameter is often reachable from a frontier node both through its parameter-side child and
+through its input-side child (a layer shared by every layer as in ALBERT, a residual stream whose
+first part reaches no input as in a T5 or BART decoder stage, a tied head). Autograd would then
+walk the input side again and count the gradient of every earlier frontier node twice. So the
+first step asks autograd only for the gradient on each parameter-side *edge* of a frontier node;
+where such an edge's child has another parent, autograd could still reach it the long way, and
+the node's backward function is called directly instead (it recomputes that node's input-side
+gradients too: cheap for the nodes where this happens, an add or a norm, and always correct).
+
+The gradients written into ``p.grad`` are fresh tensors in the parameter's layout, as
+``AccumulateGrad`` makes them: autograd may hand two parameters the same tensor (``x + pos``
+with one sample gives ``x`` and ``pos`` one gradient), and adding the next microbatch in place
+must not write into another parameter's gradient or into a gradient already sent.
 """
 
 from __future__ import annotations
@@ -88,7 +103,8 @@ def split_backward(
     input_grads, captured = _input_pass(outputs, grads, inputs, frontier)
 
     def weight_pass() -> None:
-        _accumulate(_weight_jobs(captured, roots, accumulators, reaches_input, reaches_param))
+        seeds = _parameter_side_gradients(captured, reaches_input, reaches_param, _parents(outputs))
+        _accumulate(seeds, roots, accumulators, params)
         # Drop every reference to the graph now, so its saved tensors go with this microbatch.
         captured.clear()
         roots.clear()
@@ -100,8 +116,8 @@ def split_backward(
 
 _Root = tuple[Node, torch.Tensor, torch.Tensor]
 """An output that reaches no input: its autograd node, the output and its gradient."""
-_Job = tuple[Sequence[Any], list[torch.Tensor], dict[int, torch.Tensor]]
-"""Where the weight pass enters the graph, with which gradients, and the parameters below."""
+_Edge = tuple[Node, int]
+"""An edge of the autograd graph, as ``next_functions`` lists it: the child and its output index."""
 
 
 def _frontier(
@@ -150,38 +166,109 @@ def _input_pass(
     return input_grads, captured
 
 
-def _weight_jobs(
-    captured: dict[Node, tuple[torch.Tensor | None, ...]],
-    roots: list[_Root],
-    accumulators: dict[Node, torch.Tensor],
-    reaches_input: _Reaches,
-    reaches_param: _Reaches,
-) -> list[_Job]:
-    """One job per frontier node (its captured gradients, the parameters below its children
-    that reach no input), and one for all the roots together."""
-    jobs: list[_Job] = []
-    for node, node_grads in captured.items():
-        below: dict[int, torch.Tensor] = {}
-        for child, _ in node.next_functions:
-            if child is not None and not reaches_input(child) and reaches_param(child):
-                _params_below(child, accumulators, below)
-        edges = [(GradientEdge(node, i), g) for i, g in enumerate(node_grads) if g is not None]
-        jobs.append(([e for e, _ in edges], [g for _, g in edges], below))
-    if roots:
-        below = {}
-        for fn, _, _ in roots:
-            _params_below(fn, accumulators, below)
-        jobs.append(([o for _, o, _ in roots], [g for _, _, g in roots], below))
-    return jobs
-
-
-def _accumulate(jobs: list[_Job]) -> None:
-    """Run each job's autograd and add the gradients into the parameters' ``.grad``."""
-    for outs, outs_grads, below in jobs:
-        targets = list(below.values())
-        if not targets or not outs:
+def _parents(outputs: Sequence[torch.Tensor]) -> dict[Node, set[Node]]:
+    """Each node of the graph below ``outputs`` with the nodes that have an edge into it."""
+    parents: dict[Node, set[Node]] = {}
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    seen: set[Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
             continue
-        found = torch.autograd.grad(outs, targets, outs_grads, retain_graph=True, allow_unused=True)
-        for p, g in zip(targets, found):
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is not None:
+                parents.setdefault(child, set()).add(node)
+                stack.append(child)
+    return parents
+
+
+def _parameter_side_gradients(
+    captured: dict[Node, tuple[torch.Tensor | None, ...]], reaches_input: _Reaches,
+    reaches_param: _Reaches, parents: dict[Node, set[Node]],
+) -> dict[_Edge, torch.Tensor]:
+    """The gradient on every edge from a frontier node to a child that reaches parameters and
+    no input, summed where several frontier nodes feed one edge."""
+    seeds: dict[_Edge, torch.Tensor] = {}
+    for node, node_grads in captured.items():
+        edges = list(dict.fromkeys(
+            (c, nr) for c, nr in node.next_functions
+            if c is not None and not reaches_input(c) and reaches_param(c)
+        ))
+        if all(parents.get(c, set()) <= {node} for c, _ in edges):
+            flows = _edge_gradients(node, node_grads, edges)
+        else:  # a child with another parent: autograd could reach it the long way round
+            flows = _call_backward(node, node_grads, edges)
+        for edge, g in zip(edges, flows):
             if g is not None:
-                p.grad = g if p.grad is None else p.grad.add_(g)
+                seeds[edge] = g if edge not in seeds else seeds[edge] + g
+    return seeds
+
+
+def _edge_gradients(node: Node, node_grads: tuple[torch.Tensor | None, ...],
+                    edges: list[_Edge]) -> Sequence[torch.Tensor | None]:
+    """Autograd from ``node``'s output gradients to ``edges``, each of whose child has ``node``
+    as its only parent: only ``node`` runs, and only for those outputs."""
+    given = [(GradientEdge(node, i), g) for i, g in enumerate(node_grads) if g is not None]
+    if not given:
+        return [None] * len(edges)
+    return torch.autograd.grad([e for e, _ in given], [GradientEdge(c, nr) for c, nr in edges],
+                               [g for _, g in given], retain_graph=True, allow_unused=True)
+
+
+def _call_backward(node: Node, node_grads: tuple[torch.Tensor | None, ...],
+                   edges: list[_Edge]) -> list[torch.Tensor | None]:
+    """``node``'s backward function called directly: the gradient on every edge it has, of
+    which those in ``edges`` are returned (an edge listed twice gets both parts)."""
+    with torch.no_grad():
+        if callable(node):  # a C++ node: undefined gradients may stay None
+            out = node(*node_grads)
+        else:  # a Python autograd.Function: it expects the zeros autograd would materialise
+            grads = [g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
+                     for g, m in zip(node_grads, node._input_metadata)]  # type: ignore[attr-defined]
+            out = node.apply(*grads)  # type: ignore[attr-defined]
+    out = out if isinstance(out, tuple) else (out,)
+    flows: dict[_Edge, torch.Tensor] = {}
+    for (c, nr), g in zip(node.next_functions, out):
+        if c is not None and g is not None:
+            g = _as_expected(g, c._input_metadata[nr])  # type: ignore[attr-defined]
+            flows[(c, nr)] = g if (c, nr) not in flows else flows[(c, nr)] + g
+    return [flows.get(edge) for edge in edges]
+
+
+def _as_expected(grad: torch.Tensor, meta: Any) -> torch.Tensor:
+    """What autograd's engine makes of a gradient before passing it on (``validate_outputs``):
+    summed down to the shape the child expects (a broadcast operand) and cast to its dtype."""
+    if tuple(grad.shape) != tuple(meta.shape):
+        grad = grad.sum_to_size(meta.shape)
+    return grad.to(meta.dtype) if grad.dtype != meta.dtype else grad
+
+
+def _accumulate(seeds: dict[_Edge, torch.Tensor], roots: list[_Root],
+                accumulators: dict[Node, torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+    """Run the parameter-only part of the graph from the seeded edges and the roots at once, and
+    add the gradients into the parameters' ``.grad``."""
+    found: dict[int, torch.Tensor] = {}
+    outs: list[Any] = []
+    outs_grads: list[torch.Tensor] = []
+    for (child, nr), g in seeds.items():
+        if child in accumulators:  # a parameter used directly by a frontier node
+            p = accumulators[child]
+            found[id(p)] = g if id(p) not in found else found[id(p)] + g
+        else:
+            outs.append(GradientEdge(child, nr))
+            outs_grads.append(g)
+    outs += [out for _, out, _ in roots]
+    outs_grads += [g for _, _, g in roots]
+    if outs:
+        for p, g in zip(params, torch.autograd.grad(outs, list(params), outs_grads, allow_unused=True)):
+            if g is not None:
+                found[id(p)] = g if id(p) not in found else found[id(p)] + g
+    for p in params:
+        g = found.get(id(p))
+        if g is None:
+            continue
+        if p.grad is None:  # a tensor of its own, in the parameter's layout (as AccumulateGrad)
+            p.grad = torch.empty_like(p, memory_format=torch.preserve_format).copy_(g)
+        else:
+            p.grad.add_(g)
