@@ -172,9 +172,3 @@ def replicate(
         else:
             _fsdp(worker, mesh, last[stage])
 
-
-def average_loss(loss: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """The step's loss averaged over replicas, in place (each replica's share is equal)."""
-    dist.all_reduce(loss, group=group)
-    loss /= dist.get_world_size(group)
-

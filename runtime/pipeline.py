@@ -27,7 +27,6 @@ from pipecut.core.shapes import (
 from pipecut.errors import InputError, PipecutError, PipelineRuntimeError
 from pipecut.plan import NodeCost, Plan
 from pipecut.runtime.compiled import CompileStats
-from pipecut.runtime.data_parallel import average_loss
 from pipecut.runtime.executor import Event, run_actions
 from pipecut.runtime.failure import abort
 from pipecut.runtime.forward import ModeSwitch, collecting, concat_microbatches
@@ -37,6 +36,7 @@ from pipecut.runtime.grads import (
     loss_divisor,
     scale_loss_fn,
     sharded_grad_scaler,
+    share_loss,
 )
 from pipecut.runtime.nccl import check_nccl
 from pipecut.runtime.p2p import Step, comm_program, wiring
@@ -379,11 +379,9 @@ class Pipeline:
         if training:
             self.tied.end(self._canonical_parameters(), reduce=self._reduce)
         result: torch.Tensor | None = None
-        if compute_loss:
-            result = loss.detach().float() if loss is not None else torch.zeros((), device=self._device)
-            dist.broadcast(result, src=self.ranks[self.plan.rank_of(self.plan.num_stages - 1)], group=self.group)
-            if self.dp_group is not None:  # gradients: averaged by DDP / FSDP in the last backward
-                average_loss(result, self.dp_group)
+        if compute_loss:  # in the loss's dtype on every rank (see share_loss)
+            result = share_loss(loss, src=self.ranks[self.plan.rank_of(self.plan.num_stages - 1)],
+                                group=self.group, dp_group=self.dp_group, device=self._device)
         if not return_outputs:
             return result
         whole = concat_microbatches(outputs, sizes) if outputs else None
