@@ -247,7 +247,7 @@ class Pipeline:
         """Microbatches, their sizes, and each one's wire specs. Everything here depends only
         on the batch and the autocast state, so it is the same on every rank, and any refusal
         (an InputError) happens on every rank before anything is sent."""
-        flat = self.captured.flatten_inputs(inputs)
+        flat = self.captured.flatten_inputs(inputs, "step")
         size = batch_size(flat)
         if self.dp_group is not None and size != self.plan.batch_size:
             raise InputError(

@@ -13,7 +13,9 @@ before the second step and unfrozen before the third (through ``pipe.named_param
 the rank that holds it, every replica alike). The plain model does the same on the full
 batch; the replicas' averaged gradients must be its gradients, and a frozen parameter keeps
 ``.grad`` None as in the plain model. A rank that freezes what its other replica does not is
-refused on every rank, naming the parameter, before any gradient is written.
+refused on every rank, naming the parameter, before any gradient is written. Inputs of the
+wrong structure are refused on every rank in words (``tests/unit/test_input_errors.py``),
+and the pipeline keeps running.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 import pipecut
 from examples import zoo
-from pipecut.errors import PipelineRuntimeError
+from pipecut.errors import InputError, PipelineRuntimeError
 from tests.harness import run_ranks
 from tests.reference import ATOL, RTOL
 
@@ -91,6 +93,11 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
             runtime=pipecut.RuntimeOptions(timeout=60),
         )
         plan = pipe.plan
+        try:  # the wrong structure: refused alike on every rank, in words, and the pipeline runs on
+            pipe.step((local["input_ids"],), local_target)
+            out["wrong inputs"] = None
+        except InputError as e:
+            out["wrong inputs"] = str(e)
         params = dict(pipe.named_parameters())
         opt = torch.optim.SGD(pipe.parameters(), lr=LR)
         steps = []
@@ -147,6 +154,9 @@ def test_freeze_and_unfreeze_between_steps_under_ddp_and_fsdp_match_the_plain_mo
                 torch.testing.assert_close(have, want, rtol=RTOL, atol=ATOL,
                                            msg=lambda m, n=name, at=f"{kind} step {step}": f"{at} {n}: {m}")
         for r, result in enumerate(results):
+            assert result["wrong inputs"] is not None and result["wrong inputs"].startswith(
+                "step got 1 positional input (tensor[4, 16]); the plan was captured with 1 keyword input "
+                "(input_ids): pass them as keywords, a dict {'input_ids': ...}"), result["wrong inputs"]
             refused = result["refused"][kind]
             assert refused is not None, f"{kind}: rank {r} stepped with replicas disagreeing"
             message, wrote = refused
