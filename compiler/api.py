@@ -158,7 +158,7 @@ def _build(job: Job) -> tuple[Pipeline, Place]:
         ranks=list(place.ranks), group=place.group, tied_groups=tied_groups(chosen.plan, place.layout, job),
         dp_group=place.layout.dp_group, loss_reduction=job.options.runtime.loss_reduction,
         modes=_modes(job, place, workers, derived, make), wire=WireSpecs(captured.gm, chosen.plan, place.device),
-        schedule_for=schedules(chosen.plan), predicted=predicted_timeline(chosen.plan),
+        schedule_for=schedules(chosen.plan), predicted=predicted_timeline(chosen.plan), timeout=job.wait,
     )
     return pipe, place
 
@@ -202,8 +202,8 @@ def _replicated(pipe: Pipeline, place: Place) -> Pipeline:
     may change."""
     if place.replication is not None:
         assert place.layout.dp_group is not None  # replication_of gives None without a "dp" dimension
-        replicate(pipe.workers, pipe.schedule[place.rank], place.replication.kind,
-                  group=place.layout.dp_group, mesh=place.layout.dp_mesh)
+        pipe.replication = replicate(pipe.workers, pipe.schedule[place.rank], place.replication.kind,
+                                     group=place.layout.dp_group, mesh=place.layout.dp_mesh)
     return pipe
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "parse_loss_reduction",
     "scale_loss_fn",
     "sharded_grad_scaler",
+    "share_loss",
     "total_grad_norm",
 ]
 
@@ -89,6 +90,49 @@ def loss_divisor(
     return normalizer / replicas if replicas > 1 else normalizer
 
 
+# --- the step's loss on every rank --------------------------------------------------------
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""Loss and gradient dtypes, coded 1.. in float64 exchanges (0: none), so that a rank that
+holds no loss or gradient learns the dtype from the one that does."""
+
+
+def share_loss(
+    loss: torch.Tensor | None,
+    *,
+    src: int,
+    group: dist.ProcessGroup | None,
+    dp_group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """The step's loss on every rank, in the dtype ``loss_fn`` gave it (float64 for a float64
+    model, bf16 for bf16 weights), the same value on every rank.
+
+    Only the last stage's rank (global rank ``src``) has the loss. A buffer made on the other
+    ranks in the default dtype, or a float32 broadcast, would give them another dtype (or, a
+    float32 message into a float64 buffer, garbage): so the value travels as float64, which
+    holds every float16, bfloat16 and float32 value exactly, with its dtype's code beside it,
+    and every rank casts it back. On the last stage's rank the result is ``loss`` exactly. With
+    data parallelism (``dp_group``) the replicas' losses are averaged in float64 before the
+    cast (each replica's share is equal; gradients are averaged by DDP/FSDP)."""
+    box = torch.zeros(2, dtype=torch.float64, device=device)
+    if loss is not None:
+        box[0] = loss.detach().to(torch.float64)
+        box[1] = _DTYPES.index(loss.dtype) + 1 if loss.dtype in _DTYPES else -1
+    dist.broadcast(box, src=src, group=group)
+    value, code = box[:1], int(box[1].item())
+    if code < 1:
+        what = f"a {loss.dtype} loss" if loss is not None else f"a loss on global rank {src} of another dtype"
+        raise PipelineRuntimeError(
+            f"rank {dist.get_rank()}: loss_fn returned {what}; a loss must be one of "
+            f"{', '.join(str(d).removeprefix('torch.') for d in _DTYPES)} (cast it, e.g. .float())"
+        )
+    if dp_group is not None:
+        dist.all_reduce(value, group=dp_group)
+        value /= dist.get_world_size(dp_group)
+    return value[0].to(_DTYPES[code - 1])
+
+
 # --- loss scaling ---------------------------------------------------------------------------
 
 def sharded_grad_scaler(device: torch.device, group: dist.ProcessGroup | None, **kwargs: Any) -> ShardedGradScaler:
@@ -132,11 +176,6 @@ def scale_loss_fn(
 
 
 # --- clipping -------------------------------------------------------------------------------
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-"""Gradient dtypes, coded 1.. in the exchange (0: no gradient), so every rank can promote the
-norms to the dtype torch would stack them in."""
-
 
 def _first_stages(plan: Plan) -> dict[str, int]:
     """Every parameter's first stage, in plan order (the same on every rank). A tied weight

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -27,7 +28,7 @@ from pipecut.core.shapes import (
 from pipecut.errors import InputError, PipecutError, PipelineRuntimeError
 from pipecut.plan import NodeCost, Plan
 from pipecut.runtime.compiled import CompileStats
-from pipecut.runtime.data_parallel import average_loss
+from pipecut.runtime.data_parallel import Replication, trainable_disagreement
 from pipecut.runtime.executor import Event, run_actions
 from pipecut.runtime.failure import abort
 from pipecut.runtime.forward import ModeSwitch, collecting, concat_microbatches
@@ -37,6 +38,7 @@ from pipecut.runtime.grads import (
     loss_divisor,
     scale_loss_fn,
     sharded_grad_scaler,
+    share_loss,
 )
 from pipecut.runtime.nccl import check_nccl
 from pipecut.runtime.p2p import Step, comm_program, wiring
@@ -78,6 +80,7 @@ class Pipeline:
         wire: WireResolver | None = None,
         schedule_for: ScheduleResolver | None = None,
         predicted: Sequence[tuple[Action, float, float]] = (),
+        timeout: datetime.timedelta = datetime.timedelta(seconds=300),
     ) -> None:
         self.plan = plan
         self.captured = captured
@@ -92,6 +95,12 @@ class Pipeline:
         self._reduce = True
         """Whether steps reduce gradients across ranks (False inside :meth:`no_sync`)."""
         self.dp_group = dp_group
+        self.replication: Replication | None = None
+        """The data-parallel wrappers of this rank's stages (set by compile once it wraps them)."""
+        self.timeout = timeout
+        self._copies = dp_group is not None or any(len({plan.rank_of(s) for s in t.stages}) > 1 for t in plan.tied)
+        """Whether some parameter has copies on several ranks (replicas, tied weights), which
+        must agree on ``requires_grad`` before every training step; the same on every rank."""
         self.loss_reduction = loss_reduction
         self._wire = wire
         self._schedule_for = schedule_for
@@ -238,7 +247,7 @@ class Pipeline:
         """Microbatches, their sizes, and each one's wire specs. Everything here depends only
         on the batch and the autocast state, so it is the same on every rank, and any refusal
         (an InputError) happens on every rank before anything is sent."""
-        flat = self.captured.flatten_inputs(inputs)
+        flat = self.captured.flatten_inputs(inputs, "step")
         size = batch_size(flat)
         if self.dp_group is not None and size != self.plan.batch_size:
             raise InputError(
@@ -316,12 +325,15 @@ class Pipeline:
         if self._modes is not None:
             self._modes.check(self.training)
         try:
-            self._weigh_loss(scaler, normalizer)
-            return self._step(inputs, target, record, training, return_outputs, all_ranks, compute_loss)
+            refused = self._follow_trainable() if training else None
+            if refused is None:
+                self._weigh_loss(scaler, normalizer)
+                return self._step(inputs, target, record, training, return_outputs, all_ranks, compute_loss)
         except InputError:
             raise  # raised identically on every rank before any communication
         except BaseException as e:
             raise abort(dist.get_rank(), e) from e
+        raise refused  # the same on every rank, before anything of the step ran: the groups stay up
 
     def eval_step(
         self,
@@ -375,15 +387,15 @@ class Pipeline:
                 outputs = stack.enter_context(
                     collecting(last, keep_outputs=return_outputs, compute_loss=compute_loss))
             loss, events = run_actions(workers, program, mb_inputs, targets, record)
+        if self.replication is not None:
+            self.replication.settle()
         self.events = events
         if training:
             self.tied.end(self._canonical_parameters(), reduce=self._reduce)
         result: torch.Tensor | None = None
-        if compute_loss:
-            result = loss.detach().float() if loss is not None else torch.zeros((), device=self._device)
-            dist.broadcast(result, src=self.ranks[self.plan.rank_of(self.plan.num_stages - 1)], group=self.group)
-            if self.dp_group is not None:  # gradients: averaged by DDP / FSDP in the last backward
-                average_loss(result, self.dp_group)
+        if compute_loss:  # in the loss's dtype on every rank (see share_loss)
+            result = share_loss(loss, src=self.ranks[self.plan.rank_of(self.plan.num_stages - 1)],
+                                group=self.group, dp_group=self.dp_group, device=self._device)
         if not return_outputs:
             return result
         whole = concat_microbatches(outputs, sizes) if outputs else None
@@ -393,6 +405,18 @@ class Pipeline:
                                        group=self.group)
             whole = tree_to(box[0], self._device)
         return result, whole
+
+    def _follow_trainable(self) -> PipelineRuntimeError | None:
+        """Before a training step: where parameters have copies on several ranks, every rank
+        agrees on which require grad (else the error every rank raises), and the data-parallel
+        wrappers follow a change since the last step (freezing between steps)."""
+        if not self._copies:
+            return None
+        names = list(dict.fromkeys(fqn for s in self.plan.stages for fqn in s.parameters))
+        refused = trainable_disagreement(self._canonical_parameters(), names, self._device, self.timeout)
+        if refused is None and self.replication is not None:
+            self.replication.refresh()
+        return refused
 
     def _canonical_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters, each once, under the captured graph's first name for it

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from pipecut.errors import PipelineRuntimeError
 
-__all__: list[str] = []
+__all__ = ["wait_for"]
 
 BUCKET_BYTES = 256 << 20
 """Largest flattened message (a single larger tensor travels alone)."""
@@ -54,7 +54,8 @@ def _buckets(tensors: Sequence[torch.Tensor], limit: int | None = None) -> list[
     return [run for runs in groups.values() for run in runs]
 
 
-def _wait(works: Sequence[dist.Work], what: str, timeout: datetime.timedelta) -> None:
+def wait_for(works: Sequence[dist.Work], what: str, timeout: datetime.timedelta) -> None:
+    """Wait for ``works`` at most ``timeout`` each; a PipelineRuntimeError naming ``what`` else."""
     for w in works:
         try:
             w.wait(timeout)
@@ -89,12 +90,12 @@ def sync_from_rank0(
             for b, idx in enumerate(_buckets(tensors)):
                 flat = torch.cat([tensors[i].detach().reshape(-1).to(device) for i in idx])
                 op = dist.P2POp(dist.isend, flat, dst, tag=b)
-                _wait(dist.batch_isend_irecv([op]), f"sending rank {dst} its stage weights", timeout)
+                wait_for(dist.batch_isend_irecv([op]), f"sending rank {dst} its stage weights", timeout)
         return
     for b, idx in enumerate(_buckets(mine)):
         flat = torch.empty(sum(mine[i].numel() for i in idx), dtype=mine[idx[0]].dtype, device=device)
         op = dist.P2POp(dist.irecv, flat, 0, tag=b)
-        _wait(dist.batch_isend_irecv([op]), "receiving its stage weights from rank 0", timeout)
+        wait_for(dist.batch_isend_irecv([op]), "receiving its stage weights from rank 0", timeout)
         with torch.no_grad():
             offset = 0
             for i in idx:
