@@ -2,7 +2,8 @@
 
 Each factory is ``name(batch_size=8, seed=0) -> (model, inputs, loss_fn, target)`` like the
 other examples, with small sizes (2 layers, hidden 64) and every dropout at 0 so a pipelined
-run can be compared exactly with the plain model. The loss functions take the model's
+run can be compared exactly with the plain model. The Hugging Face factories also take
+``layers=`` (default 2), which :mod:`examples.architectures` sets to the issue 27 sweep's 4. The loss functions take the model's
 ``ModelOutput``. :data:`ZOO` maps a name to its factory, for tests, the CLI and benchmarks.
 
 Each model exercises something the toy examples do not:
@@ -56,12 +57,12 @@ def _images(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(batch_size, 3, IMAGE, IMAGE), torch.randint(0, CLASSES, (batch_size,))
 
 
-def resnet(batch_size: int = 8, seed: int = 0) -> Built:
+def resnet(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     from transformers import ResNetConfig, ResNetForImageClassification
 
     torch.manual_seed(seed)
     config = ResNetConfig(
-        num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+        num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[layers // 2, layers - layers // 2],
         layer_type="basic", num_labels=CLASSES,
     )
     model = ResNetForImageClassification(config)
@@ -69,12 +70,12 @@ def resnet(batch_size: int = 8, seed: int = 0) -> Built:
     return model, {"pixel_values": x}, logits_ce, y
 
 
-def vit(batch_size: int = 8, seed: int = 0) -> Built:
+def vit(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     from transformers import ViTConfig, ViTForImageClassification
 
     torch.manual_seed(seed)
     config = ViTConfig(
-        hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
         intermediate_size=2 * HIDDEN, image_size=IMAGE, patch_size=8, num_labels=CLASSES,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager",
     )
@@ -83,12 +84,12 @@ def vit(batch_size: int = 8, seed: int = 0) -> Built:
     return model, {"pixel_values": x}, logits_ce, y
 
 
-def gpt2(batch_size: int = 8, seed: int = 0) -> Built:
+def gpt2(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     config = GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=layers, n_head=HEADS,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
         bos_token_id=0, eos_token_id=0, attn_implementation="eager",
     )
@@ -97,12 +98,12 @@ def gpt2(batch_size: int = 8, seed: int = 0) -> Built:
     return model, {"input_ids": ids}, logits_ce, target
 
 
-def bert(batch_size: int = 8, seed: int = 0) -> Built:
+def bert(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(seed)
     config = BertConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
         intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, attn_implementation="eager",
     )
@@ -113,13 +114,13 @@ def bert(batch_size: int = 8, seed: int = 0) -> Built:
     return model, {"input_ids": ids, "attention_mask": mask}, logits_ce, target
 
 
-def llama(batch_size: int = 8, seed: int = 0) -> Built:
+def llama(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=2,
+        num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=2,
         max_position_embeddings=SEQ, use_cache=False, attention_dropout=0.0,
         attn_implementation="eager",
     )
@@ -128,13 +129,13 @@ def llama(batch_size: int = 8, seed: int = 0) -> Built:
     return model, {"input_ids": ids}, logits_ce, target
 
 
-def qwen2(batch_size: int = 8, seed: int = 0) -> Built:
+def qwen2(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=2,
+        num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=2,
         max_position_embeddings=SEQ, use_cache=False, attention_dropout=0.0,
         attn_implementation="eager",
     )
@@ -143,13 +144,13 @@ def qwen2(batch_size: int = 8, seed: int = 0) -> Built:
     return model, {"input_ids": ids}, logits_ce, target
 
 
-def t5(batch_size: int = 8, seed: int = 0) -> Built:
+def t5(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(seed)
     config = T5Config(
         vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=2 * HIDDEN,
-        num_layers=LAYERS, num_decoder_layers=LAYERS, num_heads=HEADS, dropout_rate=0.0,
+        num_layers=layers, num_decoder_layers=layers, num_heads=HEADS, dropout_rate=0.0,
         use_cache=False, decoder_start_token_id=0, pad_token_id=0,
         attn_implementation="eager",
     )
