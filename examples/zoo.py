@@ -22,7 +22,7 @@ tagger    captured by symbolic_trace: dict output, ``torch.Size`` and ints cross
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -253,19 +253,48 @@ except Exception:  # not installed, or built for another torch
 # --- parity: a pipelined step against the plain model ---------------------------------------
 
 
-def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_size: int = 8,
-                   seed: int = 0, timeout: float = 60.0, schedule: str = "gpipe") -> dict[str, Any]:
-    """On one rank: compile zoo model ``name`` over ``world`` stages, run one step.
+Factories = Mapping[str, Callable[..., Built]]
 
-    Returns what the parity check compares: the loss, this stage's gradients and buffers by
-    parameter/buffer name, and how the model was captured.
+
+def factory(name: str, models: Factories | None = None) -> Callable[..., Built]:
+    """The factory registered as ``name`` in ``models`` (None: :data:`ZOO`).
+
+    :data:`ZOO` (2 layers) and :data:`examples.architectures.ARCHITECTURES` (4 layers) share
+    names such as ``vit``, so the registry is chosen explicitly rather than guessed.
     """
+    models = ZOO if models is None else models
+    if name not in models:
+        raise KeyError(f"no model {name!r} in this registry; choose one of {sorted(models)} (the "
+                       f"issue 27 sweep's are in examples.architectures.ARCHITECTURES)")
+    return models[name]
 
-    model, inputs, loss_fn, target = ZOO[name](batch_size=batch_size, seed=seed)
+
+def stages_per_rank_of(kind: pipecut.ScheduleKind) -> int:
+    """The stages each rank runs in the parity checks: ZBV's fixed 2, 2 for interleaved 1F1B
+    (the smallest count that interleaves), else 1."""
+    if kind.fixed_stages_per_rank is not None:
+        return kind.fixed_stages_per_rank
+    return 2 if kind is pipecut.ScheduleKind.INTERLEAVED_1F1B else 1
+
+
+def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_size: int = 8,
+                   seed: int = 0, timeout: float = 60.0, schedule: str | pipecut.ScheduleKind = "gpipe",
+                   *, models: Factories | None = None, plan: Any = None) -> dict[str, Any]:
+    """On one rank: compile model ``name`` of ``models`` over ``world`` ranks, run one step.
+
+    ``schedule``: any :class:`pipecut.ScheduleKind` or its name (interleaved 1F1B and ZBV with
+    2 stages per rank). ``plan``: replay this plan instead of profiling on rank 0 (a parity
+    test pins its split and schedule with :func:`examples.pinned.fixed_plan`). Returns what the
+    parity check compares: the loss, this rank's gradients and buffers under the model's names,
+    and how the model was captured.
+    """
+    kind = pipecut.ScheduleKind(schedule)
+    model, inputs, loss_fn, target = factory(name, models)(batch_size=batch_size, seed=seed)
     # Parity does not depend on the split: no calibration steps on the running pipeline.
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-        microbatches=microbatches, schedule=schedule,
+        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, plan=plan,
+        scheduling=pipecut.ScheduleOptions(microbatches=microbatches, kind=kind,
+                                           stages_per_rank=stages_per_rank_of(kind)),
         runtime=pipecut.RuntimeOptions(timeout=timeout),
         measure=pipecut.MeasureOptions(calibration_steps=0),
     )
@@ -273,7 +302,7 @@ def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_si
     return {
         "loss": loss,
         "grads": {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None},
-        "buffers": {n: b.clone() for n, b in pipe.module.named_buffers()},
+        "buffers": {n: b.clone() for n, b in pipe.named_buffers()},
         "capture": pipe.plan.capture.value,
         "stages": [len(s.nodes) for s in pipe.plan.stages],
         "cut_constants": cut_constants(pipe.plan),
@@ -290,8 +319,8 @@ def cut_constants(plan: Any) -> int:
     )
 
 
-def reference_step(name: str, microbatches: int, batch_size: int = 8,
-                   seed: int = 0) -> tuple[torch.Tensor, nn.Module]:
+def reference_step(name: str, microbatches: int, batch_size: int = 8, seed: int = 0,
+                   *, models: Factories | None = None) -> tuple[torch.Tensor, nn.Module]:
     """The plain model's step: mean over microbatches of the loss, backward per microbatch.
 
     Microbatch by microbatch, as the pipeline runs it, so BatchNorm sees the same batches and
@@ -299,7 +328,7 @@ def reference_step(name: str, microbatches: int, batch_size: int = 8,
     """
     from pipecut.core.batching import split_microbatches
 
-    model, inputs, loss_fn, target = ZOO[name](batch_size=batch_size, seed=seed)
+    model, inputs, loss_fn, target = factory(name, models)(batch_size=batch_size, seed=seed)
     total = torch.zeros(())
     mbs = split_microbatches(inputs, microbatches, batch_size)
     targets = split_microbatches(target, microbatches, batch_size, "target")
