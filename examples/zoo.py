@@ -90,7 +90,7 @@ def gpt2(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     torch.manual_seed(seed)
     config = GPT2Config(
         vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=layers, n_head=HEADS,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0, use_cache=False,
         bos_token_id=0, eos_token_id=0, attn_implementation="eager",
     )
     model = GPT2LMHeadModel(config)

@@ -146,3 +146,30 @@ def test_the_subset_covers_every_schedule_and_the_one_sample_microbatch() -> Non
     assert {s.schedule for s in PASSING} == set(ScheduleKind)
     assert any(s.batch_size == s.microbatches for s in SCENARIOS if s.schedule is ZB)
     assert all(s.model in ARCHITECTURES for s in SCENARIOS)
+
+
+def test_every_architecture_builds_at_the_issues_sizes_and_runs_a_step() -> None:
+    """In this process: the registry the matrix and the fuzzer draw from builds, each model's
+    loss is finite, and no config keeps a dropout (each factory refuses one)."""
+    import math
+
+    from examples.architectures import LAYERS, check_no_dropout
+
+    for name, factory in ARCHITECTURES.items():
+        model, inputs, loss_fn, target = factory(batch_size=2)
+        check_no_dropout(model.config)
+        loss = loss_fn(model(**inputs), target)
+        assert math.isfinite(loss.item()), name
+        blocks = [n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] == str(LAYERS - 1)]
+        assert blocks or name in ("resnet", "convnext", "swin", "albert"), f"{name}: no block {LAYERS - 1}"
+
+
+def test_a_config_with_dropout_is_refused() -> None:
+    import transformers
+
+    from examples.architectures import check_no_dropout
+
+    with pytest.raises(ValueError, match=r"LlamaConfig.attention_dropout = 0.1: set it to 0.0"):
+        check_no_dropout(transformers.LlamaConfig(attention_dropout=0.1))
+    with pytest.raises(ValueError, match=r"vision_config.attention_dropout"):
+        check_no_dropout(transformers.CLIPConfig(vision_config={"attention_dropout": 0.1}))
