@@ -2,7 +2,8 @@
 
 Each factory is ``name(batch_size=8, seed=0) -> (model, inputs, loss_fn, target)`` like the
 other examples, with small sizes (2 layers, hidden 64) and every dropout at 0 so a pipelined
-run can be compared exactly with the plain model. The loss functions take the model's
+run can be compared exactly with the plain model. The Hugging Face factories also take
+``layers=`` (default 2), which :mod:`examples.architectures` sets to the issue 27 sweep's 4. The loss functions take the model's
 ``ModelOutput``. :data:`ZOO` maps a name to its factory, for tests, the CLI and benchmarks.
 
 Each model exercises something the toy examples do not:
@@ -21,7 +22,7 @@ tagger    captured by symbolic_trace: dict output, ``torch.Size`` and ints cross
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -56,12 +57,12 @@ def _images(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(batch_size, 3, IMAGE, IMAGE), torch.randint(0, CLASSES, (batch_size,))
 
 
-def resnet(batch_size: int = 8, seed: int = 0) -> Built:
+def resnet(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     from transformers import ResNetConfig, ResNetForImageClassification
 
     torch.manual_seed(seed)
     config = ResNetConfig(
-        num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+        num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[layers // 2, layers - layers // 2],
         layer_type="basic", num_labels=CLASSES,
     )
     model = ResNetForImageClassification(config)
@@ -69,12 +70,12 @@ def resnet(batch_size: int = 8, seed: int = 0) -> Built:
     return model, {"pixel_values": x}, logits_ce, y
 
 
-def vit(batch_size: int = 8, seed: int = 0) -> Built:
+def vit(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     from transformers import ViTConfig, ViTForImageClassification
 
     torch.manual_seed(seed)
     config = ViTConfig(
-        hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
         intermediate_size=2 * HIDDEN, image_size=IMAGE, patch_size=8, num_labels=CLASSES,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager",
     )
@@ -83,13 +84,13 @@ def vit(batch_size: int = 8, seed: int = 0) -> Built:
     return model, {"pixel_values": x}, logits_ce, y
 
 
-def gpt2(batch_size: int = 8, seed: int = 0) -> Built:
+def gpt2(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     config = GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=layers, n_head=HEADS,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0, use_cache=False,
         bos_token_id=0, eos_token_id=0, attn_implementation="eager",
     )
     model = GPT2LMHeadModel(config)
@@ -97,12 +98,12 @@ def gpt2(batch_size: int = 8, seed: int = 0) -> Built:
     return model, {"input_ids": ids}, logits_ce, target
 
 
-def bert(batch_size: int = 8, seed: int = 0) -> Built:
+def bert(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(seed)
     config = BertConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
         intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, attn_implementation="eager",
     )
@@ -113,13 +114,13 @@ def bert(batch_size: int = 8, seed: int = 0) -> Built:
     return model, {"input_ids": ids, "attention_mask": mask}, logits_ce, target
 
 
-def llama(batch_size: int = 8, seed: int = 0) -> Built:
+def llama(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=2,
+        num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=2,
         max_position_embeddings=SEQ, use_cache=False, attention_dropout=0.0,
         attn_implementation="eager",
     )
@@ -128,13 +129,13 @@ def llama(batch_size: int = 8, seed: int = 0) -> Built:
     return model, {"input_ids": ids}, logits_ce, target
 
 
-def qwen2(batch_size: int = 8, seed: int = 0) -> Built:
+def qwen2(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=2,
+        num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=2,
         max_position_embeddings=SEQ, use_cache=False, attention_dropout=0.0,
         attn_implementation="eager",
     )
@@ -143,13 +144,13 @@ def qwen2(batch_size: int = 8, seed: int = 0) -> Built:
     return model, {"input_ids": ids}, logits_ce, target
 
 
-def t5(batch_size: int = 8, seed: int = 0) -> Built:
+def t5(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(seed)
     config = T5Config(
         vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=2 * HIDDEN,
-        num_layers=LAYERS, num_decoder_layers=LAYERS, num_heads=HEADS, dropout_rate=0.0,
+        num_layers=layers, num_decoder_layers=layers, num_heads=HEADS, dropout_rate=0.0,
         use_cache=False, decoder_start_token_id=0, pad_token_id=0,
         attn_implementation="eager",
     )
@@ -252,19 +253,48 @@ except Exception:  # not installed, or built for another torch
 # --- parity: a pipelined step against the plain model ---------------------------------------
 
 
-def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_size: int = 8,
-                   seed: int = 0, timeout: float = 60.0, schedule: str = "gpipe") -> dict[str, Any]:
-    """On one rank: compile zoo model ``name`` over ``world`` stages, run one step.
+Factories = Mapping[str, Callable[..., Built]]
 
-    Returns what the parity check compares: the loss, this stage's gradients and buffers by
-    parameter/buffer name, and how the model was captured.
+
+def factory(name: str, models: Factories | None = None) -> Callable[..., Built]:
+    """The factory registered as ``name`` in ``models`` (None: :data:`ZOO`).
+
+    :data:`ZOO` (2 layers) and :data:`examples.architectures.ARCHITECTURES` (4 layers) share
+    names such as ``vit``, so the registry is chosen explicitly rather than guessed.
     """
+    models = ZOO if models is None else models
+    if name not in models:
+        raise KeyError(f"no model {name!r} in this registry; choose one of {sorted(models)} (the "
+                       f"issue 27 sweep's are in examples.architectures.ARCHITECTURES)")
+    return models[name]
 
-    model, inputs, loss_fn, target = ZOO[name](batch_size=batch_size, seed=seed)
+
+def stages_per_rank_of(kind: pipecut.ScheduleKind) -> int:
+    """The stages each rank runs in the parity checks: ZBV's fixed 2, 2 for interleaved 1F1B
+    (the smallest count that interleaves), else 1."""
+    if kind.fixed_stages_per_rank is not None:
+        return kind.fixed_stages_per_rank
+    return 2 if kind is pipecut.ScheduleKind.INTERLEAVED_1F1B else 1
+
+
+def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_size: int = 8,
+                   seed: int = 0, timeout: float = 60.0, schedule: str | pipecut.ScheduleKind = "gpipe",
+                   *, models: Factories | None = None, plan: Any = None) -> dict[str, Any]:
+    """On one rank: compile model ``name`` of ``models`` over ``world`` ranks, run one step.
+
+    ``schedule``: any :class:`pipecut.ScheduleKind` or its name (interleaved 1F1B and ZBV with
+    2 stages per rank). ``plan``: replay this plan instead of profiling on rank 0 (a parity
+    test pins its split and schedule with :func:`examples.pinned.fixed_plan`). Returns what the
+    parity check compares: the loss, this rank's gradients and buffers under the model's names,
+    and how the model was captured.
+    """
+    kind = pipecut.ScheduleKind(schedule)
+    model, inputs, loss_fn, target = factory(name, models)(batch_size=batch_size, seed=seed)
     # Parity does not depend on the split: no calibration steps on the running pipeline.
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
-        microbatches=microbatches, schedule=schedule,
+        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, plan=plan,
+        scheduling=pipecut.ScheduleOptions(microbatches=microbatches, kind=kind,
+                                           stages_per_rank=stages_per_rank_of(kind)),
         runtime=pipecut.RuntimeOptions(timeout=timeout),
         measure=pipecut.MeasureOptions(calibration_steps=0),
     )
@@ -272,7 +302,7 @@ def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_si
     return {
         "loss": loss,
         "grads": {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None},
-        "buffers": {n: b.clone() for n, b in pipe.module.named_buffers()},
+        "buffers": {n: b.clone() for n, b in pipe.named_buffers()},
         "capture": pipe.plan.capture.value,
         "stages": [len(s.nodes) for s in pipe.plan.stages],
         "cut_constants": cut_constants(pipe.plan),
@@ -289,8 +319,8 @@ def cut_constants(plan: Any) -> int:
     )
 
 
-def reference_step(name: str, microbatches: int, batch_size: int = 8,
-                   seed: int = 0) -> tuple[torch.Tensor, nn.Module]:
+def reference_step(name: str, microbatches: int, batch_size: int = 8, seed: int = 0,
+                   *, models: Factories | None = None) -> tuple[torch.Tensor, nn.Module]:
     """The plain model's step: mean over microbatches of the loss, backward per microbatch.
 
     Microbatch by microbatch, as the pipeline runs it, so BatchNorm sees the same batches and
@@ -298,7 +328,7 @@ def reference_step(name: str, microbatches: int, batch_size: int = 8,
     """
     from pipecut.core.batching import split_microbatches
 
-    model, inputs, loss_fn, target = ZOO[name](batch_size=batch_size, seed=seed)
+    model, inputs, loss_fn, target = factory(name, models)(batch_size=batch_size, seed=seed)
     total = torch.zeros(())
     mbs = split_microbatches(inputs, microbatches, batch_size)
     targets = split_microbatches(target, microbatches, batch_size, "target")
