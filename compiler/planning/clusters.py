@@ -298,27 +298,25 @@ def _candidates(choice: RunChoice, best: RunCandidate) -> tuple[ReplicaCandidate
 
 def _schedule_candidates(choice: RunChoice, best: RunCandidate, kinds: tuple[ScheduleKind, ...],
                          microbatches: int) -> tuple[Candidate, ...]:
-    """With several schedules weighed: the fastest run of each schedule and stages per rank (or
-    why none fits), the chosen one marked; nothing with one schedule."""
+    """With several schedules weighed: the fastest run of each schedule (its shape, stages per
+    rank and memory in the note), or why none fits, the chosen one marked; nothing with one
+    schedule."""
     if len(kinds) < 2:
         return ()
     rows: list[Candidate] = []
-    seen: set[tuple[ScheduleKind, int]] = set()
-    for c in choice.candidates:  # fastest first
-        if (c.schedule, c.stages_per_rank) in seen:
-            continue
-        seen.add((c.schedule, c.stages_per_rank))
-        shape = f"{c.placement.replicas} x {c.placement.stages}" + (
-            f", {c.stages_per_rank} stages per rank" if c.stages_per_rank > 1 else "")
-        rows.append(Candidate(microbatches=microbatches, schedule=c.schedule, step_ms=c.step_ms,
-                              note="chosen" if c is best else f"{shape}, peak "
-                              f"{c.peak_memory_bytes / 2**30:.1f} GiB per GPU"))
     for kind in kinds:
-        if not any(k is kind for k, _ in seen):
+        fastest = next((c for c in choice.candidates if c.schedule is kind), None)  # fastest first
+        if fastest is None:
             reasons = [s.reason for s in choice.skipped if s.schedule is kind]
             why = next((r for r in reasons if "needs" in r), reasons[0] if reasons else "no shape runs it")
             rows.append(Candidate(microbatches=microbatches, schedule=kind, step_ms=None,
                                   note=f"nothing fits or runs, e.g. {why}"))
+            continue
+        shape = f"{fastest.placement.replicas} x {fastest.placement.stages}" + (
+            f" on {fastest.stages_per_rank} stages per rank" if fastest.stages_per_rank > 1 else "")
+        rows.append(Candidate(microbatches=microbatches, schedule=kind, step_ms=fastest.step_ms,
+                              note="chosen" if fastest is best else
+                              f"{shape}, peak {fastest.peak_memory_bytes / 2**30:.1f} GiB per GPU"))
     return tuple(rows)
 
 

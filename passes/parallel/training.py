@@ -272,6 +272,14 @@ def _cut_links(cluster: Cluster, place: ClusterPlacement, rank: Sequence[int]) -
     return out
 
 
+def _transfers(cuts: Sequence[Interconnect | None], bounds: Sequence[int], d: int, nbytes: Sequence[int],
+               messages: Sequence[int]) -> list[float]:
+    """Per cut, ``bytes / D`` sent as its tensors, one message each, over the cut's link."""
+    return [0.0 if c is None or not nbytes else as_link(c).transfer_ms(
+        math.ceil(nbytes[bounds[s + 1]] / d), messages[bounds[s + 1]] if messages else 1)
+        for s, c in enumerate(cuts)]
+
+
 def _priced(work: Workload, bounds: tuple[int, ...], sts: Sequence[StageWork], shape: RunShape,
             cluster: Cluster, place: ClusterPlacement) -> RunCandidate:
     """Simulate the schedule on the stages' costs and walk its actions for memory."""
@@ -286,12 +294,8 @@ def _priced(work: Workload, bounds: tuple[int, ...], sts: Sequence[StageWork], s
     b_ms = [sum(st.backward_ms) + sum(st.recompute_ms) + half[s] for s, st in enumerate(sts)]
     w_ms = [weight_ms(work, bounds[s], bounds[s + 1], d) for s in range(n)]
     cuts = _cut_links(cluster, place, rank)
-    fwd_b = work.cut_forward_bytes or (0,) * (work.units + 1)
-    bwd_b = work.cut_backward_bytes or (0,) * (work.units + 1)
-    f_link = [0.0 if c is None else as_link(c).transfer_ms(math.ceil(fwd_b[bounds[s + 1]] / d))
-              for s, c in enumerate(cuts)]
-    b_link = [0.0 if c is None else as_link(c).transfer_ms(math.ceil(bwd_b[bounds[s + 1]] / d))
-              for s, c in enumerate(cuts)]
+    f_link = _transfers(cuts, bounds, d, work.cut_forward_bytes, work.cut_forward_messages)
+    b_link = _transfers(cuts, bounds, d, work.cut_backward_bytes, work.cut_backward_messages)
     costs = StageCosts(forward=tuple(f_ms), backward=tuple(b_ms), weight=tuple(w_ms),
                        forward_link=tuple(f_link), backward_link=tuple(b_link))
     schedule = build(kind, k, m, shape.chunks, costs)
