@@ -236,13 +236,9 @@ def evaluate_run(
             splits[key] = found
     else:
         found = splits[key]
-    if isinstance(found, Skipped):
-        return dataclasses.replace(found, replicas=d, stages=k)
-    idle = [s for s in range(v * k) if not any(work.param_bytes[found[s]:found[s + 1]])]
-    if idle and any(work.param_bytes):
-        return Skipped(replicas=d, stages=k, reason=(
-            f"the split into {v * k} stages leaves stage {idle[0]} without parameters (nothing to "
-            f"train): too many stages for this model"))
+    if isinstance(found, Skipped):  # no memory limit here: a stage without parameters, or a value that cannot cross
+        return Skipped(replicas=d, stages=k, reason=found.reason if found.reason.startswith("only ") else (
+            f"no split into {v * k} stages gives every stage parameters to train: too many stages for this model"))
     sts = [stage_work(work, blocks, found[s], found[s + 1], d, shape.recompute) for s in range(v * k)]
     return _priced(work, found, sts, shape, cluster, ClusterPlacement(layout=layout, replicas=d, stages=k))
 
