@@ -191,6 +191,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = plan_cluster(
             example.model, example.inputs, args.cluster, data_parallel="auto",
             microbatches=args.microbatches, schedule=args.schedule, recompute=args.recompute,
+            stages_per_rank=args.stages_per_rank if args.stages_per_rank > 1 else None,
             loss_fn=example.loss_fn, target=example.target,
         )
     elif args.device_profile is not None:
@@ -227,9 +228,9 @@ def _check_plan_args(args: argparse.Namespace) -> None:
     if args.cluster is not None:
         from pipecut.planning.clusters import parse_cluster
 
-        if args.device_profile is not None or "auto" in (args.microbatches, args.schedule):
+        if args.device_profile is not None or args.microbatches == "auto":
             raise InputError("--cluster names the device and weighs D x K itself: drop "
-                             "--device-profile, and give --microbatches and --schedule as values")
+                             "--device-profile, and give --microbatches as a value")
         parse_cluster(args.cluster)
     if args.device_profile is not None:
         device_profile(args.device_profile)

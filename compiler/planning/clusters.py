@@ -4,9 +4,11 @@
 :class:`~pipecut.cluster.Cluster` (NVLink inside a node from the profile, the platform's
 per-GPU network port between nodes). :func:`plan_cluster` estimates the model's cost table for
 the device (:func:`pipecut.profile.devices.estimate_costs`, the model may be on meta), weighs every
-D replicas × K stages in both layouts on the training-run model of
+D replicas × K stages in both layouts, for the schedule asked for (or, with ``"auto"``, every
+schedule: GPipe, 1F1B, interleaved 1F1B, zero bubble, ZBV) as it runs, on the training-run model of
 :mod:`pipecut.passes.parallel.training` (FSDP2, bf16 with fp32 AdamW state, activation checkpointing,
-the link each cut and ring crosses), and returns the K-stage plan of one replica with the
+the link each cut and ring crosses), and returns the plan of one replica of the chosen run
+(:mod:`pipecut.planning.run_plan`: its stages are the run's, times and memory included) with the
 cluster, the placement and the run's prediction (step, bubble, tokens/s per GPU, MFU, memory).
 
 Compute efficiency: the roofline's fraction of peak FLOP/s, **one constant per device family**,
@@ -28,11 +30,11 @@ from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.choices import enum_choice
 from pipecut.core.program import Inputs
 from pipecut.errors import InputError, PartitionError
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.parallel import DataParallelKind
 from pipecut.passes.costs.workload import Workload, workload
 from pipecut.passes.parallel.training import RunCandidate, RunChoice, RunShape, block_of, choose_run
-from pipecut.plan import DeviceSpec, Link, NodeCost, Plan, Recompute, ReplicaCandidate, ScheduleKind
-from pipecut.planning.partition import partition_costs
+from pipecut.plan import Candidate, NodeCost, Plan, Recompute, ReplicaCandidate, ScheduleKind
+from pipecut.planning.run_plan import mixed_links_note, plan_of_run
 from pipecut.profile.devices import (
     LINK_LATENCY_MS,
     DeviceProfile,
@@ -46,6 +48,7 @@ __all__ = [
     "FAMILY_EFFICIENCY",
     "INTER_NODE_LATENCY_MS",
     "NOT_MODELLED",
+    "SCHEDULES",
     "model_flops_per_token",
     "parse_cluster",
     "plan_cluster",
@@ -71,6 +74,10 @@ NOT_MODELLED = (
     "stage holds whole layers",
     "context and expert parallelism are not planned",
 )
+
+SCHEDULES = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED_1F1B,
+             ScheduleKind.ZERO_BUBBLE, ScheduleKind.ZBV)
+"""What ``schedule="auto"`` weighs for a cluster (interleaved 1F1B with each of its stages per rank)."""
 
 _SPEC = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*x\s*(.+?)\s*$", re.IGNORECASE)
 
@@ -149,12 +156,15 @@ def _attention_dims(model: torch.nn.Module) -> tuple[int, int]:
 
 def predict_run(
     nodes: Sequence[NodeCost], cluster: Cluster, shape: RunShape, *, replicas: int | None = None,
+    schedules: tuple[ScheduleKind, ...] | None = None,
 ) -> tuple[RunCandidate, RunChoice, Workload]:
-    """The fastest fitting D × K × layout for a cost table at microbatch ``B / M``; refuses, with
-    the memory needed per GPU and the smallest cluster of that device that fits, when none fits."""
+    """The fastest fitting D × K × layout (× schedule of ``schedules``, default
+    ``shape.schedule``, × stages per rank) for a cost table at microbatch ``B / M``; refuses,
+    with the memory needed per GPU and the smallest cluster of that device that fits, when none
+    fits."""
     work = workload(nodes)
     blocks = block_of(work.modules or ("",) * work.units)
-    choice = choose_run(work, blocks, shape, cluster, replicas=replicas)
+    choice = choose_run(work, blocks, shape, cluster, replicas=replicas, schedules=schedules)
     if choice.best is not None:
         return choice.best, choice, work
     need = choice.smallest_memory_bytes
@@ -164,7 +174,8 @@ def predict_run(
     bigger = None
     for factor in (2, 4, 8, 16, 32, 64):
         wider = dataclasses.replace(cluster, nodes=cluster.nodes * factor)
-        fits = choose_run(work, blocks, shape, wider, replicas=replicas, layouts=(Layout.STAGES_INSIDE_NODES,))
+        fits = choose_run(work, blocks, shape, wider, replicas=replicas, layouts=(Layout.STAGES_INSIDE_NODES,),
+                          schedules=schedules)
         if fits.best is not None:
             bigger = wider.spec
             break
@@ -187,6 +198,7 @@ def plan_cluster(
     data_parallel: str | int = "auto",
     microbatches: int = 1,
     schedule: str | ScheduleKind = ScheduleKind.ONE_F_ONE_B,
+    stages_per_rank: int | None = None,
     recompute: str | Recompute = Recompute.SELECTIVE,
     sharding: str | DataParallelKind = DataParallelKind.FSDP,
     loss_fn: LossFn | None = None,
@@ -194,15 +206,19 @@ def plan_cluster(
 ) -> Plan:
     """Plan ``model`` (on meta is fine) for ``cluster`` with one global batch ``example_inputs``.
 
-    ``data_parallel``: "auto" weighs every D × K, an int fixes D. ``recompute``: the activation
-    checkpointing the run uses (none, selective, full). ``sharding``: fsdp or ddp. The returned
-    plan is one replica's K stages at its share of the batch; ``plan.run`` is the whole run's
-    prediction, ``plan.placement`` where each stage of each replica sits, and
-    ``plan.replica_candidates`` every shape weighed."""
+    ``data_parallel``: "auto" weighs every D × K, an int fixes D. ``schedule``: one schedule, or
+    "auto" to weigh all of :data:`SCHEDULES` and keep the fastest run that fits.
+    ``stages_per_rank``: interleaved 1F1B's V (None weighs 2 and every V that divides the
+    blocks evenly). ``recompute``: the activation checkpointing the run uses (none, selective,
+    full). ``sharding``: fsdp or ddp. The returned plan is one replica of the chosen run at its
+    share of the batch, its stages priced as the run is (:mod:`pipecut.planning.run_plan`);
+    ``plan.run`` is the whole run's prediction, ``plan.placement`` where each pipeline rank of
+    each replica sits, ``plan.replica_candidates`` every shape weighed for the chosen schedule and,
+    with "auto", ``plan.candidates`` the best run of every schedule."""
     c = parse_cluster(cluster)
     profile = device_profile(c.device)
     efficiency, source = family_efficiency(profile)
-    kind, rec, shard = _choices(schedule, recompute, sharding, data_parallel)
+    kinds, rec, shard = _choices(schedule, recompute, sharding, data_parallel)
     size, first = first_microbatch(example_inputs, microbatches)
     seq = _sequence_length(first)
     layers, hidden = _attention_dims(model)
@@ -216,60 +232,91 @@ def plan_cluster(
     width = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
     flops = model_flops_per_token(nodes, layers=layers, hidden=hidden, seq=seq, param_dtype_bytes=width)
     shape = RunShape(batch_size=size, microbatches=microbatches, tokens_per_sample=seq,
-                     model_flops_per_token=flops, schedule=kind, recompute=rec, sharding=shard,
-                     param_dtype_bytes=width)
-    best, choice, _ = predict_run(nodes, c, shape,
-                                  replicas=None if data_parallel == "auto" else int(data_parallel))
-    d, k = best.placement.replicas, best.placement.stages
+                     model_flops_per_token=flops, schedule=kinds[0], stages_per_rank=stages_per_rank,
+                     recompute=rec, sharding=shard, param_dtype_bytes=width)
+    best, choice, _ = predict_run(nodes, c, shape, schedules=kinds,
+                                     replicas=None if data_parallel == "auto" else int(data_parallel))
+    d = best.placement.replicas
     share = split_microbatches(example_inputs, d, size, "example_inputs")[0]
     share_target = split_microbatches(target, d, size, "target")[0] if target is not None else None
-    intra = Link(bandwidth_bytes_per_ms=c.intra.bandwidth_bytes_per_ms, latency_ms=c.intra.latency_ms)
-    planned = partition_costs(
-        costs(share, share_target), devices=tuple(DeviceSpec(name=c.device) for _ in range(k)),
-        microbatches=microbatches, batch_size=size // d, schedule=kind, link=intra,
-        data_parallel=DataParallel(kind=shard, replicas=d) if d > 1 else None,
-    )
-    run = _run_prediction(best, rec, shard, efficiency, source, has_config=bool(layers))
+    planned = plan_of_run(costs(share, share_target), nodes, best, cluster=c, microbatches=microbatches,
+                          batch_size=size // d, recompute=rec, sharding=shard)
+    run = _run_prediction(best, c, rec, shard, efficiency, source, has_config=bool(layers))
     return dataclasses.replace(planned, cluster=c, placement=best.placement, run=run,
-                               replica_candidates=_candidates(choice))
+                               replica_candidates=_candidates(choice, best),
+                               candidates=_schedule_candidates(choice, best, kinds, microbatches))
 
 
 def _choices(
     schedule: str | ScheduleKind, recompute: str | Recompute, sharding: str | DataParallelKind,
     data_parallel: str | int,
-) -> tuple[ScheduleKind, Recompute, DataParallelKind]:
-    """:func:`plan_cluster`'s options as enums; InputError for one that is not."""
-    kind = enum_choice(ScheduleKind, schedule, "schedule")
+) -> tuple[tuple[ScheduleKind, ...], Recompute, DataParallelKind]:
+    """:func:`plan_cluster`'s options as enums (the schedules to weigh: one, or all for
+    "auto"); InputError for one that is not."""
+    kinds = SCHEDULES if schedule == "auto" else (enum_choice(ScheduleKind, schedule, "schedule"),)
     rec = enum_choice(Recompute, recompute, "recompute")
     shard = enum_choice(DataParallelKind, sharding, "sharding")
     if data_parallel != "auto" and not isinstance(data_parallel, int):
         raise InputError(f"data_parallel={data_parallel!r}: give 'auto' or a replica count")
-    return kind, rec, shard
+    return kinds, rec, shard
 
 
 def _run_prediction(
-    best: RunCandidate, rec: Recompute, shard: DataParallelKind, efficiency: float, source: str,
-    *, has_config: bool,
+    best: RunCandidate, cluster: Cluster, rec: Recompute, shard: DataParallelKind, efficiency: float,
+    source: str, *, has_config: bool,
 ) -> RunPrediction:
     """The whole run's prediction for the chosen candidate, with what it does not model."""
     notes = (source, *NOT_MODELLED) + (() if has_config else (
         "attention FLOPs not counted in MFU: the model has no Hugging Face config",))
+    if best.schedule.splits_backward and best.placement.replicas > 1:
+        notes += (f"pipecut's own runtime refuses data parallelism with {best.schedule.value} (its W "
+                  f"pass writes .grad outside DDP/FSDP hooks): this predicts a run by an engine "
+                  f"that supports it, such as torch.distributed.pipelining's",)
+    mixed = mixed_links_note(cluster, best)
     return RunPrediction(
         step_ms=best.step_ms, bubble_fraction=best.bubble_fraction,
         tokens_per_s_per_gpu=best.tokens_per_s_per_gpu, mfu=best.mfu,
         peak_memory_bytes=best.peak_memory_bytes, compute_ms=best.compute_ms,
         exposed_comm_ms=best.exposed_comm_ms, recompute=rec.value, sharding=shard.value,
-        compute_efficiency=efficiency, notes=notes,
+        compute_efficiency=efficiency, notes=notes + ((mixed,) if mixed else ()),
     )
 
 
-def _candidates(choice: RunChoice) -> tuple[ReplicaCandidate, ...]:
+def _candidates(choice: RunChoice, best: RunCandidate) -> tuple[ReplicaCandidate, ...]:
+    """Every D × K × layout weighed for the chosen schedule and stages per rank."""
+    def same(c: Any) -> bool:
+        return c.schedule is best.schedule and c.stages_per_rank == best.stages_per_rank
+
     rows = [ReplicaCandidate(replicas=c.placement.replicas, stages=c.placement.stages,
                              step_ms=c.step_ms, layout=c.placement.layout,
-                             note="chosen" if i == 0 else "")
-            for i, c in enumerate(choice.candidates)]
+                             note="chosen" if c is best else "")
+            for c in choice.candidates if same(c)]
     rows += [ReplicaCandidate(replicas=s.replicas, stages=s.stages, step_ms=None, note=s.reason)
-             for s in choice.skipped]
+             for s in choice.skipped if same(s)]
+    return tuple(rows)
+
+
+def _schedule_candidates(choice: RunChoice, best: RunCandidate, kinds: tuple[ScheduleKind, ...],
+                         microbatches: int) -> tuple[Candidate, ...]:
+    """With several schedules weighed: the fastest run of each schedule (its shape, stages per
+    rank and memory in the note), or why none fits, the chosen one marked; nothing with one
+    schedule."""
+    if len(kinds) < 2:
+        return ()
+    rows: list[Candidate] = []
+    for kind in kinds:
+        fastest = next((c for c in choice.candidates if c.schedule is kind), None)  # fastest first
+        if fastest is None:
+            reasons = [s.reason for s in choice.skipped if s.schedule is kind]
+            why = next((r for r in reasons if "needs" in r), reasons[0] if reasons else "no shape runs it")
+            rows.append(Candidate(microbatches=microbatches, schedule=kind, step_ms=None,
+                                  note=f"nothing fits or runs, e.g. {why}"))
+            continue
+        shape = f"{fastest.placement.replicas} x {fastest.placement.stages}" + (
+            f" on {fastest.stages_per_rank} stages per rank" if fastest.stages_per_rank > 1 else "")
+        rows.append(Candidate(microbatches=microbatches, schedule=kind, step_ms=fastest.step_ms,
+                              note="chosen" if fastest is best else
+                              f"{shape}, peak {fastest.peak_memory_bytes / 2**30:.1f} GiB per GPU"))
     return tuple(rows)
 
 

@@ -257,12 +257,13 @@ def _recorded(p: Plan, request: Request) -> Plan:
 
 def _for_cluster(request: Request, cluster: str | Cluster) -> Plan:
     """:func:`~pipecut.planning.clusters.plan_cluster` with the request's options (left out:
-    one microbatch, 1F1B; ``recompute`` None: selective, True: full, False: none)."""
+    one microbatch, 1F1B; schedule "auto" weighs every schedule; ``recompute`` None: selective,
+    True: full, False: none)."""
     from pipecut.planning.clusters import plan_cluster
 
     scheduling = request.options.scheduling
-    if scheduling.microbatches == AUTO or scheduling.kind == AUTO:
-        raise InputError("plan(cluster=...) needs microbatches and schedule as values, not 'auto'")
+    if scheduling.microbatches == AUTO:
+        raise InputError("plan(cluster=...) needs microbatches as a value, not 'auto'")
     if request.options.runtime.compile_stages:
         raise InputError("plan(cluster=...) estimates costs from a device profile: it cannot price "
                          "compiled stages; drop runtime=RuntimeOptions(compile_stages=...)")
@@ -275,6 +276,7 @@ def _for_cluster(request: Request, cluster: str | Cluster) -> Plan:
     return _recorded(plan_cluster(
         request.model, request.example_inputs, cluster, data_parallel=fixed.replicas if fixed else AUTO,
         microbatches=scheduling.microbatches or 1, schedule=scheduling.kind or ScheduleKind.ONE_F_ONE_B,
+        stages_per_rank=request.stages_per_rank if request.stages_per_rank > 1 else None,
         recompute=recompute[request.options.partition.recompute],
         sharding=fixed.kind if fixed else DataParallelKind.FSDP, loss_fn=request.loss_fn, target=request.target,
     ), request)

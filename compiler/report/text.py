@@ -94,7 +94,8 @@ def _chosen(plan: Plan) -> list[str]:
     lines = []
     weighed = [c for c in plan.candidates if c.step_ms is not None]
     if weighed:
-        best = min(weighed, key=lambda c: c.step_ms or 0.0)
+        marked = [c for c in weighed if c.note == "chosen"]  # a tie broken by preference
+        best = marked[0] if marked else min(weighed, key=lambda c: c.step_ms or 0.0)
         others = sorted((c for c in weighed if c is not best), key=lambda c: c.step_ms or 0.0)[:3]
         runner_up = ", ".join(f"{c.microbatches} x {c.schedule.value} {c.step_ms:.2f} ms" for c in others)
         lines.append(
@@ -118,12 +119,18 @@ def _cluster_lines(plan: Plan) -> list[str]:
     assert c is not None and r is not None
     where = (f"{place.replicas} replicas x {place.stages} stages, {place.layout.value}"
              if place is not None else "")
+    chunks = f" on {plan.stages_per_rank} stages per GPU" if plan.stages_per_rank > 1 else ""
     lines = [
         f"cluster {c.spec}: {c.gpus} GPUs, intra-node {c.intra.name}, inter-node {c.inter.name}; {where}",
-        f"run ({r.sharding}, recompute {r.recompute}): step {r.step_ms:.1f} ms, bubble "
+        f"run ({r.sharding}, recompute {r.recompute}, {plan.schedule.value}{chunks}): step {r.step_ms:.1f} ms, bubble "
         f"{r.bubble_fraction:.1%}, {r.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {r.mfu:.1%}, "
         f"peak memory {human_bytes(r.peak_memory_bytes)} per GPU of {human_bytes(c.memory_bytes)}; "
         f"exposed collectives {r.exposed_comm_ms:.1f} ms",
     ]
+    if plan.stages_per_rank > 1:  # the stage table's memory is each stage's share of its GPU's peak
+        lines.append("  memory per GPU: " + ", ".join(
+            f"rank {k} (stages {', '.join(map(str, plan.stages_on(k)))}) "
+            f"{human_bytes(sum(plan.stages[s].peak_memory_bytes for s in plan.stages_on(k)))}"
+            for k in range(plan.num_ranks)))
     lines += [f"  note: {n}" for n in r.notes]
     return lines

@@ -9,7 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipecut.passes.partition.chain import boundary_bytes, liveness, unit_param_bytes
+from pipecut.passes.partition.chain import (
+    boundary_bytes,
+    boundary_messages,
+    liveness,
+    unit_param_bytes,
+)
 from pipecut.plan import NodeCost
 
 __all__ = ["Workload", "workload"]
@@ -29,6 +34,10 @@ class Workload:
     """N + 1 entries: activation bytes crossing the cut before unit b (default 0)."""
     cut_backward_bytes: tuple[int, ...] = ()
     """N + 1 entries: gradient bytes crossing the cut before unit b backwards (default 0)."""
+    cut_forward_messages: tuple[int, ...] = ()
+    """N + 1 entries: tensors crossing the cut before unit b, each one message (default 1)."""
+    cut_backward_messages: tuple[int, ...] = ()
+    """N + 1 entries: gradients crossing the cut before unit b backwards (default 1)."""
     crossable: tuple[bool, ...] = ()
     """N + 1 entries: whether every value live at the cut can be sent (default all)."""
     modules: tuple[str, ...] = ()
@@ -41,7 +50,8 @@ class Workload:
             value = getattr(self, name)
             if (name in ("backward_ms", "param_bytes") or value) and len(value) != n:
                 raise ValueError(f"a workload of {n} units needs {n} {name}, got {len(value)}")
-        for name in ("cut_forward_bytes", "cut_backward_bytes", "crossable"):
+        for name in ("cut_forward_bytes", "cut_backward_bytes", "cut_forward_messages",
+                     "cut_backward_messages", "crossable"):
             value = getattr(self, name)
             if value and len(value) != n + 1:
                 raise ValueError(f"a workload of {n} units needs {n + 1} {name}, got {len(value)}")
@@ -62,6 +72,7 @@ def workload(nodes: Sequence[NodeCost]) -> Workload:
     """The hybrid planner's view of a cost table (placeholders and parameters are not units)."""
     live = liveness(nodes)
     fwd, bwd, allowed = boundary_bytes(nodes, live)
+    f_msgs, b_msgs = boundary_messages(nodes, live)
     by_name = {n.name: n for n in nodes}
     units = [by_name[u] for u in live.units]
     params = tuple(unit_param_bytes(u, by_name) for u in units)
@@ -73,6 +84,8 @@ def workload(nodes: Sequence[NodeCost]) -> Workload:
         activation_bytes=tuple(u.kept_bytes for u in units),
         cut_forward_bytes=tuple(fwd),
         cut_backward_bytes=tuple(bwd),
+        cut_forward_messages=tuple(f_msgs),
+        cut_backward_messages=tuple(b_msgs),
         crossable=tuple(allowed),
         modules=tuple(u.module for u in units),
     )

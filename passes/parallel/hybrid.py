@@ -158,6 +158,7 @@ def _problem(
         speeds=(1.0,) * stages,
         capacities=(memory_bytes,) * stages,
         inflight=tuple(inflight),
+        holds_params=tuple(p > 0 for p in work.param_bytes),  # every stage trains something
     )
 
 

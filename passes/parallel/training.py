@@ -30,9 +30,16 @@ configure, and what this model assumes of it:
   while it is recomputed); ``SELECTIVE`` does that for every second block (torchtitan's
   ``selective_ac_option = "2"``; its per-op policy costs about the same: 2,904 vs 2,973 tokens/s
   on the A100 8B run).
-* **Pipeline**: the schedule is simulated action by action (:func:`pipecut.core.schedule.rank_end_ms`);
-  a cut moves ``bytes / D`` over NVLink when the two GPUs share a node, else inter-node. Stage s
-  keeps the schedule's in-flight microbatches of activations (1F1B: ``K − s``).
+* **Pipeline**: the schedule asked for is built by the runtime's own generators and simulated
+  action by action (:func:`pipecut.passes.schedules.standard.build`,
+  :func:`pipecut.core.schedule.rank_end_ms`), as it runs (:mod:`pipecut.passes.parallel.run_schedule`):
+  interleaved 1F1B on V·K virtual stages (V − 1 more cuts per microbatch and per rank), zero
+  bubble and ZBV with the backward split into an input and a weight pass, ZBV on 2K stages laid
+  as a V. A cut moves ``bytes / D`` over NVLink when the two GPUs share a node, else inter-node
+  (nothing where both stages are on one GPU). A GPU keeps the activations its schedule keeps,
+  walked action by action (1F1B: ``K − s`` microbatches; split backward: until the W pass, a
+  recomputed block's rebuilt activations included). ``choose_run`` with several schedules
+  ranks them all by predicted step within memory.
 * **Metrics**: tokens/s per GPU = ``B · tokens_per_sample / step / N``; MFU = that times the model
   FLOPs per token (``6·params + attention``) over the datasheet dense bf16 peak.
 
@@ -42,37 +49,39 @@ context (a few GiB that published peaks include); compute/communication contenti
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipecut.cluster import Cluster, ClusterPlacement, Interconnect, Layout
-from pipecut.core.schedule import rank_end_ms
+from pipecut.core.schedule import Schedule, StageCosts, rank_end_ms, rank_of
 from pipecut.parallel import DataParallelKind
-from pipecut.passes.costs.stages import inflight_microbatches
 from pipecut.passes.costs.workload import Workload
 from pipecut.passes.parallel.hybrid import Skipped, balanced_split, unsplittable
+from pipecut.passes.parallel.run_costs import (
+    StageWork,
+    as_link,
+    fsdp_exposed,
+    merged,
+    stage_work,
+    state_memory,
+)
+from pipecut.passes.parallel.run_schedule import chunk_options, peak_activations, weight_ms
 from pipecut.passes.schedules.standard import build
-from pipecut.plan import Link, Recompute, ScheduleKind
+from pipecut.plan import Recompute, ScheduleKind
 
 __all__ = [
-    "STATE_BYTES_PER_PARAM",
     "RunCandidate",
     "RunChoice",
     "RunShape",
+    "RunSkipped",
+    "RunStage",
     "block_of",
     "choose_run",
     "evaluate_run",
-    "exposed_ms",
-    "ring_ms",
-    "stage_memory",
 ]
-
-STATE_BYTES_PER_PARAM = 16
-"""fp32 master weight + fp32 gradient + AdamW's two fp32 moments."""
-REDUCE_BYTES_PER_PARAM = 4
-"""FSDP reduce-scatters gradients in fp32 (``reduce_dtype=torch.float32``)."""
 
 _BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
 
@@ -91,6 +100,12 @@ def block_of(modules: Sequence[str]) -> tuple[int, ...]:
     return tuple(out)
 
 
+_PREFERENCE = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUBBLE, ScheduleKind.ZBV,
+               ScheduleKind.GPIPE, ScheduleKind.INTERLEAVED_1F1B)
+"""Between runs predicted equally fast (one stage per replica, where every schedule is the same
+work), the simpler schedule first: the order the runtime planner's "auto" breaks ties in."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunShape:
     """What the run configures, beyond the cost table."""
@@ -102,197 +117,227 @@ class RunShape:
     model_flops_per_token: float
     """6·params + attention FLOPs per token: MFU's numerator."""
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
+    stages_per_rank: int | None = None
+    """Stages per pipeline rank V. None: :func:`choose_run` weighs the schedule's options
+    (:func:`~pipecut.passes.parallel.run_schedule.chunk_options`) and :func:`evaluate_run` runs
+    the smallest (interleaved 1F1B 2, ZBV its fixed 2, the others 1); a number fixes it."""
     recompute: Recompute = Recompute.NONE
     sharding: DataParallelKind = DataParallelKind.FSDP
     param_dtype_bytes: int = 2
     """Bytes per parameter of the cost table's ``param_bytes`` (bf16: 2)."""
 
+    def __post_init__(self) -> None:
+        v, kind = self.stages_per_rank, self.schedule
+        fixed = kind.fixed_stages_per_rank or 1
+        if v is not None and (v < 1 or (kind is not ScheduleKind.INTERLEAVED_1F1B and v not in (1, fixed))):
+            raise ValueError(
+                f"stages_per_rank={v}: {kind.value} runs {fixed} stage(s) per rank; several "
+                f"need schedule interleaved-1f1b"
+            )
+
+    @property
+    def chunks(self) -> int:
+        """The stages per rank this run has (V)."""
+        fixed = self.schedule.fixed_stages_per_rank
+        if fixed is not None:
+            return fixed
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 2 if self.schedule is ScheduleKind.INTERLEAVED_1F1B else 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunStage:
+    """One (virtual) stage of a run at one replica's share, per microbatch: what the plan's stage
+    table shows for the run."""
+
+    start: int
+    end: int
+    """The stage holds the workload's units ``[start, end)``."""
+    forward_ms: float
+    backward_ms: float
+    """Recompute included (and, with one stage per replica, half the exposed FSDP collectives
+    of a microbatch in each of forward and backward)."""
+    weight_ms: float
+    """The W pass of a split backward, part of ``backward_ms``."""
+    recompute_ms: float
+    recomputed: tuple[int, ...]
+    """Units whose forward runs again in backward."""
+    comm_ms: float
+    """Its cuts' transfers, activations forward and gradients backward."""
+    activation_bytes: int
+    """Activations a microbatch keeps until its backward (its W pass with a split backward)."""
+    memory_bytes: int
+    """Its state and gathered weights, and its activations at its GPU's peak: a GPU's stages
+    add up to the GPU's peak."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunCandidate:
     placement: ClusterPlacement
+    """Where each pipeline rank of each replica sits (``placement.stages`` is K, the ranks)."""
+    schedule: ScheduleKind
+    stages_per_rank: int
     bounds: tuple[int, ...]
+    """V·K + 1 unit indices: stage s holds units ``[bounds[s], bounds[s + 1])``."""
+    stages: tuple[RunStage, ...]
     step_ms: float
     bubble_fraction: float
     compute_ms: float
-    """Busy compute of the slowest stage over the step (recompute included)."""
+    """Busy compute of the slowest GPU over the step (recompute included)."""
     exposed_comm_ms: float
-    """Collectives not hidden behind compute, on the stage that ends last."""
-    stage_memory_bytes: tuple[int, ...]
+    """Collectives not hidden behind compute, on the GPU that ends last."""
+    rank_memory_bytes: tuple[int, ...]
+    """Per pipeline rank: one GPU's peak."""
     cut_links: tuple[str, ...]
-    """Per cut: the interconnect it crosses."""
+    """Per cut: the interconnect it crosses ("same GPU" where both stages share one)."""
     ring_links: tuple[str, ...]
-    """Per stage: the interconnect its replica ring crosses."""
+    """Per pipeline rank: the interconnect its replica ring crosses."""
     tokens_per_s_per_gpu: float
     mfu: float
 
     @property
     def peak_memory_bytes(self) -> int:
-        return max(self.stage_memory_bytes)
-
-
-def ring_ms(nbytes: float, members: int, link: Interconnect) -> float:
-    """All-gather or reduce-scatter of ``nbytes`` (the whole buffer) over a ring of ``members``."""
-    if members <= 1 or nbytes <= 0:
-        return 0.0
-    return (members - 1) * link.latency_ms + (members - 1) / members * nbytes / link.bandwidth_bytes_per_ms
-
-
-def exposed_ms(comm: Sequence[float], compute: Sequence[float]) -> float:
-    """Collective time left visible when unit i's collective overlaps unit i−1's compute."""
-    if not comm:
-        return 0.0
-    return comm[0] + sum(max(0.0, c - compute[i - 1]) for i, c in enumerate(comm) if i)
-
-
-def _as_link(c: Interconnect) -> Link:
-    return Link(bandwidth_bytes_per_ms=c.bandwidth_bytes_per_ms, latency_ms=c.latency_ms)
+        return max(self.rank_memory_bytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _Stage:
-    """One stage at one replica's share: per FSDP unit in execution order, compute and bytes."""
+class RunSkipped:
+    """A D × K shape that cannot run ``schedule`` with ``stages_per_rank``, and why."""
 
-    units: tuple[int, ...]
-    """The FSDP units: block indices, -1 for the root (everything outside the blocks)."""
-    forward_ms: tuple[float, ...]
-    backward_ms: tuple[float, ...]
-    recompute_ms: tuple[float, ...]
-    param_bytes: tuple[int, ...]
-    kept_bytes: float
-    """Activations kept per microbatch until its backward."""
-    transient_bytes: float
-    """Activations of one block while it is recomputed."""
+    replicas: int
+    stages: int
+    reason: str
+    schedule: ScheduleKind
+    stages_per_rank: int
 
 
-def _stage(work: Workload, blocks: tuple[int, ...], start: int, end: int, d: int,
-           recompute: Recompute) -> _Stage:
-    acts = work.activation_bytes or (0,) * work.units
-    inputs = work.cut_forward_bytes or (0,) * (work.units + 1)
-    order: list[int] = []  # FSDP units in execution order; -1 is the root
-    for u in range(start, end):
-        if blocks[u] not in order:
-            order.append(blocks[u])
-    fwd = dict.fromkeys(order, 0.0)
-    bwd = dict.fromkeys(order, 0.0)
-    par = dict.fromkeys(order, 0)
-    act = dict.fromkeys(order, 0.0)
-    first: dict[int, int] = {}
-    for u in range(start, end):
-        b = blocks[u]
-        fwd[b] += work.forward_ms[u] / d
-        bwd[b] += work.backward_ms[u] / d
-        par[b] += work.param_bytes[u]
-        act[b] += acts[u] / d
-        first.setdefault(b, u)
-    rec = dict.fromkeys(order, 0.0)
-    kept, transient = 0.0, 0.0
-    for b in order:
-        again = b >= 0 and (recompute is Recompute.FULL or (recompute is Recompute.SELECTIVE and b % 2))
-        if again:
-            rec[b] = fwd[b]
-            kept += inputs[first[b]] / d
-            transient = max(transient, act[b])
-        else:
-            kept += act[b]
-    return _Stage(
-        units=tuple(order), forward_ms=tuple(fwd[b] for b in order), backward_ms=tuple(bwd[b] for b in order),
-        recompute_ms=tuple(rec[b] for b in order), param_bytes=tuple(par[b] for b in order),
-        kept_bytes=kept, transient_bytes=transient,
-    )
-
-
-def stage_memory(stage: _Stage, *, replicas: int, stages: int, inflight: int, shape: RunShape) -> int:
-    """One GPU's peak: sharded state, gathered working copies, kept and transient activations."""
-    params = sum(stage.param_bytes) / shape.param_dtype_bytes
-    acts = inflight * stage.kept_bytes + stage.transient_bytes
-    if shape.sharding is DataParallelKind.DDP:
-        return math.ceil(STATE_BYTES_PER_PARAM * params + acts)
-    shard = STATE_BYTES_PER_PARAM * params / replicas
-    per_param = 1 + REDUCE_BYTES_PER_PARAM / shape.param_dtype_bytes  # bf16 weight + fp32 grad
-    if stages == 1:  # two blocks gathered at once (prefetch), and the root
-        root = sum(p for u, p in zip(stage.units, stage.param_bytes) if u < 0)
-        blocks = sorted((p for u, p in zip(stage.units, stage.param_bytes) if u >= 0), reverse=True)
-        gathered = (root + sum(blocks[:2])) * per_param
-    else:  # the whole stage's bf16 weights and gradients, kept over the microbatches
-        gathered = 2 * sum(stage.param_bytes)
-    return math.ceil(shard + gathered + acts)
-
-
-def _fsdp_exposed(st: _Stage, d: int, link: Interconnect, stages: int, kind: DataParallelKind,
-                  ) -> tuple[float, float]:
-    """Exposed collective ms: (per microbatch, once at the end of the step)."""
-    if d <= 1:
-        return 0.0, 0.0
-    if kind is DataParallelKind.DDP:  # all-reduce = reduce-scatter + all-gather
-        return 0.0, 2 * ring_ms(sum(st.param_bytes), d, link)
-    gather = [ring_ms(p, d, link) for p in st.param_bytes]
-    scatter = [ring_ms(p * REDUCE_BYTES_PER_PARAM / 2, d, link) for p in st.param_bytes]
-    back = [b + r for b, r in zip(st.backward_ms, st.recompute_ms)][::-1]
-    if stages == 1:  # gather in forward; gather again and reduce-scatter in backward
-        fwd = exposed_ms(gather, st.forward_ms)
-        bwd = exposed_ms([g + s for g, s in zip(gather[::-1], scatter[::-1])], back)
-        return fwd + bwd, 0.0
-    # K > 1: gathered once before the first forward, reduced once after the last backward
-    return 0.0, exposed_ms(gather, st.forward_ms) + exposed_ms(scatter[::-1], back)
+Splits = dict[tuple[int, int], "tuple[int, ...] | Skipped"]
+"""Min-bottleneck splits by (replicas, stages): the same for every schedule and layout."""
 
 
 def evaluate_run(
     work: Workload, blocks: tuple[int, ...], shape: RunShape, cluster: Cluster, *,
-    replicas: int, stages: int, layout: Layout,
+    replicas: int, stages: int, layout: Layout, splits: Splits | None = None,
 ) -> RunCandidate | Skipped:
-    """Predict one step of ``replicas`` × ``stages`` laid out by ``layout`` on ``cluster``."""
-    d, k, m = replicas, stages, shape.microbatches
+    """Predict one step of ``replicas`` × ``stages`` pipeline ranks laid out by ``layout`` on
+    ``cluster``, running ``shape.schedule`` on ``shape.chunks`` stages per rank. ``splits``
+    caches the splits between calls."""
+    d, k, v = replicas, stages, shape.chunks
+    refused = _refused(shape, cluster, d, k)
+    if refused is not None:
+        return refused
+    key = (d, v * k)
+    if splits is None or key not in splits:
+        split = balanced_split(work, d, v * k, microbatches=shape.microbatches, schedule=shape.schedule,
+                               link=as_link(cluster.intra), refine=False)
+        found = split if isinstance(split, Skipped) else split[0]
+        if splits is not None:
+            splits[key] = found
+    else:
+        found = splits[key]
+    if isinstance(found, Skipped):  # no memory limit here: a stage without parameters, or a value that cannot cross
+        return Skipped(replicas=d, stages=k, reason=found.reason if found.reason.startswith("only ") else (
+            f"no split into {v * k} stages gives every stage parameters to train: too many stages for this model"))
+    sts = [stage_work(work, blocks, found[s], found[s + 1], d, shape.recompute) for s in range(v * k)]
+    return _priced(work, found, sts, shape, cluster, ClusterPlacement(layout=layout, replicas=d, stages=k))
+
+
+def _refused(shape: RunShape, cluster: Cluster, d: int, k: int) -> Skipped | None:
+    """Why ``d`` × ``k`` cannot run ``shape`` at all, or None."""
+    kind, v, m = shape.schedule, shape.chunks, shape.microbatches
     if d * k != cluster.gpus:
         return Skipped(replicas=d, stages=k, reason=f"{d} × {k} is not the cluster's {cluster.gpus} GPUs")
-    unsplit = unsplittable(shape.batch_size, m, d, k)
-    if unsplit is not None:
-        return unsplit
-    place = ClusterPlacement(layout=layout, replicas=d, stages=k)
-    cut_links = tuple(
-        cluster.inter if any(cluster.node_of(place.gpu(r, s)) != cluster.node_of(place.gpu(r, s + 1))
-                             for r in range(d)) else cluster.intra
-        for s in range(k - 1)
-    )
-    split = balanced_split(work, d, k, microbatches=m, schedule=shape.schedule,
-                           link=_as_link(cluster.intra), refine=False)
-    if isinstance(split, Skipped):
-        return split
-    bounds, _ = split
-    sts = [_stage(work, blocks, bounds[s], bounds[s + 1], d, shape.recompute) for s in range(k)]
-    rings = tuple(cluster.ring_link(place.replica_group(s)) for s in range(k))
-    exposed = [_fsdp_exposed(st, d, rings[s], k, shape.sharding) for s, st in enumerate(sts)]
-    fwd_b = work.cut_forward_bytes or (0,) * (work.units + 1)
-    bwd_b = work.cut_backward_bytes or (0,) * (work.units + 1)
-    f_ms = [sum(st.forward_ms) + exposed[s][0] / 2 for s, st in enumerate(sts)]
-    b_ms = [sum(st.backward_ms) + sum(st.recompute_ms) + exposed[s][0] / 2 for s, st in enumerate(sts)]
-    f_link = [_as_link(c).transfer_ms(math.ceil(fwd_b[bounds[s + 1]] / d)) for s, c in enumerate(cut_links)]
-    b_link = [_as_link(c).transfer_ms(math.ceil(bwd_b[bounds[s + 1]] / d)) for s, c in enumerate(cut_links)]
-    ends = rank_end_ms(build(shape.schedule, k, m), f_ms, b_ms, f_link, b_link)
-    totals = [end + exposed[s][1] for s, end in enumerate(ends)]
+    if v > 1 and k == 1:
+        return Skipped(replicas=d, stages=k, reason=f"{kind.value} on {v} stages per rank needs 2 ranks or more")
+    if kind is ScheduleKind.INTERLEAVED_1F1B and v > 1 and m % k:
+        return Skipped(replicas=d, stages=k, reason=(
+            f"interleaved 1F1B needs the microbatches ({m}) to be a multiple of the {k} ranks"))
+    return unsplittable(shape.batch_size, m, d, k)
+
+
+def _cut_links(cluster: Cluster, place: ClusterPlacement, rank: Sequence[int]) -> list[Interconnect | None]:
+    """Per cut, the interconnect it crosses in the slowest replica, None where both stages run on
+    one GPU (the turn of a V)."""
+    out: list[Interconnect | None] = []
+    for s in range(len(rank) - 1):
+        a, b = rank[s], rank[s + 1]
+        across = any(cluster.node_of(place.gpu(r, a)) != cluster.node_of(place.gpu(r, b))
+                     for r in range(place.replicas))
+        out.append(None if a == b else cluster.inter if across else cluster.intra)
+    return out
+
+
+def _transfers(cuts: Sequence[Interconnect | None], bounds: Sequence[int], d: int, nbytes: Sequence[int],
+               messages: Sequence[int]) -> list[float]:
+    """Per cut, ``bytes / D`` sent as its tensors, one message each, over the cut's link."""
+    return [0.0 if c is None or not nbytes else as_link(c).transfer_ms(
+        math.ceil(nbytes[bounds[s + 1]] / d), messages[bounds[s + 1]] if messages else 1)
+        for s, c in enumerate(cuts)]
+
+
+def _priced(work: Workload, bounds: tuple[int, ...], sts: Sequence[StageWork], shape: RunShape,
+            cluster: Cluster, place: ClusterPlacement) -> RunCandidate:
+    """Simulate the schedule on the stages' costs and walk its actions for memory."""
+    d, k, m, n, kind = place.replicas, place.stages, shape.microbatches, len(sts), shape.schedule
+    rank = [rank_of(s, k, kind.placement) for s in range(n)]
+    mine = [[s for s in range(n) if rank[s] == r] for r in range(k)]
+    rings = tuple(cluster.ring_link(place.replica_group(r)) for r in range(k))
+    exposed = [fsdp_exposed(merged([sts[s] for s in mine[r]]), d, rings[r], k, shape.sharding)
+               for r in range(k)]
+    half = [exposed[rank[s]][0] / 2 for s in range(n)]  # per microbatch: only with one rank
+    f_ms = [sum(st.forward_ms) + half[s] for s, st in enumerate(sts)]
+    b_ms = [sum(st.backward_ms) + sum(st.recompute_ms) + half[s] for s, st in enumerate(sts)]
+    w_ms = [weight_ms(work, bounds[s], bounds[s + 1], d) for s in range(n)]
+    cuts = _cut_links(cluster, place, rank)
+    f_link = _transfers(cuts, bounds, d, work.cut_forward_bytes, work.cut_forward_messages)
+    b_link = _transfers(cuts, bounds, d, work.cut_backward_bytes, work.cut_backward_messages)
+    costs = StageCosts(forward=tuple(f_ms), backward=tuple(b_ms), weight=tuple(w_ms),
+                       forward_link=tuple(f_link), backward_link=tuple(b_link))
+    schedule = build(kind, k, m, shape.chunks, costs)
+    ends = rank_end_ms(schedule, f_ms, b_ms, f_link, b_link, w_ms)
+    totals = [end + exposed[r][1] for r, end in enumerate(ends)]
     step = max(totals)
     last = totals.index(step)
-    busy = [m * (sum(st.forward_ms) + sum(st.backward_ms) + sum(st.recompute_ms)) for st in sts]
+    busy = [m * sum(sum(sts[s].forward_ms) + sum(sts[s].backward_ms) + sum(sts[s].recompute_ms)
+                    for s in mine[r]) for r in range(k)]
     span = max(ends)  # the pipeline's idle share (exposed collectives count as busy)
     bubble = 1 - sum(m * (f + b) for f, b in zip(f_ms, b_ms)) / (k * span) if span else 0.0
-    inflight = inflight_microbatches(shape.schedule, k, m)
-    memory = tuple(stage_memory(st, replicas=d, stages=k, inflight=inflight[s], shape=shape)
-                   for s, st in enumerate(sts))
+    memory = _memory(schedule, sts, d, k, shape)
+    comm = [(f_link[s - 1] + b_link[s - 1] if s else 0.0) + (f_link[s] + b_link[s] if s < n - 1 else 0.0)
+            for s in range(n)]
+    stages = tuple(
+        RunStage(start=bounds[s], end=bounds[s + 1], forward_ms=f_ms[s], backward_ms=b_ms[s],
+                 weight_ms=w_ms[s], recompute_ms=sum(st.recompute_ms), recomputed=st.recomputed,
+                 comm_ms=comm[s], activation_bytes=math.ceil(st.kept_bytes), memory_bytes=memory[s])
+        for s, st in enumerate(sts))
     tokens = shape.batch_size * shape.tokens_per_sample / (step / 1e3) / cluster.gpus
     return RunCandidate(
-        placement=place, bounds=bounds, step_ms=step, bubble_fraction=max(0.0, bubble),
-        compute_ms=max(busy), exposed_comm_ms=m * exposed[last][0] + exposed[last][1],
-        stage_memory_bytes=memory, cut_links=tuple(c.name for c in cut_links),
+        placement=place, schedule=kind, stages_per_rank=shape.chunks, bounds=bounds, stages=stages,
+        step_ms=step, bubble_fraction=max(0.0, bubble), compute_ms=max(busy),
+        exposed_comm_ms=m * exposed[last][0] + exposed[last][1],
+        rank_memory_bytes=tuple(sum(memory[s] for s in mine[r]) for r in range(k)),
+        cut_links=tuple("same GPU" if c is None else c.name for c in cuts),
         ring_links=tuple(c.name for c in rings), tokens_per_s_per_gpu=tokens,
         mfu=tokens * shape.model_flops_per_token / cluster.peak_flops,
     )
 
 
+def _memory(schedule: Schedule, sts: Sequence[StageWork], d: int, k: int, shape: RunShape) -> list[int]:
+    """Per stage: its state on its GPU and its activations at that GPU's peak."""
+    live = peak_activations(schedule, [st.kept_bytes for st in sts],
+                            [st.full_bytes - st.kept_bytes for st in sts],
+                            [st.transient_bytes for st in sts])
+    return [math.ceil(state_memory(st, replicas=d, ranks=k, sharding=shape.sharding,
+                                         param_dtype_bytes=shape.param_dtype_bytes) + live[s])
+            for s, st in enumerate(sts)]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunChoice:
     candidates: tuple[RunCandidate, ...]
-    """Every D × K × layout that fits, fastest first."""
-    skipped: tuple[Skipped, ...]
+    """Every D × K × layout × schedule × V that fits, fastest first."""
+    skipped: tuple[RunSkipped, ...]
     """Shapes that cannot run, and why (memory included)."""
     smallest_memory_bytes: int | None
     """The least peak memory per GPU of any shape (fitting or not); None if none could split."""
@@ -305,29 +350,47 @@ class RunChoice:
 def choose_run(
     work: Workload, blocks: tuple[int, ...], shape: RunShape, cluster: Cluster, *,
     replicas: int | None = None, layouts: tuple[Layout, ...] = tuple(Layout),
+    schedules: tuple[ScheduleKind, ...] | None = None,
 ) -> RunChoice:
     """Every factorisation of the cluster's GPUs into D × K (or K = N / ``replicas`` only), in
-    ``layouts``, ranked by predicted step; over-memory shapes are skipped with their need.
-    (Memory does not depend on the layout: one layout answers "does anything fit".)"""
+    ``layouts``, for each of ``schedules`` (default ``shape.schedule``) with each of its stages
+    per rank (``shape.stages_per_rank``, or where None its
+    :func:`~pipecut.passes.parallel.run_schedule.chunk_options`), ranked by predicted step;
+    over-memory runs are skipped with their need. (Memory does not depend on the layout: one
+    layout answers "does anything fit".)"""
     n = cluster.gpus
     shapes = [(n // k, k) for k in range(1, n + 1) if n % k == 0 and k <= work.units]
     if replicas is not None:
         shapes = [(d, k) for d, k in shapes if d == replicas]
     found: list[RunCandidate] = []
-    skipped: list[Skipped] = []
+    skipped: list[RunSkipped] = []
     least: int | None = None
-    for d, k in shapes:
-        for layout in layouts[:1] if d == 1 or k == 1 else layouts:
-            c = evaluate_run(work, blocks, shape, cluster, replicas=d, stages=k, layout=layout)
-            if isinstance(c, Skipped):
-                skipped.append(c)
-                continue
-            least = c.peak_memory_bytes if least is None else min(least, c.peak_memory_bytes)
-            if c.peak_memory_bytes > cluster.memory_bytes:
-                skipped.append(Skipped(replicas=d, stages=k, reason=(
-                    f"{layout.value}: needs {c.peak_memory_bytes / 2**30:.1f} GiB per GPU, "
-                    f"{cluster.device} has {cluster.memory_bytes / 2**30:.1f} GiB")))
-                continue
-            found.append(c)
-    found.sort(key=lambda c: (c.step_ms, c.placement.stages))
+    splits: Splits = {}
+    for kind in schedules or (shape.schedule,):
+        for d, k in shapes:
+            for v in _chunks(shape, kind, k, blocks):
+                run = dataclasses.replace(shape, schedule=kind, stages_per_rank=v)
+                for layout in layouts[:1] if d == 1 or k == 1 else layouts:
+                    c = evaluate_run(work, blocks, run, cluster, replicas=d, stages=k, layout=layout,
+                                     splits=splits)
+                    if isinstance(c, Skipped):
+                        skipped.append(RunSkipped(replicas=d, stages=k, reason=c.reason, schedule=kind,
+                                                  stages_per_rank=v))
+                        break  # the other layout has the same reason
+                    least = c.peak_memory_bytes if least is None else min(least, c.peak_memory_bytes)
+                    if c.peak_memory_bytes > cluster.memory_bytes:
+                        skipped.append(RunSkipped(replicas=d, stages=k, schedule=kind, stages_per_rank=v, reason=(
+                            f"{layout.value}: needs {c.peak_memory_bytes / 2**30:.1f} GiB per GPU, "
+                            f"{cluster.device} has {cluster.memory_bytes / 2**30:.1f} GiB")))
+                        continue
+                    found.append(c)
+    found.sort(key=lambda c: (float(f"{c.step_ms:.9g}"), c.placement.stages, _PREFERENCE.index(c.schedule),
+                              c.stages_per_rank))
     return RunChoice(candidates=tuple(found), skipped=tuple(skipped), smallest_memory_bytes=least)
+
+
+def _chunks(shape: RunShape, kind: ScheduleKind, ranks: int, blocks: tuple[int, ...]) -> tuple[int, ...]:
+    """The stages per rank to weigh for ``kind``: the one asked for, or its options."""
+    if kind is shape.schedule and shape.stages_per_rank is not None:
+        return (shape.stages_per_rank,)
+    return chunk_options(kind, ranks, len({b for b in blocks if b >= 0}))

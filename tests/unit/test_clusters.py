@@ -111,7 +111,7 @@ def test_pipecut_plan_with_a_cluster_is_plan_cluster() -> None:
     direct = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2, recompute="full", data_parallel=2)
     assert via_plan.run == direct.run and via_plan.placement == direct.placement
     assert via_plan.placement is not None and via_plan.placement.replicas == 2
-    with pytest.raises(InputError, match="needs microbatches and schedule as values"):
+    with pytest.raises(InputError, match="needs microbatches as a value"):
         pipecut.plan(model, batch, cluster="1x2xH100-SXM", microbatches="auto")
 
 

@@ -9,16 +9,18 @@ import pytest
 from pipecut.cluster import Cluster, Interconnect, Layout
 from pipecut.parallel import DataParallelKind
 from pipecut.passes.costs.workload import Workload
-from pipecut.passes.parallel.training import (
+from pipecut.passes.parallel.run_costs import (
     REDUCE_BYTES_PER_PARAM,
     STATE_BYTES_PER_PARAM,
+    exposed_ms,
+    ring_ms,
+)
+from pipecut.passes.parallel.training import (
     RunCandidate,
     RunShape,
     block_of,
     choose_run,
     evaluate_run,
-    exposed_ms,
-    ring_ms,
 )
 from pipecut.plan import Recompute, ScheduleKind
 

@@ -1,0 +1,130 @@
+"""The per-stage plan of a chosen cluster run: one prediction, shown once.
+
+:func:`pipecut.planning.clusters.plan_cluster` chooses a run (D replicas × K ranks, layout,
+schedule, stages per rank) on the training-run model of :mod:`pipecut.passes.parallel.training`,
+with the run's recompute and sharding. The plan it returns is one replica's stages of **that**
+run: cut where the run is cut, recomputing what the run recomputes, on the run's schedule, and
+each stage's times and memory are the run's (:class:`~pipecut.passes.parallel.training.RunStage`),
+so the stage table, the memory bars and the Gantt chart show the run the summary's run line
+describes, not a second plan priced by other rules.
+
+What comes from the cost table at one replica's share (``nodes``): the stages' nodes, parameters,
+inputs and outputs, the cut edges and tied parameters (:func:`pipecut.passes.costs.stages.build_stages`).
+What comes from the run: the split, the recompute, the schedule, per stage forward, backward
+(recompute included), weight-pass and transfer times, activations and peak memory, and the
+predicted step and bubble. The plan's single link is the one the run's cuts cross (the network
+where any crosses nodes; a note says so when some cuts stay on NVLink).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+
+import pipecut
+from pipecut.cluster import Cluster, Interconnect
+from pipecut.errors import PartitionError
+from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.passes.costs.stages import build_stages
+from pipecut.passes.parallel.training import RunCandidate, RunStage
+from pipecut.passes.partition.chain import liveness
+from pipecut.plan import (
+    CaptureMethod,
+    DeviceSpec,
+    Link,
+    NodeCost,
+    Partitioner,
+    Plan,
+    Recompute,
+    Solver,
+    Stage,
+)
+
+__all__ = ["mixed_links_note", "plan_of_run"]
+
+
+def plan_of_run(
+    nodes: Sequence[NodeCost], whole: Sequence[NodeCost], run: RunCandidate, *, cluster: Cluster,
+    microbatches: int, batch_size: int, recompute: Recompute, sharding: DataParallelKind,
+) -> Plan:
+    """One replica's plan of ``run``: ``nodes`` is the cost table at the replica's share (batch
+    ``batch_size``), ``whole`` the table ``run`` was priced on (the whole batch)."""
+    live = liveness(nodes)
+    at = _aligned(nodes, live.units, whole)
+    bounds = [*(at(b) for b in run.bounds[:-1]), len(live.units)]
+    if any(a >= b for a, b in itertools.pairwise(bounds)):
+        raise PartitionError(
+            f"the run's cuts (before units {list(run.bounds[1:-1])} of the whole batch's table) do "
+            f"not map onto the table at one replica's share (units {bounds[1:-1]}): the model "
+            f"captures differently at the two batch sizes; fix data_parallel to 1"
+        )
+    devices = tuple(DeviceSpec(name=cluster.device, memory_bytes=cluster.memory_bytes) for _ in run.stages)
+    recomputed = [tuple(live.units[at(u)] for u in st.recomputed if bounds[s] <= at(u) < bounds[s + 1])
+                  for s, st in enumerate(run.stages)]
+    kinds = [recompute if names else Recompute.NONE for names in recomputed]
+    d = run.placement.replicas
+    dp = DataParallel(kind=sharding, replicas=d) if d > 1 else None
+    link = _link_of(cluster, run)
+    facts = build_stages(
+        nodes, live, bounds, devices=devices, link=link, schedule=run.schedule, microbatches=microbatches,
+        recompute=kinds, recomputed=[names if kind is Recompute.SELECTIVE else () for names, kind in zip(recomputed, kinds)],
+        stages_per_rank=run.stages_per_rank, data_parallel=dp,
+    )
+    stages = tuple(_as_run(st, r) for st, r in zip(facts.stages, run.stages))
+    stage_ms = tuple(s.time_ms for s in stages)
+    predicted = dataclasses.replace(
+        facts.predicted, step_ms=run.step_ms, bubble_fraction=run.bubble_fraction,
+        bottleneck_stage=max(range(len(stages)), key=lambda s: stage_ms[s]), stage_ms=stage_ms,
+        optimum_step_ms=run.step_ms,
+    )
+    solver = Solver(method=Partitioner.DP, optimal=False, detail=(
+        f"the cluster run's split: min-bottleneck over module boundaries at one of {d} replicas' share "
+        f"(pipecut.passes.parallel.training), {run.schedule.value} on {run.stages_per_rank} stage(s) per rank"))
+    return Plan(
+        fingerprint="", capture=CaptureMethod.SYMBOLIC_TRACE, schedule=run.schedule,
+        microbatches=microbatches, batch_size=batch_size, inputs=(), nodes=tuple(nodes), stages=stages,
+        edges=facts.edges, devices=devices, link=link, predicted=predicted, solver=solver, tied=facts.tied,
+        stages_per_rank=run.stages_per_rank, data_parallel=dp, pipecut_version=pipecut.__version__,
+        torch_version=torch.__version__,
+    )
+
+
+def mixed_links_note(cluster: Cluster, run: RunCandidate) -> str:
+    """A note when the run's cuts cross both links (the plan can name only one), else ""."""
+    crossed = set(run.cut_links) - {"same GPU"}
+    if len(crossed) < 2:
+        return ""
+    across = sum(1 for c in run.cut_links if c == cluster.inter.name)
+    return (f"{across} of the {len(run.cut_links)} cuts cross nodes, the others stay on "
+            f"{cluster.intra.name}: the run prices each on its own link, the plan's one link "
+            f"(and its Gantt chart) is the slower, {cluster.inter.name}")
+
+
+def _aligned(nodes: Sequence[NodeCost], units: Sequence[str], whole: Sequence[NodeCost]) -> Callable[[int], int]:
+    """Unit i of the whole batch's table as a position in the share's (``units``): the same
+    position where both chains are the same ops of the same modules in the same order, else
+    the position of the first unit from i on that both tables name alike (a capture at another
+    batch size may add or drop shape nodes, ``sym_size`` and the like, which cost nothing)."""
+    names = liveness(whole).units
+    share, full = {n.name: n for n in nodes}, {n.name: n for n in whole}
+    if [(share[u].target, share[u].module) for u in units] == [(full[u].target, full[u].module) for u in names]:
+        return lambda i: i
+    index = {u: i for i, u in enumerate(units)}
+    return lambda i: next((index[u] for u in names[i:] if u in index), len(units))
+
+
+def _link_of(cluster: Cluster, run: RunCandidate) -> Link:
+    """The link the run's cuts cross: the network if any crosses nodes, else NVLink."""
+    chosen: Interconnect = cluster.inter if cluster.inter.name in run.cut_links else cluster.intra
+    return Link(bandwidth_bytes_per_ms=chosen.bandwidth_bytes_per_ms, latency_ms=chosen.latency_ms)
+
+
+def _as_run(stage: Stage, run: RunStage) -> Stage:
+    """``stage`` with the run's times, activations and memory."""
+    return dataclasses.replace(
+        stage, forward_ms=run.forward_ms, backward_ms=run.backward_ms, weight_ms=run.weight_ms,
+        comm_ms=run.comm_ms, activation_bytes=run.activation_bytes, peak_memory_bytes=run.memory_bytes,
+    )

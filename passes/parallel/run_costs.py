@@ -1,0 +1,160 @@
+"""One stage of a cluster run at one replica's share: FSDP units, checkpointing, state, collectives.
+
+Pure numbers, no torch; the assumptions (bf16 with fp32 AdamW state, FSDP2 units and prefetch,
+activation checkpointing per block) are listed in :mod:`pipecut.passes.parallel.training`, which
+prices a whole run from these pieces. A stage is seen as its FSDP units in execution order:
+each transformer block (module path ``....<int>``) is one, everything outside the blocks is the
+root unit (-1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipecut.cluster import Interconnect
+from pipecut.parallel import DataParallelKind
+from pipecut.passes.costs.workload import Workload
+from pipecut.plan import Link, Recompute
+
+__all__ = [
+    "REDUCE_BYTES_PER_PARAM",
+    "STATE_BYTES_PER_PARAM",
+    "StageWork",
+    "as_link",
+    "exposed_ms",
+    "fsdp_exposed",
+    "merged",
+    "ring_ms",
+    "stage_work",
+    "state_memory",
+]
+
+STATE_BYTES_PER_PARAM = 16
+"""fp32 master weight + fp32 gradient + AdamW's two fp32 moments."""
+REDUCE_BYTES_PER_PARAM = 4
+"""FSDP reduce-scatters gradients in fp32 (``reduce_dtype=torch.float32``)."""
+
+
+def ring_ms(nbytes: float, members: int, link: Interconnect) -> float:
+    """All-gather or reduce-scatter of ``nbytes`` (the whole buffer) over a ring of ``members``."""
+    if members <= 1 or nbytes <= 0:
+        return 0.0
+    return (members - 1) * link.latency_ms + (members - 1) / members * nbytes / link.bandwidth_bytes_per_ms
+
+
+def exposed_ms(comm: Sequence[float], compute: Sequence[float]) -> float:
+    """Collective time left visible when unit i's collective overlaps unit i−1's compute."""
+    if not comm:
+        return 0.0
+    return comm[0] + sum(max(0.0, c - compute[i - 1]) for i, c in enumerate(comm) if i)
+
+
+def as_link(c: Interconnect) -> Link:
+    return Link(bandwidth_bytes_per_ms=c.bandwidth_bytes_per_ms, latency_ms=c.latency_ms)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageWork:
+    """One stage at one replica's share: per FSDP unit in execution order, compute and bytes."""
+
+    units: tuple[int, ...]
+    """The FSDP units: block indices, -1 for the root (everything outside the blocks)."""
+    forward_ms: tuple[float, ...]
+    backward_ms: tuple[float, ...]
+    recompute_ms: tuple[float, ...]
+    param_bytes: tuple[int, ...]
+    kept_bytes: float
+    """Activations kept per microbatch until its backward."""
+    full_bytes: float
+    """Activations a microbatch would keep without recompute (what a split backward's I pass
+    rebuilds and keeps until W)."""
+    transient_bytes: float
+    """Activations of one block while it is recomputed."""
+    recomputed: tuple[int, ...] = ()
+    """Workload units whose forward runs again in backward."""
+
+
+def stage_work(work: Workload, blocks: tuple[int, ...], start: int, end: int, d: int,
+           recompute: Recompute) -> StageWork:
+    acts = work.activation_bytes or (0,) * work.units
+    inputs = work.cut_forward_bytes or (0,) * (work.units + 1)
+    order: list[int] = []  # FSDP units in execution order; -1 is the root
+    for u in range(start, end):
+        if blocks[u] not in order:
+            order.append(blocks[u])
+    fwd = dict.fromkeys(order, 0.0)
+    bwd = dict.fromkeys(order, 0.0)
+    par = dict.fromkeys(order, 0)
+    act = dict.fromkeys(order, 0.0)
+    first: dict[int, int] = {}
+    for u in range(start, end):
+        b = blocks[u]
+        fwd[b] += work.forward_ms[u] / d
+        bwd[b] += work.backward_ms[u] / d
+        par[b] += work.param_bytes[u]
+        act[b] += acts[u] / d
+        first.setdefault(b, u)
+    rec = dict.fromkeys(order, 0.0)
+    kept, transient, again = 0.0, 0.0, []
+    for b in order:
+        if b >= 0 and (recompute is Recompute.FULL or (recompute is Recompute.SELECTIVE and b % 2)):
+            rec[b] = fwd[b]
+            kept += inputs[first[b]] / d
+            transient = max(transient, act[b])
+            again.append(b)
+        else:
+            kept += act[b]
+    return StageWork(
+        units=tuple(order), forward_ms=tuple(fwd[b] for b in order), backward_ms=tuple(bwd[b] for b in order),
+        recompute_ms=tuple(rec[b] for b in order), param_bytes=tuple(par[b] for b in order),
+        kept_bytes=kept, full_bytes=max(kept, sum(act.values())), transient_bytes=transient,
+        recomputed=tuple(u for u in range(start, end) if blocks[u] in again),
+    )
+
+
+def state_memory(stage: StageWork, *, replicas: int, ranks: int, sharding: DataParallelKind,
+                 param_dtype_bytes: int) -> float:
+    """One GPU's bytes for a stage's parameters: its share of the sharded state and the working
+    copies it gathers (activations aside); ``param_dtype_bytes`` per parameter of the cost
+    table's ``param_bytes``."""
+    params = sum(stage.param_bytes) / param_dtype_bytes
+    if sharding is DataParallelKind.DDP:
+        return STATE_BYTES_PER_PARAM * params
+    shard = STATE_BYTES_PER_PARAM * params / replicas
+    per_param = 1 + REDUCE_BYTES_PER_PARAM / param_dtype_bytes  # bf16 weight + fp32 grad
+    if ranks == 1:  # two blocks gathered at once (prefetch), and the root
+        root = sum(p for u, p in zip(stage.units, stage.param_bytes) if u < 0)
+        blocks = sorted((p for u, p in zip(stage.units, stage.param_bytes) if u >= 0), reverse=True)
+        gathered = (root + sum(blocks[:2])) * per_param
+    else:  # the whole stage's bf16 weights and gradients, kept over the microbatches
+        gathered = 2 * sum(stage.param_bytes)
+    return shard + gathered
+
+
+def fsdp_exposed(st: StageWork, d: int, link: Interconnect, ranks: int, kind: DataParallelKind,
+                  ) -> tuple[float, float]:
+    """Exposed collective ms of one GPU's stages (merged in execution order): (per microbatch,
+    once at the end of the step)."""
+    if d <= 1:
+        return 0.0, 0.0
+    if kind is DataParallelKind.DDP:  # all-reduce = reduce-scatter + all-gather
+        return 0.0, 2 * ring_ms(sum(st.param_bytes), d, link)
+    gather = [ring_ms(p, d, link) for p in st.param_bytes]
+    scatter = [ring_ms(p * REDUCE_BYTES_PER_PARAM / 2, d, link) for p in st.param_bytes]
+    back = [b + r for b, r in zip(st.backward_ms, st.recompute_ms)][::-1]
+    if ranks == 1:  # gather in forward; gather again and reduce-scatter in backward
+        fwd = exposed_ms(gather, st.forward_ms)
+        bwd = exposed_ms([g + s for g, s in zip(gather[::-1], scatter[::-1])], back)
+        return fwd + bwd, 0.0
+    # K > 1: gathered once before the first forward, reduced once after the last backward
+    return 0.0, exposed_ms(gather, st.forward_ms) + exposed_ms(scatter[::-1], back)
+
+
+def merged(stages: Sequence[StageWork]) -> StageWork:
+    """The FSDP units of one GPU's stages, in the order their forwards first run."""
+    def cat(name: str) -> tuple:  # type: ignore[type-arg]
+        return tuple(x for st in stages for x in getattr(st, name))
+    return StageWork(units=cat("units"), forward_ms=cat("forward_ms"), backward_ms=cat("backward_ms"),
+                  recompute_ms=cat("recompute_ms"), param_bytes=cat("param_bytes"), kept_bytes=0.0,
+                  full_bytes=0.0, transient_bytes=0.0)
