@@ -130,7 +130,7 @@ class MeasureOptions:
     """``compile``: timed steps of the built pipeline on all ranks; 0 skips live calibration."""
     link: Link | None = None
     """The link between neighbouring stages: None is measured (``compile``) or a loopback
-    default (``plan``); with ``estimate``, that device's interconnect."""
+    default (``plan``); with ``estimate``, that device's interconnect (:attr:`fixed_link`)."""
     estimate: str | None = None
     """A device profile's name (``"A100-80GB"``; see :mod:`pipecut.profile.devices`): every
     node's cost is estimated from its FLOPs and bytes, counted on fake tensors, on that device's
@@ -143,14 +143,19 @@ class MeasureOptions:
     def __post_init__(self) -> None:
         if self.device is not None:
             _set(self, "device", str(self.device))
-        if self.estimate is not None:
-            name, link = _estimated_on(self.estimate)
-            _set(self, "estimate", name)
-            if self.link is None:  # given here, so that no step measures one
-                _set(self, "link", link)
         if self.repeats < 1 or self.warmup < 0 or self.calibration_steps < 0:
             raise InputError(f"MeasureOptions: repeats must be >= 1 and warmup, calibration_steps "
                              f">= 0, got {self.repeats}, {self.warmup}, {self.calibration_steps}")
+        if self.estimate is not None:
+            _set(self, "estimate", _estimated_on(self.estimate)[0])
+
+    @property
+    def fixed_link(self) -> Link | None:
+        """The link to plan with without measuring one: the one given, else with ``estimate``
+        that device's interconnect; None where it is measured (``compile``) or defaulted."""
+        if self.link is not None or self.estimate is None:
+            return self.link
+        return _estimated_on(self.estimate)[1]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

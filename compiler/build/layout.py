@@ -104,7 +104,7 @@ def auto_layout(job: Job) -> tuple[Auto, tuple[Inputs, Any]]:
         )
     chosen = job.given
     if chosen is None:
-        link = job.options.measure.link
+        link = job.options.measure.fixed_link  # given or estimated: not measured
         used = link or measure_link(list(range(world)), dist.get_rank(), None, device) or DEFAULT_LINK
         measure = dataclasses.replace(job.options.measure, link=used,  # by default where the stages run
                                       device=job.options.measure.device or str(device))

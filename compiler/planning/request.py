@@ -54,7 +54,7 @@ class Request:
 
     @property
     def link(self) -> Any:
-        return self.options.measure.link or DEFAULT_LINK
+        return self.options.measure.fixed_link or DEFAULT_LINK
 
     @property
     def stages_per_rank(self) -> int:

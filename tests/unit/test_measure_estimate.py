@@ -43,10 +43,11 @@ def _same(a: Plan, b: Plan) -> bool:
 
 def test_the_profile_name_is_normalised_and_gives_the_link() -> None:
     options = pipecut.MeasureOptions(estimate="a100-80gb")
-    assert options.estimate == "A100-80GB"
-    assert options.link == device_link("A100-80GB") and not options.link.measured
+    assert options.estimate == "A100-80GB" and options.link is None  # asked: no link
+    assert options.fixed_link == device_link("A100-80GB") and not options.fixed_link.measured
     given = pipecut.Link(bandwidth_bytes_per_ms=1e6, latency_ms=0.5)
-    assert pipecut.MeasureOptions(estimate="H100-SXM", link=given).link == given  # a link given is kept
+    assert pipecut.MeasureOptions(estimate="H100-SXM", link=given).fixed_link == given  # a link given wins
+    assert pipecut.MeasureOptions().fixed_link is None  # timed: the link is measured
     with pytest.raises(InputError, match=r"MeasureOptions\(estimate='A1000'\): no such device profile; "
                                          r"choose one of \[.*'A100-80GB'"):
         pipecut.MeasureOptions(estimate="A1000")
@@ -61,7 +62,7 @@ def test_a_fixed_plan_is_estimated_untimed_and_the_same_every_time(no_clock: Non
     assert all(n.source is CostSource.ESTIMATED for n in plan.nodes)
     assert plan.profiled_on == ""  # nothing was measured here
     assert "node costs estimated for A100-80GB" in plan.solver.detail and "not calibrated" in plan.solver.detail
-    assert plan.link == ESTIMATE.link
+    assert plan.link == ESTIMATE.fixed_link
     again = Plan.from_json(plan.to_json())
     assert again.options is not None and again.options.measure == ESTIMATE
 
