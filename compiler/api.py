@@ -164,8 +164,10 @@ def _build(job: Job) -> tuple[Pipeline, Place]:
 
 
 def _calibrates(job: Job) -> bool:
-    """Live calibration runs: the plan is made here (or a moved split is measured again)."""
-    return (job.given is None or job.remeasure) and job.options.measure.calibration_steps > 0
+    """Live calibration runs: the plan is made here (or a moved split is measured again) from
+    timings (``MeasureOptions(estimate=...)`` times nothing)."""
+    measure = job.options.measure
+    return (job.given is None or job.remeasure) and measure.calibration_steps > 0 and measure.estimate is None
 
 
 def _calibrated(job: Job, pipe: Pipeline, place: Place) -> tuple[Plan | None, Job]:

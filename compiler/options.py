@@ -84,6 +84,19 @@ def _set(obj: Any, name: str, value: Any) -> None:
     object.__setattr__(obj, name, value)  # normalising a frozen dataclass in __post_init__
 
 
+def _estimated_on(name: str) -> tuple[str, Link]:
+    """``MeasureOptions(estimate=name)``'s device profile: its own spelling and interconnect."""
+    # Imported here: the profiles' data and lookup live with the estimates, which import torch.
+    from pipecut.profile.devices import device_link, device_profile, device_profiles
+
+    try:
+        profile = device_profile(name)
+    except InputError:
+        raise InputError(f"MeasureOptions(estimate={name!r}): no such device profile; choose one of "
+                         f"{[p.name for p in device_profiles()]}") from None
+    return profile.name, device_link(profile)
+
+
 def leaf_name(cls: type | str) -> str:
     """A module class as ``module.QualName`` (a name is kept): how the plan records leaves."""
     return cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
@@ -117,7 +130,15 @@ class MeasureOptions:
     """``compile``: timed steps of the built pipeline on all ranks; 0 skips live calibration."""
     link: Link | None = None
     """The link between neighbouring stages: None is measured (``compile``) or a loopback
-    default (``plan``)."""
+    default (``plan``); with ``estimate``, that device's interconnect (:attr:`fixed_link`)."""
+    estimate: str | None = None
+    """A device profile's name (``"A100-80GB"``; see :mod:`pipecut.profile.devices`): every
+    node's cost is estimated from its FLOPs and bytes, counted on fake tensors, on that device's
+    roofline, instead of timed here. No clock is read (no node, stage or link is timed), so a
+    model, its inputs and these options give the same plan on every run and under any load:
+    plans to reproduce, and tests whose numbers depend on the split (the order in which
+    gradients are summed). ``plan`` calibrates nothing, ``compile`` runs no calibration steps;
+    ``device``, ``repeats``, ``warmup``, ``calibrate`` and ``calibration_steps`` go unused."""
 
     def __post_init__(self) -> None:
         if self.device is not None:
@@ -125,6 +146,16 @@ class MeasureOptions:
         if self.repeats < 1 or self.warmup < 0 or self.calibration_steps < 0:
             raise InputError(f"MeasureOptions: repeats must be >= 1 and warmup, calibration_steps "
                              f">= 0, got {self.repeats}, {self.warmup}, {self.calibration_steps}")
+        if self.estimate is not None:
+            _set(self, "estimate", _estimated_on(self.estimate)[0])
+
+    @property
+    def fixed_link(self) -> Link | None:
+        """The link to plan with without measuring one: the one given, else with ``estimate``
+        that device's interconnect; None where it is measured (``compile``) or defaulted."""
+        if self.link is not None or self.estimate is None:
+            return self.link
+        return _estimated_on(self.estimate)[1]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -106,7 +106,7 @@ def connect(job: Job, run: Settings) -> Place:
     if device.type == "cuda":  # free memory as capacity; CPU ranks share the host: no limit read
         specs = with_capacities(specs, gathered_free_bytes(device, group))
     link = run.link
-    if job.given is None and job.options.measure.link is None:  # measured, the same on every rank
-        link = measure_link(list(ranks), rank, group, device) or run.link
+    if job.given is None:  # planned here: the link given or estimated, else measured (the same on every rank)
+        link = job.options.measure.fixed_link or measure_link(list(ranks), rank, group, device) or run.link
     return Place(device=device, layout=layout, rank=rank, ranks=ranks, specs=tuple(specs), link=link,
                  replication=replication)

@@ -13,19 +13,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.program import Inputs
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
-from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
-from pipecut.plan import CaptureMethod, Link, Plan, ScheduleKind
 from pipecut.options import AUTO
+from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
+from pipecut.plan import Plan, ScheduleKind
 from pipecut.planning.partition import DEFAULT_LINK
 from pipecut.planning.planner import plan as make_plan
-from pipecut.profile.nodes import LossFn
 from pipecut.runtime.launch import ensure_process_group, local_device
 from pipecut.runtime.linkprobe import measure_link
 
@@ -106,7 +104,7 @@ def auto_layout(job: Job) -> tuple[Auto, tuple[Inputs, Any]]:
         )
     chosen = job.given
     if chosen is None:
-        link = job.options.measure.link
+        link = job.options.measure.fixed_link  # given or estimated: not measured
         used = link or measure_link(list(range(world)), dist.get_rank(), None, device) or DEFAULT_LINK
         measure = dataclasses.replace(job.options.measure, link=used,  # by default where the stages run
                                       device=job.options.measure.device or str(device))

@@ -179,6 +179,9 @@ def _measure(request: Request, captured: Captured, batch: FirstBatch) -> tuple[N
 
 def _not_calibrated(request: Request, captured: Captured, nodes: Sequence[NodeCost]) -> str:
     """Why whole stages are not timed here (empty: they are)."""
+    if request.options.measure.estimate is not None:
+        return (f"node costs estimated for {request.options.measure.estimate} from counted FLOPs and "
+                f"bytes (MeasureOptions(estimate=...)): nothing timed, not calibrated")
     measure_on = request.measure_on
     if has_meta(captured.gm):  # calibration runs whole stages: more than one node's weights
         return "meta model: nodes measured one at a time on scratch weights, not calibrated"
@@ -246,7 +249,8 @@ def _partitioned(request: Request, captured: Captured, graph_fingerprint: str, b
 def _finished(request: Request, captured: Captured, batch: FirstBatch, best: Plan, note: str) -> Plan:
     """The plan with the shapes it runs without re-planning, where it was measured, its notes."""
     accepts = accepted_shapes(captured.gm, captured.method, captured.input_names, batch.flat(captured))
-    done = dataclasses.replace(best, accepts=accepts, profiled_on=str(request.measure_on))
+    measured = request.options.measure.estimate is None
+    done = dataclasses.replace(best, accepts=accepts, profiled_on=str(request.measure_on) if measured else "")
     return warn_if_sequential(_noted(done, note))
 
 

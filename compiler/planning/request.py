@@ -22,6 +22,7 @@ from pipecut.core.program import Captured, Inputs
 from pipecut.options import AUTO, Options
 from pipecut.plan import DeviceSpec, NodeCost, Plan, ScheduleKind
 from pipecut.planning.partition import DEFAULT_LINK
+from pipecut.profile.devices import estimate_table
 from pipecut.profile.nodes import LossFn, profile
 from pipecut.report.text import sequential_note
 
@@ -53,7 +54,7 @@ class Request:
 
     @property
     def link(self) -> Any:
-        return self.options.measure.link or DEFAULT_LINK
+        return self.options.measure.fixed_link or DEFAULT_LINK
 
     @property
     def stages_per_rank(self) -> int:
@@ -102,8 +103,13 @@ def profile_at(request: Request, captured: Captured, inputs: Inputs, target: Any
                progress: Callable[[int, int], None] | None = None,
                only: Collection[str] | None = None) -> tuple[NodeCost, ...]:
     """``captured``'s cost table on ``inputs`` (one microbatch), timed as the request's
-    measurement options say, where they say (see :func:`pipecut.profile.nodes.profile`)."""
+    measurement options say, where they say (see :func:`pipecut.profile.nodes.profile`), or,
+    with ``MeasureOptions(estimate=...)``, estimated for that device without reading a clock
+    (every node: ``only`` and ``progress`` go unused)."""
     measure = request.options.measure
+    if measure.estimate is not None:
+        return estimate_table(captured, captured.flatten_inputs(inputs), measure.estimate,
+                              loss_fn=request.loss_fn, target=target)
     return profile(captured, captured.flatten_inputs(inputs), loss_fn=request.loss_fn, target=target,
                    repeats=measure.repeats, warmup=measure.warmup, progress=progress,
                    device=request.measure_on, only=only)

@@ -104,8 +104,9 @@ def check_auto(value: bool | str, *, calibrates: bool) -> None:
     """``compile_stages="auto"`` needs the live calibration steps to choose on."""
     if value == AUTO and not calibrates:
         raise PlanError(
-            "compile_stages='auto' chooses on the live calibration steps, which a given plan= or "
-            "calibration_steps=0 skips; pass compile_stages=True or False"
+            "compile_stages='auto' chooses on the live calibration steps, which a given plan=, "
+            "calibration_steps=0 or estimated costs (MeasureOptions(estimate=...)) skip; pass "
+            "compile_stages=True or False"
         )
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "estimate_captured",
     "estimate_costs",
     "estimate_rows",
+    "estimate_table",
     "roofline_ms",
 ]
 
@@ -204,6 +205,17 @@ def count_costs(
     inputs, target = pytree.tree_map(_own, (list(inputs), target))
     rows = profile(captured, inputs, loss_fn=loss_fn, target=target, repeats=1, warmup=0)
     return rows, count_work(captured, inputs, loss_fn=loss_fn, target=target)
+
+
+def estimate_table(
+    captured: Captured, inputs: Sequence[Any], device: str | DeviceProfile, *,
+    loss_fn: LossFn | None = None, target: Any = None,
+) -> tuple[NodeCost, ...]:
+    """``captured``'s cost table on flat placeholder ``inputs`` of one microbatch with every time
+    estimated for ``device`` (counted on fake tensors: no arithmetic, no clock), at the precision
+    of the graph's parameters: what ``MeasureOptions(estimate=...)`` plans with."""
+    rows, work = count_costs(captured, inputs, loss_fn=loss_fn, target=target)
+    return estimate_rows(rows, work, device_profile(device), _precision(captured.gm))
 
 
 def estimate_costs(

@@ -17,6 +17,7 @@ from pipecut import Link, Plan, PlanError, ScheduleKind
 from pipecut.plan import Leaf, LeafKind, Recompute
 from pipecut.schema import REGENERATE, dumps, generate, json_path, schema, validate_plan_dict
 from tests.browser.plans import synthetic_plan
+from tests.golden_plans import FOLDER, PLANS
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = ROOT / "compiler" / "plan.schema.json"
@@ -94,10 +95,32 @@ def test_enums_tuples_and_any_leaf_values_round_trip_exactly():
     assert again.to_json() == plan.to_json()
 
 
+SKIPPED = {".git", ".venv", "build", "node_modules", "__pycache__", ".pytest_cache", ".hypothesis"}
+"""Directories of the checkout that are not the repository's files (environments, outputs)."""
+
+
+def _plan_files() -> list[Path]:
+    """Every JSON file of the repository whose top level is a plan (it has a format_version)."""
+    found = []
+    for path in sorted(ROOT.rglob("*.json")):
+        if SKIPPED & set(path.relative_to(ROOT).parts[:-1]) or any(
+                part.startswith(".venv") for part in path.relative_to(ROOT).parts):
+            continue
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and "format_version" in data:
+            found.append(path)
+    return found
+
+
 def test_every_plan_file_in_the_repository_validates():
-    files = [p for p in (ROOT / "tests").rglob("*.json") if '"format_version"' in p.read_text()]
+    files = _plan_files()
+    # The committed golden plans (tests/golden_plans.py) at least: a glob that finds nothing
+    # would make this test pass without checking a plan.
+    golden = {FOLDER / f"{name}.json" for name in PLANS}
+    assert golden <= set(files), f"plan files found: {files}; regenerate: python -m tests.golden_plans"
     for path in files:
         validate_plan_dict(json.loads(path.read_text()))
+        Plan.from_json(path.read_text())  # and the codec reads it back
 
 
 def test_json_path_formats_keys_and_indices():
