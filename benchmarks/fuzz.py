@@ -137,7 +137,7 @@ def _report(outcomes: list[Outcome], seconds: float) -> dict[tuple[str, ...], li
     failures: dict[tuple[str, ...], list[Outcome]] = {}
     for o in outcomes:
         if o.failed:
-            bug = known(o.config)
+            bug = known(o.config, o.ran)
             key = (bug[0], o.signature) if bug else ("new", o.signature, o.config.model)
             failures.setdefault(key, []).append(o)
     return failures
@@ -162,7 +162,7 @@ def _shrunk(failures: dict[tuple[str, ...], list[Outcome]], args: argparse.Names
         first = min(group, key=lambda o: len(o.config.short()))
         print(f"\n=== {len(group)} x {' / '.join(key)}\n  drawn: {first.config.short()}\n  {first.detail.strip()[-1200:]}")
         shrunk, runs = (first, 0) if args.no_shrink else shrink(first, args.job_timeout, args.shrink_budget)
-        bugs = known(shrunk.config)
+        bugs = known(shrunk.config, shrunk.ran)
         print(f"  shrunk ({runs} runs): {shrunk.config.short()}\n  known: {bugs or 'NEW'}\n"
               f"  {shrunk.detail.strip()[-1500:]}", flush=True)
         report.append({"group": list(key), "count": len(group), "known": bugs, "drawn": first.config.short(),
@@ -181,7 +181,8 @@ def _write(args: argparse.Namespace, outcomes: list[Outcome], failures: list[dic
         "configurations": len(outcomes), "counts": dict(Counter(o.kind for o in outcomes)),
         "errors": _errors(outcomes), "failures": failures,
         "outcomes": [{"config": o.config.short(), "kind": o.kind, "error": o.error, "at": o.at,
-                      "known": known(o.config) if o.failed else [], "errors": dict(o.errors),
+                      "known": known(o.config, o.ran) if o.failed else [], "errors": dict(o.errors),
+                      "ran": o.ran,
                       "detail": o.detail[-1500:]} for o in outcomes],
     }, indent=1))
 

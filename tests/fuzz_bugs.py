@@ -59,6 +59,18 @@ KNOWN: dict[str, KnownBug] = {
 """Open bugs by short name."""
 
 
-def known(cfg: Config) -> list[str]:
-    """The known bugs ``cfg`` runs into, by name."""
+def known(cfg: Config, ran: tuple[str, int] | None = None) -> list[str]:
+    """The known bugs ``cfg`` runs into, by name; ``ran``: the schedule and microbatch count its
+    ranks ran, where compile chose them (see :func:`effective`)."""
+    cfg = effective(cfg, ran)
     return [name for name, bug in KNOWN.items() if bug.hits(cfg)]
+
+
+def effective(cfg: Config, ran: tuple[str, int] | None) -> Config:
+    """``cfg`` with compile's choice of schedule and microbatches (``ran``) made explicit, so
+    that a predicate sees what ran, not "auto"."""
+    if ran is None or not cfg.choose:
+        return cfg
+    schedule, microbatches = ran
+    return dataclasses.replace(cfg, choose="", schedule=schedule, microbatches=microbatches,
+                               rows=max(1, cfg.batch // microbatches))

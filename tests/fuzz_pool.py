@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import multiprocessing as mp
 import os
 import re
@@ -54,6 +55,9 @@ class Outcome:
     call 0``..."""
     errors: tuple[tuple[str, float], ...] = ()
     """A match's worst errors against the plain model (:func:`tests.fuzz_check.compare`)."""
+    ran: tuple[str, int] | None = None
+    """The schedule and microbatch count the ranks ran (compile may have chosen them), where
+    they got that far."""
 
     @property
     def failed(self) -> bool:
@@ -100,13 +104,15 @@ def _refusal(cfg: Config, error: BaseException, trail: Trail) -> bool:
     A PipecutError raised where the run meets something for the first time (compile, the
     first step, a smaller last batch, the first clip or eval, the step after a freeze); not one
     raised by a call that passed before (the same batch, the same flags), which is a bug. A
-    PipelineRuntimeError (a rank failed, timed out, or received what the plan did not say)
-    counts only after a freeze or an unfreeze, where pipecut checks that the parameters'
-    ``requires_grad`` still match the plan (runtime/forward.py: check_grad_flags)."""
+    PipelineRuntimeError (a rank failed, timed out, or received what the plan did not say, or
+    a torch error wrapped) counts only as pipecut's check, after a freeze or an unfreeze, that
+    the parameters' ``requires_grad`` still match the plan (runtime/forward.py:
+    check_grad_flags)."""
     if not isinstance(error, PipecutError) or not trail.novel:
         return False
-    if isinstance(error, PipelineRuntimeError):
-        return "frozen" in trail.kind or "unfrozen again" in trail.kind
+    if isinstance(error, PipelineRuntimeError):  # not a torch error wrapped, nor a rank that failed
+        freezing = "frozen" in trail.kind or "unfrozen again" in trail.kind
+        return freezing and "requires_grad changed after pipecut.compile" in str(error)
     return True
 
 
@@ -158,14 +164,16 @@ def _judge(cfg: Config, ranks: list[dict[str, Any]]) -> Outcome:
                        error=own[0]["type"], at=own[0]["at"])
     if any("ok" not in r for r in ranks):
         return Outcome(config=cfg, kind="hang", detail="a rank returned nothing for this configuration")
+    plan = json.loads(ranks[0]["ok"]["plan"])
+    ran = (str(plan["schedule"]), int(plan["microbatches"]))
     try:
         worst = check(cfg, [r["ok"] for r in ranks])
     except Mismatch as e:
-        return Outcome(config=cfg, kind="mismatch", detail=str(e))
+        return Outcome(config=cfg, kind="mismatch", detail=str(e), ran=ran)
     except Exception as e:
         return Outcome(config=cfg, kind="error", detail="in the reference:\n" + traceback.format_exc(),
-                       error=type(e).__name__, at="reference")
-    return Outcome(config=cfg, kind="match", errors=tuple(sorted(worst.items())))
+                       error=type(e).__name__, at="reference", ran=ran)
+    return Outcome(config=cfg, kind="match", errors=tuple(sorted(worst.items())), ran=ran)
 
 
 def run_configs(configs: Sequence[Config], job_timeout: float = 60.0,
