@@ -21,6 +21,8 @@ from tests.fuzz_models import MODELS
 class KnownBug:
     what: str
     """The symptom and, where known, the cause and who is fixing it."""
+    found: str = "reported"
+    """``reported`` (known before this fuzzer's campaign found it) or ``fuzzer`` (found by it)."""
     hits: Callable[[Config], bool]
     """Whether a configuration runs into it."""
 
@@ -55,6 +57,11 @@ KNOWN: dict[str, KnownBug] = {
     "swin-one-sample": KnownBug(
         what="transformers Swin at one-sample microbatches hangs in torch.export",
         hits=lambda c: c.model == "swin" and _one_sample(c)),
+    "fsdp-eval-stale": KnownBug(
+        what="FSDP: after an optimizer step, pipe.eval() of a torch.export model runs on the weights of "
+             "compile time (compiler/capture/modes.py shares parameters with the training programs before "
+             "runtime/data_parallel.replicate's fully_shard replaces them)",
+        found="fuzzer", hits=lambda c: c.data_parallel == "fsdp" and c.eval_between and MODELS[c.model].real),
 }
 """Open bugs by short name."""
 
