@@ -1,16 +1,16 @@
-"""The differential fuzzer's zoo: seven tiny models, each a shape of model that a pipeline
-split must get right (see :data:`MODELS`).
+"""The differential fuzzer's zoo: seven tiny hand-written models, each a shape of model that a
+pipeline split must get right, and the transformers architectures of tests/fuzz_real.py (see
+:data:`MODELS`).
 
-Each :class:`ModelSpec` builds its model from a seed and its data from (rows, seed, seq), so
-the fuzzer can draw as many batches as it likes; every loss ignores target -100 (padding for
-the summed, token-normalised losses). Sizes are tiny on purpose: one configuration must
-compile and run 2-3 optimizer steps on several forked ranks in about a second.
+Each :class:`~tests.fuzz_spec.ModelSpec` builds its model from a seed and its data from (rows,
+seed, seq), so the fuzzer can draw as many batches as it likes; every loss ignores target -100
+(padding for the summed, token-normalised losses). Sizes are tiny on purpose: one configuration
+of a hand-written model compiles and runs 2-3 optimizer steps on several forked ranks in about
+a second.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +19,8 @@ from torch import nn
 
 from examples.gpt import GPT
 from examples.resnet import ResNet
+from tests.fuzz_real import REAL
+from tests.fuzz_spec import ModelSpec, seeded
 
 IN = 16
 DIM = 32
@@ -149,33 +151,6 @@ class MoENet(nn.Module):
         return self.head(h.mean(1))
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ModelSpec:
-    """One zoo entry."""
-
-    name: str
-    model: Callable[[], nn.Module]
-    """Builds the model (the caller seeds the generator)."""
-    data: Callable[[int, int, int], tuple[Any, torch.Tensor]]
-    """(rows, seed, seq) -> (inputs, target); ``seq`` matters only where :attr:`seq` is set."""
-    loss: Callable[..., torch.Tensor]
-    loss_sum: Callable[..., torch.Tensor]
-    split_points: tuple[str, ...]
-    """Modules where a stage may begin, in order (a pinned split draws from them)."""
-    blocks: str
-    """The module list whose blocks a selective recompute plan recomputes."""
-    seq: int | None = None
-    """The sequence length, for models where a shorter sequence is a valid last batch."""
-    batchnorm: bool = False
-    """Running statistics: the reference runs microbatch by microbatch, and no data parallelism."""
-    head: str | None = None
-    """A linear head that may be computed in row pieces (chunk_heavy)."""
-
-    def build(self, seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        return self.model()
-
-
 def _tokens(rows: int, seed: int, seq: int) -> tuple[Any, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (rows, seq + 1), generator=g)
@@ -214,26 +189,32 @@ def _layer_points(depth: int) -> tuple[str, ...]:
 
 _LM = dict(vocab=VOCAB, dim=DIM, heads=2, layers=4, seq=SEQ)
 
-MODELS: dict[str, ModelSpec] = {
+HAND: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
-        ModelSpec(name="tied_lm", model=lambda: GPT(**_LM), data=_tokens, loss=ce, loss_sum=ce_sum,
-                  split_points=_lm_points(), blocks="blocks", seq=SEQ, head="lm_head"),
-        ModelSpec(name="untied_lm", model=lambda: UntiedGPT(**_LM), data=_tokens, loss=ce, loss_sum=ce_sum,
-                  split_points=_lm_points(), blocks="blocks", seq=SEQ, head="lm_head"),
-        ModelSpec(name="bn_cnn", model=lambda: ResNet(widths=(4, 8), blocks=2, classes=CLASSES), data=_images,
-                  loss=ce, loss_sum=ce_sum, batchnorm=True, blocks="layers",
+        ModelSpec(name="tied_lm", model=seeded(lambda: GPT(**_LM)), data=_tokens, loss=ce, loss_sum=ce_sum,
+                  split_points=_lm_points(), blocks="blocks", seq=SEQ, head="lm_head",
+                  freezable=("tok_emb.weight", "pos_emb", "blocks.2.qkv.weight")),
+        ModelSpec(name="untied_lm", model=seeded(lambda: UntiedGPT(**_LM)), data=_tokens, loss=ce,
+                  loss_sum=ce_sum, split_points=_lm_points(), blocks="blocks", seq=SEQ, head="lm_head",
+                  freezable=("lm_head.weight", "blocks.0.ln1.bias")),
+        ModelSpec(name="bn_cnn", model=seeded(lambda: ResNet(widths=(4, 8), blocks=2, classes=CLASSES)),
+                  data=_images, loss=ce, loss_sum=ce_sum, batchnorm=True, blocks="layers",
                   split_points=("layers.0", "layers.0.conv2", "layers.1", "layers.2", "layers.2.conv2",
-                                "layers.3", "fc")),
-        ModelSpec(name="skip", model=Skip, data=_features, loss=ce, loss_sum=ce_sum,
-                  split_points=_layer_points(6), blocks="layers"),
-        ModelSpec(name="dict_io", model=DictIO, data=_masked, loss=dict_loss, loss_sum=dict_loss_sum,
-                  split_points=_layer_points(4), blocks="layers"),
-        ModelSpec(name="frozen", model=Frozen, data=_features, loss=ce, loss_sum=ce_sum,
-                  split_points=_layer_points(4), blocks="layers"),
-        ModelSpec(name="moe", model=MoENet, data=_routed, loss=ce, loss_sum=ce_sum,
+                                "layers.3", "fc"),
+                  freezable=("stem.0.weight", "layers.2.bn1.weight", "fc.bias")),
+        ModelSpec(name="skip", model=seeded(Skip), data=_features, loss=ce, loss_sum=ce_sum,
+                  split_points=_layer_points(6), blocks="layers", freezable=("inp.weight", "layers.0.0.bias")),
+        ModelSpec(name="dict_io", model=seeded(DictIO), data=_masked, loss=dict_loss, loss_sum=dict_loss_sum,
+                  split_points=_layer_points(4), blocks="layers", freezable=("layers.1.0.weight",)),
+        ModelSpec(name="frozen", model=seeded(Frozen), data=_features, loss=ce, loss_sum=ce_sum,
+                  split_points=_layer_points(4), blocks="layers", freezable=("layers.0.0.weight", "head.weight")),
+        ModelSpec(name="moe", model=seeded(MoENet), data=_routed, loss=ce, loss_sum=ce_sum,
                   split_points=("pre", "moe", "moe.experts.1", "moe.experts.2", "moe.experts.3", "post", "head"),
-                  blocks="moe.experts"),
+                  blocks="moe.experts", freezable=("moe.router.weight", "moe.experts.2.0.weight")),
     )
 }
-"""The zoo by name."""
+"""The hand-written models by name."""
+
+MODELS: dict[str, ModelSpec] = {**HAND, **REAL}
+"""The zoo by name: the hand-written models and the transformers architectures."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import multiprocessing as mp
 import os
 import re
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from pipecut.errors import PipecutError, PipelineRuntimeError
 from tests.fuzz_check import Mismatch, check
 from tests.fuzz_config import Config, simpler
-from tests.fuzz_run import make_plan, run_config
+from tests.fuzz_run import Trail, make_plan, run_config
 
 FAILURES = ("mismatch", "error", "hang")
 
@@ -44,8 +45,19 @@ FAILURES = ("mismatch", "error", "hang")
 class Outcome:
     config: Config
     kind: str
-    """match, refused (a PipecutError: a pass), or one of :data:`FAILURES`."""
+    """match, refused (a PipecutError where the run met something new: a pass), or one of
+    :data:`FAILURES`."""
     detail: str = ""
+    error: str = ""
+    """A refusal's or an error's exception class (``InputError``...)."""
+    at: str = ""
+    """Where a refusal or an error was raised: ``plan`` (in the driver), ``compile``, ``step 1
+    call 0``..."""
+    errors: tuple[tuple[str, float], ...] = ()
+    """A match's worst errors against the plain model (:func:`tests.fuzz_check.compare`)."""
+    ran: tuple[str, int] | None = None
+    """The schedule and microbatch count the ranks ran (compile may have chosen them), where
+    they got that far."""
 
     @property
     def failed(self) -> bool:
@@ -73,17 +85,35 @@ def _rank_main(jobs: Sequence[tuple[Config, Any]], rank: int, world: int, store:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
         for i, (cfg, plan) in enumerate(jobs):
+            trail = Trail()
             try:
-                result: dict[str, Any] = {"ok": run_config(rank, world, cfg, plan, timeout)}
+                result: dict[str, Any] = {"ok": run_config(rank, world, cfg, plan, timeout, trail)}
             except BaseException as e:
-                result = {"error": traceback.format_exc(), "type": type(e).__name__,
-                          "refusal": isinstance(e, PipecutError) and not isinstance(e, PipelineRuntimeError),
-                          "message": str(e)}
+                result = {"error": traceback.format_exc(), "type": type(e).__name__, "message": str(e),
+                          "refusal": _refusal(cfg, e, trail), "at": trail.at}
             torch.save(result, f"{out}/{i}-{rank}.pt")
             if "error" in result:
                 break
     finally:
         os._exit(0)
+
+
+def _refusal(cfg: Config, error: BaseException, trail: Trail) -> bool:
+    """Is ``error`` pipecut refusing what the run met at ``trail`` (a pass)?
+
+    A PipecutError raised where the run meets something for the first time (compile, the
+    first step, a smaller last batch, the first clip or eval, the step after a freeze); not one
+    raised by a call that passed before (the same batch, the same flags), which is a bug. A
+    PipelineRuntimeError (a rank failed, timed out, or received what the plan did not say, or
+    a torch error wrapped) counts only as pipecut's check, after a freeze or an unfreeze, that
+    the parameters' ``requires_grad`` still match the plan (runtime/forward.py:
+    check_grad_flags)."""
+    if not isinstance(error, PipecutError) or not trail.novel:
+        return False
+    if isinstance(error, PipelineRuntimeError):  # not a torch error wrapped, nor a rank that failed
+        freezing = "frozen" in trail.kind or "unfrozen again" in trail.kind
+        return freezing and "requires_grad changed after pipecut.compile" in str(error)
+    return True
 
 
 def _pool(jobs: Sequence[tuple[Config, Any]], world: int, job_timeout: float) -> dict[int, list[dict[str, Any]]]:
@@ -122,22 +152,28 @@ def _judge(cfg: Config, ranks: list[dict[str, Any]]) -> Outcome:
     refusals = [r for r in errors if r["refusal"]]
     if refusals:
         first = refusals[0]
-        return Outcome(config=cfg, kind="refused", detail=f"{first['type']}: {first['message']}")
+        return Outcome(config=cfg, kind="refused", detail=f"{first['type']}: {first['message']}",
+                       error=first["type"], at=first["at"])
     if errors:
         # The cause first: a rank's own error before one saying that another rank failed.
         own = sorted(errors, key=lambda r: (r["type"] == "PipelineRuntimeError",
                                             "stopped because" in r["message"] or "probably failed" in r["message"]))
-        others = "".join(f"\n--- rank {i}: {r['type']}: {r['message'][:300]}" for i, r in enumerate(ranks) if "error" in r)
-        return Outcome(config=cfg, kind="error", detail=own[0]["error"] + "\nevery rank's error:" + others)
+        others = "".join(f"\n--- rank {i} at {r['at']}: {r['type']}: {r['message'][:300]}"
+                         for i, r in enumerate(ranks) if "error" in r)
+        return Outcome(config=cfg, kind="error", detail=own[0]["error"] + "\nevery rank's error:" + others,
+                       error=own[0]["type"], at=own[0]["at"])
     if any("ok" not in r for r in ranks):
         return Outcome(config=cfg, kind="hang", detail="a rank returned nothing for this configuration")
+    plan = json.loads(ranks[0]["ok"]["plan"])
+    ran = (str(plan["schedule"]), int(plan["microbatches"]))
     try:
-        check(cfg, [r["ok"] for r in ranks])
+        worst = check(cfg, [r["ok"] for r in ranks])
     except Mismatch as e:
-        return Outcome(config=cfg, kind="mismatch", detail=str(e))
-    except Exception:
-        return Outcome(config=cfg, kind="error", detail="in the reference:\n" + traceback.format_exc())
-    return Outcome(config=cfg, kind="match")
+        return Outcome(config=cfg, kind="mismatch", detail=str(e), ran=ran)
+    except Exception as e:
+        return Outcome(config=cfg, kind="error", detail="in the reference:\n" + traceback.format_exc(),
+                       error=type(e).__name__, at="reference", ran=ran)
+    return Outcome(config=cfg, kind="match", errors=tuple(sorted(worst.items())), ran=ran)
 
 
 def run_configs(configs: Sequence[Config], job_timeout: float = 60.0,
@@ -148,14 +184,17 @@ def run_configs(configs: Sequence[Config], job_timeout: float = 60.0,
         jobs: dict[int, list[tuple[int, Any]]] = {}
         plans: dict[Config, Any] = {}  # drawn configurations often share a plan
         for index, cfg in enumerate(configs):
-            key = dataclasses.replace(cfg, autocast="off", accumulation=1, no_sync=False, last="same",
+            key = dataclasses.replace(cfg, autocast="off", accumulation=1, no_sync=False, last="same", freeze="",
                                       eval_between=False, data_parallel="none", steps=2, clip=None, seed=0)
             try:
                 if key not in plans:
                     plans[key] = make_plan(cfg, Path(folder))
                 plan = plans[key]
-            except PipecutError as e:
-                outcomes[index] = Outcome(config=cfg, kind="refused", detail=f"{type(e).__name__}: {e}")
+            except Exception as e:  # a PipecutError refuses; anything else is a bug in planning
+                refused = isinstance(e, PipecutError)
+                outcomes[index] = Outcome(
+                    config=cfg, kind="refused" if refused else "error", error=type(e).__name__, at="plan",
+                    detail=f"{type(e).__name__}: {e}" if refused else "in the driver's plan:\n" + traceback.format_exc())
                 if progress:
                     progress(outcomes[index])
                 continue

@@ -4,19 +4,24 @@ ranks fork) and the training loop each rank runs.
 The loop is the README's: ``steps`` optimizer steps of AdamW, each after ``accumulation``
 ``pipe.step`` calls (all but the last under ``pipe.no_sync()`` when drawn), clipped with
 ``pipe.clip_grad_norm_``, under autocast (fp16 with ``pipe.grad_scaler()``), with an eval step
-under ``no_grad`` between optimizer steps when drawn. A rank returns what the reference check
-compares: every loss, every gradient (before clipping), every weight after each step, the
-clipping norms, the eval steps' losses and outputs, and the buffers and state dict at the end.
+under ``no_grad`` between optimizer steps when drawn, and one parameter frozen for step 1 and
+trainable again for step 2 when drawn. The model is cast to the drawn parameter dtype (float
+inputs follow) and built and run under the drawn default dtype. A rank returns what the
+reference check compares: every loss, every gradient (before clipping), every weight after
+each step, the clipping norms, the eval steps' losses and outputs, and the buffers and state
+dict at the end.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 import pipecut
@@ -41,6 +46,50 @@ NO_SYNC = hasattr(Pipeline, "no_sync")
 """Whether this pipecut has ``pipe.no_sync()`` (the fuzzer draws it only then)."""
 SHORTER = 3
 """Positions dropped from a shorter last sequence."""
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@contextlib.contextmanager
+def default_dtype(cfg: Config) -> Any:
+    """``torch.set_default_dtype`` of ``cfg`` inside, the previous one restored after (forked
+    ranks run many configurations one after the other)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPES[cfg.default_dtype])
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def build(cfg: Config) -> nn.Module:
+    """The model of ``cfg`` with its parameters (and float buffers) in the drawn dtype; call
+    under :func:`default_dtype`."""
+    return MODELS[cfg.model].build(cfg.seed).to(DTYPES[cfg.dtype])
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_cast(v, dtype) for v in value)
+    return value.to(dtype) if value.is_floating_point() else value
+
+
+@dataclasses.dataclass
+class Trail:
+    """Where a rank's loop is, so that a PipecutError can be judged: a refusal where the run
+    meets something for the first time (compile, the first step, the first clip or eval, the
+    smaller last batch, the step after a freeze or an unfreeze), a bug where it repeats a call
+    that passed before."""
+
+    at: str = "compile"
+    kind: tuple[Any, ...] = ("compile",)
+    novel: bool = True
+    seen: set[tuple[Any, ...]] = dataclasses.field(default_factory=set)
+
+    def enter(self, at: str, *kind: Any) -> None:
+        self.at, self.kind, self.novel = at, kind, kind not in self.seen
+        self.seen.add(kind)
 
 
 def batch(cfg: Config, step: int, micro: int, *, evaluation: bool = False) -> tuple[Any, torch.Tensor, int]:
@@ -58,6 +107,7 @@ def batch(cfg: Config, step: int, micro: int, *, evaluation: bool = False) -> tu
         seq -= SHORTER
     seed = cfg.seed * 10_000 + 100 * step + micro + (50 if evaluation else 0)
     inputs, target = spec.data(rows * replicas, seed, seq)
+    inputs = _cast(inputs, DTYPES[cfg.dtype])
     if cfg.reduction == "sum":  # padding, so the normalizer differs from the rows
         target = target.clone()
         target.view(-1)[1::3] = -100
@@ -90,10 +140,14 @@ def loss_fn(cfg: Config) -> Any:
 
 def make_plan(cfg: Config, folder: Path) -> Plan | str | None:
     """What compile's ``plan=`` gets: None (compile plans), a Plan, or a JSON path."""
-    if cfg.plan == "auto":
+    if cfg.plan in ("auto", "split"):
         return None
-    spec = MODELS[cfg.model]
-    model = spec.build(cfg.seed)
+    with default_dtype(cfg):
+        return _make_plan(cfg, folder)
+
+
+def _make_plan(cfg: Config, folder: Path) -> Plan | str:
+    model = build(cfg)
     inputs, target, _ = batch(dataclasses.replace(cfg, data_parallel="none"), 0, 0)
     common = dict(loss_fn=loss_fn(cfg), target=target, microbatches=cfg.microbatches,
                   schedule=cfg.schedule, measure=pipecut.MeasureOptions(calibrate=False, repeats=1, warmup=0),
@@ -152,22 +206,30 @@ def _heavy_plan(cfg: Config, model: torch.nn.Module, inputs: Any) -> Plan:
 # --- the loop on one rank ---------------------------------------------------------------------
 
 
-def run_config(rank: int, world: int, cfg: Config, plan: Plan | str | None, timeout: float) -> dict[str, Any]:
-    """Compile ``cfg`` on this rank and run its training loop; what :mod:`tests.fuzz_check` compares."""
+def run_config(rank: int, world: int, cfg: Config, plan: Plan | str | None, timeout: float,
+               trail: Trail | None = None) -> dict[str, Any]:
+    """Compile ``cfg`` on this rank and run its training loop; what :mod:`tests.fuzz_check`
+    compares. ``trail`` follows where the loop is (see :class:`Trail`)."""
+    with default_dtype(cfg):
+        return _train(cfg, *_compile(cfg, plan, timeout), trail or Trail())
+
+
+def _compile(cfg: Config, plan: Plan | str | None, timeout: float) -> tuple[Pipeline, int, int]:
+    """This rank's pipeline, its replica and the replica count."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    spec = MODELS[cfg.model]
     replicas, replica, devices = 1, 0, cfg.ranks
     if cfg.data_parallel != "none":
         mesh = init_device_mesh("cpu", (2, cfg.ranks), mesh_dim_names=("dp", "pp"))
         replicas, replica, devices = 2, mesh.get_local_rank("dp"), mesh
-    model = spec.build(cfg.seed)
+    model = build(cfg)
     inputs, target, _ = batch(cfg, 0, 0)
+    split = tuple(cfg.split) if cfg.plan == "split" else None
     planning = {} if plan is not None else dict(
         microbatches="auto" if cfg.choose else cfg.microbatches,
         schedule="auto" if cfg.choose == "both" else cfg.schedule,
         scheduling=pipecut.ScheduleOptions(stages_per_rank=cfg.stages_per_rank),
-        partition=pipecut.PartitionOptions(heavy_pieces=cfg.chunk_heavy))
+        partition=pipecut.PartitionOptions(heavy_pieces=cfg.chunk_heavy, split=split))
     pipe = pipecut.compile(
         model, devices, example_inputs=share(inputs, replica, replicas), loss_fn=loss_fn(cfg),
         target=share(target, replica, replicas), plan=plan,
@@ -175,6 +237,10 @@ def run_config(rank: int, world: int, cfg: Config, plan: Plan | str | None, time
         measure=pipecut.MeasureOptions(calibration_steps=0),
         runtime=pipecut.RuntimeOptions(timeout=timeout, loss_reduction=cfg.reduction), **planning,
     )
+    return pipe, replica, replicas
+
+
+def _train(cfg: Config, pipe: Pipeline, replica: int, replicas: int, trail: Trail) -> dict[str, Any]:
     opt = torch.optim.AdamW(pipe.parameters(), **ADAMW)
     scaler = pipe.grad_scaler(init_scale=SCALE) if cfg.autocast == "fp16" else None
     out: dict[str, Any] = {"losses": [], "evals": [], "outputs": [], "grads": [], "norms": [], "weights": [],
@@ -189,10 +255,13 @@ def run_config(rank: int, world: int, cfg: Config, plan: Plan | str | None, time
                          scaler=None if evaluation else scaler, **kw)
 
     for step in range(cfg.steps):
+        freeze_before(cfg, step, pipe.named_parameters())
         for micro in range(cfg.accumulation):
             quiet = cfg.no_sync and micro < cfg.accumulation - 1
+            trail.enter(f"step {step} call {micro}", "step", quiet, shape(cfg, step), frozen(cfg, step))
             with pipe.no_sync() if quiet else contextlib.nullcontext(), autocast(cfg):  # type: ignore[attr-defined]
                 out["losses"].append(run(step, micro))
+        trail.enter(f"step {step} after the calls", "update", frozen(cfg, step))
         if scaler is not None:
             scaler.unscale_(opt)
         out["grads"].append(_tensors(pipe, grads=True))
@@ -201,16 +270,38 @@ def run_config(rank: int, world: int, cfg: Config, plan: Plan | str | None, time
         optimizer_step(opt, scaler)
         out["weights"].append(_tensors(pipe, grads=False))
         if cfg.eval_between and step < cfg.steps - 1:
+            trail.enter(f"eval after step {step}", "eval", frozen(cfg, step))
             pipe.eval()
             with torch.no_grad(), autocast(cfg):
                 loss, outputs = run(step, 0, evaluation=True)
             out["evals"].append(loss)
             out["outputs"].append(outputs)
             pipe.train()
+    trail.enter("end", "end")
     out["buffers"] = {n: b.detach().clone() for n, b in pipe.named_buffers()}
     out["state"] = {k: _full(v) for k, v in pipe.state_dict().items()}
     out["scale"] = scaler.get_scale() if scaler is not None else None
     return out
+
+
+def shape(cfg: Config, step: int) -> str:
+    """The batch of optimizer step ``step``: the planned one or the drawn last one."""
+    return cfg.last if step == cfg.steps - 1 else "same"
+
+
+def frozen(cfg: Config, step: int) -> str:
+    """Where optimizer step ``step`` stands with the drawn freeze."""
+    return {1: "frozen", 2: "unfrozen again"}.get(step, "") if cfg.freeze else ""
+
+
+def freeze_before(cfg: Config, step: int, named: Iterator[tuple[str, nn.Parameter]]) -> None:
+    """``requires_grad_(False)`` on the drawn parameter before optimizer step 1, ``(True)`` before
+    step 2 (the pipeline's and the plain model's parameters alike, by the model's names)."""
+    flag = {1: False, 2: True}.get(step) if cfg.freeze else None
+    if flag is not None:
+        for name, p in named:
+            if name == cfg.freeze:
+                p.requires_grad_(flag)
 
 
 def optimizer_step(opt: torch.optim.Optimizer, scaler: Any) -> None:

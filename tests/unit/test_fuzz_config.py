@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from tests.fuzz_config import FEATURES, Config, draw, problems, simpler, spread
+import pytest
+import torch
+
+from examples.architectures import ARCHITECTURES
+from tests.fuzz_config import CHOOSE, FEATURES, Config, draw, problems, simpler, spread
+from tests.fuzz_models import MODELS
+from tests.fuzz_real import REAL
 
 
 def test_drawn_configurations_are_drawable_and_print_back() -> None:
@@ -43,3 +49,62 @@ def test_spread_covers_pairs_of_features() -> None:
     for feature in ("model", "schedule", "autocast", "data_parallel"):
         assert {getattr(c, feature) for c in chosen} == {getattr(c, feature) for c in drawn}, feature
     assert "model" in FEATURES
+
+
+def test_new_dimensions_are_drawn_and_their_invalid_combinations_kept_out() -> None:
+    drawn = draw(300, seed=7, no_sync=True)
+    assert {c.dtype for c in drawn} == {"float32", "float64", "bfloat16"}
+    assert {c.default_dtype for c in drawn} == {"float32", "float64"}
+    assert any(c.freeze for c in drawn) and any(c.rows == 1 for c in drawn)
+    assert {c.plan for c in drawn} >= {"auto", "split", "pinned"} and {c.choose for c in drawn} == set(CHOOSE)
+    assert any(MODELS[c.model].real for c in drawn) and any(not MODELS[c.model].real for c in drawn)
+    for cfg in drawn:
+        assert cfg.default_dtype == "float32" or cfg.dtype == "float64", cfg
+        assert cfg.autocast == "off" or cfg.dtype == "float32", cfg
+        assert not cfg.freeze or (cfg.steps == 3 and cfg.freeze in MODELS[cfg.model].freezable), cfg
+    cfg = Config(model="gpt2", ranks=2, microbatches=2, schedule="1f1b", split=("transformer.h.1",))
+    assert problems(dataclasses.replace(cfg, dtype="bfloat16", autocast="bf16")) == [
+        "autocast with float32 parameters only"]
+    assert problems(dataclasses.replace(cfg, default_dtype="float64")) == [
+        "a float64 default dtype builds float64 parameters"]
+    assert problems(dataclasses.replace(cfg, freeze="transformer.wte.weight")) == [
+        "freeze one of the model's freezable parameters, in a run of 3 steps"]
+    assert problems(dataclasses.replace(cfg, freeze="transformer.wte.weight", steps=3)) == []
+    assert problems(dataclasses.replace(cfg, plan="split", choose="both")) == []
+    assert problems(dataclasses.replace(cfg, choose="both")) == ["choose matters only where compile plans"]
+
+
+def test_shrinking_drops_the_new_dimensions() -> None:
+    cfg = Config(model="skip", ranks=2, microbatches=2, schedule="1f1b", split=("layers.3",), dtype="float64",
+                 default_dtype="float64", freeze="inp.weight", steps=3)
+    neighbours = list(simpler(cfg))
+    assert any(n.freeze == "" for n in neighbours) and any(n.default_dtype == "float32" for n in neighbours)
+    assert all(problems(n) == [] for n in neighbours)
+    assert not any(n.dtype == "float32" and n.default_dtype == "float64" for n in neighbours)
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_real_models_have_the_split_points_and_parameters_they_name(name: str) -> None:
+    """Each transformers spec's split points are modules of the built model, in the order the
+    model defines them, its freezable parameters trainable parameters; its batches have the
+    rows asked for (and, for token models, the shorter sequence); its loss is the registry's
+    and its summed loss is the mean times the valid targets."""
+    spec = REAL[name]
+    model = spec.build(0)
+    modules = [n for n, _ in model.named_modules()]
+    assert all(p in modules for p in spec.split_points), set(spec.split_points) - set(modules)
+    assert sorted(spec.split_points, key=modules.index) == list(spec.split_points)
+    params = dict(model.named_parameters())
+    assert all(params[p].requires_grad for p in spec.freezable)
+    assert spec.blocks in modules
+    assert ARCHITECTURES[name](batch_size=1)[2] is spec.loss
+    inputs, target = spec.data(3, 5, spec.seq or 0)
+    assert target.shape[0] == 3 and all(v.shape[0] == 3 for v in inputs.values())
+    again, _ = spec.data(3, 5, spec.seq or 0)
+    assert all(torch.equal(inputs[k], again[k]) for k in inputs)  # a batch is a function of its seed
+    out = model(**inputs)
+    assert torch.allclose(spec.loss_sum(out, target), spec.loss(out, target) * target.numel(), rtol=1e-5)
+    if spec.seq is not None:
+        short, short_target = spec.data(2, 5, spec.seq - 3)
+        assert short_target.shape[1] == spec.seq - 3
+        assert all(v.shape[1] == spec.seq - 3 for v in short.values() if v.dim() > 1)
