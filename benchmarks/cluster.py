@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/cluster.py [--rows estimate|standin] [--fit] [--layers N] [--seq T]
                                             [--out benchmarks/cluster.json]
+    .venv/bin/python benchmarks/cluster.py --schedules [--cluster 2x8xH100-SXM] [--batch 64] [-m 8]
 
 Each run of :data:`published.RUNS` (torchtitan's FSDP Llama runs on H100 and A100) is predicted
 by :func:`pipecut.planning.clusters.predict_run` with one compute efficiency per device family
@@ -11,7 +12,10 @@ row is the predicted throughput ratio of 8 stages over 2. The model is priced by
 here); ``--rows standin`` uses the hand-written table of :func:`published.llama_rows`
 instead, a cross-check. ``--fit`` bisects each family's efficiency on its fitted run.
 ``--layers``/``--seq`` shrink the model for a quick look (the published figures then do not
-apply).
+apply). ``--schedules`` prints, for Llama-3.1-8B on a pipeline (issue 29's example by default),
+each schedule's fastest run that fits (``plan_cluster(..., schedule="auto")``: D × K, stages per
+GPU, step, peak memory); none of the published runs above compares schedules on one model, so
+this table has no published column.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # examples.llama_meta
 import published
 
 __all__ = ["main"]
@@ -40,6 +45,25 @@ def fit(run: published.PublishedRun, dims: published.LlamaDims, lo: float = 0.1,
     return round((lo + hi) / 2, 3)
 
 
+def schedules(cluster: str, batch: int, microbatches: int, recompute: str = "selective") -> int:  # pragma: no cover
+    """Each schedule's fastest fitting run of Llama-3.1-8B (8192 tokens a sample) on ``cluster``."""
+    from examples.llama_meta import build_8b
+    from pipecut.planning.clusters import plan_cluster
+
+    model, inputs, loss_fn, target = build_8b(batch_size=batch)
+    plan = plan_cluster(model, inputs, cluster, microbatches=microbatches, schedule="auto",
+                        recompute=recompute, loss_fn=loss_fn, target=target)
+    print(f"Llama-3.1-8B, batch {batch} x 8192, {microbatches} microbatches, recompute {recompute}, {cluster}")
+    base = next((c.step_ms for c in plan.candidates if c.schedule.value == "1f1b" and c.step_ms), None)
+    for c in sorted(plan.candidates, key=lambda c: c.step_ms or float("inf")):
+        vs = f"{c.step_ms / base - 1:+.1%} vs 1f1b" if c.step_ms and base else ""
+        step = f"{c.step_ms:9.1f} ms" if c.step_ms else "        -   "
+        print(f"  {c.schedule.value:17} {step} {vs:>14}  {c.note}")
+    if plan.run is not None:
+        print(f"chosen: {plan.schedule.value}, peak {plan.run.peak_memory_bytes / 2**30:.1f} GiB per GPU")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", choices=("standin", "estimate"), default="estimate")
@@ -48,7 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--out", default=str(Path(__file__).with_name("cluster.json")))
+    ap.add_argument("--schedules", action="store_true",
+                    help="each schedule's fastest run of Llama-3.1-8B on --cluster, then stop")
+    ap.add_argument("--cluster", default="2x8xH100-SXM")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("-m", "--microbatches", type=int, default=8)
     args = ap.parse_args(argv)
+    if args.schedules:
+        return schedules(args.cluster, args.batch, args.microbatches)
     if args.fit:
         for run in (r for r in published.RUNS if r.fitted):
             print(f"{run.name}: compute efficiency {fit(run, published.LLAMA[run.model])}")

@@ -308,7 +308,7 @@ def _schedule_candidates(choice: RunChoice, best: RunCandidate, kinds: tuple[Sch
         fastest = next((c for c in choice.candidates if c.schedule is kind), None)  # fastest first
         if fastest is None:
             reasons = [s.reason for s in choice.skipped if s.schedule is kind]
-            why = next((r for r in reasons if "needs" in r), reasons[0] if reasons else "no shape runs it")
+            why = next((r for r in reasons if "GiB per GPU" in r), reasons[0] if reasons else "no shape runs it")
             rows.append(Candidate(microbatches=microbatches, schedule=kind, step_ms=None,
                                   note=f"nothing fits or runs, e.g. {why}"))
             continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pipecut.cluster import Interconnect
 from pipecut.parallel import DataParallelKind
@@ -51,6 +52,7 @@ def exposed_ms(comm: Sequence[float], compute: Sequence[float]) -> float:
 
 
 def as_link(c: Interconnect) -> Link:
+    """A cluster interconnect as the link a transfer is priced on."""
     return Link(bandwidth_bytes_per_ms=c.bandwidth_bytes_per_ms, latency_ms=c.latency_ms)
 
 
@@ -152,9 +154,10 @@ def fsdp_exposed(st: StageWork, d: int, link: Interconnect, ranks: int, kind: Da
 
 
 def merged(stages: Sequence[StageWork]) -> StageWork:
-    """The FSDP units of one GPU's stages, in the order their forwards first run."""
-    def cat(name: str) -> tuple:  # type: ignore[type-arg]
+    """The FSDP units of one GPU's stages, in the order their forwards first run (activations
+    aside: only the collectives are priced on it)."""
+    def cat(name: str) -> tuple[Any, ...]:
         return tuple(x for st in stages for x in getattr(st, name))
     return StageWork(units=cat("units"), forward_ms=cat("forward_ms"), backward_ms=cat("backward_ms"),
-                  recompute_ms=cat("recompute_ms"), param_bytes=cat("param_bytes"), kept_bytes=0.0,
-                  full_bytes=0.0, transient_bytes=0.0)
+                     recompute_ms=cat("recompute_ms"), param_bytes=cat("param_bytes"), kept_bytes=0.0,
+                     full_bytes=0.0, transient_bytes=0.0)

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 from pipecut.cluster import Cluster, ClusterPlacement, Interconnect, Layout
 from pipecut.core.schedule import Schedule, StageCosts, rank_end_ms, rank_of
+from pipecut.errors import InputError
 from pipecut.parallel import DataParallelKind
 from pipecut.passes.costs.workload import Workload
 from pipecut.passes.parallel.hybrid import Skipped, balanced_split, unsplittable
@@ -130,7 +131,7 @@ class RunShape:
         v, kind = self.stages_per_rank, self.schedule
         fixed = kind.fixed_stages_per_rank or 1
         if v is not None and (v < 1 or (kind is not ScheduleKind.INTERLEAVED_1F1B and v not in (1, fixed))):
-            raise ValueError(
+            raise InputError(
                 f"stages_per_rank={v}: {kind.value} runs {fixed} stage(s) per rank; several "
                 f"need schedule interleaved-1f1b"
             )

@@ -17,6 +17,7 @@ import pipecut
 from pipecut import Plan, summary
 from pipecut.cluster import Cluster, Interconnect, Layout
 from pipecut.core.schedule import StageCosts, parse_schedule, simulate
+from pipecut.errors import InputError
 from pipecut.passes.costs.workload import Workload
 from pipecut.passes.parallel.run_schedule import chunk_options, peak_activations, weight_ms
 from pipecut.passes.parallel.training import (
@@ -136,7 +137,7 @@ def test_stages_per_rank_options() -> None:
     assert chunk_options(ScheduleKind.INTERLEAVED_1F1B, 2, 32) == (2, 4, 8, 16)
     assert chunk_options(ScheduleKind.INTERLEAVED_1F1B, 3, 32) == (2,)
     assert chunk_options(ScheduleKind.ZBV, 4, 32) == (2,) and chunk_options(ScheduleKind.GPIPE, 4, 32) == (1,)
-    with pytest.raises(ValueError, match="zero-bubble runs 1 stage"):
+    with pytest.raises(InputError, match="zero-bubble runs 1 stage"):
         RunShape(batch_size=1, microbatches=1, tokens_per_sample=1, model_flops_per_token=1.0,
                  schedule=ScheduleKind.ZERO_BUBBLE, stages_per_rank=2)
 
@@ -212,3 +213,11 @@ def test_the_stage_table_is_the_run_line_on_llama_8b() -> None:
     assert len(table) == plan.num_stages and all(row.split()[-1] == "selective" for row in table)
     assert any(f"  {peak}  " in row for row in table)
     assert "run (fsdp, recompute selective, 1f1b)" in text and f"peak memory {peak} per GPU" in text
+
+
+def test_a_plan_whose_cuts_cross_both_links_says_which_one_it_draws() -> None:
+    model, batch = _tiny_llama()
+    plan = plan_cluster(model, batch, "2x2xH100-SXM", microbatches=4, data_parallel=1)
+    assert plan.run is not None and plan.cluster is not None and plan.num_stages == 4
+    assert plan.link.bandwidth_bytes_per_ms == plan.cluster.inter.bandwidth_bytes_per_ms
+    assert any("1 of the 3 cuts cross nodes" in n for n in plan.run.notes)
