@@ -144,7 +144,7 @@ _VIT = {
 }
 _CLIP_VISION = {
     "hidden_size": HIDDEN, "num_attention_heads": HEADS, "intermediate_size": 2 * HIDDEN,
-    "image_size": IMAGE, "patch_size": 8, "attention_dropout": 0.0, "num_hidden_layers": LAYERS,
+    "image_size": IMAGE, "patch_size": 8, "attention_dropout": 0.0,
 }
 
 
