@@ -3,11 +3,12 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fuzz.py --seeds 1-20 --examples 40 \\
         --budget-min 45 --json benchmarks/fuzz.json
 
-For each seed, draws ``--examples`` configurations with hypothesis (tests/fuzz_config.py:
+For each seed, draws ``--draw`` configurations with hypothesis (tests/fuzz_config.py:
 hand-written and transformers models, K, M, schedule, stages per rank, plan source, recompute,
 autocast, parameter and default dtype, a parameter frozen after compile, loss reduction,
 accumulation and no_sync, last batch, eval steps, data parallelism, automatic microbatches and
-schedule), runs them in rounds of ``--round`` on pools of forked ranks (tests/fuzz_pool.py) and
+schedule), keeps the ``--examples`` that cover the most pairs of feature values not covered
+by earlier seeds, runs them in rounds of ``--round`` on pools of forked ranks (tests/fuzz_pool.py) and
 compares each with the plain model (tests/fuzz_check.py), until the seeds or ``--budget-min``
 run out (the JSON is rewritten after every round, so a long run can be read while it goes).
 Then each distinct failure (known bug or signature) is shrunk (our own greedy shrinking over
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.fuzz_bugs import known
 from tests.fuzz_check import precision
-from tests.fuzz_config import PLANS, Config, draw
+from tests.fuzz_config import PLANS, Config, draw, spread
 from tests.fuzz_models import MODELS
 from tests.fuzz_pool import Outcome, run_configs, shrink
 from tests.fuzz_run import NO_SYNC
@@ -52,7 +53,10 @@ def _seeds(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--examples", type=int, default=40, help="configurations drawn per seed")
+    parser.add_argument("--examples", type=int, default=30, help="configurations run per seed")
+    parser.add_argument("--draw", type=int, default=200,
+                        help="configurations drawn per seed, of which the --examples covering the most pairs "
+                             "of feature values run (hypothesis's draws from one seed cluster)")
     parser.add_argument("--seeds", type=_seeds, default=[0], help='"3", "1-20" or "1,4,9"')
     parser.add_argument("--seed", type=int, default=None, help="one seed (as --seeds N)")
     parser.add_argument("--budget-min", type=float, default=None, help="stop drawing after this many minutes")
@@ -88,10 +92,12 @@ def _batches(args: argparse.Namespace) -> Any:
     if args.models:
         kw["models"] = tuple(args.models.split(","))
         assert set(kw["models"]) <= set(MODELS), sorted(MODELS)
-    seen: set[Config] = set()
+    seen: list[Config] = []
     for seed in args.seeds:
-        fresh = [c for c in draw(args.examples, seed, **kw) if c not in seen and not (args.skip_known and known(c))]
-        seen.update(fresh)
+        drawn = [c for c in draw(max(args.draw, args.examples), seed, **kw)
+                 if c not in seen and not (args.skip_known and known(c))]
+        fresh = spread(drawn, args.examples, seen)
+        seen += fresh
         print(f"seed {seed}: {len(fresh)} new configurations", flush=True)
         for i in range(0, len(fresh), args.round):
             yield fresh[i : i + args.round]

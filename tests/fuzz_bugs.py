@@ -27,14 +27,15 @@ class KnownBug:
     """Whether a configuration runs into it."""
 
 
+SPLIT_BACKWARD_MODELS = ("t5", "bart", "albert", "vit", "swin")
+"""The families the split-backward bug was reported on (Swin as ViT-like). The hand-written
+models match under zero-bubble and ZBV with one-sample microbatches, their learned position
+embedding added to an activation of its shape included (tied_lm, rows=1)."""
+
+
 def _split_backward(cfg: Config) -> bool:
     """Runs zero-bubble or ZBV, or lets compile choose the schedule."""
     return cfg.schedule in SPLIT_BACKWARD or cfg.choose == "both"
-
-
-def _one_sample(cfg: Config) -> bool:
-    """Some microbatch holds one sample (planned, a one-row last batch, or an automatic count)."""
-    return cfg.rows == 1 or cfg.last == "one_row" or bool(cfg.choose)
 
 
 KNOWN: dict[str, KnownBug] = {
@@ -42,7 +43,7 @@ KNOWN: dict[str, KnownBug] = {
         what="zero-bubble/ZBV give wrong gradients where a parameter is added to an activation of its "
              "own shape (T5, BART, ALBERT, ViT-like models; one-sample microbatches): "
              "runtime/backward_split.py, being fixed on branch zb",
-        hits=lambda c: _split_backward(c) and (MODELS[c.model].real or _one_sample(c))),
+        hits=lambda c: _split_backward(c) and c.model in SPLIT_BACKWARD_MODELS),
     "float64-loss": KnownBug(
         what="float64 parameters: the loss returned on ranks other than the last is rounded to float32 "
              "(float32 default dtype) or garbage such as 5.3e-315 (float64 default dtype)",
@@ -51,12 +52,11 @@ KNOWN: dict[str, KnownBug] = {
         what="a parameter frozen after compile under DDP: the second step crashes and the first step's "
              "gradients are not averaged",
         hits=lambda c: c.data_parallel == "ddp" and c.freezes),
-    "auto-batchnorm": KnownBug(
-        what='microbatches="auto" with BatchNorm crashes trying one-sample microbatches',
-        hits=lambda c: bool(c.choose) and MODELS[c.model].batchnorm),
-    "swin-one-sample": KnownBug(
-        what="transformers Swin at one-sample microbatches hangs in torch.export",
-        hits=lambda c: c.model == "swin" and _one_sample(c)),
+    "swin-export": KnownBug(
+        what="transformers Swin at one-sample microbatches hangs in torch.export; the fuzzer saw it at "
+             "microbatches of 2 and 3 samples too (over 10 min in sympy under window_reverse's view, "
+             "capture/trace.py _export, planning at the first microbatch's size)",
+        hits=lambda c: c.model == "swin"),
     "fsdp-eval-stale": KnownBug(
         what="FSDP: after an optimizer step, pipe.eval() of a torch.export model runs on the weights of "
              "compile time (compiler/capture/modes.py shares parameters with the training programs before "

@@ -15,7 +15,8 @@ buffers; tolerances in tests/fuzz_check.py) or be refused with a PipecutError.
 
 The budget: :data:`COUNT` configurations of the hand-written models (about a second each) and
 one configuration of each of :data:`REAL_MODELS` (several seconds each: torch.export capture
-on every rank), two ranks and no data parallelism for those. Only plans whose split does not
+on every rank), two ranks and no data parallelism for those: about 90 s of CPU time in all,
+against 70 s for the 40 hand-written configurations this budget had before. Only plans whose split does not
 depend on the machine's timings are drawn here (compile's own split and the memory-limited
 planner profile the model, so their split could differ between runs); benchmarks/fuzz.py draws
 those too. Configurations that hit an open bug are left out (``KNOWN`` in tests/fuzz_bugs.py;
@@ -39,8 +40,12 @@ from tests.fuzz_run import NO_SYNC
 
 pytestmark = pytest.mark.dist
 
-COUNT = 30
-REAL_MODELS = ("vit", "llama", "gpt2", "bert", "t5", "mixtral")
+COUNT = 26
+REAL_MODELS = ("vit", "gpt2", "t5", "mixtral")
+"""A parameter added to an activation of its shape, tied embeddings, an encoder-decoder, experts:
+one configuration each (4.6, 10, 15.5 and 12.4 s of CPU for a plain one, against 1.7 s for a
+hand-written model's); BERT, Llama, Qwen2-MoE, ALBERT, BART, Swin and ResNet are drawn by
+benchmarks/fuzz.py."""
 DRAWN = 500
 """Hypothesis draws DRAWN configurations (generation only, ~10 s); :func:`spread` keeps the
 COUNT hand-written ones, then one per real model, that cover the most pairs of feature values."""
@@ -63,7 +68,7 @@ def budget() -> list[Config]:
     return chosen
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_drawn_configurations_match_the_plain_model_or_refuse() -> None:
     configs = budget()
     # The budget spans the option space (so a change to the strategy cannot quietly shrink it).
