@@ -24,8 +24,9 @@ from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
 from pipecut.plan import Plan, ScheduleKind
 from pipecut.planning.partition import DEFAULT_LINK
 from pipecut.planning.planner import plan as make_plan
-from pipecut.runtime.launch import ensure_process_group, local_device
+from pipecut.runtime.launch import local_device
 from pipecut.runtime.linkprobe import measure_link
+from pipecut.runtime.teardown import close_at_exit, open_default_group
 
 if TYPE_CHECKING:  # context.py reads this module's Layout
     from pipecut.build.context import Job
@@ -88,7 +89,7 @@ def auto_layout(job: Job) -> tuple[Auto, tuple[Inputs, Any]]:
     """data_parallel="auto": rank 0 chooses D × K for every rank of the default group (or the
     given plan's), all ranks build the mesh, and each takes its replica's share of the batch."""
     device = local_device()
-    ensure_process_group(job.wait, device)
+    open_default_group(job.wait, device)
     world = dist.get_world_size()
     devices, scheduling = job.devices, job.options.scheduling
     if devices is not None and (isinstance(devices, bool) or devices != world):
@@ -125,6 +126,7 @@ def auto_layout(job: Job) -> tuple[Auto, tuple[Inputs, Any]]:
     if d == 1:
         return Auto(chosen, None, kind), (job.example_inputs, job.target)
     mesh = init_device_mesh(device.type, (d, chosen.num_ranks), mesh_dim_names=("dp", "pp"))
+    close_at_exit([mesh.get_group("dp"), mesh.get_group("pp")])
     replica = mesh.get_local_rank("dp")
     size, _ = first_microbatch(job.example_inputs, 1)
     share = split_microbatches(job.example_inputs, d, size, "example_inputs")[replica]

@@ -28,6 +28,7 @@ from pipecut.plan import Plan
 from pipecut.runtime.materialize import materialize_stage, raise_together
 from pipecut.runtime.stage import StageWorker
 from pipecut.runtime.sync import stage_state, sync_from_rank0
+from pipecut.runtime.teardown import close_at_exit
 from pipecut.runtime.weights import WeightSource
 
 __all__ = ["WorkerFactory", "build_workers", "sync_weights", "tied_groups", "worker_factory"]
@@ -109,6 +110,7 @@ def tied_groups(plan: Plan, layout: Layout, job: Job) -> list[tuple[str, Any]]:
             global_ranks = tuple(replica[h] for h in holders)
             if global_ranks not in made:
                 made[global_ranks] = dist.new_group(list(global_ranks), timeout=job.wait)
+                close_at_exit([made[global_ranks]])  # a no-op where this rank is not a member
             if dist.get_rank() in global_ranks:
                 mine.append((tied.fqn, made[global_ranks]))
     return mine

@@ -2,8 +2,8 @@
 finds them) and checked against the plain model in this process.
 
 - README.md's first script at 2 ranks: three clipped AdamW steps, every loss the plain model's
-  (run as written, `destroy_process_group` included: a rank of it run under torchrun without
-  that line aborted at exit in 2 of 5 runs, "terminate called without an active exception").
+  (how it exits under torchrun, with no `destroy_process_group` in it, is tested in
+  tests/dist/test_teardown.py).
 - docs/training-loop.md's API block at 2 ranks on the GPT example (tied embeddings): the loss
   and, merged over the ranks, the state dict after one AdamW step.
 - docs/training-loop.md's whole loop at 4 ranks (automatic microbatches and schedule, bf16
@@ -42,7 +42,7 @@ def _two_ranks(rank: int, world: int, folder: str) -> dict[str, Any]:
     scope = {"model": model, "x": x, "y": y, "loss_fn": loss_fn}
     exec(code("docs/training-loop.md", API_MARKER), scope)
     readme: dict[str, Any] = {}
-    exec(code("README.md", README_MARKER), readme)  # last: it ends the process group
+    exec(code("README.md", README_MARKER), readme)
     return {"readme": readme["losses"], "loss": scope["loss"].detach(),
             "state": {k: v.detach().clone() for k, v in scope["pipe"].state_dict().items()},
             "replay": Path("plan.json").is_file()}
