@@ -49,7 +49,8 @@ def choose(job: Job, place: Place, asked: Asked) -> Chosen:
     microbatches = chosen.microbatches if chosen is not None else asked.run.microbatches
     _, first = first_microbatch(job.example_inputs, microbatches)
     options = job.options.capture
-    captured = capture(job.model, first, method=asked.run.capture_method, leaf_modules=options.leaf_modules)
+    captured = capture(job.model, first, method=asked.run.capture_method, leaf_modules=options.leaf_modules,
+                       dynamic_shapes=options.dynamic_shapes, time_limit=options.time_limit)
     if chosen is None:
         chosen = _on_rank0(job, place, asked, captured)
     check_fingerprint(chosen, fingerprint(captured.gm))
