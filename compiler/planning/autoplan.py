@@ -27,7 +27,7 @@ import torch
 
 from pipecut.capture.modes import describe_graph
 from pipecut.core.batching import batch_size, first_microbatch, split_microbatches
-from pipecut.core.program import Captured
+from pipecut.core.program import Captured, Shapes
 from pipecut.errors import InputError, PartitionError, PipecutError, ScheduleError
 from pipecut.options import AUTO
 from pipecut.passes.costs.microbatching import candidate_microbatches, costs_at, with_structure
@@ -69,16 +69,22 @@ def plan_auto(request: Request, plan_at: PlanAt) -> Plan:
     graph, table = measured.at(first) or (None, None)
     if graph is not None and table is None:  # a size between those profiled, on their graph: its
         table = with_structure(tables[m], describe_graph(graph, graph.flatten_inputs(first)))  # interpolated table
+    if graph is None and measured.timed_out:  # planned at its own size: no second wait either
+        request = request.with_options(capture=dataclasses.replace(request.options.capture, dynamic_shapes=False))
     chosen = plan_at(request.with_scheduling(microbatches=m, kind=kind), graph, table)
     return dataclasses.replace(chosen, candidates=candidates)
 
 
 def measurements(request: Request) -> Measurements:
-    """Capture and profile the request's model at any microbatch size, each once."""
-    return Measurements(
-        lambda first: capture_at(request, first),
+    """Capture and profile the request's model at any microbatch size, each once. Once a
+    symbolic-shape export has run past its time limit, the other sizes are exported at static
+    shapes straight away (they would only wait as long again)."""
+    static = request.with_options(capture=dataclasses.replace(request.options.capture, dynamic_shapes=False))
+    measured = Measurements(
+        lambda first: capture_at(static if measured.timed_out else request, first),
         lambda captured, first, first_target: profile_at(request, captured, first, first_target),
     )
+    return measured
 
 
 def schedules_to_try(schedule: Any, stages_per_rank: int) -> tuple[ScheduleKind, ...]:
@@ -299,10 +305,13 @@ class Measurements:
         self._tables: dict[int, tuple[Captured, tuple[NodeCost, ...]]] = {}
         self.captures = 0
         self.profiles = 0
+        self.timed_out = False
+        """Whether a symbolic-shape export ran past its time limit (see :func:`measurements`)."""
 
     def _capture(self, first: Any, size: int) -> Captured:
         self.captures += 1
         self._graphs[size] = self._capture_at(first)
+        self.timed_out |= self._graphs[size].shapes is Shapes.TIMED_OUT
         return self._graphs[size]
 
     def costs(self, first: Any, first_target: Any) -> tuple[NodeCost, ...]:

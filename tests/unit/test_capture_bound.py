@@ -200,3 +200,15 @@ def test_a_time_limit_must_be_positive_seconds_or_none(bad: Any) -> None:
         pipecut.CaptureOptions(time_limit=bad)
     assert pipecut.CaptureOptions(time_limit=None).time_limit is None
     assert pipecut.CaptureOptions(time_limit=5).time_limit == 5.0
+
+
+def test_auto_planning_waits_for_the_symbolic_export_once(slow_symbolic_export: list[bool]) -> None:
+    """microbatches="auto" captures at several sizes: after one export ran past its limit, the
+    others are exported at static shapes straight away."""
+    torch.manual_seed(0)
+    model, x, y = Net(), torch.randn(8, 8), torch.randn(8, 4)
+    plan = pipecut.plan(model, (x,), devices=2, loss_fn=torch.nn.functional.mse_loss, target=y,
+                        capture=pipecut.CaptureOptions(method="export", time_limit=0.2),
+                        measure=pipecut.MeasureOptions(repeats=1, warmup=0))
+    assert slow_symbolic_export.count(True) == 1 and slow_symbolic_export.count(False) >= 2
+    assert [s.min_shape == s.max_shape for s in plan.accepts] == [True]
