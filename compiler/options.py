@@ -39,6 +39,7 @@ from pipecut.parallel import DataParallel, DataParallelKind
 
 __all__ = [
     "AUTO",
+    "EXPORT_TIME_LIMIT",
     "LEGACY",
     "CaptureOptions",
     "DataParallelOptions",
@@ -102,17 +103,37 @@ def leaf_name(cls: type | str) -> str:
     return cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
 
 
+EXPORT_TIME_LIMIT = 30.0
+"""Seconds a symbolic-shape ``torch.export`` may take by default (see :class:`CaptureOptions`):
+the models of ``examples/zoo.py`` export in 2.5-8 s on a loaded 2-core CPU, a Swin transformer
+with symbolic image sizes did not in 10 minutes."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CaptureOptions:
     method: CaptureMethod | None = None
     """None: ``symbolic_trace``, then ``torch.export`` where tracing fails."""
     leaf_modules: tuple[str, ...] = ()
     """Module classes (or their ``module.QualName``) captured as one call, not traced into."""
+    dynamic_shapes: bool = True
+    """``torch.export`` with symbolic dimensions, so one graph serves smaller microbatches and
+    shorter sequences; False: exported at the example's shapes only (faster, and the plan then
+    accepts only the planned shapes, checked at every step)."""
+    time_limit: float | None = EXPORT_TIME_LIMIT
+    """Seconds the symbolic-shape export may take; past them capture logs a warning and exports
+    at static shapes instead (as with ``dynamic_shapes=False``). None: no bound. Enforced with
+    ``SIGALRM``, so only where capture runs on the main thread (elsewhere: unbounded, with a
+    warning)."""
 
     def __post_init__(self) -> None:
         if self.method is not None:
             _set(self, "method", enum_choice(CaptureMethod, self.method, "capture method"))
         _set(self, "leaf_modules", tuple(leaf_name(c) for c in self.leaf_modules))
+        limit = self.time_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+            raise InputError(f"CaptureOptions(time_limit={limit!r}): give seconds > 0, or None for no bound")
+        if limit is not None:
+            _set(self, "time_limit", float(limit))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -16,6 +16,7 @@ from pipecut.build.context import Job, Place
 from pipecut.build.layout import plan_from_rank0
 from pipecut.build.replay import Asked
 from pipecut.capture import as_planned, capture, fingerprint
+from pipecut.capture.agree import capture_for_plan
 from pipecut.core.batching import first_microbatch
 from pipecut.core.program import Captured, Inputs
 from pipecut.core.schedule import Schedule, validate
@@ -48,10 +49,14 @@ def choose(job: Job, place: Place, asked: Asked) -> Chosen:
         warn_if_sequential(job.given)
     microbatches = chosen.microbatches if chosen is not None else asked.run.microbatches
     _, first = first_microbatch(job.example_inputs, microbatches)
-    options = job.options.capture
-    captured = capture(job.model, first, method=asked.run.capture_method, leaf_modules=options.leaf_modules)
-    if chosen is None:
+    options, method = job.options.capture, asked.run.capture_method
+    if chosen is None:  # every rank captures, rank 0 plans on its graph
+        captured = capture(job.model, first, method=method, leaf_modules=options.leaf_modules,
+                           dynamic_shapes=options.dynamic_shapes, time_limit=options.time_limit)
         chosen = _on_rank0(job, place, asked, captured)
+        captured = capture_for_plan(job.model, first, chosen, options, method=method, got=captured)
+    else:  # the graph the plan names (a time limit may have run out on rank 0 only)
+        captured = capture_for_plan(job.model, first, chosen, options, method=method)
     check_fingerprint(chosen, fingerprint(captured.gm))
     if chosen.num_ranks != place.world:
         raise PlanError(

@@ -84,11 +84,14 @@ def capture_in_mode(
     model: torch.nn.Module, inputs: Inputs, training: bool, like: Captured, leaf_modules: Sequence[type | str]
 ) -> Captured:
     """``model`` captured as in ``like`` but with ``model.train(training)``; the modes of its
-    modules are restored afterwards."""
+    modules are restored afterwards. Shapes as in ``like`` too, with no time limit: a bound
+    could run out on one rank and not on another, and the ranks would derive different graphs
+    (``like``'s own symbolic-shape export did finish)."""
     before = module_modes(model)
     model.train(training)
     try:
-        return capture(model, inputs, method=like.method, leaf_modules=leaf_modules)
+        return capture(model, inputs, method=like.method, leaf_modules=leaf_modules,
+                       dynamic_shapes=not like.static_shapes, time_limit=None)
     finally:
         _set_modes(model, before)
 

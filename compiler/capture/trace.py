@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import logging
 import re
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,18 +23,21 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from pipecut.capture.bound import Expired, check_unchanged, time_bound, torch_state
 from pipecut.capture.frozen import honour_no_grad, record_grad_mode
 from pipecut.capture.guard import ModuleState, check_input_writes, refuse_number_changes
 from pipecut.core.batching import check_inputs
 from pipecut.core.graph import target_name
 from pipecut.core.meta import has_meta, input_device, relocate_meta, to_meta
 from pipecut.core.names import model_names
-from pipecut.core.program import NO_DEFAULT, Captured, Inputs, split_args
+from pipecut.core.program import NO_DEFAULT, Captured, Inputs, Shapes, split_args
 from pipecut.errors import CaptureError, InputError
-from pipecut.options import leaf_name
+from pipecut.options import EXPORT_TIME_LIMIT, leaf_name
 from pipecut.plan import CaptureMethod
 
 __all__ = ["capture", "fingerprint"]
+
+log = logging.getLogger(__name__)
 
 def _trace_fx(model: torch.nn.Module, leaf_modules: Sequence[type | str]) -> fx.GraphModule:
     leaves = {leaf_name(c) for c in leaf_modules}
@@ -61,9 +66,14 @@ def capture(
     *,
     method: CaptureMethod | None = None,
     leaf_modules: Sequence[type | str] = (),
+    dynamic_shapes: bool = True,
+    time_limit: float | None = EXPORT_TIME_LIMIT,
 ) -> Captured:
     """Capture ``model``; try symbolic_trace, then torch.export, unless ``method`` forces one.
     ``leaf_modules``: module classes (or their ``module.QualName``) symbolic_trace keeps whole.
+    ``dynamic_shapes``/``time_limit``: how torch.export treats shapes, and for how long it may
+    reason about symbolic ones before exporting at static shapes instead (see
+    :class:`~pipecut.options.CaptureOptions`; the result's ``static_shapes`` says which).
 
     The model is left as it was (see :mod:`pipecut.capture.guard`); a model that writes into its
     inputs, or changes Python number attributes in forward, is refused with a CaptureError.
@@ -71,10 +81,18 @@ def capture(
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_inputs(example_inputs, "example_inputs")
-    captured = _capture(model, example_inputs, method, leaf_modules)
+    captured = _capture(model, example_inputs, method, leaf_modules, _Shapes(dynamic_shapes, time_limit))
     check_input_writes(captured.gm, captured.input_names, captured.flatten_inputs(example_inputs))
     return dataclasses.replace(captured, names=model_names(captured.gm, model),
                                config=getattr(model, "config", None))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Shapes:
+    """How torch.export is asked to treat shapes (the capture options' two fields)."""
+
+    dynamic: bool
+    time_limit: float | None
 
 
 def _untouched(model: torch.nn.Module, trace: Callable[[], fx.GraphModule]) -> tuple[fx.GraphModule, list[str]]:
@@ -96,6 +114,7 @@ def _capture(
     example_inputs: Inputs,
     method: CaptureMethod | None,
     leaf_modules: Sequence[type | str],
+    shapes: _Shapes,
 ) -> Captured:
     attempts: list[str] = []
     if method in (None, CaptureMethod.SYMBOLIC_TRACE):
@@ -124,9 +143,9 @@ def _capture(
             on_meta = has_meta(model)  # a meta model traces with meta inputs (see pipecut.core.meta)
             if on_meta:
                 args, kwargs = to_meta((args, kwargs))
-            exported: list[torch.export.ExportedProgram] = []
-            gm, _ = _untouched(model, lambda: _export(model, args, kwargs, exported))
-            ep = exported[0]
+            exported: list[tuple[torch.export.ExportedProgram, Shapes]] = []
+            gm, _ = _untouched(model, lambda: _export(model, args, kwargs, shapes, exported))
+            ep, kept = exported[0]
             if on_meta:
                 relocate_meta(gm, input_device(example_inputs))
             names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -137,6 +156,7 @@ def _capture(
                 ep.call_spec.in_spec,
                 ep.call_spec.out_spec,
                 (),
+                shapes=kept,
             )
         except CaptureError:
             raise
@@ -153,35 +173,73 @@ def _capture(
 
 
 def _export(
-    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-    out: list[torch.export.ExportedProgram],
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], shapes: _Shapes,
+    out: list[tuple[torch.export.ExportedProgram, Shapes]],
 ) -> fx.GraphModule:
     """torch.export with every tensor dimension left to export to keep symbolic where the model
     allows (``Dim.AUTO``), so one graph serves shorter sequences and smaller microbatches
     (``pipecut.passes.rewrite.propagate.accepted_shapes`` reads which dimensions stayed symbolic).
-    Where that fails, the shape-specialised export, whose plans accept only the planned shapes.
-    The ExportedProgram is appended to ``out``."""
-    # Fresh copies: an example that is a view (tokens[:, :-1]) makes export guard on its
-    # ``_base``, which other inputs do not have.
-    args, kwargs = pytree.tree_map(
-        lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, (args, kwargs)
-    )
+    Where that fails, or runs past ``shapes.time_limit``, or ``shapes.dynamic`` is False: the
+    shape-specialised export, whose plans accept only the planned shapes. The ExportedProgram
+    is appended to ``out``, with which of the two it is."""
+    ep, kept = _export_symbolic(model, *_fresh(args, kwargs), shapes) if shapes.dynamic else (None, Shapes.STATIC)
+    if ep is None:
+        ep = torch.export.export(model, *_fresh(args, kwargs), strict=False)
+    out.append((ep, kept))
+    gm = ep.module()
+    assert isinstance(gm, fx.GraphModule)
+    return gm
+
+
+def _fresh(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Fresh copies of the example for one export attempt: an example that is a view
+    (tokens[:, :-1]) makes export guard on its ``_base``, which other inputs do not have, and
+    an attempt that fails or is interrupted leaves its dynamic-dimension marks on the tensors
+    it was given (a later static export would then trace them symbolically)."""
+    return pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
+
+
+def _export_symbolic(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], shapes: _Shapes,
+) -> tuple[torch.export.ExportedProgram | None, Shapes]:
+    """torch.export with every dimension ``Dim.AUTO``, within the time limit; no program where
+    it fails or runs out of time (logged, and said by the :class:`Shapes`), for the caller to
+    export at static shapes."""
+    name = type(model).__name__
+    before, start = torch_state(), time.monotonic()
     try:
         bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
         auto = torch.export.Dim.AUTO
         dynamic = {
-            name: pytree.tree_map(
-                lambda x: {d: auto for d in range(x.dim())} if isinstance(x, torch.Tensor) else None, value
-            )
-            for name, value in bound.items()
+            arg: pytree.tree_map(lambda x: {d: auto for d in range(x.dim())} if isinstance(x, torch.Tensor) else None,
+                                 value)
+            for arg, value in bound.items()
         }
-        ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
-    except Exception:
-        ep = torch.export.export(model, args, kwargs, strict=False)
-    out.append(ep)
-    gm = ep.module()
-    assert isinstance(gm, fx.GraphModule)
-    return gm
+        with time_bound(shapes.time_limit) as timer:
+            if shapes.time_limit is not None and not timer.armed:
+                log.warning(
+                    "capturing %s: torch.export with symbolic shapes runs without its %g s bound here "
+                    "(capture is not on the main thread, where SIGALRM can interrupt it); call plan/"
+                    "compile from the main thread, or pass CaptureOptions(dynamic_shapes=False)",
+                    name, shapes.time_limit)
+            log.info("capturing %s with torch.export (symbolic shapes%s)", name,
+                     f", at most {shapes.time_limit:g} s" if timer.armed else "")
+            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+        log.info("captured %s with symbolic shapes in %.1f s", name, time.monotonic() - start)
+        return ep, Shapes.SYMBOLIC
+    except Expired:
+        check_unchanged(before, name)
+        log.warning(
+            "capturing %s: torch.export with symbolic shapes ran past %g s (CaptureOptions.time_limit); "
+            "exporting at the example's shapes instead: the plan accepts only the planned shapes "
+            "(CaptureOptions(dynamic_shapes=False) skips the wait; time_limit=None waits for it)",
+            name, shapes.time_limit)
+        return None, Shapes.TIMED_OUT
+    except Exception as e:
+        log.info("capturing %s: torch.export with symbolic shapes failed after %.1f s (%s: %s); "
+                 "exporting at the example's shapes", name, time.monotonic() - start, type(e).__name__,
+                 _first_line(e))
+        return None, Shapes.STATIC
 
 
 def _first_line(e: BaseException) -> str:

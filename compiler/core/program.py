@@ -7,6 +7,7 @@ placeholders and how its outputs rebuild the model's output); :class:`StageProgr
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +21,23 @@ from pipecut.core.names import ModelNames
 from pipecut.errors import InputError
 from pipecut.plan import CaptureMethod
 
-__all__ = ["NO_DEFAULT", "Captured", "Inputs", "StageProgram", "split_args"]
+__all__ = ["NO_DEFAULT", "Captured", "Inputs", "Shapes", "StageProgram", "split_args"]
 
 Inputs = tuple[Any, ...] | Mapping[str, Any]
+
+
+class Shapes(enum.Enum):
+    """How a captured graph treats the shapes of its inputs (see :mod:`pipecut.capture.trace`)."""
+
+    SYMBOLIC = "symbolic"
+    """symbolic_trace (shape-free), or torch.export with every dimension ``Dim.AUTO``: the
+    dimensions export kept symbolic take other sizes."""
+    STATIC = "static"
+    """torch.export at the example's shapes: asked (``CaptureOptions(dynamic_shapes=False)``),
+    or the symbolic-shape export failed."""
+    TIMED_OUT = "timed out"
+    """torch.export at the example's shapes because the symbolic-shape export ran past
+    ``CaptureOptions.time_limit``."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +59,13 @@ class Captured:
     config: Any = None
     """The user's model's ``config`` (a Hugging Face model's), for ``pipe.save_pretrained``'s
     ``config.json``; None if it has none."""
+    shapes: Shapes = Shapes.SYMBOLIC
+    """For export: whether the graph kept symbolic dimensions, or why it did not."""
+
+    @property
+    def static_shapes(self) -> bool:
+        """An export graph traced at the example's shapes only: the plan accepts just those."""
+        return self.shapes is not Shapes.SYMBOLIC
 
     def flatten_inputs(self, inputs: Inputs, what: str = "inputs") -> list[Any]:
         """Map user inputs (a tuple of positionals or a dict of keywords) to placeholder values.

@@ -27,8 +27,8 @@ import torch
 
 from pipecut.capture.modes import describe_graph
 from pipecut.core.batching import batch_size, first_microbatch, split_microbatches
-from pipecut.core.program import Captured
-from pipecut.errors import InputError, PartitionError, ScheduleError
+from pipecut.core.program import Captured, Shapes
+from pipecut.errors import InputError, PartitionError, PipecutError, ScheduleError
 from pipecut.options import AUTO
 from pipecut.passes.costs.microbatching import candidate_microbatches, costs_at, with_structure
 from pipecut.plan import Candidate, CaptureMethod, NodeCost, Plan, Recompute, ScheduleKind
@@ -69,16 +69,22 @@ def plan_auto(request: Request, plan_at: PlanAt) -> Plan:
     graph, table = measured.at(first) or (None, None)
     if graph is not None and table is None:  # a size between those profiled, on their graph: its
         table = with_structure(tables[m], describe_graph(graph, graph.flatten_inputs(first)))  # interpolated table
+    if graph is None and measured.timed_out:  # planned at its own size: no second wait either
+        request = request.with_options(capture=dataclasses.replace(request.options.capture, dynamic_shapes=False))
     chosen = plan_at(request.with_scheduling(microbatches=m, kind=kind), graph, table)
     return dataclasses.replace(chosen, candidates=candidates)
 
 
 def measurements(request: Request) -> Measurements:
-    """Capture and profile the request's model at any microbatch size, each once."""
-    return Measurements(
-        lambda first: capture_at(request, first),
+    """Capture and profile the request's model at any microbatch size, each once. Once a
+    symbolic-shape export has run past its time limit, the other sizes are exported at static
+    shapes straight away (they would only wait as long again)."""
+    static = request.with_options(capture=dataclasses.replace(request.options.capture, dynamic_shapes=False))
+    measured = Measurements(
+        lambda first: capture_at(static if measured.timed_out else request, first),
         lambda captured, first, first_target: profile_at(request, captured, first, first_target),
     )
+    return measured
 
 
 def schedules_to_try(schedule: Any, stages_per_rank: int) -> tuple[ScheduleKind, ...]:
@@ -134,26 +140,73 @@ def _cost_tables(
     profile_at: Callable[[Any, Any], Sequence[NodeCost]],
 ) -> Callable[[int], Sequence[NodeCost]]:
     """The cost table for M = m, for every m of ``counts``: the smallest and largest
-    microbatches are profiled now, the others interpolated between them when the graph is the
-    same at both sizes (else profiled when asked for)."""
+    microbatches that run are profiled now, the others interpolated between them when the graph
+    is the same at both sizes (else profiled when asked for). A count whose microbatch cannot be
+    captured or run (BatchNorm in training on one sample) raises :class:`CannotRun` with the
+    reason; where no count runs, a PartitionError lists them (or, where every count fails with
+    the same pipecut error, that error)."""
+    failed: dict[int, Exception] = {}
 
     def measure(m: int) -> Sequence[NodeCost]:
+        if m in failed:
+            raise CannotRun(m, size // m, failed[m])
         _, first = first_microbatch(example_inputs, m)
         first_target = split_microbatches(target, m, size, "target")[0] if target is not None else None
-        return profile_at(first, first_target)
+        try:
+            return profile_at(first, first_target)
+        except Exception as e:
+            failed[m] = e
+            raise CannotRun(m, size // m, e) from e
 
-    m_small, m_large = max(counts), min(counts)  # many microbatches = small ones
-    small = measure(m_small)
-    large = measure(m_large) if m_large != m_small else small
+    def first_that_runs(order: Sequence[int]) -> tuple[int, Sequence[NodeCost]] | None:
+        for m in order:
+            try:
+                return m, measure(m)
+            except CannotRun:
+                continue
+        return None
+
+    found = first_that_runs(sorted(counts, reverse=True))  # many microbatches = small ones first
+    if found is None:
+        raise _none_runs(size, failed)
+    m_small, small = found
+    # Every count beyond the two found has been tried and failed: interpolate between them only.
+    m_large, large = first_that_runs([m for m in sorted(counts) if m < m_small]) or found
     same_graph = [n.name for n in small] == [n.name for n in large]
 
     def costs_of(m: int) -> Sequence[NodeCost]:
+        if m in failed:
+            raise CannotRun(m, size // m, failed[m])
         if same_graph:
             return costs_at(small, large, size // m_small, size // m_large, size // m)
         # the capture is shape-specialised and differs by size: measure this one
         return small if m == m_small else large if m == m_large else measure(m)
 
     return costs_of
+
+
+class CannotRun(Exception):
+    """A microbatch count whose microbatch the model cannot take (captured or run)."""
+
+    def __init__(self, microbatches: int, samples: int, cause: Exception) -> None:
+        self.microbatches, self.samples, self.cause = microbatches, samples, cause
+        text = str(cause).strip().splitlines()
+        super().__init__(f"microbatches of {samples} sample{'s' * (samples != 1)} cannot run: "
+                         f"{type(cause).__name__}: {text[0][:150] if text else ''}")
+
+
+def _none_runs(size: int, failed: dict[int, Exception]) -> Exception:
+    """The error for a batch no candidate count can run."""
+    causes = list(failed.values())
+    if all(isinstance(c, PipecutError) and type(c) is type(causes[0]) and str(c) == str(causes[0]) for c in causes):
+        return causes[0]  # the model's own problem, the same at every size: pipecut's error says it
+    reasons = "; ".join(f"{m}: {CannotRun(m, size // m, e)}" for m, e in sorted(failed.items()))
+    error = PartitionError(
+        f"no microbatch count runs the model on this batch of {size}: {reasons}. Give a batch whose "
+        f"microbatches the model can take (BatchNorm in training needs more than one sample each), "
+        f"or fix the error above")
+    error.__cause__ = causes[-1]
+    return error
 
 
 def _candidate(
@@ -169,7 +222,10 @@ def _candidate(
         return Candidate(  # with one stage per rank it is 1F1B: any count runs
             microbatches=m, schedule=kind, step_ms=None,
             note=f"{stages_per_rank} stages per rank need a multiple of the {ranks} ranks")
-    costs = costs_of(m)
+    try:
+        costs = costs_of(m)
+    except CannotRun as e:
+        return Candidate(microbatches=m, schedule=kind, step_ms=None, note=str(e)[:200])
     try:
         planned = partition(costs, m, kind)
     except (PartitionError, ScheduleError, InputError) as e:
@@ -249,10 +305,13 @@ class Measurements:
         self._tables: dict[int, tuple[Captured, tuple[NodeCost, ...]]] = {}
         self.captures = 0
         self.profiles = 0
+        self.timed_out = False
+        """Whether a symbolic-shape export ran past its time limit (see :func:`measurements`)."""
 
     def _capture(self, first: Any, size: int) -> Captured:
         self.captures += 1
         self._graphs[size] = self._capture_at(first)
+        self.timed_out |= self._graphs[size].shapes is Shapes.TIMED_OUT
         return self._graphs[size]
 
     def costs(self, first: Any, first_target: Any) -> tuple[NodeCost, ...]:

@@ -96,7 +96,8 @@ class FirstBatch:
 def capture_at(request: Request, inputs: Inputs) -> Captured:
     """The request's model captured on ``inputs`` (one microbatch) as its options say."""
     options = request.options.capture
-    return capture(request.model, inputs, method=options.method, leaf_modules=options.leaf_modules)
+    return capture(request.model, inputs, method=options.method, leaf_modules=options.leaf_modules,
+                   dynamic_shapes=options.dynamic_shapes, time_limit=options.time_limit)
 
 
 def profile_at(request: Request, captured: Captured, inputs: Inputs, target: Any, *,

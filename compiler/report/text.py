@@ -100,11 +100,28 @@ def _chosen(plan: Plan) -> list[str]:
         runner_up = ", ".join(f"{c.microbatches} x {c.schedule.value} {c.step_ms:.2f} ms" for c in others)
         lines.append(
             f"chosen by the planner: {plan.microbatches} microbatches, {plan.schedule.value} "
-            f"(lowest predicted step of {len(plan.candidates)} pairs weighed"
+            f"(lowest predicted step of {len(weighed)} pairs weighed"
             + (f"; next: {runner_up}" if runner_up else "") + ")"
         )
+    lines += _ruled_out(plan)
     note = sequential_note(plan)
     return lines + ([f"warning: {note}"] if note else [])
+
+
+def _ruled_out(plan: Plan) -> list[str]:
+    """The candidates the planner could not weigh, grouped by reason: ``8 x gpipe/1f1b: why``."""
+    by_note: dict[str, dict[int, list[str]]] = {}
+    for c in plan.candidates:
+        if c.step_ms is None:
+            by_note.setdefault(c.note, {}).setdefault(c.microbatches, []).append(c.schedule.value)
+    if not by_note:
+        return []
+    count = sum(len(kinds) for pairs in by_note.values() for kinds in pairs.values())
+    lines = [f"ruled out ({count} of {len(plan.candidates)} pairs):"]
+    for note, pairs in by_note.items():
+        shown = ", ".join(f"{m} x {'/'.join(kinds)}" for m, kinds in sorted(pairs.items()))
+        lines.append(f"  {shown}: {note}")
+    return lines
 
 
 def _replica_row(c: ReplicaCandidate) -> str:

@@ -1,0 +1,76 @@
+"""Every rank captures the graph its plan names, though a time limit may run out on one rank only.
+
+A symbolic-shape torch.export bounded by ``CaptureOptions.time_limit`` (see
+:mod:`pipecut.capture.bound`) falls back to static shapes where it runs past the limit, and a
+rank that is slowed down (its neighbours, a loaded machine) may fall back where rank 0 did not,
+or the reverse. The two graphs differ (the symbolic one reads sizes with ``sym_size`` nodes), so
+their fingerprints do: :func:`capture_for_plan` tries the other shapes mode where the first
+capture does not give the plan's fingerprint, and says why where neither does because of the
+time limit. A replayed plan made at static shapes is captured at static shapes first, without
+waiting for the symbolic export.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pipecut.capture.trace import capture, fingerprint
+from pipecut.core.program import Captured, Inputs, Shapes
+from pipecut.errors import CaptureError
+from pipecut.options import CaptureOptions
+from pipecut.plan import CaptureMethod, Plan
+
+__all__ = ["capture_for_plan", "static_plan"]
+
+
+def static_plan(plan: Plan) -> bool:
+    """Whether ``plan`` accepts only its planned shapes (every dimension of every input fixed):
+    its graph was likely exported at static shapes, so try those first."""
+    return bool(plan.accepts) and all(s.min_shape == s.max_shape for s in plan.accepts)
+
+
+def capture_for_plan(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    plan: Plan,
+    options: CaptureOptions,
+    *,
+    method: CaptureMethod | None = None,
+    got: Captured | None = None,
+) -> Captured:
+    """``model`` captured on ``inputs`` (the plan's first microbatch) as the graph ``plan``
+    names, if either shapes mode of torch.export gives it; else the first capture, which the
+    caller's fingerprint check refuses (another model). ``got``: a capture made already (with
+    ``options``), kept if it matches. CaptureError where the plan's graph has symbolic shapes
+    and this rank's symbolic export ran past the time limit."""
+    tried: list[Captured] = [got] if got is not None else []
+    if got is not None and _matches(got, plan):
+        return got
+    first_static = static_plan(plan) if got is None else not got.static_shapes
+    for static in (first_static, not first_static):
+        if any(c.static_shapes == static or c.method is CaptureMethod.SYMBOLIC_TRACE for c in tried):
+            continue  # that mode gave its graph already (symbolic_trace has no shapes mode)
+        captured = capture(model, inputs, method=method, leaf_modules=options.leaf_modules,
+                           dynamic_shapes=not static, time_limit=options.time_limit)
+        if _matches(captured, plan):
+            return captured
+        tried.append(captured)
+    _refuse_timed_out(tried, plan, options)
+    return tried[0]
+
+
+def _matches(captured: Captured, plan: Plan) -> bool:
+    return fingerprint(captured.gm) == plan.fingerprint
+
+
+def _refuse_timed_out(tried: Sequence[Captured], plan: Plan, options: CaptureOptions) -> None:
+    if any(c.shapes is Shapes.TIMED_OUT for c in tried):
+        raise CaptureError(
+            f"this rank's graph at static shapes is not the plan's (fingerprint {plan.fingerprint}): "
+            f"that is torch.export's with symbolic shapes (or another model's), and here that export "
+            f"ran past CaptureOptions(time_limit={options.time_limit:g}); plan and compile with "
+            f"CaptureOptions(dynamic_shapes=False) (every rank then exports at static shapes) or with "
+            f"a larger time_limit"
+        )
