@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pipecut.cluster import Cluster, Interconnect, Layout, RunPrediction
+from pipecut.cluster import Cluster, Layout, Link, RunPrediction
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.choices import enum_choice
 from pipecut.core.program import Inputs
@@ -31,7 +31,7 @@ from pipecut.errors import InputError, PartitionError
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.costs.workload import Workload, workload
 from pipecut.passes.parallel.training import RunCandidate, RunChoice, RunShape, block_of, choose_run
-from pipecut.plan import DeviceSpec, Link, NodeCost, Plan, Recompute, ReplicaCandidate, ScheduleKind
+from pipecut.plan import DeviceSpec, NodeCost, Plan, Recompute, ReplicaCandidate, ScheduleKind
 from pipecut.planning.partition import partition_costs
 from pipecut.profile.devices import (
     LINK_LATENCY_MS,
@@ -106,9 +106,9 @@ def parse_cluster(
     return Cluster(
         nodes=nodes, gpus_per_node=per_node, device=profile.name,
         memory_bytes=profile.memory_bytes, peak_flops=profile.peak_flops(Precision.BF16),
-        intra=Interconnect(name=profile.interconnect, bandwidth_bytes_per_ms=profile.link_bytes_per_s / 1e3,
+        intra=Link(name=profile.interconnect, bandwidth_bytes_per_ms=profile.link_bytes_per_s / 1e3,
                            latency_ms=intra_latency_ms),
-        inter=Interconnect(name=f"network {network * 8 / 1e9:g} Gb/s per GPU",
+        inter=Link(name=f"network {network * 8 / 1e9:g} Gb/s per GPU",
                            bandwidth_bytes_per_ms=network / 1e3, latency_ms=inter_latency_ms),
     )
 
@@ -223,10 +223,9 @@ def plan_cluster(
     d, k = best.placement.replicas, best.placement.stages
     share = split_microbatches(example_inputs, d, size, "example_inputs")[0]
     share_target = split_microbatches(target, d, size, "target")[0] if target is not None else None
-    intra = Link(bandwidth_bytes_per_ms=c.intra.bandwidth_bytes_per_ms, latency_ms=c.intra.latency_ms)
     planned = partition_costs(
         costs(share, share_target), devices=tuple(DeviceSpec(name=c.device) for _ in range(k)),
-        microbatches=microbatches, batch_size=size // d, schedule=kind, link=intra,
+        microbatches=microbatches, batch_size=size // d, schedule=kind, link=c.intra,
         data_parallel=DataParallel(kind=shard, replicas=d) if d > 1 else None,
     )
     run = _run_prediction(best, rec, shard, efficiency, source, has_config=bool(layers))

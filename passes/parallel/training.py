@@ -47,14 +47,14 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipecut.cluster import Cluster, ClusterPlacement, Interconnect, Layout
+from pipecut.cluster import Cluster, ClusterPlacement, Layout, Link
 from pipecut.core.schedule import rank_end_ms
 from pipecut.parallel import DataParallelKind
 from pipecut.passes.costs.stages import inflight_microbatches
 from pipecut.passes.costs.workload import Workload
 from pipecut.passes.parallel.hybrid import Skipped, balanced_split, unsplittable
 from pipecut.passes.schedules.standard import build
-from pipecut.plan import Link, Recompute, ScheduleKind
+from pipecut.plan import Recompute, ScheduleKind
 
 __all__ = [
     "STATE_BYTES_PER_PARAM",
@@ -131,7 +131,7 @@ class RunCandidate:
         return max(self.stage_memory_bytes)
 
 
-def ring_ms(nbytes: float, members: int, link: Interconnect) -> float:
+def ring_ms(nbytes: float, members: int, link: Link) -> float:
     """All-gather or reduce-scatter of ``nbytes`` (the whole buffer) over a ring of ``members``."""
     if members <= 1 or nbytes <= 0:
         return 0.0
@@ -143,10 +143,6 @@ def exposed_ms(comm: Sequence[float], compute: Sequence[float]) -> float:
     if not comm:
         return 0.0
     return comm[0] + sum(max(0.0, c - compute[i - 1]) for i, c in enumerate(comm) if i)
-
-
-def _as_link(c: Interconnect) -> Link:
-    return Link(bandwidth_bytes_per_ms=c.bandwidth_bytes_per_ms, latency_ms=c.latency_ms)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -219,7 +215,7 @@ def stage_memory(stage: _Stage, *, replicas: int, stages: int, inflight: int, sh
     return math.ceil(shard + gathered + acts)
 
 
-def _fsdp_exposed(st: _Stage, d: int, link: Interconnect, stages: int, kind: DataParallelKind,
+def _fsdp_exposed(st: _Stage, d: int, link: Link, stages: int, kind: DataParallelKind,
                   ) -> tuple[float, float]:
     """Exposed collective ms: (per microbatch, once at the end of the step)."""
     if d <= 1:
@@ -255,7 +251,7 @@ def evaluate_run(
         for s in range(k - 1)
     )
     split = balanced_split(work, d, k, microbatches=m, schedule=shape.schedule,
-                           link=_as_link(cluster.intra), refine=False)
+                           link=cluster.intra, refine=False)
     if isinstance(split, Skipped):
         return split
     bounds, _ = split
@@ -266,8 +262,8 @@ def evaluate_run(
     bwd_b = work.cut_backward_bytes or (0,) * (work.units + 1)
     f_ms = [sum(st.forward_ms) + exposed[s][0] / 2 for s, st in enumerate(sts)]
     b_ms = [sum(st.backward_ms) + sum(st.recompute_ms) + exposed[s][0] / 2 for s, st in enumerate(sts)]
-    f_link = [_as_link(c).transfer_ms(math.ceil(fwd_b[bounds[s + 1]] / d)) for s, c in enumerate(cut_links)]
-    b_link = [_as_link(c).transfer_ms(math.ceil(bwd_b[bounds[s + 1]] / d)) for s, c in enumerate(cut_links)]
+    f_link = [c.transfer_ms(math.ceil(fwd_b[bounds[s + 1]] / d)) for s, c in enumerate(cut_links)]
+    b_link = [c.transfer_ms(math.ceil(bwd_b[bounds[s + 1]] / d)) for s, c in enumerate(cut_links)]
     ends = rank_end_ms(build(shape.schedule, k, m), f_ms, b_ms, f_link, b_link)
     totals = [end + exposed[s][1] for s, end in enumerate(ends)]
     step = max(totals)
