@@ -21,7 +21,7 @@ import pipecut
 from pipecut.core.choices import enum_choice
 from pipecut.core.schedule import rank_of, stages_on
 from pipecut.errors import InputError, PartitionError
-from pipecut.options import IlpSolver, PartitionOptions, with_legacy
+from pipecut.options import IlpSolver, PartitionOptions
 from pipecut.parallel import DataParallel
 from pipecut.passes.costs.stages import build_stages, inflight_microbatches
 from pipecut.passes.partition.chain import boundary_bytes, can_cross, is_unit, liveness
@@ -53,7 +53,6 @@ from pipecut.plan import (
 __all__ = [
     "DEFAULT_LINK",
     "LARGE_GRAPH_UNITS",
-    "PARTITION_KEYWORDS",
     "Devices",
     "Split",
     "as_devices",
@@ -108,10 +107,6 @@ def _use_ilp(specs: Sequence[DeviceSpec], recompute: bool) -> bool:
     )
 
 
-PARTITION_KEYWORDS = ("recompute", "partitioner", "ilp_time_limit", "split", "solver")
-"""The keyword arguments of pipecut 0.1's ``partition_costs`` that moved into :class:`PartitionOptions`."""
-
-
 def partition_costs(
     nodes: Sequence[NodeCost],
     *,
@@ -126,7 +121,6 @@ def partition_costs(
     fingerprint: str = "",
     capture: CaptureMethod = CaptureMethod.SYMBOLIC_TRACE,
     inputs: Sequence[str] = (),
-    **legacy: Any,
 ) -> Plan:
     """Partition a cost table (pure data) into a plan: set the problem up, cut it (a split
     given, the exact DP or the ILP), and build the plan's stages and prediction.
@@ -143,14 +137,12 @@ def partition_costs(
     ``solver`` HiGHS (default) or CBC; ``split`` pins the split instead, module FQNs per stage
     (``[["emb", "blocks.0"], ["blocks.1", "head"]]``) or the modules where stages 1.. begin
     (``["blocks.1"]``), and the plan then reports pipecut's own optimum beside it
-    (``predicted.optimum_step_ms``). The keyword arguments of pipecut 0.1 (``recompute=``, ...)
-    still work, with a DeprecationWarning.
+    (``predicted.optimum_step_ms``).
 
     ``data_parallel``: the replicas each stage will have and their engine; FSDP shrinks the
     memory a stage needs (see :func:`pipecut.passes.costs.stages.state_bytes`).
     """
-    options = with_legacy({"partition": partition or PartitionOptions()}, legacy, "partition_costs",
-                          PARTITION_KEYWORDS)["partition"]
+    options = partition or PartitionOptions()
     setup = _Setup.of(nodes, devices, microbatches, batch_size, schedule, link, options, stages_per_rank,
                       data_parallel)
     if options.split is not None:
