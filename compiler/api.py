@@ -62,9 +62,9 @@ __all__ = ["compile"]
 
 def compile(
     model: torch.nn.Module,
+    example_inputs: Inputs,
     devices: Devices | Any = None,
     *,
-    example_inputs: Inputs,
     loss_fn: LossFn,
     target: Any = None,
     microbatches: int | str | None = None,

@@ -263,7 +263,7 @@ def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_si
     model, inputs, loss_fn, target = ZOO[name](batch_size=batch_size, seed=seed)
     # Parity does not depend on the split: no calibration steps on the running pipeline.
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+        model, inputs, world, loss_fn=loss_fn, target=target,
         microbatches=microbatches, schedule=schedule,
         runtime=pipecut.RuntimeOptions(timeout=timeout),
         measure=pipecut.MeasureOptions(calibration_steps=0),

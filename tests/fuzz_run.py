@@ -169,7 +169,7 @@ def run_config(rank: int, world: int, cfg: Config, plan: Plan | str | None, time
         scheduling=pipecut.ScheduleOptions(stages_per_rank=cfg.stages_per_rank),
         partition=pipecut.PartitionOptions(heavy_pieces=cfg.chunk_heavy))
     pipe = pipecut.compile(
-        model, devices, example_inputs=share(inputs, replica, replicas), loss_fn=loss_fn(cfg),
+        model, share(inputs, replica, replicas), devices, loss_fn=loss_fn(cfg),
         target=share(target, replica, replicas), plan=plan,
         data_parallel=None if cfg.data_parallel == "none" else cfg.data_parallel,
         measure=pipecut.MeasureOptions(calibration_steps=0),

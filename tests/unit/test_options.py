@@ -46,7 +46,7 @@ def test_unknown_keywords_and_contradictions_are_refused_before_any_work() -> No
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'repeat'"):
         pipecut.plan(torch.nn.Linear(2, 2), (torch.ones(2, 2),), 1, repeat=1)
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'repeats'"):
-        pipecut.compile(torch.nn.Linear(2, 2), 1, example_inputs=(torch.ones(2, 2),), loss_fn=None, repeats=1)
+        pipecut.compile(torch.nn.Linear(2, 2), (torch.ones(2, 2),), 1, loss_fn=None, repeats=1)
     with pytest.raises(InputError, match=r"plan\(microbatches=4\) contradicts scheduling=ScheduleOptions\("):
         pipecut.plan(torch.nn.Linear(2, 2), (torch.ones(4, 2),), 1, microbatches=4,
                      scheduling=ScheduleOptions(microbatches=2))
