@@ -1,6 +1,6 @@
 """What a user asks of ``plan`` and ``compile``, as data: one frozen options object per concern.
 
-``pipecut.plan(model, inputs, devices, partition=PartitionOptions(recompute=True))`` and
+``pipecut.plan(model, inputs, devices, partition=PartitionOptions(recompute="full"))`` and
 ``pipecut.compile(...)`` take the model, the inputs, a few flat shortcuts for the common knobs
 (``microbatches``, ``schedule``) and these objects:
 
@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal
 
 from pipecut.cluster import Link
 from pipecut.core.choices import enum_choice
-from pipecut.core.kinds import CaptureMethod, Partitioner, ScheduleKind
+from pipecut.core.kinds import CaptureMethod, Partitioner, Recompute, ScheduleKind
 from pipecut.errors import InputError
 from pipecut.parallel import DataParallel, DataParallelKind
 
@@ -129,9 +129,12 @@ class PartitionOptions:
     solver: IlpSolver = IlpSolver.HIGHS
     ilp_time_limit: float = 5.0
     """Seconds the ILP solver may spend in total."""
-    recompute: bool | None = None
-    """May a stage recompute its forward in backward to fit? None: where a device has a memory
-    capacity. (``plan(cluster=...)``: None selective, True full, False no checkpointing.)"""
+    recompute: Recompute | Literal["auto"] = AUTO
+    """The most a stage may recompute of its forward in backward: ``NONE``; ``SELECTIVE``, some
+    blocks; ``FULL``, the whole stage (the partitioner then picks, per stage and only where
+    memory needs it, selective blocks or the whole stage). "auto": ``FULL`` where a device has a
+    memory capacity, else ``NONE``; ``plan(cluster=...)`` assumes the level given for every
+    stage, and ``SELECTIVE`` for "auto"."""
     split: tuple[str, ...] | tuple[tuple[str, ...], ...] | None = None
     """A split you choose: the modules where stages 1.. begin, or module names per stage."""
     heavy_pieces: bool = True
@@ -141,6 +144,8 @@ class PartitionOptions:
         if self.partitioner is not None:
             _set(self, "partitioner", enum_choice(Partitioner, self.partitioner, "partitioner"))
         _set(self, "solver", enum_choice(IlpSolver, self.solver, "ILP solver"))
+        if self.recompute != AUTO:
+            _set(self, "recompute", enum_choice(Recompute, self.recompute, "recompute"))
         if self.split is not None:
             _set(self, "split", tuple(s if isinstance(s, str) else tuple(s) for s in self.split))
 

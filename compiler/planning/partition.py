@@ -21,7 +21,7 @@ import pipecut
 from pipecut.core.choices import enum_choice
 from pipecut.core.schedule import rank_of, stages_on
 from pipecut.errors import InputError, PartitionError
-from pipecut.options import IlpSolver, PartitionOptions
+from pipecut.options import AUTO, IlpSolver, PartitionOptions
 from pipecut.parallel import DataParallel
 from pipecut.passes.costs.stages import build_stages, inflight_microbatches
 from pipecut.passes.partition.chain import boundary_bytes, can_cross, is_unit, liveness
@@ -98,6 +98,18 @@ def as_ilp_solver(solver: IlpSolver | str) -> IlpSolver:
     return enum_choice(IlpSolver, solver, "ILP solver")
 
 
+def _allows_recompute(recompute: Recompute | str, specs: Sequence[DeviceSpec]) -> bool:
+    """Whether the partitioner may recompute: "auto" where a device has a memory capacity."""
+    if recompute == AUTO:
+        return any(d.memory_bytes is not None for d in specs)
+    if recompute is Recompute.SELECTIVE:
+        raise InputError(
+            "PartitionOptions(recompute='selective') fixes the level of a cluster plan; the "
+            "partitioner chooses selective blocks or whole stages per stage where memory needs "
+            "it: allow that with recompute='full', or forbid it with recompute='none'")
+    return recompute is Recompute.FULL
+
+
 def _use_ilp(specs: Sequence[DeviceSpec], recompute: bool) -> bool:
     """The DP is exact and fast for equal devices without memory limits or recompute."""
     return (
@@ -129,9 +141,9 @@ def partition_costs(
     is cut into K * V stages and stage s runs on device s mod K. ZBV always cuts 2K stages
     (``stages_per_rank`` 1, the default, or 2), rank r running stages r and 2K - 1 - r.
 
-    ``partition`` (:class:`~pipecut.options.PartitionOptions`): ``recompute`` may a stage
-    recompute its forward in backward to fit in memory (None: where some device has a memory
-    capacity); ``partitioner`` None picks the exact DP for equal devices without memory limits
+    ``partition`` (:class:`~pipecut.options.PartitionOptions`): ``recompute`` how much a stage
+    may recompute of its forward in backward to fit in memory ("auto": where some device has a
+    memory capacity); ``partitioner`` None picks the exact DP for equal devices without memory limits
     or recompute and the ILP otherwise, DP or ILP forces one; ``ilp_time_limit`` seconds the ILP
     may spend in total (the plan's solver record says whether it proved its answer optimal);
     ``solver`` HiGHS (default) or CBC; ``split`` pins the split instead, module FQNs per stage
@@ -194,7 +206,7 @@ class _Setup:
         per_rank = _stages_per_rank(kind, stages_per_rank)
         ranks = as_devices(devices)
         specs = tuple(ranks[rank_of(s, len(ranks), kind.placement)] for s in range(len(ranks) * per_rank))
-        allow = any(d.memory_bytes is not None for d in specs) if options.recompute is None else options.recompute
+        allow = _allows_recompute(options.recompute, specs)
         method = options.partitioner or (Partitioner.ILP if _use_ilp(specs, allow) else Partitioner.DP)
         if method is Partitioner.GIVEN:
             raise InputError("partitioner must be Partitioner.DP, Partitioner.ILP or None")

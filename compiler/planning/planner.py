@@ -249,7 +249,7 @@ def _recorded(p: Plan, request: Request) -> Plan:
 
 def _for_cluster(request: Request, cluster: str | Cluster) -> Plan:
     """:func:`~pipecut.planning.clusters.plan_cluster` with the request's options (left out:
-    one microbatch, 1F1B; ``recompute`` None: selective, True: full, False: none)."""
+    one microbatch, 1F1B; ``recompute`` "auto": selective)."""
     from pipecut.planning.clusters import plan_cluster
 
     scheduling = request.options.scheduling
@@ -263,13 +263,17 @@ def _for_cluster(request: Request, cluster: str | Cluster) -> Plan:
         raise InputError(f"plan(cluster=...): data_parallel must be 'auto', None or a "
                          f"DataParallel(kind=..., replicas=...), got {dp.kind!r}")
     fixed = dp.fixed
-    recompute = {None: Recompute.SELECTIVE, True: Recompute.FULL, False: Recompute.NONE}
     return _recorded(plan_cluster(
         request.model, request.example_inputs, cluster, data_parallel=fixed.replicas if fixed else AUTO,
         microbatches=scheduling.microbatches or 1, schedule=scheduling.kind or ScheduleKind.ONE_F_ONE_B,
-        recompute=recompute[request.options.partition.recompute],
+        recompute=_cluster_recompute(request.options.partition.recompute),
         sharding=fixed.kind if fixed else DataParallelKind.FSDP, loss_fn=request.loss_fn, target=request.target,
     ), request)
+
+
+def _cluster_recompute(recompute: Recompute | str) -> Recompute:
+    """A cluster plan assumes one level for every stage: selective checkpointing for "auto"."""
+    return Recompute.SELECTIVE if recompute == AUTO else recompute  # type: ignore[return-value]
 
 
 def _noted(p: Plan, note: str) -> Plan:

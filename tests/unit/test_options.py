@@ -22,7 +22,8 @@ from pipecut.options import (
     WeightOptions,
 )
 from pipecut.parallel import DataParallel, DataParallelKind
-from pipecut.plan import CaptureMethod, Plan, ScheduleKind
+from pipecut.plan import CaptureMethod, Plan, Recompute, ScheduleKind
+from pipecut.planning.partition import partition_costs
 from tests.unit.tiny import mlp_plan
 
 GROUP_CLASSES = {"capture": CaptureOptions, "measure": MeasureOptions, "partition": PartitionOptions,
@@ -70,7 +71,7 @@ def test_options_normalise_what_they_are_given_and_refuse_typos() -> None:
         MeasureOptions(repeats=0)
 
 
-def test_the_plan_carries_its_options_through_json_and_reads_version_1() -> None:
+def test_the_plan_carries_its_options_through_json_and_reads_versions_1_and_2() -> None:
     plan = mlp_plan()
     assert isinstance(plan.options, Options)
     again = Plan.from_json(plan.to_json())
@@ -79,11 +80,27 @@ def test_the_plan_carries_its_options_through_json_and_reads_version_1() -> None
     old["format_version"] = 1
     del old["options"]  # a plan written before options were recorded
     read = Plan.from_json(json.dumps(old))
-    assert read.options is None and read.format_version == 2
+    assert read.options is None and read.format_version == 3
     assert dataclasses.replace(read, options=plan.options) == plan
+    for was, now in ((None, "auto"), (True, Recompute.FULL), (False, Recompute.NONE)):
+        v2 = json.loads(plan.to_json())
+        v2["format_version"] = 2
+        v2["options"]["partition"]["recompute"] = was  # version 2 wrote the recompute as a bool
+        read = Plan.from_json(json.dumps(v2))
+        assert read.options.partition.recompute == now and read.format_version == 3
 
 
 def test_the_options_page_runs() -> None:
     from tests.docs import code
 
     exec(code("docs/options.md", "heavy_pieces=False"), {})  # type: ignore[arg-type]
+
+
+def test_recompute_is_a_level_or_auto() -> None:
+    assert PartitionOptions().recompute == "auto"
+    assert PartitionOptions(recompute="FULL").recompute is Recompute.FULL
+    with pytest.raises(InputError, match=r"unknown recompute True; choose one of \['none', 'full', 'selective'\]"):
+        PartitionOptions(recompute=True)
+    with pytest.raises(InputError, match=r"recompute='selective'\) fixes the level of a cluster plan"):
+        partition_costs(mlp_plan().nodes, devices=2, microbatches=2, batch_size=8,
+                        partition=PartitionOptions(recompute="selective"))
