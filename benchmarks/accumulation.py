@@ -46,14 +46,14 @@ def _compile(layout: str, world: int) -> tuple[Any, Any, Any]:
         half = slice(BATCH // world * mesh.get_local_rank("dp"), BATCH // world * (mesh.get_local_rank("dp") + 1))
         inputs, target = (inputs[0][half],), target[half]
         pipe = pipecut.compile(
-            model, mesh, example_inputs=inputs, loss_fn=loss_fn, target=target,
+            model, inputs, mesh, loss_fn=loss_fn, target=target,
             microbatches=MICROBATCHES // world, schedule="1f1b",
             runtime=pipecut.RuntimeOptions(timeout=300),
             measure=pipecut.MeasureOptions(calibration_steps=0),
         )
     else:
         pipe = pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+            model, inputs, world, loss_fn=loss_fn, target=target,
             microbatches=MICROBATCHES, schedule="1f1b", runtime=pipecut.RuntimeOptions(timeout=300),
             measure=pipecut.MeasureOptions(calibration_steps=0),
         )

@@ -41,10 +41,10 @@ def _rank(rank: int, world: int, name: str, rounds: int, steps: int) -> dict[str
     model, inputs, loss_fn, target = MODELS[name]()
     kw: dict[str, Any] = dict(example_inputs=inputs, loss_fn=loss_fn, target=target,
                               microbatches=MICROBATCHES, schedule="1f1b")
-    eager = pipecut.compile(model, world, runtime=pipecut.RuntimeOptions(timeout=600), **kw)
+    eager = pipecut.compile(model, devices=world, runtime=pipecut.RuntimeOptions(timeout=600), **kw)
     start = time.perf_counter()
     compiled = pipecut.compile(
-        MODELS[name]()[0], world, runtime=pipecut.RuntimeOptions(timeout=600, compile_stages=True), **kw,
+        MODELS[name]()[0], devices=world, runtime=pipecut.RuntimeOptions(timeout=600, compile_stages=True), **kw,
     )
     build_s = time.perf_counter() - start  # capture, plan, calibration steps (which compile)
 

@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, depth: int, steps: int, weights: str | None,
         model = ResidualMLP(WIDTH, depth)
     devices = [pipecut.DeviceSpec(name="cpu", memory_bytes=capacity)] * world if capacity else world
     pipe = pipecut.compile(
-        model, devices, example_inputs=(x,), loss_fn=nn.functional.cross_entropy, target=y,
+        model, (x,), devices, loss_fn=nn.functional.cross_entropy, target=y,
         microbatches=MICROBATCHES, weights=weights,
         runtime=pipecut.RuntimeOptions(timeout=600, lean_host_memory=lean),
     )

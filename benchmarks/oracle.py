@@ -61,7 +61,7 @@ def candidate_splits(blocks: list[str], stages: int, most: int, seed: int = 0) -
 def _measure(rank: int, world: int, name: str, plans: list[str], rounds: int, steps: int) -> list[list[float]]:
     model, inputs, loss_fn, target = MODELS[name]()
     pipes = [pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+        model, inputs, world, loss_fn=loss_fn, target=target,
         plan=pipecut.Plan.from_json(p), runtime=pipecut.RuntimeOptions(timeout=600),
     ) for p in plans]
     times: list[list[float]] = [[] for _ in pipes]
@@ -83,7 +83,7 @@ def _compiled(rank: int, world: int, name: str, schedule: str, per_rank: int) ->
     """The plan ``pipecut.compile`` ends with: planned, then calibrated on the running ranks."""
     model, inputs, loss_fn, target = MODELS[name]()
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+        model, inputs, world, loss_fn=loss_fn, target=target,
         microbatches=MICROBATCHES, schedule=schedule,
         scheduling=pipecut.ScheduleOptions(stages_per_rank=per_rank if per_rank > 1 else None),
         runtime=pipecut.RuntimeOptions(timeout=600),

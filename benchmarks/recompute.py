@@ -52,13 +52,13 @@ def _rank(rank: int, world: int, name: str, fractions: list[float], steps: int) 
     model, inputs, loss_fn, target = MODELS[name]()
     kw = dict(example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=MICROBATCHES,
               schedule="1f1b", timeout=300, calibration_steps=0)
-    free = pipecut.compile(model, world, **kw).plan
+    free = pipecut.compile(model, devices=world, **kw).plan
     top = max(s.peak_memory_bytes for s in free.stages)
     rows = []
     for f in fractions:
         devices = [pipecut.DeviceSpec(name=f"cpu{r}", memory_bytes=int(top * f)) for r in range(world)]
         try:
-            pipe = pipecut.compile(model, devices, **kw)
+            pipe = pipecut.compile(model, devices=devices, **kw)
         except (pipecut.PartitionError, pipecut.PipelineRuntimeError) as e:  # rank 1 hears of it from rank 0
             rows.append({"fraction": f, "cap_mib": top * f / MIB, "error": str(e).split("PartitionError: ")[-1].split(";")[0]})
             continue
@@ -76,7 +76,7 @@ def _rank(rank: int, world: int, name: str, fractions: list[float], steps: int) 
         kinds = [pipecut.Recompute.FULL if s.recompute is not pipecut.Recompute.NONE else s.recompute
                  for s in plan.stages]
         if kinds != [s.recompute for s in plan.stages]:
-            whole = pipecut.compile(model, world, plan=with_recompute(plan, kinds), **kw)
+            whole = pipecut.compile(model, devices=world, plan=with_recompute(plan, kinds), **kw)
             row |= {"whole_ms": _step_ms(whole, inputs, target, steps),
                     "whole_activation_mib": whole.peak_activation_bytes / MIB,
                     "whole_predicted_step_ms": whole.plan.predicted.step_ms}

@@ -149,7 +149,7 @@ def _pipecut_rank(rank: int, world: int, name: str, schedule: str, rounds: int, 
     compiled = schedule.endswith("+compiled")
     start = time.perf_counter()
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+        model, inputs, world, loss_fn=loss_fn, target=target,
         microbatches=MICROBATCHES, plan=plan,
         schedule=schedule.removesuffix("+recompute").removesuffix("+compiled"),
         runtime=pipecut.RuntimeOptions(timeout=300, compile_stages=compiled),
@@ -158,7 +158,7 @@ def _pipecut_rank(rank: int, world: int, name: str, schedule: str, rounds: int, 
     if recompute:  # the same split with every stage recomputing its forward in backward
         plan = with_recompute(pipe.plan)
         pipe = pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+            model, inputs, world, loss_fn=loss_fn, target=target,
             microbatches=MICROBATCHES, plan=plan, runtime=pipecut.RuntimeOptions(timeout=300),
         )
 

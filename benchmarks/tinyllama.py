@@ -99,7 +99,7 @@ def _pipelined(rank: int, world: int, directory: str, data: list[Any]) -> dict[s
         model = LlamaForCausalLM(config())
     x, y = data[0]
     pipe = pipecut.compile(
-        model, world, example_inputs={"input_ids": x}, loss_fn=loss_fn, target=y,
+        model, {"input_ids": x}, world, loss_fn=loss_fn, target=y,
         microbatches=MICROBATCHES, schedule="1f1b", weights=directory,
         measure=pipecut.MeasureOptions(calibration_steps=0),
         runtime=pipecut.RuntimeOptions(timeout=1800, lean_host_memory=True),

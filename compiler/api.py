@@ -57,18 +57,14 @@ from pipecut.runtime.materialize import check_unexpected
 from pipecut.runtime.pipeline import Pipeline
 from pipecut.runtime.weights import WeightSource, open_weights
 
-__all__ = ["COMPILE_KEYWORDS", "compile"]
-
-COMPILE_KEYWORDS = ("capture_method", "leaf_modules", "calibration_steps", "link", "chunk_heavy",
-                    "stages_per_rank", "init", "seed", "timeout", "lean_host_memory", "loss_reduction")
-"""The keyword arguments of pipecut 0.1's ``compile`` that moved into options objects."""
+__all__ = ["compile"]
 
 
 def compile(
     model: torch.nn.Module,
+    example_inputs: Inputs,
     devices: Devices | Any = None,
     *,
-    example_inputs: Inputs,
     loss_fn: LossFn,
     target: Any = None,
     microbatches: int | str | None = None,
@@ -81,7 +77,6 @@ def compile(
     data_parallel: DataParallelOptions | DataParallelKind | str | None = None,
     weights: WeightOptions | str | Path | Any = None,
     runtime: RuntimeOptions | None = None,
-    **legacy: Any,
 ) -> Pipeline:
     """Build this rank's stage of ``model`` pipelined over the ranks of the process group.
 
@@ -113,7 +108,6 @@ def compile(
     ``RuntimeOptions(compile_stages=True)`` runs each stage through ``torch.compile``
     (:mod:`pipecut.runtime.compiled`); "auto" keeps compiled stages where the calibration steps
     show they pay for their compile (:mod:`pipecut.profile.compiled`).
-    The keyword arguments of pipecut 0.1 still work, with a DeprecationWarning.
     """
     given = None if plan is None else plan if isinstance(plan, Plan) else Plan.from_json(plan)
     carried = given.options if given is not None and given.options is not None else None
@@ -121,8 +115,7 @@ def compile(
         "compile", microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
         groups={"capture": capture or (carried and carried.capture), "measure": measure,
                 "partition": partition, "scheduling": scheduling,
-                "runtime": runtime or (carried and carried.runtime), "weights": _weight_options(weights)},
-        legacy=legacy, accepted=COMPILE_KEYWORDS)
+                "runtime": runtime or (carried and carried.runtime), "weights": _weight_options(weights)})
     job = Job(model=model, devices=devices, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
               options=options_of(groups), weights=groups["weights"], given=given)
     check_auto(job.options.runtime.compile_stages, calibrates=_calibrates(job))
@@ -227,7 +220,7 @@ def _replaying(job: Job) -> Any:
 
 
 def _weight_options(weights: Any) -> WeightOptions | None:
-    """``weights=``: the options object, or (as in 0.1) just where the weights are."""
+    """``weights=``: the options object, or just where the weights are."""
     if weights is None or isinstance(weights, WeightOptions):
         return weights
     return WeightOptions(source=weights)

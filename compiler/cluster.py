@@ -17,36 +17,30 @@ from dataclasses import dataclass
 
 from pipecut.errors import InputError
 
-__all__ = ["Cluster", "ClusterPlacement", "Interconnect", "Layout", "Link", "RunPrediction"]
+__all__ = ["Cluster", "ClusterPlacement", "Layout", "Link", "RunPrediction"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Link:
-    """A link between neighbouring stages: bandwidth per direction and latency per message."""
+    """A link between two GPUs (neighbouring stages, or the members of a ring): bandwidth per
+    direction and latency per message. ``name`` says which kind of link it is where that is
+    known ("NVLink 4", "network 400 Gb/s per GPU"); ``measured`` whether it was timed here."""
 
     bandwidth_bytes_per_ms: float
     latency_ms: float = 0.0
     measured: bool = False
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bytes_per_ms > 0 or not self.latency_ms >= 0:
+            raise InputError(
+                f"link {self.name or '(unnamed)'}: bandwidth must be positive and latency "
+                f"non-negative, got {self.bandwidth_bytes_per_ms} bytes/ms and {self.latency_ms} ms"
+            )
 
     def transfer_ms(self, nbytes: int, messages: int = 1) -> float:
         """``nbytes`` sent as ``messages`` tensors, each paying the latency once."""
         return 0.0 if nbytes == 0 else self.latency_ms * max(1, messages) + nbytes / self.bandwidth_bytes_per_ms
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Interconnect:
-    """One kind of link between two GPUs, per direction, with its per-message latency."""
-
-    name: str
-    bandwidth_bytes_per_ms: float
-    latency_ms: float
-
-    def __post_init__(self) -> None:
-        if self.bandwidth_bytes_per_ms <= 0 or self.latency_ms < 0:
-            raise InputError(
-                f"link {self.name!r}: bandwidth must be positive and latency non-negative, got "
-                f"{self.bandwidth_bytes_per_ms} bytes/ms and {self.latency_ms} ms"
-            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,9 +53,9 @@ class Cluster:
     """Memory of one GPU (from the profile)."""
     peak_flops: float
     """Dense bf16 peak FLOP/s of one GPU, from its datasheet: the denominator of MFU."""
-    intra: Interconnect
+    intra: Link
     """Between GPUs of one node."""
-    inter: Interconnect
+    inter: Link
     """Between GPUs of different nodes (one GPU's network port)."""
 
     def __post_init__(self) -> None:
@@ -85,11 +79,11 @@ class Cluster:
             raise InputError(f"GPU {gpu} is not in {self.spec} (GPUs 0..{self.gpus - 1})")
         return gpu // self.gpus_per_node
 
-    def link_between(self, a: int, b: int) -> Interconnect:
+    def link_between(self, a: int, b: int) -> Link:
         """The link a message from GPU ``a`` to GPU ``b`` crosses."""
         return self.intra if self.node_of(a) == self.node_of(b) else self.inter
 
-    def ring_link(self, gpus: tuple[int, ...]) -> Interconnect:
+    def ring_link(self, gpus: tuple[int, ...]) -> Link:
         """The link bounding a ring collective over ``gpus``: inter-node if they span nodes."""
         return self.intra if len({self.node_of(g) for g in gpus}) <= 1 else self.inter
 

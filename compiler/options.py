@@ -1,6 +1,6 @@
 """What a user asks of ``plan`` and ``compile``, as data: one frozen options object per concern.
 
-``pipecut.plan(model, inputs, devices, partition=PartitionOptions(recompute=True))`` and
+``pipecut.plan(model, inputs, devices, partition=PartitionOptions(recompute="full"))`` and
 ``pipecut.compile(...)`` take the model, the inputs, a few flat shortcuts for the common knobs
 (``microbatches``, ``schedule``) and these objects:
 
@@ -16,9 +16,7 @@
 Each normalises what it is given (a kind's name becomes its enum, module classes their names)
 so that two equal requests compare equal, and all but the weights (a file or a function, not
 data) are recorded in the plan as :class:`Options` (``plan.options``: what was asked, beside
-what was chosen), so that a replayed plan carries them. :data:`LEGACY` maps the keyword
-arguments of earlier releases onto these fields; :func:`with_legacy` applies them with a
-deprecation warning.
+what was chosen), so that a replayed plan carries them.
 """
 
 from __future__ import annotations
@@ -26,21 +24,19 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from pipecut.cluster import Link
 from pipecut.core.choices import enum_choice
-from pipecut.core.kinds import CaptureMethod, Partitioner, ScheduleKind
+from pipecut.core.kinds import CaptureMethod, Partitioner, Recompute, ScheduleKind
 from pipecut.errors import InputError
 from pipecut.parallel import DataParallel, DataParallelKind
 
 __all__ = [
     "AUTO",
     "EXPORT_TIME_LIMIT",
-    "LEGACY",
     "CaptureOptions",
     "DataParallelOptions",
     "IlpSolver",
@@ -55,7 +51,6 @@ __all__ = [
     "leaf_name",
     "options_of",
     "requested",
-    "with_legacy",
 ]
 
 AUTO: Literal["auto"] = "auto"
@@ -186,9 +181,12 @@ class PartitionOptions:
     solver: IlpSolver = IlpSolver.HIGHS
     ilp_time_limit: float = 5.0
     """Seconds the ILP solver may spend in total."""
-    recompute: bool | None = None
-    """May a stage recompute its forward in backward to fit? None: where a device has a memory
-    capacity. (``plan(cluster=...)``: None selective, True full, False no checkpointing.)"""
+    recompute: Recompute | Literal["auto"] = AUTO
+    """The most a stage may recompute of its forward in backward: ``NONE``; ``SELECTIVE``, some
+    blocks; ``FULL``, the whole stage (the partitioner then picks, per stage and only where
+    memory needs it, selective blocks or the whole stage). "auto": ``FULL`` where a device has a
+    memory capacity, else ``NONE``; ``plan(cluster=...)`` assumes the level given for every
+    stage, and ``SELECTIVE`` for "auto"."""
     split: tuple[str, ...] | tuple[tuple[str, ...], ...] | None = None
     """A split you choose: the modules where stages 1.. begin, or module names per stage."""
     heavy_pieces: bool = True
@@ -198,6 +196,8 @@ class PartitionOptions:
         if self.partitioner is not None:
             _set(self, "partitioner", enum_choice(Partitioner, self.partitioner, "partitioner"))
         _set(self, "solver", enum_choice(IlpSolver, self.solver, "ILP solver"))
+        if self.recompute != AUTO:
+            _set(self, "recompute", enum_choice(Recompute, self.recompute, "recompute"))
         if self.split is not None:
             _set(self, "split", tuple(s if isinstance(s, str) else tuple(s) for s in self.split))
 
@@ -291,53 +291,6 @@ class Options:
         "capture", "measure", "partition", "scheduling", "data_parallel", "runtime")
 
 
-LEGACY: dict[str, tuple[str, str]] = {
-    "capture_method": ("capture", "method"),
-    "leaf_modules": ("capture", "leaf_modules"),
-    "device": ("measure", "device"),
-    "repeats": ("measure", "repeats"),
-    "warmup": ("measure", "warmup"),
-    "calibrate": ("measure", "calibrate"),
-    "calibration_steps": ("measure", "calibration_steps"),
-    "link": ("measure", "link"),
-    "partitioner": ("partition", "partitioner"),
-    "solver": ("partition", "solver"),
-    "ilp_time_limit": ("partition", "ilp_time_limit"),
-    "recompute": ("partition", "recompute"),
-    "split": ("partition", "split"),
-    "chunk_heavy": ("partition", "heavy_pieces"),
-    "stages_per_rank": ("scheduling", "stages_per_rank"),
-    "init": ("weights", "init"),
-    "seed": ("weights", "seed"),
-    "timeout": ("runtime", "timeout"),
-    "lean_host_memory": ("runtime", "lean_host_memory"),
-    "loss_reduction": ("runtime", "loss_reduction"),
-}
-"""Keyword arguments of pipecut 0.1 → (options group, field). ``data_parallel=`` and
-``weights=`` are still keyword arguments: they now take the group's object (or, as before, a
-kind or a weights source)."""
-
-
-def with_legacy(groups: Mapping[str, Any], legacy: Mapping[str, Any], where: str,
-                accepted: Sequence[str], stacklevel: int = 3) -> dict[str, Any]:
-    """``groups`` (group name → options object) with the 0.1 keyword arguments in ``legacy``
-    applied to their fields, warning once per call; TypeError for a keyword that never existed
-    or that ``where`` never took (``accepted``)."""
-    unknown = sorted(k for k in legacy if k not in LEGACY or k not in accepted)
-    if unknown:
-        raise TypeError(f"{where}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
-    out = dict(groups)
-    for old, value in legacy.items():
-        group, name = LEGACY[old]
-        out[group] = dataclasses.replace(out[group], **{name: value})
-    if legacy:
-        moved = ", ".join(f"{k}= → {LEGACY[k][0]}={type(groups[LEGACY[k][0]]).__name__}({LEGACY[k][1]}=...)"
-                          for k in legacy)
-        warnings.warn(f"{where}(): keyword arguments of pipecut 0.1 are deprecated and will be "
-                      f"removed in 0.3: {moved}", DeprecationWarning, stacklevel=stacklevel)
-    return out
-
-
 def requested(
     where: str,
     *,
@@ -345,17 +298,13 @@ def requested(
     schedule: str | ScheduleKind | None = None,
     data_parallel: DataParallelOptions | DataParallel | DataParallelKind | str | None = None,
     groups: Mapping[str, Any],
-    legacy: Mapping[str, Any],
-    accepted: Sequence[str],
 ) -> dict[str, Any]:
     """The options of one ``plan``/``compile`` call, group name → object (``weights`` too where
-    given): the groups given (None: the defaults), the 0.1 keyword arguments applied
-    (:func:`with_legacy`), then the flat shortcuts. A shortcut that contradicts its group is an
+    given): the groups given (None: the defaults), then the flat shortcuts. A shortcut that contradicts its group is an
     InputError: the call would say two things."""
     defaults = {"capture": CaptureOptions(), "measure": MeasureOptions(), "partition": PartitionOptions(),
                 "scheduling": ScheduleOptions(), "runtime": RuntimeOptions(), "weights": WeightOptions()}
-    out = with_legacy({k: groups.get(k) or v for k, v in defaults.items()}, legacy, where, accepted,
-                      stacklevel=4)  # the caller of plan/compile
+    out = {k: groups.get(k) or v for k, v in defaults.items()}
     out["data_parallel"] = as_data_parallel_options(data_parallel)
     sched = out["scheduling"]
     for name, field_name, value in (("microbatches", "microbatches", microbatches), ("schedule", "kind", schedule)):

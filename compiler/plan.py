@@ -49,8 +49,9 @@ __all__ = [
     "TiedGroup",
 ]
 
-FORMAT_VERSION = 2
-"""2 added ``options``; version 1 plans are read as version 2 without them (:mod:`pipecut.schema`)."""
+FORMAT_VERSION = 3
+"""2 added ``options``; 3 records ``options.partition.recompute`` as a ``Recompute`` level or
+"auto". Older plans are read as version 3 (:func:`pipecut.schema.upgraded`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

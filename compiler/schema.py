@@ -136,7 +136,7 @@ def dump_plan(plan: Plan) -> str:
 
 def load_plan(text: str | bytes) -> Plan:
     """Parse, check and build a plan from JSON text in one pass; :class:`PlanError` names the
-    JSON path of a bad field. A version 1 plan is read as version 2 (:func:`upgraded`)."""
+    JSON path of a bad field. A version 1 or 2 plan is read as version 3 (:func:`upgraded`)."""
     text = upgraded(text)
     try:
         return typing.cast(Plan, _validator().validate_json(text))
@@ -144,26 +144,34 @@ def load_plan(text: str | bytes) -> Plan:
         raise PlanError(_describe(e, text)) from None
 
 
-_VERSION_1 = re.compile(rb'"format_version"\s*:\s*1\b')
+_OLD_VERSION = re.compile(rb'"format_version"\s*:\s*[12]\b')
+_RECOMPUTE_2 = {None: "auto", True: "full", False: "none"}
+"""Version 2 recorded ``PartitionOptions.recompute`` as None (auto), True or False."""
 
 
 def upgraded(text: str | bytes) -> str | bytes:
-    """A plan of format version 1 as version 2: the fields are the same, only ``options`` (what
-    was asked) is new, and absent (None) in an old plan. Other text is returned as it is.
+    """A plan of format version 1 or 2 as version 3. Version 2 added ``options`` (what was
+    asked; absent, None, in a version 1 plan); version 3 records the options' recompute as the
+    ``Recompute`` level or "auto" instead of None/True/False. Other text is returned as it is.
 
     >>> import json
     >>> json.loads(upgraded('{"format_version": 1, "microbatches": 4}'))
-    {'format_version': 2, 'microbatches': 4}
+    {'format_version': 3, 'microbatches': 4}
+    >>> upgraded('{"format_version": 2, "options": {"partition": {"recompute": true}}}')
+    '{"format_version": 3, "options": {"partition": {"recompute": "full"}}}'
     """
-    if not _VERSION_1.search(text if isinstance(text, bytes) else text.encode()):
-        return text  # not version 1: no second parse of a large plan
+    if not _OLD_VERSION.search(text if isinstance(text, bytes) else text.encode()):
+        return text  # the current version: no second parse of a large plan
     try:
         data = json.loads(text)
     except ValueError:
         return text  # the validator says what is wrong with it
-    if isinstance(data, dict) and data.get("format_version") == 1:
-        return json.dumps({**data, "format_version": FORMAT_VERSION})
-    return text
+    if not isinstance(data, dict) or data.get("format_version") not in (1, 2):
+        return text
+    partition = (data.get("options") or {}).get("partition")
+    if isinstance(partition, dict) and partition.get("recompute") in _RECOMPUTE_2:
+        partition["recompute"] = _RECOMPUTE_2[partition["recompute"]]
+    return json.dumps({**data, "format_version": FORMAT_VERSION})
 
 
 def validate_plan_dict(data: Any) -> Plan:

@@ -45,7 +45,7 @@ def main() -> None:
 
     model, inputs, loss_fn, target = build_demo(batch_size=16)
     pipe = pipecut.compile(
-        model, 2, example_inputs=inputs, loss_fn=loss_fn, target=target,
+        model, inputs, 2, loss_fn=loss_fn, target=target,
         microbatches=args.microbatches, schedule=args.schedule,
     )
     rank = dist.get_rank()

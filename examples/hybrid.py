@@ -32,7 +32,7 @@ def main(data_parallel: str = "ddp", steps: int = 3) -> None:
     model, (tokens,), loss_fn, target = build(batch_size=16)
     half = slice(8 * replica, 8 * replica + 8)
     inputs, local_target = (tokens[half],), target[half]
-    pipe = pipecut.compile(model, mesh, example_inputs=inputs, loss_fn=loss_fn, target=local_target,
+    pipe = pipecut.compile(model, inputs, mesh, loss_fn=loss_fn, target=local_target,
                            microbatches=4, schedule="1f1b", data_parallel=data_parallel)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     losses = []

@@ -292,7 +292,7 @@ def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_si
     model, inputs, loss_fn, target = factory(name, models)(batch_size=batch_size, seed=seed)
     # Parity does not depend on the split: no calibration steps on the running pipeline.
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, plan=plan,
+        model, inputs, world, loss_fn=loss_fn, target=target, plan=plan,
         scheduling=pipecut.ScheduleOptions(microbatches=microbatches, kind=kind,
                                            stages_per_rank=stages_per_rank_of(kind)),
         runtime=pipecut.RuntimeOptions(timeout=timeout),

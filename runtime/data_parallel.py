@@ -91,7 +91,7 @@ def check_supported(plan: Plan, kind: DataParallelKind) -> None:
     if recomputing:
         raise PlanError(
             f"data_parallel={kind.value!r} with recompute (stages {recomputing}) is untested and "
-            f"refused; plan without recompute (recompute=False) or without a memory limit"
+            f"refused; plan without recompute (PartitionOptions(recompute='none')) or without a memory limit"
         )
 
 

@@ -142,7 +142,7 @@ def _parity(rank: int, world: int, names: list[str], microbatches: int, autocast
         inputs, target = _to(inputs, device), _to(target, device)
 
         pipe = pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+            model, inputs, world, loss_fn=loss_fn, target=target,
             microbatches=microbatches, schedule="1f1b", runtime=pipecut.RuntimeOptions(timeout=120),
         )
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
@@ -168,7 +168,7 @@ def _hybrid(rank: int, world: int, kinds: list[str]) -> list[dict[str, Any]]:
         x, t = (inputs[0][half].to(device),), target[half].to(device)
 
         pipe = pipecut.compile(
-            model, mesh, example_inputs=x, loss_fn=loss_fn, target=t, microbatches=4,
+            model, x, mesh, loss_fn=loss_fn, target=t, microbatches=4,
             schedule="1f1b", data_parallel=kind, runtime=pipecut.RuntimeOptions(timeout=120),
         )
         loss = pipe.step(x, t)
@@ -189,7 +189,7 @@ def _step_ms(rank: int, world: int, steps: int) -> float:
     inputs, target = _to(inputs, device), _to(target, device)
 
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=8,
+        model, inputs, world, loss_fn=loss_fn, target=target, microbatches=8,
         schedule="1f1b", runtime=pipecut.RuntimeOptions(timeout=120),
     )
     times = []

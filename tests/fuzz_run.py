@@ -231,7 +231,7 @@ def _compile(cfg: Config, plan: Plan | str | None, timeout: float) -> tuple[Pipe
         scheduling=pipecut.ScheduleOptions(stages_per_rank=cfg.stages_per_rank),
         partition=pipecut.PartitionOptions(heavy_pieces=cfg.chunk_heavy, split=split))
     pipe = pipecut.compile(
-        model, devices, example_inputs=share(inputs, replica, replicas), loss_fn=loss_fn(cfg),
+        model, share(inputs, replica, replicas), devices, loss_fn=loss_fn(cfg),
         target=share(target, replica, replicas), plan=plan,
         data_parallel=None if cfg.data_parallel == "none" else cfg.data_parallel,
         measure=pipecut.MeasureOptions(calibration_steps=0),

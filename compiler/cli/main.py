@@ -163,7 +163,8 @@ def partition_options(args: argparse.Namespace) -> Any:
     """The partition flags as :class:`~pipecut.options.PartitionOptions`."""
     from pipecut.options import PartitionOptions
 
-    return PartitionOptions(solver=args.solver, split=args.split, heavy_pieces=getattr(args, "chunk_heavy", True))
+    return PartitionOptions(solver=args.solver, split=args.split, heavy_pieces=getattr(args, "chunk_heavy", True),
+                            recompute=getattr(args, "recompute", "auto"))
 
 
 def measure_on(asked: str | None) -> str | None:
@@ -190,7 +191,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         plan = plan_cluster(
             example.model, example.inputs, args.cluster, data_parallel="auto",
-            microbatches=args.microbatches, schedule=args.schedule, recompute=args.recompute,
+            microbatches=args.microbatches, schedule=args.schedule,
+            recompute="selective" if args.recompute == "auto" else args.recompute,
             stages_per_rank=args.stages_per_rank if args.stages_per_rank > 1 else None,
             loss_fn=example.loss_fn, target=example.target,
         )
@@ -428,8 +430,11 @@ def _plan_cost_arguments(p: argparse.ArgumentParser) -> None:
                    help="plan a training run for N nodes of G GPUs of a device profile, e.g. "
                    "8x8xH100-SXM: costs estimated, D replicas x K stages and their placement on "
                    "nodes chosen by predicted step (FSDP, bf16 with fp32 AdamW); see docs/clusters.md")
-    p.add_argument("--recompute", choices=["none", "selective", "full"], default="selective",
-                   help="with --cluster: the run's activation checkpointing (default selective)")
+    p.add_argument("--recompute", choices=["auto", "none", "selective", "full"], default="auto",
+                   help="how much a stage may recompute in backward (PartitionOptions.recompute): "
+                   "with --cluster the run's activation checkpointing ('auto': selective); else "
+                   "'full' lets the partitioner recompute blocks or whole stages where memory "
+                   "needs it ('auto': where a device has a memory capacity)")
     p.add_argument("--measure-on", metavar="DEVICE", default=None,
                    help="time the nodes on this device, one node's weights there at a time "
                    "(default: cuda when CUDA is available, else where the factory's inputs are)")

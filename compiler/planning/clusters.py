@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pipecut.cluster import Cluster, Interconnect, Layout, RunPrediction
+from pipecut.cluster import Cluster, Link, Layout, RunPrediction
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.choices import enum_choice
 from pipecut.core.program import Inputs
@@ -113,9 +113,9 @@ def parse_cluster(
     return Cluster(
         nodes=nodes, gpus_per_node=per_node, device=profile.name,
         memory_bytes=profile.memory_bytes, peak_flops=profile.peak_flops(Precision.BF16),
-        intra=Interconnect(name=profile.interconnect, bandwidth_bytes_per_ms=profile.link_bytes_per_s / 1e3,
+        intra=Link(name=profile.interconnect, bandwidth_bytes_per_ms=profile.link_bytes_per_s / 1e3,
                            latency_ms=intra_latency_ms),
-        inter=Interconnect(name=f"network {network * 8 / 1e9:g} Gb/s per GPU",
+        inter=Link(name=f"network {network * 8 / 1e9:g} Gb/s per GPU",
                            bandwidth_bytes_per_ms=network / 1e3, latency_ms=inter_latency_ms),
     )
 

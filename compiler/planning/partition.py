@@ -21,7 +21,7 @@ import pipecut
 from pipecut.core.choices import enum_choice
 from pipecut.core.schedule import rank_of, stages_on
 from pipecut.errors import InputError, PartitionError
-from pipecut.options import IlpSolver, PartitionOptions, with_legacy
+from pipecut.options import AUTO, IlpSolver, PartitionOptions
 from pipecut.parallel import DataParallel
 from pipecut.passes.costs.stages import build_stages, inflight_microbatches
 from pipecut.passes.partition.chain import boundary_bytes, can_cross, is_unit, liveness
@@ -53,7 +53,6 @@ from pipecut.plan import (
 __all__ = [
     "DEFAULT_LINK",
     "LARGE_GRAPH_UNITS",
-    "PARTITION_KEYWORDS",
     "Devices",
     "Split",
     "as_devices",
@@ -99,6 +98,18 @@ def as_ilp_solver(solver: IlpSolver | str) -> IlpSolver:
     return enum_choice(IlpSolver, solver, "ILP solver")
 
 
+def _allows_recompute(recompute: Recompute | str, specs: Sequence[DeviceSpec]) -> bool:
+    """Whether the partitioner may recompute: "auto" where a device has a memory capacity."""
+    if recompute == AUTO:
+        return any(d.memory_bytes is not None for d in specs)
+    if recompute is Recompute.SELECTIVE:
+        raise InputError(
+            "PartitionOptions(recompute='selective') fixes the level of a cluster plan; the "
+            "partitioner chooses selective blocks or whole stages per stage where memory needs "
+            "it: allow that with recompute='full', or forbid it with recompute='none'")
+    return recompute is Recompute.FULL
+
+
 def _use_ilp(specs: Sequence[DeviceSpec], recompute: bool) -> bool:
     """The DP is exact and fast for equal devices without memory limits or recompute."""
     return (
@@ -106,10 +117,6 @@ def _use_ilp(specs: Sequence[DeviceSpec], recompute: bool) -> bool:
         or any(d.memory_bytes is not None for d in specs)
         or len({d.speed for d in specs}) > 1
     )
-
-
-PARTITION_KEYWORDS = ("recompute", "partitioner", "ilp_time_limit", "split", "solver")
-"""The keyword arguments of pipecut 0.1's ``partition_costs`` that moved into :class:`PartitionOptions`."""
 
 
 def partition_costs(
@@ -126,7 +133,6 @@ def partition_costs(
     fingerprint: str = "",
     capture: CaptureMethod = CaptureMethod.SYMBOLIC_TRACE,
     inputs: Sequence[str] = (),
-    **legacy: Any,
 ) -> Plan:
     """Partition a cost table (pure data) into a plan: set the problem up, cut it (a split
     given, the exact DP or the ILP), and build the plan's stages and prediction.
@@ -135,22 +141,20 @@ def partition_costs(
     is cut into K * V stages and stage s runs on device s mod K. ZBV always cuts 2K stages
     (``stages_per_rank`` 1, the default, or 2), rank r running stages r and 2K - 1 - r.
 
-    ``partition`` (:class:`~pipecut.options.PartitionOptions`): ``recompute`` may a stage
-    recompute its forward in backward to fit in memory (None: where some device has a memory
-    capacity); ``partitioner`` None picks the exact DP for equal devices without memory limits
+    ``partition`` (:class:`~pipecut.options.PartitionOptions`): ``recompute`` how much a stage
+    may recompute of its forward in backward to fit in memory ("auto": where some device has a
+    memory capacity); ``partitioner`` None picks the exact DP for equal devices without memory limits
     or recompute and the ILP otherwise, DP or ILP forces one; ``ilp_time_limit`` seconds the ILP
     may spend in total (the plan's solver record says whether it proved its answer optimal);
     ``solver`` HiGHS (default) or CBC; ``split`` pins the split instead, module FQNs per stage
     (``[["emb", "blocks.0"], ["blocks.1", "head"]]``) or the modules where stages 1.. begin
     (``["blocks.1"]``), and the plan then reports pipecut's own optimum beside it
-    (``predicted.optimum_step_ms``). The keyword arguments of pipecut 0.1 (``recompute=``, ...)
-    still work, with a DeprecationWarning.
+    (``predicted.optimum_step_ms``).
 
     ``data_parallel``: the replicas each stage will have and their engine; FSDP shrinks the
     memory a stage needs (see :func:`pipecut.passes.costs.stages.state_bytes`).
     """
-    options = with_legacy({"partition": partition or PartitionOptions()}, legacy, "partition_costs",
-                          PARTITION_KEYWORDS)["partition"]
+    options = partition or PartitionOptions()
     setup = _Setup.of(nodes, devices, microbatches, batch_size, schedule, link, options, stages_per_rank,
                       data_parallel)
     if options.split is not None:
@@ -202,7 +206,7 @@ class _Setup:
         per_rank = _stages_per_rank(kind, stages_per_rank)
         ranks = as_devices(devices)
         specs = tuple(ranks[rank_of(s, len(ranks), kind.placement)] for s in range(len(ranks) * per_rank))
-        allow = any(d.memory_bytes is not None for d in specs) if options.recompute is None else options.recompute
+        allow = _allows_recompute(options.recompute, specs)
         method = options.partitioner or (Partitioner.ILP if _use_ilp(specs, allow) else Partitioner.DP)
         if method is Partitioner.GIVEN:
             raise InputError("partitioner must be Partitioner.DP, Partitioner.ILP or None")

@@ -56,12 +56,7 @@ from pipecut.profile.calibrate import stage_times
 from pipecut.profile.compiled import AMORTIZED_STEPS, CompileChoice, compiled_stage_times, with_note
 from pipecut.profile.nodes import LossFn
 
-__all__ = ["PLAN_KEYWORDS", "plan", "plan_fixed"]
-
-PLAN_KEYWORDS = ("capture_method", "leaf_modules", "repeats", "warmup", "calibrate", "device", "link",
-                 "partitioner", "solver", "ilp_time_limit", "recompute", "split", "chunk_heavy",
-                 "stages_per_rank")
-"""The keyword arguments of pipecut 0.1's ``plan`` that moved into options objects."""
+__all__ = ["plan", "plan_fixed"]
 
 
 def plan(
@@ -82,7 +77,6 @@ def plan(
     cluster: str | Cluster | None = None,
     progress: Callable[[int, int], None] | None = None,
     captured: Captured | None = None,
-    **legacy: Any,
 ) -> Plan:
     """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
 
@@ -110,13 +104,11 @@ def plan(
     included (the plan's solver note says which and why).
 
     ``captured``: the graph to plan, already captured at the first microbatch (``compile``).
-    The keyword arguments of pipecut 0.1 (``repeats=``, ``recompute=``, ...) still work, with a
-    DeprecationWarning naming their new place. The model is never changed.
+    The model is never changed.
     """
     groups = requested("plan", microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
                        groups={"capture": capture, "measure": measure, "partition": partition,
-                               "scheduling": scheduling, "runtime": runtime},
-                       legacy=legacy, accepted=PLAN_KEYWORDS)
+                               "scheduling": scheduling, "runtime": runtime})
     request = Request(model=model, example_inputs=example_inputs, target=target, loss_fn=loss_fn,
                       devices=() if cluster is not None else as_devices(devices),
                       options=options_of(groups), progress=progress)
@@ -261,8 +253,8 @@ def _recorded(p: Plan, request: Request) -> Plan:
 
 def _for_cluster(request: Request, cluster: str | Cluster) -> Plan:
     """:func:`~pipecut.planning.clusters.plan_cluster` with the request's options (left out:
-    one microbatch, 1F1B; schedule "auto" weighs every schedule; ``recompute`` None: selective,
-    True: full, False: none)."""
+    one microbatch, 1F1B; schedule "auto" weighs every schedule; ``recompute`` "auto":
+    selective)."""
     from pipecut.planning.clusters import plan_cluster
 
     scheduling = request.options.scheduling
@@ -276,14 +268,18 @@ def _for_cluster(request: Request, cluster: str | Cluster) -> Plan:
         raise InputError(f"plan(cluster=...): data_parallel must be 'auto', None or a "
                          f"DataParallel(kind=..., replicas=...), got {dp.kind!r}")
     fixed = dp.fixed
-    recompute = {None: Recompute.SELECTIVE, True: Recompute.FULL, False: Recompute.NONE}
     return _recorded(plan_cluster(
         request.model, request.example_inputs, cluster, data_parallel=fixed.replicas if fixed else AUTO,
         microbatches=scheduling.microbatches or 1, schedule=scheduling.kind or ScheduleKind.ONE_F_ONE_B,
         stages_per_rank=request.stages_per_rank if request.stages_per_rank > 1 else None,
-        recompute=recompute[request.options.partition.recompute],
+        recompute=_cluster_recompute(request.options.partition.recompute),
         sharding=fixed.kind if fixed else DataParallelKind.FSDP, loss_fn=request.loss_fn, target=request.target,
     ), request)
+
+
+def _cluster_recompute(recompute: Recompute | str) -> Recompute:
+    """A cluster plan assumes one level for every stage: selective checkpointing for "auto"."""
+    return Recompute.SELECTIVE if recompute == AUTO else recompute  # type: ignore[return-value]
 
 
 def _noted(p: Plan, note: str) -> Plan:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 import pipecut
-from pipecut.cluster import Cluster, Interconnect
+from pipecut.cluster import Cluster, Link
 from pipecut.errors import PartitionError
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.costs.stages import build_stages
@@ -118,7 +118,7 @@ def _aligned(nodes: Sequence[NodeCost], units: Sequence[str], whole: Sequence[No
 
 def _link_of(cluster: Cluster, run: RunCandidate) -> Link:
     """The link the run's cuts cross: the network if any crosses nodes, else NVLink."""
-    chosen: Interconnect = cluster.inter if cluster.inter.name in run.cut_links else cluster.intra
+    chosen: Link = cluster.inter if cluster.inter.name in run.cut_links else cluster.intra
     return Link(bandwidth_bytes_per_ms=chosen.bandwidth_bytes_per_ms, latency_ms=chosen.latency_ms)
 
 

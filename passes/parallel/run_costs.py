@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipecut.cluster import Interconnect
+from pipecut.cluster import Link
 from pipecut.parallel import DataParallelKind
 from pipecut.passes.costs.workload import Workload
 from pipecut.plan import Link, Recompute
@@ -22,7 +22,6 @@ __all__ = [
     "REDUCE_BYTES_PER_PARAM",
     "STATE_BYTES_PER_PARAM",
     "StageWork",
-    "as_link",
     "exposed_ms",
     "fsdp_exposed",
     "merged",
@@ -37,7 +36,7 @@ REDUCE_BYTES_PER_PARAM = 4
 """FSDP reduce-scatters gradients in fp32 (``reduce_dtype=torch.float32``)."""
 
 
-def ring_ms(nbytes: float, members: int, link: Interconnect) -> float:
+def ring_ms(nbytes: float, members: int, link: Link) -> float:
     """All-gather or reduce-scatter of ``nbytes`` (the whole buffer) over a ring of ``members``."""
     if members <= 1 or nbytes <= 0:
         return 0.0
@@ -50,10 +49,6 @@ def exposed_ms(comm: Sequence[float], compute: Sequence[float]) -> float:
         return 0.0
     return comm[0] + sum(max(0.0, c - compute[i - 1]) for i, c in enumerate(comm) if i)
 
-
-def as_link(c: Interconnect) -> Link:
-    """A cluster interconnect as the link a transfer is priced on."""
-    return Link(bandwidth_bytes_per_ms=c.bandwidth_bytes_per_ms, latency_ms=c.latency_ms)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,7 +129,7 @@ def state_memory(stage: StageWork, *, replicas: int, ranks: int, sharding: DataP
     return shard + gathered
 
 
-def fsdp_exposed(st: StageWork, d: int, link: Interconnect, ranks: int, kind: DataParallelKind,
+def fsdp_exposed(st: StageWork, d: int, link: Link, ranks: int, kind: DataParallelKind,
                   ) -> tuple[float, float]:
     """Exposed collective ms of one GPU's stages (merged in execution order): (per microbatch,
     once at the end of the step)."""

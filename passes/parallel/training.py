@@ -55,7 +55,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipecut.cluster import Cluster, ClusterPlacement, Interconnect, Layout
+from pipecut.cluster import Cluster, ClusterPlacement, Link, Layout
 from pipecut.core.schedule import Schedule, StageCosts, rank_end_ms, rank_of
 from pipecut.errors import InputError
 from pipecut.parallel import DataParallelKind
@@ -63,7 +63,6 @@ from pipecut.passes.costs.workload import Workload
 from pipecut.passes.parallel.hybrid import Skipped, balanced_split, unsplittable
 from pipecut.passes.parallel.run_costs import (
     StageWork,
-    as_link,
     fsdp_exposed,
     merged,
     stage_work,
@@ -231,7 +230,7 @@ def evaluate_run(
     key = (d, v * k)
     if splits is None or key not in splits:
         split = balanced_split(work, d, v * k, microbatches=shape.microbatches, schedule=shape.schedule,
-                               link=as_link(cluster.intra), refine=False)
+                               link=cluster.intra, refine=False)
         found = split if isinstance(split, Skipped) else split[0]
         if splits is not None:
             splits[key] = found
@@ -257,10 +256,10 @@ def _refused(shape: RunShape, cluster: Cluster, d: int, k: int) -> Skipped | Non
     return unsplittable(shape.batch_size, m, d, k)
 
 
-def _cut_links(cluster: Cluster, place: ClusterPlacement, rank: Sequence[int]) -> list[Interconnect | None]:
+def _cut_links(cluster: Cluster, place: ClusterPlacement, rank: Sequence[int]) -> list[Link | None]:
     """Per cut, the interconnect it crosses in the slowest replica, None where both stages run on
     one GPU (the turn of a V)."""
-    out: list[Interconnect | None] = []
+    out: list[Link | None] = []
     for s in range(len(rank) - 1):
         a, b = rank[s], rank[s + 1]
         across = any(cluster.node_of(place.gpu(r, a)) != cluster.node_of(place.gpu(r, b))
@@ -269,10 +268,10 @@ def _cut_links(cluster: Cluster, place: ClusterPlacement, rank: Sequence[int]) -
     return out
 
 
-def _transfers(cuts: Sequence[Interconnect | None], bounds: Sequence[int], d: int, nbytes: Sequence[int],
+def _transfers(cuts: Sequence[Link | None], bounds: Sequence[int], d: int, nbytes: Sequence[int],
                messages: Sequence[int]) -> list[float]:
     """Per cut, ``bytes / D`` sent as its tensors, one message each, over the cut's link."""
-    return [0.0 if c is None or not nbytes else as_link(c).transfer_ms(
+    return [0.0 if c is None or not nbytes else c.transfer_ms(
         math.ceil(nbytes[bounds[s + 1]] / d), messages[bounds[s + 1]] if messages else 1)
         for s, c in enumerate(cuts)]
 

@@ -98,5 +98,5 @@ def infeasible_error(
     else:
         msg += f"; up to {limit} devices of {_human(smallest)} do not fit either"
     if not problem.recompute:
-        msg += "; or allow recompute (recompute=True)"
+        msg += "; or allow recompute (PartitionOptions(recompute='full'))"
     return PartitionError(msg)

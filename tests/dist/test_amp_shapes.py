@@ -90,7 +90,7 @@ def _ranks(rank: int, world: int, plans: dict[tuple[str, str], str]) -> list[Any
         build, m = MODELS[name]
         model, inputs, loss_fn, target = build()
         pipe = pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=m,
+            model, inputs, world, loss_fn=loss_fn, target=target, microbatches=m,
             plan=plans[name, schedule], runtime=pipecut.RuntimeOptions(timeout=60),
         )
         for step in steps:

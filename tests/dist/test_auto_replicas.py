@@ -23,7 +23,7 @@ def _auto(rank: int, world: int) -> dict[str, Any]:
     model, inputs, loss_fn, target = EXAMPLES["gpt"]()  # a global batch of 16
     alias = _aliases(model)
     pipe = pipecut.compile(
-        model, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=8,
+        model, inputs, loss_fn=loss_fn, target=target, microbatches=8,
         schedule="1f1b", data_parallel="auto", runtime=pipecut.RuntimeOptions(timeout=60),
     )
     dp = pipe.plan.data_parallel
@@ -41,7 +41,7 @@ def _auto(rank: int, world: int) -> dict[str, Any]:
         opt.zero_grad()
     dp_size = dist.get_world_size(pipe.dp_group) if pipe.dp_group is not None else 1
     try:  # auto spreads over every rank: a smaller count is refused on every rank, before planning
-        pipecut.compile(model, 2, example_inputs=inputs, loss_fn=loss_fn, target=target,
+        pipecut.compile(model, inputs, 2, loss_fn=loss_fn, target=target,
                         microbatches=8, data_parallel="auto")
         refused = "no error"
     except InputError as e:

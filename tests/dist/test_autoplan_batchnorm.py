@@ -39,7 +39,7 @@ def _ranks(rank: int, world: int) -> list[dict[str, Any]]:
     for batch in BATCHES:
         model, x, y = _built(batch)
         pipe = pipecut.compile(
-            model, world, example_inputs=(x,), loss_fn=torch.nn.functional.mse_loss, target=y,
+            model, (x,), world, loss_fn=torch.nn.functional.mse_loss, target=y,
             microbatches="auto", schedule="auto", partition=pipecut.PartitionOptions(split=("b",)),
             measure=pipecut.MeasureOptions(calibration_steps=0, repeats=1, warmup=0),
             runtime=pipecut.RuntimeOptions(timeout=120),

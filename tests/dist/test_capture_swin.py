@@ -64,7 +64,7 @@ def _ranks(rank: int, world: int) -> list[dict[str, Any]]:
         model, inputs, loss_fn, target = _swin()
         start = time.monotonic()
         pipe = pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+            model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
             schedule=schedule, capture=capture, partition=pipecut.PartitionOptions(split=SPLIT),
             measure=pipecut.MeasureOptions(calibration_steps=0, repeats=1, warmup=0),
             runtime=pipecut.RuntimeOptions(timeout=240),

@@ -31,7 +31,7 @@ M = 4
 def _compile(name, world, plan=None):
     model, inputs, loss_fn, target = MODELS[name](batch_size=8, seed=0)
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+        model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
         plan=plan, runtime=pipecut.RuntimeOptions(timeout=60),
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
@@ -135,7 +135,7 @@ def _run(rank, world, root, kill_after, resume, plan):
     last = ckpt.latest(root) if resume else None
     # The killed run's survivors notice the dead rank by their receive deadline: keep it short.
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+        model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
         plan=plan or (last and last / ckpt.PLAN_FILE),
         runtime=pipecut.RuntimeOptions(timeout=10 if kill_after else 60),
     )

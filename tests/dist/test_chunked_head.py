@@ -86,7 +86,7 @@ def _set_plan(build: Any = _build, chunks: tuple[ChunkedNode, ...] = CHUNKS, k: 
 def _step(rank: int, world: int, build: Any, plan: Plan | None) -> dict[str, Any]:
     model, inputs, loss_fn, target = build()
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+        model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
         schedule=plan.schedule.value if plan else "1f1b", plan=plan,
         runtime=pipecut.RuntimeOptions(timeout=60),
         measure=pipecut.MeasureOptions(calibration_steps=1),

@@ -26,7 +26,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     model, inputs, loss_fn, target = gpt.build()
     plain = loss_fn(model(*inputs), target).item()
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+        model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
         schedule="1f1b", runtime=pipecut.RuntimeOptions(timeout=60),
     )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -47,7 +47,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     choice.plan_schedule = lambda plan: bad
     try:
         pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+            model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
             plan=pipe.plan, runtime=pipecut.RuntimeOptions(timeout=60),
         )
         out["refused"] = None

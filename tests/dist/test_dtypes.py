@@ -88,7 +88,7 @@ def _ranks(rank: int, world: int, names: list[str]) -> list[dict[str, Any]]:
         with default_dtype(torch.float64 if name == "default float64" else torch.float32):
             model, inputs, loss_fn, target = BUILDS[name]()
             pipe = pipecut.compile(
-                model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+                model, inputs, world, loss_fn=loss_fn, target=target,
                 microbatches=MICROBATCHES, schedule="1f1b",
                 partition=pipecut.PartitionOptions(split=SPLITS[world]),
                 measure=pipecut.MeasureOptions(calibration_steps=0, repeats=1, warmup=0),

@@ -113,7 +113,7 @@ M = 4
 
 def _compile(model: Any, world: int, inputs: Any, loss_fn: Any, target: Any, **kw: Any) -> Any:
     return pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+        model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
         runtime=pipecut.RuntimeOptions(timeout=60), **kw,
     )
 

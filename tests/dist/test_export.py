@@ -56,7 +56,7 @@ def _two_stages(rank: int, world: int, root: str) -> dict[str, Any]:
     for name in ("gpt2", "llama"):
         model, inputs, loss_fn, target = families.FAMILIES[name](batch_size=8, seed=0)
         pipe = pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+            model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
             runtime=pipecut.RuntimeOptions(timeout=60),
             measure=pipecut.MeasureOptions(calibration_steps=0),
         )
@@ -65,7 +65,7 @@ def _two_stages(rank: int, world: int, root: str) -> dict[str, Any]:
         written = pipe.save_pretrained(f"{root}/{name}", model if name == "gpt2" else None)
         meta, *_ = families.on_meta(name)
         again = pipecut.compile(
-            meta, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+            meta, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
             weights=f"{root}/{name}", plan=pipe.plan, runtime=pipecut.RuntimeOptions(timeout=60),
         )
         out[name] = {"state": state, "written": str(written), "reloaded": again.state_dict(),
@@ -80,7 +80,7 @@ def _two_stages(rank: int, world: int, root: str) -> dict[str, Any]:
                 out["checkpoint"] = f"{type(e).__name__}: {e}"
     model, inputs, loss_fn, target = families.FAMILIES["gpt2"](batch_size=8, seed=0)
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+        model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
         schedule="interleaved-1f1b", runtime=pipecut.RuntimeOptions(timeout=60),
         measure=pipecut.MeasureOptions(calibration_steps=0),
         scheduling=pipecut.ScheduleOptions(stages_per_rank=2),
@@ -123,7 +123,7 @@ def _replicas(rank: int, world: int, root: str) -> dict[str, Any]:
         model, inputs, loss_fn, target = families.FAMILIES["gpt2"](batch_size=16, seed=0)
         mine, mine_target = {"input_ids": inputs["input_ids"][half]}, target[half]
         pipe = pipecut.compile(
-            model, mesh, example_inputs=mine, loss_fn=loss_fn, target=mine_target, microbatches=M,
+            model, mine, mesh, loss_fn=loss_fn, target=mine_target, microbatches=M,
             data_parallel=kind, runtime=pipecut.RuntimeOptions(timeout=60),
             measure=pipecut.MeasureOptions(calibration_steps=0),
         )

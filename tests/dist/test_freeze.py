@@ -86,7 +86,7 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
         model, inputs, loss_fn, target = zoo.llama(batch_size=BATCH)
         local, local_target = {"input_ids": inputs["input_ids"][share]}, target[share]
         pipe = pipecut.compile(
-            model, mesh, example_inputs=local, loss_fn=loss_fn, target=local_target,
+            model, local, mesh, loss_fn=loss_fn, target=local_target,
             microbatches=2, schedule="1f1b", data_parallel=kind, plan=plan,
             partition=None if plan else pipecut.PartitionOptions(split=["model.layers.1"]),
             measure=None if plan else pipecut.MeasureOptions(calibration_steps=0, repeats=1, warmup=0),

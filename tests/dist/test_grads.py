@@ -101,7 +101,7 @@ def _clip_scenario(world: int, name: str, schedule: str, ref: dict[float, dict[s
                    foreach: bool | None = None, **kw: Any):
     model, inputs, loss_fn, target = FACTORIES[name]()
     pipe = pipecut.compile(
-        model, kw.pop("devices", world), example_inputs=inputs, loss_fn=loss_fn, target=target,
+        model, inputs, kw.pop("devices", world), loss_fn=loss_fn, target=target,
         microbatches=4, schedule=schedule, runtime=pipecut.RuntimeOptions(timeout=60), **kw,
     )
     results = {}
@@ -129,7 +129,7 @@ def _scaler_scenario(rank: int, world: int) -> dict[str, Any]:
     Zero-bubble: the last stage's split backward starts from the scaled loss too."""
     model, inputs, loss_fn, target = small_mlp()
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=4,
+        model, inputs, world, loss_fn=loss_fn, target=target, microbatches=4,
         schedule="zero-bubble", runtime=pipecut.RuntimeOptions(timeout=60),
     )
     with pytest.raises(pipecut.InputError, match="checks for inf/NaN on each of the 2 pipeline ranks"):
@@ -161,7 +161,7 @@ def _token_scenario(world: int, pipe: Any) -> dict[str, Any]:
     """Token-averaged loss with loss_reduction='sum', reusing the GPT plan (same graph)."""
     model, inputs, _, target = padded_gpt()
     tokens = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=token_sum, target=target, microbatches=4,
+        model, inputs, world, loss_fn=token_sum, target=target, microbatches=4,
         plan=pipe.plan, runtime=pipecut.RuntimeOptions(loss_reduction="sum", timeout=60),
     )
     with pytest.raises(pipecut.InputError, match="normalizer must be finite and > 0"):
@@ -264,7 +264,7 @@ def _four_ranks(rank: int, world: int, refs: dict[str, Any]) -> dict[str, Any]:
     model, inputs, _, target = padded_gpt()
     local = (inputs[0][half],)
     pipe = pipecut.compile(
-        model, mesh, example_inputs=local, loss_fn=token_sum, target=target[half], microbatches=2,
+        model, local, mesh, loss_fn=token_sum, target=target[half], microbatches=2,
         runtime=pipecut.RuntimeOptions(loss_reduction="sum", timeout=60),
     )
     loss = pipe.step(local, target[half], normalizer=(target != PAD).sum())

@@ -27,7 +27,7 @@ def _interleaved(rank: int, world: int, names: list[str]) -> list[dict[str, Any]
     for name in names:
         model, inputs, loss_fn, target = EXAMPLES[name]()
         pipe = pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=4,
+            model, inputs, world, loss_fn=loss_fn, target=target, microbatches=4,
             schedule="interleaved-1f1b", scheduling=pipecut.ScheduleOptions(stages_per_rank=2),
             runtime=pipecut.RuntimeOptions(timeout=60),
         )
@@ -94,7 +94,7 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
         virtual = 2 if schedule == "interleaved-1f1b" else 1
         plan = plans.get((schedule, virtual))  # rank 0 profiles once per layout; then replay
         pipe = pipecut.compile(
-            model, mesh, example_inputs=local_inputs, loss_fn=loss_fn, target=local_target,
+            model, local_inputs, mesh, loss_fn=loss_fn, target=local_target,
             microbatches=4, schedule=schedule, plan=plan, data_parallel=kind,
             scheduling=pipecut.ScheduleOptions(stages_per_rank=virtual),
             runtime=pipecut.RuntimeOptions(timeout=60),
@@ -124,7 +124,7 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
                             (mesh, {"plan": dataclasses.replace(plans[("1f1b", 1)], schedule=ScheduleKind.ZERO_BUBBLE)})]:
         try:
             pipecut.compile(
-                model, devices, example_inputs=(inputs[0][half],), loss_fn=loss_fn,
+                model, (inputs[0][half],), devices, loss_fn=loss_fn,
                 target=target[half], microbatches=4, runtime=pipecut.RuntimeOptions(timeout=60),
                 **kwargs,
             )

@@ -64,7 +64,7 @@ def _real_bytes(module: nn.Module) -> int:
 def _step(world, build, save=None, **kw):
     model, inputs, loss_fn, target = build()
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+        model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
         runtime=pipecut.RuntimeOptions(timeout=60), **kw,
     )
     if save is not None:

@@ -41,7 +41,7 @@ def _seeded(rank: int, world: int, schedule: str, stages_per_rank: int, bucket: 
     model, _, _, _ = GPT(seed=rank)  # every rank its own weights: a common script bug
     _, inputs, loss_fn, target = GPT(seed=0)
     pipe = pipecut.compile(
-        model, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+        model, inputs, loss_fn=loss_fn, target=target, microbatches=M,
         schedule=schedule, scheduling=pipecut.ScheduleOptions(stages_per_rank=stages_per_rank),
         runtime=pipecut.RuntimeOptions(timeout=60),
     )
@@ -51,7 +51,7 @@ def _seeded(rank: int, world: int, schedule: str, stages_per_rank: int, bucket: 
 def _names(rank: int, name: str, plan: pipecut.Plan) -> dict[str, Any]:
     model, inputs, loss_fn, target = NAMED[name]()
     pipe = pipecut.compile(
-        model, example_inputs=inputs, loss_fn=loss_fn, target=target, plan=plan,
+        model, inputs, loss_fn=loss_fn, target=target, plan=plan,
         runtime=pipecut.RuntimeOptions(timeout=60),
     )
     torch.optim.AdamW(pipe.parameters())  # every rank has parameters to train
@@ -66,7 +66,7 @@ def _counts_calls(rank: int) -> dict[str, Any]:
     model, inputs, loss_fn, target = counts_calls()
     before = snapshot(model, inputs)
     pipe = pipecut.compile(
-        model, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+        model, inputs, loss_fn=loss_fn, target=target, microbatches=M,
         runtime=pipecut.RuntimeOptions(timeout=60),
     )
     assert_unchanged(before, model, inputs)
@@ -79,7 +79,7 @@ def _batchnorm_untouched(rank: int) -> bool:
     model, inputs, loss_fn, target = resnet.build(batch_size=8)
     before = snapshot(model, inputs)
     pipecut.compile(
-        model, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=2,
+        model, inputs, loss_fn=loss_fn, target=target, microbatches=2,
         runtime=pipecut.RuntimeOptions(timeout=60),
     )
     assert_unchanged(before, model, inputs)
@@ -91,12 +91,12 @@ def _refusals(rank: int, plan: pipecut.Plan) -> dict[str, str]:
     model, inputs, loss_fn, target = writes_input()
     before = snapshot(model, inputs)
     with pytest.raises(CaptureError) as writes:
-        pipecut.compile(model, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=2)
+        pipecut.compile(model, inputs, loss_fn=loss_fn, target=target, microbatches=2)
     assert_unchanged(before, model, inputs)
     out["writes_input"] = str(writes.value)
     model, inputs, loss_fn, target = GPT()
     with pytest.raises(PlanError) as conflict:
-        pipecut.compile(model, example_inputs=inputs, loss_fn=loss_fn, target=target, plan=plan,
+        pipecut.compile(model, inputs, loss_fn=loss_fn, target=target, plan=plan,
                         microbatches=8, schedule="gpipe")
     out["conflict"] = str(conflict.value)
     return out

@@ -57,7 +57,7 @@ def _scenarios(rank: int, world: int, scenarios: list[tuple[str, Any, Any, bool]
     for name, schedule, m, _ in scenarios:
         model, inputs, loss_fn, target = FACTORIES[name]()
         pipe = pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=m,
+            model, inputs, world, loss_fn=loss_fn, target=target, microbatches=m,
             schedule=schedule, runtime=pipecut.RuntimeOptions(timeout=60),
         )
         loss = pipe.step(inputs, target)

@@ -38,7 +38,7 @@ def _families(rank: int, world: int, root: str) -> dict[str, Any]:
     for name in families.FAMILIES:
         model, inputs, loss_fn, target = families.on_meta(name)
         pipe = pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+            model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
             weights=f"{root}/{name}", runtime=pipecut.RuntimeOptions(timeout=60),
         )
         loss = pipe.step(inputs, target)

@@ -19,7 +19,7 @@ def _calibrated(rank: int, world: int) -> dict[str, Any]:
     model, inputs, loss_fn, target = resnet.build()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=4,
+        model, inputs, world, loss_fn=loss_fn, target=target, microbatches=4,
         measure=pipecut.MeasureOptions(calibration_steps=1),
         runtime=pipecut.RuntimeOptions(timeout=120),
     )
@@ -35,7 +35,7 @@ def _calibrated(rank: int, world: int) -> dict[str, Any]:
     model, inputs, loss_fn, target = resnet.build()  # fresh: the first pipeline's step left gradients
     with unittest.mock.patch.object(pipecut.Plan, "runs_like", lambda self, other: False):
         rebuilt = pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=4,
+            model, inputs, world, loss_fn=loss_fn, target=target, microbatches=4,
             measure=pipecut.MeasureOptions(calibration_steps=1),
             runtime=pipecut.RuntimeOptions(timeout=120),
         )
@@ -44,7 +44,7 @@ def _calibrated(rank: int, world: int) -> dict[str, Any]:
     # The planner chooses microbatches and schedule; the link is measured at compile.
     model, inputs, loss_fn, target = mlp.build(batch_size=8, depth=4)
     auto = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches="auto",
+        model, inputs, world, loss_fn=loss_fn, target=target, microbatches="auto",
         schedule="auto", measure=pipecut.MeasureOptions(calibration_steps=0),
         runtime=pipecut.RuntimeOptions(timeout=120),
     )

@@ -65,9 +65,9 @@ def _run(build: Any, world: int, how: Any = None, devices: Any = None, base: Pla
               runtime=pipecut.RuntimeOptions(timeout=60), measure=pipecut.MeasureOptions(calibration_steps=0))
     plan = None
     if how is not None:
-        plan = how(base if base is not None else pipecut.compile(model, world, **kw).plan)
+        plan = how(base if base is not None else pipecut.compile(model, devices=world, **kw).plan)
         model, inputs, loss_fn, target = build()
-    pipe = pipecut.compile(model, devices or world, plan=plan, **kw)
+    pipe = pipecut.compile(model, devices=devices or world, plan=plan, **kw)
     loss = pipe.step(inputs, target)
     grads, buffers = pipeline_grads(model, pipe), {n: b.clone() for n, b in pipe.named_buffers()}
     pipe.module.zero_grad(set_to_none=True)

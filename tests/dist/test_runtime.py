@@ -24,7 +24,7 @@ pytestmark = pytest.mark.dist
 
 def _compile(model: Any, world: int, inputs: Any, loss_fn: Any, target: Any, **kw: Any) -> Any:
     return pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=4,
+        model, inputs, world, loss_fn=loss_fn, target=target, microbatches=4,
         runtime=pipecut.RuntimeOptions(timeout=kw.pop("timeout", 60)), **kw,
     )
 
@@ -53,7 +53,7 @@ def _features(rank: int, world: int, tmp: str) -> dict[str, Any]:
     pipe = _compile(model, world, inputs, loss_fn, target, plan=f"{tmp}/plan.json")
     out["replayed_same_plan"] = pipe.plan == saved
     # The plan carries compile's options: replayed without runtime=, it runs with its timeout.
-    carried = pipecut.compile(model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+    carried = pipecut.compile(model, inputs, world, loss_fn=loss_fn, target=target,
                               plan=f"{tmp}/plan.json")
     out["carried"] = (saved.options.runtime.timeout, carried.plan.options.runtime.timeout,
                       {p.timeout.total_seconds() for w in carried.workers.values() for p in (w.prev, w.next) if p})

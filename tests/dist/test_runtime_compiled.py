@@ -104,7 +104,7 @@ def _ranks(rank: int, world: int, plans: dict[str, str]) -> dict[str, Any]:
     for name, (build, _, _, _, steps) in SCENARIOS.items():
         model, inputs, loss_fn, target = build()
         pipe = pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, plan=plans[name],
+            model, inputs, world, loss_fn=loss_fn, target=target, plan=plans[name],
             runtime=pipecut.RuntimeOptions(timeout=120, compile_stages=True),
         )
         out[name] = list(_steps(pipe, model, inputs, target, steps))
@@ -112,7 +112,7 @@ def _ranks(rank: int, world: int, plans: dict[str, str]) -> dict[str, Any]:
     # "auto": the calibration step times the stages eager, then compiled, and keeps one.
     model, inputs, loss_fn, target = _mlp()
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+        model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
         schedule="1f1b", runtime=pipecut.RuntimeOptions(timeout=120, compile_stages="auto"),
         measure=pipecut.MeasureOptions(calibration_steps=1),
     )
@@ -125,7 +125,7 @@ def _ranks(rank: int, world: int, plans: dict[str, str]) -> dict[str, Any]:
     model, inputs, loss_fn, target = _gpt()
     try:
         pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target,
+            model, inputs, world, loss_fn=loss_fn, target=target,
             plan=plans["zero-bubble"],
             runtime=pipecut.RuntimeOptions(timeout=120, compile_stages=True),
         )
@@ -250,7 +250,7 @@ def _k4(rank: int, world: int, plans: dict[str, str]) -> dict[str, Any]:
     for name, build in (("hf_gpt2", hf_gpt2), ("gpt", _gpt4)):
         model, inputs, loss_fn, target = build()
         pipe = pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, plan=plans[name],
+            model, inputs, world, loss_fn=loss_fn, target=target, plan=plans[name],
             runtime=pipecut.RuntimeOptions(timeout=120, compile_stages=True),
         )
         out[name] = {"loss": pipe.step(inputs, target), "grads": pipeline_grads(model, pipe),

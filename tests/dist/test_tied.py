@@ -112,7 +112,7 @@ def _compile(world: Any, layers: int, vocab: int, loss: str, plan: Plan | None =
              **kw: Any) -> tuple[Any, Any]:
     model, inputs, lm_loss, target = _model(layers, vocab)
     pipe = pipecut.compile(
-        model, world, example_inputs=inputs, loss_fn=token_sum if loss == "sum" else lm_loss,
+        model, inputs, world, loss_fn=token_sum if loss == "sum" else lm_loss,
         target=target, microbatches=M, plan=plan,
         runtime=pipecut.RuntimeOptions(timeout=60, loss_reduction="sum" if loss == "sum" else "mean"),
         measure=pipecut.MeasureOptions(calibration_steps=0), **kw,
@@ -204,7 +204,7 @@ def _four_ranks(rank: int, world: int) -> dict[str, Any]:
             model, inputs, lm_loss, target = _model()
             alias = _aliases(model)
             pipe = pipecut.compile(
-                model, mesh, example_inputs=(inputs[0][share],), loss_fn=lm_loss,
+                model, (inputs[0][share],), mesh, loss_fn=lm_loss,
                 target=target[share], microbatches=2, data_parallel=kind, schedule="1f1b",
                 runtime=pipecut.RuntimeOptions(timeout=60),
             )

@@ -65,7 +65,7 @@ def _ranks(rank: int, world: int) -> list[dict[str, Any]]:
     for schedule in SCHEDULES:
         model, inputs, loss_fn, target = _seeded(rank)
         pipe = pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+            model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
             schedule=schedule, measure=pipecut.MeasureOptions(calibration_steps=0),
             runtime=pipecut.RuntimeOptions(timeout=120),
         )
@@ -101,7 +101,7 @@ def _ranks(rank: int, world: int) -> list[dict[str, Any]]:
         res["state"] = pipe.state_dict()
         model, inputs, _, target = _padded()
         summed = pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=_summed, target=target, microbatches=M,
+            model, inputs, world, loss_fn=_summed, target=target, microbatches=M,
             schedule=schedule, measure=pipecut.MeasureOptions(calibration_steps=0),
             runtime=pipecut.RuntimeOptions(timeout=120, loss_reduction="sum"),
         )

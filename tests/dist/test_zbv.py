@@ -24,7 +24,7 @@ def _scenarios(rank: int, world: int, scenarios: list[tuple[str, int]]) -> list[
     for name, m in scenarios:
         model, inputs, loss_fn, target = EXAMPLES[name]()
         pipe = pipecut.compile(
-            model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=m,
+            model, inputs, world, loss_fn=loss_fn, target=target, microbatches=m,
             schedule="zbv", runtime=pipecut.RuntimeOptions(timeout=60),
         )
         loss = pipe.step(inputs, target, record=True)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pipecut.cluster import Cluster, ClusterPlacement, Interconnect, Layout
+from pipecut.cluster import Cluster, ClusterPlacement, Layout, Link
 from pipecut.errors import InputError
 
-NV = Interconnect(name="nvlink", bandwidth_bytes_per_ms=4e8, latency_ms=0.01)
-IB = Interconnect(name="ib", bandwidth_bytes_per_ms=5e7, latency_ms=0.02)
+NV = Link(name="nvlink", bandwidth_bytes_per_ms=4e8, latency_ms=0.01)
+IB = Link(name="ib", bandwidth_bytes_per_ms=5e7, latency_ms=0.02)
 
 
 def test_links_between_gpus_of_one_node_and_of_two() -> None:
@@ -33,6 +33,6 @@ def test_bad_cluster_data_is_refused() -> None:
     with pytest.raises(InputError, match="at least 1 node"):
         Cluster(nodes=0, gpus_per_node=4, device="X", memory_bytes=1, peak_flops=1.0, intra=NV, inter=IB)
     with pytest.raises(InputError, match="bandwidth must be positive"):
-        Interconnect(name="x", bandwidth_bytes_per_ms=0, latency_ms=0)
+        Link(name="x", bandwidth_bytes_per_ms=0, latency_ms=0)
     with pytest.raises(InputError, match="replicas and stages ≥ 1"):
         ClusterPlacement(layout=Layout.STAGES_INSIDE_NODES, replicas=0, stages=1)

@@ -15,7 +15,7 @@ import torch
 
 import pipecut
 from pipecut import Plan, summary
-from pipecut.cluster import Cluster, Interconnect, Layout
+from pipecut.cluster import Cluster, Link, Layout
 from pipecut.core.schedule import StageCosts, parse_schedule, simulate
 from pipecut.errors import InputError
 from pipecut.passes.costs.workload import Workload
@@ -33,8 +33,8 @@ from pipecut.planning.clusters import plan_cluster
 from pipecut.report.gantt import predicted_spans
 from pipecut.report.text import human_bytes
 
-NVLINK = Interconnect(name="nvlink", bandwidth_bytes_per_ms=4e8, latency_ms=0.01)
-NET = Interconnect(name="net", bandwidth_bytes_per_ms=5e7, latency_ms=0.02)
+NVLINK = Link(name="nvlink", bandwidth_bytes_per_ms=4e8, latency_ms=0.01)
+NET = Link(name="net", bandwidth_bytes_per_ms=5e7, latency_ms=0.02)
 
 
 def cluster(nodes: int, per_node: int, memory: int = 10**12) -> Cluster:

@@ -106,7 +106,7 @@ def test_pipecut_plan_with_a_cluster_is_plan_cluster() -> None:
     via_plan = pipecut.plan(
         model, batch, cluster="1x2xH100-SXM", microbatches=2, schedule="1f1b",
         data_parallel=DataParallel(kind=DataParallelKind.FSDP, replicas=2),
-        partition=pipecut.PartitionOptions(recompute=True),
+        partition=pipecut.PartitionOptions(recompute="full"),
     )
     direct = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2, recompute="full", data_parallel=2)
     assert via_plan.run == direct.run and via_plan.placement == direct.placement

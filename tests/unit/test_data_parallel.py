@@ -82,7 +82,7 @@ def test_a_memory_limit_that_only_fsdp_meets() -> None:
         return partition_costs(
             nodes, devices=devices, microbatches=4, batch_size=8, schedule="1f1b",
             data_parallel=DataParallel(kind=kind, replicas=8),
-            partition=pipecut.PartitionOptions(recompute=False),
+            partition=pipecut.PartitionOptions(recompute="none"),
         )
 
     assert all(s.peak_memory_bytes <= cap for s in plan(DataParallelKind.FSDP).stages)

@@ -39,7 +39,7 @@ PYTHON_BLOCKS: dict[tuple[str, str], str] = {
     ("docs/big-models.md", "from_config(cfg)"):
         "compiled: a recipe with `...`; it runs on five families in tests/dist/test_pretrained.py",
     ("docs/options.md", "heavy_pieces=False"):
-        "run: tests/unit/test_options.py::test_the_options_page_runs_and_its_table_is_the_mapping",
+        "run: tests/unit/test_options.py::test_the_options_page_runs",
     ("docs/clusters.md", "partition_costs"):
         "run: tests/unit/test_public_api.py::test_the_docs_plan_for_hardware_that_is_not_here",
     ("docs/clusters.md", "plan_cluster(model, batch"):

@@ -27,7 +27,7 @@ def test_compile_refuses_an_unknown_reduction_before_any_process_group() -> None
     model, inputs, loss_fn, target = mlp.build(4, width=8, depth=1)
     with pytest.raises(pipecut.InputError, match="unknown loss_reduction 'token'"):
         pipecut.compile(
-            model, 2, example_inputs=inputs, loss_fn=loss_fn, target=target,
+            model, inputs, 2, loss_fn=loss_fn, target=target,
             runtime=pipecut.RuntimeOptions(loss_reduction="token"),
         )
 

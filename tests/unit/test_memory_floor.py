@@ -60,5 +60,5 @@ def test_infeasible_error_names_what_would_fit():
     assert isinstance(error, PartitionError)
     text = str(error)
     assert text.startswith("no split of 12 nodes into 2 stages fits in the device memory (60 B, 60 B) without recompute")
-    assert "2 devices would need" in text and text.endswith("or allow recompute (recompute=True)")
+    assert "2 devices would need" in text and text.endswith("or allow recompute (PartitionOptions(recompute='full'))")
     assert "or use" in text or "do not fit either" in text

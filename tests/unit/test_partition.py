@@ -99,7 +99,7 @@ def test_memory_limit_uses_ilp_with_recompute_and_fits() -> None:
     assert Plan.from_json(plan.to_json()) == plan
     with pytest.raises(PartitionError, match="or allow recompute"):
         _plan(nodes, [DeviceSpec(name=f"d{i}", memory_bytes=cap) for i in range(3)],
-              partition=pipecut.PartitionOptions(recompute=False))
+              partition=pipecut.PartitionOptions(recompute="none"))
 
 
 def test_faster_device_gets_more_work() -> None:
@@ -152,7 +152,7 @@ def test_a_split_whose_rank_does_not_fit_its_two_stages_is_moved_to_one_that_fit
     # moving one cut finds one that fits both of its stages together.
     nodes = transformer_costs(6, nodes_per_layer=40)
     kw = {"microbatches": 8, "batch_size": 16, "schedule": "zbv",
-          "partition": pipecut.PartitionOptions(recompute=False)}
+          "partition": pipecut.PartitionOptions(recompute="none")}
     free = partition_costs(nodes, devices=2, **kw)
     cap = max(sum(free.stages[s].peak_memory_bytes for s in free.stages_on(r)) for r in range(2))
     devices = [DeviceSpec(name="cpu", memory_bytes=cap)] * 2

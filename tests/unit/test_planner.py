@@ -73,7 +73,7 @@ def test_the_ilp_agrees_with_the_dp_and_memory_limits_bring_recompute_or_an_erro
         partition_costs(plan.nodes, devices=tiny, **common)
     with pytest.raises(PartitionError, match=r"fits .* without recompute; .* or allow recompute"):
         partition_costs(
-            plan.nodes, devices=tiny, partition=pipecut.PartitionOptions(recompute=False), **common,
+            plan.nodes, devices=tiny, partition=pipecut.PartitionOptions(recompute="none"), **common,
         )
 
 

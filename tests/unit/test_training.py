@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from pipecut.cluster import Cluster, Interconnect, Layout
+from pipecut.cluster import Cluster, Layout, Link
 from pipecut.parallel import DataParallelKind
 from pipecut.passes.costs.workload import Workload
 from pipecut.passes.parallel.run_costs import (
@@ -24,8 +24,8 @@ from pipecut.passes.parallel.training import (
 )
 from pipecut.plan import Recompute, ScheduleKind
 
-NVLINK = Interconnect(name="nvlink", bandwidth_bytes_per_ms=4e8, latency_ms=0.01)
-NET = Interconnect(name="net", bandwidth_bytes_per_ms=5e7, latency_ms=0.02)
+NVLINK = Link(name="nvlink", bandwidth_bytes_per_ms=4e8, latency_ms=0.01)
+NET = Link(name="net", bandwidth_bytes_per_ms=5e7, latency_ms=0.02)
 
 
 def cluster(nodes: int, per_node: int, memory: int = 10**12) -> Cluster:

@@ -136,12 +136,12 @@ def test_two_stages_on_a_rank_must_fit_its_memory_together() -> None:
     with pytest.raises(PartitionError, match=r"rank \d \(cpu\) runs stages \[\d, \d\] of the zbv schedule"):
         partition_costs(
             plan.nodes, devices=devices, microbatches=4, batch_size=8, schedule="zbv",
-            partition=pipecut.PartitionOptions(recompute=False),
+            partition=pipecut.PartitionOptions(recompute="none"),
         )
     fits = [DeviceSpec(name="cpu", memory_bytes=max(need))] * 2
     assert partition_costs(
         plan.nodes, devices=fits, microbatches=4, batch_size=8, schedule="zbv",
-        partition=pipecut.PartitionOptions(recompute=False),
+        partition=pipecut.PartitionOptions(recompute="none"),
     ).num_stages == 4
 
 
