@@ -300,11 +300,11 @@ def requested(
     groups: Mapping[str, Any],
 ) -> dict[str, Any]:
     """The options of one ``plan``/``compile`` call, group name → object (``weights`` too where
-    given): the groups given (None: the defaults), then the flat shortcuts. A shortcut that contradicts its group is an
-    InputError: the call would say two things."""
+    given): the groups given (None: the defaults), then the flat shortcuts. A shortcut that
+    contradicts its group is an InputError: the call would say two things."""
     defaults = {"capture": CaptureOptions(), "measure": MeasureOptions(), "partition": PartitionOptions(),
                 "scheduling": ScheduleOptions(), "runtime": RuntimeOptions(), "weights": WeightOptions()}
-    out = {k: groups.get(k) or v for k, v in defaults.items()}
+    out: dict[str, Any] = {k: groups.get(k) or v for k, v in defaults.items()}
     out["data_parallel"] = as_data_parallel_options(data_parallel)
     sched = out["scheduling"]
     for name, field_name, value in (("microbatches", "microbatches", microbatches), ("schedule", "kind", schedule)):

@@ -261,9 +261,9 @@ def _accumulate(seeds: dict[_Edge, torch.Tensor], roots: list[_Root],
     outs += [out for _, out, _ in roots]
     outs_grads += [g for _, _, g in roots]
     if outs:
-        for p, g in zip(params, torch.autograd.grad(outs, list(params), outs_grads, allow_unused=True)):
-            if g is not None:
-                found[id(p)] = g if id(p) not in found else found[id(p)] + g
+        for p, got in zip(params, torch.autograd.grad(outs, list(params), outs_grads, allow_unused=True)):
+            if got is not None:
+                found[id(p)] = got if id(p) not in found else found[id(p)] + got
     for p in params:
         g = found.get(id(p))
         if g is None:

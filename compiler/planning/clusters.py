@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pipecut.cluster import Cluster, Link, Layout, RunPrediction
+from pipecut.cluster import Cluster, Layout, Link, RunPrediction
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.choices import enum_choice
 from pipecut.core.program import Inputs

@@ -34,7 +34,6 @@ from pipecut.passes.partition.chain import liveness
 from pipecut.plan import (
     CaptureMethod,
     DeviceSpec,
-    Link,
     NodeCost,
     Partitioner,
     Plan,

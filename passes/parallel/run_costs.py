@@ -16,7 +16,7 @@ from typing import Any
 from pipecut.cluster import Link
 from pipecut.parallel import DataParallelKind
 from pipecut.passes.costs.workload import Workload
-from pipecut.plan import Link, Recompute
+from pipecut.plan import Recompute
 
 __all__ = [
     "REDUCE_BYTES_PER_PARAM",

@@ -55,7 +55,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipecut.cluster import Cluster, ClusterPlacement, Link, Layout
+from pipecut.cluster import Cluster, ClusterPlacement, Layout, Link
 from pipecut.core.schedule import Schedule, StageCosts, rank_end_ms, rank_of
 from pipecut.errors import InputError
 from pipecut.parallel import DataParallelKind

@@ -12,10 +12,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import pipecut
-from pipecut.errors import InputError, PlanError
-from pipecut.core.graph import canonical_names
-from pipecut.plan import ScheduleKind
 from examples import EXAMPLES
+from pipecut.core.graph import canonical_names
+from pipecut.errors import InputError, PlanError
+from pipecut.plan import ScheduleKind
 from tests.harness import run_ranks
 from tests.reference import assert_parity, pipeline_grads, reference
 

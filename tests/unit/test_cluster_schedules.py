@@ -15,7 +15,7 @@ import torch
 
 import pipecut
 from pipecut import Plan, summary
-from pipecut.cluster import Cluster, Link, Layout
+from pipecut.cluster import Cluster, Layout, Link
 from pipecut.core.schedule import StageCosts, parse_schedule, simulate
 from pipecut.errors import InputError
 from pipecut.passes.costs.workload import Workload
