@@ -265,10 +265,10 @@ def _accumulate(seeds: dict[_Edge, torch.Tensor], roots: list[_Root],
             if got is not None:
                 found[id(p)] = got if id(p) not in found else found[id(p)] + got
     for p in params:
-        g = found.get(id(p))
-        if g is None:
+        total = found.get(id(p))
+        if total is None:
             continue
         if p.grad is None:  # a tensor of its own, in the parameter's layout (as AccumulateGrad)
-            p.grad = torch.empty_like(p, memory_format=torch.preserve_format).copy_(g)
+            p.grad = torch.empty_like(p, memory_format=torch.preserve_format).copy_(total)
         else:
-            p.grad.add_(g)
+            p.grad.add_(total)
