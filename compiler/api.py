@@ -30,7 +30,7 @@ from pipecut.build.workers import (
 )
 from pipecut.capture.modes import Modes, derive_other_mode
 from pipecut.core.program import Captured, Inputs
-from pipecut.errors import CaptureError, PipecutError
+from pipecut.errors import CaptureError, PipecutError, PlanError
 from pipecut.options import (
     AUTO,
     CaptureOptions,
@@ -199,6 +199,16 @@ def _replicated(pipe: Pipeline, place: Place) -> Pipeline:
         assert place.layout.dp_group is not None  # replication_of gives None without a "dp" dimension
         pipe.replication = replicate(pipe.workers, pipe.schedule[place.rank], place.replication.kind,
                                      group=place.layout.dp_group, mesh=place.layout.dp_mesh)
+        if place.replication.kind is DataParallelKind.FSDP and pipe.modes is not None:
+            # fully_shard swapped the captured mode's parameters for sharded ones; the other
+            # mode's programs (an export graph fixes its mode) would run the tensors of compile
+            # time, silently (found by the fuzzer, issue 27).
+            mode = "eval" if pipe.training else "train"
+            pipe.modes.refuse_separate_mode(PlanError(
+                f"{mode} mode under data_parallel='fsdp' is not supported for a model captured by "
+                f"torch.export (its {mode}-mode graph is a second program, which FSDP does not "
+                f"shard): use data_parallel='ddp', or run {mode} steps outside the pipeline "
+                f"(pipe.state_dict() gives the full weights)"))
     return pipe
 
 

@@ -46,6 +46,10 @@ class ModeSwitch(Protocol):
         """Raise if the model's modules are not in the modes the mode's graph was captured in."""
         ...
 
+    def refuse_separate_mode(self, error: Exception) -> None:
+        """Raise ``error`` when the mode whose stage programs are not the captured ones is asked for."""
+        ...
+
 
 @contextlib.contextmanager
 def collecting(worker: StageWorker, *, keep_outputs: bool, compute_loss: bool) -> Iterator[list[Any]]:

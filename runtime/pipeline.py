@@ -140,6 +140,11 @@ class Pipeline:
         where its graph differs), the graphs compiled and the seconds it took; else empty."""
         return [w.compiled for w in self.built_workers() if w.compiled is not None]
 
+    @property
+    def modes(self) -> ModeSwitch | None:
+        """This rank's train and eval stage programs (None: one set of programs for both)."""
+        return self._modes
+
     def built_workers(self) -> list[StageWorker]:
         """This rank's stage workers of every mode built (train, and eval where its graph differs)."""
         workers = {id(w): w for w in self.workers.values()}

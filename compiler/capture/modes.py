@@ -229,6 +229,16 @@ class Modes:
                 built[stage] = make_worker(program, plan, captured.unflatten_output)
             self._workers[other] = built
 
+    def refuse_separate_mode(self, error: Exception) -> None:
+        """Keep ``error`` for the mode whose stage programs are separate from the captured
+        mode's (an export graph's other mode), and drop those programs: they can no longer
+        run the captured mode's parameters (FSDP replaced them). Nothing where both modes run
+        the same programs."""
+        other = not self.captured_training
+        if other in self._workers and self._workers[other] is not self._workers[self.captured_training]:
+            del self._workers[other]
+            self._error = error
+
     def workers(self, training: bool) -> Mapping[int, StageWorker]:
         if training not in self._workers:
             assert self._error is not None
