@@ -90,7 +90,7 @@ def _rank_main(jobs: Sequence[tuple[Config, Any]], rank: int, world: int, store:
                 result: dict[str, Any] = {"ok": run_config(rank, world, cfg, plan, timeout, trail)}
             except BaseException as e:
                 result = {"error": traceback.format_exc(), "type": type(e).__name__, "message": str(e),
-                          "refusal": _refusal(cfg, e, trail), "at": trail.at}
+                          "refusal": is_refusal(cfg, e, trail), "at": trail.at}
             torch.save(result, f"{out}/{i}-{rank}.pt")
             if "error" in result:
                 break
@@ -98,7 +98,7 @@ def _rank_main(jobs: Sequence[tuple[Config, Any]], rank: int, world: int, store:
         os._exit(0)
 
 
-def _refusal(cfg: Config, error: BaseException, trail: Trail) -> bool:
+def is_refusal(cfg: Config, error: BaseException, trail: Trail) -> bool:
     """Is ``error`` pipecut refusing what the run met at ``trail`` (a pass)?
 
     A PipecutError raised where the run meets something for the first time (compile, the

@@ -46,6 +46,9 @@ NO_SYNC = hasattr(Pipeline, "no_sync")
 """Whether this pipecut has ``pipe.no_sync()`` (the fuzzer draws it only then)."""
 SHORTER = 3
 """Positions dropped from a shorter last sequence."""
+MEASURE = pipecut.MeasureOptions(calibrate=False, calibration_steps=0, repeats=1, warmup=0)
+"""Where pipecut times the model (the driver's plans, compile's own): once per node, no
+calibration. A plan must match whatever it measured; careful timing only costs the budget."""
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -150,7 +153,7 @@ def _make_plan(cfg: Config, folder: Path) -> Plan | str:
     model = build(cfg)
     inputs, target, _ = batch(dataclasses.replace(cfg, data_parallel="none"), 0, 0)
     common = dict(loss_fn=loss_fn(cfg), target=target, microbatches=cfg.microbatches,
-                  schedule=cfg.schedule, measure=pipecut.MeasureOptions(calibrate=False, repeats=1, warmup=0),
+                  schedule=cfg.schedule, measure=MEASURE,
                   scheduling=pipecut.ScheduleOptions(stages_per_rank=cfg.stages_per_rank))
     whole = pipecut.PartitionOptions(heavy_pieces=False)
     if cfg.plan == "heavy":
@@ -234,7 +237,7 @@ def _compile(cfg: Config, plan: Plan | str | None, timeout: float) -> tuple[Pipe
         model, share(inputs, replica, replicas), devices, loss_fn=loss_fn(cfg),
         target=share(target, replica, replicas), plan=plan,
         data_parallel=None if cfg.data_parallel == "none" else cfg.data_parallel,
-        measure=pipecut.MeasureOptions(calibration_steps=0),
+        measure=MEASURE,
         runtime=pipecut.RuntimeOptions(timeout=timeout, loss_reduction=cfg.reduction), **planning,
     )
     return pipe, replica, replicas

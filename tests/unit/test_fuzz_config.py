@@ -8,9 +8,13 @@ import pytest
 import torch
 
 from examples.architectures import ARCHITECTURES
+from pipecut.errors import InputError, PipelineRuntimeError
+from tests.fuzz_bugs import effective, known
 from tests.fuzz_config import CHOOSE, FEATURES, Config, draw, problems, simpler, spread
 from tests.fuzz_models import MODELS
+from tests.fuzz_pool import is_refusal
 from tests.fuzz_real import REAL
+from tests.fuzz_run import Trail
 
 
 def test_drawn_configurations_are_drawable_and_print_back() -> None:
@@ -108,3 +112,32 @@ def test_real_models_have_the_split_points_and_parameters_they_name(name: str) -
         short, short_target = spec.data(2, 5, spec.seq - 3)
         assert short_target.shape[1] == spec.seq - 3
         assert all(v.shape[1] == spec.seq - 3 for v in short.values() if v.dim() > 1)
+
+
+def test_known_bugs_are_matched_on_what_ran() -> None:
+    cfg = Config(model="t5", ranks=2, microbatches=2, schedule="gpipe", plan="split", split=("decoder.block.0",),
+                 choose="both", rows=2)
+    assert known(cfg) == ["split-backward"]  # compile may choose a split-backward schedule
+    assert known(cfg, ("1f1b", 4)) == []  # it chose 1F1B
+    assert known(cfg, ("zbv", 4)) == ["split-backward"]
+    assert effective(cfg, ("zbv", 4)).rows == 1  # 4 samples in 4 microbatches
+    assert known(dataclasses.replace(cfg, model="gpt2", split=("transformer.h.1",)), ("zbv", 4)) == []
+    assert known(Config(model="skip", ranks=2, microbatches=2, schedule="gpipe", split=("layers.3",),
+                        dtype="float64")) == ["float64-loss"]
+
+
+def test_a_pipecut_error_refuses_only_where_the_run_meets_something_new() -> None:
+    cfg = Config(model="skip", ranks=2, microbatches=2, schedule="gpipe", split=("layers.3",), steps=3,
+                 freeze="inp.weight")
+    trail = Trail()
+    assert is_refusal(cfg, InputError("x"), trail)  # at compile
+    assert not is_refusal(cfg, RuntimeError("x"), trail)  # not a pipecut error
+    trail.enter("step 0 call 0", "step", False, "same", "")
+    assert is_refusal(cfg, InputError("x"), trail)
+    trail.enter("step 0 call 1", "step", False, "same", "")
+    assert not is_refusal(cfg, InputError("x"), trail)  # the same call passed before: a bug
+    trail.enter("step 1 call 0", "step", False, "same", "frozen")
+    assert is_refusal(cfg, InputError("x"), trail)
+    changed = PipelineRuntimeError("stage 0: ... a parameter's requires_grad changed after pipecut.compile. ...")
+    assert is_refusal(cfg, changed, trail)  # pipecut's own check after a freeze
+    assert not is_refusal(cfg, PipelineRuntimeError("rank 1 stopped because rank 0: RuntimeError: ..."), trail)
