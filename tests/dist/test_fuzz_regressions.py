@@ -198,10 +198,8 @@ def test_an_automatic_count_for_interleaved_with_one_stage_per_rank(outcomes: di
     expect(outcomes[AUTO_COUNT_INTERLEAVED], MATCH)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="open (found by the fuzzer, issue 27): under FSDP the eval-mode stage "
-                   "programs of a torch.export model keep the weights of compile time")
-def test_eval_after_a_step_under_fsdp_sees_the_trained_weights(outcomes: dict[Config, Outcome]) -> None:
-    """Open. A transformers model (captured by torch.export) under ``data_parallel="fsdp"``:
+def test_eval_of_an_export_model_under_fsdp_is_refused(outcomes: dict[Config, Outcome]) -> None:
+    """Refused since (it was silently wrong). A transformers model (captured by torch.export) under ``data_parallel="fsdp"``:
     ``pipe.eval()`` after an optimizer step runs on the weights the model had at compile, on
     every rank, silently (BERT, T5 and every other export-captured model; DDP, no data
     parallelism and symbolic_trace models match):
@@ -214,14 +212,13 @@ def test_eval_after_a_step_under_fsdp_sees_the_trained_weights(outcomes: dict[Co
     ``Modes``) and points them at the training programs' parameter objects
     (``share_state``); ``runtime/data_parallel.replicate`` then wraps only ``pipe.workers``
     with ``fully_shard``, which swaps those modules' parameters for sharded DTensors, so the
-    eval programs keep the replaced, never-updated tensors."""
-    expect(outcomes[FSDP_EVAL_STALE], MATCH)
+    eval programs kept the replaced, never-updated tensors. ``pipe.eval()`` is now refused
+    under FSDP where the other mode is a program of its own (``Modes.refuse_separate_mode``)."""
+    expect(outcomes[FSDP_EVAL_STALE], refused("PlanError", r"eval mode under data_parallel='fsdp' is not supported"))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="open (reported, issue 27; fixed on another branch): float64 loss on ranks "
-                   "other than the last")
 def test_a_float64_model_returns_its_loss_on_every_rank(outcomes: dict[Config, Outcome]) -> None:
-    """Open, being fixed by another engineer (tests/fuzz_bugs.py ``float64-loss``). With float64
+    """Fixed (``runtime/grads.share_loss``: the loss travels as float64 with its dtype). With float64
     parameters, ``pipe.step`` returns on rank 0 (not the last stage) a loss rounded to float32
     (float32 default dtype: 1.9831985235214233 for 1.9831984639439244, found by the float64
     tolerance of tests/fuzz_check.py) or garbage (float64 default dtype):
@@ -232,10 +229,8 @@ def test_a_float64_model_returns_its_loss_on_every_rank(outcomes: dict[Config, O
     expect(outcomes[FLOAT64_LOSS], MATCH)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="open (reported, issue 27; fixed on another branch): requires_grad changed "
-                   "after compile under DDP")
 def test_freezing_a_parameter_after_compile_under_ddp(outcomes: dict[Config, Outcome]) -> None:
-    """Open, being fixed by another engineer (tests/fuzz_bugs.py ``ddp-freeze``). A parameter
+    """Fixed (DDP's reducer is built again when the trainable set changes). A parameter
     frozen after ``compile`` for step 1 and unfrozen for step 2, 2 x 2 ranks under DDP: the
     step after the unfreeze fails with torch's error, not a pipecut one (without data
     parallelism, and under FSDP, the same loop matches):
