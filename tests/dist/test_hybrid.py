@@ -12,12 +12,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import pipecut
-from pipecut.errors import InputError, PlanError
-from pipecut.core.graph import canonical_names
-from pipecut.plan import ScheduleKind
 from examples import EXAMPLES
+from pipecut.core.graph import canonical_names
+from pipecut.errors import InputError, PlanError
+from pipecut.plan import ScheduleKind
 from tests.harness import run_ranks
-from tests.reference import assert_parity, pipeline_grads, reference
+from tests.reference import COUNTED, assert_parity, pipeline_grads, reference
 
 pytestmark = pytest.mark.dist
 
@@ -29,7 +29,7 @@ def _interleaved(rank: int, world: int, names: list[str]) -> list[dict[str, Any]
         pipe = pipecut.compile(
             model, world, example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=4,
             schedule="interleaved-1f1b", scheduling=pipecut.ScheduleOptions(stages_per_rank=2),
-            runtime=pipecut.RuntimeOptions(timeout=60),
+            runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED,
         )
         loss = pipe.step(inputs, target)
         out.append({"loss": loss, "grads": pipeline_grads(model, pipe), "stages": pipe.stages})
@@ -97,7 +97,7 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
             model, mesh, example_inputs=local_inputs, loss_fn=loss_fn, target=local_target,
             microbatches=4, schedule=schedule, plan=plan, data_parallel=kind,
             scheduling=pipecut.ScheduleOptions(stages_per_rank=virtual),
-            runtime=pipecut.RuntimeOptions(timeout=60),
+            runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED,
         )
         plans[(schedule, virtual)] = pipe.plan
         if virtual == 1:
