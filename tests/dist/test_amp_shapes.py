@@ -1,7 +1,7 @@
 """Autocast and variable shapes at 2 ranks: the pipeline matches the plain model, or refuses.
 
-One fork runs every scenario: plans are made once in the parent (no profiling repeats, no
-calibration: the partition does not matter for parity) and replayed on the ranks, and one
+One fork runs every scenario: plans are made once in the parent from counted costs (tests/reference.py:
+COUNTED: the same split every run, whatever the machine's load) and replayed on the ranks, and one
 pipeline per (model, schedule) runs several steps of different shapes and autocast states.
 The reference for each step is the unsplit model in the parent under the same autocast state,
 on the same (possibly smaller, shorter) batch.
@@ -22,7 +22,7 @@ from pipecut.errors import InputError
 from pipecut.plan import ScheduleKind
 from tests.dist.test_parity import hf_gpt2
 from tests.harness import run_ranks
-from tests.reference import assert_parity, pipeline_grads, reference
+from tests.reference import COUNTED, assert_parity, pipeline_grads, reference
 
 pytestmark = pytest.mark.dist
 
@@ -145,7 +145,7 @@ def test_autocast_and_variable_shapes_match_plain_model() -> None:
             plans[name, schedule] = pipecut.plan(
                 model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=m,
                 schedule=ScheduleKind(schedule),
-                measure=pipecut.MeasureOptions(repeats=1, warmup=0, calibrate=False),
+                measure=COUNTED,
             ).to_json()
     # torch.export kept batch and sequence symbolic (from its lower bound of 2), as one symbol each.
     accepts = pipecut.Plan.from_json(plans["hf_gpt2", "gpipe"]).accepts

@@ -15,6 +15,7 @@ from pipecut.core.schedule import parse_schedule
 from pipecut.errors import ScheduleError
 from pipecut.passes.costs.stages import inflight_microbatches
 from tests.harness import run_ranks
+from tests.reference import COUNTED
 
 pytestmark = pytest.mark.dist
 
@@ -27,7 +28,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     plain = loss_fn(model(*inputs), target).item()
     pipe = pipecut.compile(
         model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
-        schedule="1f1b", runtime=pipecut.RuntimeOptions(timeout=60),
+        schedule="1f1b", runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED,
     )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         loss = pipe.step(inputs, target)

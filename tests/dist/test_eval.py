@@ -29,7 +29,7 @@ from pipecut.core.batching import split_microbatches
 from pipecut.errors import InputError
 from pipecut.plan import CaptureMethod
 from tests.harness import run_ranks
-from tests.reference import ATOL, RTOL, assert_parity, pipeline_grads, reference
+from tests.reference import ATOL, COUNTED, RTOL, assert_parity, pipeline_grads, reference
 
 pytestmark = pytest.mark.dist
 
@@ -114,7 +114,7 @@ M = 4
 def _compile(model: Any, world: int, inputs: Any, loss_fn: Any, target: Any, **kw: Any) -> Any:
     return pipecut.compile(
         model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
-        runtime=pipecut.RuntimeOptions(timeout=60), **kw,
+        runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED, **kw,
     )
 
 

@@ -32,7 +32,7 @@ import pipecut
 from examples import gpt, mlp
 from pipecut.core.graph import canonical_names
 from tests.harness import run_ranks
-from tests.reference import ATOL, RTOL, assert_parity, pipeline_grads
+from tests.reference import ATOL, COUNTED, RTOL, assert_parity, pipeline_grads
 
 pytestmark = pytest.mark.dist
 
@@ -102,7 +102,7 @@ def _clip_scenario(world: int, name: str, schedule: str, ref: dict[float, dict[s
     model, inputs, loss_fn, target = FACTORIES[name]()
     pipe = pipecut.compile(
         model, inputs, kw.pop("devices", world), loss_fn=loss_fn, target=target,
-        microbatches=4, schedule=schedule, runtime=pipecut.RuntimeOptions(timeout=60), **kw,
+        microbatches=4, schedule=schedule, runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED, **kw,
     )
     results = {}
     for p in NORMS:
@@ -130,7 +130,7 @@ def _scaler_scenario(rank: int, world: int) -> dict[str, Any]:
     model, inputs, loss_fn, target = small_mlp()
     pipe = pipecut.compile(
         model, inputs, world, loss_fn=loss_fn, target=target, microbatches=4,
-        schedule="zero-bubble", runtime=pipecut.RuntimeOptions(timeout=60),
+        schedule="zero-bubble", runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED,
     )
     with pytest.raises(pipecut.InputError, match="checks for inf/NaN on each of the 2 pipeline ranks"):
         pipe.step(inputs, target, scaler=torch.amp.GradScaler("cpu"))
@@ -265,7 +265,7 @@ def _four_ranks(rank: int, world: int, refs: dict[str, Any]) -> dict[str, Any]:
     local = (inputs[0][half],)
     pipe = pipecut.compile(
         model, local, mesh, loss_fn=token_sum, target=target[half], microbatches=2,
-        runtime=pipecut.RuntimeOptions(loss_reduction="sum", timeout=60),
+        runtime=pipecut.RuntimeOptions(loss_reduction="sum", timeout=60), measure=COUNTED,
     )
     loss = pipe.step(local, target[half], normalizer=(target != PAD).sum())
     norm = pipe.clip_grad_norm_(refs["tokens"]["max_norm"])

@@ -17,7 +17,7 @@ from pipecut.core.graph import canonical_names
 from pipecut.errors import InputError, PlanError
 from pipecut.plan import ScheduleKind
 from tests.harness import run_ranks
-from tests.reference import assert_parity, pipeline_grads, reference
+from tests.reference import COUNTED, assert_parity, pipeline_grads, reference
 
 pytestmark = pytest.mark.dist
 
@@ -29,7 +29,7 @@ def _interleaved(rank: int, world: int, names: list[str]) -> list[dict[str, Any]
         pipe = pipecut.compile(
             model, inputs, world, loss_fn=loss_fn, target=target, microbatches=4,
             schedule="interleaved-1f1b", scheduling=pipecut.ScheduleOptions(stages_per_rank=2),
-            runtime=pipecut.RuntimeOptions(timeout=60),
+            runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED,
         )
         loss = pipe.step(inputs, target)
         out.append({"loss": loss, "grads": pipeline_grads(model, pipe), "stages": pipe.stages})
@@ -97,7 +97,7 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
             model, local_inputs, mesh, loss_fn=loss_fn, target=local_target,
             microbatches=4, schedule=schedule, plan=plan, data_parallel=kind,
             scheduling=pipecut.ScheduleOptions(stages_per_rank=virtual),
-            runtime=pipecut.RuntimeOptions(timeout=60),
+            runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED,
         )
         plans[(schedule, virtual)] = pipe.plan
         if virtual == 1:

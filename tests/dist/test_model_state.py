@@ -26,7 +26,7 @@ from examples import gpt, resnet, zoo
 from pipecut.errors import CaptureError, PlanError
 from pipecut.runtime import sync
 from tests.harness import run_ranks
-from tests.reference import assert_parity, pipeline_grads, reference
+from tests.reference import COUNTED, assert_parity, pipeline_grads, reference
 from tests.stateful import assert_unchanged, counts_calls, snapshot, writes_input
 
 pytestmark = pytest.mark.dist
@@ -43,7 +43,7 @@ def _seeded(rank: int, world: int, schedule: str, stages_per_rank: int, bucket: 
     pipe = pipecut.compile(
         model, inputs, loss_fn=loss_fn, target=target, microbatches=M,
         schedule=schedule, scheduling=pipecut.ScheduleOptions(stages_per_rank=stages_per_rank),
-        runtime=pipecut.RuntimeOptions(timeout=60),
+        runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED,
     )
     return {"loss": pipe.step(inputs, target), "grads": pipeline_grads(model, pipe)}
 
@@ -67,7 +67,7 @@ def _counts_calls(rank: int) -> dict[str, Any]:
     before = snapshot(model, inputs)
     pipe = pipecut.compile(
         model, inputs, loss_fn=loss_fn, target=target, microbatches=M,
-        runtime=pipecut.RuntimeOptions(timeout=60),
+        runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED,
     )
     assert_unchanged(before, model, inputs)
     loss = pipe.step(inputs, target)
@@ -117,13 +117,13 @@ def _plan(build: Any, microbatches: int, schedule: str = "1f1b") -> pipecut.Plan
     model, inputs, loss_fn, target = build()
     return pipecut.plan(
         model, inputs, devices=2, loss_fn=loss_fn, target=target, microbatches=microbatches,
-        schedule=schedule, measure=pipecut.MeasureOptions(repeats=1, warmup=0, calibrate=False),
+        schedule=schedule, measure=COUNTED,
     )
 
 
 @pytest.mark.timeout(400)
 def test_model_state_names_and_arguments() -> None:
-    # Plans made here (cheaply: one timing run, no calibration) are replayed by the ranks.
+    # Plans made here (from counted costs: no timing) are replayed by the ranks.
     plans = {"gpt": _plan(GPT, M), **{n: _plan(NAMED[n], 2) for n in NAMED}}
     world = 2
     ranks = run_ranks(_run, world, plans, timeout=380)

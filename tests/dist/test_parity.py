@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import pipecut
 from examples import EXAMPLES
 from tests.harness import run_ranks
-from tests.reference import assert_parity, pipeline_grads, reference
+from tests.reference import COUNTED, assert_parity, pipeline_grads, reference
 
 pytestmark = pytest.mark.dist
 
@@ -58,7 +58,7 @@ def _scenarios(rank: int, world: int, scenarios: list[tuple[str, Any, Any, bool]
         model, inputs, loss_fn, target = FACTORIES[name]()
         pipe = pipecut.compile(
             model, inputs, world, loss_fn=loss_fn, target=target, microbatches=m,
-            schedule=schedule, runtime=pipecut.RuntimeOptions(timeout=60),
+            schedule=schedule, runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED,
         )
         loss = pipe.step(inputs, target)
         results.append({

@@ -29,7 +29,7 @@ from pipecut.core.batching import split_microbatches
 from pipecut.core.graph import canonical_names
 from pipecut.plan import DeviceSpec, Plan, Recompute
 from tests.harness import run_ranks
-from tests.reference import ATOL, RTOL, assert_parity, pipeline_grads, reference
+from tests.reference import ATOL, COUNTED, RTOL, assert_parity, pipeline_grads, reference
 
 pytestmark = pytest.mark.dist
 
@@ -62,7 +62,7 @@ def _run(build: Any, world: int, how: Any = None, devices: Any = None, base: Pla
     (``base``, or a fresh one) before compiling with it."""
     model, inputs, loss_fn, target = build()
     kw = dict(example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
-              runtime=pipecut.RuntimeOptions(timeout=60), measure=pipecut.MeasureOptions(calibration_steps=0))
+              runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED)
     plan = None
     if how is not None:
         plan = how(base if base is not None else pipecut.compile(model, devices=world, **kw).plan)
@@ -83,8 +83,8 @@ def _run(build: Any, world: int, how: Any = None, devices: Any = None, base: Pla
 
 def _scenarios(rank: int, world: int) -> dict[str, Any]:
     plain = _run(gpt.build, world)
-    # One split for the three GPT runs, so their activation peaks compare like with like (a
-    # split of its own per run would come from timing, and the peaks from different stages).
+    # One split for the three GPT runs, so their activation peaks compare like with like (each
+    # run's own plan may weigh recompute differently, and the peaks come from different stages).
     split = Plan.from_json(plain["plan"])
     out = {
         "gpt_plain": plain,

@@ -17,7 +17,7 @@ from examples import gpt, mlp
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
 from pipecut.plan import Plan, Recompute
 from tests.harness import run_ranks
-from tests.reference import assert_parity, pipeline_grads, reference
+from tests.reference import COUNTED, assert_parity, pipeline_grads, reference
 
 pytestmark = pytest.mark.dist
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.dist
 def _compile(model: Any, world: int, inputs: Any, loss_fn: Any, target: Any, **kw: Any) -> Any:
     return pipecut.compile(
         model, inputs, world, loss_fn=loss_fn, target=target, microbatches=4,
-        runtime=pipecut.RuntimeOptions(timeout=kw.pop("timeout", 60)), **kw,
+        runtime=pipecut.RuntimeOptions(timeout=kw.pop("timeout", 60)), measure=COUNTED, **kw,
     )
 
 

@@ -1,7 +1,7 @@
 """Compiled stages (``compile_stages=True``) give the plain model's loss, gradients and buffers.
 
-One fork of 2 ranks runs every scenario: plans are made once in the parent (no calibration:
-the split does not matter for parity) and replayed on the ranks; one pipeline per scenario
+One fork of 2 ranks runs every scenario: plans are made once in the parent from counted costs
+(tests/reference.py: COUNTED, the same split every run) and replayed on the ranks; one pipeline per scenario
 runs several steps (a shorter sequence and a smaller batch recompile, autocast and eval are
 graphs of their own). References are the unsplit model in the parent, eager, and for the GPT
 example also compiled the same way (``torch.compile``, inductor). A second fork runs a
@@ -31,7 +31,7 @@ from tests.dist.test_amp_shapes import AMP_RTOL, Step, _amp, _cut
 from tests.dist.test_parity import hf_gpt2
 from tests.dist.test_recompute import _check_buffers, _reference_with_buffers
 from tests.harness import run_ranks
-from tests.reference import assert_parity, pipeline_grads, reference
+from tests.reference import COUNTED, assert_parity, pipeline_grads, reference
 
 pytestmark = pytest.mark.dist
 
@@ -77,8 +77,7 @@ def _plan(build: Build, world: int, schedule: str, per_rank: int) -> Plan:
     return pipecut.plan(
         model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
         schedule=ScheduleKind(schedule),
-        scheduling=pipecut.ScheduleOptions(stages_per_rank=per_rank),
-        measure=pipecut.MeasureOptions(repeats=1, warmup=0, calibrate=False),
+        scheduling=pipecut.ScheduleOptions(stages_per_rank=per_rank), measure=COUNTED,
     )
 
 
@@ -109,12 +108,14 @@ def _ranks(rank: int, world: int, plans: dict[str, str]) -> dict[str, Any]:
         )
         out[name] = list(_steps(pipe, model, inputs, target, steps))
         out[name + ":stats"] = [dataclasses.asdict(s) for s in pipe.compile_stats]
-    # "auto": the calibration step times the stages eager, then compiled, and keeps one.
+    # "auto": the calibration step times the stages eager, then compiled, and keeps one. The
+    # split is given (the timed step decides the mode, never where the stages are cut).
     model, inputs, loss_fn, target = _mlp()
     pipe = pipecut.compile(
         model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
         schedule="1f1b", runtime=pipecut.RuntimeOptions(timeout=120, compile_stages="auto"),
         measure=pipecut.MeasureOptions(calibration_steps=1),
+        partition=pipecut.PartitionOptions(split=["layers.2"]),
     )
     out["auto"] = {
         "loss": pipe.step(inputs, target), "grads": pipeline_grads(model, pipe),

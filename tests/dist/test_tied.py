@@ -35,7 +35,7 @@ from tests.dist.test_chunked_head import _set_plan
 from tests.dist.test_grads import PAD, token_sum
 from tests.dist.test_hybrid import _aliases, _full_grads
 from tests.harness import run_ranks
-from tests.reference import ATOL, RTOL, assert_parity, pipeline_grads
+from tests.reference import ATOL, COUNTED, RTOL, assert_parity, pipeline_grads
 
 pytestmark = pytest.mark.dist
 
@@ -115,7 +115,7 @@ def _compile(world: Any, layers: int, vocab: int, loss: str, plan: Plan | None =
         model, inputs, world, loss_fn=token_sum if loss == "sum" else lm_loss,
         target=target, microbatches=M, plan=plan,
         runtime=pipecut.RuntimeOptions(timeout=60, loss_reduction="sum" if loss == "sum" else "mean"),
-        measure=pipecut.MeasureOptions(calibration_steps=0), **kw,
+        measure=COUNTED, **kw,
     )
     return model, pipe
 
@@ -206,7 +206,7 @@ def _four_ranks(rank: int, world: int) -> dict[str, Any]:
             pipe = pipecut.compile(
                 model, (inputs[0][share],), mesh, loss_fn=lm_loss,
                 target=target[share], microbatches=2, data_parallel=kind, schedule="1f1b",
-                runtime=pipecut.RuntimeOptions(timeout=60),
+                runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED,
             )
             out[kind, no_sync] = _windows(pipe, model, 64, "mean", no_sync,
                                           grads=lambda _, p, alias=alias: _full_grads(alias, p), share=share)

@@ -12,7 +12,7 @@ import torch
 import pipecut
 from examples import EXAMPLES
 from tests.harness import run_ranks
-from tests.reference import RTOL, assert_parity, pipeline_grads, reference
+from tests.reference import COUNTED, RTOL, assert_parity, pipeline_grads, reference
 
 pytestmark = pytest.mark.dist
 
@@ -25,7 +25,7 @@ def _scenarios(rank: int, world: int, scenarios: list[tuple[str, int]]) -> list[
         model, inputs, loss_fn, target = EXAMPLES[name]()
         pipe = pipecut.compile(
             model, inputs, world, loss_fn=loss_fn, target=target, microbatches=m,
-            schedule="zbv", runtime=pipecut.RuntimeOptions(timeout=60),
+            schedule="zbv", runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED,
         )
         loss = pipe.step(inputs, target, record=True)
         ran = sorted({e.action[0] for e in pipe.events})
