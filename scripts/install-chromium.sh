@@ -14,8 +14,8 @@ fi
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 export DEBIAN_FRONTEND=noninteractive
-if ! { $SUDO apt-get update -qq && \
-       $SUDO apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core; } >"$log" 2>&1; then
+if ! { $SUDO apt-get -o DPkg::Lock::Timeout=600 update -qq && \
+       $SUDO apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends chromium fonts-dejavu-core; } >"$log" 2>&1; then
     cat "$log" >&2
     echo "install-chromium.sh: apt-get could not install chromium (see above)" >&2
     exit 1
