@@ -20,6 +20,10 @@ from pipecut.errors import InputError
 __all__ = ["Cluster", "ClusterPlacement", "Layout", "Link", "RunPrediction"]
 
 
+LINK_LATENCY_MS = 0.01
+"""Per-message latency of a link known only by its bandwidth (a device profile's interconnect)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Link:
     """A link between two GPUs (neighbouring stages, or the members of a ring): bandwidth per

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any, ClassVar, Literal
 
-from pipecut.cluster import Link
+from pipecut.cluster import LINK_LATENCY_MS, Link
 from pipecut.core.choices import enum_choice
 from pipecut.core.kinds import CaptureMethod, Partitioner, Recompute, ScheduleKind
 from pipecut.errors import InputError
@@ -81,16 +83,16 @@ def _set(obj: Any, name: str, value: Any) -> None:
 
 
 def _estimated_on(name: str) -> tuple[str, Link]:
-    """``MeasureOptions(estimate=name)``'s device profile: its own spelling and interconnect."""
-    # Imported here: the profiles' data and lookup live with the estimates, which import torch.
-    from pipecut.profile.devices import device_link, device_profile, device_profiles
-
-    try:
-        profile = device_profile(name)
-    except InputError:
-        raise InputError(f"MeasureOptions(estimate={name!r}): no such device profile; choose one of "
-                         f"{[p.name for p in device_profiles()]}") from None
-    return profile.name, device_link(profile)
+    """``MeasureOptions(estimate=name)``'s device profile: its own spelling and interconnect,
+    read from the shipped profiles' data (``device_profiles.json``; the estimates that use the
+    rest of a profile live in :mod:`pipecut.profile.devices`, above this data layer)."""
+    entries = json.loads(resources.files("pipecut").joinpath("device_profiles.json").read_text())["devices"]
+    for entry in entries:
+        if entry["name"].lower() == name.lower():
+            return entry["name"], Link(bandwidth_bytes_per_ms=float(entry["link_bytes_per_s"]) / 1e3,
+                                       latency_ms=LINK_LATENCY_MS, measured=False)
+    raise InputError(f"MeasureOptions(estimate={name!r}): no such device profile; choose one of "
+                     f"{[e['name'] for e in entries]}")
 
 
 def leaf_name(cls: type | str) -> str:

@@ -29,6 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from pipecut.capture import capture
+from pipecut.cluster import LINK_LATENCY_MS
 from pipecut.core.batching import batch_size, split_microbatches
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError
@@ -59,7 +60,6 @@ COMPUTE_EFFICIENCY = 0.6
 """Fraction of peak FLOP/s a large matrix product reaches (typical of cuBLAS on big shapes)."""
 MEMORY_EFFICIENCY = 0.8
 """Fraction of peak memory bandwidth a streaming elementwise kernel reaches."""
-LINK_LATENCY_MS = 0.01
 """10 µs per message: the order of NCCL point-to-point latency inside a node."""
 
 

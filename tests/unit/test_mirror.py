@@ -39,6 +39,12 @@ EXEMPT: dict[str, tuple[str, str]] = {
         "tests/dist/test_parity.py", "compile()'s connect step: needs a process group"),
     "pipecut.build.workers": (
         "tests/dist/test_parity.py", "compile()'s build/materialise/sync steps: need a process group"),
+    "pipecut.passes.parallel.run_costs": (
+        "tests/unit/test_cluster_schedules.py", "a cluster run's per-stage costs: checked through the runs they price"),
+    "pipecut.passes.parallel.run_schedule": (
+        "tests/unit/test_cluster_schedules.py", "a cluster run's schedule, weight pass and memory walk, by hand-worked values"),
+    "pipecut.planning.run_plan": (
+        "tests/unit/test_cluster_schedules.py", "the plan of the chosen cluster run: its stages agree with the run line"),
     "pipecut.runtime.pipeline": (
         "tests/dist/test_training_loop.py", "the Pipeline object only runs across processes: the README's loop"),
 }
