@@ -139,9 +139,12 @@ def test_other_mode_keeps_the_plan_stages(method: CaptureMethod) -> None:
 
 def test_identical_graphs_are_shared() -> None:
     model, inputs, loss_fn, target = mlp.build(batch_size=8, width=16, depth=2)
+    # Planned from timings, a loaded machine could make the head "heavy" and cut it in pieces,
+    # which the fresh capture below does not have: no pieces, so the check holds for any timing.
     plan = pipecut.plan(
         model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=2,
         measure=pipecut.MeasureOptions(repeats=1, warmup=0, calibrate=False),
+        partition=pipecut.PartitionOptions(heavy_pieces=False),
     )
     _, first = first_microbatch(inputs, 2)
     assert derive_other_mode(model, first, capture(model, first), plan, ()) is None
