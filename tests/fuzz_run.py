@@ -46,9 +46,11 @@ NO_SYNC = hasattr(Pipeline, "no_sync")
 """Whether this pipecut has ``pipe.no_sync()`` (the fuzzer draws it only then)."""
 SHORTER = 3
 """Positions dropped from a shorter last sequence."""
-MEASURE = pipecut.MeasureOptions(calibrate=False, calibration_steps=0, repeats=1, warmup=0)
-"""Where pipecut times the model (the driver's plans, compile's own): once per node, no
-calibration. A plan must match whatever it measured; careful timing only costs the budget."""
+MEASURE = pipecut.MeasureOptions(estimate="A100-80GB")
+"""How the driver's plans and compile's own are costed: counted on fake tensors and priced on a
+fixed device profile, no clock. A configuration then plans the same split on every run whatever
+the machine's load, so the order of gradient sums (and an AdamW step's last ulps) is repeatable
+and a failure replays from its configuration alone."""
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 

@@ -19,7 +19,7 @@ import torch
 import pipecut
 from examples import gpt
 from tests.harness import run_ranks
-from tests.reference import ATOL, RTOL, assert_parity, pipeline_grads, reference
+from tests.reference import ATOL, COUNTED, RTOL, assert_parity, pipeline_grads, reference
 
 pytestmark = pytest.mark.dist
 
@@ -66,7 +66,7 @@ def _ranks(rank: int, world: int) -> list[dict[str, Any]]:
         model, inputs, loss_fn, target = _seeded(rank)
         pipe = pipecut.compile(
             model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
-            schedule=schedule, measure=pipecut.MeasureOptions(calibration_steps=0),
+            schedule=schedule, measure=COUNTED,
             runtime=pipecut.RuntimeOptions(timeout=120),
         )
         res: dict[str, Any] = {}
@@ -102,7 +102,7 @@ def _ranks(rank: int, world: int) -> list[dict[str, Any]]:
         model, inputs, _, target = _padded()
         summed = pipecut.compile(
             model, inputs, world, loss_fn=_summed, target=target, microbatches=M,
-            schedule=schedule, measure=pipecut.MeasureOptions(calibration_steps=0),
+            schedule=schedule, measure=COUNTED,
             runtime=pipecut.RuntimeOptions(timeout=120, loss_reduction="sum"),
         )
         tokens = summed.step(inputs, target, normalizer=(target != -100).sum())
