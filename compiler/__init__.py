@@ -47,9 +47,7 @@ from pipecut.planning.replicas import choose_replicas
 from pipecut.profile.devices import device_link, device_profiles, device_specs, estimate_costs
 from pipecut.report.render import render
 from pipecut.report.text import summary
-
-__version__ = "0.1.0"
-"""The one place the version is written: pyproject.toml reads it (``dynamic = ["version"]``)."""
+from pipecut.version import __version__
 
 # A library logs and leaves the output to the application (`pipecut` the CLI configures it).
 logging.getLogger("pipecut").addHandler(logging.NullHandler())

@@ -50,12 +50,12 @@ from pipecut.planning.partition import Devices
 from pipecut.profile.compiled import check_auto, measure_and_choose, with_note
 from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn
-from pipecut.runtime.compiled import check_compilable
-from pipecut.runtime.data_parallel import replicate
-from pipecut.runtime.launch import ready_for_p2p
-from pipecut.runtime.materialize import check_unexpected
+from pipecut.runtime.comm.launch import ready_for_p2p
+from pipecut.runtime.execution.compiled import check_compilable
+from pipecut.runtime.grads.data_parallel import replicate
 from pipecut.runtime.pipeline import Pipeline
-from pipecut.runtime.weights import WeightSource, open_weights
+from pipecut.runtime.state.materialize import check_unexpected
+from pipecut.runtime.state.weights import WeightSource, open_weights
 
 __all__ = ["compile"]
 
@@ -106,7 +106,7 @@ def compile(
     initialises them (``WeightOptions(init=..., seed=...)``, Hugging Face models their own
     way). Every rank's stage weights are set to global rank 0's. ``model`` is left as it is.
     ``RuntimeOptions(compile_stages=True)`` runs each stage through ``torch.compile``
-    (:mod:`pipecut.runtime.compiled`); "auto" keeps compiled stages where the calibration steps
+    (:mod:`pipecut.runtime.execution.compiled`); "auto" keeps compiled stages where the calibration steps
     show they pay for their compile (:mod:`pipecut.profile.compiled`).
     """
     given = None if plan is None else plan if isinstance(plan, Plan) else Plan.from_json(plan)

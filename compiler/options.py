@@ -267,7 +267,7 @@ class RuntimeOptions:
     plan, steps slower)."""
     loss_reduction: LossReduction = LossReduction.MEAN
     compile_stages: bool | Literal["auto"] = False
-    """Run each stage module through ``torch.compile`` (see :mod:`pipecut.runtime.compiled`);
+    """Run each stage module through ``torch.compile`` (see :mod:`pipecut.runtime.execution.compiled`);
     "auto": the live calibration steps time the stages eager and compiled and keep compiled
     where the saving pays for the compile (see :mod:`pipecut.profile.compiled`)."""
 

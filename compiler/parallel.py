@@ -1,7 +1,7 @@
 """Data parallelism across pipeline replicas, as plan data: which engine, how many replicas.
 
 Imported by the planner's memory model (``pipecut.passes.costs.stages.state_bytes``) and by the
-runtime (``pipecut.runtime.data_parallel``), so it sits with the plan data, below both.
+runtime (``pipecut.runtime.grads.data_parallel``), so it sits with the plan data, below both.
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ from pipecut.passes.costs.stages import plan_schedule
 from pipecut.plan import Plan, Recompute
 from pipecut.planning.planner import plan as make_plan
 from pipecut.planning.request import warn_if_sequential
-from pipecut.runtime.data_parallel import check_supported
-from pipecut.runtime.nccl import check_nccl
-from pipecut.runtime.p2p import wiring
+from pipecut.runtime.comm.nccl import check_nccl
+from pipecut.runtime.comm.p2p import wiring
+from pipecut.runtime.grads.data_parallel import check_supported
 
 __all__ = ["Chosen", "check_fingerprint", "choose", "runnable_schedule"]
 

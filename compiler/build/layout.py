@@ -24,9 +24,9 @@ from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
 from pipecut.plan import Plan, ScheduleKind
 from pipecut.planning.partition import DEFAULT_LINK
 from pipecut.planning.planner import plan as make_plan
-from pipecut.runtime.launch import local_device
-from pipecut.runtime.linkprobe import measure_link
-from pipecut.runtime.teardown import close_at_exit, open_default_group
+from pipecut.runtime.comm.launch import local_device
+from pipecut.runtime.comm.linkprobe import measure_link
+from pipecut.runtime.comm.teardown import close_at_exit, open_default_group
 
 if TYPE_CHECKING:  # context.py reads this module's Layout
     from pipecut.build.context import Job

@@ -33,7 +33,7 @@ from pipecut.errors import InputError
 from pipecut.passes.rewrite.eval_graph import map_stages
 from pipecut.passes.rewrite.split import split_stage
 from pipecut.plan import NodeCost, NodeOp, Plan
-from pipecut.runtime.stage import StageWorker
+from pipecut.runtime.execution.stage import StageWorker
 
 __all__: list[str] = []
 

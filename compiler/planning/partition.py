@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-import pipecut
 from pipecut.core.choices import enum_choice
 from pipecut.core.schedule import rank_of, stages_on
 from pipecut.errors import InputError, PartitionError
@@ -49,6 +48,7 @@ from pipecut.plan import (
     Solver,
     Stage,
 )
+from pipecut.version import __version__
 
 __all__ = [
     "DEFAULT_LINK",
@@ -175,7 +175,7 @@ def partition_costs(
         batch_size=batch_size, inputs=tuple(inputs), nodes=tuple(nodes), stages=facts.stages,
         edges=facts.edges, devices=setup.specs, link=link, predicted=predicted, solver=cut.record,
         tied=facts.tied, stages_per_rank=setup.stages_per_rank, data_parallel=data_parallel,
-        pipecut_version=pipecut.__version__, torch_version=torch.__version__,
+        pipecut_version=__version__, torch_version=torch.__version__,
     )
 
 

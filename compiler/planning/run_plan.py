@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-import pipecut
 from pipecut.cluster import Cluster, Link
 from pipecut.errors import PartitionError
 from pipecut.parallel import DataParallel, DataParallelKind
@@ -41,6 +40,7 @@ from pipecut.plan import (
     Solver,
     Stage,
 )
+from pipecut.version import __version__
 
 __all__ = ["mixed_links_note", "plan_of_run"]
 
@@ -86,7 +86,7 @@ def plan_of_run(
         fingerprint="", capture=CaptureMethod.SYMBOLIC_TRACE, schedule=run.schedule,
         microbatches=microbatches, batch_size=batch_size, inputs=(), nodes=tuple(nodes), stages=stages,
         edges=facts.edges, devices=devices, link=link, predicted=predicted, solver=solver, tied=facts.tied,
-        stages_per_rank=run.stages_per_rank, data_parallel=dp, pipecut_version=pipecut.__version__,
+        stages_per_rank=run.stages_per_rank, data_parallel=dp, pipecut_version=__version__,
         torch_version=torch.__version__,
     )
 

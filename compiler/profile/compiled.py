@@ -28,7 +28,7 @@ from pipecut.options import AUTO
 from pipecut.plan import Plan
 from pipecut.profile.calibrate import stage_times
 from pipecut.profile.live import LiveTimes, measure_stages
-from pipecut.runtime.compiled import CompileStats, compile_stage
+from pipecut.runtime.execution.compiled import CompileStats, compile_stage
 
 __all__ = ["AMORTIZED_STEPS", "CompileChoice", "check_auto", "choose", "compiled_stage_times", "measure_and_choose", "with_note"]
 

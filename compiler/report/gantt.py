@@ -84,7 +84,7 @@ def load_trace(path_or_data: str | Path | dict[str, Any] | list[Any]) -> tuple[S
     Complete events (``"ph": "X"``, ``ts``/``dur`` in µs) become spans; the rank is the event's
     ``pid`` (or its ``tid`` when every event shares one pid), renumbered 0, 1, … when those are
     not small integers (OS process ids). Processes named "predicted" (as
-    ``pipecut.runtime.trace.chrome_trace`` writes next to the measured ranks) are left out. Times are shifted so the earliest
+    ``pipecut.runtime.execution.trace.chrome_trace`` writes next to the measured ranks) are left out. Times are shifted so the earliest
     event starts at 0, and converted to milliseconds.
     """
     data: Any = path_or_data
@@ -97,7 +97,7 @@ def load_trace(path_or_data: str | Path | dict[str, Any] | list[Any]) -> tuple[S
     if not isinstance(events, list):
         raise PlanError("a timeline is a Chrome trace: an object with a 'traceEvents' list")
     complete = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
-    # Processes named "... (predicted)" (``pipecut.runtime.trace``) hold the simulator's spans,
+    # Processes named "... (predicted)" (``pipecut.runtime.execution.trace``) hold the simulator's spans,
     # which the report draws from the plan already: keep the measured ones.
     predicted = {e.get("pid") for e in events if isinstance(e, dict) and e.get("ph") == "M"
                  and e.get("name") == "process_name"

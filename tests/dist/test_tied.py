@@ -1,5 +1,5 @@
 """Gradient accumulation is exact: several ``pipe.step`` calls before ``opt.step()`` leave every
-``.grad`` equal to the plain model's accumulated gradient (``pipecut.runtime.tied``).
+``.grad`` equal to the plain model's accumulated gradient (``pipecut.runtime.grads.tied``).
 
 The trap was the tied weight: its copies on the first and last stage were summed whole after
 every step, so the first step's contribution was counted once per stage after the second step.

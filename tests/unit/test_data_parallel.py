@@ -14,7 +14,7 @@ from pipecut.passes.partition.problem import formulate
 from pipecut.passes.schedules.standard import gpipe, interleaved_1f1b, one_f_one_b
 from pipecut.plan import DeviceSpec, Partitioner, ScheduleKind
 from pipecut.planning.partition import DEFAULT_LINK, partition_costs
-from pipecut.runtime.data_parallel import last_backwards
+from pipecut.runtime.grads.data_parallel import last_backwards
 
 
 def test_the_last_backward_is_the_schedules_not_the_last_microbatch() -> None:

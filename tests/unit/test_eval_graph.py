@@ -28,8 +28,8 @@ from pipecut.passes.rewrite.split import split_stage
 from pipecut.passes.schedules.standard import build
 from pipecut.plan import CaptureMethod, NodeCost, NodeOp, Recompute, ScheduleKind
 from pipecut.planning.partition import partition_costs
-from pipecut.runtime.forward import concat_microbatches
-from pipecut.runtime.stage import StageWorker
+from pipecut.runtime.execution.forward import concat_microbatches
+from pipecut.runtime.execution.stage import StageWorker
 
 
 class NoGradBlock(nn.Module):

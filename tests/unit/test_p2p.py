@@ -1,4 +1,4 @@
-"""pipecut.runtime.p2p: the order of a rank's sends and receives, derived from its actions."""
+"""pipecut.runtime.comm.p2p: the order of a rank's sends and receives, derived from its actions."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from pipecut.core.schedule import Action
 from pipecut.passes.schedules.standard import build, one_f_one_b
 from pipecut.plan import LeafKind, ScheduleKind
-from pipecut.runtime.p2p import (
+from pipecut.runtime.comm.p2p import (
     Direction,
     Op,
     StepKind,

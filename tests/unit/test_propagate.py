@@ -32,7 +32,7 @@ from pipecut.passes.rewrite.propagate import (
     propagate,
 )
 from pipecut.plan import InputShape, LeafKind, Plan, ScheduleKind
-from pipecut.runtime.comm import WireSpec, pack, unpack
+from pipecut.runtime.comm.wire import WireSpec, pack, unpack
 
 OFF = AutocastState("", False, "")
 BF16 = AutocastState("cpu", True, "bfloat16")

@@ -173,7 +173,7 @@ def test_trace_ranks_from_tid_and_os_pids():
 def test_runtime_chrome_trace_keeps_the_measured_ranks(plan):
     from pipecut.passes.costs.stages import predicted_timeline
 
-    chrome_trace = pytest.importorskip("pipecut.runtime.trace").chrome_trace
+    chrome_trace = pytest.importorskip("pipecut.runtime.execution.trace").chrome_trace
 
     measured = [[("0F0", 0.0, 0.002), ("0B0", 0.004, 0.007)], [("1F0", 0.0025, 0.0035), ("1B0", 0.0035, 0.0039)]]
     spans = load_trace(chrome_trace(measured, predicted_timeline(plan)))

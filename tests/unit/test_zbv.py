@@ -29,7 +29,7 @@ from pipecut.passes.schedules.zbv import zbv, zbv_inflight
 from pipecut.plan import DeviceSpec, ScheduleKind
 from pipecut.planning.partition import partition_costs
 from pipecut.report.gantt import predicted_spans
-from pipecut.runtime.p2p import Wiring, receives, sends
+from pipecut.runtime.comm.p2p import Wiring, receives, sends
 from tests.unit.tiny import mlp_plan
 
 ZBV = ScheduleKind.ZBV
@@ -147,7 +147,7 @@ def test_two_stages_on_a_rank_must_fit_its_memory_together() -> None:
 
 def test_data_parallel_refuses_the_split_backward() -> None:
     from pipecut.parallel import DataParallelKind
-    from pipecut.runtime.data_parallel import check_supported
+    from pipecut.runtime.grads.data_parallel import check_supported
 
     with pytest.raises(PlanError, match="data_parallel='ddp' cannot run the zbv schedule"):
         check_supported(mlp_plan(2, 4, "zbv"), DataParallelKind.DDP)

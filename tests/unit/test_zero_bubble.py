@@ -17,7 +17,7 @@ from pipecut.errors import ScheduleError
 from pipecut.passes.rewrite.split import split
 from pipecut.passes.schedules.standard import one_f_one_b
 from pipecut.passes.schedules.zero_bubble import zero_bubble
-from pipecut.runtime.backward_split import split_backward
+from pipecut.runtime.execution.backward_split import split_backward
 
 
 def _stage_runs(name: str, k: int) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Run one rank's communication program over the stage workers it holds (one, or several).
 
-The program (:func:`pipecut.runtime.p2p.comm_program`, the order the NCCL checker proved safe)
+The program (:func:`pipecut.runtime.comm.p2p.comm_program`, the order the NCCL checker proved safe)
 says when to issue each ``batch_isend_irecv``, which receives to wait for before an action, and
 when to compute. Sent tensors are dropped once their batch is known complete (NCCL reports it;
 gloo only once waited, which happens one receive-wait later: see :meth:`_Wire.wait`), so a
@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from pipecut.core.schedule import Action, ActionKind
 from pipecut.errors import PipelineRuntimeError
-from pipecut.runtime.comm import Peer
-from pipecut.runtime.p2p import Op, Step, StepKind, Transfer
-from pipecut.runtime.stage import StageWorker
+from pipecut.runtime.comm.p2p import Op, Step, StepKind, Transfer
+from pipecut.runtime.comm.wire import Peer
+from pipecut.runtime.execution.stage import StageWorker
 
 __all__ = ["Event", "run_actions"]
 

@@ -1,4 +1,4 @@
-"""The promises of ``pipecut.runtime.grads`` that need no processes: loss weighting and the
+"""The promises of ``pipecut.runtime.grads.collective`` that need no processes: loss weighting and the
 refusals of options that would give a result other than the plain model's."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import pipecut
 from examples import mlp
 from pipecut.options import LossReduction
-from pipecut.runtime.grads import loss_divisor, parse_loss_reduction, scale_loss_fn
+from pipecut.runtime.grads.collective import loss_divisor, parse_loss_reduction, scale_loss_fn
 
 CPU = torch.device("cpu")
 

@@ -8,7 +8,7 @@ shapes and autocast state (see ``pipecut.core.shapes``), never exchanged. Both e
 tensor against it (:func:`pack` before sending, :func:`unpack` after receiving), so a rank that
 disagrees fails with the value, both dtypes and shapes, instead of reinterpreting bytes.
 Messages are matched by order, as NCCL does (per pair of ranks, the n-th send meets the n-th
-receive): :mod:`pipecut.runtime.p2p` fixes that order and :mod:`pipecut.runtime.nccl` proves
+receive): :mod:`pipecut.runtime.comm.p2p` fixes that order and :mod:`pipecut.runtime.comm.nccl` proves
 it safe. Each message still carries a unique tag, which gloo checks and NCCL ignores; nothing
 depends on it. Every wait has a deadline.
 """
@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from pipecut.core.cut_values import decode_constant, dtype_from_name, encode_constant, flatten
 from pipecut.errors import PipelineRuntimeError
 from pipecut.plan import LeafKind, NodeCost
-from pipecut.runtime.p2p import Direction, Transfer
+from pipecut.runtime.comm.p2p import Direction, Transfer
 
 __all__ = ["Peer", "TensorLeaf", "WireSpec", "pack", "tag", "unpack"]
 

@@ -26,7 +26,7 @@ import pipecut
 from examples import gpt, mlp, zoo
 from pipecut.errors import PlanError
 from pipecut.plan import Plan, Recompute, ScheduleKind
-from pipecut.runtime.compiled import check_compilable
+from pipecut.runtime.execution.compiled import check_compilable
 from tests.dist.test_amp_shapes import AMP_RTOL, Step, _amp, _cut
 from tests.dist.test_parity import hf_gpt2
 from tests.dist.test_recompute import _check_buffers, _reference_with_buffers

@@ -20,10 +20,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from pipecut.errors import PipelineRuntimeError
-from pipecut.runtime.comm import WireSpec
+from pipecut.runtime.comm.wire import WireSpec
 
 if TYPE_CHECKING:  # stage.py imports this module
-    from pipecut.runtime.stage import StageWorker
+    from pipecut.runtime.execution.stage import StageWorker
 
 __all__: list[str] = []
 

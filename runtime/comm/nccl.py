@@ -13,7 +13,7 @@ there):
 - **Blocking host.** A rank's host waits for an action's receives, and every batch it issued
   before them, before computing it; and for every send at the end of the step.
 
-Ranks run the steps :func:`pipecut.runtime.p2p.comm_program` gives (the executor runs the
+Ranks run the steps :func:`pipecut.runtime.comm.p2p.comm_program` gives (the executor runs the
 same), or any other program given explicitly (tests replay the old order with it).
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from pipecut.core.schedule import Action, Schedule, format_marked
 from pipecut.errors import ScheduleError
-from pipecut.runtime.p2p import Op, Step, StepKind, Transfer, Wiring, comm_program
+from pipecut.runtime.comm.p2p import Op, Step, StepKind, Transfer, Wiring, comm_program
 
 __all__: list[str] = []
 

@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from pipecut.core.meta import empty_like, is_meta, module_tensors, rebind
 from pipecut.errors import InputError, PipelineRuntimeError
-from pipecut.runtime import pretrained
-from pipecut.runtime.weights import WeightSource
+from pipecut.runtime.state import pretrained
+from pipecut.runtime.state.weights import WeightSource
 
 __all__: list[str] = []
 

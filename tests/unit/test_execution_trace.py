@@ -1,4 +1,4 @@
-"""pipecut.runtime.trace: measured and predicted spans as one Chrome trace."""
+"""pipecut.runtime.execution.trace: measured and predicted spans as one Chrome trace."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 from pipecut.core.schedule import Action
 from pipecut.report.gantt import load_trace
-from pipecut.runtime.trace import PREDICTED_PID_OFFSET, chrome_trace, write_chrome_trace
+from pipecut.runtime.execution.trace import PREDICTED_PID_OFFSET, chrome_trace, write_chrome_trace
 
 
 def test_measured_ranks_and_predicted_processes_side_by_side(tmp_path):

@@ -7,7 +7,7 @@ checkpoint or a state dict, read tensor by tensor so that a rank reads only its 
 - a directory written by Hugging Face ``save_pretrained``: ``model.safetensors``, or shards
   listed in ``model.safetensors.index.json`` (its ``weight_map`` says which file holds which
   tensor), or otherwise every ``*.safetensors`` file in it;
-- a pipecut checkpoint directory (``pipecut.runtime.checkpoint.save``, DCP with ``.metadata``):
+- a pipecut checkpoint directory (``pipecut.runtime.state.checkpoint.save``, DCP with ``.metadata``):
   its ``model.<fqn>`` entries;
 - a mapping from names to tensors (a state dict).
 
@@ -60,7 +60,7 @@ class WeightSource:
             yield from ((k, self.tensors[k]) for k in keys)
             return
         if self.dcp is not None:
-            from pipecut.runtime.checkpoint import _metadata, _read
+            from pipecut.runtime.state.checkpoint import _metadata, _read
 
             state = _read(_metadata(self.dcp), [f"model.{k}" for k in keys], self.dcp, no_dist=True)
             yield from ((k, state.pop(f"model.{k}")) for k in keys)
@@ -93,7 +93,7 @@ def _files(paths: Sequence[Path]) -> dict[str, str]:
 
 def _directory(path: Path) -> WeightSource:
     if (path / ".metadata").exists():
-        from pipecut.runtime.checkpoint import _metadata
+        from pipecut.runtime.state.checkpoint import _metadata
 
         keys = [k.removeprefix("model.") for k in _metadata(path) if k.startswith("model.")]
         return WeightSource(f"checkpoint {path}", files=dict.fromkeys(keys, str(path)), dcp=path)

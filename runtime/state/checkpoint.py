@@ -35,7 +35,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,9 @@ import torch.distributed.checkpoint as dcp
 
 from pipecut.core.graph import mutates_first_arg
 from pipecut.errors import InputError
-from pipecut.runtime.pipeline import Pipeline
+
+if TYPE_CHECKING:  # Pipeline calls these modules: a run-time import would be a cycle
+    from pipecut.runtime.pipeline import Pipeline
 
 __all__ = [
     "PLAN_FILE",
@@ -190,7 +192,7 @@ def _metadata(path: Path) -> dict[str, Any]:
     if not (path / _COMPLETE).exists():
         raise InputError(
             f"{path} is not a complete checkpoint (no {_COMPLETE}: missing, or its save was "
-            f"interrupted); load an earlier one, e.g. pipecut.runtime.checkpoint.latest(root)"
+            f"interrupted); load an earlier one, e.g. pipecut.runtime.state.checkpoint.latest(root)"
         )
     return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
 

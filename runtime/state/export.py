@@ -2,7 +2,7 @@
 
 Every rank of the pipeline writes its stage's tensors, under the model's own names (the keys of
 ``pipe.state_dict()``), as one safetensors shard, and global rank 0 writes the index that
-``from_pretrained`` and :func:`pipecut.runtime.weights.open_weights` read::
+``from_pretrained`` and :func:`pipecut.runtime.state.weights.open_weights` read::
 
     model-00001-of-00002.safetensors     pipeline rank 0's tensors
     model-00002-of-00002.safetensors     pipeline rank 1's tensors
@@ -10,8 +10,8 @@ Every rank of the pipeline writes its stage's tensors, under the model's own nam
     config.json                          the model's config, when it has one
 
 A tensor held by several stages (a tied weight, a chunked head's weight) is written once, by
-the stage that owns it in checkpoints (:func:`pipecut.runtime.checkpoint.owned`), and under one
-name: the one ``save_pretrained`` keeps (:func:`pipecut.runtime.pretrained.saved_name`; GPT-2's
+the stage that owns it in checkpoints (:func:`pipecut.runtime.state.checkpoint.owned`), and under one
+name: the one ``save_pretrained`` keeps (:func:`pipecut.runtime.state.pretrained.saved_name`; GPT-2's
 ``transformer.wte.weight``). Non-persistent buffers are not written, as in ``state_dict()``.
 With data parallelism, FSDP's sharded parameters are gathered whole (``full_tensor()``, a
 collective over the replicas) and only replica 0 writes; a shard is numbered among the ranks
@@ -30,18 +30,20 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pipecut.errors import InputError, PipelineRuntimeError
-from pipecut.runtime.checkpoint import owned
-from pipecut.runtime.materialize import raise_together
-from pipecut.runtime.pipeline import Pipeline
-from pipecut.runtime.pretrained import saved_name
-from pipecut.runtime.weights import INDEX_FILE, SINGLE_FILE
+from pipecut.runtime.state.checkpoint import owned
+from pipecut.runtime.state.materialize import raise_together
+from pipecut.runtime.state.pretrained import saved_name
+from pipecut.runtime.state.weights import INDEX_FILE, SINGLE_FILE
+
+if TYPE_CHECKING:  # Pipeline calls these modules: a run-time import would be a cycle
+    from pipecut.runtime.pipeline import Pipeline
 
 __all__ = ["export", "shard_name"]
 

@@ -19,7 +19,7 @@ when ``compile`` initialised it from torchrun's environment, the groups of tied 
 mesh of ``data_parallel="auto"``), holding only a weak reference to it. ``weakref.finalize``
 runs pending finalizers at exit, before the interpreter tears down, newest first (subgroups
 before the default group). A group destroyed earlier (by the user, or by
-:func:`pipecut.runtime.failure.abort`) is no longer open then, and nothing is done. No module
+:func:`pipecut.runtime.comm.failure.abort`) is no longer open then, and nothing is done. No module
 state: each group carries its own finalizer, and one that is gone takes it along. A group
 the user opened is the user's to close; and after an uncaught exception nothing is destroyed
 (with NCCL, destroying while other ranks still wait in a collective can hang: the rank is
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecut.runtime.launch import ensure_process_group
+from pipecut.runtime.comm.launch import ensure_process_group
 
 __all__ = ["close_at_exit", "open_default_group"]
 

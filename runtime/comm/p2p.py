@@ -4,8 +4,8 @@ NCCL ignores tags: between two ranks, the n-th send is delivered to the n-th rec
 large send completes only once its receive runs. So the order of sends and receives is part
 of a schedule's correctness, and it must be the same order the simulator checks and the
 executor runs. :func:`comm_program` derives it from a rank's action list; the executor walks
-the steps it returns (:mod:`pipecut.runtime.executor`) and the NCCL checker
-(:mod:`pipecut.runtime.nccl`) replays the same steps for every rank.
+the steps it returns (:mod:`pipecut.runtime.execution.executor`) and the NCCL checker
+(:mod:`pipecut.runtime.comm.nccl`) replays the same steps for every rank.
 
 The order: every message is given a round, the time its producing action ends in a replay of
 the schedule; both ends put it in the ``batch_isend_irecv`` of that round, and a rank issues

@@ -27,13 +27,13 @@ from pipecut.core.program import StageProgram
 from pipecut.core.segment import Segment
 from pipecut.errors import PipelineRuntimeError
 from pipecut.plan import NodeCost, Plan, Recompute
-from pipecut.runtime.backward_split import split_backward
-from pipecut.runtime.comm import Peer, WireSpec, pack, unpack
-from pipecut.runtime.compiled import CompileStats, compile_stage, uncompile_stage
-from pipecut.runtime.forward import check_grad_flags
-from pipecut.runtime.memory import ActivationMeter
-from pipecut.runtime.p2p import Direction, Op, Transfer
-from pipecut.runtime.recompute_state import StateReplay
+from pipecut.runtime.comm.p2p import Direction, Op, Transfer
+from pipecut.runtime.comm.wire import Peer, WireSpec, pack, unpack
+from pipecut.runtime.execution.backward_split import split_backward
+from pipecut.runtime.execution.compiled import CompileStats, compile_stage, uncompile_stage
+from pipecut.runtime.execution.forward import check_grad_flags
+from pipecut.runtime.execution.recompute_state import StateReplay
+from pipecut.runtime.memory.activations import ActivationMeter
 
 __all__ = ["LossFn", "StageWorker", "tree_to"]
 
@@ -102,13 +102,13 @@ class StageWorker:
         """Tensors computed but not yet handed to a send."""
         self.loss_divisor: float | None = None
         """loss_reduction="sum": each microbatch's loss is divided by it (set per step; see
-        ``pipecut.runtime.grads``); None: a mean, weighted by microbatch size."""
+        ``pipecut.runtime.grads.collective``); None: a mean, weighted by microbatch size."""
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
         """A GradScaler's ``scale``: backward starts from the scaled loss (set per step)."""
         self.call: Callable[..., Any] = program.module
         self.compiled: CompileStats | None = None
         """With ``compile_stages``: what compiling the stage module cost (see
-        :mod:`pipecut.runtime.compiled`); None when it runs eagerly."""
+        :mod:`pipecut.runtime.execution.compiled`); None when it runs eagerly."""
         """What a forward calls: the stage module, or its data-parallel wrapper."""
         self.before_backward: Callable[[int], None] = lambda mb: None
         """Data parallelism: tells the wrapper whether a microbatch's backward is the last."""
@@ -126,7 +126,7 @@ class StageWorker:
 
     def compile(self) -> None:
         """Run the stage module through ``torch.compile`` from its next call on (see
-        :mod:`pipecut.runtime.compiled`). The segments' inputs are then among the compiled
+        :mod:`pipecut.runtime.execution.compiled`). The segments' inputs are then among the compiled
         graph's saved tensors, which the meter counts already: their hooks go (a hook inside
         the compiled region would also break its graph)."""
         for hook in self._segment_hooks:

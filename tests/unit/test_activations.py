@@ -1,10 +1,10 @@
-"""pipecut.runtime.memory: live activation bytes measured by saved-tensor hooks."""
+"""pipecut.runtime.memory.activations: live activation bytes measured by saved-tensor hooks."""
 
 from __future__ import annotations
 
 import torch
 
-from pipecut.runtime.memory import ActivationMeter
+from pipecut.runtime.memory.activations import ActivationMeter
 
 
 def test_forward_counts_saved_activations_once_and_release_frees_them():
@@ -59,7 +59,7 @@ def test_a_graph_kept_for_a_split_backward_is_freed_after_its_weight_pass():
     import gc
     import weakref
 
-    from pipecut.runtime.backward_split import split_backward
+    from pipecut.runtime.execution.backward_split import split_backward
 
     meter = ActivationMeter([])
     w = torch.randn(4, 4, requires_grad=True)

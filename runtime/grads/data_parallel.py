@@ -35,7 +35,7 @@ again, FSDP2 gathers with the new flags), so frozen parameters get no gradient a
 are averaged, as in the plain model doing the same freezing.
 
 Both average over replicas, as DDP does. Tied weights (one parameter on two stages of a
-replica) are summed over their stages afterwards (``pipecut.runtime.tied``); the two reductions
+replica) are summed over their stages afterwards (``pipecut.runtime.grads.tied``); the two reductions
 are linear and act on different groups, so their order does not change the result, but the
 tied sum must follow the replica average because only then are the gradients complete.
 """
@@ -57,8 +57,8 @@ from pipecut.core.schedule import Action, ActionKind
 from pipecut.errors import PipelineRuntimeError, PlanError
 from pipecut.parallel import DataParallelKind
 from pipecut.plan import Plan, Recompute
-from pipecut.runtime.stage import StageWorker
-from pipecut.runtime.sync import wait_for
+from pipecut.runtime.comm.sync import wait_for
+from pipecut.runtime.execution.stage import StageWorker
 
 __all__: list[str] = []
 

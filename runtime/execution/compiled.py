@@ -20,7 +20,7 @@ system's temporary directory) is shared by every process of a host: a stage whos
 graph is the same as another's (the middle blocks of a transformer at K = 4) is compiled once
 and read from the cache by the other ranks, and a second run starts warm.
 
-Zero-bubble schedules are refused: their split backward (:mod:`pipecut.runtime.backward_split`)
+Zero-bubble schedules are refused: their split backward (:mod:`pipecut.runtime.execution.backward_split`)
 walks the stage's autograd graph to run input and weight gradients apart, and a compiled stage's
 backward is one fused autograd node.
 """
