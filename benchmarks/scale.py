@@ -36,12 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, exa
 
 import pipecut
 from benchmarks.synthetic import Shape, transformer_costs
+from pipecut.cluster import Link
+from pipecut.core.kinds import ScheduleKind
 from pipecut.core.schedule import StageCosts, simulate
 from pipecut.passes.costs.workload import Workload
 from pipecut.passes.parallel.hybrid import HybridPlan, plan_hybrid, workload
 from pipecut.passes.parallel.replication import ReplicationKind
 from pipecut.passes.schedules.standard import build
-from pipecut.plan import Link, ScheduleKind
 
 DEVICES = (64, 128, 256, 512, 1024)
 SPEEDUP = 3000.0

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 
 from pipecut.api import compile
+from pipecut.cluster import Link
+from pipecut.core.kinds import CaptureMethod, Partitioner, Recompute, ScheduleKind
 from pipecut.errors import (
     CaptureError,
     InputError,
@@ -19,6 +21,7 @@ from pipecut.errors import (
     PlanError,
     ScheduleError,
 )
+from pipecut.ir import DeviceSpec, NodeCost, Plan
 from pipecut.options import (
     CaptureOptions,
     DataParallelOptions,
@@ -30,16 +33,6 @@ from pipecut.options import (
     RuntimeOptions,
     ScheduleOptions,
     WeightOptions,
-)
-from pipecut.plan import (
-    CaptureMethod,
-    DeviceSpec,
-    Link,
-    NodeCost,
-    Partitioner,
-    Plan,
-    Recompute,
-    ScheduleKind,
 )
 from pipecut.planning.partition import partition_costs
 from pipecut.planning.planner import plan

@@ -31,6 +31,7 @@ from pipecut.build.workers import (
 from pipecut.capture.modes import Modes, derive_other_mode
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import CaptureError, PipecutError, PlanError
+from pipecut.ir import Plan
 from pipecut.options import (
     AUTO,
     CaptureOptions,
@@ -45,7 +46,6 @@ from pipecut.options import (
 )
 from pipecut.parallel import DataParallelKind
 from pipecut.passes.costs.stages import predicted_timeline
-from pipecut.plan import Plan
 from pipecut.planning.partition import Devices
 from pipecut.profile.compiled import check_auto, measure_and_choose, with_note
 from pipecut.profile.live import measure_stages, recalibrate

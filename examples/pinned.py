@@ -24,8 +24,8 @@ from pipecut.capture import capture, fingerprint
 from pipecut.capture.modes import describe_graph
 from pipecut.core.batching import first_microbatch
 from pipecut.core.kinds import CaptureMethod
+from pipecut.ir import NodeCost, Plan
 from pipecut.passes.partition.chain import is_unit
-from pipecut.plan import NodeCost, Plan
 from pipecut.planning.partition import partition_costs
 
 FORWARD_MS, BACKWARD_MS = 1.0, 2.0

@@ -26,7 +26,7 @@ from pipecut.core.shapes import (
     signature,
 )
 from pipecut.errors import InputError, PipecutError, PipelineRuntimeError
-from pipecut.plan import NodeCost, Plan
+from pipecut.ir import NodeCost, Plan
 from pipecut.runtime.comm.failure import abort
 from pipecut.runtime.comm.nccl import check_nccl
 from pipecut.runtime.comm.p2p import Step, comm_program, wiring

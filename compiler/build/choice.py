@@ -18,12 +18,13 @@ from pipecut.build.replay import Asked
 from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.capture.agree import capture_for_plan
 from pipecut.core.batching import first_microbatch
+from pipecut.core.kinds import Recompute
 from pipecut.core.program import Captured, Inputs
 from pipecut.core.schedule import Schedule, validate
 from pipecut.errors import PlanError
+from pipecut.ir import Plan
 from pipecut.options import ScheduleOptions
 from pipecut.passes.costs.stages import plan_schedule
-from pipecut.plan import Plan, Recompute
 from pipecut.planning.planner import plan as make_plan
 from pipecut.planning.request import warn_if_sequential
 from pipecut.runtime.comm.nccl import check_nccl

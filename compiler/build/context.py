@@ -18,11 +18,12 @@ import torch.distributed as dist
 
 from pipecut.build.layout import Layout, layout_of, replication_of
 from pipecut.build.replay import Settings
+from pipecut.cluster import Link
 from pipecut.core.program import Inputs
 from pipecut.errors import InputError
+from pipecut.ir import DeviceSpec, Plan
 from pipecut.options import Options, WeightOptions
 from pipecut.parallel import DataParallel
-from pipecut.plan import DeviceSpec, Link, Plan
 from pipecut.planning.partition import as_devices
 from pipecut.profile.nodes import LossFn
 from pipecut.runtime.comm.launch import local_device

@@ -23,8 +23,8 @@ from pipecut.build.layout import Layout
 from pipecut.core.meta import has_meta
 from pipecut.core.program import Captured, StageProgram
 from pipecut.errors import InputError
+from pipecut.ir import Plan
 from pipecut.passes.rewrite.split import split_stage
-from pipecut.plan import Plan
 from pipecut.runtime.comm.sync import stage_state, sync_from_rank0
 from pipecut.runtime.comm.teardown import close_at_exit
 from pipecut.runtime.execution.stage import StageWorker

@@ -27,8 +27,10 @@ from typing import Any, TypeAlias
 
 from pipecut.cli import logs
 from pipecut.cli.factory import SHIPPED, call_factory, load_factory
+from pipecut.cluster import Link
+from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import InputError, PipecutError
-from pipecut.plan import DeviceSpec, Link, Plan, ScheduleKind
+from pipecut.ir import DeviceSpec, Plan
 from pipecut.report.text import summary
 
 __all__ = [

@@ -1,7 +1,8 @@
 """The kinds plan data names: fx opcodes, capture methods, schedules, recompute, cost sources.
 
 Enums, not strings: the plan, the options (:mod:`pipecut.options`) and the passes share them,
-and :mod:`pipecut.plan` re-exports them where users import them from.
+and this module is their one home: import them from here (or from :mod:`pipecut`, the public
+surface), not through :mod:`pipecut.ir`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Planning: from a model (or a cost table) to a :class:`~pipecut.plan.Plan`.
+"""Planning: from a model (or a cost table) to a :class:`~pipecut.ir.Plan`.
 
 The steps, each in its own module: :mod:`~pipecut.planning.planner` (``pipecut.plan``: capture,
 measure, partition, calibrate), :mod:`~pipecut.planning.partition` (cost table in, plan out),

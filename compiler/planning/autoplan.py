@@ -27,11 +27,12 @@ import torch
 
 from pipecut.capture.modes import describe_graph
 from pipecut.core.batching import batch_size, first_microbatch, split_microbatches
+from pipecut.core.kinds import CaptureMethod, Recompute, ScheduleKind
 from pipecut.core.program import Captured, Shapes
 from pipecut.errors import InputError, PartitionError, PipecutError, ScheduleError
+from pipecut.ir import Candidate, NodeCost, Plan
 from pipecut.options import AUTO
 from pipecut.passes.costs.microbatching import candidate_microbatches, costs_at, with_structure
-from pipecut.plan import Candidate, CaptureMethod, NodeCost, Plan, Recompute, ScheduleKind
 from pipecut.planning.partition import as_schedule, partition_costs
 from pipecut.planning.request import Request, capture_at, profile_at
 

@@ -17,9 +17,12 @@ from typing import Any
 
 import torch
 
+from pipecut.cluster import Link
 from pipecut.core.choices import enum_choice
+from pipecut.core.kinds import CaptureMethod, Partitioner, Recompute, ScheduleKind
 from pipecut.core.schedule import rank_of, stages_on
 from pipecut.errors import InputError, PartitionError
+from pipecut.ir import DeviceSpec, NodeCost, Plan, Solver, Stage
 from pipecut.options import AUTO, IlpSolver, PartitionOptions
 from pipecut.parallel import DataParallel
 from pipecut.passes.costs.stages import build_stages, inflight_microbatches
@@ -36,18 +39,6 @@ from pipecut.passes.partition.pinned import (
 )
 from pipecut.passes.partition.problem import Formulation, formulate
 from pipecut.passes.partition.refine import refine_cuts
-from pipecut.plan import (
-    CaptureMethod,
-    DeviceSpec,
-    Link,
-    NodeCost,
-    Partitioner,
-    Plan,
-    Recompute,
-    ScheduleKind,
-    Solver,
-    Stage,
-)
 from pipecut.version import __version__
 
 __all__ = [

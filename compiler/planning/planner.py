@@ -1,4 +1,4 @@
-"""``pipecut.plan``: capture, measure and partition a model into a :class:`~pipecut.plan.Plan`.
+"""``pipecut.plan``: capture, measure and partition a model into a :class:`~pipecut.ir.Plan`.
 
 Planning runs in one process and needs no torch.distributed. :func:`plan` reads as its steps:
 resolve the options into a :class:`~pipecut.planning.request.Request`, then plan for a cluster
@@ -21,9 +21,11 @@ import torch
 
 from pipecut.capture import fingerprint
 from pipecut.cluster import Cluster
+from pipecut.core.kinds import CostSource, NodeOp, Recompute, ScheduleKind
 from pipecut.core.meta import has_meta
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError, PartitionError
+from pipecut.ir import ChunkedNode, NodeCost, Plan
 from pipecut.options import (
     AUTO,
     CaptureOptions,
@@ -38,7 +40,6 @@ from pipecut.options import (
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.partition.chain import is_unit
 from pipecut.passes.rewrite.propagate import accepted_shapes
-from pipecut.plan import ChunkedNode, CostSource, NodeCost, NodeOp, Plan, Recompute, ScheduleKind
 from pipecut.planning.autoplan import plan_auto
 from pipecut.planning.heavy import try_pieces
 from pipecut.planning.partition import Devices, as_devices, as_schedule, partition_costs

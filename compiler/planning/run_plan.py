@@ -25,21 +25,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pipecut.cluster import Cluster, Link
+from pipecut.core.kinds import CaptureMethod, Partitioner, Recompute
 from pipecut.errors import PartitionError
+from pipecut.ir import DeviceSpec, NodeCost, Plan, Solver, Stage
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.costs.stages import build_stages
 from pipecut.passes.parallel.training import RunCandidate, RunStage
 from pipecut.passes.partition.chain import liveness
-from pipecut.plan import (
-    CaptureMethod,
-    DeviceSpec,
-    NodeCost,
-    Partitioner,
-    Plan,
-    Recompute,
-    Solver,
-    Stage,
-)
 from pipecut.version import __version__
 
 __all__ = ["mixed_links_note", "plan_of_run"]

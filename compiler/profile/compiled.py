@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from pipecut.errors import PlanError
+from pipecut.ir import Plan
 from pipecut.options import AUTO
-from pipecut.plan import Plan
 from pipecut.profile.calibrate import stage_times
 from pipecut.profile.live import LiveTimes, measure_stages
 from pipecut.runtime.execution.compiled import CompileStats, compile_stage

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipecut.core.kinds import Recompute
 from pipecut.core.schedule import Action, ActionKind, Schedule, timeline
 from pipecut.errors import PlanError, ScheduleError
+from pipecut.ir import Plan
 from pipecut.passes.costs.stages import predicted_timeline
-from pipecut.plan import Plan, Recompute
 
 __all__ = ["Span", "layout", "load_trace", "predicted_spans", "recompute_ms", "to_trace"]
 
@@ -58,7 +59,7 @@ def layout(
 def predicted_spans(plan: Plan) -> tuple[Span, ...]:
     """The plan's schedule laid out exactly as the planner predicted its step time.
 
-    Each action is on the rank that runs its stage (:meth:`pipecut.plan.Plan.rank_of`).
+    Each action is on the rank that runs its stage (:meth:`pipecut.ir.Plan.rank_of`).
     """
     return tuple(
         Span(rank=plan.rank_of(a.stage), action=str(a), start=start, end=end)

@@ -11,6 +11,8 @@ from typing import overload
 
 import numpy as np
 
+from pipecut.cluster import Link
+from pipecut.core.kinds import NodeOp, Recompute, ScheduleKind
 from pipecut.core.schedule import (
     Action,
     Placement,
@@ -20,6 +22,7 @@ from pipecut.core.schedule import (
     rank_of,
     timeline,
 )
+from pipecut.ir import DeviceSpec, Edge, NodeCost, Plan, Predicted, Stage, TiedGroup
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.partition.chain import (
     Liveness,
@@ -32,19 +35,6 @@ from pipecut.passes.partition.chain import (
     value_messages,
 )
 from pipecut.passes.schedules.standard import build as build_schedule
-from pipecut.plan import (
-    DeviceSpec,
-    Edge,
-    Link,
-    NodeCost,
-    NodeOp,
-    Plan,
-    Predicted,
-    Recompute,
-    ScheduleKind,
-    Stage,
-    TiedGroup,
-)
 
 __all__ = [
     "OPTIMIZER_STATE_FACTOR",

@@ -39,6 +39,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pipecut.cluster import Link
+from pipecut.core.kinds import ScheduleKind
 from pipecut.core.schedule import rank_end_ms
 from pipecut.errors import PartitionError
 from pipecut.passes.costs.stages import inflight_microbatches, state_bytes
@@ -51,7 +53,6 @@ from pipecut.passes.partition.coarsen import candidate_cuts
 from pipecut.passes.partition.memory_dp import partition_bounded
 from pipecut.passes.partition.problem import Problem
 from pipecut.passes.schedules.standard import build
-from pipecut.plan import Link, ScheduleKind
 
 __all__ = [
     "COARSE_ABOVE",

@@ -43,13 +43,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipecut.cluster import Link
+from pipecut.core.kinds import ScheduleKind
 from pipecut.core.schedule import rank_end_ms
 from pipecut.errors import PartitionError
 from pipecut.passes.costs.stages import OPTIMIZER_STATE_FACTOR, ring_allreduce_ms, state_bytes
 from pipecut.passes.costs.workload import Workload
 from pipecut.passes.partition.coarsen import candidate_cuts
 from pipecut.passes.schedules.standard import build
-from pipecut.plan import Link, ScheduleKind
 
 __all__ = [
     "ReplicatedPlan",

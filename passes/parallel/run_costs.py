@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipecut.cluster import Link
+from pipecut.core.kinds import Recompute
 from pipecut.parallel import DataParallelKind
 from pipecut.passes.costs.workload import Workload
-from pipecut.plan import Recompute
 
 __all__ = [
     "REDUCE_BYTES_PER_PARAM",

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pipecut.core.kinds import ScheduleKind
 from pipecut.core.schedule import ActionKind, Schedule
 from pipecut.passes.costs.workload import Workload
-from pipecut.plan import ScheduleKind
 
 __all__ = ["chunk_options", "peak_activations", "weight_ms"]
 

@@ -56,6 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipecut.cluster import Cluster, ClusterPlacement, Layout, Link
+from pipecut.core.kinds import Recompute, ScheduleKind
 from pipecut.core.schedule import Schedule, StageCosts, rank_end_ms, rank_of
 from pipecut.errors import InputError
 from pipecut.parallel import DataParallelKind
@@ -70,7 +71,6 @@ from pipecut.passes.parallel.run_costs import (
 )
 from pipecut.passes.parallel.run_schedule import chunk_options, peak_activations, weight_ms
 from pipecut.passes.schedules.standard import build
-from pipecut.plan import Recompute, ScheduleKind
 
 __all__ = [
     "RunCandidate",

@@ -11,11 +11,11 @@ sizes is kept under ``tests/golden/``.
 
 from __future__ import annotations
 
+from pipecut.core.kinds import ScheduleKind
 from pipecut.core.schedule import Action, ActionKind, Schedule, StageCosts
 from pipecut.errors import ScheduleError
 from pipecut.passes.schedules.zbv import zbv
 from pipecut.passes.schedules.zero_bubble import zero_bubble
-from pipecut.plan import ScheduleKind
 
 __all__ = ["build", "gpipe", "interleaved_1f1b", "one_f_one_b", "unit_costs"]
 

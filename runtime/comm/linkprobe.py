@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from pipecut.plan import Link
+from pipecut.cluster import Link
 
 __all__ = ["measure_link"]
 

@@ -30,8 +30,9 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipecut.core.kinds import LeafKind
 from pipecut.core.schedule import Action, ActionKind, Placement, Schedule, rank_of, timeline
-from pipecut.plan import LeafKind, Plan
+from pipecut.ir import Plan
 
 __all__: list[str] = []
 

@@ -25,8 +25,9 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from pipecut.core.cut_values import decode_constant, dtype_from_name, encode_constant, flatten
+from pipecut.core.kinds import LeafKind
 from pipecut.errors import PipelineRuntimeError
-from pipecut.plan import LeafKind, NodeCost
+from pipecut.ir import NodeCost
 from pipecut.runtime.comm.p2p import Direction, Transfer
 
 __all__ = ["Peer", "TensorLeaf", "WireSpec", "pack", "tag", "unpack"]

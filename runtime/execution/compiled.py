@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from pipecut.errors import PlanError
-from pipecut.plan import Plan
+from pipecut.ir import Plan
 
 __all__ = ["CompileStats", "check_compilable", "compile_stage", "uncompile_stage"]
 

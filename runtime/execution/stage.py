@@ -23,10 +23,11 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
+from pipecut.core.kinds import Recompute
 from pipecut.core.program import StageProgram
 from pipecut.core.segment import Segment
 from pipecut.errors import PipelineRuntimeError
-from pipecut.plan import NodeCost, Plan, Recompute
+from pipecut.ir import NodeCost, Plan
 from pipecut.runtime.comm.p2p import Direction, Op, Transfer
 from pipecut.runtime.comm.wire import Peer, WireSpec, pack, unpack
 from pipecut.runtime.execution.backward_split import split_backward

@@ -33,8 +33,8 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from pipecut.errors import InputError, PipelineRuntimeError
+from pipecut.ir import Plan
 from pipecut.options import LossReduction
-from pipecut.plan import Plan
 
 __all__ = [
     "clip_grad_norm_",

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from pipecut.plan import DeviceSpec
+from pipecut.ir import DeviceSpec
 
 __all__ = ["free_bytes", "gathered_free_bytes", "with_capacities"]
 

@@ -24,8 +24,9 @@ import torch
 
 import pipecut
 from examples import gpt, mlp, zoo
+from pipecut.core.kinds import Recompute, ScheduleKind
 from pipecut.errors import PlanError
-from pipecut.plan import Plan, Recompute, ScheduleKind
+from pipecut.ir import Plan
 from pipecut.runtime.execution.compiled import check_compilable
 from tests.dist.test_amp_shapes import AMP_RTOL, Step, _amp, _cut
 from tests.dist.test_parity import hf_gpt2

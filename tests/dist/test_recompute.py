@@ -27,7 +27,8 @@ import pipecut
 from examples import gpt, resnet, zoo
 from pipecut.core.batching import split_microbatches
 from pipecut.core.graph import canonical_names
-from pipecut.plan import DeviceSpec, Plan, Recompute
+from pipecut.core.kinds import Recompute
+from pipecut.ir import DeviceSpec, Plan
 from tests.harness import run_ranks
 from tests.reference import ATOL, COUNTED, RTOL, assert_parity, pipeline_grads, reference
 

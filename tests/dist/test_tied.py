@@ -30,7 +30,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import pipecut
 from examples import gpt
-from pipecut.plan import ChunkedNode, Plan, Recompute
+from pipecut.core.kinds import Recompute
+from pipecut.ir import ChunkedNode, Plan
 from tests.dist.test_chunked_head import _set_plan
 from tests.dist.test_grads import PAD, token_sum
 from tests.dist.test_hybrid import _aliases, _full_grads

@@ -8,7 +8,7 @@ import torch
 
 import pipecut
 from pipecut.capture import capture, fingerprint
-from pipecut.plan import CaptureMethod
+from pipecut.core.kinds import CaptureMethod
 from pipecut.planning.autoplan import Measurements, accepts
 from pipecut.profile.nodes import profile
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import pipecut
+from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import CaptureError, PartitionError
 from pipecut.options import AUTO
-from pipecut.plan import ScheduleKind
 from pipecut.planning.autoplan import choose
 from tests.unit.tiny import mlp_plan
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipecut.plan import DeviceSpec
+from pipecut.ir import DeviceSpec
 from pipecut.runtime.memory.capacity import free_bytes, with_capacities
 
 

@@ -16,6 +16,7 @@ import torch
 import pipecut
 from pipecut import Plan, summary
 from pipecut.cluster import Cluster, Layout, Link
+from pipecut.core.kinds import Recompute, ScheduleKind
 from pipecut.core.schedule import StageCosts, parse_schedule, simulate
 from pipecut.errors import InputError
 from pipecut.passes.costs.workload import Workload
@@ -28,7 +29,6 @@ from pipecut.passes.parallel.training import (
     evaluate_run,
 )
 from pipecut.passes.schedules.standard import build
-from pipecut.plan import Recompute, ScheduleKind
 from pipecut.planning.clusters import plan_cluster
 from pipecut.report.gantt import predicted_spans
 from pipecut.report.text import human_bytes

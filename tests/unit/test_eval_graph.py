@@ -21,12 +21,13 @@ from examples import mlp
 from pipecut.capture import capture
 from pipecut.capture.modes import Modes, derive_other_mode, describe_graph
 from pipecut.core.batching import first_microbatch
+from pipecut.core.kinds import CaptureMethod, NodeOp, Recompute, ScheduleKind
 from pipecut.core.schedule import ActionKind, forward_only, simulate
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
+from pipecut.ir import NodeCost
 from pipecut.passes.rewrite.eval_graph import map_stages
 from pipecut.passes.rewrite.split import split_stage
 from pipecut.passes.schedules.standard import build
-from pipecut.plan import CaptureMethod, NodeCost, NodeOp, Recompute, ScheduleKind
 from pipecut.planning.partition import partition_costs
 from pipecut.runtime.execution.forward import concat_microbatches
 from pipecut.runtime.execution.stage import StageWorker

@@ -1,6 +1,6 @@
 """The package's folders are layers, bottom to top, and no import points upwards.
 
-1. data: the plan (``pipecut.plan``, ``errors``, ``schema``, ``parallel``, ``cluster``), the
+1. data: the plan (``pipecut.ir``, ``errors``, ``schema``, ``parallel``, ``cluster``), the
    options (``pipecut.options``) and ``pipecut.core`` (kinds, schedule IR, programs, values, shapes);
 2. passes (``pipecut.passes``): pure functions over data;
 3. runtime (``pipecut.runtime``): executes a plan's programs and schedule;
@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"compiler": "pipecut", "passes": "pipecut.passes", "runtime": "pipecut.runtime"}
-DATA = ("pipecut.plan", "pipecut.errors", "pipecut.schema", "pipecut.parallel", "pipecut.cluster",
+DATA = ("pipecut.ir", "pipecut.version", "pipecut.errors", "pipecut.schema", "pipecut.parallel", "pipecut.cluster",
         "pipecut.options", "pipecut.core")
 
 
@@ -80,7 +80,7 @@ def test_no_module_imports_a_layer_above_or_beside_its_own() -> None:
     wrong = []
     for module, path in sorted(known.items()):
         for imported in sorted(imports(path)):
-            if imported not in known:  # "from pipecut.plan import Plan" names a class, not a module
+            if imported not in known:  # "from pipecut.ir import Plan" names a class, not a module
                 continue
             if layer(imported) not in ALLOWED[layer(module)]:
                 wrong.append(f"{module} ({layer(module)}) imports {imported} ({layer(imported)})")

@@ -85,7 +85,7 @@ def test_rule_examples() -> None:
     assert accepted_names("pipecut.errors", shared) == ("test_errors.py", "test_pipecut_errors.py")
     assert accepted_names("pipecut.runtime.execution.trace", shared) == ("test_execution_trace.py",)
     assert accepted_names("pipecut.capture.trace", shared) == ("test_capture_trace.py",)
-    assert _shared_stems(["pipecut.capture.trace", "pipecut.runtime.execution.trace", "pipecut.plan"]) == {"trace"}
+    assert _shared_stems(["pipecut.capture.trace", "pipecut.runtime.execution.trace", "pipecut.ir"]) == {"trace"}
 
 
 def test_every_module_has_a_test_file() -> None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 
+from pipecut.core.kinds import ScheduleKind
 from pipecut.core.schedule import Action, Placement, Schedule, parse_schedule, simulate
 from pipecut.errors import ScheduleError
 from pipecut.passes.schedules.standard import build, gpipe, interleaved_1f1b, one_f_one_b
-from pipecut.plan import ScheduleKind
 from pipecut.runtime.comm.nccl import check_nccl, check_programs
 from pipecut.runtime.comm.p2p import (
     Direction,

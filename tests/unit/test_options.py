@@ -11,7 +11,9 @@ import torch
 
 import pipecut
 from examples import mlp
+from pipecut.core.kinds import CaptureMethod, Recompute, ScheduleKind
 from pipecut.errors import InputError
+from pipecut.ir import Plan
 from pipecut.options import (
     CaptureOptions,
     DataParallelOptions,
@@ -22,7 +24,6 @@ from pipecut.options import (
     WeightOptions,
 )
 from pipecut.parallel import DataParallel, DataParallelKind
-from pipecut.plan import CaptureMethod, Plan, Recompute, ScheduleKind
 from pipecut.planning.partition import partition_costs
 from tests.unit.tiny import mlp_plan
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from pipecut.core.kinds import LeafKind, ScheduleKind
 from pipecut.core.schedule import Action
 from pipecut.passes.schedules.standard import build, one_f_one_b
-from pipecut.plan import LeafKind, ScheduleKind
 from pipecut.runtime.comm.p2p import (
     Direction,
     Op,

@@ -12,12 +12,13 @@ from hypothesis import strategies as st
 import pipecut
 from benchmarks.baselines import balanced, block_partition, equal_layers, layer_starts
 from benchmarks.synthetic import transformer_costs
+from pipecut.core.kinds import Partitioner, Recompute, ScheduleKind
 from pipecut.errors import PartitionError
+from pipecut.ir import DeviceSpec, Plan
 from pipecut.passes.partition.coarsen import candidate_cuts
 from pipecut.passes.partition.memory_dp import partition_bounded
 from pipecut.passes.partition.memory_floor import min_peak_memory
 from pipecut.passes.partition.problem import Problem, formulate
-from pipecut.plan import DeviceSpec, Partitioner, Plan, Recompute, ScheduleKind
 from pipecut.planning.partition import DEFAULT_LINK, partition_costs
 from tests.exact_dp import Chain, partition_dp
 

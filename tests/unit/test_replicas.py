@@ -10,8 +10,10 @@ import pytest
 import pipecut
 from examples import mlp
 from pipecut.cli.main import main
+from pipecut.cluster import Link
+from pipecut.core.kinds import LeafKind, NodeOp, ScheduleKind
 from pipecut.errors import InputError, PartitionError
-from pipecut.plan import DeviceSpec, Leaf, LeafKind, Link, NodeCost, NodeOp, Plan, ScheduleKind
+from pipecut.ir import DeviceSpec, Leaf, NodeCost, Plan
 from tests.browser.plans import TENSOR_SPEC, synthetic_nodes
 
 FAST = Link(bandwidth_bytes_per_ms=1e9, latency_ms=0.0)

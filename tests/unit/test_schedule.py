@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pipecut.core.kinds import ScheduleKind
 from pipecut.core.schedule import (
     Action,
     StageCosts,
@@ -18,7 +19,6 @@ from pipecut.core.schedule import (
 )
 from pipecut.errors import ScheduleError
 from pipecut.passes.schedules.standard import build, gpipe, one_f_one_b, unit_costs
-from pipecut.plan import ScheduleKind
 
 
 def test_gpipe_golden() -> None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from pipecut.core.kinds import ScheduleKind
 from pipecut.core.schedule import validate
 from pipecut.errors import ScheduleError
 from pipecut.passes.schedules.standard import build, gpipe, interleaved_1f1b, one_f_one_b
-from pipecut.plan import ScheduleKind
 
 
 def table(schedule) -> list[str]:

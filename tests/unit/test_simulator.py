@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipecut.core.kinds import ScheduleKind
 from pipecut.core.schedule import (
     Action,
     ActionKind,
@@ -28,7 +29,6 @@ from pipecut.core.schedule import (
 )
 from pipecut.errors import ScheduleError
 from pipecut.passes.schedules.standard import build
-from pipecut.plan import ScheduleKind
 
 F, B, IN, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.INPUT, ActionKind.WEIGHT
 times = st.floats(0.0, 5.0, allow_nan=False)

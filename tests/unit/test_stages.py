@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from pipecut.core.kinds import NodeOp, ScheduleKind
 from pipecut.errors import ScheduleError
+from pipecut.ir import NodeCost
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.costs.stages import (
     OPTIMIZER_STATE_FACTOR,
@@ -17,7 +19,6 @@ from pipecut.passes.costs.stages import (
     state_bytes,
 )
 from pipecut.passes.schedules.standard import build
-from pipecut.plan import NodeCost, NodeOp, ScheduleKind
 from tests.unit.tiny import mlp_plan
 
 

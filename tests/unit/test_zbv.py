@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pipecut
+from pipecut.core.kinds import ScheduleKind
 from pipecut.core.schedule import (
     ActionKind,
     Placement,
@@ -23,10 +24,10 @@ from pipecut.core.schedule import (
     validate,
 )
 from pipecut.errors import InputError, PartitionError, PlanError, ScheduleError
+from pipecut.ir import DeviceSpec
 from pipecut.passes.costs.stages import inflight_microbatches, plan_costs, stage_costs
 from pipecut.passes.schedules.standard import build, unit_costs
 from pipecut.passes.schedules.zbv import zbv, zbv_inflight
-from pipecut.plan import DeviceSpec, ScheduleKind
 from pipecut.planning.partition import partition_costs
 from pipecut.report.gantt import predicted_spans
 from pipecut.runtime.comm.p2p import Wiring, receives, sends

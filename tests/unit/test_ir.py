@@ -11,8 +11,9 @@ import pytest
 import pipecut
 from examples import mlp
 from pipecut.build.choice import check_fingerprint
+from pipecut.core.kinds import NodeOp
 from pipecut.errors import PlanError
-from pipecut.plan import ChunkedNode, NodeCost, NodeOp, Plan
+from pipecut.ir import ChunkedNode, NodeCost, Plan
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,10 @@
-"""The partition plan: frozen dataclasses, names not objects, JSON that diffs well.
+"""The plan IR: frozen dataclasses, names not objects, JSON that diffs well.
 
 The plan is the only thing that crosses from compile time to run time. It holds the cost table
 (so anyone can recompute the partition from it), the stages, the cut edges and the prediction.
-Times are per microbatch in milliseconds; shapes are per microbatch.
+Times are per microbatch in milliseconds; shapes are per microbatch. (The module is ``pipecut.ir``,
+not ``pipecut.plan``: that name is the planning function. The kinds the plan names live in
+:mod:`pipecut.core.kinds`, the link and cluster in :mod:`pipecut.cluster`; import them from there.)
 """
 
 from __future__ import annotations
@@ -28,22 +30,14 @@ from pipecut.parallel import DataParallel
 
 __all__ = [
     "FORMAT_VERSION",
-    "CaptureMethod",
     "ChunkedNode",
-    "CostSource",
     "DeviceSpec",
     "Edge",
     "Leaf",
-    "LeafKind",
-    "Link",
     "NodeCost",
-    "NodeOp",
-    "Partitioner",
     "Plan",
     "Predicted",
-    "Recompute",
     "ReplicaCandidate",
-    "ScheduleKind",
     "Solver",
     "Stage",
     "TiedGroup",
