@@ -28,7 +28,7 @@ from pipecut.options import IlpSolver
 from pipecut.passes.partition.memory_floor import min_peak_memory
 from pipecut.passes.partition.memory_partition import partition_ilp
 from pipecut.passes.partition.problem import formulate
-from pipecut.planning.partition import DEFAULT_LINK
+from pipecut.passes.partition.solve import DEFAULT_LINK
 
 
 def problems(name: str, nodes: tuple[NodeCost, ...]) -> list[tuple[str, int, float | None]]:

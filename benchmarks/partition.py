@@ -38,7 +38,7 @@ from pipecut.passes.partition.memory_dp import lower_bound
 from pipecut.passes.partition.memory_floor import min_peak_memory
 from pipecut.passes.partition.memory_partition import partition_ilp
 from pipecut.passes.partition.problem import evaluate, formulate
-from pipecut.planning.partition import DEFAULT_LINK, partition_costs
+from pipecut.passes.partition.solve import DEFAULT_LINK, partition_costs
 
 MICROBATCHES = 8
 SCHEDULE = ScheduleKind.ONE_F_ONE_B

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.synthetic import transformer_costs
 from pipecut.core.kinds import ScheduleKind
 from pipecut.ir import DeviceSpec, Plan
-from pipecut.planning.partition import partition_costs
+from pipecut.passes.partition.solve import partition_costs
 
 NODES_PER_LAYER = 210
 

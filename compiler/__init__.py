@@ -34,7 +34,7 @@ from pipecut.options import (
     ScheduleOptions,
     WeightOptions,
 )
-from pipecut.planning.partition import partition_costs
+from pipecut.passes.partition.solve import partition_costs
 from pipecut.planning.planner import plan
 from pipecut.planning.replicas import choose_replicas
 from pipecut.profile.devices import device_link, device_profiles, device_specs, estimate_costs

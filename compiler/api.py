@@ -46,7 +46,7 @@ from pipecut.options import (
 )
 from pipecut.parallel import DataParallelKind
 from pipecut.passes.costs.stages import predicted_timeline
-from pipecut.planning.partition import Devices
+from pipecut.passes.partition.solve import Devices
 from pipecut.profile.compiled import check_auto, measure_and_choose, with_note
 from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn

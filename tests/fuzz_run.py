@@ -31,8 +31,8 @@ from pipecut.core.batching import first_microbatch
 from pipecut.core.kinds import ScheduleKind
 from pipecut.ir import ChunkedNode, DeviceSpec, Plan
 from pipecut.passes.partition.chain import is_unit
+from pipecut.passes.partition.solve import partition_costs
 from pipecut.passes.rewrite.chunk_rows import piece_names
-from pipecut.planning.partition import partition_costs
 from pipecut.runtime.pipeline import Pipeline
 from tests.fuzz_config import Config
 from tests.fuzz_models import MODELS

@@ -24,7 +24,7 @@ from pipecut.errors import InputError
 from pipecut.ir import DeviceSpec, Plan
 from pipecut.options import Options, WeightOptions
 from pipecut.parallel import DataParallel
-from pipecut.planning.partition import as_devices
+from pipecut.passes.partition.solve import as_devices
 from pipecut.profile.nodes import LossFn
 from pipecut.runtime.comm.launch import local_device
 from pipecut.runtime.comm.linkprobe import measure_link

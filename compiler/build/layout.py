@@ -23,7 +23,7 @@ from pipecut.errors import InputError, PipelineRuntimeError, PlanError
 from pipecut.ir import Plan
 from pipecut.options import AUTO
 from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
-from pipecut.planning.partition import DEFAULT_LINK
+from pipecut.passes.partition.solve import DEFAULT_LINK
 from pipecut.planning.planner import plan as make_plan
 from pipecut.runtime.comm.launch import local_device
 from pipecut.runtime.comm.linkprobe import measure_link

@@ -17,7 +17,7 @@ from pipecut.core.kinds import CaptureMethod, ScheduleKind
 from pipecut.errors import PlanError
 from pipecut.ir import Plan
 from pipecut.options import AUTO, Options
-from pipecut.planning.partition import DEFAULT_LINK, as_devices, as_schedule
+from pipecut.passes.partition.solve import DEFAULT_LINK, as_devices, as_schedule
 from pipecut.planning.request import default_choices
 
 __all__ = ["Asked", "Settings", "asked"]

@@ -33,7 +33,7 @@ from pipecut.errors import InputError, PartitionError, PipecutError, ScheduleErr
 from pipecut.ir import Candidate, NodeCost, Plan
 from pipecut.options import AUTO
 from pipecut.passes.costs.microbatching import candidate_microbatches, costs_at, with_structure
-from pipecut.planning.partition import as_schedule, partition_costs
+from pipecut.passes.partition.solve import as_schedule, partition_costs
 from pipecut.planning.request import Request, capture_at, profile_at
 
 __all__ = ["Measurements", "accepts", "choose", "measurements", "plan_auto"]

@@ -6,7 +6,7 @@ resolve the options into a :class:`~pipecut.planning.request.Request`, then plan
 microbatches and schedule chosen (:mod:`~pipecut.planning.autoplan`), or at fixed ones
 (:func:`plan_fixed`: capture → measure → partition → calibrate → heavy nodes in pieces →
 finish). The pure part (cost table in, plan out) is
-:func:`pipecut.planning.partition.partition_costs`, so a saved plan's cost table can be
+:func:`pipecut.passes.partition.solve.partition_costs`, so a saved plan's cost table can be
 re-partitioned for other devices without profiling again.
 """
 
@@ -39,10 +39,10 @@ from pipecut.options import (
 )
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.partition.chain import is_unit
+from pipecut.passes.partition.solve import Devices, as_devices, as_schedule, partition_costs
 from pipecut.passes.rewrite.propagate import accepted_shapes
 from pipecut.planning.autoplan import plan_auto
 from pipecut.planning.heavy import try_pieces
-from pipecut.planning.partition import Devices, as_devices, as_schedule, partition_costs
 from pipecut.planning.replicas import plan_replicated
 from pipecut.planning.request import (
     FirstBatch,

@@ -31,8 +31,8 @@ from pipecut.options import AUTO, DataParallelOptions
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.parallel.hybrid import HybridPlan, plan_hybrid, workload
 from pipecut.passes.parallel.replication import ReplicationKind
+from pipecut.passes.partition.solve import as_schedule
 from pipecut.planning.autoplan import measurements
-from pipecut.planning.partition import as_schedule
 from pipecut.planning.request import Request
 
 __all__ = ["ReplicaChoice", "choose_replicas", "plan_replicas", "plan_replicated"]

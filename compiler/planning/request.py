@@ -22,7 +22,7 @@ from pipecut.core.meta import input_device
 from pipecut.core.program import Captured, Inputs
 from pipecut.ir import DeviceSpec, NodeCost, Plan
 from pipecut.options import AUTO, Options
-from pipecut.planning.partition import DEFAULT_LINK
+from pipecut.passes.partition.solve import DEFAULT_LINK
 from pipecut.profile.devices import estimate_table
 from pipecut.profile.nodes import LossFn, profile
 from pipecut.report.text import sequential_note

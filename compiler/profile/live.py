@@ -36,7 +36,7 @@ from pipecut.options import PartitionOptions
 from pipecut.parallel import DataParallel
 from pipecut.passes.costs.stages import build_stages
 from pipecut.passes.partition.chain import liveness
-from pipecut.planning.partition import partition_costs
+from pipecut.passes.partition.solve import partition_costs
 from pipecut.profile.calibrate import calibrate
 
 __all__ = ["LiveTimes", "fit_latency", "measure_stages", "recalibrate"]

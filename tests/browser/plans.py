@@ -5,7 +5,7 @@ from __future__ import annotations
 from pipecut import DeviceSpec, Plan
 from pipecut.core.kinds import LeafKind, NodeOp
 from pipecut.ir import Leaf, NodeCost
-from pipecut.planning.partition import partition_costs
+from pipecut.passes.partition.solve import partition_costs
 
 TENSOR_SPEC = '[1, {"type": null, "context": null, "children_spec": []}]'
 """The serialized pytree spec of a single tensor (``treespec_dumps`` of a leaf)."""

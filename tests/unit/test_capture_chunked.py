@@ -13,8 +13,8 @@ from pipecut.capture.modes import derive_other_mode, describe_graph
 from pipecut.core.kinds import CaptureMethod
 from pipecut.ir import ChunkedNode
 from pipecut.passes.partition.chain import is_unit
+from pipecut.passes.partition.solve import partition_costs
 from pipecut.passes.rewrite.split import split
-from pipecut.planning.partition import partition_costs
 
 CHUNKS = (ChunkedNode(node="head", pieces=3),)
 

@@ -9,7 +9,7 @@ from examples import gpt, resnet
 from pipecut.cluster import Link
 from pipecut.errors import InputError, PartitionError
 from pipecut.passes.partition.chain import boundary_bytes, boundary_messages, boundary_ms, liveness
-from pipecut.planning.partition import partition_costs
+from pipecut.passes.partition.solve import partition_costs
 from tests.exact_dp import Chain, partition_dp
 
 

@@ -13,8 +13,8 @@ from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
 from pipecut.passes.costs.stages import OPTIMIZER_STATE_FACTOR, state_bytes
 from pipecut.passes.partition.memory_floor import min_peak_memory
 from pipecut.passes.partition.problem import formulate
+from pipecut.passes.partition.solve import DEFAULT_LINK, partition_costs
 from pipecut.passes.schedules.standard import gpipe, interleaved_1f1b, one_f_one_b
-from pipecut.planning.partition import DEFAULT_LINK, partition_costs
 from pipecut.runtime.grads.data_parallel import last_backwards
 
 

@@ -11,7 +11,7 @@ import pipecut
 from pipecut.core.kinds import CostSource, NodeOp
 from pipecut.errors import InputError
 from pipecut.ir import Plan
-from pipecut.planning.partition import partition_costs
+from pipecut.passes.partition.solve import partition_costs
 from pipecut.profile.devices import (
     DeviceProfile,
     Precision,

@@ -25,10 +25,10 @@ from pipecut.core.kinds import CaptureMethod, NodeOp, Recompute, ScheduleKind
 from pipecut.core.schedule import ActionKind, forward_only, simulate
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
 from pipecut.ir import NodeCost
+from pipecut.passes.partition.solve import partition_costs
 from pipecut.passes.rewrite.eval_graph import map_stages
 from pipecut.passes.rewrite.split import split_stage
 from pipecut.passes.schedules.standard import build
-from pipecut.planning.partition import partition_costs
 from pipecut.runtime.execution.forward import concat_microbatches
 from pipecut.runtime.execution.stage import StageWorker
 

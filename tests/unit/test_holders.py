@@ -19,7 +19,7 @@ from pipecut.passes.partition.ilp import solve_ilp
 from pipecut.passes.partition.memory_dp import partition_bounded
 from pipecut.passes.partition.memory_partition import partition_ilp
 from pipecut.passes.partition.problem import Evaluation, Problem, evaluate
-from pipecut.planning.partition import partition_costs
+from pipecut.passes.partition.solve import partition_costs
 from tests.exact_dp import Chain, partition_dp
 
 SETTINGS = settings(max_examples=40, deadline=None)

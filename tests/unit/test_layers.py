@@ -119,5 +119,5 @@ def test_planning_runs_in_one_process_below_the_build() -> None:
              for module, path in sorted(known.items()) if module.startswith("pipecut.planning")
              for imported in sorted(imports(path)) if imported in known and imported.startswith(above)]
     assert {m for m in known if m.startswith("pipecut.planning.")} >= {
-        "pipecut.planning.planner", "pipecut.planning.partition", "pipecut.planning.autoplan"}
+        "pipecut.planning.planner", "pipecut.planning.autoplan"}
     assert not wrong, "\n".join(wrong)

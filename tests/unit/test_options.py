@@ -24,7 +24,7 @@ from pipecut.options import (
     WeightOptions,
 )
 from pipecut.parallel import DataParallel, DataParallelKind
-from pipecut.planning.partition import partition_costs
+from pipecut.passes.partition.solve import partition_costs
 from tests.unit.tiny import mlp_plan
 
 GROUP_CLASSES = {"capture": CaptureOptions, "measure": MeasureOptions, "partition": PartitionOptions,

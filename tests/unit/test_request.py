@@ -6,7 +6,7 @@ import torch
 
 from pipecut.ir import DeviceSpec
 from pipecut.options import MeasureOptions, Options, ScheduleOptions
-from pipecut.planning.partition import DEFAULT_LINK
+from pipecut.passes.partition.solve import DEFAULT_LINK
 from pipecut.planning.request import FirstBatch, Request
 
 

@@ -26,9 +26,9 @@ from pipecut.core.schedule import (
 from pipecut.errors import InputError, PartitionError, PlanError, ScheduleError
 from pipecut.ir import DeviceSpec
 from pipecut.passes.costs.stages import inflight_microbatches, plan_costs, stage_costs
+from pipecut.passes.partition.solve import partition_costs
 from pipecut.passes.schedules.standard import build, unit_costs
 from pipecut.passes.schedules.zbv import zbv, zbv_inflight
-from pipecut.planning.partition import partition_costs
 from pipecut.report.gantt import predicted_spans
 from pipecut.runtime.comm.p2p import Wiring, receives, sends
 from tests.unit.tiny import mlp_plan

@@ -1,4 +1,4 @@
-"""Partition a cost table into stages: the pure part of planning (cost table in, plan out).
+"""Partition a cost table into stages: cost table in, plan out (the pass behind ``pipecut.partition_costs``).
 
 :func:`partition_costs` picks the exact bounded DP for equal devices without memory limits or
 recompute and the ILP otherwise, or scores a split the user gives beside pipecut's optimum. A

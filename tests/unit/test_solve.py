@@ -19,7 +19,7 @@ from pipecut.passes.partition.coarsen import candidate_cuts
 from pipecut.passes.partition.memory_dp import partition_bounded
 from pipecut.passes.partition.memory_floor import min_peak_memory
 from pipecut.passes.partition.problem import Problem, formulate
-from pipecut.planning.partition import DEFAULT_LINK, partition_costs
+from pipecut.passes.partition.solve import DEFAULT_LINK, partition_costs
 from tests.exact_dp import Chain, partition_dp
 
 
@@ -125,7 +125,7 @@ def test_ten_thousand_nodes_plan_with_ilp_and_coarsening() -> None:
 def test_several_stages_per_rank_move_the_dp_cuts_to_a_shorter_simulated_step(
     schedule: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pipecut.planning.partition
+    import pipecut.passes.partition.solve
 
     nodes = transformer_costs(6, nodes_per_layer=40)
     nodes = [dataclasses.replace(n, forward_ms=n.forward_ms * (3 if i % 7 == 0 else 1))
@@ -134,7 +134,7 @@ def test_several_stages_per_rank_move_the_dp_cuts_to_a_shorter_simulated_step(
     if schedule == "interleaved-1f1b":
         kw["stages_per_rank"] = 2
     refined = partition_costs(nodes, devices=2, **kw)
-    monkeypatch.setattr(pipecut.planning.partition, "refine_cuts", lambda bounds, _, evaluate: (tuple(bounds), evaluate(bounds)))
+    monkeypatch.setattr(pipecut.passes.partition.solve, "refine_cuts", lambda bounds, _, evaluate: (tuple(bounds), evaluate(bounds)))
     dp_only = partition_costs(nodes, devices=2, **kw)
     assert refined.predicted.step_ms < dp_only.predicted.step_ms  # 1,420 -> 1,397 ms interleaved
     assert "cuts moved to shorten the simulated step" in refined.solver.detail
@@ -146,7 +146,7 @@ def test_several_stages_per_rank_move_the_dp_cuts_to_a_shorter_simulated_step(
 def test_a_split_whose_rank_does_not_fit_its_two_stages_is_moved_to_one_that_fits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import pipecut.planning.partition
+    import pipecut.passes.partition.solve
 
     # The ZBV split planned without a limit needs `cap` on its fuller rank. With `cap` per
     # device the solvers (which fit each stage alone) pick a split whose rank 0 needs more;
@@ -160,7 +160,7 @@ def test_a_split_whose_rank_does_not_fit_its_two_stages_is_moved_to_one_that_fit
     plan = partition_costs(nodes, devices=devices, **kw)
     assert all(sum(plan.stages[s].peak_memory_bytes for s in plan.stages_on(r)) <= cap for r in range(2))
     assert "cuts moved" in plan.solver.detail
-    monkeypatch.setattr(pipecut.planning.partition, "refine_cuts", lambda bounds, _, evaluate: (tuple(bounds), evaluate(bounds)))
+    monkeypatch.setattr(pipecut.passes.partition.solve, "refine_cuts", lambda bounds, _, evaluate: (tuple(bounds), evaluate(bounds)))
     with pytest.raises(PartitionError, match=r"rank 0 \(cpu\) runs stages \[0, 3\] of the zbv schedule"):
         partition_costs(nodes, devices=devices, **kw)  # the solvers' own split does not fit
 
