@@ -23,10 +23,10 @@ from pipecut.core.kinds import (
     Recompute,
     ScheduleKind,
 )
-from pipecut.core.schedule import rank_of, stages_on
 from pipecut.errors import PlanError
 from pipecut.options import Options
 from pipecut.parallel import DataParallel
+from pipecut.schedules.format import rank_of, stages_on
 
 __all__ = [
     "FORMAT_VERSION",

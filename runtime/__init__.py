@@ -18,24 +18,30 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipecut.core.schedule import Action, ActionKind, Schedule, format_schedule, parse_schedule
     from pipecut.runtime.pipeline import Pipeline
     from pipecut.runtime.state import checkpoint
     from pipecut.runtime.state.checkpoint import latest, load, load_into_model, save
+    from pipecut.schedules.format import (
+        Action,
+        ActionKind,
+        Schedule,
+        format_schedule,
+        parse_schedule,
+    )
 
 _MODULES = {"checkpoint": "pipecut.runtime.state.checkpoint"}
 """Public modules by their short name (``from pipecut.runtime import checkpoint as ckpt``)."""
 
 _HOME = {
-    "Action": "pipecut.core.schedule",
-    "ActionKind": "pipecut.core.schedule",
+    "Action": "pipecut.schedules.format",
+    "ActionKind": "pipecut.schedules.format",
     "Pipeline": "pipecut.runtime.pipeline",
-    "Schedule": "pipecut.core.schedule",
-    "format_schedule": "pipecut.core.schedule",
+    "Schedule": "pipecut.schedules.format",
+    "format_schedule": "pipecut.schedules.format",
     "latest": "pipecut.runtime.state.checkpoint",
     "load": "pipecut.runtime.state.checkpoint",
     "load_into_model": "pipecut.runtime.state.checkpoint",
-    "parse_schedule": "pipecut.core.schedule",
+    "parse_schedule": "pipecut.schedules.format",
     "save": "pipecut.runtime.state.checkpoint",
 }
 

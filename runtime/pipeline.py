@@ -15,7 +15,6 @@ import torch.distributed as dist
 from pipecut.core.batching import batch_size, split_by_sizes
 from pipecut.core.graph import canonical_names
 from pipecut.core.program import Captured, Inputs
-from pipecut.core.schedule import Action, Schedule, forward_only
 from pipecut.core.shapes import (
     AutocastState,
     Signature,
@@ -46,6 +45,7 @@ from pipecut.runtime.grads.collective import (
 from pipecut.runtime.grads.data_parallel import Replication, trainable_disagreement
 from pipecut.runtime.grads.tied import TiedGrads
 from pipecut.runtime.state.export import export
+from pipecut.schedules.format import Action, Schedule, forward_only
 
 WireResolver = Callable[[Signature, Sequence[Any]], Mapping[str, NodeCost] | None]
 """Signature of a microbatch (and its flat inputs) -> every cut value's spec for it; None

@@ -20,7 +20,6 @@ from pipecut.capture.agree import capture_for_plan
 from pipecut.core.batching import first_microbatch
 from pipecut.core.kinds import Recompute
 from pipecut.core.program import Captured, Inputs
-from pipecut.core.schedule import Schedule, validate
 from pipecut.errors import PlanError
 from pipecut.ir import Plan
 from pipecut.options import ScheduleOptions
@@ -30,6 +29,7 @@ from pipecut.planning.request import warn_if_sequential
 from pipecut.runtime.comm.nccl import check_nccl
 from pipecut.runtime.comm.p2p import wiring
 from pipecut.runtime.grads.data_parallel import check_supported
+from pipecut.schedules.format import Schedule, validate
 
 __all__ = ["Chosen", "check_fingerprint", "choose", "runnable_schedule"]
 

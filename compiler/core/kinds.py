@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-from pipecut.core.schedule import Placement
+from pipecut.schedules.format import Placement
 
 __all__ = ["CaptureMethod", "CostSource", "LeafKind", "NodeOp", "Partitioner", "Recompute", "ScheduleKind"]
 
@@ -41,7 +41,7 @@ class ScheduleKind(enum.Enum):
 
     @property
     def placement(self) -> Placement:
-        """How the schedule lays its stages on the ranks (see :func:`pipecut.core.schedule.rank_of`)."""
+        """How the schedule lays its stages on the ranks (see :func:`pipecut.schedules.format.rank_of`)."""
         return Placement.V if self is ScheduleKind.ZBV else Placement.LOOP
 
     @property

@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from pipecut.cluster import Link
 from pipecut.core.kinds import Partitioner, Recompute
-from pipecut.core.schedule import Action, ActionKind
 from pipecut.ir import NodeCost, Plan
 from pipecut.options import PartitionOptions
 from pipecut.parallel import DataParallel
@@ -38,6 +37,7 @@ from pipecut.passes.costs.stages import build_stages
 from pipecut.passes.partition.chain import liveness
 from pipecut.passes.partition.solve import partition_costs
 from pipecut.profile.calibrate import calibrate
+from pipecut.schedules.format import Action, ActionKind
 
 __all__ = ["LiveTimes", "fit_latency", "measure_stages", "recalibrate"]
 

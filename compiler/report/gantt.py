@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from pipecut.core.kinds import Recompute
-from pipecut.core.schedule import Action, ActionKind, Schedule, timeline
 from pipecut.errors import PlanError, ScheduleError
 from pipecut.ir import Plan
 from pipecut.passes.costs.stages import predicted_timeline
+from pipecut.schedules.format import Action, ActionKind, Schedule
+from pipecut.schedules.simulate import timeline
 
 __all__ = ["Span", "layout", "load_trace", "predicted_spans", "recompute_ms", "to_trace"]
 
@@ -47,7 +48,7 @@ def layout(
     forward_link_ms: Sequence[float] = (),
     backward_link_ms: Sequence[float] = (),
 ) -> tuple[Span, ...]:
-    """Start and end of every action, by ``core.schedule.timeline`` (the simulator's rule),
+    """Start and end of every action, by ``schedules.simulate.timeline`` (the simulator's rule),
     each on the rank whose list holds it (any stage-to-rank placement)."""
     rank = {a.stage: r for r, actions in enumerate(schedule) for a in actions}
     return tuple(

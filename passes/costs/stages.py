@@ -13,15 +13,6 @@ import numpy as np
 
 from pipecut.cluster import Link
 from pipecut.core.kinds import NodeOp, Recompute, ScheduleKind
-from pipecut.core.schedule import (
-    Action,
-    Placement,
-    Schedule,
-    StageCosts,
-    rank_end_ms,
-    rank_of,
-    timeline,
-)
 from pipecut.ir import DeviceSpec, Edge, NodeCost, Plan, Predicted, Stage, TiedGroup
 from pipecut.parallel import DataParallel, DataParallelKind
 from pipecut.passes.partition.chain import (
@@ -34,7 +25,9 @@ from pipecut.passes.partition.chain import (
     value_bytes,
     value_messages,
 )
-from pipecut.passes.schedules.standard import build as build_schedule
+from pipecut.schedules.format import Action, Placement, Schedule, rank_of
+from pipecut.schedules.simulate import StageCosts, rank_end_ms, timeline
+from pipecut.schedules.standard import build as build_schedule
 
 __all__ = [
     "OPTIMIZER_STATE_FACTOR",

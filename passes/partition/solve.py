@@ -20,7 +20,6 @@ import torch
 from pipecut.cluster import Link
 from pipecut.core.choices import enum_choice
 from pipecut.core.kinds import CaptureMethod, Partitioner, Recompute, ScheduleKind
-from pipecut.core.schedule import rank_of, stages_on
 from pipecut.errors import InputError, PartitionError
 from pipecut.ir import DeviceSpec, NodeCost, Plan, Solver, Stage
 from pipecut.options import AUTO, IlpSolver, PartitionOptions
@@ -39,6 +38,7 @@ from pipecut.passes.partition.pinned import (
 )
 from pipecut.passes.partition.problem import Formulation, formulate
 from pipecut.passes.partition.refine import refine_cuts
+from pipecut.schedules.format import rank_of, stages_on
 from pipecut.version import __version__
 
 __all__ = [

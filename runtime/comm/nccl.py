@@ -23,9 +23,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pipecut.core.schedule import Action, Schedule, format_marked
 from pipecut.errors import ScheduleError
 from pipecut.runtime.comm.p2p import Op, Step, StepKind, Transfer, Wiring, comm_program
+from pipecut.schedules.format import Action, Schedule, format_marked
 
 __all__: list[str] = []
 

@@ -19,7 +19,7 @@ gradients, then microbatch.leaf)::
 
 Skip connections need nothing here: a value used several stages later is relayed by every
 stage in between (it is among each intermediate stage's inputs and outputs), so every
-transfer is between stage ``s`` and ``s ± 1``, on the ranks :func:`~pipecut.core.schedule.rank_of`
+transfer is between stage ``s`` and ``s ± 1``, on the ranks :func:`~pipecut.schedules.format.rank_of`
 gives them (``s mod K`` in a loop). In a V both ends of the middle cut are one rank: the message
 still takes its place in a round, and the executor hands it over without the wire.
 """
@@ -31,8 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipecut.core.kinds import LeafKind
-from pipecut.core.schedule import Action, ActionKind, Placement, Schedule, rank_of, timeline
 from pipecut.ir import Plan
+from pipecut.schedules.format import Action, ActionKind, Placement, Schedule, rank_of
+from pipecut.schedules.simulate import timeline
 
 __all__: list[str] = []
 
@@ -83,7 +84,7 @@ class Wiring:
     backward: tuple[int, ...]
     """Per cut: gradient leaves stage ``c`` sends back (the forward leaves that require grad)."""
     placement: Placement = Placement.LOOP
-    """Which rank runs each stage (:func:`~pipecut.core.schedule.rank_of`)."""
+    """Which rank runs each stage (:func:`~pipecut.schedules.format.rank_of`)."""
 
     @property
     def stages(self) -> int:
@@ -176,7 +177,7 @@ def comm_program(schedule: Schedule, rank: int, w: Wiring) -> tuple[Step, ...]:
     """The steps ``rank`` runs for ``schedule``: what it issues, waits for and computes, in order.
 
     Every message gets a round: the time its producing action ends in a replay of the schedule
-    (:func:`pipecut.core.schedule.timeline`, the same on every rank). Sender and receiver
+    (:func:`pipecut.schedules.simulate.timeline`, the same on every rank). Sender and receiver
     put it in the batch of that round, and each rank issues its rounds in time order, before
     the first action starting at or after them. So both ends of every message sit in the same
     round, each pair's messages go in the same order on both sides (sorted within a round),

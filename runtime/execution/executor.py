@@ -25,11 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecut.core.schedule import Action, ActionKind
 from pipecut.errors import PipelineRuntimeError
 from pipecut.runtime.comm.p2p import Op, Step, StepKind, Transfer
 from pipecut.runtime.comm.wire import Peer
 from pipecut.runtime.execution.stage import StageWorker
+from pipecut.schedules.format import Action, ActionKind
 
 __all__ = ["Event", "run_actions"]
 

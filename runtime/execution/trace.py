@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipecut.core.schedule import Action
+from pipecut.schedules.format import Action
 
 __all__ = ["PREDICTED_PID_OFFSET", "chrome_trace", "write_chrome_trace"]
 

@@ -54,12 +54,12 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from pipecut.core.kinds import Recompute
-from pipecut.core.schedule import Action, ActionKind
 from pipecut.errors import PipelineRuntimeError, PlanError
 from pipecut.ir import Plan
 from pipecut.parallel import DataParallelKind
 from pipecut.runtime.comm.sync import wait_for
 from pipecut.runtime.execution.stage import StageWorker
+from pipecut.schedules.format import Action, ActionKind
 
 __all__: list[str] = []
 
@@ -69,7 +69,7 @@ _HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(DistributedDataP
 def last_backwards(actions: Sequence[Action]) -> dict[int, int]:
     """Per stage in ``actions``, the microbatch of its last backward action.
 
-    >>> from pipecut.core.schedule import gpipe, one_f_one_b
+    >>> from pipecut.schedules.format import gpipe, one_f_one_b
     >>> last_backwards(gpipe(2, 4)[0]), last_backwards(one_f_one_b(2, 4)[0])
     ({0: 0}, {0: 3})
     """

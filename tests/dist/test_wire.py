@@ -11,9 +11,9 @@ import torch
 import pipecut
 import pipecut.build.choice as choice
 from examples import gpt
-from pipecut.core.schedule import parse_schedule
 from pipecut.errors import ScheduleError
 from pipecut.passes.costs.stages import inflight_microbatches
+from pipecut.schedules.format import parse_schedule
 from tests.harness import run_ranks
 from tests.reference import COUNTED
 

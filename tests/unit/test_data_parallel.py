@@ -14,8 +14,8 @@ from pipecut.passes.costs.stages import OPTIMIZER_STATE_FACTOR, state_bytes
 from pipecut.passes.partition.memory_floor import min_peak_memory
 from pipecut.passes.partition.problem import formulate
 from pipecut.passes.partition.solve import DEFAULT_LINK, partition_costs
-from pipecut.passes.schedules.standard import gpipe, interleaved_1f1b, one_f_one_b
 from pipecut.runtime.grads.data_parallel import last_backwards
+from pipecut.schedules.standard import gpipe, interleaved_1f1b, one_f_one_b
 
 
 def test_the_last_backward_is_the_schedules_not_the_last_microbatch() -> None:

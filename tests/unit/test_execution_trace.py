@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from pipecut.core.schedule import Action
 from pipecut.report.gantt import load_trace
 from pipecut.runtime.execution.trace import PREDICTED_PID_OFFSET, chrome_trace, write_chrome_trace
+from pipecut.schedules.format import Action
 
 
 def test_measured_ranks_and_predicted_processes_side_by_side(tmp_path):

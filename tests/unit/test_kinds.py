@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 from pipecut.core import kinds
-from pipecut.core.schedule import Placement
+from pipecut.schedules.format import Placement
 
 
 def test_the_public_surface_reexports_the_very_same_kinds() -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 
 from pipecut.core.kinds import LeafKind, ScheduleKind
-from pipecut.core.schedule import Action
-from pipecut.passes.schedules.standard import build, one_f_one_b
 from pipecut.runtime.comm.p2p import (
     Direction,
     Op,
@@ -18,6 +16,8 @@ from pipecut.runtime.comm.p2p import (
     sends,
     wiring,
 )
+from pipecut.schedules.format import Action
+from pipecut.schedules.standard import build, one_f_one_b
 from tests.unit.tiny import mlp_plan
 
 

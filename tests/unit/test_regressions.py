@@ -62,8 +62,8 @@ def test_gantt_layout_puts_virtual_stages_on_their_ranks() -> None:
     # layout() drew stage s on row s, so an interleaved schedule (stage c * ranks + r on rank r)
     # showed rows for ranks that do not exist.
     from pipecut.core.kinds import ScheduleKind
-    from pipecut.passes.schedules.standard import build
     from pipecut.report.gantt import layout
+    from pipecut.schedules.standard import build
 
     schedule = build(ScheduleKind.INTERLEAVED_1F1B, 2, 4, chunks=2)
     spans = layout(schedule, [1.0] * 4, [2.0] * 4)

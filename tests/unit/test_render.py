@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 import pipecut
 from pipecut.core.kinds import Recompute, ScheduleKind
-from pipecut.core.schedule import simulate
-from pipecut.passes.schedules.standard import build
 from pipecut.report.dot import edge_label, to_dot
 from pipecut.report.gantt import Span, layout, load_trace, predicted_spans, to_trace
 from pipecut.report.render import gantt, graph_data, memory_bars, nice_ticks, render_html, time_bars
+from pipecut.schedules.simulate import simulate
+from pipecut.schedules.standard import build
 from tests.browser.plans import synthetic_plan
 
 

@@ -18,7 +18,7 @@ from pipecut.passes.costs.stages import (
     stage_params,
     state_bytes,
 )
-from pipecut.passes.schedules.standard import build
+from pipecut.schedules.standard import build
 from tests.unit.tiny import mlp_plan
 
 

@@ -13,24 +13,23 @@ from hypothesis import strategies as st
 
 import pipecut
 from pipecut.core.kinds import ScheduleKind
-from pipecut.core.schedule import (
-    ActionKind,
-    Placement,
-    StageCosts,
-    format_schedule,
-    rank_of,
-    simulate,
-    stages_on,
-    validate,
-)
 from pipecut.errors import InputError, PartitionError, PlanError, ScheduleError
 from pipecut.ir import DeviceSpec
 from pipecut.passes.costs.stages import inflight_microbatches, plan_costs, stage_costs
 from pipecut.passes.partition.solve import partition_costs
-from pipecut.passes.schedules.standard import build, unit_costs
-from pipecut.passes.schedules.zbv import zbv, zbv_inflight
 from pipecut.report.gantt import predicted_spans
 from pipecut.runtime.comm.p2p import Wiring, receives, sends
+from pipecut.schedules.format import (
+    ActionKind,
+    Placement,
+    format_schedule,
+    rank_of,
+    stages_on,
+    validate,
+)
+from pipecut.schedules.simulate import StageCosts, simulate
+from pipecut.schedules.standard import build, unit_costs
+from pipecut.schedules.zbv import zbv, zbv_inflight
 from tests.unit.tiny import mlp_plan
 
 ZBV = ScheduleKind.ZBV

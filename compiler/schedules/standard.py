@@ -1,10 +1,10 @@
 """Schedule generators: GPipe, 1F1B and interleaved 1F1B as per-rank action lists.
 
-The schedule IR they produce (:class:`~pipecut.core.schedule.Action`, its text form and the
-timing rule) lives in :mod:`pipecut.core.schedule`; the zero-bubble orders, which are list
-scheduled on the stages' costs, in :mod:`pipecut.passes.schedules.zero_bubble` (one stage per rank) and
-:mod:`pipecut.passes.schedules.zbv` (two per rank, on a V). :func:`build` is the one
-door to all of them: plans call it with their :class:`~pipecut.core.schedule.StageCosts`
+The schedule IR they produce (:class:`~pipecut.schedules.format.Action`, its text form and the
+timing rule) lives in :mod:`pipecut.schedules.format`; the zero-bubble orders, which are list
+scheduled on the stages' costs, in :mod:`pipecut.schedules.zero_bubble` (one stage per rank) and
+:mod:`pipecut.schedules.zbv` (two per rank, on a V). :func:`build` is the one
+door to all of them: plans call it with their :class:`~pipecut.schedules.simulate.StageCosts`
 (``pipecut.passes.costs.stages.plan_schedule``). The text of every generator's output for a few
 sizes is kept under ``tests/golden/``.
 """
@@ -12,10 +12,11 @@ sizes is kept under ``tests/golden/``.
 from __future__ import annotations
 
 from pipecut.core.kinds import ScheduleKind
-from pipecut.core.schedule import Action, ActionKind, Schedule, StageCosts
 from pipecut.errors import ScheduleError
-from pipecut.passes.schedules.zbv import zbv
-from pipecut.passes.schedules.zero_bubble import zero_bubble
+from pipecut.schedules.format import Action, ActionKind, Schedule
+from pipecut.schedules.simulate import StageCosts
+from pipecut.schedules.zbv import zbv
+from pipecut.schedules.zero_bubble import zero_bubble
 
 __all__ = ["build", "gpipe", "interleaved_1f1b", "one_f_one_b", "unit_costs"]
 

@@ -9,16 +9,10 @@ from pathlib import Path
 import pytest
 
 from pipecut.core.kinds import ScheduleKind
-from pipecut.core.schedule import (
-    Action,
-    StageCosts,
-    format_schedule,
-    parse_schedule,
-    simulate,
-    validate,
-)
 from pipecut.errors import ScheduleError
-from pipecut.passes.schedules.standard import build, gpipe, one_f_one_b, unit_costs
+from pipecut.schedules.format import Action, format_schedule, parse_schedule, validate
+from pipecut.schedules.simulate import StageCosts, simulate
+from pipecut.schedules.standard import build, gpipe, one_f_one_b, unit_costs
 
 
 def test_gpipe_golden() -> None:

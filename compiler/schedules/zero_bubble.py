@@ -6,9 +6,9 @@ an input-gradient part ``I`` (which the previous stage waits for) and a weight-g
 rank, whenever it is free, starts a ready ``I`` first, else a ready ``F``, else a pending ``W``
 (filling what would have been a bubble), else waits for the earliest input to arrive; of the
 ranks, the one that can start earliest (then the lowest) goes first, found with a heap in
-O(log K) per action (:func:`list_schedule`, which :mod:`pipecut.passes.schedules.zbv` uses for two
+O(log K) per action (:func:`list_schedule`, which :mod:`pipecut.schedules.zbv` uses for two
 stages per rank on a V). The result is an ordinary schedule (per-rank action lists), checked and timed by
-:func:`pipecut.core.schedule.simulate` like any other; any valid order is correct, the costs
+:func:`pipecut.schedules.simulate.simulate` like any other; any valid order is correct, the costs
 only decide how well the bubbles are filled. Two ranks, four microbatches, F = I = W::
 
     0F0 0F1 0I0 0W0 0F2 0I1 0W1 0F3 0I2 0W2 0I3 0W3
@@ -24,8 +24,8 @@ import heapq
 from collections import deque
 from collections.abc import Sequence
 
-from pipecut.core.schedule import Action, ActionKind, Placement, Schedule, rank_of, stages_on
 from pipecut.errors import ScheduleError
+from pipecut.schedules.format import Action, ActionKind, Placement, Schedule, rank_of, stages_on
 
 __all__ = ["list_schedule", "zero_bubble"]
 

@@ -1,13 +1,13 @@
 """ZBV, zero bubble on a V: two stages per rank, backward split into I and W (after ZB-V).
 
-The graph is cut into 2K stages laid as a V (:data:`~pipecut.core.schedule.Placement.V`): rank
+The graph is cut into 2K stages laid as a V (:data:`~pipecut.schedules.format.Placement.V`): rank
 r runs stage r on the way down and stage 2K - 1 - r on the way back up, so rank 0 holds both the
 first stage (the embedding) and the last (the head and the loss), and a microbatch's forward
 turns round on rank K - 1 without leaving it. Each stage's backward is an input-gradient part
 ``I`` (which the stage before waits for) and a weight part ``W`` (which nobody waits for).
 
 The order is list scheduled on the stages' costs by the scheduler of
-:mod:`pipecut.passes.schedules.zero_bubble` (:func:`~pipecut.passes.schedules.zero_bubble.list_schedule`): whenever a rank is free it starts, of its two stages, a ready ``I`` (the
+:mod:`pipecut.schedules.zero_bubble` (:func:`~pipecut.schedules.zero_bubble.list_schedule`): whenever a rank is free it starts, of its two stages, a ready ``I`` (the
 stage with the earlier ready time, then the later stage), else a ready ``F`` (likewise), else
 its oldest pending ``W`` (filling what would have been a bubble), else waits for the earliest
 input; of the ranks, the one that can start earliest (then the lowest) goes first. A stage s
@@ -23,7 +23,7 @@ In simulation with F = I = W = 1 per (half-size) stage this takes 49 units for K
 51 for K = 4 (no bubble at all: 48); on the same model cut into K stages (F = I = W = 2),
 zero-bubble takes 52 and 60, interleaved 1F1B (V = 2) 51 and 57, 1F1B 54 and 66.
 
-The result is an ordinary schedule, checked and timed by :func:`pipecut.core.schedule.simulate`
+The result is an ordinary schedule, checked and timed by :func:`pipecut.schedules.simulate.simulate`
 like every other (any valid order is correct; the costs only decide how well bubbles fill).
 """
 
@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipecut.core.schedule import Placement, Schedule
 from pipecut.errors import ScheduleError
-from pipecut.passes.schedules.zero_bubble import list_schedule
+from pipecut.schedules.format import Placement, Schedule
+from pipecut.schedules.zero_bubble import list_schedule
 
 __all__ = ["zbv", "zbv_inflight"]
 

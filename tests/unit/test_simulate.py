@@ -1,4 +1,4 @@
-"""The one schedule simulator (``core.schedule.timeline``/``simulate``/``rank_end_ms``).
+"""The one schedule simulator (``schedules.simulate.timeline``/``simulate``/``rank_end_ms``).
 
 The runtime runs each rank's actions in list order and orders its messages by ``timeline``
 (``runtime.p2p.comm_program``), so the simulator must (1) run every rank's actions in the
@@ -16,19 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipecut.core.kinds import ScheduleKind
-from pipecut.core.schedule import (
-    Action,
-    ActionKind,
-    Schedule,
-    StageCosts,
-    parse_schedule,
-    rank_end_ms,
-    simulate,
-    timeline,
-    validate,
-)
 from pipecut.errors import ScheduleError
-from pipecut.passes.schedules.standard import build
+from pipecut.schedules.format import Action, ActionKind, Schedule, parse_schedule, validate
+from pipecut.schedules.simulate import StageCosts, rank_end_ms, simulate, timeline
+from pipecut.schedules.standard import build
 
 F, B, IN, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.INPUT, ActionKind.WEIGHT
 times = st.floats(0.0, 5.0, allow_nan=False)
