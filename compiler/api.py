@@ -29,6 +29,7 @@ from pipecut.build.workers import (
     worker_factory,
 )
 from pipecut.capture.modes import Modes, derive_other_mode
+from pipecut.core.kinds import DataParallelKind
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import CaptureError, PipecutError, PlanError
 from pipecut.ir import Plan
@@ -44,7 +45,6 @@ from pipecut.options import (
     options_of,
     requested,
 )
-from pipecut.parallel import DataParallelKind
 from pipecut.passes.costs.stages import predicted_timeline
 from pipecut.passes.partition.solve import Devices
 from pipecut.profile.compiled import check_auto, measure_and_choose, with_note

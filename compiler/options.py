@@ -32,9 +32,9 @@ from typing import Any, ClassVar, Literal
 
 from pipecut.cluster import LINK_LATENCY_MS, Link
 from pipecut.core.choices import enum_choice
-from pipecut.core.kinds import CaptureMethod, Partitioner, Recompute, ScheduleKind
+from pipecut.core.kinds import CaptureMethod, DataParallelKind, Partitioner, Recompute, ScheduleKind
 from pipecut.errors import InputError
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.parallel import DataParallel
 
 __all__ = [
     "AUTO",

@@ -6,20 +6,13 @@ runtime (``pipecut.runtime.grads.data_parallel``), so it sits with the plan data
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from pipecut.core.choices import enum_choice
+from pipecut.core.kinds import DataParallelKind
 from pipecut.errors import InputError
 
-__all__ = ["DataParallel", "DataParallelKind", "as_data_parallel"]
-
-
-class DataParallelKind(enum.Enum):
-    DDP = "ddp"
-    """DistributedDataParallel on each stage: every replica holds all of its stage's state."""
-    FSDP = "fsdp"
-    """FSDP2 ``fully_shard`` on each stage: parameters, gradients and optimizer state sharded."""
+__all__ = ["DataParallel", "as_data_parallel"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -17,12 +17,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipecut.core.batching import first_microbatch, split_microbatches
-from pipecut.core.kinds import ScheduleKind
+from pipecut.core.kinds import DataParallelKind, ScheduleKind
 from pipecut.core.program import Inputs
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
 from pipecut.ir import Plan
 from pipecut.options import AUTO
-from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
+from pipecut.parallel import DataParallel, as_data_parallel
 from pipecut.passes.partition.solve import DEFAULT_LINK
 from pipecut.planning.planner import plan as make_plan
 from pipecut.runtime.comm.launch import local_device

@@ -11,7 +11,16 @@ import enum
 
 from pipecut.schedules.format import Placement
 
-__all__ = ["CaptureMethod", "CostSource", "LeafKind", "NodeOp", "Partitioner", "Recompute", "ScheduleKind"]
+__all__ = [
+    "CaptureMethod",
+    "CostSource",
+    "DataParallelKind",
+    "LeafKind",
+    "NodeOp",
+    "Partitioner",
+    "Recompute",
+    "ScheduleKind",
+]
 
 
 class NodeOp(enum.Enum):
@@ -82,3 +91,12 @@ class Partitioner(enum.Enum):
     DP = "dp"
     ILP = "ilp"
     GIVEN = "given"
+
+
+class DataParallelKind(enum.Enum):
+    """The engine that replicates every stage across pipeline replicas."""
+
+    DDP = "ddp"
+    """DistributedDataParallel on each stage: every replica holds all of its stage's state."""
+    FSDP = "fsdp"
+    """FSDP2 ``fully_shard`` on each stage: parameters, gradients and optimizer state sharded."""

@@ -21,7 +21,7 @@ import torch
 
 from pipecut.capture import fingerprint
 from pipecut.cluster import Cluster
-from pipecut.core.kinds import CostSource, NodeOp, Recompute, ScheduleKind
+from pipecut.core.kinds import CostSource, DataParallelKind, NodeOp, Recompute, ScheduleKind
 from pipecut.core.meta import has_meta
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError, PartitionError
@@ -37,7 +37,7 @@ from pipecut.options import (
     options_of,
     requested,
 )
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.parallel import DataParallel
 from pipecut.passes.partition.chain import is_unit
 from pipecut.passes.partition.solve import Devices, as_devices, as_schedule, partition_costs
 from pipecut.passes.rewrite.propagate import accepted_shapes

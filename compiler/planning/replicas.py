@@ -24,11 +24,11 @@ from typing import Any
 
 from pipecut.cluster import Link
 from pipecut.core.batching import first_microbatch, split_microbatches
-from pipecut.core.kinds import ScheduleKind
+from pipecut.core.kinds import DataParallelKind, ScheduleKind
 from pipecut.errors import InputError
 from pipecut.ir import DeviceSpec, NodeCost, Plan, ReplicaCandidate
 from pipecut.options import AUTO, DataParallelOptions
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.parallel import DataParallel
 from pipecut.passes.parallel.hybrid import HybridPlan, plan_hybrid, workload
 from pipecut.passes.parallel.replication import ReplicationKind
 from pipecut.passes.partition.solve import as_schedule

@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pipecut.cluster import Cluster, Link
-from pipecut.core.kinds import CaptureMethod, Partitioner, Recompute
+from pipecut.core.kinds import CaptureMethod, DataParallelKind, Partitioner, Recompute
 from pipecut.errors import PartitionError
 from pipecut.ir import DeviceSpec, NodeCost, Plan, Solver, Stage
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.parallel import DataParallel
 from pipecut.passes.costs.stages import build_stages
 from pipecut.passes.parallel.training import RunCandidate, RunStage
 from pipecut.passes.partition.chain import liveness

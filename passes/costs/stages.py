@@ -12,9 +12,9 @@ from typing import overload
 import numpy as np
 
 from pipecut.cluster import Link
-from pipecut.core.kinds import NodeOp, Recompute, ScheduleKind
+from pipecut.core.kinds import DataParallelKind, NodeOp, Recompute, ScheduleKind
 from pipecut.ir import DeviceSpec, Edge, NodeCost, Plan, Predicted, Stage, TiedGroup
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.parallel import DataParallel
 from pipecut.passes.partition.chain import (
     Liveness,
     boundary_bytes,

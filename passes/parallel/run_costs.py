@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipecut.cluster import Link
-from pipecut.core.kinds import Recompute
-from pipecut.parallel import DataParallelKind
+from pipecut.core.kinds import DataParallelKind, Recompute
 from pipecut.passes.costs.workload import Workload
 
 __all__ = [

@@ -56,9 +56,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipecut.cluster import Cluster, ClusterPlacement, Layout, Link
-from pipecut.core.kinds import Recompute, ScheduleKind
+from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.errors import InputError
-from pipecut.parallel import DataParallelKind
 from pipecut.passes.costs.workload import Workload
 from pipecut.passes.parallel.hybrid import Skipped, balanced_split, unsplittable
 from pipecut.passes.parallel.run_costs import (

@@ -53,10 +53,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from pipecut.core.kinds import Recompute
+from pipecut.core.kinds import DataParallelKind, Recompute
 from pipecut.errors import PipelineRuntimeError, PlanError
 from pipecut.ir import Plan
-from pipecut.parallel import DataParallelKind
 from pipecut.runtime.comm.sync import wait_for
 from pipecut.runtime.execution.stage import StageWorker
 from pipecut.schedules.format import Action, ActionKind

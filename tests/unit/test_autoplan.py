@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipecut.core.kinds import Recompute, ScheduleKind
+from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.errors import InputError, PartitionError
 from pipecut.options import AUTO
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.parallel import DataParallel
 from pipecut.planning.autoplan import choose, schedules_to_try
 from tests.unit.tiny import mlp_plan
 

@@ -6,10 +6,10 @@ import pytest
 
 import pipecut
 from benchmarks.synthetic import transformer_costs
-from pipecut.core.kinds import Partitioner, ScheduleKind
+from pipecut.core.kinds import DataParallelKind, Partitioner, ScheduleKind
 from pipecut.errors import InputError, PartitionError
 from pipecut.ir import DeviceSpec
-from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
+from pipecut.parallel import DataParallel, as_data_parallel
 from pipecut.passes.costs.stages import OPTIMIZER_STATE_FACTOR, state_bytes
 from pipecut.passes.partition.memory_floor import min_peak_memory
 from pipecut.passes.partition.problem import formulate

@@ -11,7 +11,7 @@ import torch
 
 import pipecut
 from examples import mlp
-from pipecut.core.kinds import CaptureMethod, Recompute, ScheduleKind
+from pipecut.core.kinds import CaptureMethod, DataParallelKind, Recompute, ScheduleKind
 from pipecut.errors import InputError
 from pipecut.ir import Plan
 from pipecut.options import (
@@ -23,7 +23,7 @@ from pipecut.options import (
     ScheduleOptions,
     WeightOptions,
 )
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.parallel import DataParallel
 from pipecut.passes.partition.solve import partition_costs
 from tests.unit.tiny import mlp_plan
 

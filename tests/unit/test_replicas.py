@@ -127,7 +127,8 @@ def test_cli_data_parallel_auto(tmp_path, capsys) -> None:
 
 def test_a_data_parallel_plan_records_its_replicas() -> None:
     # the mesh path (compile with a ("dp", "pp") DeviceMesh) plans with DataParallel: recorded
-    from pipecut.parallel import DataParallel, DataParallelKind
+    from pipecut.core.kinds import DataParallelKind
+    from pipecut.parallel import DataParallel
 
     dp = DataParallel(kind=DataParallelKind.FSDP, replicas=2)
     plan = pipecut.partition_costs(synthetic_nodes(2), devices=2, data_parallel=dp, **KW)

@@ -7,8 +7,7 @@ import dataclasses
 import pytest
 
 from pipecut.cluster import Cluster, Layout, Link
-from pipecut.core.kinds import Recompute, ScheduleKind
-from pipecut.parallel import DataParallelKind
+from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.passes.costs.workload import Workload
 from pipecut.passes.parallel.run_costs import (
     REDUCE_BYTES_PER_PARAM,

@@ -146,7 +146,7 @@ def test_two_stages_on_a_rank_must_fit_its_memory_together() -> None:
 
 
 def test_data_parallel_refuses_the_split_backward() -> None:
-    from pipecut.parallel import DataParallelKind
+    from pipecut.core.kinds import DataParallelKind
     from pipecut.runtime.grads.data_parallel import check_supported
 
     with pytest.raises(PlanError, match="data_parallel='ddp' cannot run the zbv schedule"):
