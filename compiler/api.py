@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecut.build.choice import choose, runnable_schedule
+from pipecut.build.choice import capture_and_broadcast_plan, runnable_schedule
 from pipecut.build.context import Job, Place, connect
 from pipecut.build.layout import auto_layout
 from pipecut.build.replay import asked
@@ -122,13 +122,13 @@ def compile(
     if job.options.data_parallel.kind == AUTO:
         job = _with_replicas(job)
     pipe, place = _build(job)
-    moved, job = _calibrated(job, pipe, place)
+    moved, job = _time_stages_and_replan(job, pipe, place)
     if moved is not None:  # one build alive at a time: two would double every rank's peak memory
         del pipe
         gc.collect()
         job = dataclasses.replace(job, given=moved, remeasure=True, options=_replaying(job))
         pipe, place = _build(job)
-        _calibrated(job, pipe, place)
+        _time_stages_and_replan(job, pipe, place)
     return _replicated(pipe, place)
 
 
@@ -137,7 +137,7 @@ def _build(job: Job) -> tuple[Pipeline, Place]:
     run = asked(job.given, job.options, job.devices)
     source = _weight_source(job)
     place = connect(job, run.run)
-    chosen = choose(job, place, run)
+    chosen = capture_and_broadcast_plan(job, place, run)
     sched = runnable_schedule(chosen.plan, place)
     if job.options.runtime.compile_stages:
         check_compilable(chosen.plan, data_parallel=place.replication is not None)
@@ -163,7 +163,7 @@ def _calibrates(job: Job) -> bool:
     return (job.given is None or job.remeasure) and measure.calibration_steps > 0 and measure.estimate is None
 
 
-def _calibrated(job: Job, pipe: Pipeline, place: Place) -> tuple[Plan | None, Job]:
+def _time_stages_and_replan(job: Job, pipe: Pipeline, place: Place) -> tuple[Plan | None, Job]:
     """Live calibration: time the stages of the running pipeline (with compile_stages="auto",
     eager and compiled, one kept), scale the costs to them and partition again on rank 0. The
     pipeline takes the new costs where the split stays (or is being measured again); the new

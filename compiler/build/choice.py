@@ -31,7 +31,7 @@ from pipecut.runtime.comm.p2p import wiring
 from pipecut.runtime.grads.data_parallel import check_supported
 from pipecut.schedules.format import Schedule, validate
 
-__all__ = ["Chosen", "check_fingerprint", "choose", "runnable_schedule"]
+__all__ = ["Chosen", "capture_and_broadcast_plan", "check_fingerprint", "runnable_schedule"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,7 +43,7 @@ class Chosen:
     first: Inputs
 
 
-def choose(job: Job, place: Place, asked: Asked) -> Chosen:
+def capture_and_broadcast_plan(job: Job, place: Place, asked: Asked) -> Chosen:
     """Capture the model on every rank; replay the given plan or take rank 0's, checked."""
     chosen = _on_rank0(job, place, asked, None) if asked.auto else job.given
     if chosen is not None and job.given is not None and dist.get_rank() == 0:

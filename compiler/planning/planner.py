@@ -154,7 +154,7 @@ def plan_fixed(request: Request, captured: Captured | None = None,
     named = functools.partial(_partitioned, request, captured, fingerprint(captured.gm), batch.batch_size)
 
     def partition(on: Captured, costs: Sequence[NodeCost], chunks: tuple[ChunkedNode, ...]) -> Plan:
-        return _calibrated(request, on, batch, costs, chunks, named, timed=timed)
+        return _plan_and_time_stages(request, on, batch, costs, chunks, named, timed=timed)
 
     best = partition(captured, nodes, ())
     best, heavy_note = try_pieces(request, captured, batch, best, nodes, partition)
@@ -199,8 +199,8 @@ def _check_compiled_pricing(request: Request, timed: bool, why_not: str) -> None
             f"the running ranks)")
 
 
-def _calibrated(request: Request, on: Captured, batch: FirstBatch, costs: Sequence[NodeCost],
-                chunked: tuple[ChunkedNode, ...], named: Callable[..., Plan], *, timed: bool) -> Plan:
+def _plan_and_time_stages(request: Request, on: Captured, batch: FirstBatch, costs: Sequence[NodeCost],
+                           chunked: tuple[ChunkedNode, ...], named: Callable[..., Plan], *, timed: bool) -> Plan:
     """The plan of ``costs`` (``named(costs, chunked)``) on ``on``'s graph (the captured one,
     or it with ``chunked`` nodes in pieces); ``timed``: its stages timed whole (eager,
     compiled, or both as ``RuntimeOptions.compile_stages`` says), the costs scaled to them (see
