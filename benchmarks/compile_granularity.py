@@ -14,7 +14,7 @@ variant takes one forward + backward (gradients zeroed after it, no optimizer st
 - ``stage eager`` / ``stage whole`` / ``stage per-block``: pipecut's first stage program (the
   model captured at that batch, planned for two stages and 8 microbatches, split): its fx
   GraphModule eager, compiled whole as ``compile_stages=True`` does
-  (:func:`pipecut.runtime.compiled.compile_stage`), and with each run of one block's nodes cut
+  (:func:`pipecut.runtime.execution.compiled.compile_stage`), and with each run of one block's nodes cut
   into a submodule (``torch.fx.passes.split_module``) compiled on its own. The stage's backward
   starts from fixed random gradients of the values it sends.
 
@@ -56,7 +56,7 @@ import pipecut
 from benchmarks.runtime import MODELS, _call
 from pipecut.capture import capture
 from pipecut.passes.rewrite.split import split_stage
-from pipecut.runtime.compiled import CompileStats, compile_stage
+from pipecut.runtime.execution.compiled import CompileStats, compile_stage
 
 VARIANTS = ("eager", "whole", "per-block", "stage eager", "stage whole", "stage per-block")
 COMPILED = tuple(v for v in VARIANTS if v.endswith(("whole", "per-block")))

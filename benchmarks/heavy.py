@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from pipecut.capture import as_planned, capture
+from pipecut.core.kinds import ScheduleKind
+from pipecut.ir import ChunkedNode, NodeCost
 from pipecut.passes.partition.chain import is_unit
-from pipecut.plan import ChunkedNode, NodeCost, ScheduleKind
+from pipecut.passes.partition.solve import DEFAULT_LINK, partition_costs
 from pipecut.planning.heavy import heavy_chunks, merge_costs, new_names
-from pipecut.planning.partition import DEFAULT_LINK, partition_costs
 from pipecut.profile.nodes import profile
 
 __all__ = ["heavy_main", "heavy_rows"]

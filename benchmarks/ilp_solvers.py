@@ -22,12 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.partition import MICROBATCHES, SCHEDULE, _examples, _hf, cost_table, parse_args
 from benchmarks.synthetic import transformer_costs
+from pipecut.core.kinds import NodeOp
+from pipecut.ir import DeviceSpec, NodeCost
 from pipecut.options import IlpSolver
 from pipecut.passes.partition.memory_floor import min_peak_memory
 from pipecut.passes.partition.memory_partition import partition_ilp
 from pipecut.passes.partition.problem import formulate
-from pipecut.plan import DeviceSpec, NodeCost, NodeOp
-from pipecut.planning.partition import DEFAULT_LINK
+from pipecut.passes.partition.solve import DEFAULT_LINK
 
 
 def problems(name: str, nodes: tuple[NodeCost, ...]) -> list[tuple[str, int, float | None]]:

@@ -109,7 +109,7 @@ def _pippy_rank(rank: int, world: int, depth: int, steps: int, lean: bool) -> di
     import gc
 
     from benchmarks.runtime import pippy_gpipe
-    from pipecut.runtime.allocator import return_large_frees
+    from pipecut.runtime.memory.allocator import return_large_frees
 
     if lean:
         return_large_frees()

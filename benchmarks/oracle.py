@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pipecut
 from benchmarks.runtime import MODELS
-from pipecut.planning.partition import partition_costs
+from pipecut.passes.partition.solve import partition_costs
 from tests.harness import run_ranks
 
 BATCH, MICROBATCHES = 16, 8

@@ -32,12 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pipecut
 from benchmarks.baselines import Baseline, baseline_bounds, layer_sums
 from benchmarks.synthetic import transformer_costs
+from pipecut.core.kinds import NodeOp, ScheduleKind
+from pipecut.ir import DeviceSpec, NodeCost
 from pipecut.passes.partition.memory_dp import lower_bound
 from pipecut.passes.partition.memory_floor import min_peak_memory
 from pipecut.passes.partition.memory_partition import partition_ilp
 from pipecut.passes.partition.problem import evaluate, formulate
-from pipecut.plan import DeviceSpec, NodeCost, NodeOp, ScheduleKind
-from pipecut.planning.partition import DEFAULT_LINK, partition_costs
+from pipecut.passes.partition.solve import DEFAULT_LINK, partition_costs
 
 MICROBATCHES = 8
 SCHEDULE = ScheduleKind.ONE_F_ONE_B

@@ -23,8 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.synthetic import transformer_costs
-from pipecut.plan import DeviceSpec, Plan, ScheduleKind
-from pipecut.planning.partition import partition_costs
+from pipecut.core.kinds import ScheduleKind
+from pipecut.ir import DeviceSpec, Plan
+from pipecut.passes.partition.solve import partition_costs
 
 NODES_PER_LAYER = 210
 

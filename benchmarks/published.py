@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipecut.plan import Leaf, LeafKind, NodeCost, NodeOp
+from pipecut.core.kinds import LeafKind, NodeOp
+from pipecut.ir import Leaf, NodeCost
 from pipecut.profile.devices import Precision, device_profile, estimate_rows
 from pipecut.profile.flops import NodeWork
 
@@ -180,8 +181,8 @@ class Predicted:
 def predict(run: PublishedRun, *, rows: tuple[NodeCost, ...] | None = None) -> Predicted:
     """pipecut's prediction of ``run`` (FSDP, one microbatch per step as torchtitan runs it).
     ``rows``: the cost table at the global batch; default :func:`estimated_rows`."""
+    from pipecut.core.kinds import Recompute
     from pipecut.passes.parallel.training import RunShape
-    from pipecut.plan import Recompute
     from pipecut.planning.clusters import (
         model_flops_per_token,
         parse_cluster,
@@ -211,8 +212,8 @@ the speedup is a ratio of bubble-bound steps, insensitive to the width)."""
 
 def gpipe_speedup(*, microbatches: int = 32, seq: int = 1024) -> float:
     """Throughput of K = 8 over K = 2 pipeline stages (one replica, GPipe schedule, M = 32)."""
+    from pipecut.core.kinds import Recompute, ScheduleKind
     from pipecut.passes.parallel.training import RunShape
-    from pipecut.plan import Recompute, ScheduleKind
     from pipecut.planning.clusters import (
         family_efficiency,
         model_flops_per_token,

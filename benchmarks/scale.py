@@ -2,11 +2,11 @@
 
     .venv/bin/python benchmarks/scale.py            # both tables, markdown on stdout
 
-1. Simulator: ``core.schedule.simulate`` (the one simulator: event driven, O(actions)) on K
+1. Simulator: ``schedules.simulate.simulate`` (the one simulator: event driven, O(actions)) on K
    stages of 1 ms forward, 2 ms backward and 0.1 ms links, M microbatches: GPipe and 1F1B on
    K ranks, interleaved 1F1B on K/2 ranks of 2 stages each (M rounded up to a multiple of
    the ranks, as it needs); the time to build the schedule
-   (``passes.schedules.build``; zero bubble list-schedules on the costs, with the backward
+   (``schedules.standard.build``; zero bubble list-schedules on the costs, with the backward
    split into 1 ms I and 1 ms W) and to simulate it. GPipe's step must equal its closed form
    (K − 1)(f + l) + M (f + b) + (K − 1)(b + l).
 2. Planner: ``passes.hybrid.plan_hybrid`` on a synthetic 96-layer transformer
@@ -36,12 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, exa
 
 import pipecut
 from benchmarks.synthetic import Shape, transformer_costs
-from pipecut.core.schedule import StageCosts, simulate
+from pipecut.cluster import Link
+from pipecut.core.kinds import ScheduleKind
 from pipecut.passes.costs.workload import Workload
 from pipecut.passes.parallel.hybrid import HybridPlan, plan_hybrid, workload
 from pipecut.passes.parallel.replication import ReplicationKind
-from pipecut.passes.schedules.standard import build
-from pipecut.plan import Link, ScheduleKind
+from pipecut.schedules.simulate import StageCosts, simulate
+from pipecut.schedules.standard import build
 
 DEVICES = (64, 128, 256, 512, 1024)
 SPEEDUP = 3000.0

@@ -14,7 +14,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from pipecut.plan import Leaf, LeafKind, NodeCost, NodeOp
+from pipecut.core.kinds import LeafKind, NodeOp
+from pipecut.ir import Leaf, NodeCost
 
 __all__ = ["Shape", "transformer_costs"]
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 
 from pipecut.api import compile
+from pipecut.cluster import Link
+from pipecut.core.kinds import CaptureMethod, Partitioner, Recompute, ScheduleKind
 from pipecut.errors import (
     CaptureError,
     InputError,
@@ -19,6 +21,7 @@ from pipecut.errors import (
     PlanError,
     ScheduleError,
 )
+from pipecut.ir import DeviceSpec, NodeCost, Plan
 from pipecut.options import (
     CaptureOptions,
     DataParallelOptions,
@@ -31,25 +34,13 @@ from pipecut.options import (
     ScheduleOptions,
     WeightOptions,
 )
-from pipecut.plan import (
-    CaptureMethod,
-    DeviceSpec,
-    Link,
-    NodeCost,
-    Partitioner,
-    Plan,
-    Recompute,
-    ScheduleKind,
-)
-from pipecut.planning.partition import partition_costs
+from pipecut.passes.partition.solve import partition_costs
 from pipecut.planning.planner import plan
 from pipecut.planning.replicas import choose_replicas
 from pipecut.profile.devices import device_link, device_profiles, device_specs, estimate_costs
 from pipecut.report.render import render
 from pipecut.report.text import summary
-
-__version__ = "0.1.0"
-"""The one place the version is written: pyproject.toml reads it (``dynamic = ["version"]``)."""
+from pipecut.version import __version__
 
 # A library logs and leaves the output to the application (`pipecut` the CLI configures it).
 logging.getLogger("pipecut").addHandler(logging.NullHandler())

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecut.build.choice import choose, runnable_schedule
+from pipecut.build.choice import capture_and_broadcast_plan, runnable_schedule
 from pipecut.build.context import Job, Place, connect
 from pipecut.build.layout import auto_layout
 from pipecut.build.replay import asked
@@ -29,8 +29,10 @@ from pipecut.build.workers import (
     worker_factory,
 )
 from pipecut.capture.modes import Modes, derive_other_mode
+from pipecut.core.kinds import DataParallelKind
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import CaptureError, PipecutError, PlanError
+from pipecut.ir import Plan
 from pipecut.options import (
     AUTO,
     CaptureOptions,
@@ -43,19 +45,17 @@ from pipecut.options import (
     options_of,
     requested,
 )
-from pipecut.parallel import DataParallelKind
 from pipecut.passes.costs.stages import predicted_timeline
-from pipecut.plan import Plan
-from pipecut.planning.partition import Devices
+from pipecut.passes.partition.solve import Devices
 from pipecut.profile.compiled import check_auto, measure_and_choose, with_note
 from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn
-from pipecut.runtime.compiled import check_compilable
-from pipecut.runtime.data_parallel import replicate
-from pipecut.runtime.launch import ready_for_p2p
-from pipecut.runtime.materialize import check_unexpected
+from pipecut.runtime.comm.launch import ready_for_p2p
+from pipecut.runtime.execution.compiled import check_compilable
+from pipecut.runtime.grads.data_parallel import replicate
 from pipecut.runtime.pipeline import Pipeline
-from pipecut.runtime.weights import WeightSource, open_weights
+from pipecut.runtime.state.materialize import check_unexpected
+from pipecut.runtime.state.weights import WeightSource, open_weights
 
 __all__ = ["compile"]
 
@@ -106,7 +106,7 @@ def compile(
     initialises them (``WeightOptions(init=..., seed=...)``, Hugging Face models their own
     way). Every rank's stage weights are set to global rank 0's. ``model`` is left as it is.
     ``RuntimeOptions(compile_stages=True)`` runs each stage through ``torch.compile``
-    (:mod:`pipecut.runtime.compiled`); "auto" keeps compiled stages where the calibration steps
+    (:mod:`pipecut.runtime.execution.compiled`); "auto" keeps compiled stages where the calibration steps
     show they pay for their compile (:mod:`pipecut.profile.compiled`).
     """
     given = None if plan is None else plan if isinstance(plan, Plan) else Plan.from_json(plan)
@@ -122,13 +122,13 @@ def compile(
     if job.options.data_parallel.kind == AUTO:
         job = _with_replicas(job)
     pipe, place = _build(job)
-    moved, job = _calibrated(job, pipe, place)
+    moved, job = _time_stages_and_replan(job, pipe, place)
     if moved is not None:  # one build alive at a time: two would double every rank's peak memory
         del pipe
         gc.collect()
         job = dataclasses.replace(job, given=moved, remeasure=True, options=_replaying(job))
         pipe, place = _build(job)
-        _calibrated(job, pipe, place)
+        _time_stages_and_replan(job, pipe, place)
     return _replicated(pipe, place)
 
 
@@ -137,7 +137,7 @@ def _build(job: Job) -> tuple[Pipeline, Place]:
     run = asked(job.given, job.options, job.devices)
     source = _weight_source(job)
     place = connect(job, run.run)
-    chosen = choose(job, place, run)
+    chosen = capture_and_broadcast_plan(job, place, run)
     sched = runnable_schedule(chosen.plan, place)
     if job.options.runtime.compile_stages:
         check_compilable(chosen.plan, data_parallel=place.replication is not None)
@@ -163,7 +163,7 @@ def _calibrates(job: Job) -> bool:
     return (job.given is None or job.remeasure) and measure.calibration_steps > 0 and measure.estimate is None
 
 
-def _calibrated(job: Job, pipe: Pipeline, place: Place) -> tuple[Plan | None, Job]:
+def _time_stages_and_replan(job: Job, pipe: Pipeline, place: Place) -> tuple[Plan | None, Job]:
     """Live calibration: time the stages of the running pipeline (with compile_stages="auto",
     eager and compiled, one kept), scale the costs to them and partition again on rank 0. The
     pipeline takes the new costs where the split stays (or is being measured again); the new

@@ -32,9 +32,9 @@ from typing import Any, ClassVar, Literal
 
 from pipecut.cluster import LINK_LATENCY_MS, Link
 from pipecut.core.choices import enum_choice
-from pipecut.core.kinds import CaptureMethod, Partitioner, Recompute, ScheduleKind
+from pipecut.core.kinds import CaptureMethod, DataParallelKind, Partitioner, Recompute, ScheduleKind
 from pipecut.errors import InputError
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.parallel import DataParallel
 
 __all__ = [
     "AUTO",
@@ -267,7 +267,7 @@ class RuntimeOptions:
     plan, steps slower)."""
     loss_reduction: LossReduction = LossReduction.MEAN
     compile_stages: bool | Literal["auto"] = False
-    """Run each stage module through ``torch.compile`` (see :mod:`pipecut.runtime.compiled`);
+    """Run each stage module through ``torch.compile`` (see :mod:`pipecut.runtime.execution.compiled`);
     "auto": the live calibration steps time the stages eager and compiled and keep compiled
     where the saving pays for the compile (see :mod:`pipecut.profile.compiled`)."""
 

@@ -1,25 +1,18 @@
 """Data parallelism across pipeline replicas, as plan data: which engine, how many replicas.
 
 Imported by the planner's memory model (``pipecut.passes.costs.stages.state_bytes``) and by the
-runtime (``pipecut.runtime.data_parallel``), so it sits with the plan data, below both.
+runtime (``pipecut.runtime.grads.data_parallel``), so it sits with the plan data, below both.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from pipecut.core.choices import enum_choice
+from pipecut.core.kinds import DataParallelKind
 from pipecut.errors import InputError
 
-__all__ = ["DataParallel", "DataParallelKind", "as_data_parallel"]
-
-
-class DataParallelKind(enum.Enum):
-    DDP = "ddp"
-    """DistributedDataParallel on each stage: every replica holds all of its stage's state."""
-    FSDP = "fsdp"
-    """FSDP2 ``fully_shard`` on each stage: parameters, gradients and optimizer state sharded."""
+__all__ = ["DataParallel", "as_data_parallel"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,7 +1,7 @@
 """The plan's JSON codec and JSON Schema, both from pydantic over the plan dataclasses.
 
-The frozen dataclasses in :mod:`pipecut.plan` are the source of truth. A pydantic v2
-``TypeAdapter`` over :class:`~pipecut.plan.Plan` reads, checks and writes plan JSON in one pass
+The frozen dataclasses in :mod:`pipecut.ir` are the source of truth. A pydantic v2
+``TypeAdapter`` over :class:`~pipecut.ir.Plan` reads, checks and writes plan JSON in one pass
 (pydantic-core, in Rust: a 10,000-node plan loads in well under a second), with no per-class or
 per-field code, so a field added to a plan dataclass needs nothing here. Strict mode (set on
 ``Plan.__pydantic_config__`` and inherited by the nested dataclasses) keeps the JSON types
@@ -38,7 +38,7 @@ import pydantic_core
 from pydantic.json_schema import GenerateJsonSchema
 
 from pipecut.errors import PlanError
-from pipecut.plan import FORMAT_VERSION, Plan
+from pipecut.ir import FORMAT_VERSION, Plan
 
 __all__ = [
     "REGENERATE",

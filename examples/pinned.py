@@ -24,9 +24,9 @@ from pipecut.capture import capture, fingerprint
 from pipecut.capture.modes import describe_graph
 from pipecut.core.batching import first_microbatch
 from pipecut.core.kinds import CaptureMethod
+from pipecut.ir import NodeCost, Plan
 from pipecut.passes.partition.chain import is_unit
-from pipecut.plan import NodeCost, Plan
-from pipecut.planning.partition import partition_costs
+from pipecut.passes.partition.solve import partition_costs
 
 FORWARD_MS, BACKWARD_MS = 1.0, 2.0
 """Every node's cost: only the ratio matters (backward about twice forward, as usual)."""

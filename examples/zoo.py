@@ -312,7 +312,7 @@ def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_si
 
 def cut_constants(plan: Any) -> int:
     """How many non-tensor leaves (sizes, ints, dtypes…) cross a cut in ``plan``."""
-    from pipecut.plan import LeafKind
+    from pipecut.core.kinds import LeafKind
 
     return sum(
         leaf.kind is LeafKind.CONSTANT

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from pipecut.core.batching import batch_size, split_by_sizes
 from pipecut.core.graph import canonical_names
 from pipecut.core.program import Captured, Inputs
-from pipecut.core.schedule import Action, Schedule, forward_only
 from pipecut.core.shapes import (
     AutocastState,
     Signature,
@@ -26,13 +25,16 @@ from pipecut.core.shapes import (
     signature,
 )
 from pipecut.errors import InputError, PipecutError, PipelineRuntimeError
-from pipecut.plan import NodeCost, Plan
-from pipecut.runtime.compiled import CompileStats
-from pipecut.runtime.data_parallel import Replication, trainable_disagreement
-from pipecut.runtime.executor import Event, run_actions
-from pipecut.runtime.failure import abort
-from pipecut.runtime.forward import ModeSwitch, collecting, concat_microbatches
-from pipecut.runtime.grads import (
+from pipecut.ir import NodeCost, Plan
+from pipecut.runtime.comm.failure import abort
+from pipecut.runtime.comm.nccl import check_nccl
+from pipecut.runtime.comm.p2p import Step, comm_program, wiring
+from pipecut.runtime.execution.compiled import CompileStats
+from pipecut.runtime.execution.executor import Event, run_actions
+from pipecut.runtime.execution.forward import ModeSwitch, collecting, concat_microbatches
+from pipecut.runtime.execution.stage import StageWorker, tree_to
+from pipecut.runtime.execution.trace import chrome_trace, write_chrome_trace
+from pipecut.runtime.grads.collective import (
     LossReduction,
     clip_grad_norm_,
     loss_divisor,
@@ -40,11 +42,10 @@ from pipecut.runtime.grads import (
     sharded_grad_scaler,
     share_loss,
 )
-from pipecut.runtime.nccl import check_nccl
-from pipecut.runtime.p2p import Step, comm_program, wiring
-from pipecut.runtime.stage import StageWorker, tree_to
-from pipecut.runtime.tied import TiedGrads
-from pipecut.runtime.trace import chrome_trace, write_chrome_trace
+from pipecut.runtime.grads.data_parallel import Replication, trainable_disagreement
+from pipecut.runtime.grads.tied import TiedGrads
+from pipecut.runtime.state.export import export
+from pipecut.schedules.format import Action, Schedule, forward_only
 
 WireResolver = Callable[[Signature, Sequence[Any]], Mapping[str, NodeCost] | None]
 """Signature of a microbatch (and its flat inputs) -> every cut value's spec for it; None
@@ -511,7 +512,5 @@ class Pipeline:
         config. ``model`` (optional: the model given to compile, on meta or not) adds its class
         to the config's ``architectures``. ``from_pretrained``, ``load_state_dict`` and
         ``compile(..., weights=directory)`` read it. Collective: every rank calls it; with data
-        parallelism replica 0 writes. See :func:`pipecut.runtime.export.export`."""
-        from pipecut.runtime.export import export
-
+        parallelism replica 0 writes. See :func:`pipecut.runtime.state.export.export`."""
         return export(self, directory, model)

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from pipecut.core.batching import split_by_sizes
 from pipecut.core.shapes import microbatch_sizes
-from pipecut.plan import Plan
+from pipecut.ir import Plan
 from tests.fuzz_config import Config
 from tests.fuzz_run import (
     ADAMW,

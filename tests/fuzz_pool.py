@@ -4,7 +4,7 @@ Compiling is cheap with a given or fast plan (~0.5 s), forking and joining a pro
 is not free, so a pool of ``world`` forked ranks (gloo over a FileStore, one thread each, as
 tests/harness.py) runs a whole list of configurations with the same world size one after the
 other, writing each configuration's result per rank as soon as it has it. A rank that fails
-stops (pipecut tears its process groups down on a failure; see runtime/failure.py), the other
+stops (pipecut tears its process groups down on a failure; see runtime/comm/failure.py), the other
 ranks then fail or time out, and the driver starts a fresh pool for the configurations left.
 A pool that makes no progress for ``job_timeout`` seconds is killed: the configuration it was
 running is a hang.
@@ -106,7 +106,7 @@ def is_refusal(cfg: Config, error: BaseException, trail: Trail) -> bool:
     raised by a call that passed before (the same batch, the same flags), which is a bug. A
     PipelineRuntimeError (a rank failed, timed out, or received what the plan did not say, or
     a torch error wrapped) counts only as pipecut's check, after a freeze or an unfreeze, that
-    the parameters' ``requires_grad`` still match the plan (runtime/forward.py:
+    the parameters' ``requires_grad`` still match the plan (runtime/execution/forward.py:
     check_grad_flags)."""
     if not isinstance(error, PipecutError) or not trail.novel:
         return False

@@ -28,10 +28,11 @@ import pipecut
 from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.capture.modes import describe_graph
 from pipecut.core.batching import first_microbatch
+from pipecut.core.kinds import ScheduleKind
+from pipecut.ir import ChunkedNode, DeviceSpec, Plan
 from pipecut.passes.partition.chain import is_unit
+from pipecut.passes.partition.solve import partition_costs
 from pipecut.passes.rewrite.chunk_rows import piece_names
-from pipecut.plan import ChunkedNode, DeviceSpec, Plan, ScheduleKind
-from pipecut.planning.partition import partition_costs
 from pipecut.runtime.pipeline import Pipeline
 from tests.fuzz_config import Config
 from tests.fuzz_models import MODELS

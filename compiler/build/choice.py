@@ -18,19 +18,20 @@ from pipecut.build.replay import Asked
 from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.capture.agree import capture_for_plan
 from pipecut.core.batching import first_microbatch
+from pipecut.core.kinds import Recompute
 from pipecut.core.program import Captured, Inputs
-from pipecut.core.schedule import Schedule, validate
 from pipecut.errors import PlanError
+from pipecut.ir import Plan
 from pipecut.options import ScheduleOptions
 from pipecut.passes.costs.stages import plan_schedule
-from pipecut.plan import Plan, Recompute
 from pipecut.planning.planner import plan as make_plan
 from pipecut.planning.request import warn_if_sequential
-from pipecut.runtime.data_parallel import check_supported
-from pipecut.runtime.nccl import check_nccl
-from pipecut.runtime.p2p import wiring
+from pipecut.runtime.comm.nccl import check_nccl
+from pipecut.runtime.comm.p2p import wiring
+from pipecut.runtime.grads.data_parallel import check_supported
+from pipecut.schedules.format import Schedule, validate
 
-__all__ = ["Chosen", "check_fingerprint", "choose", "runnable_schedule"]
+__all__ = ["Chosen", "capture_and_broadcast_plan", "check_fingerprint", "runnable_schedule"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,7 +43,7 @@ class Chosen:
     first: Inputs
 
 
-def choose(job: Job, place: Place, asked: Asked) -> Chosen:
+def capture_and_broadcast_plan(job: Job, place: Place, asked: Asked) -> Chosen:
     """Capture the model on every rank; replay the given plan or take rank 0's, checked."""
     chosen = _on_rank0(job, place, asked, None) if asked.auto else job.given
     if chosen is not None and job.given is not None and dist.get_rank() == 0:

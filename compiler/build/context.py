@@ -18,18 +18,19 @@ import torch.distributed as dist
 
 from pipecut.build.layout import Layout, layout_of, replication_of
 from pipecut.build.replay import Settings
+from pipecut.cluster import Link
 from pipecut.core.program import Inputs
 from pipecut.errors import InputError
+from pipecut.ir import DeviceSpec, Plan
 from pipecut.options import Options, WeightOptions
 from pipecut.parallel import DataParallel
-from pipecut.plan import DeviceSpec, Link, Plan
-from pipecut.planning.partition import as_devices
+from pipecut.passes.partition.solve import as_devices
 from pipecut.profile.nodes import LossFn
-from pipecut.runtime.allocator import return_large_frees
-from pipecut.runtime.capacity import gathered_free_bytes, with_capacities
-from pipecut.runtime.launch import local_device
-from pipecut.runtime.linkprobe import measure_link
-from pipecut.runtime.teardown import open_default_group
+from pipecut.runtime.comm.launch import local_device
+from pipecut.runtime.comm.linkprobe import measure_link
+from pipecut.runtime.comm.teardown import open_default_group
+from pipecut.runtime.memory.allocator import return_large_frees
+from pipecut.runtime.memory.capacity import gathered_free_bytes, with_capacities
 
 __all__ = ["Job", "Place", "connect"]
 
@@ -82,7 +83,7 @@ def connect(job: Job, run: Settings) -> Place:
     """Join the process group on this rank's device and read where this rank sits. Collective:
     every rank calls it (NCCL needs the device chosen before any collective)."""
     device = local_device()
-    open_default_group(job.wait, device)  # closed at exit if opened here (pipecut.runtime.teardown)
+    open_default_group(job.wait, device)  # closed at exit if opened here (pipecut.runtime.comm.teardown)
     if job.options.runtime.lean_host_memory and device.type == "cpu" and not return_large_frees():
         warnings.warn("lean_host_memory: the allocator was left as it is (not glibc, or "
                       "MALLOC_MMAP_THRESHOLD_ or PIPECUT_KEEP_MALLOC=1 set)", stacklevel=3)

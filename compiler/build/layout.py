@@ -17,16 +17,17 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipecut.core.batching import first_microbatch, split_microbatches
+from pipecut.core.kinds import DataParallelKind, ScheduleKind
 from pipecut.core.program import Inputs
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
+from pipecut.ir import Plan
 from pipecut.options import AUTO
-from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
-from pipecut.plan import Plan, ScheduleKind
-from pipecut.planning.partition import DEFAULT_LINK
+from pipecut.parallel import DataParallel, as_data_parallel
+from pipecut.passes.partition.solve import DEFAULT_LINK
 from pipecut.planning.planner import plan as make_plan
-from pipecut.runtime.launch import local_device
-from pipecut.runtime.linkprobe import measure_link
-from pipecut.runtime.teardown import close_at_exit, open_default_group
+from pipecut.runtime.comm.launch import local_device
+from pipecut.runtime.comm.linkprobe import measure_link
+from pipecut.runtime.comm.teardown import close_at_exit, open_default_group
 
 if TYPE_CHECKING:  # context.py reads this module's Layout
     from pipecut.build.context import Job

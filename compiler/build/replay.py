@@ -12,10 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipecut.cluster import Link
+from pipecut.core.kinds import CaptureMethod, ScheduleKind
 from pipecut.errors import PlanError
+from pipecut.ir import Plan
 from pipecut.options import AUTO, Options
-from pipecut.plan import CaptureMethod, Link, Plan, ScheduleKind
-from pipecut.planning.partition import DEFAULT_LINK, as_devices, as_schedule
+from pipecut.passes.partition.solve import DEFAULT_LINK, as_devices, as_schedule
 from pipecut.planning.request import default_choices
 
 __all__ = ["Asked", "Settings", "asked"]

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from pipecut.core.schedule import Schedule, validate
 from pipecut.core.shapes import Signature, accepted, describe_accepted, planned_signature
 from pipecut.errors import InputError, ScheduleError
+from pipecut.ir import NodeCost, Plan
 from pipecut.passes.costs.stages import plan_costs
 from pipecut.passes.rewrite.propagate import PropagationError, cut_values
-from pipecut.passes.schedules.standard import build
-from pipecut.plan import NodeCost, Plan
+from pipecut.schedules.format import Schedule, validate
+from pipecut.schedules.standard import build
 
 __all__: list[str] = []
 

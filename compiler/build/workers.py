@@ -2,7 +2,7 @@
 
 compile's build → materialise → sync steps. Each stage of this rank is split out of the
 captured graph, its tensors made real on this rank's device (a meta model's filled from the
-weights or initialised), and wrapped in a :class:`~pipecut.runtime.stage.StageWorker`; then
+weights or initialised), and wrapped in a :class:`~pipecut.runtime.execution.stage.StageWorker`; then
 every rank's stage tensors are set to global rank 0's, as DistributedDataParallel does, and the
 process groups of tied weights are made.
 """
@@ -23,13 +23,13 @@ from pipecut.build.layout import Layout
 from pipecut.core.meta import has_meta
 from pipecut.core.program import Captured, StageProgram
 from pipecut.errors import InputError
+from pipecut.ir import Plan
 from pipecut.passes.rewrite.split import split_stage
-from pipecut.plan import Plan
-from pipecut.runtime.materialize import materialize_stage, raise_together
-from pipecut.runtime.stage import StageWorker
-from pipecut.runtime.sync import stage_state, sync_from_rank0
-from pipecut.runtime.teardown import close_at_exit
-from pipecut.runtime.weights import WeightSource
+from pipecut.runtime.comm.sync import stage_state, sync_from_rank0
+from pipecut.runtime.comm.teardown import close_at_exit
+from pipecut.runtime.execution.stage import StageWorker
+from pipecut.runtime.state.materialize import materialize_stage, raise_together
+from pipecut.runtime.state.weights import WeightSource
 
 __all__ = ["WorkerFactory", "build_workers", "sync_weights", "tied_groups", "worker_factory"]
 

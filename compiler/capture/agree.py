@@ -17,10 +17,11 @@ from collections.abc import Sequence
 import torch
 
 from pipecut.capture.trace import capture, fingerprint
+from pipecut.core.kinds import CaptureMethod
 from pipecut.core.program import Captured, Inputs, Shapes
 from pipecut.errors import CaptureError
+from pipecut.ir import Plan
 from pipecut.options import CaptureOptions
-from pipecut.plan import CaptureMethod, Plan
 
 __all__ = ["capture_for_plan", "static_plan"]
 

@@ -13,8 +13,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from pipecut.core.program import Captured
+from pipecut.ir import ChunkedNode
 from pipecut.passes.rewrite.chunk_rows import chunk_rows
-from pipecut.plan import ChunkedNode
 
 __all__ = ["as_planned"]
 

@@ -28,12 +28,13 @@ from torch.nn.utils.stateless import _reparametrize_module
 from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.core.cut_values import describe
 from pipecut.core.graph import attr_tensor, module_path, node_parameters, target_name
+from pipecut.core.kinds import NodeOp
 from pipecut.core.program import Captured, Inputs, StageProgram
 from pipecut.errors import InputError
+from pipecut.ir import NodeCost, Plan
 from pipecut.passes.rewrite.eval_graph import map_stages
 from pipecut.passes.rewrite.split import split_stage
-from pipecut.plan import NodeCost, NodeOp, Plan
-from pipecut.runtime.stage import StageWorker
+from pipecut.runtime.execution.stage import StageWorker
 
 __all__: list[str] = []
 

@@ -28,12 +28,12 @@ from pipecut.capture.frozen import honour_no_grad, record_grad_mode
 from pipecut.capture.guard import ModuleState, check_input_writes, refuse_number_changes
 from pipecut.core.batching import check_inputs
 from pipecut.core.graph import target_name
+from pipecut.core.kinds import CaptureMethod
 from pipecut.core.meta import has_meta, input_device, relocate_meta, to_meta
 from pipecut.core.names import model_names
 from pipecut.core.program import NO_DEFAULT, Captured, Inputs, Shapes, split_args
 from pipecut.errors import CaptureError, InputError
 from pipecut.options import EXPORT_TIME_LIMIT, leaf_name
-from pipecut.plan import CaptureMethod
 
 __all__ = ["capture", "fingerprint"]
 

@@ -27,8 +27,10 @@ from typing import Any, TypeAlias
 
 from pipecut.cli import logs
 from pipecut.cli.factory import SHIPPED, call_factory, load_factory
+from pipecut.cluster import Link
+from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import InputError, PipecutError
-from pipecut.plan import DeviceSpec, Link, Plan, ScheduleKind
+from pipecut.ir import DeviceSpec, Plan
 from pipecut.report.text import summary
 
 __all__ = [
@@ -206,7 +208,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _check_plan_args(args: argparse.Namespace) -> None:
-    from pipecut.planning.partition import as_ilp_solver, as_schedule
+    from pipecut.passes.partition.solve import as_ilp_solver, as_schedule
     from pipecut.profile.devices import device_profile
 
     for path, flag in ((args.out, "--out"), (args.html, "--html"), (args.dot, "--dot")):
@@ -242,7 +244,7 @@ def _plan_measured(args: argparse.Namespace, example: Any) -> Any:
     """``pipecut.plan`` with the flags as options objects, the nodes measured here."""
     import pipecut
     from pipecut.options import MeasureOptions, RuntimeOptions, ScheduleOptions
-    from pipecut.planning.partition import DEFAULT_LINK, as_devices
+    from pipecut.passes.partition.solve import DEFAULT_LINK, as_devices
 
     devices = [DeviceSpec(name=d.name, memory_bytes=args.memory_limit, speed=d.speed)
                for d in as_devices(args.devices)]

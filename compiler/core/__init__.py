@@ -1,10 +1,10 @@
 """pipecut.core: data every layer shares, below the passes and the runtime.
 
-The schedule IR (:mod:`~pipecut.core.schedule`: actions, their text form and the one timing
-rule), programs (:mod:`~pipecut.core.program`: a captured graph, a stage's program), values and
+Programs (:mod:`~pipecut.core.program`: a captured graph, a stage's program), values and
 shapes that cross a cut, microbatching, the user's names for graph tensors, facts about fx nodes
-and meta tensors. Together with :mod:`pipecut.plan`, :mod:`pipecut.errors`,
-:mod:`pipecut.schema` and :mod:`pipecut.parallel` this is the bottom layer: it imports no pass,
+and meta tensors. Together with :mod:`pipecut.ir`, :mod:`pipecut.errors`,
+:mod:`pipecut.schema`, :mod:`pipecut.parallel` and :mod:`pipecut.schedules` (the schedule
+format and its simulator) this is the bottom layer: it imports no pass,
 no runtime module and nothing above them.
 """
 

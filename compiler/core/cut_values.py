@@ -1,7 +1,7 @@
 """Values that cross stage boundaries: pytree-flattened into tensors and constants.
 
 A node's output may be a tensor, a tuple of tensors, a ``torch.Size`` or a plain number. The
-plan stores, per node, the pytree structure and one :class:`~pipecut.plan.Leaf` per leaf.
+plan stores, per node, the pytree structure and one :class:`~pipecut.ir.Leaf` per leaf.
 Tensor leaves travel over the wire with the shape and dtype the plan gives (no handshake).
 Non-tensor leaves (sizes, ints derived from shapes) are fixed by the planned input shapes, so
 the plan stores their value and the receiving stage uses it; the sending stage checks that the
@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from pipecut.plan import Leaf, LeafKind
+from pipecut.core.kinds import LeafKind
+from pipecut.ir import Leaf
 
 __all__ = [
     "decode_constant",

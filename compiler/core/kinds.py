@@ -1,16 +1,26 @@
 """The kinds plan data names: fx opcodes, capture methods, schedules, recompute, cost sources.
 
 Enums, not strings: the plan, the options (:mod:`pipecut.options`) and the passes share them,
-and :mod:`pipecut.plan` re-exports them where users import them from.
+and this module is their one home: import them from here (or from :mod:`pipecut`, the public
+surface), not through :mod:`pipecut.ir`.
 """
 
 from __future__ import annotations
 
 import enum
 
-from pipecut.core.schedule import Placement
+from pipecut.schedules.format import Placement
 
-__all__ = ["CaptureMethod", "CostSource", "LeafKind", "NodeOp", "Partitioner", "Recompute", "ScheduleKind"]
+__all__ = [
+    "CaptureMethod",
+    "CostSource",
+    "DataParallelKind",
+    "LeafKind",
+    "NodeOp",
+    "Partitioner",
+    "Recompute",
+    "ScheduleKind",
+]
 
 
 class NodeOp(enum.Enum):
@@ -40,7 +50,7 @@ class ScheduleKind(enum.Enum):
 
     @property
     def placement(self) -> Placement:
-        """How the schedule lays its stages on the ranks (see :func:`pipecut.core.schedule.rank_of`)."""
+        """How the schedule lays its stages on the ranks (see :func:`pipecut.schedules.format.rank_of`)."""
         return Placement.V if self is ScheduleKind.ZBV else Placement.LOOP
 
     @property
@@ -81,3 +91,12 @@ class Partitioner(enum.Enum):
     DP = "dp"
     ILP = "ilp"
     GIVEN = "given"
+
+
+class DataParallelKind(enum.Enum):
+    """The engine that replicates every stage across pipeline replicas."""
+
+    DDP = "ddp"
+    """DistributedDataParallel on each stage: every replica holds all of its stage's state."""
+    FSDP = "fsdp"
+    """FSDP2 ``fully_shard`` on each stage: parameters, gradients and optimizer state sharded."""

@@ -17,9 +17,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from pipecut.core.batching import check_inputs
+from pipecut.core.kinds import CaptureMethod
 from pipecut.core.names import ModelNames
 from pipecut.errors import InputError
-from pipecut.plan import CaptureMethod
 
 __all__ = ["NO_DEFAULT", "Captured", "Inputs", "Shapes", "StageProgram", "split_args"]
 

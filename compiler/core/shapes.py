@@ -20,8 +20,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from pipecut.core.cut_values import dtype_name, encode_constant
+from pipecut.core.kinds import LeafKind, ScheduleKind
 from pipecut.errors import InputError
-from pipecut.plan import InputShape, LeafKind, Plan, ScheduleKind
+from pipecut.ir import InputShape, Plan
 
 __all__: list[str] = []
 

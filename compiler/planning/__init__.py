@@ -1,7 +1,8 @@
-"""Planning: from a model (or a cost table) to a :class:`~pipecut.plan.Plan`.
+"""Planning: from a model (or a cost table) to a :class:`~pipecut.ir.Plan`.
 
 The steps, each in its own module: :mod:`~pipecut.planning.planner` (``pipecut.plan``: capture,
-measure, partition, calibrate), :mod:`~pipecut.planning.partition` (cost table in, plan out),
+measure, partition, calibrate; the partition itself is the pass
+:func:`pipecut.passes.partition.solve.partition_costs`),
 :mod:`~pipecut.planning.autoplan` (microbatches and schedule chosen by predicted step),
 :mod:`~pipecut.planning.heavy` (heavy nodes in row pieces), :mod:`~pipecut.planning.replicas`
 (D replicas × K stages) and :mod:`~pipecut.planning.clusters` (a cluster that is not here).

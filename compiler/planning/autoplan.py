@@ -27,15 +27,16 @@ import torch
 
 from pipecut.capture.modes import describe_graph
 from pipecut.core.batching import batch_size, first_microbatch, split_microbatches
+from pipecut.core.kinds import CaptureMethod, Recompute, ScheduleKind
 from pipecut.core.program import Captured, Shapes
 from pipecut.errors import InputError, PartitionError, PipecutError, ScheduleError
+from pipecut.ir import Candidate, NodeCost, Plan
 from pipecut.options import AUTO
 from pipecut.passes.costs.microbatching import candidate_microbatches, costs_at, with_structure
-from pipecut.plan import Candidate, CaptureMethod, NodeCost, Plan, Recompute, ScheduleKind
-from pipecut.planning.partition import as_schedule, partition_costs
+from pipecut.passes.partition.solve import as_schedule, partition_costs
 from pipecut.planning.request import Request, capture_at, profile_at
 
-__all__ = ["Measurements", "accepts", "choose", "measurements", "plan_auto"]
+__all__ = ["Measurements", "accepts", "choose_microbatches_and_schedule", "measurements", "plan_auto"]
 
 PlanAt = Callable[[Request, Captured | None, Sequence[NodeCost] | None], Plan]
 """``(request at fixed microbatches and schedule, graph, cost table) -> plan``: the planner's
@@ -60,7 +61,7 @@ def plan_auto(request: Request, plan_at: PlanAt) -> Plan:
             data_parallel=request.options.data_parallel.fixed)
 
     scheduling = request.options.scheduling
-    m, kind, candidates = choose(
+    m, kind, candidates = choose_microbatches_and_schedule(
         request.example_inputs, request.target, ranks=len(request.devices), microbatches=scheduling.microbatches
         if scheduling.microbatches is not None else AUTO, schedule=scheduling.kind,
         stages_per_rank=request.stages_per_rank, profile_at=measured.costs, partition=partition_at,
@@ -95,7 +96,7 @@ def schedules_to_try(schedule: Any, stages_per_rank: int) -> tuple[ScheduleKind,
     return (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUBBLE, ScheduleKind.ZBV)
 
 
-def choose(
+def choose_microbatches_and_schedule(
     example_inputs: Any,
     target: Any,
     *,

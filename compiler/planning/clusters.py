@@ -28,12 +28,12 @@ import torch
 from pipecut.cluster import Cluster, Layout, Link, RunPrediction
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.choices import enum_choice
+from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.core.program import Inputs
 from pipecut.errors import InputError, PartitionError
-from pipecut.parallel import DataParallelKind
+from pipecut.ir import Candidate, NodeCost, Plan, ReplicaCandidate
 from pipecut.passes.costs.workload import Workload, workload
 from pipecut.passes.parallel.training import RunCandidate, RunChoice, RunShape, block_of, choose_run
-from pipecut.plan import Candidate, NodeCost, Plan, Recompute, ReplicaCandidate, ScheduleKind
 from pipecut.planning.run_plan import mixed_links_note, plan_of_run
 from pipecut.profile.devices import (
     LINK_LATENCY_MS,

@@ -19,10 +19,11 @@ from collections.abc import Callable, Sequence
 import torch.fx as fx
 
 from pipecut.capture import as_planned
+from pipecut.core.kinds import CostSource, NodeOp
 from pipecut.core.program import Captured
+from pipecut.ir import ChunkedNode, NodeCost, Plan
 from pipecut.passes.partition.chain import is_unit
 from pipecut.passes.rewrite.chunk_rows import chunkable, piece_names
-from pipecut.plan import ChunkedNode, CostSource, NodeCost, NodeOp, Plan
 from pipecut.planning.request import FirstBatch, Request, profile_at
 
 __all__ = ["MAX_PIECES", "heavy_chunks", "merge_costs", "new_names", "try_pieces"]

@@ -1,4 +1,4 @@
-"""``pipecut.plan``: capture, measure and partition a model into a :class:`~pipecut.plan.Plan`.
+"""``pipecut.plan``: capture, measure and partition a model into a :class:`~pipecut.ir.Plan`.
 
 Planning runs in one process and needs no torch.distributed. :func:`plan` reads as its steps:
 resolve the options into a :class:`~pipecut.planning.request.Request`, then plan for a cluster
@@ -6,7 +6,7 @@ resolve the options into a :class:`~pipecut.planning.request.Request`, then plan
 microbatches and schedule chosen (:mod:`~pipecut.planning.autoplan`), or at fixed ones
 (:func:`plan_fixed`: capture → measure → partition → calibrate → heavy nodes in pieces →
 finish). The pure part (cost table in, plan out) is
-:func:`pipecut.planning.partition.partition_costs`, so a saved plan's cost table can be
+:func:`pipecut.passes.partition.solve.partition_costs`, so a saved plan's cost table can be
 re-partitioned for other devices without profiling again.
 """
 
@@ -21,9 +21,11 @@ import torch
 
 from pipecut.capture import fingerprint
 from pipecut.cluster import Cluster
+from pipecut.core.kinds import CostSource, DataParallelKind, NodeOp, Recompute, ScheduleKind
 from pipecut.core.meta import has_meta
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError, PartitionError
+from pipecut.ir import ChunkedNode, NodeCost, Plan
 from pipecut.options import (
     AUTO,
     CaptureOptions,
@@ -35,13 +37,12 @@ from pipecut.options import (
     options_of,
     requested,
 )
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.parallel import DataParallel
 from pipecut.passes.partition.chain import is_unit
+from pipecut.passes.partition.solve import Devices, as_devices, as_schedule, partition_costs
 from pipecut.passes.rewrite.propagate import accepted_shapes
-from pipecut.plan import ChunkedNode, CostSource, NodeCost, NodeOp, Plan, Recompute, ScheduleKind
 from pipecut.planning.autoplan import plan_auto
 from pipecut.planning.heavy import try_pieces
-from pipecut.planning.partition import Devices, as_devices, as_schedule, partition_costs
 from pipecut.planning.replicas import plan_replicated
 from pipecut.planning.request import (
     FirstBatch,
@@ -153,7 +154,7 @@ def plan_fixed(request: Request, captured: Captured | None = None,
     named = functools.partial(_partitioned, request, captured, fingerprint(captured.gm), batch.batch_size)
 
     def partition(on: Captured, costs: Sequence[NodeCost], chunks: tuple[ChunkedNode, ...]) -> Plan:
-        return _calibrated(request, on, batch, costs, chunks, named, timed=timed)
+        return _plan_and_time_stages(request, on, batch, costs, chunks, named, timed=timed)
 
     best = partition(captured, nodes, ())
     best, heavy_note = try_pieces(request, captured, batch, best, nodes, partition)
@@ -198,8 +199,8 @@ def _check_compiled_pricing(request: Request, timed: bool, why_not: str) -> None
             f"the running ranks)")
 
 
-def _calibrated(request: Request, on: Captured, batch: FirstBatch, costs: Sequence[NodeCost],
-                chunked: tuple[ChunkedNode, ...], named: Callable[..., Plan], *, timed: bool) -> Plan:
+def _plan_and_time_stages(request: Request, on: Captured, batch: FirstBatch, costs: Sequence[NodeCost],
+                           chunked: tuple[ChunkedNode, ...], named: Callable[..., Plan], *, timed: bool) -> Plan:
     """The plan of ``costs`` (``named(costs, chunked)``) on ``on``'s graph (the captured one,
     or it with ``chunked`` nodes in pieces); ``timed``: its stages timed whole (eager,
     compiled, or both as ``RuntimeOptions.compile_stages`` says), the costs scaled to them (see

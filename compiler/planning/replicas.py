@@ -22,15 +22,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipecut.cluster import Link
 from pipecut.core.batching import first_microbatch, split_microbatches
+from pipecut.core.kinds import DataParallelKind, ScheduleKind
 from pipecut.errors import InputError
+from pipecut.ir import DeviceSpec, NodeCost, Plan, ReplicaCandidate
 from pipecut.options import AUTO, DataParallelOptions
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.parallel import DataParallel
 from pipecut.passes.parallel.hybrid import HybridPlan, plan_hybrid, workload
 from pipecut.passes.parallel.replication import ReplicationKind
-from pipecut.plan import DeviceSpec, Link, NodeCost, Plan, ReplicaCandidate, ScheduleKind
+from pipecut.passes.partition.solve import as_schedule
 from pipecut.planning.autoplan import measurements
-from pipecut.planning.partition import as_schedule
 from pipecut.planning.request import Request
 
 __all__ = ["ReplicaChoice", "choose_replicas", "plan_replicas", "plan_replicated"]

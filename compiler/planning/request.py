@@ -17,11 +17,12 @@ import torch
 
 from pipecut.capture import capture
 from pipecut.core.batching import first_microbatch, split_microbatches
+from pipecut.core.kinds import ScheduleKind
 from pipecut.core.meta import input_device
 from pipecut.core.program import Captured, Inputs
+from pipecut.ir import DeviceSpec, NodeCost, Plan
 from pipecut.options import AUTO, Options
-from pipecut.plan import DeviceSpec, NodeCost, Plan, ScheduleKind
-from pipecut.planning.partition import DEFAULT_LINK
+from pipecut.passes.partition.solve import DEFAULT_LINK
 from pipecut.profile.devices import estimate_table
 from pipecut.profile.nodes import LossFn, profile
 from pipecut.report.text import sequential_note

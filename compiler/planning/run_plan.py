@@ -24,23 +24,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-import pipecut
 from pipecut.cluster import Cluster, Link
+from pipecut.core.kinds import CaptureMethod, DataParallelKind, Partitioner, Recompute
 from pipecut.errors import PartitionError
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.ir import DeviceSpec, NodeCost, Plan, Solver, Stage
+from pipecut.parallel import DataParallel
 from pipecut.passes.costs.stages import build_stages
 from pipecut.passes.parallel.training import RunCandidate, RunStage
 from pipecut.passes.partition.chain import liveness
-from pipecut.plan import (
-    CaptureMethod,
-    DeviceSpec,
-    NodeCost,
-    Partitioner,
-    Plan,
-    Recompute,
-    Solver,
-    Stage,
-)
+from pipecut.version import __version__
 
 __all__ = ["mixed_links_note", "plan_of_run"]
 
@@ -86,7 +78,7 @@ def plan_of_run(
         fingerprint="", capture=CaptureMethod.SYMBOLIC_TRACE, schedule=run.schedule,
         microbatches=microbatches, batch_size=batch_size, inputs=(), nodes=tuple(nodes), stages=stages,
         edges=facts.edges, devices=devices, link=link, predicted=predicted, solver=solver, tied=facts.tied,
-        stages_per_rank=run.stages_per_rank, data_parallel=dp, pipecut_version=pipecut.__version__,
+        stages_per_rank=run.stages_per_rank, data_parallel=dp, pipecut_version=__version__,
         torch_version=torch.__version__,
     )
 

@@ -22,8 +22,8 @@ import torch.utils._pytree as pytree
 from pipecut.core.clock import Timer
 from pipecut.core.meta import input_device
 from pipecut.core.program import Captured, StageProgram
+from pipecut.ir import NodeCost, Plan
 from pipecut.passes.rewrite.split import split
-from pipecut.plan import NodeCost, Plan
 from pipecut.profile.running import LossFn, preserved_state
 
 __all__ = ["calibrate", "stage_times"]

@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 
 from pipecut.errors import PlanError
+from pipecut.ir import Plan
 from pipecut.options import AUTO
-from pipecut.plan import Plan
 from pipecut.profile.calibrate import stage_times
 from pipecut.profile.live import LiveTimes, measure_stages
-from pipecut.runtime.compiled import CompileStats, compile_stage
+from pipecut.runtime.execution.compiled import CompileStats, compile_stage
 
-__all__ = ["AMORTIZED_STEPS", "CompileChoice", "check_auto", "choose", "compiled_stage_times", "measure_and_choose", "with_note"]
+__all__ = ["AMORTIZED_STEPS", "CompileChoice", "check_auto", "choose_compiled", "compiled_stage_times", "measure_and_choose", "with_note"]
 
 
 AMORTIZED_STEPS = 1000
@@ -58,7 +58,7 @@ class CompileChoice:
                 f"(kept compiled iff the saving over {AMORTIZED_STEPS} steps exceeds it)")
 
 
-def choose(eager: LiveTimes, compiled: LiveTimes, compile_s: float, steps: int = AMORTIZED_STEPS) -> CompileChoice:
+def choose_compiled(eager: LiveTimes, compiled: LiveTimes, compile_s: float, steps: int = AMORTIZED_STEPS) -> CompileChoice:
     """The rule above, on measured steps."""
     saving_s = (eager.step_ms - compiled.step_ms) * steps / 1e3
     return CompileChoice(compiled=saving_s > compile_s, eager_step_ms=eager.step_ms,
@@ -76,7 +76,7 @@ def measure_and_choose(pipe: Any, inputs: Any, target: Any, steps: int) -> tuple
     compiled = measure_stages(pipe, inputs, target, steps)
     seconds = torch.tensor([sum(s.seconds for s in pipe.compile_stats)], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    decided: list[Any] = [choose(eager, compiled, float(seconds.item()))]
+    decided: list[Any] = [choose_compiled(eager, compiled, float(seconds.item()))]
     dist.broadcast_object_list(decided, src=0)
     choice: CompileChoice = decided[0]
     if not choice.compiled:

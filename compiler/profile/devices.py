@@ -29,11 +29,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from pipecut.capture import capture
-from pipecut.cluster import LINK_LATENCY_MS
+from pipecut.cluster import LINK_LATENCY_MS, Link
 from pipecut.core.batching import batch_size, split_microbatches
+from pipecut.core.kinds import CostSource
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError
-from pipecut.plan import CostSource, DeviceSpec, Link, NodeCost
+from pipecut.ir import DeviceSpec, NodeCost
 from pipecut.profile.fake import fake_work
 from pipecut.profile.flops import NodeWork, count_work
 from pipecut.profile.nodes import LossFn, profile

@@ -37,10 +37,11 @@ from torch._subclasses.fake_tensor import (
 )
 
 from pipecut.core.graph import canonical_names, mutates_first_arg, target_name
+from pipecut.core.kinds import NodeOp
 from pipecut.core.meta import input_device, module_tensors, rebind
 from pipecut.core.program import Captured
 from pipecut.errors import InputError
-from pipecut.plan import NodeCost, NodeOp
+from pipecut.ir import NodeCost
 from pipecut.profile.flops import NodeWork, loss_work, node_work
 from pipecut.profile.nodes import node_row
 from pipecut.profile.running import LossFn, NodeRunner, preserved_state

@@ -28,14 +28,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecut.core.schedule import Action, ActionKind
+from pipecut.cluster import Link
+from pipecut.core.kinds import Partitioner, Recompute
+from pipecut.ir import NodeCost, Plan
 from pipecut.options import PartitionOptions
 from pipecut.parallel import DataParallel
 from pipecut.passes.costs.stages import build_stages
 from pipecut.passes.partition.chain import liveness
-from pipecut.plan import Link, NodeCost, Partitioner, Plan, Recompute
-from pipecut.planning.partition import partition_costs
+from pipecut.passes.partition.solve import partition_costs
 from pipecut.profile.calibrate import calibrate
+from pipecut.schedules.format import Action, ActionKind
 
 __all__ = ["LiveTimes", "fit_latency", "measure_stages", "recalibrate"]
 

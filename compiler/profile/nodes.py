@@ -30,9 +30,10 @@ from pipecut.core.graph import (
     node_parameters,
     target_name,
 )
+from pipecut.core.kinds import NodeOp
 from pipecut.core.meta import elsewhere, input_device, read_by, scratch, substitute, to_meta
 from pipecut.core.program import Captured
-from pipecut.plan import NodeCost, NodeOp
+from pipecut.ir import NodeCost
 from pipecut.profile.flops import NodeWork
 from pipecut.profile.oversized import estimate_oversized, is_out_of_memory, meta_work, stand_in
 from pipecut.profile.running import (

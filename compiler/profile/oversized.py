@@ -11,7 +11,7 @@ out-of-memory error. Its row is then made without running it for real:
 - once every node has been seen, its times are estimated from its work at the rate the
   *measured* nodes of this very run achieved (ms per FLOP over the nodes that do FLOPs, ms per
   byte for those that only move bytes), and the row is marked
-  :attr:`~pipecut.plan.CostSource.ESTIMATED`.
+  :attr:`~pipecut.core.kinds.CostSource.ESTIMATED`.
 
 Only out-of-memory errors take this path; any other error is the user's to see.
 """
@@ -26,8 +26,9 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from pipecut.core.kinds import CostSource
 from pipecut.core.meta import META, read_by, real_like, scratch, substitute, to_meta
-from pipecut.plan import CostSource, NodeCost
+from pipecut.ir import NodeCost
 from pipecut.profile.flops import NodeWork, node_work
 from pipecut.profile.running import NodeRunner
 

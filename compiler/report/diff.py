@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipecut.plan import Plan
+from pipecut.ir import Plan
 from pipecut.report.text import human_bytes
 
 __all__ = ["Move", "PlanDiff", "StageDelta", "diff_plans", "format_diff"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pipecut.plan import Plan
+from pipecut.ir import Plan
 from pipecut.report.text import human_bytes
 
 __all__ = ["GOLDEN_ANGLE", "edge_label", "stage_colour", "stage_hsv", "to_dot"]

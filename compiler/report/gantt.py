@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipecut.core.schedule import Action, ActionKind, Schedule, timeline
+from pipecut.core.kinds import Recompute
 from pipecut.errors import PlanError, ScheduleError
+from pipecut.ir import Plan
 from pipecut.passes.costs.stages import predicted_timeline
-from pipecut.plan import Plan, Recompute
+from pipecut.schedules.format import Action, ActionKind, Schedule
+from pipecut.schedules.simulate import timeline
 
 __all__ = ["Span", "layout", "load_trace", "predicted_spans", "recompute_ms", "to_trace"]
 
@@ -46,7 +48,7 @@ def layout(
     forward_link_ms: Sequence[float] = (),
     backward_link_ms: Sequence[float] = (),
 ) -> tuple[Span, ...]:
-    """Start and end of every action, by ``core.schedule.timeline`` (the simulator's rule),
+    """Start and end of every action, by ``schedules.simulate.timeline`` (the simulator's rule),
     each on the rank whose list holds it (any stage-to-rank placement)."""
     rank = {a.stage: r for r, actions in enumerate(schedule) for a in actions}
     return tuple(
@@ -58,7 +60,7 @@ def layout(
 def predicted_spans(plan: Plan) -> tuple[Span, ...]:
     """The plan's schedule laid out exactly as the planner predicted its step time.
 
-    Each action is on the rank that runs its stage (:meth:`pipecut.plan.Plan.rank_of`).
+    Each action is on the rank that runs its stage (:meth:`pipecut.ir.Plan.rank_of`).
     """
     return tuple(
         Span(rank=plan.rank_of(a.stage), action=str(a), start=start, end=end)
@@ -84,7 +86,7 @@ def load_trace(path_or_data: str | Path | dict[str, Any] | list[Any]) -> tuple[S
     Complete events (``"ph": "X"``, ``ts``/``dur`` in µs) become spans; the rank is the event's
     ``pid`` (or its ``tid`` when every event shares one pid), renumbered 0, 1, … when those are
     not small integers (OS process ids). Processes named "predicted" (as
-    ``pipecut.runtime.trace.chrome_trace`` writes next to the measured ranks) are left out. Times are shifted so the earliest
+    ``pipecut.runtime.execution.trace.chrome_trace`` writes next to the measured ranks) are left out. Times are shifted so the earliest
     event starts at 0, and converted to milliseconds.
     """
     data: Any = path_or_data
@@ -97,7 +99,7 @@ def load_trace(path_or_data: str | Path | dict[str, Any] | list[Any]) -> tuple[S
     if not isinstance(events, list):
         raise PlanError("a timeline is a Chrome trace: an object with a 'traceEvents' list")
     complete = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
-    # Processes named "... (predicted)" (``pipecut.runtime.trace``) hold the simulator's spans,
+    # Processes named "... (predicted)" (``pipecut.runtime.execution.trace``) hold the simulator's spans,
     # which the report draws from the plan already: keep the measured ones.
     predicted = {e.get("pid") for e in events if isinstance(e, dict) and e.get("ph") == "M"
                  and e.get("name") == "process_name"

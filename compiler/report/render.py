@@ -22,11 +22,11 @@ from typing import Any
 
 import jinja2
 
-from pipecut.core.schedule import Action, ActionKind
-from pipecut.plan import Plan
+from pipecut.ir import Plan
 from pipecut.report.dot import edge_label, stage_colour, to_dot
 from pipecut.report.gantt import Span, load_trace, predicted_spans, recompute_ms
 from pipecut.report.text import human_bytes
+from pipecut.schedules.format import Action, ActionKind
 
 __all__ = [
     "CHART_WIDTH",

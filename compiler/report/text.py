@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["human_bytes", "sequential_note", "summary"]
 
 if TYPE_CHECKING:
-    from pipecut.plan import Plan, ReplicaCandidate
+    from pipecut.ir import Plan, ReplicaCandidate
 
 
 def human_bytes(n: float) -> str:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from pipecut.plan import Leaf, LeafKind, NodeCost, ScheduleKind
+from pipecut.core.kinds import LeafKind, ScheduleKind
+from pipecut.ir import Leaf, NodeCost
 
 __all__ = ["candidate_microbatches", "costs_at", "with_structure"]
 

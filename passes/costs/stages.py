@@ -11,16 +11,10 @@ from typing import overload
 
 import numpy as np
 
-from pipecut.core.schedule import (
-    Action,
-    Placement,
-    Schedule,
-    StageCosts,
-    rank_end_ms,
-    rank_of,
-    timeline,
-)
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.cluster import Link
+from pipecut.core.kinds import DataParallelKind, NodeOp, Recompute, ScheduleKind
+from pipecut.ir import DeviceSpec, Edge, NodeCost, Plan, Predicted, Stage, TiedGroup
+from pipecut.parallel import DataParallel
 from pipecut.passes.partition.chain import (
     Liveness,
     boundary_bytes,
@@ -31,20 +25,9 @@ from pipecut.passes.partition.chain import (
     value_bytes,
     value_messages,
 )
-from pipecut.passes.schedules.standard import build as build_schedule
-from pipecut.plan import (
-    DeviceSpec,
-    Edge,
-    Link,
-    NodeCost,
-    NodeOp,
-    Plan,
-    Predicted,
-    Recompute,
-    ScheduleKind,
-    Stage,
-    TiedGroup,
-)
+from pipecut.schedules.format import Action, Placement, Schedule, rank_of
+from pipecut.schedules.simulate import StageCosts, rank_end_ms, timeline
+from pipecut.schedules.standard import build as build_schedule
 
 __all__ = [
     "OPTIMIZER_STATE_FACTOR",

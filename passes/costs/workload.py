@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipecut.ir import NodeCost
 from pipecut.passes.partition.chain import (
     boundary_bytes,
     boundary_messages,
     liveness,
     unit_param_bytes,
 )
-from pipecut.plan import NodeCost
 
 __all__ = ["Workload", "workload"]
 

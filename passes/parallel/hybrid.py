@@ -14,7 +14,7 @@ Pure numbers, no torch. The model, kept simple on purpose:
   (:func:`pipecut.passes.partition.coarsen.candidate_cuts`); a D × K with no fitting split there is
   skipped as not fitting, and ``refine`` then searches every position, bounded by the coarse
   answer. (Without the coarse pass, proving that nothing fits takes a minute at 4,000 units.)
-* The step of one pipeline is simulated action by action (:func:`pipecut.core.schedule.rank_end_ms`), with
+* The step of one pipeline is simulated action by action (:func:`pipecut.schedules.simulate.rank_end_ms`), with
   activations and gradients crossing each cut at ``bytes / D`` over the point-to-point link.
 * After its **last backward**, stage s all-reduces its gradients across its D replicas with a
   ring: ``2·(D−1)·latency + 2·(D−1)/D · param_bytes_s / bandwidth``. The all-reduce of a stage
@@ -39,7 +39,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pipecut.core.schedule import rank_end_ms
+from pipecut.cluster import Link
+from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import PartitionError
 from pipecut.passes.costs.stages import inflight_microbatches, state_bytes
 from pipecut.passes.costs.stages import ring_allreduce_ms as ring_allreduce_ms
@@ -50,8 +51,8 @@ from pipecut.passes.partition.chain import boundary_ms
 from pipecut.passes.partition.coarsen import candidate_cuts
 from pipecut.passes.partition.memory_dp import partition_bounded
 from pipecut.passes.partition.problem import Problem
-from pipecut.passes.schedules.standard import build
-from pipecut.plan import Link, ScheduleKind
+from pipecut.schedules.simulate import rank_end_ms
+from pipecut.schedules.standard import build
 
 __all__ = [
     "COARSE_ABOVE",

@@ -29,7 +29,7 @@ and the answer is ``best[units][N]``: exact for this objective over the searched
 ``s`` keeps, exact when the later stages are not replicated (the DP does not know K yet).
 
 The predicted step of the chosen plan is simulated like a uniform candidate's
-(:func:`pipecut.core.schedule.rank_end_ms`, each stage's all-reduce after its last backward; a cut between
+(:func:`pipecut.schedules.simulate.rank_end_ms`, each stage's all-reduce after its last backward; a cut between
 stages of ``r`` and ``r'`` replicas moves ``bytes / min(r, r')`` per device), so the two can be
 compared; ``bottleneck_ms`` is the DP's objective. Above ``max_positions`` allowed cuts the DP
 runs over the module-boundary positions of :func:`pipecut.passes.partition.coarsen.candidate_cuts` only.
@@ -43,13 +43,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipecut.core.schedule import rank_end_ms
+from pipecut.cluster import Link
+from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import PartitionError
 from pipecut.passes.costs.stages import OPTIMIZER_STATE_FACTOR, ring_allreduce_ms, state_bytes
 from pipecut.passes.costs.workload import Workload
 from pipecut.passes.partition.coarsen import candidate_cuts
-from pipecut.passes.schedules.standard import build
-from pipecut.plan import Link, ScheduleKind
+from pipecut.schedules.simulate import rank_end_ms
+from pipecut.schedules.standard import build
 
 __all__ = [
     "ReplicatedPlan",

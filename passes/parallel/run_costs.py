@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipecut.cluster import Link
-from pipecut.parallel import DataParallelKind
+from pipecut.core.kinds import DataParallelKind, Recompute
 from pipecut.passes.costs.workload import Workload
-from pipecut.plan import Recompute
 
 __all__ = [
     "REDUCE_BYTES_PER_PARAM",

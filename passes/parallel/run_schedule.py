@@ -1,8 +1,8 @@
 """A cluster run's pipeline as its schedule runs it: virtual stages, the weight pass, live memory.
 
 The training-run model (:mod:`pipecut.passes.parallel.training`) prices every schedule with the
-generators and the simulator that the runtime's plans use (:func:`pipecut.passes.schedules.standard.build`,
-:func:`pipecut.core.schedule.rank_end_ms`), so a schedule has one model for both. This module
+generators and the simulator that the runtime's plans use (:func:`pipecut.schedules.standard.build`,
+:func:`pipecut.schedules.simulate.rank_end_ms`), so a schedule has one model for both. This module
 holds the three things the run model needs around them, each read off the schedule, not a formula:
 
 * **Virtual stages** (:func:`chunk_options`). Interleaved 1F1B cuts the model into V·K stages,
@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipecut.core.schedule import ActionKind, Schedule
+from pipecut.core.kinds import ScheduleKind
 from pipecut.passes.costs.workload import Workload
-from pipecut.plan import ScheduleKind
+from pipecut.schedules.format import ActionKind, Schedule
 
 __all__ = ["chunk_options", "peak_activations", "weight_ms"]
 

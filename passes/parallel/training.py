@@ -31,8 +31,8 @@ configure, and what this model assumes of it:
   ``selective_ac_option = "2"``; its per-op policy costs about the same: 2,904 vs 2,973 tokens/s
   on the A100 8B run).
 * **Pipeline**: the schedule asked for is built by the runtime's own generators and simulated
-  action by action (:func:`pipecut.passes.schedules.standard.build`,
-  :func:`pipecut.core.schedule.rank_end_ms`), as it runs (:mod:`pipecut.passes.parallel.run_schedule`):
+  action by action (:func:`pipecut.schedules.standard.build`,
+  :func:`pipecut.schedules.simulate.rank_end_ms`), as it runs (:mod:`pipecut.passes.parallel.run_schedule`):
   interleaved 1F1B on V·K virtual stages (V − 1 more cuts per microbatch and per rank), zero
   bubble and ZBV with the backward split into an input and a weight pass, ZBV on 2K stages laid
   as a V. A cut moves ``bytes / D`` over NVLink when the two GPUs share a node, else inter-node
@@ -56,9 +56,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipecut.cluster import Cluster, ClusterPlacement, Layout, Link
-from pipecut.core.schedule import Schedule, StageCosts, rank_end_ms, rank_of
+from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.errors import InputError
-from pipecut.parallel import DataParallelKind
 from pipecut.passes.costs.workload import Workload
 from pipecut.passes.parallel.hybrid import Skipped, balanced_split, unsplittable
 from pipecut.passes.parallel.run_costs import (
@@ -69,8 +68,9 @@ from pipecut.passes.parallel.run_costs import (
     state_memory,
 )
 from pipecut.passes.parallel.run_schedule import chunk_options, peak_activations, weight_ms
-from pipecut.passes.schedules.standard import build
-from pipecut.plan import Recompute, ScheduleKind
+from pipecut.schedules.format import Schedule, rank_of
+from pipecut.schedules.simulate import StageCosts, rank_end_ms
+from pipecut.schedules.standard import build
 
 __all__ = [
     "RunCandidate",

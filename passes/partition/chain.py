@@ -15,8 +15,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from pipecut.cluster import Link
 from pipecut.core.cut_values import leaf_bytes
-from pipecut.plan import LeafKind, Link, NodeCost, NodeOp
+from pipecut.core.kinds import LeafKind, NodeOp
+from pipecut.ir import NodeCost
 
 __all__ = [
     "Liveness",

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipecut.errors import PartitionError
+from pipecut.ir import NodeCost
 from pipecut.passes.partition.chain import reads_params
-from pipecut.plan import NodeCost
 
 __all__ = ["holder_prefix", "holds_params", "max_stages", "stage_count_error"]
 

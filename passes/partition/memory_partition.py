@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pipecut.core.kinds import Recompute
 from pipecut.errors import PartitionError
 from pipecut.passes.partition.coarsen import candidate_cuts
 from pipecut.passes.partition.holders import stage_count_error
@@ -28,7 +29,6 @@ from pipecut.passes.partition.ilp import IlpResult, IlpSolver, IlpStatus, defaul
 from pipecut.passes.partition.memory_dp import partition_bounded
 from pipecut.passes.partition.memory_floor import infeasible_error
 from pipecut.passes.partition.problem import Evaluation, Problem
-from pipecut.plan import Recompute
 
 __all__ = ["IlpPlan", "partition_ilp"]
 

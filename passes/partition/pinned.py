@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipecut.errors import PartitionError
-from pipecut.plan import NodeCost
+from pipecut.ir import NodeCost
 
 __all__ = ["bounds_from_modules", "bounds_from_split_points", "is_split_points"]
 

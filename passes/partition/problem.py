@@ -30,6 +30,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipecut.cluster import Link
+from pipecut.core.kinds import Recompute, ScheduleKind
+from pipecut.ir import DeviceSpec, NodeCost
 from pipecut.parallel import DataParallel
 from pipecut.passes.costs.stages import inflight_microbatches, state_bytes
 from pipecut.passes.partition.chain import (
@@ -42,7 +45,6 @@ from pipecut.passes.partition.chain import (
 )
 from pipecut.passes.partition.coarsen import block_cuts
 from pipecut.passes.partition.holders import holds_params
-from pipecut.plan import DeviceSpec, Link, NodeCost, Recompute, ScheduleKind
 
 __all__ = [
     "Evaluation",

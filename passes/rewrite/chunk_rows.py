@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from pipecut.core.graph import attr_tensor
 from pipecut.errors import PlanError
-from pipecut.plan import ChunkedNode
+from pipecut.ir import ChunkedNode
 
 __all__ = ["chunk_rows", "chunkable", "piece_names", "row_chunk"]
 

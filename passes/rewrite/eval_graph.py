@@ -24,10 +24,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from pipecut.core.kinds import NodeOp, Recompute
 from pipecut.errors import PlanError
+from pipecut.ir import NodeCost, Plan, Stage
 from pipecut.passes.costs.stages import stage_params
 from pipecut.passes.partition.chain import is_unit
-from pipecut.plan import NodeCost, NodeOp, Plan, Recompute, Stage
 
 __all__ = ["holders", "map_stages"]
 

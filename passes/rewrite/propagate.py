@@ -34,8 +34,9 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipecut.core.cut_values import describe, dtype_from_name, dtype_name
+from pipecut.core.kinds import CaptureMethod
 from pipecut.core.shapes import AutocastState
-from pipecut.plan import CaptureMethod, InputShape, NodeCost, Plan
+from pipecut.ir import InputShape, NodeCost, Plan
 
 __all__ = ["PropagationError", "accepted_shapes", "cut_values", "propagate"]
 

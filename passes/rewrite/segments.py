@@ -35,7 +35,7 @@ def segment_runs(gm: fx.GraphModule, recomputed: Collection[str]) -> list[list[f
     """Maximal runs of consecutive recomputed compute nodes, split where a node writes into a
     value from outside its run. ``get_attr`` nodes do not split a run: a segment reads the
     stage's parameters and buffers itself, at each run (so a recompute reads, and writes into,
-    the buffers :mod:`pipecut.runtime.recompute_state` puts in place for it)."""
+    the buffers :mod:`pipecut.runtime.execution.recompute_state` puts in place for it)."""
     runs: list[list[fx.Node]] = [[]]
     members: set[fx.Node] = set()  # of the run being built
     for node in gm.graph.nodes:

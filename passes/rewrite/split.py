@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch.fx as fx
 
 from pipecut.core.graph import canonical_names, mutates_first_arg
+from pipecut.core.kinds import LeafKind, Recompute
 from pipecut.core.program import StageProgram
 from pipecut.core.segment import Segment
 from pipecut.errors import PlanError
+from pipecut.ir import Plan
 from pipecut.passes.rewrite.segments import checkpoint_segments
-from pipecut.plan import LeafKind, Plan, Recompute
 
 __all__ = ["split", "split_stage", "verify"]
 

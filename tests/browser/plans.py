@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pipecut import DeviceSpec, Plan
-from pipecut.plan import Leaf, LeafKind, NodeCost, NodeOp
-from pipecut.planning.partition import partition_costs
+from pipecut.core.kinds import LeafKind, NodeOp
+from pipecut.ir import Leaf, NodeCost
+from pipecut.passes.partition.solve import partition_costs
 
 TENSOR_SPEC = '[1, {"type": null, "context": null, "children_spec": []}]'
 """The serialized pytree spec of a single tensor (``treespec_dumps`` of a leaf)."""

@@ -18,8 +18,8 @@ import torch
 
 import pipecut
 from examples import gpt, mlp, zoo
+from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import InputError
-from pipecut.plan import ScheduleKind
 from tests.dist.test_parity import hf_gpt2
 from tests.harness import run_ranks
 from tests.reference import COUNTED, assert_parity, pipeline_grads, reference

@@ -16,7 +16,7 @@ import torch
 
 import pipecut
 from examples import gpt, zoo
-from pipecut.runtime import checkpoint as ckpt
+from pipecut.runtime.state import checkpoint as ckpt
 from tests.harness import run_ranks
 from tests.reference import COUNTED
 

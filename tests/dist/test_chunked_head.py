@@ -27,10 +27,11 @@ from examples import gpt
 from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.capture.modes import describe_graph
 from pipecut.core.batching import first_microbatch
+from pipecut.core.kinds import ScheduleKind
+from pipecut.ir import ChunkedNode, Plan
 from pipecut.passes.partition.chain import is_unit
+from pipecut.passes.partition.solve import partition_costs
 from pipecut.passes.rewrite.chunk_rows import piece_names
-from pipecut.plan import ChunkedNode, Plan, ScheduleKind
-from pipecut.planning.partition import partition_costs
 from tests.harness import run_ranks
 from tests.reference import ATOL, RTOL, assert_parity, pipeline_grads, reference
 

@@ -5,7 +5,7 @@ Regression (issue 27): under ``torch.set_default_dtype(torch.float64)`` an MLP a
 model's loss is ``1.356376546``: the loss was broadcast as float32 into a buffer the other
 ranks made in the default dtype (float64), so rank 0 read half a float64's bytes. The
 gradients were right. Now the loss travels as float64 with its dtype beside it
-(``pipecut.runtime.grads.share_loss``); here every rank's loss is checked in its dtype, bit
+(``pipecut.runtime.grads.collective.share_loss``); here every rank's loss is checked in its dtype, bit
 for bit the same on every rank, against the plain model, with every gradient.
 
 Splits are pinned (``PartitionOptions(split=...)``, no calibration), so load on the machine

@@ -26,8 +26,8 @@ from torch import nn
 import pipecut
 from examples import resnet
 from pipecut.core.batching import split_microbatches
+from pipecut.core.kinds import CaptureMethod
 from pipecut.errors import InputError
-from pipecut.plan import CaptureMethod
 from tests.harness import run_ranks
 from tests.reference import ATOL, COUNTED, RTOL, assert_parity, pipeline_grads, reference
 

@@ -29,8 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import pipecut
-from pipecut.runtime import checkpoint as ckpt
-from pipecut.runtime import export as export_module
+from pipecut.runtime.state import checkpoint as ckpt
+from pipecut.runtime.state import export as export_module
 from tests import families
 from tests.harness import run_ranks
 

@@ -6,7 +6,7 @@ Regression (issue 27): on 2 replicas x 2 stages of a Llama, ``requires_grad_(Fal
 were not averaged across replicas: DDP's reducer, built when the parameter was trainable,
 waited for a gradient that never came. The data-parallel wrappers are now rebuilt when the
 trainable set changes, after every replica of the stage agreed on it
-(``pipecut.runtime.data_parallel``).
+(``pipecut.runtime.grads.data_parallel``).
 
 Each run follows a user's loop: three SGD steps, with one parameter on each stage frozen
 before the second step and unfrozen before the third (through ``pipe.named_parameters()``, on

@@ -109,8 +109,8 @@ def test_fsdp_clip_grad_norm(outcomes: dict[Config, Outcome]) -> None:
     interleaved), 2 x 2 ranks:
 
         File "runtime/pipeline.py", line 454, in clip_grad_norm_
-        File "runtime/grads.py", line 233, in clip_grad_norm_
-        File "runtime/grads.py", line 197, in total_grad_norm
+        File "runtime/grads/collective.py", line 233, in clip_grad_norm_
+        File "runtime/grads/collective.py", line 197, in total_grad_norm
             exchange[index] = torch.stack([x.to(device, torch.float64) for x in norms])
         RuntimeError: aten.index_put_.default got mixed torch.Tensor and DTensor, need to convert
         all torch.Tensor to DTensor before calling distributed operators!
@@ -126,8 +126,8 @@ def test_ddp_with_a_frozen_stage(outcomes: dict[Config, Outcome]) -> None:
     (FSDP runs the same split and matches):
 
         File "compiler/api.py", line 298, in compile
-        File "runtime/data_parallel.py", line 150, in replicate
-        File "runtime/data_parallel.py", line 106, in _ddp
+        File "runtime/grads/data_parallel.py", line 150, in replicate
+        File "runtime/grads/data_parallel.py", line 106, in _ddp
         RuntimeError: DistributedDataParallel is not needed when a module doesn't have any
         parameter that requires a gradient.
     """

@@ -1,4 +1,4 @@
-"""Gradient post-processing across stages equals the unsplit model's (``pipecut.runtime.grads``).
+"""Gradient post-processing across stages equals the unsplit model's (``pipecut.runtime.grads.collective``).
 
 - ``pipe.clip_grad_norm_`` returns ``torch.nn.utils.clip_grad_norm_``'s total norm of the plain
   model on every rank (bitwise the same on all ranks), for norm types 2, 1 and inf, counts the

@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor
 import pipecut
 from examples import EXAMPLES
 from pipecut.core.graph import canonical_names
+from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import InputError, PlanError
-from pipecut.plan import ScheduleKind
 from tests.harness import run_ranks
 from tests.reference import COUNTED, assert_parity, pipeline_grads, reference
 

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipecut.build.layout import layout_of, plan_from_rank0, replication_of
+from pipecut.core.kinds import DataParallelKind
 from pipecut.errors import InputError, PipelineRuntimeError
-from pipecut.parallel import DataParallelKind
 from tests.harness import run_ranks
 from tests.unit.tiny import mlp_plan
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipecut.runtime.linkprobe import measure_link
+from pipecut.runtime.comm.linkprobe import measure_link
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -31,7 +31,7 @@ def test_every_rank_gets_the_same_measured_link() -> None:
 def test_noise_cannot_make_the_link_infinitely_fast() -> None:
     # A loaded host once timed the 4 KiB message slower than the 4 MiB one: the slope was
     # negative, and the probe reported 4e18 bytes/ms. Half the large message's time now bounds it.
-    from pipecut.runtime.linkprobe import LARGE_BYTES, _per_byte_ms
+    from pipecut.runtime.comm.linkprobe import LARGE_BYTES, _per_byte_ms
 
     assert _per_byte_ms(small_ms=0.5, large_ms=0.4) == pytest.approx(0.4 / LARGE_BYTES / 2)
     assert _per_byte_ms(small_ms=0.0, large_ms=0.0) == 1e-12

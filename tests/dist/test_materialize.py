@@ -29,8 +29,8 @@ from torch import nn
 import pipecut
 from examples import mlp, zoo
 from pipecut.core.meta import is_meta, module_tensors
-from pipecut.runtime import checkpoint as ckpt
-from pipecut.runtime.materialize import materialize_model
+from pipecut.runtime.state import checkpoint as ckpt
+from pipecut.runtime.state.materialize import materialize_model
 from tests.harness import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]

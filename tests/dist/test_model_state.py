@@ -24,7 +24,7 @@ import torch
 import pipecut
 from examples import gpt, resnet, zoo
 from pipecut.errors import CaptureError, PlanError
-from pipecut.runtime import sync
+from pipecut.runtime.comm import sync
 from tests.harness import run_ranks
 from tests.reference import COUNTED, assert_parity, pipeline_grads, reference
 from tests.stateful import assert_unchanged, counts_calls, snapshot, writes_input

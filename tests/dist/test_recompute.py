@@ -3,7 +3,7 @@
 Recomputing must not change a number: the loss, every gradient and every buffer equal the plain
 model's. BatchNorm is the trap: its forward writes its running statistics, so a forward run
 again in backward would write them twice (``num_batches_tracked`` 2x) unless the recompute
-sees, and writes into, a copy (``pipecut.runtime.recompute_state``). Two captures are covered:
+sees, and writes into, a copy (``pipecut.runtime.execution.recompute_state``). Two captures are covered:
 symbolic_trace (BatchNorm is a module call) and torch.export (a functional batch norm and a
 ``copy_`` into the buffer, which a segment leaves outside).
 
@@ -27,7 +27,8 @@ import pipecut
 from examples import gpt, resnet, zoo
 from pipecut.core.batching import split_microbatches
 from pipecut.core.graph import canonical_names
-from pipecut.plan import DeviceSpec, Plan, Recompute
+from pipecut.core.kinds import Recompute
+from pipecut.ir import DeviceSpec, Plan
 from tests.harness import run_ranks
 from tests.reference import ATOL, COUNTED, RTOL, assert_parity, pipeline_grads, reference
 

@@ -14,8 +14,9 @@ import torch
 
 import pipecut
 from examples import gpt, mlp
+from pipecut.core.kinds import Recompute
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
-from pipecut.plan import Plan, Recompute
+from pipecut.ir import Plan
 from tests.harness import run_ranks
 from tests.reference import COUNTED, assert_parity, pipeline_grads, reference
 

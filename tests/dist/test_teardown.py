@@ -2,7 +2,7 @@
 
 README.md's script used to end with ``torch.distributed.destroy_process_group()`` because a
 rank could abort at exit without it ("terminate called without an active exception"). The
-cause is torch's gloo teardown at interpreter exit (see :mod:`pipecut.runtime.teardown`):
+cause is torch's gloo teardown at interpreter exit (see :mod:`pipecut.runtime.comm.teardown`):
 a gloo worker thread freeing its last collective's tensors while the interpreter finalises.
 Now the groups pipecut opens are destroyed at a clean exit by finalizers on the groups.
 
@@ -75,7 +75,7 @@ def test_the_readme_script_exits_cleanly_and_closes_its_process_group(tmp_path: 
 
 
 def _rules(rank: int, world: int) -> dict[str, Any]:
-    from pipecut.runtime.teardown import close_at_exit
+    from pipecut.runtime.comm.teardown import close_at_exit
 
     sub = dist.new_group([0, 1])
     other = dist.new_group([0, 1])

@@ -1,5 +1,5 @@
 """Gradient accumulation is exact: several ``pipe.step`` calls before ``opt.step()`` leave every
-``.grad`` equal to the plain model's accumulated gradient (``pipecut.runtime.tied``).
+``.grad`` equal to the plain model's accumulated gradient (``pipecut.runtime.grads.tied``).
 
 The trap was the tied weight: its copies on the first and last stage were summed whole after
 every step, so the first step's contribution was counted once per stage after the second step.
@@ -30,7 +30,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import pipecut
 from examples import gpt
-from pipecut.plan import ChunkedNode, Plan, Recompute
+from pipecut.core.kinds import Recompute
+from pipecut.ir import ChunkedNode, Plan
 from tests.dist.test_chunked_head import _set_plan
 from tests.dist.test_grads import PAD, token_sum
 from tests.dist.test_hybrid import _aliases, _full_grads

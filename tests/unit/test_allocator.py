@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pipecut.runtime.allocator import return_large_frees
+from pipecut.runtime.memory.allocator import return_large_frees
 
 GLIBC = ctypes.util.find_library("c") is not None and sys.platform.startswith("linux")
 
@@ -17,7 +17,7 @@ GLIBC = ctypes.util.find_library("c") is not None and sys.platform.startswith("l
 _PROBE = """
 import sys, torch
 from pathlib import Path
-from pipecut.runtime.allocator import return_large_frees
+from pipecut.runtime.memory.allocator import return_large_frees
 def rss():
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS:"))
     return int(line.split()[1]) * 1024

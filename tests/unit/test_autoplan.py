@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.errors import InputError, PartitionError
 from pipecut.options import AUTO
-from pipecut.parallel import DataParallel, DataParallelKind
-from pipecut.plan import Recompute, ScheduleKind
-from pipecut.planning.autoplan import choose, schedules_to_try
+from pipecut.parallel import DataParallel
+from pipecut.planning.autoplan import choose_microbatches_and_schedule, schedules_to_try
 from tests.unit.tiny import mlp_plan
 
 G, F, Z, V = ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZERO_BUBBLE, ScheduleKind.INTERLEAVED_1F1B
@@ -35,7 +35,7 @@ def run(times, *, microbatches=AUTO, schedule=AUTO, recompute=(), profiled=None,
         return SimpleNamespace(predicted=SimpleNamespace(step_ms=step), stages=(SimpleNamespace(recompute=rc),),
                                data_parallel=data_parallel)
 
-    return choose((torch.zeros(8, 3),), torch.zeros(8), ranks=2, microbatches=microbatches,
+    return choose_microbatches_and_schedule((torch.zeros(8, 3),), torch.zeros(8), ranks=2, microbatches=microbatches,
                   schedule=schedule, stages_per_rank=1, profile_at=profile_at, partition=partition)
 
 
@@ -101,7 +101,7 @@ def test_interleaved_counts_need_a_multiple_of_the_ranks_only_with_several_stage
         return SimpleNamespace(predicted=SimpleNamespace(step_ms=1.0), stages=(), data_parallel=None)
 
     def pick(v):
-        return choose((torch.zeros(3, 3),), torch.zeros(3), ranks=2, microbatches=AUTO, schedule=V,
+        return choose_microbatches_and_schedule((torch.zeros(3, 3),), torch.zeros(3), ranks=2, microbatches=AUTO, schedule=V,
                       stages_per_rank=v, profile_at=lambda first, target: nodes, partition=partition)
 
     assert pick(1)[:2] == (3, V)

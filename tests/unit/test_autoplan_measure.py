@@ -8,7 +8,7 @@ import torch
 
 import pipecut
 from pipecut.capture import capture, fingerprint
-from pipecut.plan import CaptureMethod
+from pipecut.core.kinds import CaptureMethod
 from pipecut.planning.autoplan import Measurements, accepts
 from pipecut.profile.nodes import profile
 
@@ -109,7 +109,7 @@ def test_a_winner_between_the_profiled_sizes_is_planned_on_their_graph_without_p
 
     torch.manual_seed(0)
     model, x, y = Net(), torch.randn(8, 8), torch.randn(8, 4)
-    real_choose, real_profile = pipecut.planning.autoplan.choose, pipecut.planning.request.profile
+    real_choose, real_profile = pipecut.planning.autoplan.choose_microbatches_and_schedule, pipecut.planning.request.profile
     profiled: list[int] = []
 
     def middle(*args, **kwargs):  # as if M = 4 (microbatch size 2) won, between 8 and 2
@@ -120,7 +120,7 @@ def test_a_winner_between_the_profiled_sizes_is_planned_on_their_graph_without_p
         profiled.append(inputs[0].shape[0])
         return real_profile(captured, inputs, **kwargs)
 
-    monkeypatch.setattr(pipecut.planning.autoplan, "choose", middle)
+    monkeypatch.setattr(pipecut.planning.autoplan, "choose_microbatches_and_schedule", middle)
     monkeypatch.setattr(pipecut.planning.request, "profile", counted)  # every profile of planning
     auto = pipecut.plan(
         model, (x,), 2, loss_fn=_loss, target=y, microbatches="auto",

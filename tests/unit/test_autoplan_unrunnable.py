@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import pipecut
+from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import CaptureError, PartitionError
 from pipecut.options import AUTO
-from pipecut.plan import ScheduleKind
-from pipecut.planning.autoplan import choose
+from pipecut.planning.autoplan import choose_microbatches_and_schedule
 from tests.unit.tiny import mlp_plan
 
 ONE_SAMPLE = "microbatches of 1 sample cannot run: ValueError: Expected more than 1 value per channel"
@@ -27,7 +27,7 @@ def _choose(profile_at, batch: int = 8):
     def partition(costs, m, kind):
         return SimpleNamespace(predicted=SimpleNamespace(step_ms=10.0 - m), stages=(), data_parallel=None)
 
-    return choose((torch.zeros(batch, 3),), torch.zeros(batch), ranks=2, microbatches=AUTO, schedule=AUTO,
+    return choose_microbatches_and_schedule((torch.zeros(batch, 3),), torch.zeros(batch), ranks=2, microbatches=AUTO, schedule=AUTO,
                   stages_per_rank=1, profile_at=profile_at, partition=partition)
 
 

@@ -1,11 +1,11 @@
-"""pipecut.runtime.backward_split: input gradients first, weight gradients later, equal to one backward."""
+"""pipecut.runtime.execution.backward_split: input gradients first, weight gradients later, equal to one backward."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from pipecut.runtime.backward_split import split_backward
+from pipecut.runtime.execution.backward_split import split_backward
 
 
 def stage() -> nn.Module:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipecut.plan import DeviceSpec
-from pipecut.runtime.capacity import free_bytes, with_capacities
+from pipecut.ir import DeviceSpec
+from pipecut.runtime.memory.capacity import free_bytes, with_capacities
 
 
 def test_unset_capacities_come_from_each_ranks_free_memory() -> None:

@@ -11,9 +11,10 @@ import torch
 import pipecut
 from pipecut.capture import capture, fingerprint
 from pipecut.capture.agree import capture_for_plan, static_plan
+from pipecut.core.kinds import CaptureMethod
 from pipecut.core.program import Shapes
 from pipecut.errors import CaptureError
-from pipecut.plan import CaptureMethod, Plan
+from pipecut.ir import Plan
 from tests.unit.test_capture_bound import Net, _spin
 
 EXPORT = CaptureMethod.EXPORT

@@ -23,10 +23,10 @@ import torch
 import pipecut
 from pipecut.capture import capture
 from pipecut.capture.bound import Expired, can_bound, check_unchanged, time_bound, torch_state
+from pipecut.core.kinds import CaptureMethod
 from pipecut.core.program import Shapes
 from pipecut.core.shapes import check_microbatch
 from pipecut.errors import CaptureError, InputError
-from pipecut.plan import CaptureMethod
 from pipecut.planning.autoplan import accepts
 
 

@@ -10,10 +10,11 @@ from torch import nn
 
 from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.capture.modes import derive_other_mode, describe_graph
+from pipecut.core.kinds import CaptureMethod
+from pipecut.ir import ChunkedNode
 from pipecut.passes.partition.chain import is_unit
+from pipecut.passes.partition.solve import partition_costs
 from pipecut.passes.rewrite.split import split
-from pipecut.plan import CaptureMethod, ChunkedNode
-from pipecut.planning.partition import partition_costs
 
 CHUNKS = (ChunkedNode(node="head", pieces=3),)
 

@@ -9,8 +9,8 @@ from torch import nn
 
 from examples import mlp
 from pipecut.capture import capture, fingerprint
+from pipecut.core.kinds import CaptureMethod
 from pipecut.errors import CaptureError, InputError
-from pipecut.plan import CaptureMethod
 
 
 class ShapeLoop(nn.Module):

@@ -6,10 +6,10 @@ import pytest
 
 import pipecut
 from examples import gpt, resnet
+from pipecut.cluster import Link
 from pipecut.errors import InputError, PartitionError
 from pipecut.passes.partition.chain import boundary_bytes, boundary_messages, boundary_ms, liveness
-from pipecut.plan import Link
-from pipecut.planning.partition import partition_costs
+from pipecut.passes.partition.solve import partition_costs
 from tests.exact_dp import Chain, partition_dp
 
 

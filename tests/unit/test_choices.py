@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipecut.core.choices import enum_choice
+from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import InputError
-from pipecut.plan import ScheduleKind
 
 
 def test_members_and_their_values_in_any_case() -> None:

@@ -20,9 +20,10 @@ from torch import nn
 
 from examples import gpt
 from pipecut.capture import capture, fingerprint
+from pipecut.core.kinds import CaptureMethod
 from pipecut.errors import PlanError
+from pipecut.ir import ChunkedNode
 from pipecut.passes.rewrite.chunk_rows import chunk_rows, chunkable, piece_names, row_chunk
-from pipecut.plan import CaptureMethod, ChunkedNode
 
 RTOL, ATOL = 1e-5, 1e-6
 

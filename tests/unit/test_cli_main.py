@@ -251,7 +251,7 @@ def test_version(capsys):
 
 def test_plan_for_a_device_profile_estimates_without_profiling(in_repo, tmp_path, monkeypatch):
     from pipecut.capture import capture, fingerprint
-    from pipecut.plan import CostSource
+    from pipecut.core.kinds import CostSource
     from pipecut.profile.devices import device_link, device_profile
 
     monkeypatch.setattr(pipecut.planning.request, "profile", lambda *a, **k: pytest.fail("profiled"))

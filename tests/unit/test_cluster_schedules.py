@@ -16,7 +16,7 @@ import torch
 import pipecut
 from pipecut import Plan, summary
 from pipecut.cluster import Cluster, Layout, Link
-from pipecut.core.schedule import StageCosts, parse_schedule, simulate
+from pipecut.core.kinds import Recompute, ScheduleKind
 from pipecut.errors import InputError
 from pipecut.passes.costs.workload import Workload
 from pipecut.passes.parallel.run_schedule import chunk_options, peak_activations, weight_ms
@@ -27,11 +27,12 @@ from pipecut.passes.parallel.training import (
     choose_run,
     evaluate_run,
 )
-from pipecut.passes.schedules.standard import build
-from pipecut.plan import Recompute, ScheduleKind
 from pipecut.planning.clusters import plan_cluster
 from pipecut.report.gantt import predicted_spans
 from pipecut.report.text import human_bytes
+from pipecut.schedules.format import parse_schedule
+from pipecut.schedules.simulate import StageCosts, simulate
+from pipecut.schedules.standard import build
 
 NVLINK = Link(name="nvlink", bandwidth_bytes_per_ms=4e8, latency_ms=0.01)
 NET = Link(name="net", bandwidth_bytes_per_ms=5e7, latency_ms=0.02)

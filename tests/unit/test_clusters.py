@@ -8,10 +8,11 @@ import torch
 import pipecut
 from pipecut import Plan, summary
 from pipecut.cluster import Cluster, Layout
+from pipecut.core.kinds import DataParallelKind, NodeOp
 from pipecut.errors import InputError, PartitionError
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.ir import NodeCost
+from pipecut.parallel import DataParallel
 from pipecut.passes.parallel.training import RunShape
-from pipecut.plan import NodeCost, NodeOp
 from pipecut.planning.clusters import parse_cluster, plan_cluster, predict_run
 
 

@@ -18,7 +18,8 @@ from pipecut.core.cut_values import (
     leaf_bytes,
     tensor_bytes,
 )
-from pipecut.plan import Leaf, LeafKind
+from pipecut.core.kinds import LeafKind
+from pipecut.ir import Leaf
 
 
 @pytest.mark.parametrize("value", [True, 3, -2.5, "x", None, torch.float16, torch.device("cpu"),

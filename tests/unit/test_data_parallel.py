@@ -6,15 +6,16 @@ import pytest
 
 import pipecut
 from benchmarks.synthetic import transformer_costs
+from pipecut.core.kinds import DataParallelKind, Partitioner, ScheduleKind
 from pipecut.errors import InputError, PartitionError
-from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
+from pipecut.ir import DeviceSpec
+from pipecut.parallel import DataParallel, as_data_parallel
 from pipecut.passes.costs.stages import OPTIMIZER_STATE_FACTOR, state_bytes
 from pipecut.passes.partition.memory_floor import min_peak_memory
 from pipecut.passes.partition.problem import formulate
-from pipecut.passes.schedules.standard import gpipe, interleaved_1f1b, one_f_one_b
-from pipecut.plan import DeviceSpec, Partitioner, ScheduleKind
-from pipecut.planning.partition import DEFAULT_LINK, partition_costs
-from pipecut.runtime.data_parallel import last_backwards
+from pipecut.passes.partition.solve import DEFAULT_LINK, partition_costs
+from pipecut.runtime.grads.data_parallel import last_backwards
+from pipecut.schedules.standard import gpipe, interleaved_1f1b, one_f_one_b
 
 
 def test_the_last_backward_is_the_schedules_not_the_last_microbatch() -> None:

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import pipecut
+from pipecut.core.kinds import CostSource, NodeOp
 from pipecut.errors import InputError
-from pipecut.plan import CostSource, NodeOp, Plan
-from pipecut.planning.partition import partition_costs
+from pipecut.ir import Plan
+from pipecut.passes.partition.solve import partition_costs
 from pipecut.profile.devices import (
     DeviceProfile,
     Precision,

@@ -24,7 +24,7 @@ import torch
 import pipecut
 from pipecut.cli.factory import load_factory
 from pipecut.cli.main import build_parser, main
-from pipecut.plan import Plan
+from pipecut.ir import Plan
 from tests.docs import ROOT, Block, block, blocks, code, pages
 
 PYTHON_BLOCKS: dict[tuple[str, str], str] = {

@@ -21,15 +21,17 @@ from examples import mlp
 from pipecut.capture import capture
 from pipecut.capture.modes import Modes, derive_other_mode, describe_graph
 from pipecut.core.batching import first_microbatch
-from pipecut.core.schedule import ActionKind, forward_only, simulate
+from pipecut.core.kinds import CaptureMethod, NodeOp, Recompute, ScheduleKind
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
+from pipecut.ir import NodeCost
+from pipecut.passes.partition.solve import partition_costs
 from pipecut.passes.rewrite.eval_graph import map_stages
 from pipecut.passes.rewrite.split import split_stage
-from pipecut.passes.schedules.standard import build
-from pipecut.plan import CaptureMethod, NodeCost, NodeOp, Recompute, ScheduleKind
-from pipecut.planning.partition import partition_costs
-from pipecut.runtime.forward import concat_microbatches
-from pipecut.runtime.stage import StageWorker
+from pipecut.runtime.execution.forward import concat_microbatches
+from pipecut.runtime.execution.stage import StageWorker
+from pipecut.schedules.format import ActionKind, forward_only
+from pipecut.schedules.simulate import simulate
+from pipecut.schedules.standard import build
 
 
 class NoGradBlock(nn.Module):

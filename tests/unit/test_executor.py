@@ -1,4 +1,4 @@
-"""pipecut.runtime.executor: a rank runs its communication program.
+"""pipecut.runtime.execution.executor: a rank runs its communication program.
 
 Three ranks run as threads of this process; ``torch.distributed``'s point-to-point calls are
 replaced by mailboxes (one FIFO per sender, receiver and tag, as gloo matches them), so the
@@ -19,9 +19,9 @@ import torch.distributed as dist
 from examples import mlp
 from pipecut.passes.costs.stages import plan_schedule
 from pipecut.passes.rewrite.split import split
-from pipecut.runtime.executor import run_actions
-from pipecut.runtime.p2p import comm_program, wiring
-from pipecut.runtime.stage import StageWorker
+from pipecut.runtime.comm.p2p import comm_program, wiring
+from pipecut.runtime.execution.executor import run_actions
+from pipecut.runtime.execution.stage import StageWorker
 from tests.unit.tiny import mlp_captured, mlp_plan
 
 

@@ -1,4 +1,4 @@
-"""pipecut.runtime.failure: the first failing rank is recorded and named by the others."""
+"""pipecut.runtime.comm.failure: the first failing rank is recorded and named by the others."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import datetime
 import torch.distributed as dist
 
 from pipecut.errors import PipelineRuntimeError
-from pipecut.runtime import failure
-from pipecut.runtime.failure import FAILURE_KEY, abort, first_failure
+from pipecut.runtime.comm import failure
+from pipecut.runtime.comm.failure import FAILURE_KEY, abort, first_failure
 
 
 def store() -> dist.Store:

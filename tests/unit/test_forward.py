@@ -1,4 +1,4 @@
-"""pipecut.runtime.forward: whole-batch outputs of forward-only steps, and gradient flags on the wire."""
+"""pipecut.runtime.execution.forward: whole-batch outputs of forward-only steps, and gradient flags on the wire."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pipecut.errors import PipelineRuntimeError
-from pipecut.runtime.comm import WireSpec
-from pipecut.runtime.forward import check_grad_flags, concat_microbatches
+from pipecut.runtime.comm.wire import WireSpec
+from pipecut.runtime.execution.forward import check_grad_flags, concat_microbatches
 from tests.unit.tiny import mlp_plan
 
 

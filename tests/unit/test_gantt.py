@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from pipecut.core.schedule import ActionKind
+from pipecut.core.kinds import Recompute
 from pipecut.errors import PlanError
-from pipecut.passes.schedules.standard import gpipe
-from pipecut.plan import Recompute
 from pipecut.report.gantt import Span, layout, load_trace, predicted_spans, recompute_ms, to_trace
+from pipecut.schedules.format import ActionKind
+from pipecut.schedules.standard import gpipe
 from tests.unit.tiny import mlp_plan
 
 

@@ -10,8 +10,8 @@ import torch
 import pipecut
 from examples import gpt, resnet
 from pipecut.capture import capture
+from pipecut.core.kinds import CaptureMethod
 from pipecut.errors import CaptureError
-from pipecut.plan import CaptureMethod
 from tests.stateful import (
     CountsCalls,
     CountsInPython,

@@ -19,12 +19,13 @@ import pipecut
 from examples import gpt
 from pipecut.capture import as_planned, capture
 from pipecut.capture.modes import describe_graph
+from pipecut.core.kinds import NodeOp, ScheduleKind
+from pipecut.ir import ChunkedNode, NodeCost, Plan
 from pipecut.passes.partition.chain import is_unit
+from pipecut.passes.partition.solve import partition_costs
 from pipecut.passes.rewrite.chunk_rows import piece_names
 from pipecut.passes.rewrite.split import split, verify
-from pipecut.plan import ChunkedNode, NodeCost, NodeOp, Plan, ScheduleKind
 from pipecut.planning.heavy import MAX_PIECES, heavy_chunks, merge_costs, new_names
-from pipecut.planning.partition import partition_costs
 from pipecut.schema import schema
 
 K = 4

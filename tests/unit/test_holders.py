@@ -11,14 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pipecut
+from pipecut.core.kinds import LeafKind, NodeOp, Partitioner
 from pipecut.errors import PartitionError
+from pipecut.ir import Leaf, NodeCost
 from pipecut.passes.partition.holders import max_stages, stage_count_error
 from pipecut.passes.partition.ilp import solve_ilp
 from pipecut.passes.partition.memory_dp import partition_bounded
 from pipecut.passes.partition.memory_partition import partition_ilp
 from pipecut.passes.partition.problem import Evaluation, Problem, evaluate
-from pipecut.plan import Leaf, LeafKind, NodeCost, NodeOp, Partitioner
-from pipecut.planning.partition import partition_costs
+from pipecut.passes.partition.solve import partition_costs
 from tests.exact_dp import Chain, partition_dp
 
 SETTINGS = settings(max_examples=40, deadline=None)

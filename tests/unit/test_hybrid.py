@@ -7,6 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.synthetic import transformer_costs
+from pipecut.cluster import Link
+from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import PartitionError
 from pipecut.passes.parallel.hybrid import (
     Candidate,
@@ -16,7 +18,6 @@ from pipecut.passes.parallel.hybrid import (
     ring_allreduce_ms,
     workload,
 )
-from pipecut.plan import Link, ScheduleKind
 
 INSTANT = Link(bandwidth_bytes_per_ms=1e30)
 ONE_BYTE_PER_MS = Link(bandwidth_bytes_per_ms=1.0)

@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pipecut
+from pipecut.core.kinds import Recompute
 from pipecut.errors import InputError, PartitionError
 from pipecut.passes.partition.ilp import IlpSolver, IlpStatus, solve_ilp
 from pipecut.passes.partition.memory_dp import partition_bounded
 from pipecut.passes.partition.memory_partition import partition_ilp
 from pipecut.passes.partition.problem import Evaluation, Problem, evaluate
-from pipecut.plan import Recompute
 from tests.exact_dp import Chain, partition_dp
 
 SETTINGS = settings(max_examples=25, deadline=None)

@@ -24,9 +24,9 @@ import torch
 
 from examples import mlp, zoo
 from pipecut.capture import capture
+from pipecut.core.kinds import CaptureMethod
 from pipecut.core.program import Captured
 from pipecut.errors import InputError
-from pipecut.plan import CaptureMethod
 
 
 @pytest.fixture(scope="module")

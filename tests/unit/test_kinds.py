@@ -1,16 +1,18 @@
-"""pipecut.core.kinds: the kinds plan data names, and their re-export from pipecut.plan."""
+"""pipecut.core.kinds: the kinds plan data names, their one home (pipecut re-exports them)."""
 
 from __future__ import annotations
 
 import importlib
 
 from pipecut.core import kinds
-from pipecut.core.schedule import Placement
+from pipecut.schedules.format import Placement
 
 
-def test_the_plan_reexports_the_very_same_kinds() -> None:
-    for name in kinds.__all__:
-        assert getattr(importlib.import_module("pipecut.plan"), name) is getattr(kinds, name)
+def test_the_public_surface_reexports_the_very_same_kinds() -> None:
+    public = importlib.import_module("pipecut")
+    for name in ("CaptureMethod", "Partitioner", "Recompute", "ScheduleKind"):
+        assert getattr(public, name) is getattr(kinds, name)
+    assert not set(kinds.__all__) & set(importlib.import_module("pipecut.ir").__all__)  # no hub
 
 
 def test_schedule_kinds_say_how_they_run() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipecut.runtime import launch
+from pipecut.runtime.comm import launch
 
 
 @pytest.fixture

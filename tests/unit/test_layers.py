@@ -1,7 +1,9 @@
 """The package's folders are layers, bottom to top, and no import points upwards.
 
-1. data: the plan (``pipecut.plan``, ``errors``, ``schema``, ``parallel``, ``cluster``), the
-   options (``pipecut.options``) and ``pipecut.core`` (kinds, schedule IR, programs, values, shapes);
+1. data: the plan (``pipecut.ir``, ``errors``, ``schema``, ``parallel``, ``cluster``,
+   ``version``), the options (``pipecut.options``), ``pipecut.core`` (kinds, programs, values,
+   shapes) and ``pipecut.schedules`` (the schedule format, its generators and the one
+   simulator: pure functions over numbers and names, which the runtime replays);
 2. passes (``pipecut.passes``): pure functions over data;
 3. runtime (``pipecut.runtime``): executes a plan's programs and schedule;
 4. everything else: capture, profiling, planning (``pipecut.planning``), ``compile``, reports,
@@ -20,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"compiler": "pipecut", "passes": "pipecut.passes", "runtime": "pipecut.runtime"}
-DATA = ("pipecut.plan", "pipecut.errors", "pipecut.schema", "pipecut.parallel", "pipecut.cluster",
+DATA = ("pipecut.ir", "pipecut.version", "pipecut.schedules", "pipecut.errors", "pipecut.schema", "pipecut.parallel", "pipecut.cluster",
         "pipecut.options", "pipecut.core")
 
 
@@ -80,7 +82,7 @@ def test_no_module_imports_a_layer_above_or_beside_its_own() -> None:
     wrong = []
     for module, path in sorted(known.items()):
         for imported in sorted(imports(path)):
-            if imported not in known:  # "from pipecut.plan import Plan" names a class, not a module
+            if imported not in known:  # "from pipecut.ir import Plan" names a class, not a module
                 continue
             if layer(imported) not in ALLOWED[layer(module)]:
                 wrong.append(f"{module} ({layer(module)}) imports {imported} ({layer(imported)})")
@@ -89,7 +91,7 @@ def test_no_module_imports_a_layer_above_or_beside_its_own() -> None:
 
 def test_the_rule_is_checked_on_every_module() -> None:
     known = modules()
-    assert {"pipecut.core.schedule", "pipecut.passes.rewrite.split", "pipecut.runtime.pipeline",
+    assert {"pipecut.schedules.format", "pipecut.passes.rewrite.split", "pipecut.runtime.pipeline",
             "pipecut.api", "pipecut.report.render", "pipecut.planning.planner", "pipecut.options",
             "pipecut.passes.partition.ilp"} <= set(known)
     assert {layer(m) for m in known} == {"data", "passes", "runtime", "top"}
@@ -100,7 +102,7 @@ def test_the_rule_is_checked_on_every_module() -> None:
     ("import pipecut.runtime.pipeline", True),
     ("def f():\n    from pipecut.runtime import pipeline", True),
     ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pipecut.runtime.pipeline import Pipeline", False),
-    ("from pipecut.core.schedule import Action", False),
+    ("from pipecut.schedules.format import Action", False),
 ])
 def test_the_checker_sees_a_pass_importing_the_runtime(tmp_path: Path, source: str, bad: bool) -> None:
     path = tmp_path / "m.py"
@@ -119,5 +121,5 @@ def test_planning_runs_in_one_process_below_the_build() -> None:
              for module, path in sorted(known.items()) if module.startswith("pipecut.planning")
              for imported in sorted(imports(path)) if imported in known and imported.startswith(above)]
     assert {m for m in known if m.startswith("pipecut.planning.")} >= {
-        "pipecut.planning.planner", "pipecut.planning.partition", "pipecut.planning.autoplan"}
+        "pipecut.planning.planner", "pipecut.planning.autoplan"}
     assert not wrong, "\n".join(wrong)

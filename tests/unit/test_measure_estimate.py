@@ -16,8 +16,9 @@ import pytest
 import pipecut
 from examples import gpt, mlp
 from pipecut.core.clock import Timer
+from pipecut.core.kinds import CostSource
 from pipecut.errors import InputError
-from pipecut.plan import CostSource, Plan
+from pipecut.ir import Plan
 from pipecut.profile.devices import device_link
 
 ESTIMATE = pipecut.MeasureOptions(estimate="A100-80GB")

@@ -9,9 +9,9 @@ import random
 
 import pytest
 
+from pipecut.core.kinds import Recompute
 from pipecut.passes.partition.memory_dp import lower_bound, partition_bounded
 from pipecut.passes.partition.problem import Problem, evaluate
-from pipecut.plan import Recompute
 
 
 def random_problem(rng: random.Random, n: int, k: int, *, memory: bool) -> Problem:

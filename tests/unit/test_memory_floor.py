@@ -7,11 +7,11 @@ import random
 
 import pytest
 
+from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import PartitionError
 from pipecut.passes.costs.stages import inflight_microbatches
 from pipecut.passes.partition.memory_floor import infeasible_error, min_peak_memory
 from pipecut.passes.partition.problem import Problem, stage_options
-from pipecut.plan import ScheduleKind
 
 
 def problem(rng: random.Random, n: int, k: int, *, cap: float | None = None, recompute=False) -> Problem:

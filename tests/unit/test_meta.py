@@ -17,8 +17,8 @@ from pipecut.capture import capture, fingerprint
 from pipecut.core.meta import is_meta, module_tensors, to_meta
 from pipecut.errors import InputError
 from pipecut.profile.nodes import profile
-from pipecut.runtime.materialize import check_unexpected, materialize_model, materialize_stage
-from pipecut.runtime.weights import open_weights
+from pipecut.runtime.state.materialize import check_unexpected, materialize_model, materialize_stage
+from pipecut.runtime.state.weights import open_weights
 
 CPU = torch.device("cpu")
 

@@ -8,8 +8,9 @@ import pytest
 
 import pipecut
 from examples import mlp
+from pipecut.core.kinds import LeafKind, NodeOp, ScheduleKind
+from pipecut.ir import Leaf, NodeCost
 from pipecut.passes.costs.microbatching import candidate_microbatches, costs_at
-from pipecut.plan import Leaf, LeafKind, NodeCost, NodeOp, ScheduleKind
 
 
 def test_candidates_are_divisors_between_ranks_and_four_per_rank() -> None:

@@ -10,7 +10,7 @@ package of its dotted name (``core``, ``capture``, ``profile``, ``report``, ``cl
 - ``test_<file name>.py`` (``pipecut.core.cut_values`` → ``test_values.py``), unless two modules
   share that file name, or
 - ``test_<package>_<file name>.py``, always accepted, and required for shared file names
-  (``pipecut.capture.trace`` → ``test_capture_trace.py``, ``pipecut.runtime.trace`` →
+  (``pipecut.capture.trace`` → ``test_capture_trace.py``, ``pipecut.runtime.execution.trace`` →
   ``test_runtime_trace.py``); use it too where the bare name says little
   (``pipecut.profile.nodes`` → ``test_profile_nodes.py``).
 
@@ -83,14 +83,14 @@ def test_rule_examples() -> None:
     shared = {"trace"}
     assert accepted_names("pipecut.core.cut_values", shared) == ("test_cut_values.py", "test_core_cut_values.py")
     assert accepted_names("pipecut.errors", shared) == ("test_errors.py", "test_pipecut_errors.py")
-    assert accepted_names("pipecut.runtime.trace", shared) == ("test_runtime_trace.py",)
+    assert accepted_names("pipecut.runtime.execution.trace", shared) == ("test_execution_trace.py",)
     assert accepted_names("pipecut.capture.trace", shared) == ("test_capture_trace.py",)
-    assert _shared_stems(["pipecut.capture.trace", "pipecut.runtime.trace", "pipecut.plan"]) == {"trace"}
+    assert _shared_stems(["pipecut.capture.trace", "pipecut.runtime.execution.trace", "pipecut.ir"]) == {"trace"}
 
 
 def test_every_module_has_a_test_file() -> None:
     mods = modules()
-    assert "pipecut.core.cut_values" in mods and "pipecut.runtime.stage" in mods  # the walk works
+    assert "pipecut.core.cut_values" in mods and "pipecut.runtime.execution.stage" in mods  # the walk works
     shared = _shared_stems(list(mods))
     have = _test_files()
     missing = []

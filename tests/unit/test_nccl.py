@@ -3,8 +3,8 @@ rendezvous): every shipped schedule passes, the old order is caught, errors poin
 
 Regenerate the golden programs with::
 
-    .venv/bin/python -c "from pipecut.core.schedule import one_f_one_b as s; \\
-      from pipecut.runtime.p2p import Wiring, comm_program as c, format_program as f; \\
+    .venv/bin/python -c "from pipecut.schedules.format import one_f_one_b as s; \\
+      from pipecut.runtime.comm.p2p import Wiring, comm_program as c, format_program as f; \\
       [print(f(c(s(2, 4), r, Wiring.uniform(2, 2)))) for r in range(2)]"
 """
 
@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipecut.core.schedule import Action, Placement, Schedule, parse_schedule, simulate
+from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import ScheduleError
-from pipecut.passes.schedules.standard import build, gpipe, interleaved_1f1b, one_f_one_b
-from pipecut.plan import ScheduleKind
-from pipecut.runtime.nccl import check_nccl, check_programs
-from pipecut.runtime.p2p import (
+from pipecut.runtime.comm.nccl import check_nccl, check_programs
+from pipecut.runtime.comm.p2p import (
     Direction,
     Op,
     Step,
@@ -29,6 +27,9 @@ from pipecut.runtime.p2p import (
     receives,
     sends,
 )
+from pipecut.schedules.format import Action, Placement, Schedule, parse_schedule
+from pipecut.schedules.simulate import simulate
+from pipecut.schedules.standard import build, gpipe, interleaved_1f1b, one_f_one_b
 
 
 def _shipped() -> list[tuple[str, Schedule, int, int, Placement]]:

@@ -11,7 +11,9 @@ import torch
 
 import pipecut
 from examples import mlp
+from pipecut.core.kinds import CaptureMethod, DataParallelKind, Recompute, ScheduleKind
 from pipecut.errors import InputError
+from pipecut.ir import Plan
 from pipecut.options import (
     CaptureOptions,
     DataParallelOptions,
@@ -21,9 +23,8 @@ from pipecut.options import (
     ScheduleOptions,
     WeightOptions,
 )
-from pipecut.parallel import DataParallel, DataParallelKind
-from pipecut.plan import CaptureMethod, Plan, Recompute, ScheduleKind
-from pipecut.planning.partition import partition_costs
+from pipecut.parallel import DataParallel
+from pipecut.passes.partition.solve import partition_costs
 from tests.unit.tiny import mlp_plan
 
 GROUP_CLASSES = {"capture": CaptureOptions, "measure": MeasureOptions, "partition": PartitionOptions,

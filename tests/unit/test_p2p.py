@@ -1,13 +1,11 @@
-"""pipecut.runtime.p2p: the order of a rank's sends and receives, derived from its actions."""
+"""pipecut.runtime.comm.p2p: the order of a rank's sends and receives, derived from its actions."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipecut.core.schedule import Action
-from pipecut.passes.schedules.standard import build, one_f_one_b
-from pipecut.plan import LeafKind, ScheduleKind
-from pipecut.runtime.p2p import (
+from pipecut.core.kinds import LeafKind, ScheduleKind
+from pipecut.runtime.comm.p2p import (
     Direction,
     Op,
     StepKind,
@@ -18,6 +16,8 @@ from pipecut.runtime.p2p import (
     sends,
     wiring,
 )
+from pipecut.schedules.format import Action
+from pipecut.schedules.standard import build, one_f_one_b
 from tests.unit.tiny import mlp_plan
 
 

@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
+from pipecut.core.kinds import DataParallelKind
 from pipecut.errors import InputError
-from pipecut.parallel import DataParallel, DataParallelKind, as_data_parallel
+from pipecut.parallel import DataParallel, as_data_parallel
 
 
 @pytest.mark.parametrize(("value", "kind"), [("ddp", DataParallelKind.DDP), ("FSDP", DataParallelKind.FSDP),

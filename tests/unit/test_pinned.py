@@ -6,10 +6,11 @@ import pytest
 
 import pipecut
 from examples import gpt
+from pipecut.core.kinds import NodeOp, Partitioner
 from pipecut.errors import PartitionError
+from pipecut.ir import NodeCost
 from pipecut.passes.partition.pinned import bounds_from_modules, bounds_from_split_points
-from pipecut.plan import NodeCost, NodeOp, Partitioner
-from pipecut.planning.partition import partition_costs
+from pipecut.passes.partition.solve import partition_costs
 
 
 def _units(modules: list[str]) -> list[NodeCost]:

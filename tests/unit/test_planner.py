@@ -10,10 +10,11 @@ import pytest
 
 import pipecut
 from examples import mlp
+from pipecut.core.kinds import Partitioner, ScheduleKind
 from pipecut.errors import InputError, PartitionError
+from pipecut.ir import DeviceSpec
 from pipecut.options import IlpSolver
-from pipecut.plan import DeviceSpec, Partitioner, ScheduleKind
-from pipecut.planning.partition import as_devices, as_ilp_solver, as_schedule, partition_costs
+from pipecut.passes.partition.solve import as_devices, as_ilp_solver, as_schedule, partition_costs
 from tests.unit.tiny import mlp_plan
 
 

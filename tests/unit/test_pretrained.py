@@ -13,9 +13,9 @@ from torch import nn
 
 from pipecut.core.meta import is_meta, module_tensors
 from pipecut.errors import InputError
-from pipecut.runtime import pretrained
-from pipecut.runtime.materialize import check_unexpected, materialize_model, materialize_stage
-from pipecut.runtime.weights import open_weights
+from pipecut.runtime.state import pretrained
+from pipecut.runtime.state.materialize import check_unexpected, materialize_model, materialize_stage
+from pipecut.runtime.state.weights import open_weights
 from tests import families
 
 CPU = torch.device("cpu")

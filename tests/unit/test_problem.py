@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from pipecut.core.kinds import Recompute
 from pipecut.passes.partition.problem import Problem, best_stage, evaluate, stage_options
-from pipecut.plan import Recompute
 
 
 def problem(**overrides) -> Problem:

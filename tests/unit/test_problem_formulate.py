@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.cluster import Link
+from pipecut.core.kinds import DataParallelKind, NodeOp, ScheduleKind
+from pipecut.ir import DeviceSpec, NodeCost
+from pipecut.parallel import DataParallel
 from pipecut.passes.costs.stages import inflight_microbatches, state_bytes
 from pipecut.passes.partition.problem import evaluate, formulate, unit_fixed_bytes
-from pipecut.plan import DeviceSpec, Link, NodeCost, NodeOp, ScheduleKind
 from tests.unit.tiny import mlp_plan
 
 

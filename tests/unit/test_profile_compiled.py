@@ -1,7 +1,7 @@
 """``compile_stages="auto"``: the rule that keeps compiled or eager stages, and its inputs.
 
 The measuring half (:func:`pipecut.profile.compiled.measure_and_choose`) runs on the ranks in
-``tests/dist/test_runtime_compiled.py``.
+``tests/dist/test_execution_compiled.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from pipecut.errors import InputError, PlanError
 from pipecut.options import RuntimeOptions
-from pipecut.profile.compiled import AMORTIZED_STEPS, CompileChoice, check_auto, choose
+from pipecut.profile.compiled import AMORTIZED_STEPS, CompileChoice, check_auto, choose_compiled
 from pipecut.profile.live import LiveTimes
 
 
@@ -24,11 +24,11 @@ def _times(step_ms: float) -> LiveTimes:
 def test_compiled_kept_when_the_saving_over_the_amortized_steps_exceeds_the_compile_time() -> None:
     # 10 ms saved per step over 1000 steps is 10 s: a 9 s compile pays, an 11 s one does not.
     assert AMORTIZED_STEPS == 1000
-    assert choose(_times(110.0), _times(100.0), compile_s=9.0).compiled
-    assert not choose(_times(110.0), _times(100.0), compile_s=11.0).compiled
-    slower = choose(_times(100.0), _times(110.0), compile_s=0.0)  # compiled is slower: never kept
+    assert choose_compiled(_times(110.0), _times(100.0), compile_s=9.0).compiled
+    assert not choose_compiled(_times(110.0), _times(100.0), compile_s=11.0).compiled
+    slower = choose_compiled(_times(100.0), _times(110.0), compile_s=0.0)  # compiled is slower: never kept
     assert not slower.compiled
-    assert choose(_times(110.0), _times(100.0), compile_s=11.0, steps=2000).compiled
+    assert choose_compiled(_times(110.0), _times(100.0), compile_s=11.0, steps=2000).compiled
 
 
 def test_the_choice_reads_as_a_note() -> None:

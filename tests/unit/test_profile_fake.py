@@ -17,9 +17,9 @@ import pipecut.profile.fake
 from examples import gpt, llama_meta, mlp, resnet, zoo
 from pipecut.capture import capture
 from pipecut.core.batching import first_microbatch
+from pipecut.core.kinds import CostSource
 from pipecut.core.meta import to_meta
 from pipecut.errors import InputError
-from pipecut.plan import CostSource
 from pipecut.profile.devices import count_costs
 from pipecut.profile.fake import fake_work
 

@@ -8,8 +8,8 @@ import torch
 import pipecut
 from examples import gpt, resnet
 from pipecut.capture import capture
+from pipecut.core.kinds import LeafKind, NodeOp
 from pipecut.errors import InputError
-from pipecut.plan import LeafKind, NodeOp
 from pipecut.profile.nodes import profile
 
 

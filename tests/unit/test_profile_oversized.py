@@ -8,7 +8,8 @@ from torch import nn
 
 import pipecut
 from pipecut.capture import capture
-from pipecut.plan import CostSource, NodeCost, NodeOp
+from pipecut.core.kinds import CostSource, NodeOp
+from pipecut.ir import NodeCost
 from pipecut.profile.flops import NodeWork
 from pipecut.profile.nodes import profile
 from pipecut.profile.oversized import estimate_oversized, is_out_of_memory

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import fx, nn
 
+from pipecut.core.kinds import CaptureMethod
 from pipecut.core.program import NO_DEFAULT, Captured, split_args
 from pipecut.errors import InputError
-from pipecut.plan import CaptureMethod
 
 
 def fx_captured(defaults=(NO_DEFAULT, NO_DEFAULT, None)) -> Captured:

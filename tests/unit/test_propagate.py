@@ -15,6 +15,7 @@ from pipecut.build.resolve import WireSpecs, schedules
 from pipecut.capture import capture
 from pipecut.core.batching import split_by_sizes
 from pipecut.core.cut_values import describe
+from pipecut.core.kinds import LeafKind, ScheduleKind
 from pipecut.core.shapes import (
     AutocastState,
     accepted,
@@ -25,14 +26,14 @@ from pipecut.core.shapes import (
     signature,
 )
 from pipecut.errors import InputError, PipelineRuntimeError
+from pipecut.ir import InputShape, Plan
 from pipecut.passes.rewrite.propagate import (
     PropagationError,
     accepted_shapes,
     cut_values,
     propagate,
 )
-from pipecut.plan import InputShape, LeafKind, Plan, ScheduleKind
-from pipecut.runtime.comm import WireSpec, pack, unpack
+from pipecut.runtime.comm.wire import WireSpec, pack, unpack
 
 OFF = AutocastState("", False, "")
 BF16 = AutocastState("cpu", True, "bfloat16")
@@ -250,7 +251,8 @@ def test_fewer_microbatches_get_their_own_schedule(gpt_plan: Any) -> None:
 
 
 def _spec(dtype: str, shape: tuple[int, ...] = (2, 4)) -> WireSpec:
-    from pipecut.plan import NodeCost, NodeOp
+    from pipecut.core.kinds import NodeOp
+    from pipecut.ir import NodeCost
 
     value = torch.zeros(shape, dtype=getattr(torch, dtype), requires_grad=True)
     leaves, treespec = describe(value)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import pipecut
-from pipecut.plan import CostSource
+from pipecut.core.kinds import CostSource
 from tests.docs import code
 
 ROOT = Path(__file__).resolve().parents[2]

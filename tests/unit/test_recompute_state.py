@@ -1,10 +1,10 @@
-"""pipecut.runtime.recompute_state: a recompute sees the state its forward saw and writes none."""
+"""pipecut.runtime.execution.recompute_state: a recompute sees the state its forward saw and writes none."""
 
 from __future__ import annotations
 
 import torch
 
-from pipecut.runtime.recompute_state import StateReplay
+from pipecut.runtime.execution.recompute_state import StateReplay
 
 
 class _Counter(torch.nn.Module):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 import pipecut
+from pipecut.core.kinds import CaptureMethod
 from pipecut.passes.partition.chain import boundary_bytes, liveness
-from pipecut.plan import CaptureMethod
 from tests.dist.test_eval import M, frozen
 from tests.stateful import counts_calls
 
@@ -61,9 +61,9 @@ def test_calibration_does_not_make_a_buffer_require_grad() -> None:
 def test_gantt_layout_puts_virtual_stages_on_their_ranks() -> None:
     # layout() drew stage s on row s, so an interleaved schedule (stage c * ranks + r on rank r)
     # showed rows for ranks that do not exist.
-    from pipecut.passes.schedules.standard import build
-    from pipecut.plan import ScheduleKind
+    from pipecut.core.kinds import ScheduleKind
     from pipecut.report.gantt import layout
+    from pipecut.schedules.standard import build
 
     schedule = build(ScheduleKind.INTERLEAVED_1F1B, 2, 4, chunks=2)
     spans = layout(schedule, [1.0] * 4, [2.0] * 4)

@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pipecut
-from pipecut.core.schedule import simulate
-from pipecut.passes.schedules.standard import build
-from pipecut.plan import Recompute, ScheduleKind
+from pipecut.core.kinds import Recompute, ScheduleKind
 from pipecut.report.dot import edge_label, to_dot
 from pipecut.report.gantt import Span, layout, load_trace, predicted_spans, to_trace
 from pipecut.report.render import gantt, graph_data, memory_bars, nice_ticks, render_html, time_bars
+from pipecut.schedules.simulate import simulate
+from pipecut.schedules.standard import build
 from tests.browser.plans import synthetic_plan
 
 
@@ -173,7 +173,7 @@ def test_trace_ranks_from_tid_and_os_pids():
 def test_runtime_chrome_trace_keeps_the_measured_ranks(plan):
     from pipecut.passes.costs.stages import predicted_timeline
 
-    chrome_trace = pytest.importorskip("pipecut.runtime.trace").chrome_trace
+    chrome_trace = pytest.importorskip("pipecut.runtime.execution.trace").chrome_trace
 
     measured = [[("0F0", 0.0, 0.002), ("0B0", 0.004, 0.007)], [("1F0", 0.0025, 0.0035), ("1B0", 0.0035, 0.0039)]]
     spans = load_trace(chrome_trace(measured, predicted_timeline(plan)))

@@ -10,9 +10,11 @@ import pipecut
 from examples import gpt, mlp
 from pipecut.build.replay import DEFAULTS, settings
 from pipecut.capture import capture
+from pipecut.cluster import Link
+from pipecut.core.kinds import CaptureMethod, ScheduleKind
 from pipecut.core.names import model_names
 from pipecut.errors import PlanError
-from pipecut.plan import CaptureMethod, DeviceSpec, Link, ScheduleKind
+from pipecut.ir import DeviceSpec
 
 NONE = dict(microbatches=None, schedule=None, stages_per_rank=None, link=None, capture_method=None,
             devices=None)

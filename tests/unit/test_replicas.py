@@ -10,8 +10,10 @@ import pytest
 import pipecut
 from examples import mlp
 from pipecut.cli.main import main
+from pipecut.cluster import Link
+from pipecut.core.kinds import LeafKind, NodeOp, ScheduleKind
 from pipecut.errors import InputError, PartitionError
-from pipecut.plan import DeviceSpec, Leaf, LeafKind, Link, NodeCost, NodeOp, Plan, ScheduleKind
+from pipecut.ir import DeviceSpec, Leaf, NodeCost, Plan
 from tests.browser.plans import TENSOR_SPEC, synthetic_nodes
 
 FAST = Link(bandwidth_bytes_per_ms=1e9, latency_ms=0.0)
@@ -125,7 +127,8 @@ def test_cli_data_parallel_auto(tmp_path, capsys) -> None:
 
 def test_a_data_parallel_plan_records_its_replicas() -> None:
     # the mesh path (compile with a ("dp", "pp") DeviceMesh) plans with DataParallel: recorded
-    from pipecut.parallel import DataParallel, DataParallelKind
+    from pipecut.core.kinds import DataParallelKind
+    from pipecut.parallel import DataParallel
 
     dp = DataParallel(kind=DataParallelKind.FSDP, replicas=2)
     plan = pipecut.partition_costs(synthetic_nodes(2), devices=2, data_parallel=dp, **KW)

@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipecut.cluster import Link
+from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import PartitionError
 from pipecut.passes.costs.workload import Workload
 from pipecut.passes.parallel.hybrid import Candidate, plan_hybrid
@@ -19,7 +21,6 @@ from pipecut.passes.parallel.replication import (
     stage_memory_bytes,
     stage_ms,
 )
-from pipecut.plan import Link, ScheduleKind
 
 INSTANT = Link(bandwidth_bytes_per_ms=1e30)
 ONE_BYTE_PER_MS = Link(bandwidth_bytes_per_ms=1.0)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from pipecut.ir import DeviceSpec
 from pipecut.options import MeasureOptions, Options, ScheduleOptions
-from pipecut.plan import DeviceSpec
-from pipecut.planning.partition import DEFAULT_LINK
+from pipecut.passes.partition.solve import DEFAULT_LINK
 from pipecut.planning.request import FirstBatch, Request
 
 

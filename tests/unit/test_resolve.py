@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from pipecut.build.resolve import WireSpecs, schedules
-from pipecut.core.schedule import validate
+from pipecut.core.kinds import ScheduleKind
 from pipecut.core.shapes import AutocastState, signature
 from pipecut.errors import InputError
 from pipecut.passes.costs.stages import plan_schedule
-from pipecut.plan import ScheduleKind
+from pipecut.schedules.format import validate
 from tests.unit.tiny import mlp_captured, mlp_plan
 
 OFF = AutocastState("", False, "")

@@ -1,4 +1,4 @@
-"""pipecut.passes.schedules.standard: the schedule generators, checked against their tables.
+"""pipecut.schedules.standard: the schedule generators, checked against their tables.
 
 Each row is one rank's actions in order (``1F2``: stage 1, forward, microbatch 2).
 """
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipecut.core.schedule import validate
+from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import ScheduleError
-from pipecut.passes.schedules.standard import build, gpipe, interleaved_1f1b, one_f_one_b
-from pipecut.plan import ScheduleKind
+from pipecut.schedules.format import validate
+from pipecut.schedules.standard import build, gpipe, interleaved_1f1b, one_f_one_b
 
 
 def table(schedule) -> list[str]:

@@ -14,7 +14,8 @@ import jsonschema
 import pytest
 
 from pipecut import Link, Plan, PlanError, ScheduleKind
-from pipecut.plan import Leaf, LeafKind, Recompute
+from pipecut.core.kinds import LeafKind, Recompute
+from pipecut.ir import Leaf
 from pipecut.schema import REGENERATE, dumps, generate, json_path, schema, validate_plan_dict
 from tests.browser.plans import synthetic_plan
 from tests.golden_plans import FOLDER, PLANS

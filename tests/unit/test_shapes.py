@@ -8,6 +8,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+from pipecut.core.kinds import ScheduleKind
 from pipecut.core.shapes import (
     AutocastState,
     accepted,
@@ -19,7 +20,7 @@ from pipecut.core.shapes import (
     signature,
 )
 from pipecut.errors import InputError
-from pipecut.plan import InputShape, ScheduleKind
+from pipecut.ir import InputShape
 from tests.unit.tiny import mlp_plan
 
 OFF = AutocastState("", False, "")

@@ -12,9 +12,9 @@ import pipecut
 from examples import EXAMPLES
 from pipecut.capture import capture
 from pipecut.core.graph import canonical_names
+from pipecut.core.kinds import Recompute
 from pipecut.core.segment import Segment
 from pipecut.passes.rewrite.split import split, split_stage, verify
-from pipecut.plan import Recompute
 
 
 def _run_chained(programs: Any, cap: Any, inputs: Any) -> Any:

@@ -1,4 +1,4 @@
-"""pipecut.runtime.stage: a stage worker's forward and backward, wired by hand in one process.
+"""pipecut.runtime.execution.stage: a stage worker's forward and backward, wired by hand in one process.
 
 The executor and the process group are replaced by moving each worker's outbox into its
 neighbour's inbox, so a whole GPipe step runs here and is compared with the plain model.
@@ -14,8 +14,8 @@ import torch
 from examples import mlp
 from pipecut.errors import PipelineRuntimeError
 from pipecut.passes.rewrite.split import split
-from pipecut.runtime.p2p import Direction, Op, Transfer
-from pipecut.runtime.stage import StageWorker, tree_to
+from pipecut.runtime.comm.p2p import Direction, Op, Transfer
+from pipecut.runtime.execution.stage import StageWorker, tree_to
 from tests.unit.tiny import mlp_captured, mlp_plan
 
 

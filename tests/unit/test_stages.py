@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from pipecut.core.kinds import DataParallelKind, NodeOp, ScheduleKind
 from pipecut.errors import ScheduleError
-from pipecut.parallel import DataParallel, DataParallelKind
+from pipecut.ir import NodeCost
+from pipecut.parallel import DataParallel
 from pipecut.passes.costs.stages import (
     OPTIMIZER_STATE_FACTOR,
     inflight_microbatches,
@@ -16,8 +18,7 @@ from pipecut.passes.costs.stages import (
     stage_params,
     state_bytes,
 )
-from pipecut.passes.schedules.standard import build
-from pipecut.plan import NodeCost, NodeOp, ScheduleKind
+from pipecut.schedules.standard import build
 from tests.unit.tiny import mlp_plan
 
 
@@ -68,7 +69,8 @@ def test_stage_costs_and_the_zero_bubble_constraint():
 
 
 def test_data_parallel_adds_each_ranks_gradient_all_reduce():
-    from pipecut.parallel import DataParallel, DataParallelKind
+    from pipecut.core.kinds import DataParallelKind
+    from pipecut.parallel import DataParallel
     from pipecut.passes.costs.stages import ring_allreduce_ms
 
     plan = mlp_plan()

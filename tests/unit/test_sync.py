@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pipecut.runtime.sync import _buckets
+from pipecut.runtime.comm.sync import _buckets
 
 
 def test_weight_buckets_group_dtypes_and_respect_the_size_limit() -> None:
@@ -17,7 +17,7 @@ def test_weight_buckets_group_dtypes_and_respect_the_size_limit() -> None:
 
 
 def test_sent_module_state_is_cloned_and_nothing_else() -> None:
-    from pipecut.runtime.stage import _own, _storages
+    from pipecut.runtime.execution.stage import _own, _storages
 
     module = torch.nn.BatchNorm1d(3)
     other = torch.zeros(3)

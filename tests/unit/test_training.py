@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from pipecut.cluster import Cluster, Layout, Link
-from pipecut.parallel import DataParallelKind
+from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.passes.costs.workload import Workload
 from pipecut.passes.parallel.run_costs import (
     REDUCE_BYTES_PER_PARAM,
@@ -22,7 +22,6 @@ from pipecut.passes.parallel.training import (
     choose_run,
     evaluate_run,
 )
-from pipecut.plan import Recompute, ScheduleKind
 
 NVLINK = Link(name="nvlink", bandwidth_bytes_per_ms=4e8, latency_ms=0.01)
 NET = Link(name="net", bandwidth_bytes_per_ms=5e7, latency_ms=0.02)

@@ -1,4 +1,4 @@
-"""pipecut.runtime.weights: where a stage's weights come from, read tensor by tensor."""
+"""pipecut.runtime.state.weights: where a stage's weights come from, read tensor by tensor."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from pipecut.errors import InputError
-from pipecut.runtime.weights import INDEX_FILE, SINGLE_FILE, open_weights
+from pipecut.runtime.state.weights import INDEX_FILE, SINGLE_FILE, open_weights
 
 CPU = torch.device("cpu")
 

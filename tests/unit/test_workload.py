@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pipecut.cluster import Link
+from pipecut.core.kinds import NodeOp
 from pipecut.passes.costs.stages import ring_allreduce_ms
 from pipecut.passes.costs.workload import Workload, workload
-from pipecut.plan import Link, NodeOp
 from tests.unit.tiny import mlp_plan
 
 

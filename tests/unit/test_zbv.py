@@ -12,24 +12,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pipecut
-from pipecut.core.schedule import (
+from pipecut.core.kinds import ScheduleKind
+from pipecut.errors import InputError, PartitionError, PlanError, ScheduleError
+from pipecut.ir import DeviceSpec
+from pipecut.passes.costs.stages import inflight_microbatches, plan_costs, stage_costs
+from pipecut.passes.partition.solve import partition_costs
+from pipecut.report.gantt import predicted_spans
+from pipecut.runtime.comm.p2p import Wiring, receives, sends
+from pipecut.schedules.format import (
     ActionKind,
     Placement,
-    StageCosts,
     format_schedule,
     rank_of,
-    simulate,
     stages_on,
     validate,
 )
-from pipecut.errors import InputError, PartitionError, PlanError, ScheduleError
-from pipecut.passes.costs.stages import inflight_microbatches, plan_costs, stage_costs
-from pipecut.passes.schedules.standard import build, unit_costs
-from pipecut.passes.schedules.zbv import zbv, zbv_inflight
-from pipecut.plan import DeviceSpec, ScheduleKind
-from pipecut.planning.partition import partition_costs
-from pipecut.report.gantt import predicted_spans
-from pipecut.runtime.p2p import Wiring, receives, sends
+from pipecut.schedules.simulate import StageCosts, simulate
+from pipecut.schedules.standard import build, unit_costs
+from pipecut.schedules.zbv import zbv, zbv_inflight
 from tests.unit.tiny import mlp_plan
 
 ZBV = ScheduleKind.ZBV
@@ -146,8 +146,8 @@ def test_two_stages_on_a_rank_must_fit_its_memory_together() -> None:
 
 
 def test_data_parallel_refuses_the_split_backward() -> None:
-    from pipecut.parallel import DataParallelKind
-    from pipecut.runtime.data_parallel import check_supported
+    from pipecut.core.kinds import DataParallelKind
+    from pipecut.runtime.grads.data_parallel import check_supported
 
     with pytest.raises(PlanError, match="data_parallel='ddp' cannot run the zbv schedule"):
         check_supported(mlp_plan(2, 4, "zbv"), DataParallelKind.DDP)

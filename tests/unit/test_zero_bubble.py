@@ -12,12 +12,13 @@ from hypothesis import strategies as st
 import pipecut
 from examples import EXAMPLES
 from pipecut.capture import capture
-from pipecut.core.schedule import ActionKind, format_schedule, simulate, timeline, validate
 from pipecut.errors import ScheduleError
 from pipecut.passes.rewrite.split import split
-from pipecut.passes.schedules.standard import one_f_one_b
-from pipecut.passes.schedules.zero_bubble import zero_bubble
-from pipecut.runtime.backward_split import split_backward
+from pipecut.runtime.execution.backward_split import split_backward
+from pipecut.schedules.format import ActionKind, format_schedule, validate
+from pipecut.schedules.simulate import simulate, timeline
+from pipecut.schedules.standard import one_f_one_b
+from pipecut.schedules.zero_bubble import zero_bubble
 
 
 def _stage_runs(name: str, k: int) -> list[dict[str, Any]]:
@@ -86,7 +87,7 @@ def test_zero_bubble_order_is_valid_and_fills_bubbles() -> None:
 
 
 def test_weight_before_input_is_refused() -> None:
-    from pipecut.core.schedule import parse_schedule
+    from pipecut.schedules.format import parse_schedule
 
     with pytest.raises(ScheduleError, match="before its input part"):
         validate(parse_schedule("0F0 0W0 0I0"), 1)

@@ -8,7 +8,7 @@ import pipecut
 from examples import mlp
 from pipecut.capture import capture
 from pipecut.core.program import Captured
-from pipecut.plan import Plan
+from pipecut.ir import Plan
 
 __all__ = ["mlp_captured", "mlp_plan"]
 
