@@ -93,6 +93,11 @@ class NodeCost:
     """False for a value that must stay on the stage that made it: a node run under
     ``torch.no_grad()`` before the detach that ends its block (cut there, zero gradients would
     flow back into weights the plain model never gives a gradient)."""
+    rebuilt: bool = False
+    """True for a value that never crosses a cut: a parameter-free, deterministic function of
+    the model inputs and buffers that every stage reading it computes again (a causal mask,
+    rotary tables), chosen where that costs less than sending it
+    (:func:`pipecut.passes.partition.rebuild.mark_rebuilt`)."""
 
     def __post_init__(self) -> None:
         if self.forward_ms < 0 or self.backward_ms < 0:

@@ -23,7 +23,7 @@ from pipecut.errors import CaptureError
 from pipecut.ir import Plan
 from pipecut.options import CaptureOptions
 
-__all__ = ["capture_for_plan", "static_plan"]
+__all__ = ["REPLAY_SLACK", "capture_for_plan", "static_plan"]
 
 
 def static_plan(plan: Plan) -> bool:
@@ -53,13 +53,27 @@ def capture_for_plan(
     for static in (first_static, not first_static):
         if any(c.static_shapes == static or c.method is CaptureMethod.SYMBOLIC_TRACE for c in tried):
             continue  # that mode gave its graph already (symbolic_trace has no shapes mode)
+        limit = _limit(options, replaying=static == static_plan(plan))
         captured = capture(model, inputs, method=method, leaf_modules=options.leaf_modules,
-                           dynamic_shapes=not static, time_limit=options.time_limit)
+                           dynamic_shapes=not static, time_limit=limit)
         if _matches(captured, plan):
             return captured
         tried.append(captured)
     _refuse_timed_out(tried, plan, options)
     return tried[0]
+
+
+REPLAY_SLACK = 10.0
+"""How much longer than ``CaptureOptions.time_limit`` a rank waits for the export in the shapes
+mode its plan was made in: that export finished on the planning rank within the limit for this
+model and these inputs, so a rank that is merely slower (a loaded machine) still gets there,
+while one that never would is still stopped."""
+
+
+def _limit(options: CaptureOptions, *, replaying: bool) -> float | None:
+    if options.time_limit is None or not replaying:
+        return options.time_limit
+    return options.time_limit * REPLAY_SLACK
 
 
 def _matches(captured: Captured, plan: Plan) -> bool:
@@ -71,7 +85,8 @@ def _refuse_timed_out(tried: Sequence[Captured], plan: Plan, options: CaptureOpt
         raise CaptureError(
             f"this rank's graph at static shapes is not the plan's (fingerprint {plan.fingerprint}): "
             f"that is torch.export's with symbolic shapes (or another model's), and here that export "
-            f"ran past CaptureOptions(time_limit={options.time_limit:g}); plan and compile with "
+            f"ran past {_limit(options, replaying=True):g} s ({REPLAY_SLACK:g} x "
+            f"CaptureOptions(time_limit={options.time_limit:g})); plan and compile with "
             f"CaptureOptions(dynamic_shapes=False) (every rank then exports at static shapes) or with "
             f"a larger time_limit"
         )

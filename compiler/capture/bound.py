@@ -9,7 +9,9 @@ its handler raises :class:`Expired` in the main thread at the next bytecode, whe
 sympy let it through and the context managers of export unwind as for any error. It is not
 raised inside an import or a context manager's ``__exit__`` (a half-run module or half-restored
 state would break the next trace: torch.export imports lazily): the handler then tries again
-20 ms later. :func:`check_unchanged` verifies that the process-wide state torch's tracers
+20 ms later, and so it waits while torch's own code outside its shape reasoning runs (the
+dispatcher calls some of it from C++ frames an exception must not cross): it lands in sympy, the
+``ShapeEnv`` or the model's code. :func:`check_unchanged` verifies that the process-wide state torch's tracers
 change was put back.
 
 Where no such signal can be armed (capture called off the main thread, or on a platform without
@@ -92,7 +94,7 @@ def time_bound(seconds: float | None) -> Iterator[Bound]:
             outer = now + outer_interval if outer_interval > 0 else None
             _call(previous, signum, frame)
         if now >= deadline - _EPSILON:
-            if _unsafe(frame):  # not here: in a moment, once the import or cleanup is done
+            if _unsafe(frame) or _in_torch(frame):  # not here: in a moment, somewhere safe
                 signal.setitimer(signal.ITIMER_REAL, _RETRY)
                 return
             raise Expired(f"no result after {seconds:g} s")
@@ -119,6 +121,22 @@ def _unsafe(frame: FrameType | None) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+_SAFE_IN_TORCH = ("/torch/utils/_sympy/", "/torch/fx/experimental/symbolic_shapes.py")
+
+
+def _in_torch(frame: FrameType | None) -> bool:
+    """Whether the code running when the signal came is torch's own, outside its shape
+    reasoning: an exception raised there can cross one of torch's C++ frames that cannot carry
+    it (seen: ``find_torch_dispatch_rule`` under the dispatcher, and the process aborted with
+    ``terminate called after throwing pybind11::error_already_set``). Sympy, torch's sympy
+    helpers and the ``ShapeEnv`` (where a symbolic export spends its long minutes), and code
+    outside torch, are places an error is routinely raised from and unwinds cleanly."""
+    if frame is None:
+        return False
+    name = frame.f_code.co_filename.replace("\\", "/")
+    return "/torch/" in name and not any(safe in name for safe in _SAFE_IN_TORCH)
 
 
 def _call(handler: Any, signum: int, frame: FrameType | None) -> None:

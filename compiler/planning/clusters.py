@@ -34,6 +34,7 @@ from pipecut.errors import InputError, PartitionError
 from pipecut.ir import Candidate, NodeCost, Plan, ReplicaCandidate
 from pipecut.passes.costs.workload import Workload, workload
 from pipecut.passes.parallel.training import RunCandidate, RunChoice, RunShape, block_of, choose_run
+from pipecut.passes.partition.rebuild import mark_rebuilt
 from pipecut.planning.run_plan import mixed_links_note, plan_of_run
 from pipecut.profile.devices import (
     LINK_LATENCY_MS,
@@ -224,9 +225,11 @@ def plan_cluster(
     layers, hidden = _attention_dims(model)
 
     def costs(inputs: Inputs, tgt: Any) -> tuple[NodeCost, ...]:
-        return estimate_costs(model, inputs, profile, precision=Precision.BF16,
+        rows = estimate_costs(model, inputs, profile, precision=Precision.BF16,
                               microbatches=microbatches, loss_fn=loss_fn, target=tgt,
                               compute_efficiency=efficiency)
+        # Weighed against the fastest link a cut may cross: rebuilt there, rebuilt on every cut.
+        return mark_rebuilt(rows, c.intra)
 
     nodes = costs(example_inputs, target)
     width = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)

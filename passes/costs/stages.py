@@ -218,7 +218,8 @@ def _recompute(
 
 
 def _edges(nodes: Sequence[NodeCost], cut: _Cut) -> tuple[Edge, ...]:
-    """One edge per value that stages other than its own read."""
+    """One edge per value that stages other than its own read (a rebuilt value crosses no
+    cut: the stages that read it compute it again)."""
     bounds, units = cut.bounds, cut.live.units
     stage_of = {name: s for s in range(len(bounds) - 1) for name in units[bounds[s] : bounds[s + 1]]}
     users: dict[str, list[str]] = {}
@@ -228,7 +229,7 @@ def _edges(nodes: Sequence[NodeCost], cut: _Cut) -> tuple[Edge, ...]:
     edges = []
     for name in units:
         consumers = {stage_of[c] for c in users.get(name, ()) if c in stage_of} - {stage_of[name]}
-        if consumers:
+        if consumers and not cut.by_name[name].rebuilt:
             node = cut.by_name[name]
             edges.append(
                 Edge(

@@ -5,7 +5,9 @@ stage that reads them) are not partitioned: they are available wherever they are
 other node is a *unit*, in topological order. A value produced by unit ``p`` and last read by
 unit ``c`` is live across every cut ``b`` with ``p < b <= c``; it is sent stage to stage over
 those cuts (relayed through stages between producer and consumer), so the communication of a
-stage depends only on its two cuts and the dynamic program stays exact.
+stage depends only on its two cuts and the dynamic program stays exact. A value marked
+``rebuilt`` crosses no cut: every later stage that reads it computes it again from the inputs
+and buffers it has (:mod:`pipecut.passes.partition.rebuild`).
 """
 
 from __future__ import annotations
@@ -58,14 +60,17 @@ def is_unit(node: NodeCost) -> bool:
 
 
 def liveness(nodes: Sequence[NodeCost]) -> Liveness:
+    """Which values cross which cuts. A value marked ``rebuilt`` crosses none: every stage that
+    reads it computes it again (:mod:`pipecut.passes.partition.rebuild`)."""
     units = tuple(n.name for n in nodes if is_unit(n))
     index = {name: i for i, name in enumerate(units)}
+    rebuilt = {n.name for n in nodes if n.rebuilt}
     last_use: dict[str, int] = {}
     for n in nodes:
         if n.name not in index:
             continue
         for src in n.inputs:
-            if src in index:
+            if src in index and src not in rebuilt:
                 last_use[src] = max(last_use.get(src, -1), index[n.name])
     return Liveness(units=units, last_use=last_use, index=index)
 

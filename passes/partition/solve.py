@@ -37,6 +37,7 @@ from pipecut.passes.partition.pinned import (
     is_split_points,
 )
 from pipecut.passes.partition.problem import Formulation, formulate
+from pipecut.passes.partition.rebuild import mark_rebuilt
 from pipecut.passes.partition.refine import refine_cuts
 from pipecut.schedules.format import rank_of, stages_on
 from pipecut.version import __version__
@@ -142,10 +143,15 @@ def partition_costs(
     (``["blocks.1"]``), and the plan then reports pipecut's own optimum beside it
     (``predicted.optimum_step_ms``).
 
+    Values that are cheaper to compute again from the inputs than to send over ``link`` (a
+    causal mask, rotary tables) cross no cut: the plan's cost table marks them ``rebuilt``
+    (:func:`pipecut.passes.partition.rebuild.mark_rebuilt`).
+
     ``data_parallel``: the replicas each stage will have and their engine; FSDP shrinks the
     memory a stage needs (see :func:`pipecut.passes.costs.stages.state_bytes`).
     """
     options = partition or PartitionOptions()
+    nodes = mark_rebuilt(nodes, link)  # what a stage computes again rather than receives
     setup = _Setup.of(nodes, devices, microbatches, batch_size, schedule, link, options, stages_per_rank,
                       data_parallel)
     if options.split is not None:

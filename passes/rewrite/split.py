@@ -2,7 +2,8 @@
 
 Stage ``s`` gets placeholders for the values it receives (``plan.stages[s].inputs``, wire
 order) followed by the model inputs it reads; ``get_attr`` nodes are copied into every stage
-that reads them, so parameters keep their fully qualified names and a tied weight lives on each
+that reads them, and so are the nodes the plan marks ``rebuilt`` (a mask, rotary tables:
+computed again from the inputs and buffers rather than received), so parameters keep their fully qualified names and a tied weight lives on each
 stage that uses it. Every stage but the last returns the tuple of values it sends
 (``plan.stages[s].outputs``); the last returns the model's output. A stage that recomputes
 some blocks (``Recompute.SELECTIVE``) calls them through checkpointed segments
@@ -46,6 +47,8 @@ def split_stage(gm: fx.GraphModule, plan: Plan, index: int) -> StageProgram:
         )
     members = set(stage.nodes)
     needed = {a.name for name in stage.nodes for a in nodes[name].all_input_nodes}
+    rebuilt = _rebuilt(nodes, needed - members - set(stage.inputs), plan, index, members)
+    needed |= {a.name for name in rebuilt for a in nodes[name].all_input_nodes}
     mutating = any(mutates_first_arg(nodes[name], gm) for name in stage.nodes)
 
     graph = fx.Graph()
@@ -66,7 +69,7 @@ def split_stage(gm: fx.GraphModule, plan: Plan, index: int) -> StageProgram:
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.name in needed:
             env[node.name] = graph.node_copy(node)
-        elif node.name in members:
+        elif node.name in members or node.name in rebuilt:
             env[node.name] = graph.node_copy(node, lambda n: env[n.name])
     if not is_last:
         graph.output(tuple(env[name] for name in stage.outputs))
@@ -86,6 +89,26 @@ def split_stage(gm: fx.GraphModule, plan: Plan, index: int) -> StageProgram:
     )
 
 
+def _rebuilt(nodes: dict[str, fx.Node], wanted: set[str], plan: Plan, index: int, members: set[str]) -> set[str]:
+    """The nodes stage ``index`` computes again rather than receives: what it reads that it
+    neither holds nor receives, with the rebuilt nodes those are computed from."""
+    out: set[str] = set()
+    todo = [name for name in wanted if nodes[name].op not in ("placeholder", "get_attr")]
+    while todo:
+        name = todo.pop()
+        if name in out:
+            continue
+        if not plan.node(name).rebuilt:
+            raise PlanError(
+                f"stage {index} reads {name}, which it neither holds, receives nor may compute "
+                f"again (the plan does not mark it rebuilt): the plan's stages are inconsistent; re-plan"
+            )
+        out.add(name)
+        todo += [a.name for a in nodes[name].all_input_nodes
+                 if a.op not in ("placeholder", "get_attr") and a.name not in members]
+    return out
+
+
 def verify(gm: fx.GraphModule, programs: tuple[StageProgram, ...], plan: Plan) -> None:
     """Invariants checked after the pass (the tests run it on every example model): every
     compute node of ``gm`` is in exactly one stage program and nowhere else, each stage receives
@@ -99,7 +122,7 @@ def verify(gm: fx.GraphModule, programs: tuple[StageProgram, ...], plan: Plan) -
             n for names in segments for n in names
         ]:
             if name in compute:
-                if name in seen:
+                if name in seen and not plan.node(name).rebuilt:
                     raise AssertionError(f"node {name} runs on stages {seen[name]} and {prog.index}")
                 seen[name] = prog.index
     lost = sorted(compute - set(seen))

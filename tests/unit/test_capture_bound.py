@@ -101,6 +101,35 @@ def test_not_inside_an_exit_the_signal_waits_until_it_is_done() -> None:
     assert done == [True]
 
 
+def _code_at(path: str) -> Any:
+    """A function that spins for ``seconds`` and records that it finished, compiled as if it
+    lived at ``path`` (the handler decides by the running code's file)."""
+    source = ("import time\n"
+              "def spin(seconds, done):\n"
+              "    start = time.monotonic()\n"
+              "    while time.monotonic() - start < seconds:\n"
+              "        pass\n"
+              "    done.append(True)\n")
+    namespace: dict[str, Any] = {}
+    exec(compile(source, path, "exec"), namespace)  # a fixed source, compiled for its file name
+    return namespace["spin"]
+
+
+def test_inside_torch_the_signal_waits_for_sympy_the_shape_env_or_the_models_code() -> None:
+    """torch's dispatcher calls some of its Python from C++ frames an exception must not cross
+    (the process aborted with ``terminate ... pybind11::error_already_set``): there the handler
+    waits; in torch's sympy helpers and in code outside torch it raises at once."""
+    done: list[bool] = []
+    with pytest.raises(Expired), time_bound(0.02):
+        _code_at("/site-packages/torch/_library/simple_registry.py")(0.3, done)
+        _spin()
+    assert done == [True]
+    done.clear()
+    with pytest.raises(Expired), time_bound(0.02):
+        _code_at("/site-packages/torch/utils/_sympy/functions.py")(30.0, done)
+    assert done == []
+
+
 def test_an_outer_timer_still_fires_and_gets_its_time_back(outer_timer: None) -> None:
     class Outer(Exception):
         pass
