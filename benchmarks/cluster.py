@@ -1,8 +1,14 @@
 """Published training runs beside pipecut's cluster prediction.
 
-    .venv/bin/python benchmarks/cluster.py [--rows estimate|standin] [--fit] [--layers N] [--seq T]
-                                            [--out benchmarks/cluster.json]
+    .venv/bin/python benchmarks/cluster.py [--fit] [--out benchmarks/cluster.json]
+    .venv/bin/python benchmarks/cluster.py --published [--rows estimate|standin] [--layers N] [--seq T]
     .venv/bin/python benchmarks/cluster.py --schedules [--cluster 2x8xH100-SXM] [--batch 64] [-m 8]
+
+By default: the validation table (``validation_runs.json``, :mod:`validation`): every run, whether
+its residual was fitted on it, published and predicted tokens/s per GPU with the prediction's
+range and error, memory likewise, and the assumption that dominates the step; then the targets of
+issue 29 on the unfitted rows. ``--fit`` bisects each family's residual on the run the split
+names. ``--published``: the older check below.
 
 Each run of :data:`published.RUNS` (torchtitan's FSDP Llama runs on H100 and A100) is predicted
 by :func:`pipecut.planning.clusters.predict_run` with one compute efficiency per device family
@@ -30,8 +36,29 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # examples.llama_meta
 import published
+import validation
 
 __all__ = ["main"]
+
+
+def validation_table(out: str) -> int:  # pragma: no cover
+    """Print the validation table and write it as JSON."""
+    preds = validation.table()
+    print(f"{'run':28} {'fit':>3} {'D×K':>6} {'published':>9} {'predicted':>9} {'range':>15} {'error':>7} "
+          f"{'GiB pub':>7} {'GiB':>5} {'error':>7}  dominant")
+    for p in preds:
+        mem_err = "" if p.memory_error is None else f"{p.memory_error:+.1%}"
+        pub_mem = "-" if p.published_memory_gib is None else f"{p.published_memory_gib:g}"
+        print(f"{p.name:28} {'yes' if p.fitted else '':>3} {p.replicas}×{p.stages:<4} {p.published_tokens:>9.0f} "
+              f"{p.tokens:>9.0f} {p.tokens_low:>7.0f}-{p.tokens_high:<7.0f} {p.error:>+7.1%} {pub_mem:>7} "
+              f"{p.memory_gib:>5.1f} {mem_err:>7}  {p.dominant}")
+    s = validation.summary(preds)
+    print(f"unfitted rows: median |error| {s['median_abs_error']:.1%} (target <= 10%), worst "
+          f"{s['worst_abs_error']:.1%} (<= 20%), worst |memory error| {s['worst_abs_memory_error']:.1%} (<= 15%)")
+    rows = [{**{k: getattr(p, k) for k in p.__dataclass_fields__}, "error": p.error, "memory_error": p.memory_error}
+            for p in preds]
+    Path(out).write_text(json.dumps({"rows": rows, "summary": s}, indent=1) + "\n")
+    return 0
 
 
 def fit(run: published.PublishedRun, dims: published.LlamaDims, lo: float = 0.1, hi: float = 1.0,
@@ -68,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", choices=("standin", "estimate"), default="estimate")
     ap.add_argument("--fit", action="store_true",
-                    help="print each family's efficiency fitted on its run marked fitted, then stop")
+                    help="print each family's residual fitted on the run the validation split names, then stop")
+    ap.add_argument("--published", action="store_true",
+                    help="the older check: torchtitan's runs priced on a captured meta Llama")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--out", default=str(Path(__file__).with_name("cluster.json")))
@@ -81,9 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.schedules:
         return schedules(args.cluster, args.batch, args.microbatches)
     if args.fit:
-        for run in (r for r in published.RUNS if r.fitted):
-            print(f"{run.name}: compute efficiency {fit(run, published.LLAMA[run.model])}")
+        for family, name in validation.load()["split"].items():
+            if family != "declared":
+                print(f"{family}: residual {validation.fit(name)} fitted on {name}")
         return 0
+    if not args.published:
+        return validation_table(args.out)
     out = []
     print(f"{'run':20} {'D×K':>7} {'tok/s/GPU':>10} {'published':>9} {'diff':>7} "
           f"{'GiB':>6} {'published':>9} {'diff':>7} {'MFU':>6} {'s':>5}")

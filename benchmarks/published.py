@@ -89,7 +89,7 @@ def estimated_rows(run: PublishedRun, dims: LlamaDims, *, efficiency: float | No
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pipecut import estimate_costs
-    from pipecut.planning.clusters import family_efficiency, parse_cluster
+    from pipecut.planning.clusters import family_efficiency, family_model, parse_cluster
     from pipecut.profile.devices import device_profile
 
     cluster = parse_cluster(run.cluster)
@@ -101,7 +101,8 @@ def estimated_rows(run: PublishedRun, dims: LlamaDims, *, efficiency: float | No
     ids = torch.zeros(run.local_batch * cluster.gpus, run.seq, dtype=torch.long, device="meta")
     eff = efficiency if efficiency is not None else family_efficiency(device_profile(cluster.device))[0]
     return estimate_costs(model, {"input_ids": ids}, cluster.device, precision="bf16",
-                          compute_efficiency=eff)
+                          compute_efficiency=eff,
+                          cost_model=family_model(device_profile(cluster.device), residual=efficiency))
 
 
 def llama_rows(dims: LlamaDims, *, samples: int, seq: int, device: str,
@@ -163,8 +164,11 @@ def llama_rows(dims: LlamaDims, *, samples: int, seq: int, device: str,
     # cross-entropy on fp32 logits (torchtitan: pred.float()): the fp32 copy and its log-softmax
     add("loss", "", "cross_entropy", out=4, saved=2 * 4 * x * dims.vocab, moved=3 * 4 * x * dims.vocab)
     rows.append(NodeCost(name="output", op=NodeOp.OUTPUT, target="output", inputs=(prev,)))
+    from pipecut.planning.clusters import family_model
+
     return estimate_rows(tuple(rows), work, device_profile(device), Precision.BF16,
-                         compute_efficiency=compute_efficiency)
+                         compute_efficiency=compute_efficiency,
+                         cost_model=family_model(device_profile(device), residual=compute_efficiency))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -11,9 +11,12 @@ the link each cut and ring crosses), and returns the plan of one replica of the 
 (:mod:`pipecut.planning.run_plan`: its stages are the run's, times and memory included) with the
 cluster, the placement and the run's prediction (step, bubble, tokens/s per GPU, MFU, memory).
 
-Compute efficiency: the roofline's fraction of peak FLOP/s, **one constant per device family**,
-fitted once on one published run each (``FAMILY_EFFICIENCY``, with the run it came from); every
-other published run is a check (``benchmarks/cluster.py``).
+Costs: the per-op model of :mod:`pipecut.profile.hardware` (matrix products by shape, attention by
+kernel, memory-bound ops, launch overhead, NCCL bus bandwidth and latency per link), each figure
+with its source; one residual per device family, fitted on one named published run
+(``benchmarks/validation_runs.json``'s split); every other published run is a check
+(``benchmarks/cluster.py``, ``tests/unit/test_validation_runs.py``). Families without hardware
+figures fall back to the roofline at :data:`pipecut.profile.devices.COMPUTE_EFFICIENCY`.
 """
 
 from __future__ import annotations
@@ -43,29 +46,20 @@ from pipecut.profile.devices import (
     device_profile,
     estimate_costs,
 )
+from pipecut.profile.hardware import HardwareModel, bus_link, family_figures, hardware_model
 from pipecut.profile.nodes import LossFn
 
 __all__ = [
-    "FAMILY_EFFICIENCY",
     "INTER_NODE_LATENCY_MS",
     "NOT_MODELLED",
     "SCHEDULES",
+    "family_efficiency",
+    "family_model",
     "model_flops_per_token",
     "parse_cluster",
     "plan_cluster",
     "predict_run",
 ]
-
-FAMILY_EFFICIENCY: dict[str, tuple[float, str]] = {
-    "ampere": (0.957, "torchtitan docs/performance.md, Llama 3 8B on 64 A100 80GB, FSDP, local "
-                     "batch 1 x 8192, selective layer checkpointing: 2,904 tokens/s per GPU"),
-    "hopper": (0.512, "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Llama 3.1 8B on 8 "
-                     "H100 96GB HBM2e at 500 W, FSDP, local batch 2 x 8192, selective "
-                     "checkpointing: 5,762 tokens/s per GPU"),
-}
-"""Family -> (fraction of the datasheet dense peak a matrix product reaches in a real run, the
-published run it was fitted on). Families without a fitted run use
-:data:`pipecut.profile.devices.COMPUTE_EFFICIENCY` and say so in the prediction's notes."""
 
 INTER_NODE_LATENCY_MS = 0.02
 """20 µs per message between nodes: the order of NCCL's latency over InfiniBand."""
@@ -111,14 +105,26 @@ def parse_cluster(
                 f"inter_bytes_per_s (e.g. 50e9 for 400 Gb/s InfiniBand per GPU)"
             )
         network = profile.link_bytes_per_s
+    intra_bw, inter_bw = profile.link_bytes_per_s, network
+    if _has_figures(profile):  # NCCL's bus bandwidth and latency on each link, from the figures
+        intra_bw, intra_latency_ms = bus_link(intra_bw, profile.family, inter=False)
+        inter_bw, inter_latency_ms = bus_link(inter_bw, profile.family, inter=True)
     return Cluster(
         nodes=nodes, gpus_per_node=per_node, device=profile.name,
         memory_bytes=profile.memory_bytes, peak_flops=profile.peak_flops(Precision.BF16),
-        intra=Link(name=profile.interconnect, bandwidth_bytes_per_ms=profile.link_bytes_per_s / 1e3,
+        intra=Link(name=profile.interconnect, bandwidth_bytes_per_ms=intra_bw / 1e3,
                            latency_ms=intra_latency_ms),
         inter=Link(name=f"network {network * 8 / 1e9:g} Gb/s per GPU",
-                           bandwidth_bytes_per_ms=network / 1e3, latency_ms=inter_latency_ms),
+                           bandwidth_bytes_per_ms=inter_bw / 1e3, latency_ms=inter_latency_ms),
     )
+
+
+def _has_figures(profile: DeviceProfile) -> bool:
+    try:
+        family_figures(profile.family)
+    except InputError:
+        return False
+    return True
 
 
 def _profile_names() -> list[str]:
@@ -128,15 +134,27 @@ def _profile_names() -> list[str]:
 
 
 def family_efficiency(profile: DeviceProfile) -> tuple[float, str]:
+    """(the family's residual: the fraction of dense peak a large product reaches in a run, and
+    where it was fitted), or the roofline's default for a family without hardware figures."""
     from pipecut.profile.devices import COMPUTE_EFFICIENCY
 
-    if profile.family in FAMILY_EFFICIENCY:
-        value, source = FAMILY_EFFICIENCY[profile.family]
-        return value, f"compute efficiency {value:g} of the {profile.family} family, fitted on {source}"
+    if _has_figures(profile):
+        fig = family_figures(profile.family)["residual"]
+        return fig.value, (f"per-op costs from the {profile.family} family's hardware figures; residual "
+                           f"{fig.value:g} of dense peak, {fig.source}")
     return COMPUTE_EFFICIENCY, (
         f"compute efficiency {COMPUTE_EFFICIENCY:g}: no published run fitted for the "
         f"{profile.family or profile.name} family"
     )
+
+
+def family_model(profile: DeviceProfile, *, attention: str = "flash", bound: str = "value",
+                 residual: float | None = None) -> HardwareModel | None:
+    """The per-op model of a device at bf16 (None for a family without hardware figures)."""
+    if not _has_figures(profile):
+        return None
+    return hardware_model(profile.peak_flops(Precision.BF16), profile.memory_bandwidth_bytes_per_s,
+                          profile.family, residual=residual, attention=attention, bound=bound)
 
 
 def model_flops_per_token(nodes: Sequence[NodeCost], *, layers: int = 0, hidden: int = 0,
@@ -227,7 +245,7 @@ def plan_cluster(
     def costs(inputs: Inputs, tgt: Any) -> tuple[NodeCost, ...]:
         rows = estimate_costs(model, inputs, profile, precision=Precision.BF16,
                               microbatches=microbatches, loss_fn=loss_fn, target=tgt,
-                              compute_efficiency=efficiency)
+                              compute_efficiency=efficiency, cost_model=family_model(profile))
         # Weighed against the fastest link a cut may cross: rebuilt there, rebuilt on every cut.
         return mark_rebuilt(rows, c.intra)
 

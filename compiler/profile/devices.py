@@ -162,9 +162,13 @@ def roofline_ms(
 def estimate_rows(
     rows: tuple[NodeCost, ...], work: Mapping[str, NodeWork], profile: DeviceProfile,
     precision: Precision, *, compute_efficiency: float = COMPUTE_EFFICIENCY,
-    memory_efficiency: float = MEMORY_EFFICIENCY,
+    memory_efficiency: float = MEMORY_EFFICIENCY, cost_model: Any = None,
 ) -> tuple[NodeCost, ...]:
-    """Replace the times of a cost table by roofline estimates; mark the rows estimated."""
+    """Replace the times of a cost table by roofline estimates; mark the rows estimated.
+    ``cost_model``: a :class:`pipecut.profile.hardware.HardwareModel` prices every node by its
+    kernel instead (the cluster path's model; the efficiencies above are then unused)."""
+    if cost_model is not None:
+        return cost_model.price(rows, work)  # type: ignore[no-any-return]
     kw: dict[str, Any] = dict(
         compute_efficiency=compute_efficiency, memory_efficiency=memory_efficiency
     )
@@ -231,6 +235,7 @@ def estimate_costs(
     compute_efficiency: float = COMPUTE_EFFICIENCY,
     memory_efficiency: float = MEMORY_EFFICIENCY,
     real: bool = False,
+    cost_model: Any = None,
 ) -> tuple[NodeCost, ...]:
     """Cost table of ``model`` on one microbatch, with times estimated for ``device``.
 
@@ -242,11 +247,13 @@ def estimate_costs(
     those of the model's own dtypes: cast the model (``model.to(torch.bfloat16)``) to plan BF16.
     ``real``: count by running every node for real instead (the reference the fake count is
     tested against; slow, and a meta model's weights are made one node at a time).
+    ``cost_model``: price the nodes with a per-op model
+    (:class:`pipecut.profile.hardware.HardwareModel`) instead of the roofline.
     """
     return estimate_captured(
         model, example_inputs, device, precision=precision, microbatches=microbatches,
         loss_fn=loss_fn, target=target, compute_efficiency=compute_efficiency,
-        memory_efficiency=memory_efficiency, real=real,
+        memory_efficiency=memory_efficiency, real=real, cost_model=cost_model,
     )[1]
 
 
@@ -262,6 +269,7 @@ def estimate_captured(
     compute_efficiency: float = COMPUTE_EFFICIENCY,
     memory_efficiency: float = MEMORY_EFFICIENCY,
     real: bool = False,
+    cost_model: Any = None,
 ) -> tuple[Captured, tuple[NodeCost, ...]]:
     """:func:`estimate_costs` and the capture it made (for the plan's fingerprint, without
     capturing a large model twice)."""
@@ -290,5 +298,5 @@ def estimate_captured(
     rows, work = count_costs(captured, flat, loss_fn=loss_fn, target=first_target, real=real)
     return captured, estimate_rows(
         rows, work, prof, prec, compute_efficiency=compute_efficiency,
-        memory_efficiency=memory_efficiency,
+        memory_efficiency=memory_efficiency, cost_model=cost_model,
     )

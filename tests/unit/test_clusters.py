@@ -14,12 +14,16 @@ from pipecut.ir import NodeCost
 from pipecut.parallel import DataParallel
 from pipecut.passes.parallel.training import RunShape
 from pipecut.planning.clusters import parse_cluster, plan_cluster, predict_run
+from pipecut.profile.hardware import family_figures
 
 
 def test_parse_cluster_reads_nodes_gpus_and_profile() -> None:
     c = parse_cluster("8x8xH100-SXM")
     assert (c.nodes, c.gpus_per_node, c.gpus, c.device) == (8, 8, 64, "H100-SXM")
-    assert c.intra.bandwidth_bytes_per_ms == 450e9 / 1e3 and c.inter.bandwidth_bytes_per_ms == 50e9 / 1e3
+    # the line rates (NVLink 4, 400 Gb/s per GPU) at the bus bandwidth NCCL reaches on them
+    nvlink, network = (family_figures("hopper")[k].value for k in ("nvlink_bus_fraction", "network_bus_fraction"))
+    assert c.intra.bandwidth_bytes_per_ms == pytest.approx(450e9 * nvlink / 1e3)
+    assert c.inter.bandwidth_bytes_per_ms == pytest.approx(50e9 * network / 1e3)
     assert c.peak_flops == 989.5e12 and parse_cluster(c.spec) == c
     assert c.link_between(0, 7) is c.intra and c.link_between(7, 8) is c.inter
     assert c.ring_link((0, 1)) is c.intra and c.ring_link((0, 8)) is c.inter

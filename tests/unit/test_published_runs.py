@@ -1,8 +1,9 @@
-"""The cluster model against published training runs (benchmarks/published.py), within tolerance.
+"""The cluster model on a captured meta Llama (benchmarks/published.py), within tolerance.
 
-One compute efficiency per device family, each fitted on one run (``fitted``) with the cost
-table ``estimate_costs`` gives on a meta Llama; every run must come within ±20% of its published
-throughput and ±15% of its published peak memory. The whole path (the estimate on fake
+The per-op model of ``pipecut.profile.hardware`` prices the cost table ``estimate_costs`` gives
+on a meta Llama (the path ``plan_cluster`` takes); every run must come within ±20% of its
+published throughput and ±15% of its published peak memory. The validation table proper, on runs
+the residuals were not fitted on, is tests/unit/test_validation_runs.py. The whole path (the estimate on fake
 tensors, then the run model) is checked on the three 8B runs, about 10 s each; the 70B run
 (25 s to estimate) is in ``benchmarks/cluster.py``'s table only.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import published
-from pipecut.planning.clusters import FAMILY_EFFICIENCY, parse_cluster
+from pipecut.planning.clusters import family_efficiency, parse_cluster
 from pipecut.profile.devices import device_profile
 
 
@@ -30,8 +31,9 @@ def test_prediction_from_the_meta_estimate_within_tolerance(run: published.Publi
 def test_one_fitted_run_per_family_and_it_is_recorded() -> None:
     families = [device_profile(parse_cluster(r.cluster).device).family for r in published.RUNS if r.fitted]
     assert sorted(families) == sorted(set(families))
-    for family in families:
-        assert family in FAMILY_EFFICIENCY and "tokens/s" in FAMILY_EFFICIENCY[family][1]
+    for run in (r for r in published.RUNS if r.fitted):
+        value, source = family_efficiency(device_profile(parse_cluster(run.cluster).device))
+        assert value <= 0.8 and "fitted on" in source
 
 
 def test_gpipe_speedup_on_four_times_the_stages() -> None:

@@ -1,0 +1,263 @@
+"""The validation table: pipecut's cluster prediction of each published run of
+``validation_runs.json`` beside the published figure.
+
+Each run's model is written as a cost table from its shapes (:func:`transformer_rows`: every
+product, attention kernel, norm, dropout and loss with its FLOPs, bytes and saved bytes; no
+capture, a few ms a run), priced by the per-op model of :mod:`pipecut.profile.hardware` at the
+run's attention kernel, and run through :func:`pipecut.planning.clusters.predict_run` with the
+run's own data parallelism, pipeline depth, schedule, microbatches and checkpointing. The
+prediction carries a range: the same run priced with every hardware figure at the fast and at
+the slow end of its sources' spread. Memory is compared as the source counts it
+(:data:`COUNTS`).
+
+    from benchmarks import validation
+    for row in validation.table(): print(row)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipecut.core.kinds import LeafKind, NodeOp
+from pipecut.ir import Leaf, NodeCost
+from pipecut.profile.flops import NodeWork
+
+__all__ = ["COUNTS", "Prediction", "load", "predict", "table", "transformer_rows"]
+
+DATA = Path(__file__).with_name("validation_runs.json")
+_TENSOR = '[1, {"type": null, "context": null, "children_spec": []}]'
+
+COUNTS = {
+    "torchtitan-h100": ("fragmentation",),
+    "torchtitan-a100": ("fragmentation",),
+    "zb": ("fragmentation",),
+    "llm-foundry": ("fragmentation",),
+}
+"""What each source's memory figure counts beyond tensors (see the runs' ``memory_counts``):
+torch's max reserved, i.e. the caching allocator's segments: the tensors and the allocator's
+reserve, not the CUDA context or NCCL's buffers (``pipecut.profile.hardware.memory_overheads``).
+The Zero Bubble paper does not say; read as Megatron's reserved figure, like the others."""
+
+
+def load() -> dict[str, Any]:
+    return json.loads(DATA.read_text())  # type: ignore[no-any-return]
+
+
+def transformer_rows(m: dict[str, Any], *, samples: int, seq: int, attention: str, dropout: bool,
+                     loss_fp32: bool, head_params: bool) -> tuple[tuple[NodeCost, ...], dict[str, NodeWork]]:
+    """The cost table (times unset) and the work of a GPT (LayerNorm, GELU MLP, learned
+    positions) or Llama (RMSNorm, SwiGLU, GQA) decoder at ``samples`` × ``seq`` tokens, bf16/fp16.
+    ``attention``: "flash" (one SDPA node, causal: half the token pairs) or "eager" (score
+    product, softmax, dropout, value product: what Megatron's default attention runs).
+    ``head_params``: the output head holds its own weights (untied, or tied across stages)."""
+    x, d, f, s, h, v = samples * seq, m["hidden"], m["ffn"], seq, m["heads"], m["vocab"]
+    kv = m.get("kv_heads", h) * d // h
+    llama = m["arch"] == "llama"
+    rows: list[NodeCost] = [NodeCost(name="input_ids", op=NodeOp.PLACEHOLDER, target="input_ids",
+                                     output_bytes=8 * x, shape=(samples, seq), dtype="torch.int64")]
+    work: dict[str, NodeWork] = {}
+    prev = "input_ids"
+
+    def add(name: str, module: str, target: str, *, shape: tuple[int, ...], saved: float, flops: float = 0,
+            params: int = 0, moved: float = 0, bwd_flops: float | None = None, out: float | None = None) -> None:
+        nonlocal prev
+        inputs: tuple[str, ...] = (prev,)
+        if params:
+            rows.append(NodeCost(name=f"{name}_weight", op=NodeOp.GET_ATTR, target=f"{module}.weight",
+                                 module=module, param_bytes=2 * params, parameters=(f"{module}.weight",)))
+            inputs = (f"{name}_weight", prev)
+        nbytes = int(out if out is not None else 2 * _prod(shape))
+        rows.append(NodeCost(name=name, op=NodeOp.CALL_FUNCTION, target=target, module=module, inputs=inputs,
+                             output_bytes=nbytes, saved_bytes=int(saved), shape=shape, dtype="bfloat16",
+                             treespec=_TENSOR, leaves=(Leaf(kind=LeafKind.TENSOR, shape=shape, dtype="bfloat16",
+                                                            requires_grad=True),)))
+        fwd_bytes = int(moved or 2 * nbytes + 2 * params)
+        work[name] = NodeWork(forward_flops=int(flops), backward_flops=int(2 * flops if bwd_flops is None else bwd_flops),
+                              forward_bytes=fwd_bytes, backward_bytes=2 * fwd_bytes)
+        prev = name
+
+    act = (samples, seq, d)
+    add("embedding", "model.embed_tokens", "embedding", shape=act, saved=0,
+        params=v * d + (0 if llama else s * d), moved=2 * 2 * x * d)
+    for i in range(m["layers"]):
+        b = f"model.layers.{i}"
+        norm = "rms_norm" if llama else "layer_norm"
+        add(f"l{i}_norm1", f"{b}.norm1", norm, shape=act, saved=2 * x * d, params=d)
+        add(f"l{i}_qkv", f"{b}.attn.qkv", "linear", shape=(samples, seq, d + 2 * kv), saved=2 * x * d,
+            flops=2 * x * d * (d + 2 * kv), params=d * (d + 2 * kv))
+        if attention == "eager":
+            dh = d // h
+            scores = samples * h * s * s
+            add(f"l{i}_scores", f"{b}.attn", "bmm", shape=(samples * h, s, s), saved=2 * x * (d + kv),
+                flops=2 * scores * dh, moved=2 * x * (d + kv) + 2 * scores)
+            add(f"l{i}_softmax", f"{b}.attn", "softmax", shape=(samples * h, s, s), saved=2 * scores,
+                moved=4 * scores)
+            if dropout:
+                add(f"l{i}_attn_dropout", f"{b}.attn", "dropout", shape=(samples * h, s, s), saved=scores,
+                    moved=5 * scores)
+            add(f"l{i}_context", f"{b}.attn", "bmm", shape=(samples * h, s, dh), saved=2 * scores + 2 * x * kv,
+                flops=2 * scores * dh, moved=2 * scores + 2 * x * kv + 2 * x * d)
+        else:  # flash: q, k, v, out and the fp32 log-sum-exp saved; FLOPs as torch counts them
+            # (every token pair; the model prices the causal half), backward 2.5x forward
+            add(f"l{i}_sdpa", f"{b}.attn", "scaled_dot_product_attention", shape=act,
+                saved=2 * x * (2 * d + 2 * kv) + 4 * x * h, flops=4 * x * s * d, bwd_flops=10 * x * s * d,
+                moved=2 * x * (2 * d + 2 * kv))
+        add(f"l{i}_o", f"{b}.attn.o", "linear", shape=act, saved=2 * x * d, flops=2 * x * d * d, params=d * d)
+        if dropout:
+            add(f"l{i}_dropout1", b, "dropout", shape=act, saved=x * d, moved=5 * x * d)
+        add(f"l{i}_add1", b, "add", shape=act, saved=0, moved=6 * x * d)
+        add(f"l{i}_norm2", f"{b}.norm2", norm, shape=act, saved=2 * x * d, params=d)
+        up = 2 * f if llama else f
+        add(f"l{i}_up", f"{b}.mlp.up", "linear", shape=(samples, seq, up), saved=2 * x * d,
+            flops=2 * x * d * up, params=d * up)
+        add(f"l{i}_act", f"{b}.mlp", "silu_mul" if llama else "gelu", shape=(samples, seq, f),
+            saved=2 * x * up, moved=2 * x * (up + f))
+        add(f"l{i}_down", f"{b}.mlp.down", "linear", shape=act, saved=2 * x * f, flops=2 * x * f * d, params=f * d)
+        if dropout:
+            add(f"l{i}_dropout2", b, "dropout", shape=act, saved=x * d, moved=5 * x * d)
+        add(f"l{i}_add2", b, "add", shape=act, saved=0, moved=6 * x * d)
+    add("norm", "model.norm", "rms_norm" if llama else "layer_norm", shape=act, saved=2 * x * d, params=d)
+    add("lm_head", "lm_head", "linear", shape=(samples, seq, v), saved=2 * x * d, flops=2 * x * d * v,
+        params=v * d if head_params else 0)
+    width = 4 if loss_fp32 else 2  # the loss's softmax (and, in fp32, its copy of the logits)
+    add("loss", "", "cross_entropy", shape=(1,), out=4, saved=(2 if loss_fp32 else 1) * width * x * v,
+        moved=(2 + 2 * width) * x * v)
+    rows.append(NodeCost(name="output", op=NodeOp.OUTPUT, target="output", inputs=(prev,)))
+    return tuple(rows), work
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prediction:
+    name: str
+    fitted: bool
+    published_tokens: float
+    tokens: float
+    tokens_low: float
+    tokens_high: float
+    published_memory_gib: float | None
+    memory_gib: float
+    memory_low_gib: float
+    memory_high_gib: float
+    dominant: str
+    stages: int
+    replicas: int
+
+    @property
+    def error(self) -> float:
+        return self.tokens / self.published_tokens - 1
+
+    @property
+    def memory_error(self) -> float | None:
+        return None if self.published_memory_gib is None else self.memory_gib / self.published_memory_gib - 1
+
+
+def _published_tokens(run: dict[str, Any]) -> float:
+    p = run["published"]
+    return float(p["tokens_per_s_per_gpu"]) if "tokens_per_s_per_gpu" in p else float(p["samples_per_s_per_gpu"]) * run["seq"]
+
+
+def _one(run: dict[str, Any], model: dict[str, Any], *, bound: str, residual: float | None) -> tuple[Any, float]:
+    from pipecut.core.kinds import Recompute, ScheduleKind
+    from pipecut.parallel import DataParallelKind
+    from pipecut.passes.parallel.training import RunShape
+    from pipecut.planning.clusters import (
+        family_model,
+        model_flops_per_token,
+        parse_cluster,
+        predict_run,
+    )
+    from pipecut.profile.devices import device_profile
+    from pipecut.profile.hardware import memory_overheads
+
+    cluster = parse_cluster(run["cluster"])
+    profile = device_profile(cluster.device)
+    if bound != "value":  # links at the same end of their range as the kernels
+        from dataclasses import replace
+
+        from pipecut.cluster import Link
+        from pipecut.profile.hardware import bus_link
+
+        intra = bus_link(profile.link_bytes_per_s, profile.family, inter=False, bound=bound)
+        inter = bus_link(profile.network_bytes_per_s, profile.family, inter=True, bound=bound)
+        cluster = replace(cluster, intra=Link(name=cluster.intra.name, bandwidth_bytes_per_ms=intra[0] / 1e3,
+                                              latency_ms=intra[1]),
+                          inter=Link(name=cluster.inter.name, bandwidth_bytes_per_ms=inter[0] / 1e3, latency_ms=inter[1]))
+    replicas = cluster.gpus // run["pp"]
+    samples = run["microbatch_size"] * replicas  # the cost table is at one microbatch of the global batch
+    rows, work = transformer_rows(model, samples=samples, seq=run["seq"], attention=run["attention"],
+                                  dropout=run["framework"] == "megatron", loss_fp32=run["loss_fp32"],
+                                  head_params=not model["tied"] or run["pp"] > 1)
+    hw = family_model(profile, attention="flash" if run["attention"] == "flash" else "efficient", bound=bound,
+                      residual=residual)
+    assert hw is not None, f"no hardware figures for {profile.name}"
+    nodes = hw.price(rows, work)
+    flops = model_flops_per_token(nodes, layers=model["layers"], hidden=model["hidden"], seq=run["seq"])
+    shape = RunShape(batch_size=samples * run["microbatches"], microbatches=run["microbatches"],
+                     tokens_per_sample=run["seq"], model_flops_per_token=flops,
+                     schedule=ScheduleKind(run["schedule"]), stages_per_rank=run["stages_per_rank"],
+                     recompute=Recompute(run["recompute"]),
+                     sharding=DataParallelKind.FSDP if run["dp"] == "fsdp" else DataParallelKind.DDP)
+    best, _, _ = predict_run(nodes, cluster, shape, replicas=replicas, schedules=(shape.schedule,))
+    counted = COUNTS.get(run["source"], ())
+    extra = sum(b for k, b in memory_overheads(best.peak_memory_bytes, bound=bound).items() if k in counted)
+    return best, (best.peak_memory_bytes + extra) / 2**30
+
+
+def _dominant(best: Any, microbatches: int) -> str:
+    """Which assumption dominates the step: the bubble, a link, recompute or compute."""
+    step = best.step_ms
+    rec = max((st.recompute_ms for st in best.stages), default=0.0) * microbatches * best.stages_per_rank
+    parts = {"bubble": best.bubble_fraction * step, "link": best.exposed_comm_ms, "recompute": rec}
+    parts["compute"] = max(0.0, step - sum(parts.values()))
+    return max(parts, key=lambda k: parts[k])
+
+
+def predict(run: dict[str, Any], models: dict[str, Any], *, residual: float | None = None) -> Prediction:
+    model = models[run["model"]]
+    best, mem = _one(run, model, bound="value", residual=residual)
+    fast, mem_lo = _one(run, model, bound="fast", residual=residual)
+    slow, mem_hi = _one(run, model, bound="slow", residual=residual)
+    pub_mem = run["published"].get("memory_gib")
+    return Prediction(
+        name=run["name"], fitted=run["fitted"], published_tokens=_published_tokens(run),
+        tokens=best.tokens_per_s_per_gpu, tokens_low=min(t.tokens_per_s_per_gpu for t in (best, fast, slow)),
+        tokens_high=max(t.tokens_per_s_per_gpu for t in (best, fast, slow)),
+        published_memory_gib=None if pub_mem is None else float(pub_mem), memory_gib=mem,
+        memory_low_gib=min(mem, mem_lo, mem_hi), memory_high_gib=max(mem, mem_lo, mem_hi), dominant=_dominant(best, run["microbatches"]), stages=best.placement.stages, replicas=best.placement.replicas,
+    )
+
+
+def table() -> list[Prediction]:
+    data = load()
+    return [predict(r, data["models"]) for r in data["runs"]]
+
+
+def fit(run_name: str, lo: float = 0.3, hi: float = 0.95, steps: int = 14) -> float:
+    """The residual at which ``run_name``'s predicted throughput equals the published one."""
+    data = load()
+    run = next(r for r in data["runs"] if r["name"] == run_name)
+    target = _published_tokens(run)
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        best, _ = _one(run, data["models"][run["model"]], bound="value", residual=mid)
+        lo, hi = (mid, hi) if best.tokens_per_s_per_gpu < target else (lo, mid)
+    return round((lo + hi) / 2, 3)
+
+
+def summary(preds: list[Prediction]) -> dict[str, float]:
+    unfitted = [p for p in preds if not p.fitted]
+    errs = [abs(p.error) for p in unfitted]
+    mems = [abs(p.memory_error) for p in unfitted if p.memory_error is not None]
+    return {"median_abs_error": statistics.median(errs), "worst_abs_error": max(errs),
+            "worst_abs_memory_error": max(mems) if mems else 0.0}

@@ -1,0 +1,240 @@
+"""A per-op cost model from the hardware's own figures, each with its source.
+
+The figures live in ``hardware_figures.json`` beside the device profiles, per device family, each
+as ``{value, low, high, source}``. A node's time is priced by what kind of kernel it is:
+
+* **Matrix products** (linear, matmul, bmm, conv): ``flops / (peak · efficiency)`` with an
+  efficiency by shape: the family's residual (what a large, aligned product reaches in a real run)
+  times the *tile quantization* (the output padded to whole ``tile_m × tile_n`` tiles) times the
+  *wave quantization* (the tiles padded to whole waves over the SMs), bounded below by the
+  roofline's memory time. Backward is two products (input and weight gradients), each with its
+  own shape.
+* **Attention** (SDPA): by kernel, flash or memory-efficient, with its own forward and backward
+  efficiency relative to a large product. Eager attention is not one node: its score products
+  and softmax are priced as products and memory-bound ops.
+* **Memory-bound ops**: ``bytes / (HBM bandwidth · achievable fraction)``.
+* **Launch overhead**: every kernel costs at least ``launch_us`` (one forward kernel, two
+  backward ones per node that has a backward).
+
+:func:`bus_link` turns a link's line rate into the bus bandwidth NCCL reaches on it, with the
+family's latency. :func:`memory_overheads` gives what a published peak counts beyond tensors:
+the CUDA context, NCCL's buffers and the caching allocator's reserve.
+
+``bound`` picks the figures: ``"value"`` (the prediction), ``"fast"`` (each figure at the end of
+its range that makes the step shorter) or ``"slow"`` (the other end); the residual stays at its
+fitted value in all three. A prediction's range is the fast and slow steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from importlib import resources
+
+from pipecut.core.kinds import CostSource
+from pipecut.errors import InputError
+from pipecut.ir import NodeCost
+from pipecut.profile.flops import NodeWork
+
+__all__ = [
+    "BOUNDS",
+    "Figure",
+    "HardwareModel",
+    "all_figures",
+    "bus_link",
+    "family_figures",
+    "gemm_efficiency",
+    "hardware_model",
+    "kernel_kind",
+    "memory_overheads",
+]
+
+BOUNDS = ("value", "fast", "slow")
+_FASTER_WHEN_HIGH = {
+    "residual", "attention_flash_forward", "attention_flash_backward", "attention_efficient_forward",
+    "attention_efficient_backward", "memory_bandwidth_fraction", "nvlink_bus_fraction",
+    "network_bus_fraction", "tile_m", "sm_count", "tile_n",
+}
+_ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Figure:
+    value: float
+    low: float
+    high: float
+    source: str
+
+    def at(self, bound: str, faster_when_high: bool) -> float:
+        if bound == "value":
+            return self.value
+        fast = self.high if faster_when_high else self.low
+        slow = self.low if faster_when_high else self.high
+        return fast if bound == "fast" else slow
+
+
+@functools.cache
+def _load() -> dict[str, dict[str, dict[str, Figure]]]:
+    raw = json.loads(resources.files("pipecut").joinpath("hardware_figures.json").read_text())
+
+    def figs(d: Mapping[str, Mapping[str, object]]) -> dict[str, Figure]:
+        return {k: Figure(value=float(v["value"]), low=float(v["low"]), high=float(v["high"]),  # type: ignore[arg-type]
+                          source=str(v.get("source", ""))) for k, v in d.items()}
+
+    return {"families": {f: figs(d) for f, d in raw["families"].items()}, "memory": {"": figs(raw["memory"])}}
+
+
+def family_figures(family: str) -> dict[str, Figure]:
+    """The figures of one device family ("ampere", "hopper"); InputError for one without figures."""
+    fams = _load()["families"]
+    if family not in fams:
+        raise InputError(f"no hardware figures for the {family or 'unnamed'} family; families with "
+                         f"figures: {sorted(fams)}")
+    return fams[family]
+
+
+def all_figures() -> Iterator[tuple[str, Figure]]:
+    """Every figure, named ``family.name`` or ``memory.name`` (for the test that each has a source)."""
+    for fam, figs in _load()["families"].items():
+        for name, fig in figs.items():
+            yield f"{fam}.{name}", fig
+    for name, fig in _load()["memory"][""].items():
+        yield f"memory.{name}", fig
+
+
+def kernel_kind(target: str, forward_flops: int) -> str:
+    """"attention", "gemm" or "memory" for a node's target."""
+    t = target.lower()
+    if any(a in t for a in _ATTENTION):
+        return "attention"
+    elementwise = ("embedding", "loss", "entropy", "softmax", "norm")
+    return "gemm" if forward_flops > 0 and not any(e in t for e in elementwise) else "memory"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareModel:
+    """The figures one prediction prices with: a device's peaks and its family's figures at one
+    bound, plus the attention kernel the run uses."""
+
+    peak_flops: float
+    memory_bandwidth: float
+    figures: Mapping[str, float]
+    attention: str = "flash"
+    """"flash" or "efficient": the SDPA backend (eager attention is separate nodes)."""
+    causal: bool = True
+    """Attention is causal: the fused kernels skip the masked half of the token pairs, which
+    torch's FLOP counter counts in full (``sdpa_flop_count`` ignores ``is_causal``)."""
+
+    def _f(self, name: str) -> float:
+        return self.figures[name]
+
+    def price(self, rows: tuple[NodeCost, ...], work: Mapping[str, NodeWork]) -> tuple[NodeCost, ...]:
+        """Every row's forward and backward ms from this model; rows marked estimated."""
+        out = []
+        for row in rows:
+            fwd, bwd = self.node_ms(row, work.get(row.name, NodeWork()))
+            out.append(dataclasses.replace(row, forward_ms=fwd, backward_ms=bwd, source=CostSource.ESTIMATED))
+        return tuple(out)
+
+    def node_ms(self, row: NodeCost, w: NodeWork) -> tuple[float, float]:
+        if w.forward_flops == 0 and w.forward_bytes == 0 and w.backward_bytes == 0 and w.backward_flops == 0:
+            return 0.0, 0.0
+        launch = self._f("launch_us") * 1e-3
+        bw = self.memory_bandwidth * self._f("memory_bandwidth_fraction")
+        kind = kernel_kind(str(row.target), w.forward_flops)
+        mem_f, mem_b = w.forward_bytes / bw * 1e3, w.backward_bytes / bw * 1e3
+        bwd_launch = 2 * launch if (w.backward_flops or w.backward_bytes) else 0.0
+        if kind == "attention":
+            key = "efficient" if self.attention == "efficient" else "flash"
+            ef = self._f("residual") * self._f(f"attention_{key}_forward")
+            eb = self._f("residual") * self._f(f"attention_{key}_backward")
+            done = 0.5 if self.causal else 1.0
+            fwd = max(done * w.forward_flops / (self.peak_flops * ef) * 1e3, mem_f) + launch
+            bwd = max(done * w.backward_flops / (self.peak_flops * eb) * 1e3, mem_b) + bwd_launch
+            return fwd, bwd
+        if kind == "gemm":
+            batch, m, n = _gemm_dims(row, w)
+            k = max(1, round(w.forward_flops / (2 * batch * m * n))) if batch * m * n else 1
+            rate = self.peak_flops
+            fwd = max(w.forward_flops / (rate * self.gemm_efficiency(m, n, batch)) * 1e3, mem_f) + launch
+            half = w.backward_flops / 2
+            grad = half / (rate * self.gemm_efficiency(m, k, batch)) + half / (rate * self.gemm_efficiency(k, n, batch))
+            bwd = max(grad * 1e3, mem_b) + bwd_launch
+            return fwd, bwd
+        # memory-bound (elementwise, norms, softmax, embedding lookup, loss): bytes at HBM speed
+        comp = self.peak_flops * self._f("residual")
+        return (max(mem_f, w.forward_flops / comp * 1e3) + launch,
+                max(mem_b, w.backward_flops / comp * 1e3) + bwd_launch)
+
+    def gemm_efficiency(self, m: int, n: int, batch: int = 1) -> float:
+        return gemm_efficiency(m, n, batch, residual=self._f("residual"), tile_m=int(self._f("tile_m")),
+                               tile_n=int(self._f("tile_n")), sms=int(self._f("sm_count")))
+
+
+def gemm_efficiency(m: int, n: int, batch: int = 1, *, residual: float, tile_m: int, tile_n: int,
+                    sms: int) -> float:
+    """Fraction of dense peak of a ``batch × (m × n)`` product: the residual times tile
+    quantization (``m·n`` over whole tiles) times wave quantization (tiles over whole waves).
+
+    >>> round(gemm_efficiency(16384, 4096, residual=0.75, tile_m=256, tile_n=128, sms=108), 3)
+    0.749
+    """
+    m, n, batch = max(1, m), max(1, n), max(1, batch)
+    tm, tn = math.ceil(m / tile_m), math.ceil(n / tile_n)
+    tile = (m * n) / (tm * tile_m * tn * tile_n)
+    tiles = batch * tm * tn
+    wave = tiles / (math.ceil(tiles / sms) * sms)
+    return residual * tile * wave
+
+
+def _gemm_dims(row: NodeCost, w: NodeWork) -> tuple[int, int, int]:
+    """(batch, m, n) of a product's output: a linear flattens its leading dims into m; a batched
+    product keeps them as the batch."""
+    shape = tuple(int(s) for s in (row.shape or ()))
+    if not shape:
+        return 1, 1 << 14, 1 << 14  # unknown: a large product
+    if len(shape) == 1:
+        return 1, 1, shape[0]
+    if "linear" in str(row.target).lower() or "addmm" in str(row.target).lower() or len(shape) == 2:
+        return 1, math.prod(shape[:-1]), shape[-1]
+    return math.prod(shape[:-2]), shape[-2], shape[-1]
+
+
+def hardware_model(peak_flops: float, memory_bandwidth: float, family: str, *, residual: float | None = None,
+                   attention: str = "flash", bound: str = "value", causal: bool = True) -> HardwareModel:
+    """The model of a device (its dense peak at the run's precision and its HBM bandwidth) with its
+    family's figures at ``bound``; ``residual`` replaces the fitted one (for fitting)."""
+    if bound not in BOUNDS:
+        raise InputError(f"bound {bound!r}: choose one of {list(BOUNDS)}")
+    figs = {k: f.at(bound, k in _FASTER_WHEN_HIGH) for k, f in family_figures(family).items()}
+    figs["residual"] = residual if residual is not None else family_figures(family)["residual"].value
+    return HardwareModel(peak_flops=peak_flops, memory_bandwidth=memory_bandwidth, figures=figs,
+                         attention=attention, causal=causal)
+
+
+def bus_link(line_bytes_per_s: float, family: str, *, inter: bool, bound: str = "value") -> tuple[float, float]:
+    """(bus bytes/s NCCL reaches, latency ms) on a link of ``line_bytes_per_s`` per direction:
+    NVLink inside a node, the network between nodes."""
+    figs = family_figures(family)
+    frac = figs["network_bus_fraction" if inter else "nvlink_bus_fraction"]
+    lat = figs["inter_latency_us" if inter else "intra_latency_us"]
+    return line_bytes_per_s * frac.at(bound, True), lat.at(bound, False) * 1e-3
+
+
+def memory_overheads(peak_tensor_bytes: float, *, bound: str = "value") -> dict[str, float]:
+    """Bytes a published peak may count beyond the tensors: ``context`` (CUDA context),
+    ``nccl`` (NCCL's buffers) and ``fragmentation`` (the caching allocator's reserve above the
+    tensors, a fraction of them)."""
+    figs = _load()["memory"][""]
+    gib = 2**30
+    # more memory is the "slow" side of a range
+    pick = {"value": lambda f: f.value, "fast": lambda f: f.low, "slow": lambda f: f.high}[bound]
+    return {
+        "context": pick(figs["cuda_context_gib"]) * gib,
+        "nccl": pick(figs["nccl_buffers_gib"]) * gib,
+        "fragmentation": pick(figs["allocator_fragmentation"]) * peak_tensor_bytes,
+    }

@@ -1,0 +1,53 @@
+"""Every figure of the per-op cost model names its source, and the model prices by kernel."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipecut.core.kinds import NodeOp
+from pipecut.errors import InputError
+from pipecut.ir import NodeCost
+from pipecut.profile.flops import NodeWork
+from pipecut.profile.hardware import all_figures, family_figures, gemm_efficiency, hardware_model
+
+
+def test_every_figure_has_a_source_and_a_range_around_its_value() -> None:
+    figures = list(all_figures())
+    assert len(figures) > 20
+    for name, fig in figures:
+        assert len(fig.source.strip()) > 20, f"{name} has no source"
+        assert fig.low <= fig.value <= fig.high, name
+
+
+def test_residuals_are_physically_plausible_and_name_their_fitted_run() -> None:
+    for family in ("ampere", "hopper"):
+        residual = family_figures(family)["residual"]
+        assert 0.2 < residual.value <= 0.8
+        assert "fitted on" in residual.source
+
+
+def test_tile_and_wave_quantization_cost_an_odd_shape() -> None:
+    kw = dict(residual=0.7, tile_m=256, tile_n=128, sms=108)
+    aligned = gemm_efficiency(256 * 108, 128, **kw)  # exactly one wave of whole tiles
+    assert aligned == pytest.approx(0.7)
+    assert gemm_efficiency(256 * 108 + 1, 128, **kw) < 0.36  # one tile more: a second, almost empty wave
+    assert gemm_efficiency(256 * 108, 129, **kw) < 0.36  # a column past the tile: half the second tile idle
+
+
+def test_attention_by_kernel_and_memory_bound_ops_by_bytes() -> None:
+    hw = hardware_model(312e12, 2.039e12, "ampere")
+    slow = hardware_model(312e12, 2.039e12, "ampere", attention="efficient")
+    sdpa = NodeCost(name="a", op=NodeOp.CALL_FUNCTION, target="scaled_dot_product_attention", shape=(8, 2048, 4096))
+    w = NodeWork(forward_flops=10**12, backward_flops=25 * 10**11, forward_bytes=10**8, backward_bytes=2 * 10**8)
+    assert hw.node_ms(sdpa, w)[0] < slow.node_ms(sdpa, w)[0]
+    add = NodeCost(name="b", op=NodeOp.CALL_FUNCTION, target="add", shape=(8, 2048, 4096))
+    fwd, _ = hw.node_ms(add, NodeWork(forward_bytes=2 * 10**9, backward_bytes=4 * 10**9))
+    launch = family_figures("ampere")["launch_us"].value * 1e-3
+    frac = family_figures("ampere")["memory_bandwidth_fraction"].value
+    assert fwd == pytest.approx(2e9 / (2.039e12 * frac) * 1e3 + launch)
+    assert hw.node_ms(add, NodeWork(forward_bytes=8, backward_bytes=16))[0] == pytest.approx(launch, rel=1e-3)
+
+
+def test_a_family_without_figures_is_refused_with_the_families_that_have_them() -> None:
+    with pytest.raises(InputError, match="ampere"):
+        family_figures("volta")

@@ -1,0 +1,68 @@
+"""The cluster model against published runs it was not fitted on (benchmarks/validation_runs.json).
+
+Issue 29's targets on the unfitted rows: median |throughput error| <= 10%, worst <= 20%, memory
+within 15%, and every ordering a source publishes (schedules, microbatches, layout, memory)
+reproduced. The table is priced from each model's shapes (benchmarks/validation.py), a few seconds
+for all rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+
+import pytest
+
+from benchmarks import validation
+
+
+@pytest.fixture(scope="module")
+def table() -> dict[str, validation.Prediction]:
+    return {p.name: p for p in validation.table()}
+
+
+def test_the_data_meets_the_issues_shape() -> None:
+    data = validation.load()
+    runs = data["runs"]
+    assert len([r for r in runs if not r["fitted"]]) >= 12
+    assert len({r["source"].split("-")[0] for r in runs}) >= 3
+    assert {r["cluster"].split("x")[2].split("-")[0] for r in runs} >= {"A100", "H100"}
+    assert len([r for r in runs if r["dp"] == "none" and r["pp"] > 1]) >= 3
+    fitted = [r["name"] for r in runs if r["fitted"]]
+    assert sorted(fitted) == sorted(data["split"][f] for f in ("ampere", "hopper"))
+    for r in runs:
+        assert r["source"] in data["sources"] and r["where"], r["name"]
+
+
+def test_unfitted_rows_within_the_issues_tolerance(table: dict[str, validation.Prediction]) -> None:
+    unfitted = [p for p in table.values() if not p.fitted]
+    errors = {p.name: round(p.error, 3) for p in unfitted}
+    assert statistics.median(abs(e) for e in errors.values()) <= 0.10, errors
+    assert max(abs(e) for e in errors.values()) <= 0.20, errors
+    for p in unfitted:
+        if p.memory_error is not None:
+            assert abs(p.memory_error) <= 0.15, (p.name, p.memory_gib, p.published_memory_gib)
+
+
+def test_fitted_rows_are_reproduced(table: dict[str, validation.Prediction]) -> None:
+    for p in table.values():
+        if p.fitted:
+            assert p.error == pytest.approx(0, abs=0.01), p.name
+
+
+def test_published_orderings_reproduced(table: dict[str, validation.Prediction]) -> None:
+    for order in validation.load()["orderings"]:
+        if "faster_first" in order:
+            tokens = [table[n].tokens for n in order["faster_first"]]
+            assert tokens == sorted(tokens, reverse=True), (order, tokens)
+        else:  # memory: never reversed; pipecut's zero bubble (ZB-H1) keeps exactly 1F1B's
+            # activations, where the paper's ZB-1p measured 2 GB more, so a tie is allowed there
+            mem = [table[n].memory_gib for n in order["larger_first"]]
+            assert all(a >= b - 1e-6 for a, b in itertools.pairwise(mem)), (order, mem)
+
+
+def test_every_prediction_carries_a_range_around_it(table: dict[str, validation.Prediction]) -> None:
+    for p in table.values():
+        assert p.tokens_low <= p.tokens <= p.tokens_high
+        assert p.memory_low_gib <= p.memory_gib <= p.memory_high_gib
+        assert p.dominant in {"compute", "link", "bubble", "recompute"}
