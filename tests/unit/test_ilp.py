@@ -155,10 +155,10 @@ def _problem(capacity: float | None, recompute: bool, k: int = 2) -> Problem:
 
 
 def test_recompute_is_chosen_only_where_memory_needs_it() -> None:
-    roomy = partition_ilp(_problem(10_000, recompute=True))
+    roomy = partition_ilp(_problem(10_000, recompute=True), time_limit_s=600)  # a proved optimum, load or not
     assert set(roomy.evaluation.recompute) == {Recompute.NONE}
     # 3 units per stage keep 60 + 2·(10 + 90) = 260 bytes; with recompute 60 + 2·10 = 80.
-    tight = partition_ilp(_problem(200, recompute=True))
+    tight = partition_ilp(_problem(200, recompute=True), time_limit_s=600)
     assert tight.evaluation.fits and tight.optimal
     assert Recompute.FULL in tight.evaluation.recompute
     assert tight.evaluation.bottleneck_ms > roomy.evaluation.bottleneck_ms
