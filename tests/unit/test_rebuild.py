@@ -98,3 +98,21 @@ def test_a_llama_sends_only_the_hidden_state_and_its_stages_chained_are_the_mode
     torch.testing.assert_close(loss, ref, rtol=0, atol=0)  # the same ops in the same order
     for p in model.parameters():
         torch.testing.assert_close(got[names[id(p)]], p.grad, rtol=0, atol=0)
+
+
+def test_a_cluster_plan_across_nodes_sends_the_hidden_state_and_not_the_mask() -> None:
+    """Issue 29's case, shrunk: a Llama-3.1-8B's shapes with 4 layers on 2 nodes, 2 stages with
+    the replicas inside nodes (each cut crosses the network). The 8k-token causal mask (64 MiB
+    of bool) and the rotary tables are rebuilt on stage 1: only activations (values a gradient
+    flows back through) cross."""
+    from examples import llama_meta
+    from pipecut.planning.clusters import plan_cluster
+
+    model, inputs, loss_fn, target = llama_meta.build(batch_size=4, num_hidden_layers=4)
+    plan = plan_cluster(model, inputs, "2x2xH100-SXM", data_parallel=2, microbatches=2, loss_fn=loss_fn,
+                        target=target)
+    assert plan.num_stages == 2
+    crossing = [leaf for name in plan.stages[1].inputs for leaf in plan.node(name).leaves
+                if leaf.kind is LeafKind.TENSOR]
+    assert crossing and all(leaf.requires_grad for leaf in crossing), plan.stages[1].inputs
+    assert any(n.rebuilt and n.shape == (1, 1, 8192, 8192) for n in plan.nodes)
