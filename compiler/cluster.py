@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from pipecut.errors import InputError
 
-__all__ = ["Cluster", "ClusterPlacement", "Layout", "Link", "RunPrediction"]
+__all__ = ["Cluster", "ClusterPlacement", "Layout", "Link", "RunPrediction", "StepPart"]
 
 
 LINK_LATENCY_MS = 0.01
@@ -137,6 +137,16 @@ class ClusterPlacement:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class StepPart:
+    """One part of a predicted step on the GPU that ends it last: ``compute``, ``recompute``,
+    ``bubble`` (idle, waiting on other stages) or ``link <name>`` (collectives and cut transfers on
+    that link that no compute hides). A step's parts add up to it."""
+
+    name: str
+    ms: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunPrediction:
     """What a training step on the cluster is predicted to achieve (one optimizer step)."""
 
@@ -161,3 +171,19 @@ class RunPrediction:
     """Fraction of peak FLOP/s a matrix product reaches, for the device family (fitted once)."""
     notes: tuple[str, ...] = ()
     """What the model assumes or cannot express (tensor parallelism, ...)."""
+    step_low_ms: float = 0.0
+    step_high_ms: float = 0.0
+    """The same run (split, layout, schedule) priced with every hardware figure at the fast and at
+    the slow end of its sources' spread (the fitted residual kept): the prediction's range. 0 where
+    unknown (a family without hardware figures, or a plan written before ranges)."""
+    parts: tuple[StepPart, ...] = ()
+    """The step taken apart on the GPU that ends it last (see :class:`StepPart`), largest first."""
+
+    @property
+    def dominant(self) -> str:
+        """The assumption the step depends on most: the name of its largest part ("" if none)."""
+        return max(self.parts, key=lambda p: p.ms).name if self.parts else ""
+
+    @property
+    def has_range(self) -> bool:
+        return 0 < self.step_low_ms <= self.step_ms <= self.step_high_ms

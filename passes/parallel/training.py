@@ -81,6 +81,7 @@ __all__ = [
     "block_of",
     "choose_run",
     "evaluate_run",
+    "step_parts",
 ]
 
 _BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
@@ -195,6 +196,8 @@ class RunCandidate:
     """Per pipeline rank: the interconnect its replica ring crosses."""
     tokens_per_s_per_gpu: float
     mfu: float
+    parts: tuple[tuple[str, float], ...] = ()
+    """The step on the GPU that ends last, taken apart (:func:`step_parts`), largest first."""
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -301,6 +304,17 @@ def _priced(work: Workload, bounds: tuple[int, ...], sts: Sequence[StageWork], s
     last = totals.index(step)
     busy = [m * sum(sum(sts[s].forward_ms) + sum(sts[s].backward_ms) + sum(sts[s].recompute_ms)
                     for s in mine[r]) for r in range(k)]
+    recomputed = m * sum(sum(sts[s].recompute_ms) for s in mine[last])
+    collectives = m * exposed[last][0] + exposed[last][1]
+    # the cuts' share: how much sooner the step would end if they cost nothing
+    free = rank_end_ms(schedule, f_ms, b_ms, (), (), w_ms) if any(f_link) or any(b_link) else ends
+    cut_ms = max(0.0, step - max(end + exposed[r][1] for r, end in enumerate(free)))
+    per_cut: dict[str, float] = {}
+    for c, fl, bl in zip(cuts, f_link, b_link):
+        if c is not None:
+            per_cut[c.name] = per_cut.get(c.name, 0.0) + fl + bl
+    parts = step_parts(step, compute=busy[last] - recomputed, recompute=recomputed,
+                       links={rings[last].name: collectives}, cuts=per_cut, cut_ms=cut_ms)
     span = max(ends)  # the pipeline's idle share (exposed collectives count as busy)
     bubble = 1 - sum(m * (f + b) for f, b in zip(f_ms, b_ms)) / (k * span) if span else 0.0
     memory = _memory(schedule, sts, d, k, shape)
@@ -319,8 +333,29 @@ def _priced(work: Workload, bounds: tuple[int, ...], sts: Sequence[StageWork], s
         rank_memory_bytes=tuple(sum(memory[s] for s in mine[r]) for r in range(k)),
         cut_links=tuple("same GPU" if c is None else c.name for c in cuts),
         ring_links=tuple(c.name for c in rings), tokens_per_s_per_gpu=tokens,
-        mfu=tokens * shape.model_flops_per_token / cluster.peak_flops,
+        mfu=tokens * shape.model_flops_per_token / cluster.peak_flops, parts=parts,
     )
+
+
+def step_parts(step: float, *, compute: float, recompute: float, links: dict[str, float],
+               cuts: dict[str, float], cut_ms: float) -> tuple[tuple[str, float], ...]:
+    """A step of the GPU that ends last, taken apart: its ``compute`` and ``recompute``, each
+    link's exposed time (``links``: collectives by ring link; ``cut_ms``, the cuts' exposed
+    time, shared among the cut links in proportion to their transfer times ``cuts``) and the
+    ``bubble``, what is left: waiting on other stages. Largest first; the parts add up to
+    ``step``.
+
+    >>> step_parts(10.0, compute=6.0, recompute=1.0, links={"NVLink": 1.0}, cuts={"NVLink": 2.0}, cut_ms=0.5)
+    (('compute', 6.0), ('link NVLink', 1.5), ('bubble', 1.5), ('recompute', 1.0))
+    """
+    exposed = {f"link {name}": ms for name, ms in links.items() if ms > 0}
+    total = sum(cuts.values())
+    for name, ms in cuts.items():
+        if total > 0 and cut_ms > 0:
+            exposed[f"link {name}"] = exposed.get(f"link {name}", 0.0) + cut_ms * ms / total
+    parts = {"compute": compute, "recompute": recompute, **exposed}
+    parts["bubble"] = max(0.0, step - sum(parts.values()))
+    return tuple(sorted(((n, v) for n, v in parts.items() if v > 0), key=lambda p: -p[1]))
 
 
 def _memory(schedule: Schedule, sts: Sequence[StageWork], d: int, k: int, shape: RunShape) -> list[int]:

@@ -96,6 +96,18 @@ def test_the_step_is_the_simulators_on_the_runtime_schedule() -> None:
         assert r.step_ms == pytest.approx(simulate(build(kind, 4, 8, v, costs), f, b, links, links, w)), kind
 
 
+def test_the_step_comes_apart_into_compute_links_and_the_bubble() -> None:
+    """The parts of a step add up to it on the GPU that ends last; 1F1B on 4 equal stages with
+    free cuts: compute M·(F + B) per GPU, the bubble (K − 1)(F + B); a slow cut shows as its link."""
+    one = run(chain(16), cluster(1, 4), 1, 4, ScheduleKind.ONE_F_ONE_B)
+    assert dict(one.parts) == pytest.approx({"compute": 8 * 12.0, "bubble": 3 * 12.0})
+    assert one.parts[0][0] == "compute"
+    slow = run(chain(16, cut=10**9), cluster(4, 1), 1, 4, ScheduleKind.ONE_F_ONE_B)
+    parts = dict(slow.parts)
+    assert sum(parts.values()) == pytest.approx(slow.step_ms)
+    assert slow.parts[0][0] == "link net" and parts["link net"] > parts["compute"]
+
+
 def test_interleaving_crosses_more_cuts_and_zbv_turns_on_one_gpu() -> None:
     work, c = chain(16, cut=10**6), cluster(1, 4)
     inter = run(work, c, 1, 4, ScheduleKind.INTERLEAVED_1F1B, 4)

@@ -130,3 +130,43 @@ def test_parameters_are_counted_in_the_models_own_dtype() -> None:
         flops = plan.run.mfu * plan.cluster.peak_flops / tokens  # per token
         attention = 12 * 2 * 64 * 16  # layers, hidden, sequence
         assert flops == pytest.approx(6 * params + attention)
+
+
+def test_the_run_carries_its_range_and_the_parts_of_its_step_into_text_html_and_json() -> None:
+    from pipecut.report.render import render_html
+
+    model, batch = _tiny_llama()
+    plan = plan_cluster(model, batch, "2x2xH100-SXM", microbatches=2)
+    r = plan.run
+    assert r is not None and r.has_range and r.step_low_ms < r.step_ms < r.step_high_ms
+    assert sum(p.ms for p in r.parts) == pytest.approx(r.step_ms)
+    assert r.dominant == max(r.parts, key=lambda p: p.ms).name == r.parts[0].name
+    assert {p.name for p in r.parts} <= {"compute", "recompute", "bubble"} | {
+        f"link {link.name}" for link in (plan.cluster.intra, plan.cluster.inter)}
+    assert Plan.from_json(plan.to_json()).run == r
+    text = summary(plan)
+    assert f"step {r.step_ms:.1f} ms ({r.step_low_ms:.1f}–{r.step_high_ms:.1f} ms), dominated by {r.dominant}" in text
+    assert "step on the GPU that ends last: " + f"{r.parts[0].name} {r.parts[0].ms:.1f} ms" in text
+    html = render_html(plan)
+    assert f", dominated by {r.dominant}" in html and 'id="step-parts"' in html
+
+
+def test_the_dominant_assumption_is_computed_from_the_step() -> None:
+    model, batch = _tiny_llama()
+    # one microbatch through 4 stages: three quarters of the step is waiting
+    deep = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=1, data_parallel=1, recompute="none")
+    # four replicas of one stage: no bubble at all
+    wide = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=1, data_parallel=4, recompute="none")
+    assert deep.run is not None and wide.run is not None
+    assert deep.run.dominant == "bubble"
+    assert wide.run.dominant != "bubble" and "bubble" not in {p.name for p in wide.run.parts}
+
+
+def test_a_plan_written_before_ranges_still_reads() -> None:
+    model, batch = _tiny_llama()
+    data = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2).to_dict()
+    for key in ("step_low_ms", "step_high_ms", "parts"):
+        data["run"].pop(key)
+    old = Plan.from_dict(data)
+    assert old.run is not None and not old.run.has_range and old.run.dominant == ""
+    assert "dominated by" not in summary(old)
