@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from pipecut.errors import InputError
 
-__all__ = ["Cluster", "ClusterPlacement", "Layout", "Link", "RunPrediction", "StepPart"]
+__all__ = ["Cluster", "ClusterPlacement", "Layout", "Link", "MemoryPart", "RunPrediction", "StepPart"]
 
 
 LINK_LATENCY_MS = 0.01
@@ -147,6 +147,14 @@ class StepPart:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryPart:
+    """One term of the peak GPU's predicted memory: what it is and its bytes."""
+
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunPrediction:
     """What a training step on the cluster is predicted to achieve (one optimizer step)."""
 
@@ -158,7 +166,8 @@ class RunPrediction:
     mfu: float
     """Model FLOP/s achieved (6·params·tokens + attention, per second per GPU) / ``peak_flops``."""
     peak_memory_bytes: int
-    """Largest predicted memory of one GPU."""
+    """Largest predicted memory of one GPU: the terms of ``memory_parts`` (in plans written before
+    them, tensors only)."""
     compute_ms: float = 0.0
     """Busy compute of the slowest GPU in the step (recompute included)."""
     exposed_comm_ms: float = 0.0
@@ -178,6 +187,10 @@ class RunPrediction:
     unknown (a family without hardware figures, or a plan written before ranges)."""
     parts: tuple[StepPart, ...] = ()
     """The step taken apart on the GPU that ends it last (see :class:`StepPart`), largest first."""
+    memory_parts: tuple[MemoryPart, ...] = ()
+    """What ``peak_memory_bytes`` counts on that GPU, term by term: its data-parallel kind's
+    parameters, gradients and optimizer state, the activations its schedule keeps, the CUDA
+    context and NCCL's buffers, the caching allocator's reserve. A term not listed is not counted."""
 
     @property
     def dominant(self) -> str:

@@ -22,13 +22,14 @@ figures fall back to the roofline at :data:`pipecut.profile.devices.COMPUTE_EFFI
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from pipecut.cluster import Cluster, Layout, Link, RunPrediction, StepPart
+from pipecut.cluster import Cluster, Layout, Link, MemoryPart, RunPrediction, StepPart
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.choices import enum_choice
 from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
@@ -54,7 +55,13 @@ from pipecut.profile.devices import (
     device_profile,
     estimate_costs,
 )
-from pipecut.profile.hardware import HardwareModel, bus_link, family_figures, hardware_model
+from pipecut.profile.hardware import (
+    HardwareModel,
+    bus_link,
+    family_figures,
+    hardware_model,
+    memory_overheads,
+)
 from pipecut.profile.nodes import LossFn
 
 __all__ = [
@@ -77,6 +84,8 @@ NOT_MODELLED = (
     "tensor parallelism is not planned (torchtitan's 70B and 405B H100 runs use TP 8): every "
     "stage holds whole layers",
     "context and expert parallelism are not planned",
+    "ZeRO-1 (optimizer state sharded, parameters and gradients whole) is not one of pipecut's "
+    "data-parallel kinds (ddp, fsdp): not planned",
 )
 
 SCHEDULES = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED_1F1B,
@@ -266,7 +275,7 @@ def plan_cluster(
     flops = model_flops_per_token(nodes, layers=layers, hidden=hidden, seq=seq, param_dtype_bytes=width)
     shape = RunShape(batch_size=size, microbatches=microbatches, tokens_per_sample=seq,
                      model_flops_per_token=flops, schedule=kinds[0], stages_per_rank=stages_per_rank,
-                     recompute=rec, sharding=shard, param_dtype_bytes=width)
+                     recompute=rec, sharding=shard, param_dtype_bytes=width, **_overheads())
     best, choice, _ = predict_run(nodes, c, shape, schedules=kinds,
                                      replicas=None if data_parallel == "auto" else int(data_parallel))
     d = best.placement.replicas
@@ -295,6 +304,13 @@ class _Recording:
         assert self.model is not None
         self.seen.append((rows, work))
         return self.model.price(rows, work)
+
+
+def _overheads() -> dict[str, Any]:
+    """The memory a GPU holds beyond its tensors, from the figures (``memory_overheads``): the
+    CUDA context and NCCL's buffers in bytes, the allocator's reserve as a fraction."""
+    per = memory_overheads(1.0)  # the reserve of one byte of tensors: the fraction
+    return {"fixed_memory_bytes": math.ceil(per["context"] + per["nccl"]), "reserve_fraction": per["fragmentation"]}
 
 
 def cluster_at(cluster: Cluster, profile: DeviceProfile, bound: str) -> Cluster:
@@ -357,7 +373,20 @@ def _run_prediction(
         exposed_comm_ms=best.exposed_comm_ms, recompute=rec.value, sharding=shard.value,
         compute_efficiency=efficiency, notes=notes + ((mixed,) if mixed else ()),
         parts=tuple(StepPart(name=n, ms=ms) for n, ms in best.parts),
+        memory_parts=tuple(MemoryPart(name=_memory_term(n, shard, best.placement.replicas), nbytes=b)
+                           for n, b in best.memory_parts),
     )
+
+
+def _memory_term(name: str, shard: DataParallelKind, replicas: int) -> str:
+    """A memory part of the run model named for the reader: the state says how it is held."""
+    if name != "state":
+        return name
+    if replicas < 2:
+        return "parameters, gradients and AdamW state (one replica: nothing sharded)"
+    if shard is DataParallelKind.FSDP:
+        return f"parameters, gradients and AdamW state (fsdp: sharded over {replicas}, the stage's working copies gathered)"
+    return f"parameters, gradients and AdamW state (ddp: whole on each of {replicas} replicas)"
 
 
 def _candidates(choice: RunChoice, best: RunCandidate) -> tuple[ReplicaCandidate, ...]:

@@ -156,6 +156,9 @@ def _cluster_lines(plan: Plan) -> list[str]:
         f"peak memory {human_bytes(r.peak_memory_bytes)} per GPU of {human_bytes(c.memory_bytes)}; "
         f"exposed collectives {r.exposed_comm_ms:.1f} ms",
     ]
+    if r.memory_parts:
+        lines.append("  peak memory counts: " + ", ".join(
+            f"{p.name} {human_bytes(p.nbytes)}" for p in r.memory_parts))
     if r.parts:
         lines.append("  step on the GPU that ends last: " + ", ".join(
             f"{p.name} {p.ms:.1f} ms ({p.ms / r.step_ms:.0%})" for p in r.parts))

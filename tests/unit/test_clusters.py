@@ -170,3 +170,27 @@ def test_a_plan_written_before_ranges_still_reads() -> None:
     old = Plan.from_dict(data)
     assert old.run is not None and not old.run.has_range and old.run.dominant == ""
     assert "dominated by" not in summary(old)
+
+
+def test_peak_memory_counts_the_state_of_its_kind_the_context_nccl_and_the_allocator() -> None:
+    from pipecut.profile.hardware import memory_overheads
+
+    model, batch = _tiny_llama()
+    fsdp = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=2, data_parallel=4, sharding="fsdp")
+    ddp = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=2, data_parallel=4, sharding="ddp")
+    for plan in (fsdp, ddp):
+        r = plan.run
+        assert r is not None
+        parts = {p.name.split(" (")[0]: p.nbytes for p in r.memory_parts}
+        assert sum(parts.values()) == pytest.approx(r.peak_memory_bytes, abs=4)
+        fixed = memory_overheads(1.0)
+        assert parts["CUDA context and NCCL buffers"] == pytest.approx(fixed["context"] + fixed["nccl"], abs=1)
+        tensors = parts["parameters, gradients and AdamW state"] + parts["activations"]
+        assert parts["allocator reserve"] == pytest.approx(tensors * fixed["fragmentation"], abs=2)
+        assert plan.stages[0].peak_memory_bytes == r.peak_memory_bytes  # the stage table shows the same
+        assert "peak memory counts: parameters, gradients and AdamW state" in summary(plan)
+    state = {kind: next(p for p in plan.run.memory_parts if p.name.startswith("parameters"))
+             for kind, plan in (("fsdp", fsdp), ("ddp", ddp)) if plan.run is not None}
+    assert "sharded over 4" in state["fsdp"].name and "whole on each of 4" in state["ddp"].name
+    assert state["ddp"].nbytes > state["fsdp"].nbytes
+    assert any("ZeRO-1" in n for n in fsdp.run.notes if fsdp.run is not None)
