@@ -172,6 +172,7 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: str, residual: fl
     from pipecut.parallel import DataParallelKind
     from pipecut.passes.parallel.training import RunShape
     from pipecut.planning.clusters import (
+        cluster_at,
         family_model,
         model_flops_per_token,
         parse_cluster,
@@ -183,16 +184,7 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: str, residual: fl
     cluster = parse_cluster(run["cluster"])
     profile = device_profile(cluster.device)
     if bound != "value":  # links at the same end of their range as the kernels
-        from dataclasses import replace
-
-        from pipecut.cluster import Link
-        from pipecut.profile.hardware import bus_link
-
-        intra = bus_link(profile.link_bytes_per_s, profile.family, inter=False, bound=bound)
-        inter = bus_link(profile.network_bytes_per_s, profile.family, inter=True, bound=bound)
-        cluster = replace(cluster, intra=Link(name=cluster.intra.name, bandwidth_bytes_per_ms=intra[0] / 1e3,
-                                              latency_ms=intra[1]),
-                          inter=Link(name=cluster.inter.name, bandwidth_bytes_per_ms=inter[0] / 1e3, latency_ms=inter[1]))
+        cluster = cluster_at(cluster, profile, bound)
     replicas = cluster.gpus // run["pp"]
     samples = run["microbatch_size"] * replicas  # the cost table is at one microbatch of the global batch
     rows, work = transformer_rows(model, samples=samples, seq=run["seq"], attention=run["attention"],
@@ -214,13 +206,10 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: str, residual: fl
     return best, (best.peak_memory_bytes + extra) / 2**30
 
 
-def _dominant(best: Any, microbatches: int) -> str:
-    """Which assumption dominates the step: the bubble, a link, recompute or compute."""
-    step = best.step_ms
-    rec = max((st.recompute_ms for st in best.stages), default=0.0) * microbatches * best.stages_per_rank
-    parts = {"bubble": best.bubble_fraction * step, "link": best.exposed_comm_ms, "recompute": rec}
-    parts["compute"] = max(0.0, step - sum(parts.values()))
-    return max(parts, key=lambda k: parts[k])
+def _dominant(best: Any) -> str:
+    """Which assumption dominates the step: the largest of its parts on the GPU that ends it
+    (:func:`pipecut.passes.parallel.training.step_parts`): compute, recompute, the bubble or a link."""
+    return best.parts[0][0] if best.parts else "compute"
 
 
 def predict(run: dict[str, Any], models: dict[str, Any], *, residual: float | None = None) -> Prediction:
@@ -234,7 +223,7 @@ def predict(run: dict[str, Any], models: dict[str, Any], *, residual: float | No
         tokens=best.tokens_per_s_per_gpu, tokens_low=min(t.tokens_per_s_per_gpu for t in (best, fast, slow)),
         tokens_high=max(t.tokens_per_s_per_gpu for t in (best, fast, slow)),
         published_memory_gib=None if pub_mem is None else float(pub_mem), memory_gib=mem,
-        memory_low_gib=min(mem, mem_lo, mem_hi), memory_high_gib=max(mem, mem_lo, mem_hi), dominant=_dominant(best, run["microbatches"]), stages=best.placement.stages, replicas=best.placement.replicas,
+        memory_low_gib=min(mem, mem_lo, mem_hi), memory_high_gib=max(mem, mem_lo, mem_hi), dominant=_dominant(best), stages=best.placement.stages, replicas=best.placement.replicas,
     )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from pipecut.errors import InputError
 
-__all__ = ["Cluster", "ClusterPlacement", "Layout", "Link", "RunPrediction"]
+__all__ = ["Cluster", "ClusterPlacement", "Layout", "Link", "MemoryPart", "RunPrediction", "StepPart"]
 
 
 LINK_LATENCY_MS = 0.01
@@ -137,6 +137,24 @@ class ClusterPlacement:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class StepPart:
+    """One part of a predicted step on the GPU that ends it last: ``compute``, ``recompute``,
+    ``bubble`` (idle, waiting on other stages) or ``link <name>`` (collectives and cut transfers on
+    that link that no compute hides). A step's parts add up to it."""
+
+    name: str
+    ms: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryPart:
+    """One term of the peak GPU's predicted memory: what it is and its bytes."""
+
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunPrediction:
     """What a training step on the cluster is predicted to achieve (one optimizer step)."""
 
@@ -148,7 +166,8 @@ class RunPrediction:
     mfu: float
     """Model FLOP/s achieved (6·params·tokens + attention, per second per GPU) / ``peak_flops``."""
     peak_memory_bytes: int
-    """Largest predicted memory of one GPU."""
+    """Largest predicted memory of one GPU: the terms of ``memory_parts`` (in plans written before
+    them, tensors only)."""
     compute_ms: float = 0.0
     """Busy compute of the slowest GPU in the step (recompute included)."""
     exposed_comm_ms: float = 0.0
@@ -161,3 +180,23 @@ class RunPrediction:
     """Fraction of peak FLOP/s a matrix product reaches, for the device family (fitted once)."""
     notes: tuple[str, ...] = ()
     """What the model assumes or cannot express (tensor parallelism, ...)."""
+    step_low_ms: float = 0.0
+    step_high_ms: float = 0.0
+    """The same run (split, layout, schedule) priced with every hardware figure at the fast and at
+    the slow end of its sources' spread (the fitted residual kept): the prediction's range. 0 where
+    unknown (a family without hardware figures, or a plan written before ranges)."""
+    parts: tuple[StepPart, ...] = ()
+    """The step taken apart on the GPU that ends it last (see :class:`StepPart`), largest first."""
+    memory_parts: tuple[MemoryPart, ...] = ()
+    """What ``peak_memory_bytes`` counts on that GPU, term by term: its data-parallel kind's
+    parameters, gradients and optimizer state, the activations its schedule keeps, the CUDA
+    context and NCCL's buffers, the caching allocator's reserve. A term not listed is not counted."""
+
+    @property
+    def dominant(self) -> str:
+        """The assumption the step depends on most: the name of its largest part ("" if none)."""
+        return max(self.parts, key=lambda p: p.ms).name if self.parts else ""
+
+    @property
+    def has_range(self) -> bool:
+        return 0 < self.step_low_ms <= self.step_ms <= self.step_high_ms

@@ -22,13 +22,14 @@ figures fall back to the roofline at :data:`pipecut.profile.devices.COMPUTE_EFFI
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from pipecut.cluster import Cluster, Layout, Link, RunPrediction
+from pipecut.cluster import Cluster, Layout, Link, MemoryPart, RunPrediction, StepPart
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.choices import enum_choice
 from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
@@ -36,7 +37,15 @@ from pipecut.core.program import Inputs
 from pipecut.errors import InputError, PartitionError
 from pipecut.ir import Candidate, NodeCost, Plan, ReplicaCandidate
 from pipecut.passes.costs.workload import Workload, workload
-from pipecut.passes.parallel.training import RunCandidate, RunChoice, RunShape, block_of, choose_run
+from pipecut.passes.parallel.hybrid import Skipped
+from pipecut.passes.parallel.training import (
+    RunCandidate,
+    RunChoice,
+    RunShape,
+    block_of,
+    choose_run,
+    evaluate_run,
+)
 from pipecut.passes.partition.rebuild import mark_rebuilt
 from pipecut.planning.run_plan import mixed_links_note, plan_of_run
 from pipecut.profile.devices import (
@@ -46,13 +55,20 @@ from pipecut.profile.devices import (
     device_profile,
     estimate_costs,
 )
-from pipecut.profile.hardware import HardwareModel, bus_link, family_figures, hardware_model
+from pipecut.profile.hardware import (
+    HardwareModel,
+    bus_link,
+    family_figures,
+    hardware_model,
+    memory_overheads,
+)
 from pipecut.profile.nodes import LossFn
 
 __all__ = [
     "INTER_NODE_LATENCY_MS",
     "NOT_MODELLED",
     "SCHEDULES",
+    "cluster_at",
     "family_efficiency",
     "family_model",
     "model_flops_per_token",
@@ -68,6 +84,8 @@ NOT_MODELLED = (
     "tensor parallelism is not planned (torchtitan's 70B and 405B H100 runs use TP 8): every "
     "stage holds whole layers",
     "context and expert parallelism are not planned",
+    "ZeRO-1 (optimizer state sharded, parameters and gradients whole) is not one of pipecut's "
+    "data-parallel kinds (ddp, fsdp): not planned",
 )
 
 SCHEDULES = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED_1F1B,
@@ -242,21 +260,24 @@ def plan_cluster(
     seq = _sequence_length(first)
     layers, hidden = _attention_dims(model)
 
+    priced = _Recording(family_model(profile))
+
     def costs(inputs: Inputs, tgt: Any) -> tuple[NodeCost, ...]:
         rows = estimate_costs(model, inputs, profile, precision=Precision.BF16,
                               microbatches=microbatches, loss_fn=loss_fn, target=tgt,
-                              compute_efficiency=efficiency, cost_model=family_model(profile))
+                              compute_efficiency=efficiency, cost_model=priced if priced.model is not None else None)
         # Weighed against the slowest link a cut may cross (the network between nodes where
         # there are several): where sending costs less, on NVLink, both are a fraction of a ms,
         # while a mask sent between nodes costs 1.5 ms per microbatch at 8k tokens.
         return mark_rebuilt(rows, c.inter if c.nodes > 1 else c.intra)
 
     nodes = costs(example_inputs, target)
+    counted = priced.seen[:1]
     width = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
     flops = model_flops_per_token(nodes, layers=layers, hidden=hidden, seq=seq, param_dtype_bytes=width)
     shape = RunShape(batch_size=size, microbatches=microbatches, tokens_per_sample=seq,
                      model_flops_per_token=flops, schedule=kinds[0], stages_per_rank=stages_per_rank,
-                     recompute=rec, sharding=shard, param_dtype_bytes=width)
+                     recompute=rec, sharding=shard, param_dtype_bytes=width, **_overheads())
     best, choice, _ = predict_run(nodes, c, shape, schedules=kinds,
                                      replicas=None if data_parallel == "auto" else int(data_parallel))
     d = best.placement.replicas
@@ -265,9 +286,60 @@ def plan_cluster(
     planned = plan_of_run(costs(share, share_target), nodes, best, cluster=c, microbatches=microbatches,
                           batch_size=size // d, recompute=rec, sharding=shard)
     run = _run_prediction(best, c, rec, shard, efficiency, source, has_config=bool(layers))
+    if counted:  # the same run at both ends of the figures' spread
+        low, high = (_step_at(bound, counted[0], nodes, best, c, profile, shape) for bound in ("fast", "slow"))
+        run = dataclasses.replace(run, step_low_ms=min(low, best.step_ms), step_high_ms=max(high, best.step_ms))
     return dataclasses.replace(planned, cluster=c, placement=best.placement, run=run,
                                replica_candidates=_candidates(choice, best),
                                candidates=_schedule_candidates(choice, best, kinds, microbatches))
+
+
+@dataclasses.dataclass
+class _Recording:
+    """A per-op model (or None) that keeps the rows and work it prices, so that the chosen run
+    can be priced again with the figures at either end of their range without capturing again."""
+
+    model: HardwareModel | None
+    seen: list[tuple[tuple[NodeCost, ...], Any]] = dataclasses.field(default_factory=list)
+
+    def price(self, rows: tuple[NodeCost, ...], work: Any) -> tuple[NodeCost, ...]:
+        assert self.model is not None
+        self.seen.append((rows, work))
+        return self.model.price(rows, work)
+
+
+def _overheads() -> dict[str, Any]:
+    """The memory a GPU holds beyond its tensors, from the figures (``memory_overheads``): the
+    CUDA context and NCCL's buffers in bytes, the allocator's reserve as a fraction."""
+    per = memory_overheads(1.0)  # the reserve of one byte of tensors: the fraction
+    return {"fixed_memory_bytes": math.ceil(per["context"] + per["nccl"]), "reserve_fraction": per["fragmentation"]}
+
+
+def cluster_at(cluster: Cluster, profile: DeviceProfile, bound: str) -> Cluster:
+    """``cluster`` with both links' bus bandwidth and latency at ``bound`` of the family's
+    figures (the line rates kept)."""
+    links = []
+    for link, inter in ((cluster.intra, False), (cluster.inter, True)):
+        line = link.bandwidth_bytes_per_ms * 1e3 / bus_link(1.0, profile.family, inter=inter)[0]
+        bw, latency = bus_link(line, profile.family, inter=inter, bound=bound)
+        links.append(dataclasses.replace(link, bandwidth_bytes_per_ms=bw / 1e3, latency_ms=latency))
+    return dataclasses.replace(cluster, intra=links[0], inter=links[1])
+
+
+def _step_at(bound: str, counted: tuple[tuple[NodeCost, ...], Any], nodes: Sequence[NodeCost], best: RunCandidate,
+             cluster: Cluster, profile: DeviceProfile, shape: RunShape) -> float:
+    """The step of ``best`` (its split, layout, schedule and stages per rank) with every figure
+    at ``bound``: the cost table priced again, the links at that end of their range."""
+    hw = family_model(profile, bound=bound)
+    assert hw is not None
+    rebuilt = {n.name: n.rebuilt for n in nodes}
+    rows = tuple(dataclasses.replace(r, rebuilt=rebuilt.get(r.name, r.rebuilt)) for r in hw.price(*counted))
+    work = workload(rows)
+    d, k, v = best.placement.replicas, best.placement.stages, best.stages_per_rank
+    run = dataclasses.replace(shape, schedule=best.schedule, stages_per_rank=v)
+    again = evaluate_run(work, block_of(work.modules or ("",) * work.units), run, cluster_at(cluster, profile, bound),
+                         replicas=d, stages=k, layout=best.placement.layout, splits={(d, v * k): best.bounds})
+    return best.step_ms if isinstance(again, Skipped) else again.step_ms
 
 
 def _choices(
@@ -302,7 +374,21 @@ def _run_prediction(
         peak_memory_bytes=best.peak_memory_bytes, compute_ms=best.compute_ms,
         exposed_comm_ms=best.exposed_comm_ms, recompute=rec.value, sharding=shard.value,
         compute_efficiency=efficiency, notes=notes + ((mixed,) if mixed else ()),
+        parts=tuple(StepPart(name=n, ms=ms) for n, ms in best.parts),
+        memory_parts=tuple(MemoryPart(name=_memory_term(n, shard, best.placement.replicas), nbytes=b)
+                           for n, b in best.memory_parts),
     )
+
+
+def _memory_term(name: str, shard: DataParallelKind, replicas: int) -> str:
+    """A memory part of the run model named for the reader: the state says how it is held."""
+    if name != "state":
+        return name
+    if replicas < 2:
+        return "parameters, gradients and AdamW state (one replica: nothing sharded)"
+    if shard is DataParallelKind.FSDP:
+        return f"parameters, gradients and AdamW state (fsdp: sharded over {replicas}, the stage's working copies gathered)"
+    return f"parameters, gradients and AdamW state (ddp: whole on each of {replicas} replicas)"
 
 
 def _candidates(choice: RunChoice, best: RunCandidate) -> tuple[ReplicaCandidate, ...]:

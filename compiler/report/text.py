@@ -6,9 +6,10 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["human_bytes", "sequential_note", "summary"]
+__all__ = ["dominated_by", "human_bytes", "sequential_note", "step_range", "summary"]
 
 if TYPE_CHECKING:
+    from pipecut.cluster import RunPrediction
     from pipecut.ir import Plan, ReplicaCandidate
 
 
@@ -131,6 +132,16 @@ def _replica_row(c: ReplicaCandidate) -> str:
     return f"{shape} x {c.stages}{layout}: {step}" + (f"  ({c.note})" if c.note else "")
 
 
+def step_range(r: RunPrediction) -> str:
+    """`` (5100.2–6001.0 ms)``: the step with the figures at either end of their range, or ""."""
+    return f" ({r.step_low_ms:.1f}–{r.step_high_ms:.1f} ms)" if r.has_range else ""
+
+
+def dominated_by(r: RunPrediction) -> str:
+    """``, dominated by compute`` (the step's largest part), or ""."""
+    return f", dominated by {r.dominant}" if r.dominant else ""
+
+
 def _cluster_lines(plan: Plan) -> list[str]:
     c, r, place = plan.cluster, plan.run, plan.placement
     assert c is not None and r is not None
@@ -139,11 +150,18 @@ def _cluster_lines(plan: Plan) -> list[str]:
     chunks = f" on {plan.stages_per_rank} stages per GPU" if plan.stages_per_rank > 1 else ""
     lines = [
         f"cluster {c.spec}: {c.gpus} GPUs, intra-node {c.intra.name}, inter-node {c.inter.name}; {where}",
-        f"run ({r.sharding}, recompute {r.recompute}, {plan.schedule.value}{chunks}): step {r.step_ms:.1f} ms, bubble "
+        f"run ({r.sharding}, recompute {r.recompute}, {plan.schedule.value}{chunks}): step {r.step_ms:.1f} ms"
+        f"{step_range(r)}{dominated_by(r)}, bubble "
         f"{r.bubble_fraction:.1%}, {r.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {r.mfu:.1%}, "
         f"peak memory {human_bytes(r.peak_memory_bytes)} per GPU of {human_bytes(c.memory_bytes)}; "
         f"exposed collectives {r.exposed_comm_ms:.1f} ms",
     ]
+    if r.memory_parts:
+        lines.append("  peak memory counts: " + ", ".join(
+            f"{p.name} {human_bytes(p.nbytes)}" for p in r.memory_parts))
+    if r.parts:
+        lines.append("  step on the GPU that ends last: " + ", ".join(
+            f"{p.name} {p.ms:.1f} ms ({p.ms / r.step_ms:.0%})" for p in r.parts))
     if plan.stages_per_rank > 1:  # the stage table's memory is each stage's share of its GPU's peak
         lines.append("  memory per GPU: " + ", ".join(
             f"rank {k} (stages {', '.join(map(str, plan.stages_on(k)))}) "

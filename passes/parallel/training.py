@@ -43,8 +43,15 @@ configure, and what this model assumes of it:
 * **Metrics**: tokens/s per GPU = ``B · tokens_per_sample / step / N``; MFU = that times the model
   FLOPs per token (``6·params + attention``) over the datasheet dense bf16 peak.
 
-Not modelled: tensor, context or expert parallelism; allocator fragmentation and the CUDA/NCCL
-context (a few GiB that published peaks include); compute/communication contention on the SMs.
+* **Memory beyond tensors**: ``RunShape.fixed_memory_bytes`` per GPU (the CUDA context and
+  NCCL's buffers, outside the caching allocator) and ``RunShape.reserve_fraction`` of the tensors
+  (the allocator's reserve and fragmentation) are added to every GPU's peak and so to the fit
+  check; both 0 by default (the tensors alone), set from the figures by
+  :func:`pipecut.planning.clusters.plan_cluster`.
+
+Not modelled: tensor, context or expert parallelism; ZeRO-1 (optimizer state sharded, parameters
+and gradients whole), which is neither of pipecut's data-parallel kinds; compute/communication
+contention on the SMs.
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ __all__ = [
     "block_of",
     "choose_run",
     "evaluate_run",
+    "step_parts",
 ]
 
 _BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
@@ -125,8 +133,17 @@ class RunShape:
     sharding: DataParallelKind = DataParallelKind.FSDP
     param_dtype_bytes: int = 2
     """Bytes per parameter of the cost table's ``param_bytes`` (bf16: 2)."""
+    fixed_memory_bytes: int = 0
+    """Bytes every GPU holds outside its tensors and the allocator: the CUDA context, NCCL's buffers."""
+    reserve_fraction: float = 0.0
+    """The caching allocator's reserve above the tensors (fragmentation), a fraction of them."""
 
     def __post_init__(self) -> None:
+        if self.fixed_memory_bytes < 0 or not 0 <= self.reserve_fraction < 1:
+            raise InputError(
+                f"fixed_memory_bytes={self.fixed_memory_bytes}, reserve_fraction={self.reserve_fraction}: "
+                f"give bytes ≥ 0 and a fraction in [0, 1)"
+            )
         v, kind = self.stages_per_rank, self.schedule
         fixed = kind.fixed_stages_per_rank or 1
         if v is not None and (v < 1 or (kind is not ScheduleKind.INTERLEAVED_1F1B and v not in (1, fixed))):
@@ -195,6 +212,12 @@ class RunCandidate:
     """Per pipeline rank: the interconnect its replica ring crosses."""
     tokens_per_s_per_gpu: float
     mfu: float
+    parts: tuple[tuple[str, float], ...] = ()
+    """The step on the GPU that ends last, taken apart (:func:`step_parts`), largest first."""
+    memory_parts: tuple[tuple[str, int], ...] = ()
+    """The peak GPU's memory taken apart: ``state`` (parameters, gradients, optimizer state and
+    the working copies its data-parallel kind gathers), ``activations``, then the
+    ``RunShape``'s ``CUDA context and NCCL buffers`` and ``allocator reserve`` where set."""
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -301,9 +324,27 @@ def _priced(work: Workload, bounds: tuple[int, ...], sts: Sequence[StageWork], s
     last = totals.index(step)
     busy = [m * sum(sum(sts[s].forward_ms) + sum(sts[s].backward_ms) + sum(sts[s].recompute_ms)
                     for s in mine[r]) for r in range(k)]
+    recomputed = m * sum(sum(sts[s].recompute_ms) for s in mine[last])
+    collectives = m * exposed[last][0] + exposed[last][1]
+    # the cuts' share: how much sooner the step would end if they cost nothing
+    free = rank_end_ms(schedule, f_ms, b_ms, (), (), w_ms) if any(f_link) or any(b_link) else ends
+    cut_ms = max(0.0, step - max(end + exposed[r][1] for r, end in enumerate(free)))
+    per_cut: dict[str, float] = {}
+    for c, fl, bl in zip(cuts, f_link, b_link):
+        if c is not None:
+            per_cut[c.name] = per_cut.get(c.name, 0.0) + fl + bl
+    parts = step_parts(step, compute=busy[last] - recomputed, recompute=recomputed,
+                       links={rings[last].name: collectives}, cuts=per_cut, cut_ms=cut_ms)
     span = max(ends)  # the pipeline's idle share (exposed collectives count as busy)
     bubble = 1 - sum(m * (f + b) for f, b in zip(f_ms, b_ms)) / (k * span) if span else 0.0
-    memory = _memory(schedule, sts, d, k, shape)
+    state, live = _memory(schedule, sts, d, k, shape)
+    held = [sum(state[s] + live[s] for s in mine[r]) for r in range(k)]
+    memory = [_with_overheads(state[s] + live[s], len(mine[rank[s]]), shape) for s in range(n)]
+    top = max(range(k), key=lambda r: sum(memory[s] for s in mine[r]))
+    memory_parts = tuple((name, b) for name, b in (
+        ("state", sum(state[s] for s in mine[top])), ("activations", sum(live[s] for s in mine[top])),
+        ("CUDA context and NCCL buffers", shape.fixed_memory_bytes),
+        ("allocator reserve", math.ceil(held[top] * shape.reserve_fraction))) if b > 0)
     comm = [(f_link[s - 1] + b_link[s - 1] if s else 0.0) + (f_link[s] + b_link[s] if s < n - 1 else 0.0)
             for s in range(n)]
     stages = tuple(
@@ -319,18 +360,47 @@ def _priced(work: Workload, bounds: tuple[int, ...], sts: Sequence[StageWork], s
         rank_memory_bytes=tuple(sum(memory[s] for s in mine[r]) for r in range(k)),
         cut_links=tuple("same GPU" if c is None else c.name for c in cuts),
         ring_links=tuple(c.name for c in rings), tokens_per_s_per_gpu=tokens,
-        mfu=tokens * shape.model_flops_per_token / cluster.peak_flops,
+        mfu=tokens * shape.model_flops_per_token / cluster.peak_flops, parts=parts, memory_parts=memory_parts,
     )
 
 
-def _memory(schedule: Schedule, sts: Sequence[StageWork], d: int, k: int, shape: RunShape) -> list[int]:
-    """Per stage: its state on its GPU and its activations at that GPU's peak."""
+def step_parts(step: float, *, compute: float, recompute: float, links: dict[str, float],
+               cuts: dict[str, float], cut_ms: float) -> tuple[tuple[str, float], ...]:
+    """A step of the GPU that ends last, taken apart: its ``compute`` and ``recompute``, each
+    link's exposed time (``links``: collectives by ring link; ``cut_ms``, the cuts' exposed
+    time, shared among the cut links in proportion to their transfer times ``cuts``) and the
+    ``bubble``, what is left: waiting on other stages. Largest first; the parts add up to
+    ``step``.
+
+    >>> step_parts(10.0, compute=6.0, recompute=1.0, links={"NVLink": 1.0}, cuts={"NVLink": 2.0}, cut_ms=0.5)
+    (('compute', 6.0), ('link NVLink', 1.5), ('bubble', 1.5), ('recompute', 1.0))
+    """
+    exposed = {f"link {name}": ms for name, ms in links.items() if ms > 0}
+    total = sum(cuts.values())
+    for name, ms in cuts.items():
+        if total > 0 and cut_ms > 0:
+            exposed[f"link {name}"] = exposed.get(f"link {name}", 0.0) + cut_ms * ms / total
+    parts = {"compute": compute, "recompute": recompute, **exposed}
+    parts["bubble"] = max(0.0, step - sum(parts.values()))
+    return tuple(sorted(((n, v) for n, v in parts.items() if v > 0), key=lambda p: -p[1]))
+
+
+def _memory(schedule: Schedule, sts: Sequence[StageWork], d: int, k: int,
+            shape: RunShape) -> tuple[list[int], list[int]]:
+    """Per stage: (its state on its GPU, its activations at that GPU's peak)."""
     live = peak_activations(schedule, [st.kept_bytes for st in sts],
                             [st.full_bytes - st.kept_bytes for st in sts],
                             [st.transient_bytes for st in sts])
-    return [math.ceil(state_memory(st, replicas=d, ranks=k, sharding=shape.sharding,
-                                         param_dtype_bytes=shape.param_dtype_bytes) + live[s])
-            for s, st in enumerate(sts)]
+    state = [math.ceil(state_memory(st, replicas=d, ranks=k, sharding=shape.sharding,
+                                    param_dtype_bytes=shape.param_dtype_bytes)) for st in sts]
+    return state, [math.ceil(x) for x in live]
+
+
+def _with_overheads(tensors: int, shared_with: int, shape: RunShape) -> int:
+    """A stage's memory with its share of its GPU's overheads: the allocator's reserve on its
+    tensors, and the fixed bytes split among the ``shared_with`` stages on the GPU (a GPU's
+    stages still add up to its peak)."""
+    return math.ceil(tensors * (1 + shape.reserve_fraction) + shape.fixed_memory_bytes / shared_with)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -36,3 +36,14 @@ def test_bad_cluster_data_is_refused() -> None:
         Link(name="x", bandwidth_bytes_per_ms=0, latency_ms=0)
     with pytest.raises(InputError, match="replicas and stages ≥ 1"):
         ClusterPlacement(layout=Layout.STAGES_INSIDE_NODES, replicas=0, stages=1)
+
+
+def test_a_prediction_names_its_largest_part_and_its_range() -> None:
+    from pipecut.cluster import RunPrediction, StepPart
+
+    parts = (StepPart(name="compute", ms=4.0), StepPart(name="link ib", ms=5.0), StepPart(name="bubble", ms=1.0))
+    r = RunPrediction(step_ms=10.0, bubble_fraction=0.1, tokens_per_s_per_gpu=1.0, mfu=0.1,
+                      peak_memory_bytes=1, parts=parts, step_low_ms=9.0, step_high_ms=12.0)
+    assert r.dominant == "link ib" and r.has_range
+    assert RunPrediction(step_ms=10.0, bubble_fraction=0.1, tokens_per_s_per_gpu=1.0, mfu=0.1,
+                         peak_memory_bytes=1).dominant == ""

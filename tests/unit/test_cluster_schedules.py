@@ -96,6 +96,42 @@ def test_the_step_is_the_simulators_on_the_runtime_schedule() -> None:
         assert r.step_ms == pytest.approx(simulate(build(kind, 4, 8, v, costs), f, b, links, links, w)), kind
 
 
+def test_the_step_comes_apart_into_compute_links_and_the_bubble() -> None:
+    """The parts of a step add up to it on the GPU that ends last; 1F1B on 4 equal stages with
+    free cuts: compute M·(F + B) per GPU, the bubble (K − 1)(F + B); a slow cut shows as its link."""
+    one = run(chain(16), cluster(1, 4), 1, 4, ScheduleKind.ONE_F_ONE_B)
+    assert dict(one.parts) == pytest.approx({"compute": 8 * 12.0, "bubble": 3 * 12.0})
+    assert one.parts[0][0] == "compute"
+    slow = run(chain(16, cut=10**9), cluster(4, 1), 1, 4, ScheduleKind.ONE_F_ONE_B)
+    parts = dict(slow.parts)
+    assert sum(parts.values()) == pytest.approx(slow.step_ms)
+    assert slow.parts[0][0] == "link net" and parts["link net"] > parts["compute"]
+
+
+def test_memory_beyond_tensors_is_added_to_every_gpu_and_to_the_fit_check() -> None:
+    work, c = chain(16), cluster(1, 4)
+    bare = run(work, c, 1, 4, ScheduleKind.INTERLEAVED_1F1B, 2)
+    full = run(work, c, 1, 4, ScheduleKind.INTERLEAVED_1F1B, 2, fixed_memory_bytes=10**6, reserve_fraction=0.1)
+    assert full.rank_memory_bytes == pytest.approx([b * 1.1 + 10**6 for b in bare.rank_memory_bytes], abs=2)
+    for r in range(4):  # a GPU's two stages still add up to its peak
+        mine = [st.memory_bytes for s, st in enumerate(full.stages) if s % 4 == r]  # interleaved: stage s on rank s mod K
+        assert sum(mine) == pytest.approx(full.rank_memory_bytes[r], abs=2)
+    parts = dict(full.memory_parts)
+    assert set(parts) == {"state", "activations", "CUDA context and NCCL buffers", "allocator reserve"}
+    assert sum(parts.values()) == pytest.approx(full.peak_memory_bytes, abs=4)
+    assert set(dict(bare.memory_parts)) == {"state", "activations"}
+    # a GPU with room for the tensors but not for the overheads does not fit
+    shape = RunShape(batch_size=8, microbatches=8, tokens_per_sample=10, model_flops_per_token=1.0,
+                     fixed_memory_bytes=10**6)
+    tight = cluster(1, 4, memory=bare.peak_memory_bytes + 10**5)
+    assert choose_run(work, block_of(work.modules), dataclasses.replace(shape, fixed_memory_bytes=0), tight,
+                      replicas=1).best is not None
+    refused = choose_run(work, block_of(work.modules), shape, tight, replicas=1)
+    assert refused.best is None and "needs" in refused.skipped[0].reason
+    with pytest.raises(InputError, match=r"reserve_fraction=1\.5"):
+        dataclasses.replace(shape, reserve_fraction=1.5)
+
+
 def test_interleaving_crosses_more_cuts_and_zbv_turns_on_one_gpu() -> None:
     work, c = chain(16, cut=10**6), cluster(1, 4)
     inter = run(work, c, 1, 4, ScheduleKind.INTERLEAVED_1F1B, 4)

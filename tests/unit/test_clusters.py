@@ -130,3 +130,67 @@ def test_parameters_are_counted_in_the_models_own_dtype() -> None:
         flops = plan.run.mfu * plan.cluster.peak_flops / tokens  # per token
         attention = 12 * 2 * 64 * 16  # layers, hidden, sequence
         assert flops == pytest.approx(6 * params + attention)
+
+
+def test_the_run_carries_its_range_and_the_parts_of_its_step_into_text_html_and_json() -> None:
+    from pipecut.report.render import render_html
+
+    model, batch = _tiny_llama()
+    plan = plan_cluster(model, batch, "2x2xH100-SXM", microbatches=2)
+    r = plan.run
+    assert r is not None and r.has_range and r.step_low_ms < r.step_ms < r.step_high_ms
+    assert sum(p.ms for p in r.parts) == pytest.approx(r.step_ms)
+    assert r.dominant == max(r.parts, key=lambda p: p.ms).name == r.parts[0].name
+    assert {p.name for p in r.parts} <= {"compute", "recompute", "bubble"} | {
+        f"link {link.name}" for link in (plan.cluster.intra, plan.cluster.inter)}
+    assert Plan.from_json(plan.to_json()).run == r
+    text = summary(plan)
+    assert f"step {r.step_ms:.1f} ms ({r.step_low_ms:.1f}–{r.step_high_ms:.1f} ms), dominated by {r.dominant}" in text
+    assert "step on the GPU that ends last: " + f"{r.parts[0].name} {r.parts[0].ms:.1f} ms" in text
+    html = render_html(plan)
+    assert f", dominated by {r.dominant}" in html and 'id="step-parts"' in html
+
+
+def test_the_dominant_assumption_is_computed_from_the_step() -> None:
+    model, batch = _tiny_llama()
+    # one microbatch through 4 stages: three quarters of the step is waiting
+    deep = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=1, data_parallel=1, recompute="none")
+    # four replicas of one stage: no bubble at all
+    wide = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=1, data_parallel=4, recompute="none")
+    assert deep.run is not None and wide.run is not None
+    assert deep.run.dominant == "bubble"
+    assert wide.run.dominant != "bubble" and "bubble" not in {p.name for p in wide.run.parts}
+
+
+def test_a_plan_written_before_ranges_still_reads() -> None:
+    model, batch = _tiny_llama()
+    data = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2).to_dict()
+    for key in ("step_low_ms", "step_high_ms", "parts"):
+        data["run"].pop(key)
+    old = Plan.from_dict(data)
+    assert old.run is not None and not old.run.has_range and old.run.dominant == ""
+    assert "dominated by" not in summary(old)
+
+
+def test_peak_memory_counts_the_state_of_its_kind_the_context_nccl_and_the_allocator() -> None:
+    from pipecut.profile.hardware import memory_overheads
+
+    model, batch = _tiny_llama()
+    fsdp = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=2, data_parallel=4, sharding="fsdp")
+    ddp = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=2, data_parallel=4, sharding="ddp")
+    for plan in (fsdp, ddp):
+        r = plan.run
+        assert r is not None
+        parts = {p.name.split(" (")[0]: p.nbytes for p in r.memory_parts}
+        assert sum(parts.values()) == pytest.approx(r.peak_memory_bytes, abs=4)
+        fixed = memory_overheads(1.0)
+        assert parts["CUDA context and NCCL buffers"] == pytest.approx(fixed["context"] + fixed["nccl"], abs=1)
+        tensors = parts["parameters, gradients and AdamW state"] + parts["activations"]
+        assert parts["allocator reserve"] == pytest.approx(tensors * fixed["fragmentation"], abs=2)
+        assert plan.stages[0].peak_memory_bytes == r.peak_memory_bytes  # the stage table shows the same
+        assert "peak memory counts: parameters, gradients and AdamW state" in summary(plan)
+    state = {kind: next(p for p in plan.run.memory_parts if p.name.startswith("parameters"))
+             for kind, plan in (("fsdp", fsdp), ("ddp", ddp)) if plan.run is not None}
+    assert "sharded over 4" in state["fsdp"].name and "whole on each of 4" in state["ddp"].name
+    assert state["ddp"].nbytes > state["fsdp"].nbytes
+    assert any("ZeRO-1" in n for n in fsdp.run.notes if fsdp.run is not None)
