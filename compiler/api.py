@@ -197,9 +197,9 @@ def _replicated(pipe: Pipeline, place: Place) -> Pipeline:
     may change."""
     if place.replication is not None:
         assert place.layout.dp_group is not None  # replication_of gives None without a "dp" dimension
-        pipe.replication = replicate(pipe.workers, pipe.schedule[place.rank], place.replication.kind,
+        pipe.replication = replicate(pipe.workers, pipe.schedule[place.rank], place.replication.resolved_kind,
                                      group=place.layout.dp_group, mesh=place.layout.dp_mesh)
-        if place.replication.kind is DataParallelKind.FSDP and pipe.modes is not None:
+        if place.replication.resolved_kind is DataParallelKind.FSDP and pipe.modes is not None:
             # fully_shard swapped the captured mode's parameters for sharded ones; the other
             # mode's programs (an export graph fixes its mode) would run the tensors of compile
             # time, silently (found by the fuzzer, issue 27).

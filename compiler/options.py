@@ -34,7 +34,6 @@ from pipecut.cluster import LINK_LATENCY_MS, Link
 from pipecut.core.choices import enum_choice
 from pipecut.core.kinds import CaptureMethod, DataParallelKind, Partitioner, Recompute, ScheduleKind
 from pipecut.errors import InputError
-from pipecut.parallel import DataParallel
 
 __all__ = [
     "AUTO",
@@ -49,7 +48,6 @@ __all__ = [
     "RuntimeOptions",
     "ScheduleOptions",
     "WeightOptions",
-    "as_data_parallel_options",
     "leaf_name",
     "options_of",
     "requested",
@@ -236,15 +234,35 @@ class DataParallelOptions:
             except InputError:
                 raise InputError(f"unknown data_parallel {self.kind!r}; choose one of ['ddp', 'fsdp', "
                                  f"'auto'] or None") from None
-        if self.replicas is not None and self.replicas < 1:
+        if self.replicas is not None and (isinstance(self.replicas, bool) or self.replicas < 1):
             raise InputError(f"DataParallelOptions(replicas={self.replicas}): at least 1")
 
+    @classmethod
+    def resolved(cls, kind: DataParallelKind | str, replicas: int) -> DataParallelOptions:
+        """The options with both fields fixed, as a plan records them (``plan.data_parallel``):
+        the engine and the replica count; InputError for "auto" or an unknown kind."""
+        if kind == AUTO:
+            raise InputError("data parallelism resolved needs a kind, 'ddp' or 'fsdp', not 'auto'")
+        return cls(kind=kind, replicas=replicas)  # type: ignore[arg-type]  # checked in __post_init__
+
     @property
-    def fixed(self) -> DataParallel | None:
-        """The replicas asked for as plan data; None unless both kind and replicas are given."""
-        if isinstance(self.kind, DataParallelKind) and self.replicas is not None:
-            return DataParallel(kind=self.kind, replicas=self.replicas)
-        return None
+    def is_resolved(self) -> bool:
+        """Both the engine and the replica count are fixed (what a plan records)."""
+        return isinstance(self.kind, DataParallelKind) and self.replicas is not None
+
+    @property
+    def resolved_kind(self) -> DataParallelKind:
+        """The engine of resolved options (a plan's); InputError where it is not fixed."""
+        if not isinstance(self.kind, DataParallelKind):
+            raise InputError(f"DataParallelOptions(kind={self.kind!r}) is not resolved to 'ddp' or 'fsdp'")
+        return self.kind
+
+    @property
+    def resolved_replicas(self) -> int:
+        """The replica count of resolved options (a plan's); InputError where it is not fixed."""
+        if self.replicas is None:
+            raise InputError("DataParallelOptions(replicas=None) is not resolved to a count")
+        return self.replicas
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -298,7 +316,7 @@ def requested(
     *,
     microbatches: int | str | None = None,
     schedule: str | ScheduleKind | None = None,
-    data_parallel: DataParallelOptions | DataParallel | DataParallelKind | str | None = None,
+    data_parallel: DataParallelOptions | DataParallelKind | str | None = None,
     groups: Mapping[str, Any],
 ) -> dict[str, Any]:
     """The options of one ``plan``/``compile`` call, group name → object (``weights`` too where
@@ -307,7 +325,8 @@ def requested(
     defaults = {"capture": CaptureOptions(), "measure": MeasureOptions(), "partition": PartitionOptions(),
                 "scheduling": ScheduleOptions(), "runtime": RuntimeOptions(), "weights": WeightOptions()}
     out: dict[str, Any] = {k: groups.get(k) or v for k, v in defaults.items()}
-    out["data_parallel"] = as_data_parallel_options(data_parallel)
+    out["data_parallel"] = (data_parallel if isinstance(data_parallel, DataParallelOptions)
+                            else DataParallelOptions(kind=data_parallel))  # type: ignore[arg-type]
     sched = out["scheduling"]
     for name, field_name, value in (("microbatches", "microbatches", microbatches), ("schedule", "kind", schedule)):
         if value is None:
@@ -319,18 +338,6 @@ def requested(
                              f"{field_name}={given!r}); give it once")
     out["scheduling"] = sched
     return out
-
-
-def as_data_parallel_options(
-    value: DataParallelOptions | DataParallel | DataParallelKind | str | None,
-) -> DataParallelOptions:
-    """``data_parallel=`` as options: the object, a kind ("ddp", "fsdp", "auto"), a
-    :class:`~pipecut.parallel.DataParallel` (kind and replicas), or None."""
-    if isinstance(value, DataParallelOptions):
-        return value
-    if isinstance(value, DataParallel):
-        return DataParallelOptions(kind=value.kind, replicas=value.replicas)
-    return DataParallelOptions(kind=value)  # type: ignore[arg-type]  # checked in __post_init__
 
 
 def options_of(groups: Mapping[str, Any]) -> Options:

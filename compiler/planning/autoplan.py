@@ -58,7 +58,7 @@ def plan_auto(request: Request, plan_at: PlanAt) -> Plan:
         return partition_costs(
             costs, devices=request.devices, microbatches=m, batch_size=full, schedule=kind,
             link=request.link, partition=request.options.partition, stages_per_rank=request.stages_per_rank,
-            data_parallel=request.options.data_parallel.fixed)
+            data_parallel=request.replication)
 
     scheduling = request.options.scheduling
     m, kind, candidates = choose_microbatches_and_schedule(
@@ -234,7 +234,7 @@ def _candidate(
     if kind.splits_backward and any(s.recompute is not Recompute.NONE for s in planned.stages):
         return Candidate(microbatches=m, schedule=kind, step_ms=None,
                          note=f"needs recompute, which {kind.value} cannot run")
-    replicated = planned.data_parallel is not None and planned.data_parallel.replicas > 1
+    replicated = planned.data_parallel is not None and planned.data_parallel.resolved_replicas > 1
     if kind.splits_backward and replicated:  # runtime.data_parallel.check_supported
         return Candidate(microbatches=m, schedule=kind, step_ms=None,
                          note=f"data parallelism cannot run {kind.value}")

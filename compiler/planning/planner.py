@@ -37,7 +37,6 @@ from pipecut.options import (
     options_of,
     requested,
 )
-from pipecut.parallel import DataParallel
 from pipecut.passes.partition.chain import is_unit
 from pipecut.passes.partition.solve import Devices, as_devices, as_schedule, partition_costs
 from pipecut.passes.rewrite.propagate import accepted_shapes
@@ -73,7 +72,7 @@ def plan(
     measure: MeasureOptions | None = None,
     partition: PartitionOptions | None = None,
     scheduling: ScheduleOptions | None = None,
-    data_parallel: DataParallelOptions | DataParallel | str | None = None,
+    data_parallel: DataParallelOptions | DataParallelOptions | str | None = None,
     runtime: RuntimeOptions | None = None,
     cluster: str | Cluster | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -92,7 +91,7 @@ def plan(
     ``data_parallel="auto"`` (or ``DataParallelOptions(kind="auto")``): ``devices`` are N equal
     devices; choose D replicas of a K-stage pipeline (N = D × K) by predicted step, gradient
     all-reduce included, and return one replica's K-stage plan at its share of the batch, with
-    every shape weighed in ``replica_candidates``. A ``DataParallel(kind, replicas)`` plans for
+    every shape weighed in ``replica_candidates``. ``DataParallelOptions(kind=..., replicas=...)`` plans for
     that many replicas.
 
     ``cluster="8x8xH100-SXM"`` (or a :class:`~pipecut.cluster.Cluster`): plan a whole training
@@ -125,10 +124,10 @@ def plan(
 def plan_request(request: Request, captured: Captured | None = None) -> Plan:
     """The plan of a request whose data parallelism is fixed: the auto choices, or one plan."""
     dp = request.options.data_parallel
-    if dp.kind is not None and dp.fixed is None:
+    if dp.kind is not None and not dp.is_resolved:
         raise InputError(
-            f"plan(data_parallel={getattr(dp.kind, 'value', dp.kind)!r}): give 'auto', a "
-            f"DataParallel(kind=..., replicas=...) or None")
+            f"plan(data_parallel={getattr(dp.kind, 'value', dp.kind)!r}): give 'auto', "
+            f"DataParallelOptions(kind=..., replicas=...) or None")
     scheduling = request.options.scheduling
     if AUTO in (scheduling.microbatches, scheduling.kind):
         return plan_auto(request, plan_fixed)
@@ -233,7 +232,7 @@ def _partitioned(request: Request, captured: Captured, graph_fingerprint: str, b
     planned = partition_costs(
         costs, devices=request.devices, microbatches=scheduling.microbatches, batch_size=batch_size,
         schedule=as_schedule(scheduling.kind), link=request.link, partition=request.options.partition,
-        stages_per_rank=request.stages_per_rank, data_parallel=request.options.data_parallel.fixed,
+        stages_per_rank=request.stages_per_rank, data_parallel=request.replication,
         fingerprint=graph_fingerprint, capture=captured.method, inputs=captured.input_names,
     )
     return dataclasses.replace(planned, chunked=chunked)
@@ -265,16 +264,16 @@ def _for_cluster(request: Request, cluster: str | Cluster) -> Plan:
         raise InputError("plan(cluster=...) estimates costs from a device profile: it cannot price "
                          "compiled stages; drop runtime=RuntimeOptions(compile_stages=...)")
     dp = request.options.data_parallel
-    if dp.kind is not None and dp.kind != AUTO and dp.fixed is None:
-        raise InputError(f"plan(cluster=...): data_parallel must be 'auto', None or a "
-                         f"DataParallel(kind=..., replicas=...), got {dp.kind!r}")
-    fixed = dp.fixed
+    if dp.kind is not None and dp.kind != AUTO and not dp.is_resolved:
+        raise InputError(f"plan(cluster=...): data_parallel must be 'auto', None or "
+                         f"DataParallelOptions(kind=..., replicas=...), got {dp.kind!r}")
+    fixed = request.replication
     return _recorded(plan_cluster(
-        request.model, request.example_inputs, cluster, data_parallel=fixed.replicas if fixed else AUTO,
+        request.model, request.example_inputs, cluster, data_parallel=fixed.resolved_replicas if fixed else AUTO,
         microbatches=scheduling.microbatches or 1, schedule=scheduling.kind or ScheduleKind.ONE_F_ONE_B,
         stages_per_rank=request.stages_per_rank if request.stages_per_rank > 1 else None,
         recompute=_cluster_recompute(request.options.partition.recompute),
-        sharding=fixed.kind if fixed else DataParallelKind.FSDP, loss_fn=request.loss_fn, target=request.target,
+        sharding=fixed.resolved_kind if fixed else DataParallelKind.FSDP, loss_fn=request.loss_fn, target=request.target,
     ), request)
 
 

@@ -21,7 +21,7 @@ from pipecut.core.kinds import ScheduleKind
 from pipecut.core.meta import input_device
 from pipecut.core.program import Captured, Inputs
 from pipecut.ir import DeviceSpec, NodeCost, Plan
-from pipecut.options import AUTO, Options
+from pipecut.options import AUTO, DataParallelOptions, Options
 from pipecut.passes.partition.solve import DEFAULT_LINK
 from pipecut.profile.devices import estimate_table
 from pipecut.profile.nodes import LossFn, profile
@@ -56,6 +56,13 @@ class Request:
     @property
     def link(self) -> Any:
         return self.options.measure.fixed_link or DEFAULT_LINK
+
+    @property
+    def replication(self) -> DataParallelOptions | None:
+        """The replicas asked for as a plan records them; None unless kind and replicas are
+        both given."""
+        dp = self.options.data_parallel
+        return dp if dp.is_resolved else None
 
     @property
     def stages_per_rank(self) -> int:

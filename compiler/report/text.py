@@ -67,8 +67,8 @@ def summary(plan: Plan) -> str:
     if plan.data_parallel is not None:
         dp = plan.data_parallel
         lines.append(
-            f"data parallel: {dp.replicas} replicas x {plan.num_ranks} ranks ({dp.kind.value}), "
-            f"global batch {plan.batch_size * dp.replicas}"
+            f"data parallel: {dp.replicas} replicas x {plan.num_ranks} ranks ({dp.resolved_kind.value}), "
+            f"global batch {plan.batch_size * dp.resolved_replicas}"
         )
     if plan.cluster is not None and plan.run is not None:
         lines += _cluster_lines(plan)

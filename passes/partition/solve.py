@@ -22,8 +22,7 @@ from pipecut.core.choices import enum_choice
 from pipecut.core.kinds import CaptureMethod, Partitioner, Recompute, ScheduleKind
 from pipecut.errors import InputError, PartitionError
 from pipecut.ir import DeviceSpec, NodeCost, Plan, Solver, Stage
-from pipecut.options import AUTO, IlpSolver, PartitionOptions
-from pipecut.parallel import DataParallel
+from pipecut.options import AUTO, DataParallelOptions, IlpSolver, PartitionOptions
 from pipecut.passes.costs.stages import build_stages, inflight_microbatches
 from pipecut.passes.partition.chain import boundary_bytes, can_cross, is_unit, liveness
 from pipecut.passes.partition.coarsen import block_cuts, candidate_cuts
@@ -121,7 +120,7 @@ def partition_costs(
     link: Link = DEFAULT_LINK,
     partition: PartitionOptions | None = None,
     stages_per_rank: int = 1,
-    data_parallel: DataParallel | None = None,
+    data_parallel: DataParallelOptions | None = None,
     fingerprint: str = "",
     capture: CaptureMethod = CaptureMethod.SYMBOLIC_TRACE,
     inputs: Sequence[str] = (),
@@ -189,7 +188,7 @@ class _Setup:
     microbatches: int
     batch_size: int
     stages_per_rank: int
-    data_parallel: DataParallel | None
+    data_parallel: DataParallelOptions | None
     options: PartitionOptions
     allow_recompute: bool
     method: Partitioner
@@ -198,7 +197,7 @@ class _Setup:
 
     @classmethod
     def of(cls, nodes: Sequence[NodeCost], devices: Devices, microbatches: int, batch_size: int,
-           schedule: str | ScheduleKind, link: Link, options: PartitionOptions, stages_per_rank: int, data_parallel: DataParallel | None) -> _Setup:
+           schedule: str | ScheduleKind, link: Link, options: PartitionOptions, stages_per_rank: int, data_parallel: DataParallelOptions | None) -> _Setup:
         kind = as_schedule(schedule)
         per_rank = _stages_per_rank(kind, stages_per_rank)
         ranks = as_devices(devices)
@@ -309,7 +308,7 @@ def _ilp(setup: _Setup) -> _Cut:
 def _refined(
     bounds: Sequence[int], form: Formulation, nodes: Sequence[NodeCost], specs: Sequence[DeviceSpec],
     ranks: Sequence[DeviceSpec], link: Link, kind: ScheduleKind, microbatches: int,
-    stages_per_rank: int, data_parallel: DataParallel | None,
+    stages_per_rank: int, data_parallel: DataParallelOptions | None,
 ) -> tuple[tuple[int, ...], str]:
     """With several stages per rank (interleaved, ZBV) the solvers' objective, the slowest
     stage, is only a proxy for the step, and their memory check is per stage while a rank's
@@ -338,7 +337,7 @@ def _refined(
 def _simulated_step(
     nodes: Sequence[NodeCost], live: Any, bounds: Sequence[int], specs: Sequence[DeviceSpec],
     ranks: Sequence[DeviceSpec], link: Link, kind: ScheduleKind, microbatches: int,
-    stages_per_rank: int, data_parallel: DataParallel | None,
+    stages_per_rank: int, data_parallel: DataParallelOptions | None,
 ) -> float:
     """The step a split would take, simulated; inf if a stage or a rank would not fit."""
     facts = build_stages(

@@ -23,7 +23,6 @@ from pipecut.options import (
     ScheduleOptions,
     WeightOptions,
 )
-from pipecut.parallel import DataParallel
 from pipecut.passes.partition.solve import partition_costs
 from tests.unit.tiny import mlp_plan
 
@@ -60,8 +59,8 @@ def test_options_normalise_what_they_are_given_and_refuse_typos() -> None:
     assert CaptureOptions(method="export", leaf_modules=(torch.nn.Linear,)) == CaptureOptions(
         method=CaptureMethod.EXPORT, leaf_modules=("torch.nn.modules.linear.Linear",))
     assert PartitionOptions(split=[["a"], ["b"]]).split == (("a",), ("b",))
-    assert DataParallelOptions(kind="FSDP", replicas=2).fixed == DataParallel(kind=DataParallelKind.FSDP, replicas=2)
-    assert DataParallelOptions(kind="auto").fixed is None
+    assert DataParallelOptions(kind="FSDP", replicas=2) == DataParallelOptions.resolved(DataParallelKind.FSDP, 2)
+    assert not DataParallelOptions(kind="auto").is_resolved
     with pytest.raises(InputError, match="unknown schedule 'lifo'"):
         ScheduleOptions(kind="lifo")
     with pytest.raises(InputError, match="microbatches must be a positive int or 'auto', got 0"):
