@@ -89,8 +89,8 @@ def compile(
     stage took, and it is planned again (rebuilt once where the split moves).
 
     The options objects (:mod:`pipecut.options`) say how to capture, measure, partition,
-    schedule, replicate, fill weights and run; ``microbatches`` and ``schedule`` are shortcuts
-    for ``scheduling``'s fields. Left out: the plan's (with ``plan=``; a value that contradicts
+    schedule, replicate, fill weights and run; ``microbatches`` and ``schedule`` are their own
+    arguments (one spelling each). Left out: the plan's (with ``plan=``; a value that contradicts
     it is a PlanError), or microbatches chosen by the planner ("auto") with the schedule (GPipe
     beside a given count), one stage per rank, the link measured between neighbours,
     symbolic_trace then torch.export. One microbatch on several ranks logs a warning.
@@ -112,7 +112,7 @@ def compile(
     given = None if plan is None else plan if isinstance(plan, Plan) else Plan.from_json(plan)
     carried = given.options if given is not None and given.options is not None else None
     groups = requested(  # a replayed plan carries how it was captured and run
-        "compile", microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
+        microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
         groups={"capture": capture or (carried and carried.capture), "measure": measure,
                 "partition": partition, "scheduling": scheduling,
                 "runtime": runtime or (carried and carried.runtime), "weights": _weight_options(weights)})
@@ -226,7 +226,8 @@ def _with_replicas(job: Job) -> Job:
 def _replaying(job: Job) -> Any:
     """The job's options for replaying ``plan``: its scheduling and link are the plan's."""
     measure = dataclasses.replace(job.options.measure, link=None)
-    return dataclasses.replace(job.options, scheduling=ScheduleOptions(), measure=measure)
+    return dataclasses.replace(job.options, microbatches=None, schedule=None, scheduling=ScheduleOptions(),
+                               measure=measure)
 
 
 def _weight_options(weights: Any) -> WeightOptions | None:

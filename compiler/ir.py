@@ -42,9 +42,11 @@ __all__ = [
     "TiedGroup",
 ]
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """2 added ``options``; 3 records ``options.partition.recompute`` as a ``Recompute`` level or
-"auto". Older plans are read as version 3 (:func:`pipecut.schema.upgraded`)."""
+"auto"; 4 records the microbatches and schedule asked as ``options.microbatches`` and
+``options.schedule`` (they were ``options.scheduling.microbatches``/``kind``). Older plans are
+read as version 4 (:func:`pipecut.schema.upgraded`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -7,7 +7,8 @@
 - :class:`CaptureOptions`: how the graph is captured;
 - :class:`MeasureOptions`: where and how node and stage costs are measured, and the link;
 - :class:`PartitionOptions`: the solver, recompute, a split you choose, heavy nodes in pieces;
-- :class:`ScheduleOptions`: microbatches, the schedule, stages per rank;
+- :class:`ScheduleOptions`: stages per rank (the microbatches and the schedule are arguments of
+  their own, ``microbatches=`` and ``schedule=``: one spelling per knob);
 - :class:`DataParallelOptions`: replicas of the pipeline and their engine;
 - :class:`WeightOptions`: where a meta model's weights come from (``compile`` only);
 - :class:`RuntimeOptions`: timeouts, host memory, loss reduction, compiled stages (``compile``
@@ -21,7 +22,6 @@ what was chosen), so that a replayed plan carries them.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
 import os
@@ -204,19 +204,13 @@ class PartitionOptions:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScheduleOptions:
-    microbatches: int | Literal["auto"] | None = None
-    """None: chosen by the planner ("auto"), or the plan's when one is replayed."""
-    kind: ScheduleKind | Literal["auto"] | None = None
-    """None: chosen with the microbatches, GPipe beside a given count, or the plan's."""
     stages_per_rank: int | None = None
     """Virtual stages per rank (interleaved 1F1B); None: 1, or the plan's."""
 
     def __post_init__(self) -> None:
-        if self.kind is not None and self.kind != AUTO:
-            _set(self, "kind", enum_choice(ScheduleKind, self.kind, "schedule"))
-        m = self.microbatches
-        if m is not None and m != AUTO and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise InputError(f"microbatches must be a positive int or 'auto', got {m!r}")
+        n = self.stages_per_rank
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise InputError(f"ScheduleOptions(stages_per_rank={n!r}): a positive int, or None")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -300,6 +294,12 @@ class RuntimeOptions:
 class Options:
     """Everything asked of ``plan``/``compile`` but the weights; ``plan.options`` records it."""
 
+    microbatches: int | Literal["auto"] | None = None
+    """Microbatches per step: a count, "auto" (the planner chooses), or None (not given: "auto"
+    when planning, the plan's when one is replayed)."""
+    schedule: ScheduleKind | Literal["auto"] | None = None
+    """The schedule: a kind, "auto" (chosen with the microbatches), or None (not given: "auto"
+    beside "auto" microbatches, GPipe beside a count, the plan's when one is replayed)."""
     capture: CaptureOptions = field(default_factory=CaptureOptions)
     measure: MeasureOptions = field(default_factory=MeasureOptions)
     partition: PartitionOptions = field(default_factory=PartitionOptions)
@@ -310,36 +310,34 @@ class Options:
     GROUPS: ClassVar[tuple[str, ...]] = (
         "capture", "measure", "partition", "scheduling", "data_parallel", "runtime")
 
+    def __post_init__(self) -> None:
+        if self.schedule is not None and self.schedule != AUTO:
+            _set(self, "schedule", enum_choice(ScheduleKind, self.schedule, "schedule"))
+        m = self.microbatches
+        if m is not None and m != AUTO and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise InputError(f"microbatches must be a positive int or 'auto', got {m!r}")
+
 
 def requested(
-    where: str,
     *,
     microbatches: int | str | None = None,
     schedule: str | ScheduleKind | None = None,
     data_parallel: DataParallelOptions | DataParallelKind | str | None = None,
     groups: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The options of one ``plan``/``compile`` call, group name → object (``weights`` too where
-    given): the groups given (None: the defaults), then the flat shortcuts. A shortcut that
-    contradicts its group is an InputError: the call would say two things."""
+    """The options of one ``plan``/``compile`` call, name → value (``weights`` too where
+    given): the groups given (None: the defaults), the microbatches and the schedule (None: not
+    given), and the data parallelism (a kind's name alone: its options)."""
     defaults = {"capture": CaptureOptions(), "measure": MeasureOptions(), "partition": PartitionOptions(),
                 "scheduling": ScheduleOptions(), "runtime": RuntimeOptions(), "weights": WeightOptions()}
     out: dict[str, Any] = {k: groups.get(k) or v for k, v in defaults.items()}
     out["data_parallel"] = (data_parallel if isinstance(data_parallel, DataParallelOptions)
                             else DataParallelOptions(kind=data_parallel))  # type: ignore[arg-type]
-    sched = out["scheduling"]
-    for name, field_name, value in (("microbatches", "microbatches", microbatches), ("schedule", "kind", schedule)):
-        if value is None:
-            continue
-        given = getattr(sched, field_name)
-        sched = dataclasses.replace(sched, **{field_name: value})
-        if given is not None and given != getattr(sched, field_name):
-            raise InputError(f"{where}({name}={value!r}) contradicts scheduling=ScheduleOptions("
-                             f"{field_name}={given!r}); give it once")
-    out["scheduling"] = sched
+    out["microbatches"], out["schedule"] = microbatches, schedule
     return out
 
 
 def options_of(groups: Mapping[str, Any]) -> Options:
     """The recorded part of :func:`requested`'s groups (all but the weights)."""
-    return Options(**{g: groups[g] for g in Options.GROUPS})
+    return Options(microbatches=groups["microbatches"], schedule=groups["schedule"],
+                   **{g: groups[g] for g in Options.GROUPS})

@@ -91,14 +91,14 @@ def auto_layout(job: Job) -> tuple[Auto, tuple[Inputs, Any]]:
     device = local_device()
     open_default_group(job.wait, device)
     world = dist.get_world_size()
-    devices, scheduling = job.devices, job.options.scheduling
+    devices, options = job.devices, job.options
     if devices is not None and (isinstance(devices, bool) or devices != world):
         raise InputError(
             f"data_parallel='auto' spreads the model over every rank of the process group "
             f"({world}); pass devices=None or devices={world}, or pass a ('dp', 'pp') "
             f"DeviceMesh with data_parallel='ddp' or 'fsdp' to choose the layout yourself"
         )
-    if AUTO in (scheduling.microbatches, scheduling.kind) or scheduling.stages_per_rank not in (None, 1):
+    if AUTO in (options.microbatches, options.schedule) or options.scheduling.stages_per_rank not in (None, 1):
         raise InputError(
             "data_parallel='auto' needs microbatches and schedule as values, not 'auto', and "
             "one stage per rank (stages_per_rank=1)"
@@ -111,8 +111,8 @@ def auto_layout(job: Job) -> tuple[Auto, tuple[Inputs, Any]]:
                                       device=job.options.measure.device or str(device))
         chosen = plan_from_rank0(lambda: dataclasses.replace(make_plan(
             job.model, job.example_inputs, world, loss_fn=job.loss_fn, target=job.target,
-            microbatches=scheduling.microbatches if scheduling.microbatches is not None else 1,
-            schedule=scheduling.kind if scheduling.kind is not None else ScheduleKind.GPIPE,
+            microbatches=options.microbatches if options.microbatches is not None else 1,
+            schedule=options.schedule if options.schedule is not None else ScheduleKind.GPIPE,
             capture=job.options.capture, measure=measure, partition=job.options.partition, data_parallel=AUTO,
         ), options=job.options))
     dp = chosen.data_parallel

@@ -61,7 +61,8 @@ def asked(given: Plan | None, options: Options, devices: Any) -> Asked:
     """Resolve a ``compile`` call's scheduling against the plan it replays (``given``), or the
     defaults: left out without a plan, the planner chooses ("auto")."""
     s = options.scheduling
-    m, kind = (s.microbatches, s.kind) if given is not None else default_choices(s.microbatches, s.kind)
+    m, kind = ((options.microbatches, options.schedule) if given is not None
+               else default_choices(options.microbatches, options.schedule))
     if AUTO in (m, kind) and given is not None:
         raise PlanError(
             "microbatches/schedule='auto' ask the planner to choose, but plan= fixes them; drop "

@@ -83,7 +83,7 @@ def plan(
     ``example_inputs`` is one full batch (a tuple of positional tensors or a dict of keyword
     tensors); ``target`` is the matching target for ``loss_fn(output, target)``. The options
     objects (:mod:`pipecut.options`) say how to capture, measure, partition and schedule;
-    ``microbatches`` and ``schedule`` are shortcuts for ``scheduling``'s fields. Left out,
+    ``microbatches`` and ``schedule`` are their own arguments (one spelling each). Left out,
     microbatches are "auto", and so is the schedule then (GPipe beside a given count): the
     planner picks them by predicted step time and lists every pair in ``plan.candidates``. One
     microbatch on several stages runs the stages one after another: a warning is logged.
@@ -106,7 +106,7 @@ def plan(
     ``captured``: the graph to plan, already captured at the first microbatch (``compile``).
     The model is never changed.
     """
-    groups = requested("plan", microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
+    groups = requested(microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
                        groups={"capture": capture, "measure": measure, "partition": partition,
                                "scheduling": scheduling, "runtime": runtime})
     request = Request(model=model, example_inputs=example_inputs, target=target, loss_fn=loss_fn,
@@ -116,8 +116,8 @@ def plan(
         return _for_cluster(request, cluster)
     if request.options.data_parallel.kind == AUTO:
         return _recorded(plan_replicated(request, plan_request), request)
-    m, kind = default_choices(request.options.scheduling.microbatches, request.options.scheduling.kind)
-    request = request.with_scheduling(microbatches=m, kind=kind)
+    m, kind = default_choices(request.options.microbatches, request.options.schedule)
+    request = request.with_options(microbatches=m, schedule=kind)
     return _recorded(plan_request(request, captured), request)
 
 
@@ -128,8 +128,7 @@ def plan_request(request: Request, captured: Captured | None = None) -> Plan:
         raise InputError(
             f"plan(data_parallel={getattr(dp.kind, 'value', dp.kind)!r}): give 'auto', "
             f"DataParallelOptions(kind=..., replicas=...) or None")
-    scheduling = request.options.scheduling
-    if AUTO in (scheduling.microbatches, scheduling.kind):
+    if AUTO in (request.options.microbatches, request.options.schedule):
         return plan_auto(request, plan_fixed)
     return plan_fixed(request, captured)
 
@@ -139,7 +138,7 @@ def plan_fixed(request: Request, captured: Captured | None = None,
     """One plan at the request's microbatch count and schedule: capture → measure → partition
     → calibrate → heavy nodes in pieces → finish. ``captured``/``profiled``: a graph and cost
     table measured already (by the auto choices) at this microbatch size."""
-    m = request.options.scheduling.microbatches
+    m = request.options.microbatches
     if not isinstance(m, int):
         raise InputError(f"microbatches must be an int or 'auto', got {m!r}")
     batch = FirstBatch.of(request, m)
@@ -227,11 +226,11 @@ def _plan_and_time_stages(request: Request, on: Captured, batch: FirstBatch, cos
 def _partitioned(request: Request, captured: Captured, graph_fingerprint: str, batch_size: int,
                  costs: Sequence[NodeCost], chunked: tuple[ChunkedNode, ...]) -> Plan:
     """:func:`partition_costs` for the request; the plan names ``captured``'s graph."""
-    scheduling = request.options.scheduling
-    assert isinstance(scheduling.microbatches, int) and scheduling.kind not in (None, AUTO)
+    options = request.options
+    assert isinstance(options.microbatches, int) and options.schedule not in (None, AUTO)
     planned = partition_costs(
-        costs, devices=request.devices, microbatches=scheduling.microbatches, batch_size=batch_size,
-        schedule=as_schedule(scheduling.kind), link=request.link, partition=request.options.partition,
+        costs, devices=request.devices, microbatches=options.microbatches, batch_size=batch_size,
+        schedule=as_schedule(options.schedule), link=request.link, partition=request.options.partition,
         stages_per_rank=request.stages_per_rank, data_parallel=request.replication,
         fingerprint=graph_fingerprint, capture=captured.method, inputs=captured.input_names,
     )
@@ -257,8 +256,8 @@ def _for_cluster(request: Request, cluster: str | Cluster) -> Plan:
     selective)."""
     from pipecut.planning.clusters import plan_cluster
 
-    scheduling = request.options.scheduling
-    if scheduling.microbatches == AUTO:
+    options = request.options
+    if options.microbatches == AUTO:
         raise InputError("plan(cluster=...) needs microbatches as a value, not 'auto'")
     if request.options.runtime.compile_stages:
         raise InputError("plan(cluster=...) estimates costs from a device profile: it cannot price "
@@ -270,7 +269,7 @@ def _for_cluster(request: Request, cluster: str | Cluster) -> Plan:
     fixed = request.replication
     return _recorded(plan_cluster(
         request.model, request.example_inputs, cluster, data_parallel=fixed.resolved_replicas if fixed else AUTO,
-        microbatches=scheduling.microbatches or 1, schedule=scheduling.kind or ScheduleKind.ONE_F_ONE_B,
+        microbatches=options.microbatches or 1, schedule=options.schedule or ScheduleKind.ONE_F_ONE_B,
         stages_per_rank=request.stages_per_rank if request.stages_per_rank > 1 else None,
         recompute=_cluster_recompute(request.options.partition.recompute),
         sharding=fixed.resolved_kind if fixed else DataParallelKind.FSDP, loss_fn=request.loss_fn, target=request.target,

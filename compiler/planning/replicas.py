@@ -151,8 +151,8 @@ def plan_replicas(
 def plan_replicated(request: Request, plan_at: Callable[[Request], Plan]) -> Plan:
     """``plan(..., data_parallel="auto")``: :func:`plan_replicas` with the request's options;
     ``plan_at`` plans one replica's share on K devices."""
-    scheduling = request.options.scheduling
-    if (not isinstance(scheduling.microbatches, int) or scheduling.kind in (None, AUTO)
+    options = request.options
+    if (not isinstance(options.microbatches, int) or options.schedule in (None, AUTO)
             or request.stages_per_rank != 1 or request.options.partition.split is not None):
         raise InputError(
             "data_parallel='auto' chooses replicas and stages for a given microbatch count "
@@ -165,7 +165,7 @@ def plan_replicated(request: Request, plan_at: Callable[[Request], Plan]) -> Pla
                                            target=share_target, devices=request.devices[:k]))
 
     return plan_replicas(
-        request.example_inputs, request.target, devices=request.devices, microbatches=scheduling.microbatches,
-        schedule=as_schedule(scheduling.kind), link=request.link, profile_at=measurements(request).costs,
+        request.example_inputs, request.target, devices=request.devices, microbatches=options.microbatches,
+        schedule=as_schedule(options.schedule), link=request.link, profile_at=measurements(request).costs,
         plan_share=plan_share,
     )

@@ -46,12 +46,8 @@ class Request:
     progress: Callable[[int, int], None] | None = None
 
     def with_options(self, **groups: Any) -> Request:
-        """This request with some option groups replaced (``scheduling=...``)."""
+        """This request with some options replaced (``microbatches=4``, ``measure=...``)."""
         return dataclasses.replace(self, options=dataclasses.replace(self.options, **groups))
-
-    def with_scheduling(self, **fields: Any) -> Request:
-        """This request with some scheduling fields replaced (``microbatches=4``)."""
-        return self.with_options(scheduling=dataclasses.replace(self.options.scheduling, **fields))
 
     @property
     def link(self) -> Any:

@@ -21,8 +21,13 @@ def human_bytes(n: float) -> str:
 
 
 def _asked(options: Any) -> str:
-    """The options that differ from their defaults, ``group.field=value``, in group order."""
+    """The options that differ from their defaults: ``microbatches=...``, ``schedule=...``,
+    then ``group.field=value`` in group order."""
     out = []
+    for name in ("microbatches", "schedule"):
+        value = getattr(options, name)
+        if value is not None:
+            out.append(f"{name}={value.value if isinstance(value, enum.Enum) else value!r}")
     for group in options.GROUPS:
         given, default = getattr(options, group), type(getattr(options, group))()
         for f in dataclasses.fields(given):
