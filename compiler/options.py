@@ -106,6 +106,19 @@ with symbolic image sizes did not in 10 minutes."""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CaptureOptions:
+    """How ``plan`` and ``compile`` capture the model's graph (``capture=``).
+
+    Args:
+        method: ``"symbolic_trace"`` or ``"export"`` (a :class:`~pipecut.core.kinds.CaptureMethod`);
+            None tries both.
+        leaf_modules: Module classes, or their ``module.QualName``, captured as one call.
+        dynamic_shapes: Export with symbolic dimensions.
+        time_limit: Seconds the symbolic-shape export may take; None: no bound.
+
+    Raises:
+        InputError: An unknown method, or a time limit that is not seconds > 0.
+    """
+
     method: CaptureMethod | None = None
     """None: ``symbolic_trace``, then ``torch.export`` where tracing fails."""
     leaf_modules: tuple[str, ...] = ()
@@ -133,6 +146,23 @@ class CaptureOptions:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MeasureOptions:
+    """Where and how node and stage costs and the link are measured (``measure=``).
+
+    Args:
+        device: Where nodes are timed; None: where the inputs are.
+        repeats: Timed runs per node.
+        warmup: Untimed runs per node first.
+        calibrate: ``plan``: time whole stages and scale node costs to them.
+        calibration_steps: ``compile``: timed steps of the built pipeline; 0 skips them.
+        link: The link between neighbouring stages; None: measured or defaulted.
+        estimate: A device profile's name: costs estimated from counted FLOPs and bytes,
+            nothing timed.
+
+    Raises:
+        InputError: ``repeats`` < 1, ``warmup`` or ``calibration_steps`` < 0, or an unknown
+            device profile.
+    """
+
     device: str | None = None
     """Where nodes are timed: None is where ``example_inputs`` are (``compile``: each rank's own
     device)."""
@@ -176,6 +206,21 @@ class MeasureOptions:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PartitionOptions:
+    """How the graph is cut into stages (``partition=``).
+
+    Args:
+        partitioner: ``"dp"`` or ``"ilp"`` (a :class:`~pipecut.core.kinds.Partitioner`); None:
+            chosen by the problem.
+        solver: The ILP's solver (:class:`IlpSolver`).
+        ilp_time_limit: Seconds the ILP may spend in total.
+        recompute: A :class:`~pipecut.core.kinds.Recompute` level or its name, or "auto".
+        split: A split you choose: the modules where stages 1.. begin, or module names per stage.
+        heavy_pieces: A node heavier than a stage's share may be computed in row pieces.
+
+    Raises:
+        InputError: An unknown partitioner, solver or recompute level.
+    """
+
     partitioner: Partitioner | None = None
     """None: the exact DP for equal devices without memory limits or recompute, else the ILP."""
     solver: IlpSolver = IlpSolver.HIGHS
@@ -204,6 +249,16 @@ class PartitionOptions:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScheduleOptions:
+    """The schedule's rarer knob (``scheduling=``); the microbatches and the schedule itself
+    are ``plan``'s and ``compile``'s own ``microbatches=`` and ``schedule=``.
+
+    Args:
+        stages_per_rank: Virtual stages per rank (interleaved 1F1B); None: 1, or the plan's.
+
+    Raises:
+        InputError: ``stages_per_rank`` is not a positive int.
+    """
+
     stages_per_rank: int | None = None
     """Virtual stages per rank (interleaved 1F1B); None: 1, or the plan's."""
 
@@ -215,6 +270,18 @@ class ScheduleOptions:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataParallelOptions:
+    """Replicas of the pipeline and their engine (``data_parallel=``), as asked or, in a plan
+    (``plan.data_parallel``), resolved: kind and replicas fixed (:meth:`resolved`).
+
+    Args:
+        kind: ``"ddp"``, ``"fsdp"`` (a :class:`~pipecut.core.kinds.DataParallelKind`), "auto",
+            or None (no replicas; DDP over a mesh's "dp" dimension).
+        replicas: ``plan``: D replicas to plan for; None: not given.
+
+    Raises:
+        InputError: An unknown kind, or fewer than 1 replica.
+    """
+
     kind: DataParallelKind | Literal["auto"] | None = None
     """``ddp``/``fsdp`` over a mesh's "dp" dimension, "auto" (choose D × K), None (no replicas,
     or DDP where the mesh has a "dp" dimension)."""
@@ -261,6 +328,19 @@ class DataParallelOptions:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WeightOptions:
+    """Where a meta model's weights come from (``compile``'s ``weights=``).
+
+    Args:
+        source: A ``.safetensors`` file, a ``save_pretrained`` or pipecut checkpoint
+            directory, or a state dict.
+        init: Without ``source``: ``init(fqn, module)`` fills a meta model's new tensors.
+        seed: Seeds each module's initialisation.
+
+    Raises:
+        InputError: Not here: ``compile`` refuses a source it cannot read, or one whose names
+            the model does not have.
+    """
+
     source: str | os.PathLike[str] | Mapping[str, Any] | None = None
     """A ``.safetensors`` file, a ``save_pretrained`` or pipecut checkpoint directory, or a state
     dict; each rank reads its stage's tensors from it."""
@@ -272,6 +352,18 @@ class WeightOptions:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RuntimeOptions:
+    """How the stages run (``compile``'s ``runtime=``; ``plan`` prices ``compile_stages``).
+
+    Args:
+        timeout: Seconds every collective and transfer may wait.
+        lean_host_memory: CPU ranks: give freed blocks back to the system at once.
+        loss_reduction: How microbatch losses make the step's loss (:class:`LossReduction`).
+        compile_stages: True, False or "auto": run the stages through ``torch.compile``.
+
+    Raises:
+        InputError: An unknown loss reduction, or ``compile_stages`` not True, False or "auto".
+    """
+
     timeout: float = 300.0
     """Seconds every collective and transfer may wait before the rank fails."""
     lean_host_memory: bool = False
@@ -292,7 +384,22 @@ class RuntimeOptions:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Options:
-    """Everything asked of ``plan``/``compile`` but the weights; ``plan.options`` records it."""
+    """Everything asked of ``plan``/``compile`` but the weights; ``plan.options`` records it.
+
+    Args:
+        microbatches: A count, "auto", or None (not given).
+        schedule: A :class:`~pipecut.core.kinds.ScheduleKind` or its name, "auto", or None (not
+            given).
+        capture: :class:`CaptureOptions`.
+        measure: :class:`MeasureOptions`.
+        partition: :class:`PartitionOptions`.
+        scheduling: :class:`ScheduleOptions`.
+        data_parallel: :class:`DataParallelOptions`.
+        runtime: :class:`RuntimeOptions`.
+
+    Raises:
+        InputError: An unknown schedule, or microbatches that are not a positive int or "auto".
+    """
 
     microbatches: int | Literal["auto"] | None = None
     """Microbatches per step: a count, "auto" (the planner chooses), or None (not given: "auto"

@@ -80,31 +80,48 @@ def plan(
 ) -> Plan:
     """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
 
-    ``example_inputs`` is one full batch (a tuple of positional tensors or a dict of keyword
-    tensors); ``target`` is the matching target for ``loss_fn(output, target)``. The options
-    objects (:mod:`pipecut.options`) say how to capture, measure, partition and schedule;
-    ``microbatches`` and ``schedule`` are their own arguments (one spelling each). Left out,
-    microbatches are "auto", and so is the schedule then (GPipe beside a given count): the
-    planner picks them by predicted step time and lists every pair in ``plan.candidates``. One
-    microbatch on several stages runs the stages one after another: a warning is logged.
+    Runs in one process, no torch.distributed needed. Left out, microbatches are "auto", and so
+    is the schedule then: the planner picks them by predicted step time and lists every pair in
+    ``plan.candidates``. One microbatch on several stages runs the stages one after another: a
+    warning is logged. The model is never changed.
 
-    ``data_parallel="auto"`` (or ``DataParallelOptions(kind="auto")``): ``devices`` are N equal
-    devices; choose D replicas of a K-stage pipeline (N = D × K) by predicted step, gradient
-    all-reduce included, and return one replica's K-stage plan at its share of the batch, with
-    every shape weighed in ``replica_candidates``. ``DataParallelOptions(kind=..., replicas=...)`` plans for
-    that many replicas.
+    Args:
+        model: The model (on the meta device for ``cluster=`` or estimated costs).
+        example_inputs: One full batch: a tuple of positional tensors or a dict of keyword
+            tensors.
+        devices: K, a list of devices, or :class:`~pipecut.ir.DeviceSpec` s with a memory
+            capacity and a relative speed.
+        loss_fn: ``loss_fn(output, target)``, the loss of one microbatch; None: the output's sum.
+        target: The full batch's target for ``loss_fn``.
+        microbatches: Microbatches per step, or "auto"; None: "auto".
+        schedule: A :class:`~pipecut.core.kinds.ScheduleKind` or its name, or "auto"; None:
+            "auto" beside "auto" microbatches, GPipe beside a count.
+        capture: How the graph is captured (:class:`~pipecut.options.CaptureOptions`).
+        measure: Where and how costs are measured (:class:`~pipecut.options.MeasureOptions`).
+        partition: The solver, recompute, a split you choose
+            (:class:`~pipecut.options.PartitionOptions`).
+        scheduling: Stages per rank (:class:`~pipecut.options.ScheduleOptions`).
+        data_parallel: "auto": ``devices`` are N equal devices; choose D replicas of a K-stage
+            pipeline (N = D x K) by predicted step, gradient all-reduce included, and return
+            one replica's plan at its share of the batch (every shape weighed in
+            ``replica_candidates``); ``DataParallelOptions(kind=..., replicas=...)`` plans for
+            that many replicas; None: no replicas.
+        runtime: How the stages will run; ``RuntimeOptions(compile_stages=True)`` times the
+            stages compiled while calibrating, "auto" times both and keeps the cheaper.
+        cluster: ``"8x8xH100-SXM"`` or a :class:`~pipecut.cluster.Cluster`: plan a whole run on
+            a cluster that is not here from estimated costs (see
+            :func:`pipecut.planning.clusters.plan_cluster`).
+        progress: Called as ``progress(done, total)`` while nodes are measured.
+        captured: The graph to plan, already captured at the first microbatch (``compile``).
 
-    ``cluster="8x8xH100-SXM"`` (or a :class:`~pipecut.cluster.Cluster`): plan a whole training
-    run on a cluster that is not here from estimated costs (the model may be on meta); see
-    :func:`pipecut.planning.clusters.plan_cluster`.
+    Returns:
+        The :class:`~pipecut.ir.Plan`, with what was asked recorded in ``plan.options``.
 
-    ``runtime``: how the stages will run; with ``RuntimeOptions(compile_stages=True)`` the
-    calibration times the stages compiled (:func:`pipecut.profile.compiled.compiled_stage_times`),
-    so the plan prices what will run; "auto" times both and keeps the cheaper, compile time
-    included (the plan's solver note says which and why).
-
-    ``captured``: the graph to plan, already captured at the first microbatch (``compile``).
-    The model is never changed.
+    Raises:
+        InputError: An argument is not valid (an unknown option, "auto" where a value is
+            needed, compiled stages with nothing timed).
+        CaptureError: The model cannot be captured.
+        PartitionError: No split fits (memory) or the graph has nothing to partition.
     """
     groups = requested(microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
                        groups={"capture": capture, "measure": measure, "partition": partition,

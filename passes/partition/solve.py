@@ -146,8 +146,29 @@ def partition_costs(
     causal mask, rotary tables) cross no cut: the plan's cost table marks them ``rebuilt``
     (:func:`pipecut.passes.partition.rebuild.mark_rebuilt`).
 
-    ``data_parallel``: the replicas each stage will have and their engine; FSDP shrinks the
-    memory a stage needs (see :func:`pipecut.passes.costs.stages.state_bytes`).
+    Args:
+        nodes: The cost table, in topological order (a plan's ``nodes``).
+        devices: K, a list of devices, or :class:`~pipecut.ir.DeviceSpec` s (the ranks).
+        microbatches: Microbatches per step.
+        batch_size: The whole batch's size (a multiple of ``microbatches``).
+        schedule: A :class:`~pipecut.core.kinds.ScheduleKind` or its name.
+        link: The link between neighbouring stages.
+        partition: :class:`~pipecut.options.PartitionOptions`, as above; None: the defaults.
+        stages_per_rank: Virtual stages per rank (interleaved schedules, ZBV).
+        data_parallel: The replicas each stage will have and their engine, resolved; FSDP
+            shrinks the memory a stage needs (see
+            :func:`pipecut.passes.costs.stages.state_bytes`).
+        fingerprint: The captured graph's fingerprint, recorded in the plan.
+        capture: How the graph was captured, recorded in the plan.
+        inputs: The graph's input placeholder names, in order.
+
+    Returns:
+        The :class:`~pipecut.ir.Plan`: stages, cut edges, schedule and prediction.
+
+    Raises:
+        InputError: An unknown schedule or device, or stages that do not divide over the ranks.
+        PartitionError: No split fits the devices' memory, or the split given names unknown
+            modules.
     """
     options = partition or PartitionOptions()
     nodes = mark_rebuilt(nodes, link)  # what a stage computes again rather than receives
