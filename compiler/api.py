@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from pipecut.build.workers import (
     worker_factory,
 )
 from pipecut.capture.modes import Modes, derive_other_mode
-from pipecut.core.kinds import DataParallelKind
+from pipecut.core.kinds import DataParallelKind, ScheduleKind
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import CaptureError, PipecutError, PlanError
 from pipecut.ir import Plan
@@ -67,8 +67,8 @@ def compile(
     *,
     loss_fn: LossFn,
     target: Any = None,
-    microbatches: int | str | None = None,
-    schedule: Any = None,
+    microbatches: int | Literal["auto"] | None = None,
+    schedule: ScheduleKind | str | None = None,
     plan: Plan | str | Path | None = None,
     capture: CaptureOptions | None = None,
     measure: MeasureOptions | None = None,

@@ -427,7 +427,7 @@ class Options:
 
 def requested(
     *,
-    microbatches: int | str | None = None,
+    microbatches: int | Literal["auto"] | None = None,
     schedule: str | ScheduleKind | None = None,
     data_parallel: DataParallelOptions | DataParallelKind | str | None = None,
     groups: Mapping[str, Any],

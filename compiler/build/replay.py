@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pipecut.cluster import Link
 from pipecut.core.kinds import CaptureMethod, ScheduleKind
@@ -46,7 +46,7 @@ class Asked:
     """What a ``compile`` call runs with (:class:`Settings`), and what it asks the planner."""
 
     run: Settings
-    microbatches: int | str
+    microbatches: int | Literal["auto"]
     """The microbatch count, or "auto"."""
     schedule: ScheduleKind | str
     """The schedule, or "auto"."""

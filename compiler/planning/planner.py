@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -66,13 +66,13 @@ def plan(
     *,
     loss_fn: LossFn | None = None,
     target: Any = None,
-    microbatches: int | str | None = None,
-    schedule: Any = None,
+    microbatches: int | Literal["auto"] | None = None,
+    schedule: ScheduleKind | str | None = None,
     capture: CaptureOptions | None = None,
     measure: MeasureOptions | None = None,
     partition: PartitionOptions | None = None,
     scheduling: ScheduleOptions | None = None,
-    data_parallel: DataParallelOptions | DataParallelOptions | str | None = None,
+    data_parallel: DataParallelOptions | DataParallelKind | str | None = None,
     runtime: RuntimeOptions | None = None,
     cluster: str | Cluster | None = None,
     progress: Callable[[int, int], None] | None = None,

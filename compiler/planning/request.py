@@ -11,7 +11,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -120,7 +120,7 @@ def profile_at(request: Request, captured: Captured, inputs: Inputs, target: Any
                    device=request.measure_on, only=only)
 
 
-def default_choices(microbatches: int | str | None, schedule: Any) -> tuple[int | str, Any]:
+def default_choices(microbatches: int | Literal["auto"] | None, schedule: Any) -> tuple[int | Literal["auto"], Any]:
     """What ``microbatches`` and ``schedule`` left out (None) mean: the planner chooses
     microbatches ("auto"), and the schedule with them unless one is given; a schedule left out
     beside a given count is GPipe.
