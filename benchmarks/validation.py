@@ -168,8 +168,7 @@ def _published_tokens(run: dict[str, Any]) -> float:
 
 
 def _one(run: dict[str, Any], model: dict[str, Any], *, bound: str, residual: float | None) -> tuple[Any, float]:
-    from pipecut.core.kinds import Recompute, ScheduleKind
-    from pipecut.parallel import DataParallelKind
+    from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
     from pipecut.passes.parallel.training import RunShape
     from pipecut.planning.clusters import (
         cluster_at,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from pipecut.build.workers import (
     worker_factory,
 )
 from pipecut.capture.modes import Modes, derive_other_mode
-from pipecut.core.kinds import DataParallelKind
+from pipecut.core.kinds import DataParallelKind, ScheduleKind
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import CaptureError, PipecutError, PlanError
 from pipecut.ir import Plan
@@ -67,8 +67,8 @@ def compile(
     *,
     loss_fn: LossFn,
     target: Any = None,
-    microbatches: int | str | None = None,
-    schedule: Any = None,
+    microbatches: int | Literal["auto"] | None = None,
+    schedule: ScheduleKind | str | None = None,
     plan: Plan | str | Path | None = None,
     capture: CaptureOptions | None = None,
     measure: MeasureOptions | None = None,
@@ -80,39 +80,60 @@ def compile(
 ) -> Pipeline:
     """Build this rank's stage of ``model`` pipelined over the ranks of the process group.
 
-    Run the same call on every rank (under torchrun). ``devices``: K (one stage per rank of the
-    default group), a list of K devices, or a DeviceMesh with dimensions ("dp", "pp"), where
-    each of the D replicas trains on its own share of the batch and gradients are averaged over
-    replicas. ``plan`` replays a saved plan (a :class:`Plan` or a JSON path) without profiling;
-    otherwise global rank 0 plans and broadcasts, and (``MeasureOptions.calibration_steps``,
-    default 2) the built pipeline runs that many timed steps, its costs are scaled to what each
-    stage took, and it is planned again (rebuilt once where the split moves).
+    Run the same call on every rank (under torchrun). Global rank 0 captures, profiles and
+    partitions, and broadcasts the plan, so every rank runs the same plan; then (unless
+    ``MeasureOptions.calibration_steps`` is 0) the built pipeline runs that many timed steps,
+    its costs are scaled to what each stage took, and it is planned again (rebuilt once where
+    the split moves). One microbatch on several ranks logs a warning. ``model`` is left as it is.
 
-    The options objects (:mod:`pipecut.options`) say how to capture, measure, partition,
-    schedule, replicate, fill weights and run; ``microbatches`` and ``schedule`` are shortcuts
-    for ``scheduling``'s fields. Left out: the plan's (with ``plan=``; a value that contradicts
-    it is a PlanError), or microbatches chosen by the planner ("auto") with the schedule (GPipe
-    beside a given count), one stage per rank, the link measured between neighbours,
-    symbolic_trace then torch.export. One microbatch on several ranks logs a warning.
+    Args:
+        model: The model; on the meta device, each rank allocates only its stage's tensors and
+            fills them from ``weights`` (or initialises them).
+        example_inputs: One full batch: a tuple of positional tensors or a dict of keyword
+            tensors.
+        devices: K (one stage per rank of the default group), a list of K devices, or a
+            DeviceMesh with dimensions ("dp", "pp"), each of the D replicas training on its own
+            share of the batch; None: every rank of the default group.
+        loss_fn: ``loss_fn(output, target)``, the loss of one microbatch.
+        target: The full batch's target for ``loss_fn``.
+        microbatches: Microbatches per step, or "auto" (the planner chooses); None: "auto",
+            or the plan's with ``plan=``.
+        schedule: A :class:`~pipecut.core.kinds.ScheduleKind` or its name, or "auto"; None:
+            "auto" beside "auto" microbatches, GPipe beside a count, or the plan's.
+        plan: A :class:`~pipecut.ir.Plan` or a JSON path to replay without profiling.
+        capture: How the graph is captured (:class:`~pipecut.options.CaptureOptions`).
+        measure: Where and how costs and the link are measured
+            (:class:`~pipecut.options.MeasureOptions`).
+        partition: The solver, recompute, a split you choose
+            (:class:`~pipecut.options.PartitionOptions`).
+        scheduling: Stages per rank (:class:`~pipecut.options.ScheduleOptions`).
+        data_parallel: With a "dp" dimension, "ddp" (the default) or "fsdp" (FSDP2
+            ``fully_shard``) over the replicas; "auto" (``devices`` None or the world size N):
+            rank 0 chooses D replicas x K stages by predicted step and every rank builds that
+            mesh; or a :class:`~pipecut.options.DataParallelOptions`.
+        weights: Where a meta model's weights come from: a ``.safetensors`` file, a
+            ``save_pretrained`` directory, a pipecut checkpoint, a state dict, or a
+            :class:`~pipecut.options.WeightOptions` (``init=``, ``seed=``). Every rank's stage
+            weights are set to global rank 0's.
+        runtime: Timeouts, host memory, loss reduction, compiled stages
+            (:class:`~pipecut.options.RuntimeOptions`).
 
-    ``data_parallel``: with a "dp" dimension, "ddp" (the default) or "fsdp" (FSDP2
-    ``fully_shard``) over the replicas; "auto" (``devices`` None or the world size N): rank 0
-    chooses D replicas × K stages by predicted step and every rank builds that mesh and steps
-    on its replica's share of each batch (``dist.get_rank(pipe.dp_group)``-th of D slices).
+    Returns:
+        This rank's :class:`~pipecut.runtime.pipeline.Pipeline`: ``step``, ``parameters`` (this
+        rank's stage only), ``state_dict`` under the model's names, ``save_pretrained``.
 
-    ``model`` may be on the meta device: each rank then allocates only its stage's tensors and
-    fills them from ``weights`` (a ``.safetensors`` file, a ``save_pretrained`` directory, a
-    pipecut checkpoint or a state dict; or a :class:`~pipecut.options.WeightOptions`), or
-    initialises them (``WeightOptions(init=..., seed=...)``, Hugging Face models their own
-    way). Every rank's stage weights are set to global rank 0's. ``model`` is left as it is.
-    ``RuntimeOptions(compile_stages=True)`` runs each stage through ``torch.compile``
-    (:mod:`pipecut.runtime.execution.compiled`); "auto" keeps compiled stages where the calibration steps
-    show they pay for their compile (:mod:`pipecut.profile.compiled`).
+    Raises:
+        InputError: An argument is not valid (an unknown option, devices that do not match the
+            process group, ``data_parallel`` without replicas).
+        PlanError: ``plan=`` was made for another model or world size, or an argument
+            contradicts it.
+        CaptureError: The model cannot be captured (raised when the failing mode is used).
+        PipelineRuntimeError: Another rank failed while planning or building.
     """
     given = None if plan is None else plan if isinstance(plan, Plan) else Plan.from_json(plan)
     carried = given.options if given is not None and given.options is not None else None
     groups = requested(  # a replayed plan carries how it was captured and run
-        "compile", microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
+        microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
         groups={"capture": capture or (carried and carried.capture), "measure": measure,
                 "partition": partition, "scheduling": scheduling,
                 "runtime": runtime or (carried and carried.runtime), "weights": _weight_options(weights)})
@@ -197,9 +218,9 @@ def _replicated(pipe: Pipeline, place: Place) -> Pipeline:
     may change."""
     if place.replication is not None:
         assert place.layout.dp_group is not None  # replication_of gives None without a "dp" dimension
-        pipe.replication = replicate(pipe.workers, pipe.schedule[place.rank], place.replication.kind,
+        pipe.replication = replicate(pipe.workers, pipe.schedule[place.rank], place.replication.resolved_kind,
                                      group=place.layout.dp_group, mesh=place.layout.dp_mesh)
-        if place.replication.kind is DataParallelKind.FSDP and pipe.modes is not None:
+        if place.replication.resolved_kind is DataParallelKind.FSDP and pipe.modes is not None:
             # fully_shard swapped the captured mode's parameters for sharded ones; the other
             # mode's programs (an export graph fixes its mode) would run the tensors of compile
             # time, silently (found by the fuzzer, issue 27).
@@ -226,7 +247,8 @@ def _with_replicas(job: Job) -> Job:
 def _replaying(job: Job) -> Any:
     """The job's options for replaying ``plan``: its scheduling and link are the plan's."""
     measure = dataclasses.replace(job.options.measure, link=None)
-    return dataclasses.replace(job.options, scheduling=ScheduleOptions(), measure=measure)
+    return dataclasses.replace(job.options, microbatches=None, schedule=None, scheduling=ScheduleOptions(),
+                               measure=measure)
 
 
 def _weight_options(weights: Any) -> WeightOptions | None:

@@ -24,8 +24,7 @@ from pipecut.core.kinds import (
     ScheduleKind,
 )
 from pipecut.errors import PlanError
-from pipecut.options import Options
-from pipecut.parallel import DataParallel
+from pipecut.options import DataParallelOptions, Options
 from pipecut.schedules.format import rank_of, stages_on
 
 __all__ = [
@@ -43,9 +42,11 @@ __all__ = [
     "TiedGroup",
 ]
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """2 added ``options``; 3 records ``options.partition.recompute`` as a ``Recompute`` level or
-"auto". Older plans are read as version 3 (:func:`pipecut.schema.upgraded`)."""
+"auto"; 4 records the microbatches and schedule asked as ``options.microbatches`` and
+``options.schedule`` (they were ``options.scheduling.microbatches``/``kind``). Older plans are
+read as version 4 (:func:`pipecut.schema.upgraded`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -303,9 +304,10 @@ class Plan:
     (rank r runs stages r and 2K - 1 - r); :meth:`rank_of` says which."""
     candidates: tuple[Candidate, ...] = ()
     """With microbatches="auto" or schedule="auto": every pair considered and its prediction."""
-    data_parallel: DataParallel | None = None
-    """Replicas of every stage and their engine; ``batch_size`` is then one replica's share of
-    a global batch of ``batch_size * data_parallel.replicas``."""
+    data_parallel: DataParallelOptions | None = None
+    """Replicas of every stage and their engine, resolved (kind and replicas fixed; read them
+    as ``resolved_kind``/``resolved_replicas``); ``batch_size`` is then one replica's share of a
+    global batch of ``batch_size * data_parallel.replicas``."""
     replica_candidates: tuple[ReplicaCandidate, ...] = ()
     """With data_parallel="auto": every D × K shape considered and its prediction."""
     accepts: tuple[InputShape, ...] = ()
@@ -359,6 +361,12 @@ class Plan:
         if self.microbatches < 1 or self.batch_size % self.microbatches:
             raise PlanError(
                 f"batch size {self.batch_size} does not split into {self.microbatches} microbatches"
+            )
+        if self.data_parallel is not None and not self.data_parallel.is_resolved:
+            raise PlanError(
+                f"the plan's data_parallel must name its engine and replicas, got "
+                f"{self.data_parallel}; plan with data_parallel='auto' or "
+                f"DataParallelOptions(kind='ddp' or 'fsdp', replicas=D)"
             )
         self._index.update({n.name: i for i, n in enumerate(self.nodes)})
         if len(self._index) != len(self.nodes):

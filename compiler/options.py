@@ -7,7 +7,8 @@
 - :class:`CaptureOptions`: how the graph is captured;
 - :class:`MeasureOptions`: where and how node and stage costs are measured, and the link;
 - :class:`PartitionOptions`: the solver, recompute, a split you choose, heavy nodes in pieces;
-- :class:`ScheduleOptions`: microbatches, the schedule, stages per rank;
+- :class:`ScheduleOptions`: stages per rank (the microbatches and the schedule are arguments of
+  their own, ``microbatches=`` and ``schedule=``: one spelling per knob);
 - :class:`DataParallelOptions`: replicas of the pipeline and their engine;
 - :class:`WeightOptions`: where a meta model's weights come from (``compile`` only);
 - :class:`RuntimeOptions`: timeouts, host memory, loss reduction, compiled stages (``compile``
@@ -21,7 +22,6 @@ what was chosen), so that a replayed plan carries them.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
 import os
@@ -34,7 +34,6 @@ from pipecut.cluster import LINK_LATENCY_MS, Link
 from pipecut.core.choices import enum_choice
 from pipecut.core.kinds import CaptureMethod, DataParallelKind, Partitioner, Recompute, ScheduleKind
 from pipecut.errors import InputError
-from pipecut.parallel import DataParallel
 
 __all__ = [
     "AUTO",
@@ -49,7 +48,6 @@ __all__ = [
     "RuntimeOptions",
     "ScheduleOptions",
     "WeightOptions",
-    "as_data_parallel_options",
     "leaf_name",
     "options_of",
     "requested",
@@ -108,6 +106,19 @@ with symbolic image sizes did not in 10 minutes."""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CaptureOptions:
+    """How ``plan`` and ``compile`` capture the model's graph (``capture=``).
+
+    Args:
+        method: ``"symbolic_trace"`` or ``"export"`` (a :class:`~pipecut.core.kinds.CaptureMethod`);
+            None tries both.
+        leaf_modules: Module classes, or their ``module.QualName``, captured as one call.
+        dynamic_shapes: Export with symbolic dimensions.
+        time_limit: Seconds the symbolic-shape export may take; None: no bound.
+
+    Raises:
+        InputError: An unknown method, or a time limit that is not seconds > 0.
+    """
+
     method: CaptureMethod | None = None
     """None: ``symbolic_trace``, then ``torch.export`` where tracing fails."""
     leaf_modules: tuple[str, ...] = ()
@@ -135,6 +146,23 @@ class CaptureOptions:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MeasureOptions:
+    """Where and how node and stage costs and the link are measured (``measure=``).
+
+    Args:
+        device: Where nodes are timed; None: where the inputs are.
+        repeats: Timed runs per node.
+        warmup: Untimed runs per node first.
+        calibrate: ``plan``: time whole stages and scale node costs to them.
+        calibration_steps: ``compile``: timed steps of the built pipeline; 0 skips them.
+        link: The link between neighbouring stages; None: measured or defaulted.
+        estimate: A device profile's name: costs estimated from counted FLOPs and bytes,
+            nothing timed.
+
+    Raises:
+        InputError: ``repeats`` < 1, ``warmup`` or ``calibration_steps`` < 0, or an unknown
+            device profile.
+    """
+
     device: str | None = None
     """Where nodes are timed: None is where ``example_inputs`` are (``compile``: each rank's own
     device)."""
@@ -178,6 +206,21 @@ class MeasureOptions:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PartitionOptions:
+    """How the graph is cut into stages (``partition=``).
+
+    Args:
+        partitioner: ``"dp"`` or ``"ilp"`` (a :class:`~pipecut.core.kinds.Partitioner`); None:
+            chosen by the problem.
+        solver: The ILP's solver (:class:`IlpSolver`).
+        ilp_time_limit: Seconds the ILP may spend in total.
+        recompute: A :class:`~pipecut.core.kinds.Recompute` level or its name, or "auto".
+        split: A split you choose: the modules where stages 1.. begin, or module names per stage.
+        heavy_pieces: A node heavier than a stage's share may be computed in row pieces.
+
+    Raises:
+        InputError: An unknown partitioner, solver or recompute level.
+    """
+
     partitioner: Partitioner | None = None
     """None: the exact DP for equal devices without memory limits or recompute, else the ILP."""
     solver: IlpSolver = IlpSolver.HIGHS
@@ -206,23 +249,39 @@ class PartitionOptions:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScheduleOptions:
-    microbatches: int | Literal["auto"] | None = None
-    """None: chosen by the planner ("auto"), or the plan's when one is replayed."""
-    kind: ScheduleKind | Literal["auto"] | None = None
-    """None: chosen with the microbatches, GPipe beside a given count, or the plan's."""
+    """The schedule's rarer knob (``scheduling=``); the microbatches and the schedule itself
+    are ``plan``'s and ``compile``'s own ``microbatches=`` and ``schedule=``.
+
+    Args:
+        stages_per_rank: Virtual stages per rank (interleaved 1F1B); None: 1, or the plan's.
+
+    Raises:
+        InputError: ``stages_per_rank`` is not a positive int.
+    """
+
     stages_per_rank: int | None = None
     """Virtual stages per rank (interleaved 1F1B); None: 1, or the plan's."""
 
     def __post_init__(self) -> None:
-        if self.kind is not None and self.kind != AUTO:
-            _set(self, "kind", enum_choice(ScheduleKind, self.kind, "schedule"))
-        m = self.microbatches
-        if m is not None and m != AUTO and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise InputError(f"microbatches must be a positive int or 'auto', got {m!r}")
+        n = self.stages_per_rank
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise InputError(f"ScheduleOptions(stages_per_rank={n!r}): a positive int, or None")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataParallelOptions:
+    """Replicas of the pipeline and their engine (``data_parallel=``), as asked or, in a plan
+    (``plan.data_parallel``), resolved: kind and replicas fixed (:meth:`resolved`).
+
+    Args:
+        kind: ``"ddp"``, ``"fsdp"`` (a :class:`~pipecut.core.kinds.DataParallelKind`), "auto",
+            or None (no replicas; DDP over a mesh's "dp" dimension).
+        replicas: ``plan``: D replicas to plan for; None: not given.
+
+    Raises:
+        InputError: An unknown kind, or fewer than 1 replica.
+    """
+
     kind: DataParallelKind | Literal["auto"] | None = None
     """``ddp``/``fsdp`` over a mesh's "dp" dimension, "auto" (choose D × K), None (no replicas,
     or DDP where the mesh has a "dp" dimension)."""
@@ -236,19 +295,52 @@ class DataParallelOptions:
             except InputError:
                 raise InputError(f"unknown data_parallel {self.kind!r}; choose one of ['ddp', 'fsdp', "
                                  f"'auto'] or None") from None
-        if self.replicas is not None and self.replicas < 1:
+        if self.replicas is not None and (isinstance(self.replicas, bool) or self.replicas < 1):
             raise InputError(f"DataParallelOptions(replicas={self.replicas}): at least 1")
 
+    @classmethod
+    def resolved(cls, kind: DataParallelKind | str, replicas: int) -> DataParallelOptions:
+        """The options with both fields fixed, as a plan records them (``plan.data_parallel``):
+        the engine and the replica count; InputError for "auto" or an unknown kind."""
+        if kind == AUTO:
+            raise InputError("data parallelism resolved needs a kind, 'ddp' or 'fsdp', not 'auto'")
+        return cls(kind=kind, replicas=replicas)  # type: ignore[arg-type]  # checked in __post_init__
+
     @property
-    def fixed(self) -> DataParallel | None:
-        """The replicas asked for as plan data; None unless both kind and replicas are given."""
-        if isinstance(self.kind, DataParallelKind) and self.replicas is not None:
-            return DataParallel(kind=self.kind, replicas=self.replicas)
-        return None
+    def is_resolved(self) -> bool:
+        """Both the engine and the replica count are fixed (what a plan records)."""
+        return isinstance(self.kind, DataParallelKind) and self.replicas is not None
+
+    @property
+    def resolved_kind(self) -> DataParallelKind:
+        """The engine of resolved options (a plan's); InputError where it is not fixed."""
+        if not isinstance(self.kind, DataParallelKind):
+            raise InputError(f"DataParallelOptions(kind={self.kind!r}) is not resolved to 'ddp' or 'fsdp'")
+        return self.kind
+
+    @property
+    def resolved_replicas(self) -> int:
+        """The replica count of resolved options (a plan's); InputError where it is not fixed."""
+        if self.replicas is None:
+            raise InputError("DataParallelOptions(replicas=None) is not resolved to a count")
+        return self.replicas
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WeightOptions:
+    """Where a meta model's weights come from (``compile``'s ``weights=``).
+
+    Args:
+        source: A ``.safetensors`` file, a ``save_pretrained`` or pipecut checkpoint
+            directory, or a state dict.
+        init: Without ``source``: ``init(fqn, module)`` fills a meta model's new tensors.
+        seed: Seeds each module's initialisation.
+
+    Raises:
+        InputError: Not here: ``compile`` refuses a source it cannot read, or one whose names
+            the model does not have.
+    """
+
     source: str | os.PathLike[str] | Mapping[str, Any] | None = None
     """A ``.safetensors`` file, a ``save_pretrained`` or pipecut checkpoint directory, or a state
     dict; each rank reads its stage's tensors from it."""
@@ -260,6 +352,18 @@ class WeightOptions:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RuntimeOptions:
+    """How the stages run (``compile``'s ``runtime=``; ``plan`` prices ``compile_stages``).
+
+    Args:
+        timeout: Seconds every collective and transfer may wait.
+        lean_host_memory: CPU ranks: give freed blocks back to the system at once.
+        loss_reduction: How microbatch losses make the step's loss (:class:`LossReduction`).
+        compile_stages: True, False or "auto": run the stages through ``torch.compile``.
+
+    Raises:
+        InputError: An unknown loss reduction, or ``compile_stages`` not True, False or "auto".
+    """
+
     timeout: float = 300.0
     """Seconds every collective and transfer may wait before the rank fails."""
     lean_host_memory: bool = False
@@ -280,8 +384,29 @@ class RuntimeOptions:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Options:
-    """Everything asked of ``plan``/``compile`` but the weights; ``plan.options`` records it."""
+    """Everything asked of ``plan``/``compile`` but the weights; ``plan.options`` records it.
 
+    Args:
+        microbatches: A count, "auto", or None (not given).
+        schedule: A :class:`~pipecut.core.kinds.ScheduleKind` or its name, "auto", or None (not
+            given).
+        capture: :class:`CaptureOptions`.
+        measure: :class:`MeasureOptions`.
+        partition: :class:`PartitionOptions`.
+        scheduling: :class:`ScheduleOptions`.
+        data_parallel: :class:`DataParallelOptions`.
+        runtime: :class:`RuntimeOptions`.
+
+    Raises:
+        InputError: An unknown schedule, or microbatches that are not a positive int or "auto".
+    """
+
+    microbatches: int | Literal["auto"] | None = None
+    """Microbatches per step: a count, "auto" (the planner chooses), or None (not given: "auto"
+    when planning, the plan's when one is replayed)."""
+    schedule: ScheduleKind | Literal["auto"] | None = None
+    """The schedule: a kind, "auto" (chosen with the microbatches), or None (not given: "auto"
+    beside "auto" microbatches, GPipe beside a count, the plan's when one is replayed)."""
     capture: CaptureOptions = field(default_factory=CaptureOptions)
     measure: MeasureOptions = field(default_factory=MeasureOptions)
     partition: PartitionOptions = field(default_factory=PartitionOptions)
@@ -292,47 +417,34 @@ class Options:
     GROUPS: ClassVar[tuple[str, ...]] = (
         "capture", "measure", "partition", "scheduling", "data_parallel", "runtime")
 
+    def __post_init__(self) -> None:
+        if self.schedule is not None and self.schedule != AUTO:
+            _set(self, "schedule", enum_choice(ScheduleKind, self.schedule, "schedule"))
+        m = self.microbatches
+        if m is not None and m != AUTO and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise InputError(f"microbatches must be a positive int or 'auto', got {m!r}")
+
 
 def requested(
-    where: str,
     *,
-    microbatches: int | str | None = None,
+    microbatches: int | Literal["auto"] | None = None,
     schedule: str | ScheduleKind | None = None,
-    data_parallel: DataParallelOptions | DataParallel | DataParallelKind | str | None = None,
+    data_parallel: DataParallelOptions | DataParallelKind | str | None = None,
     groups: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The options of one ``plan``/``compile`` call, group name → object (``weights`` too where
-    given): the groups given (None: the defaults), then the flat shortcuts. A shortcut that
-    contradicts its group is an InputError: the call would say two things."""
+    """The options of one ``plan``/``compile`` call, name → value (``weights`` too where
+    given): the groups given (None: the defaults), the microbatches and the schedule (None: not
+    given), and the data parallelism (a kind's name alone: its options)."""
     defaults = {"capture": CaptureOptions(), "measure": MeasureOptions(), "partition": PartitionOptions(),
                 "scheduling": ScheduleOptions(), "runtime": RuntimeOptions(), "weights": WeightOptions()}
     out: dict[str, Any] = {k: groups.get(k) or v for k, v in defaults.items()}
-    out["data_parallel"] = as_data_parallel_options(data_parallel)
-    sched = out["scheduling"]
-    for name, field_name, value in (("microbatches", "microbatches", microbatches), ("schedule", "kind", schedule)):
-        if value is None:
-            continue
-        given = getattr(sched, field_name)
-        sched = dataclasses.replace(sched, **{field_name: value})
-        if given is not None and given != getattr(sched, field_name):
-            raise InputError(f"{where}({name}={value!r}) contradicts scheduling=ScheduleOptions("
-                             f"{field_name}={given!r}); give it once")
-    out["scheduling"] = sched
+    out["data_parallel"] = (data_parallel if isinstance(data_parallel, DataParallelOptions)
+                            else DataParallelOptions(kind=data_parallel))  # type: ignore[arg-type]
+    out["microbatches"], out["schedule"] = microbatches, schedule
     return out
-
-
-def as_data_parallel_options(
-    value: DataParallelOptions | DataParallel | DataParallelKind | str | None,
-) -> DataParallelOptions:
-    """``data_parallel=`` as options: the object, a kind ("ddp", "fsdp", "auto"), a
-    :class:`~pipecut.parallel.DataParallel` (kind and replicas), or None."""
-    if isinstance(value, DataParallelOptions):
-        return value
-    if isinstance(value, DataParallel):
-        return DataParallelOptions(kind=value.kind, replicas=value.replicas)
-    return DataParallelOptions(kind=value)  # type: ignore[arg-type]  # checked in __post_init__
 
 
 def options_of(groups: Mapping[str, Any]) -> Options:
     """The recorded part of :func:`requested`'s groups (all but the weights)."""
-    return Options(**{g: groups[g] for g in Options.GROUPS})
+    return Options(microbatches=groups["microbatches"], schedule=groups["schedule"],
+                   **{g: groups[g] for g in Options.GROUPS})

@@ -136,7 +136,7 @@ def dump_plan(plan: Plan) -> str:
 
 def load_plan(text: str | bytes) -> Plan:
     """Parse, check and build a plan from JSON text in one pass; :class:`PlanError` names the
-    JSON path of a bad field. A version 1 or 2 plan is read as version 3 (:func:`upgraded`)."""
+    JSON path of a bad field. A plan of version 1 to 3 is read as version 4 (:func:`upgraded`)."""
     text = upgraded(text)
     try:
         return typing.cast(Plan, _validator().validate_json(text))
@@ -144,21 +144,25 @@ def load_plan(text: str | bytes) -> Plan:
         raise PlanError(_describe(e, text)) from None
 
 
-_OLD_VERSION = re.compile(rb'"format_version"\s*:\s*[12]\b')
+_OLD_VERSION = re.compile(rb'"format_version"\s*:\s*[123]\b')
 _RECOMPUTE_2 = {None: "auto", True: "full", False: "none"}
 """Version 2 recorded ``PartitionOptions.recompute`` as None (auto), True or False."""
 
 
 def upgraded(text: str | bytes) -> str | bytes:
-    """A plan of format version 1 or 2 as version 3. Version 2 added ``options`` (what was
+    """A plan of format version 1 to 3 as version 4. Version 2 added ``options`` (what was
     asked; absent, None, in a version 1 plan); version 3 records the options' recompute as the
-    ``Recompute`` level or "auto" instead of None/True/False. Other text is returned as it is.
+    ``Recompute`` level or "auto" instead of None/True/False; version 4 moves the microbatches
+    and schedule asked out of ``options.scheduling`` (``microbatches``, ``kind``) to
+    ``options.microbatches`` and ``options.schedule``. Other text is returned as it is.
 
     >>> import json
     >>> json.loads(upgraded('{"format_version": 1, "microbatches": 4}'))
-    {'format_version': 3, 'microbatches': 4}
+    {'format_version': 4, 'microbatches': 4}
     >>> upgraded('{"format_version": 2, "options": {"partition": {"recompute": true}}}')
-    '{"format_version": 3, "options": {"partition": {"recompute": "full"}}}'
+    '{"format_version": 4, "options": {"partition": {"recompute": "full"}}}'
+    >>> upgraded('{"format_version": 3, "options": {"scheduling": {"kind": "1f1b", "microbatches": 4}}}')
+    '{"format_version": 4, "options": {"scheduling": {}, "schedule": "1f1b", "microbatches": 4}}'
     """
     if not _OLD_VERSION.search(text if isinstance(text, bytes) else text.encode()):
         return text  # the current version: no second parse of a large plan
@@ -166,11 +170,17 @@ def upgraded(text: str | bytes) -> str | bytes:
         data = json.loads(text)
     except ValueError:
         return text  # the validator says what is wrong with it
-    if not isinstance(data, dict) or data.get("format_version") not in (1, 2):
+    if not isinstance(data, dict) or data.get("format_version") not in (1, 2, 3):
         return text
-    partition = (data.get("options") or {}).get("partition")
-    if isinstance(partition, dict) and partition.get("recompute") in _RECOMPUTE_2:
+    options = data.get("options") or {}
+    partition = options.get("partition")
+    if data["format_version"] < 3 and isinstance(partition, dict) and partition.get("recompute") in _RECOMPUTE_2:
         partition["recompute"] = _RECOMPUTE_2[partition["recompute"]]
+    scheduling = options.get("scheduling")
+    if isinstance(scheduling, dict):
+        for old, new in (("kind", "schedule"), ("microbatches", "microbatches")):
+            if old in scheduling:
+                options[new] = scheduling.pop(old)
     return json.dumps({**data, "format_version": FORMAT_VERSION})
 
 

@@ -294,8 +294,8 @@ def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_si
     # the split, and with it the order in which gradients are summed, is the same on every run.
     pipe = pipecut.compile(
         model, inputs, world, loss_fn=loss_fn, target=target, plan=plan,
-        scheduling=pipecut.ScheduleOptions(microbatches=microbatches, kind=kind,
-                                           stages_per_rank=stages_per_rank_of(kind)),
+        microbatches=microbatches, schedule=kind,
+        scheduling=pipecut.ScheduleOptions(stages_per_rank=stages_per_rank_of(kind)),
         runtime=pipecut.RuntimeOptions(timeout=timeout),
         measure=pipecut.MeasureOptions(estimate="A100-80GB"),
     )

@@ -319,6 +319,26 @@ class Pipeline:
         action timeline (see :meth:`trace`). If anything fails on this rank, its process groups
         are torn down so that the other ranks fail at once with an error naming this rank,
         instead of waiting for their timeout.
+
+        Args:
+            inputs: One full batch, as ``example_inputs`` were given.
+            target: The batch's target for ``loss_fn``.
+            record: Keep this rank's action timeline.
+            return_outputs: Return ``(loss, outputs)``.
+            all_ranks: With ``return_outputs``, the outputs on every rank.
+            compute_loss: Forward only: compute the loss (default: unless only outputs are
+                asked for).
+            scaler: A :meth:`grad_scaler`; backward starts from the scaled loss.
+            normalizer: With ``loss_reduction="sum"``, what the summed loss is divided by.
+
+        Returns:
+            The step's loss (a scalar tensor, the same on every rank; None without a loss), or
+            ``(loss, outputs)`` with ``return_outputs``.
+
+        Raises:
+            InputError: The batch does not fit the plan (shapes, microbatches), or a training
+                step without its loss; raised on every rank before any communication.
+            PipelineRuntimeError: This rank or another failed during the step.
         """
         training = torch.is_grad_enabled()
         if compute_loss is None:
@@ -352,7 +372,23 @@ class Pipeline:
         compute_loss: bool | None = None,
     ) -> Any:
         """:meth:`step` under ``torch.no_grad()``: forward only, in the pipeline's current mode
-        (call :meth:`eval` first for dropout off and BatchNorm running statistics)."""
+        (call :meth:`eval` first for dropout off and BatchNorm running statistics).
+
+        Args:
+            inputs: One full batch, as ``example_inputs`` were given.
+            target: The batch's target for ``loss_fn``.
+            record: Keep this rank's action timeline.
+            return_outputs: Return ``(loss, outputs)``.
+            all_ranks: With ``return_outputs``, the outputs on every rank.
+            compute_loss: Compute the loss (default: unless only outputs are asked for).
+
+        Returns:
+            The loss (None without one), or ``(loss, outputs)`` with ``return_outputs``.
+
+        Raises:
+            InputError: The batch does not fit the plan.
+            PipelineRuntimeError: This rank or another failed during the step.
+        """
         with torch.no_grad():
             return self.step(inputs, target, record=record, return_outputs=return_outputs,
                              all_ranks=all_ranks, compute_loss=compute_loss)
@@ -512,5 +548,17 @@ class Pipeline:
         config. ``model`` (optional: the model given to compile, on meta or not) adds its class
         to the config's ``architectures``. ``from_pretrained``, ``load_state_dict`` and
         ``compile(..., weights=directory)`` read it. Collective: every rank calls it; with data
-        parallelism replica 0 writes. See :func:`pipecut.runtime.state.export.export`."""
+        parallelism replica 0 writes. See :func:`pipecut.runtime.state.export.export`.
+
+        Args:
+            directory: Where to write (created if needed).
+            model: The model given to compile, for its class name in ``config.json``.
+
+        Returns:
+            ``directory`` as a :class:`~pathlib.Path`.
+
+        Raises:
+            InputError: ``directory`` holds a pipecut checkpoint (``.metadata``).
+            PipelineRuntimeError: Another rank failed while writing.
+        """
         return export(self, directory, model)

@@ -22,8 +22,7 @@ from pipecut.cluster import Link
 from pipecut.core.program import Inputs
 from pipecut.errors import InputError
 from pipecut.ir import DeviceSpec, Plan
-from pipecut.options import Options, WeightOptions
-from pipecut.parallel import DataParallel
+from pipecut.options import DataParallelOptions, Options, WeightOptions
 from pipecut.passes.partition.solve import as_devices
 from pipecut.profile.nodes import LossFn
 from pipecut.runtime.comm.launch import local_device
@@ -68,7 +67,7 @@ class Place:
     """The global rank of every position of this rank's pipeline."""
     specs: tuple[DeviceSpec, ...]
     link: Link
-    replication: DataParallel | None
+    replication: DataParallelOptions | None
 
     @property
     def group(self) -> Any:

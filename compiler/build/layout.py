@@ -21,8 +21,7 @@ from pipecut.core.kinds import DataParallelKind, ScheduleKind
 from pipecut.core.program import Inputs
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
 from pipecut.ir import Plan
-from pipecut.options import AUTO
-from pipecut.parallel import DataParallel, as_data_parallel
+from pipecut.options import AUTO, DataParallelOptions
 from pipecut.passes.partition.solve import DEFAULT_LINK
 from pipecut.planning.planner import plan as make_plan
 from pipecut.runtime.comm.launch import local_device
@@ -65,7 +64,7 @@ def layout_of(devices: Any) -> Layout:
     return Layout(pp, dp, dp_mesh, replicas, dist.get_world_size(pp))
 
 
-def replication_of(layout: Layout, data_parallel: str | DataParallelKind | None) -> DataParallel | None:
+def replication_of(layout: Layout, data_parallel: str | DataParallelKind | None) -> DataParallelOptions | None:
     """The data-parallel engine and replica count; DDP by default when there is a "dp" dimension."""
     if layout.dp_group is None:
         if data_parallel is not None:
@@ -74,8 +73,8 @@ def replication_of(layout: Layout, data_parallel: str | DataParallelKind | None)
                 f"dimensions ('dp', 'pp') as devices, or leave data_parallel=None"
             )
         return None
-    kind = as_data_parallel(data_parallel if data_parallel is not None else DataParallelKind.DDP)
-    return DataParallel(kind=kind, replicas=dist.get_world_size(layout.dp_group))
+    kind = data_parallel if data_parallel is not None else DataParallelKind.DDP
+    return DataParallelOptions.resolved(kind, dist.get_world_size(layout.dp_group))
 
 
 @dataclass(frozen=True)
@@ -92,14 +91,14 @@ def auto_layout(job: Job) -> tuple[Auto, tuple[Inputs, Any]]:
     device = local_device()
     open_default_group(job.wait, device)
     world = dist.get_world_size()
-    devices, scheduling = job.devices, job.options.scheduling
+    devices, options = job.devices, job.options
     if devices is not None and (isinstance(devices, bool) or devices != world):
         raise InputError(
             f"data_parallel='auto' spreads the model over every rank of the process group "
             f"({world}); pass devices=None or devices={world}, or pass a ('dp', 'pp') "
             f"DeviceMesh with data_parallel='ddp' or 'fsdp' to choose the layout yourself"
         )
-    if AUTO in (scheduling.microbatches, scheduling.kind) or scheduling.stages_per_rank not in (None, 1):
+    if AUTO in (options.microbatches, options.schedule) or options.scheduling.stages_per_rank not in (None, 1):
         raise InputError(
             "data_parallel='auto' needs microbatches and schedule as values, not 'auto', and "
             "one stage per rank (stages_per_rank=1)"
@@ -112,18 +111,18 @@ def auto_layout(job: Job) -> tuple[Auto, tuple[Inputs, Any]]:
                                       device=job.options.measure.device or str(device))
         chosen = plan_from_rank0(lambda: dataclasses.replace(make_plan(
             job.model, job.example_inputs, world, loss_fn=job.loss_fn, target=job.target,
-            microbatches=scheduling.microbatches if scheduling.microbatches is not None else 1,
-            schedule=scheduling.kind if scheduling.kind is not None else ScheduleKind.GPIPE,
+            microbatches=options.microbatches if options.microbatches is not None else 1,
+            schedule=options.schedule if options.schedule is not None else ScheduleKind.GPIPE,
             capture=job.options.capture, measure=measure, partition=job.options.partition, data_parallel=AUTO,
         ), options=job.options))
     dp = chosen.data_parallel
-    d = dp.replicas if dp is not None else 1
+    d = dp.resolved_replicas if dp is not None else 1
     if d * chosen.num_ranks != world:
         raise PlanError(
             f"the plan is for {d} replicas x {chosen.num_ranks} ranks, but the process group has "
             f"{world} ranks; launch with --nproc_per_node={d * chosen.num_ranks} or re-plan"
         )
-    kind = dp.kind if dp is not None else DataParallelKind.DDP
+    kind = dp.resolved_kind if dp is not None else DataParallelKind.DDP
     if d == 1:
         return Auto(chosen, None, kind), (job.example_inputs, job.target)
     mesh = init_device_mesh(device.type, (d, chosen.num_ranks), mesh_dim_names=("dp", "pp"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pipecut.cluster import Link
 from pipecut.core.kinds import CaptureMethod, ScheduleKind
@@ -46,7 +46,7 @@ class Asked:
     """What a ``compile`` call runs with (:class:`Settings`), and what it asks the planner."""
 
     run: Settings
-    microbatches: int | str
+    microbatches: int | Literal["auto"]
     """The microbatch count, or "auto"."""
     schedule: ScheduleKind | str
     """The schedule, or "auto"."""
@@ -61,7 +61,8 @@ def asked(given: Plan | None, options: Options, devices: Any) -> Asked:
     """Resolve a ``compile`` call's scheduling against the plan it replays (``given``), or the
     defaults: left out without a plan, the planner chooses ("auto")."""
     s = options.scheduling
-    m, kind = (s.microbatches, s.kind) if given is not None else default_choices(s.microbatches, s.kind)
+    m, kind = ((options.microbatches, options.schedule) if given is not None
+               else default_choices(options.microbatches, options.schedule))
     if AUTO in (m, kind) and given is not None:
         raise PlanError(
             "microbatches/schedule='auto' ask the planner to choose, but plan= fixes them; drop "

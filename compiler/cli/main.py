@@ -292,7 +292,8 @@ def summary_data(plan: Plan) -> dict[str, Any]:
         "predicted": dataclasses.asdict(plan.predicted),
         "solver": dataclasses.asdict(plan.solver),
         "data_parallel": None if plan.data_parallel is None else {
-            "kind": plan.data_parallel.kind.value, "replicas": plan.data_parallel.replicas},
+            "kind": plan.data_parallel.resolved_kind.value,
+            "replicas": plan.data_parallel.resolved_replicas},
         "replica_candidates": [
             {"replicas": c.replicas, "stages": c.stages, "per_stage": list(c.per_stage),
              "step_ms": c.step_ms, "layout": c.layout.value if c.layout else None, "note": c.note}

@@ -3,7 +3,7 @@
 Programs (:mod:`~pipecut.core.program`: a captured graph, a stage's program), values and
 shapes that cross a cut, microbatching, the user's names for graph tensors, facts about fx nodes
 and meta tensors. Together with :mod:`pipecut.ir`, :mod:`pipecut.errors`,
-:mod:`pipecut.schema`, :mod:`pipecut.parallel` and :mod:`pipecut.schedules` (the schedule
+:mod:`pipecut.schema`, :mod:`pipecut.options` and :mod:`pipecut.schedules` (the schedule
 format and its simulator) this is the bottom layer: it imports no pass,
 no runtime module and nothing above them.
 """

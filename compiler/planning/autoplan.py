@@ -58,12 +58,12 @@ def plan_auto(request: Request, plan_at: PlanAt) -> Plan:
         return partition_costs(
             costs, devices=request.devices, microbatches=m, batch_size=full, schedule=kind,
             link=request.link, partition=request.options.partition, stages_per_rank=request.stages_per_rank,
-            data_parallel=request.options.data_parallel.fixed)
+            data_parallel=request.replication)
 
-    scheduling = request.options.scheduling
+    options = request.options
     m, kind, candidates = choose_microbatches_and_schedule(
-        request.example_inputs, request.target, ranks=len(request.devices), microbatches=scheduling.microbatches
-        if scheduling.microbatches is not None else AUTO, schedule=scheduling.kind,
+        request.example_inputs, request.target, ranks=len(request.devices), microbatches=options.microbatches
+        if options.microbatches is not None else AUTO, schedule=options.schedule,
         stages_per_rank=request.stages_per_rank, profile_at=measured.costs, partition=partition_at,
     )
     first = first_microbatch(request.example_inputs, m)[1]
@@ -72,7 +72,7 @@ def plan_auto(request: Request, plan_at: PlanAt) -> Plan:
         table = with_structure(tables[m], describe_graph(graph, graph.flatten_inputs(first)))  # interpolated table
     if graph is None and measured.timed_out:  # planned at its own size: no second wait either
         request = request.with_options(capture=dataclasses.replace(request.options.capture, dynamic_shapes=False))
-    chosen = plan_at(request.with_scheduling(microbatches=m, kind=kind), graph, table)
+    chosen = plan_at(request.with_options(microbatches=m, schedule=kind), graph, table)
     return dataclasses.replace(chosen, candidates=candidates)
 
 
@@ -234,7 +234,7 @@ def _candidate(
     if kind.splits_backward and any(s.recompute is not Recompute.NONE for s in planned.stages):
         return Candidate(microbatches=m, schedule=kind, step_ms=None,
                          note=f"needs recompute, which {kind.value} cannot run")
-    replicated = planned.data_parallel is not None and planned.data_parallel.replicas > 1
+    replicated = planned.data_parallel is not None and planned.data_parallel.resolved_replicas > 1
     if kind.splits_backward and replicated:  # runtime.data_parallel.check_supported
         return Candidate(microbatches=m, schedule=kind, step_ms=None,
                          note=f"data parallelism cannot run {kind.value}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -37,7 +37,6 @@ from pipecut.options import (
     options_of,
     requested,
 )
-from pipecut.parallel import DataParallel
 from pipecut.passes.partition.chain import is_unit
 from pipecut.passes.partition.solve import Devices, as_devices, as_schedule, partition_costs
 from pipecut.passes.rewrite.propagate import accepted_shapes
@@ -67,13 +66,13 @@ def plan(
     *,
     loss_fn: LossFn | None = None,
     target: Any = None,
-    microbatches: int | str | None = None,
-    schedule: Any = None,
+    microbatches: int | Literal["auto"] | None = None,
+    schedule: ScheduleKind | str | None = None,
     capture: CaptureOptions | None = None,
     measure: MeasureOptions | None = None,
     partition: PartitionOptions | None = None,
     scheduling: ScheduleOptions | None = None,
-    data_parallel: DataParallelOptions | DataParallel | str | None = None,
+    data_parallel: DataParallelOptions | DataParallelKind | str | None = None,
     runtime: RuntimeOptions | None = None,
     cluster: str | Cluster | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -81,33 +80,50 @@ def plan(
 ) -> Plan:
     """Capture ``model``, profile it on one microbatch of ``example_inputs``, and partition it.
 
-    ``example_inputs`` is one full batch (a tuple of positional tensors or a dict of keyword
-    tensors); ``target`` is the matching target for ``loss_fn(output, target)``. The options
-    objects (:mod:`pipecut.options`) say how to capture, measure, partition and schedule;
-    ``microbatches`` and ``schedule`` are shortcuts for ``scheduling``'s fields. Left out,
-    microbatches are "auto", and so is the schedule then (GPipe beside a given count): the
-    planner picks them by predicted step time and lists every pair in ``plan.candidates``. One
-    microbatch on several stages runs the stages one after another: a warning is logged.
+    Runs in one process, no torch.distributed needed. Left out, microbatches are "auto", and so
+    is the schedule then: the planner picks them by predicted step time and lists every pair in
+    ``plan.candidates``. One microbatch on several stages runs the stages one after another: a
+    warning is logged. The model is never changed.
 
-    ``data_parallel="auto"`` (or ``DataParallelOptions(kind="auto")``): ``devices`` are N equal
-    devices; choose D replicas of a K-stage pipeline (N = D × K) by predicted step, gradient
-    all-reduce included, and return one replica's K-stage plan at its share of the batch, with
-    every shape weighed in ``replica_candidates``. A ``DataParallel(kind, replicas)`` plans for
-    that many replicas.
+    Args:
+        model: The model (on the meta device for ``cluster=`` or estimated costs).
+        example_inputs: One full batch: a tuple of positional tensors or a dict of keyword
+            tensors.
+        devices: K, a list of devices, or :class:`~pipecut.ir.DeviceSpec` s with a memory
+            capacity and a relative speed.
+        loss_fn: ``loss_fn(output, target)``, the loss of one microbatch; None: the output's sum.
+        target: The full batch's target for ``loss_fn``.
+        microbatches: Microbatches per step, or "auto"; None: "auto".
+        schedule: A :class:`~pipecut.core.kinds.ScheduleKind` or its name, or "auto"; None:
+            "auto" beside "auto" microbatches, GPipe beside a count.
+        capture: How the graph is captured (:class:`~pipecut.options.CaptureOptions`).
+        measure: Where and how costs are measured (:class:`~pipecut.options.MeasureOptions`).
+        partition: The solver, recompute, a split you choose
+            (:class:`~pipecut.options.PartitionOptions`).
+        scheduling: Stages per rank (:class:`~pipecut.options.ScheduleOptions`).
+        data_parallel: "auto": ``devices`` are N equal devices; choose D replicas of a K-stage
+            pipeline (N = D x K) by predicted step, gradient all-reduce included, and return
+            one replica's plan at its share of the batch (every shape weighed in
+            ``replica_candidates``); ``DataParallelOptions(kind=..., replicas=...)`` plans for
+            that many replicas; None: no replicas.
+        runtime: How the stages will run; ``RuntimeOptions(compile_stages=True)`` times the
+            stages compiled while calibrating, "auto" times both and keeps the cheaper.
+        cluster: ``"8x8xH100-SXM"`` or a :class:`~pipecut.cluster.Cluster`: plan a whole run on
+            a cluster that is not here from estimated costs (see
+            :func:`pipecut.planning.clusters.plan_cluster`).
+        progress: Called as ``progress(done, total)`` while nodes are measured.
+        captured: The graph to plan, already captured at the first microbatch (``compile``).
 
-    ``cluster="8x8xH100-SXM"`` (or a :class:`~pipecut.cluster.Cluster`): plan a whole training
-    run on a cluster that is not here from estimated costs (the model may be on meta); see
-    :func:`pipecut.planning.clusters.plan_cluster`.
+    Returns:
+        The :class:`~pipecut.ir.Plan`, with what was asked recorded in ``plan.options``.
 
-    ``runtime``: how the stages will run; with ``RuntimeOptions(compile_stages=True)`` the
-    calibration times the stages compiled (:func:`pipecut.profile.compiled.compiled_stage_times`),
-    so the plan prices what will run; "auto" times both and keeps the cheaper, compile time
-    included (the plan's solver note says which and why).
-
-    ``captured``: the graph to plan, already captured at the first microbatch (``compile``).
-    The model is never changed.
+    Raises:
+        InputError: An argument is not valid (an unknown option, "auto" where a value is
+            needed, compiled stages with nothing timed).
+        CaptureError: The model cannot be captured.
+        PartitionError: No split fits (memory) or the graph has nothing to partition.
     """
-    groups = requested("plan", microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
+    groups = requested(microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
                        groups={"capture": capture, "measure": measure, "partition": partition,
                                "scheduling": scheduling, "runtime": runtime})
     request = Request(model=model, example_inputs=example_inputs, target=target, loss_fn=loss_fn,
@@ -117,20 +133,19 @@ def plan(
         return _for_cluster(request, cluster)
     if request.options.data_parallel.kind == AUTO:
         return _recorded(plan_replicated(request, plan_request), request)
-    m, kind = default_choices(request.options.scheduling.microbatches, request.options.scheduling.kind)
-    request = request.with_scheduling(microbatches=m, kind=kind)
+    m, kind = default_choices(request.options.microbatches, request.options.schedule)
+    request = request.with_options(microbatches=m, schedule=kind)
     return _recorded(plan_request(request, captured), request)
 
 
 def plan_request(request: Request, captured: Captured | None = None) -> Plan:
     """The plan of a request whose data parallelism is fixed: the auto choices, or one plan."""
     dp = request.options.data_parallel
-    if dp.kind is not None and dp.fixed is None:
+    if dp.kind is not None and not dp.is_resolved:
         raise InputError(
-            f"plan(data_parallel={getattr(dp.kind, 'value', dp.kind)!r}): give 'auto', a "
-            f"DataParallel(kind=..., replicas=...) or None")
-    scheduling = request.options.scheduling
-    if AUTO in (scheduling.microbatches, scheduling.kind):
+            f"plan(data_parallel={getattr(dp.kind, 'value', dp.kind)!r}): give 'auto', "
+            f"DataParallelOptions(kind=..., replicas=...) or None")
+    if AUTO in (request.options.microbatches, request.options.schedule):
         return plan_auto(request, plan_fixed)
     return plan_fixed(request, captured)
 
@@ -140,7 +155,7 @@ def plan_fixed(request: Request, captured: Captured | None = None,
     """One plan at the request's microbatch count and schedule: capture → measure → partition
     → calibrate → heavy nodes in pieces → finish. ``captured``/``profiled``: a graph and cost
     table measured already (by the auto choices) at this microbatch size."""
-    m = request.options.scheduling.microbatches
+    m = request.options.microbatches
     if not isinstance(m, int):
         raise InputError(f"microbatches must be an int or 'auto', got {m!r}")
     batch = FirstBatch.of(request, m)
@@ -228,12 +243,12 @@ def _plan_and_time_stages(request: Request, on: Captured, batch: FirstBatch, cos
 def _partitioned(request: Request, captured: Captured, graph_fingerprint: str, batch_size: int,
                  costs: Sequence[NodeCost], chunked: tuple[ChunkedNode, ...]) -> Plan:
     """:func:`partition_costs` for the request; the plan names ``captured``'s graph."""
-    scheduling = request.options.scheduling
-    assert isinstance(scheduling.microbatches, int) and scheduling.kind not in (None, AUTO)
+    options = request.options
+    assert isinstance(options.microbatches, int) and options.schedule not in (None, AUTO)
     planned = partition_costs(
-        costs, devices=request.devices, microbatches=scheduling.microbatches, batch_size=batch_size,
-        schedule=as_schedule(scheduling.kind), link=request.link, partition=request.options.partition,
-        stages_per_rank=request.stages_per_rank, data_parallel=request.options.data_parallel.fixed,
+        costs, devices=request.devices, microbatches=options.microbatches, batch_size=batch_size,
+        schedule=as_schedule(options.schedule), link=request.link, partition=request.options.partition,
+        stages_per_rank=request.stages_per_rank, data_parallel=request.replication,
         fingerprint=graph_fingerprint, capture=captured.method, inputs=captured.input_names,
     )
     return dataclasses.replace(planned, chunked=chunked)
@@ -258,23 +273,23 @@ def _for_cluster(request: Request, cluster: str | Cluster) -> Plan:
     selective)."""
     from pipecut.planning.clusters import plan_cluster
 
-    scheduling = request.options.scheduling
-    if scheduling.microbatches == AUTO:
+    options = request.options
+    if options.microbatches == AUTO:
         raise InputError("plan(cluster=...) needs microbatches as a value, not 'auto'")
     if request.options.runtime.compile_stages:
         raise InputError("plan(cluster=...) estimates costs from a device profile: it cannot price "
                          "compiled stages; drop runtime=RuntimeOptions(compile_stages=...)")
     dp = request.options.data_parallel
-    if dp.kind is not None and dp.kind != AUTO and dp.fixed is None:
-        raise InputError(f"plan(cluster=...): data_parallel must be 'auto', None or a "
-                         f"DataParallel(kind=..., replicas=...), got {dp.kind!r}")
-    fixed = dp.fixed
+    if dp.kind is not None and dp.kind != AUTO and not dp.is_resolved:
+        raise InputError(f"plan(cluster=...): data_parallel must be 'auto', None or "
+                         f"DataParallelOptions(kind=..., replicas=...), got {dp.kind!r}")
+    fixed = request.replication
     return _recorded(plan_cluster(
-        request.model, request.example_inputs, cluster, data_parallel=fixed.replicas if fixed else AUTO,
-        microbatches=scheduling.microbatches or 1, schedule=scheduling.kind or ScheduleKind.ONE_F_ONE_B,
+        request.model, request.example_inputs, cluster, data_parallel=fixed.resolved_replicas if fixed else AUTO,
+        microbatches=options.microbatches or 1, schedule=options.schedule or ScheduleKind.ONE_F_ONE_B,
         stages_per_rank=request.stages_per_rank if request.stages_per_rank > 1 else None,
         recompute=_cluster_recompute(request.options.partition.recompute),
-        sharding=fixed.kind if fixed else DataParallelKind.FSDP, loss_fn=request.loss_fn, target=request.target,
+        sharding=fixed.resolved_kind if fixed else DataParallelKind.FSDP, loss_fn=request.loss_fn, target=request.target,
     ), request)
 
 

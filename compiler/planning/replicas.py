@@ -28,7 +28,6 @@ from pipecut.core.kinds import DataParallelKind, ScheduleKind
 from pipecut.errors import InputError
 from pipecut.ir import DeviceSpec, NodeCost, Plan, ReplicaCandidate
 from pipecut.options import AUTO, DataParallelOptions
-from pipecut.parallel import DataParallel
 from pipecut.passes.parallel.hybrid import HybridPlan, plan_hybrid, workload
 from pipecut.passes.parallel.replication import ReplicationKind
 from pipecut.passes.partition.solve import as_schedule
@@ -129,11 +128,11 @@ def plan_replicas(
     schedule: ScheduleKind,
     link: Link,
     profile_at: Callable[[Any, Any], Sequence[NodeCost]],
-    plan_share: Callable[[Any, Any, int, DataParallel], Plan],
+    plan_share: Callable[[Any, Any, int, DataParallelOptions], Plan],
 ) -> Plan:
     """``plan(..., data_parallel="auto")``: profile the first microbatch of the whole batch
     (``profile_at(first, first_target)``), choose D × K, then plan K stages at one replica's
-    share of the batch (``plan_share(share, share_target, K, DataParallel)``), so the plan's
+    share of the batch (``plan_share(share, share_target, K, DataParallelOptions)``), so the plan's
     shapes are the ones the replicas run; the plan lists every shape weighed."""
     size, first = first_microbatch(example_inputs, microbatches)
     first_target = split_microbatches(target, microbatches, size, "target")[0] if target is not None else None
@@ -144,7 +143,7 @@ def plan_replicas(
     d = choice.replicas
     share = split_microbatches(example_inputs, d, size, "example_inputs")[0]
     share_target = split_microbatches(target, d, size, "target")[0] if target is not None else None
-    replicated = DataParallel(kind=DataParallelKind.DDP, replicas=d)
+    replicated = DataParallelOptions.resolved(DataParallelKind.DDP, d)
     chosen = plan_share(share, share_target, choice.stages, replicated)
     return dataclasses.replace(chosen, replica_candidates=choice.candidates)
 
@@ -152,8 +151,8 @@ def plan_replicas(
 def plan_replicated(request: Request, plan_at: Callable[[Request], Plan]) -> Plan:
     """``plan(..., data_parallel="auto")``: :func:`plan_replicas` with the request's options;
     ``plan_at`` plans one replica's share on K devices."""
-    scheduling = request.options.scheduling
-    if (not isinstance(scheduling.microbatches, int) or scheduling.kind in (None, AUTO)
+    options = request.options
+    if (not isinstance(options.microbatches, int) or options.schedule in (None, AUTO)
             or request.stages_per_rank != 1 or request.options.partition.split is not None):
         raise InputError(
             "data_parallel='auto' chooses replicas and stages for a given microbatch count "
@@ -161,13 +160,12 @@ def plan_replicated(request: Request, plan_at: Callable[[Request], Plan]) -> Pla
             "stages_per_rank=1 and no split"
         )
 
-    def plan_share(share: Any, share_target: Any, k: int, replicated: DataParallel) -> Plan:
-        dp = DataParallelOptions(kind=replicated.kind, replicas=replicated.replicas)
-        return plan_at(dataclasses.replace(request.with_options(data_parallel=dp), example_inputs=share,
+    def plan_share(share: Any, share_target: Any, k: int, replicated: DataParallelOptions) -> Plan:
+        return plan_at(dataclasses.replace(request.with_options(data_parallel=replicated), example_inputs=share,
                                            target=share_target, devices=request.devices[:k]))
 
     return plan_replicas(
-        request.example_inputs, request.target, devices=request.devices, microbatches=scheduling.microbatches,
-        schedule=as_schedule(scheduling.kind), link=request.link, profile_at=measurements(request).costs,
+        request.example_inputs, request.target, devices=request.devices, microbatches=options.microbatches,
+        schedule=as_schedule(options.schedule), link=request.link, profile_at=measurements(request).costs,
         plan_share=plan_share,
     )

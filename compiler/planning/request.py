@@ -11,7 +11,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -21,7 +21,7 @@ from pipecut.core.kinds import ScheduleKind
 from pipecut.core.meta import input_device
 from pipecut.core.program import Captured, Inputs
 from pipecut.ir import DeviceSpec, NodeCost, Plan
-from pipecut.options import AUTO, Options
+from pipecut.options import AUTO, DataParallelOptions, Options
 from pipecut.passes.partition.solve import DEFAULT_LINK
 from pipecut.profile.devices import estimate_table
 from pipecut.profile.nodes import LossFn, profile
@@ -46,16 +46,19 @@ class Request:
     progress: Callable[[int, int], None] | None = None
 
     def with_options(self, **groups: Any) -> Request:
-        """This request with some option groups replaced (``scheduling=...``)."""
+        """This request with some options replaced (``microbatches=4``, ``measure=...``)."""
         return dataclasses.replace(self, options=dataclasses.replace(self.options, **groups))
-
-    def with_scheduling(self, **fields: Any) -> Request:
-        """This request with some scheduling fields replaced (``microbatches=4``)."""
-        return self.with_options(scheduling=dataclasses.replace(self.options.scheduling, **fields))
 
     @property
     def link(self) -> Any:
         return self.options.measure.fixed_link or DEFAULT_LINK
+
+    @property
+    def replication(self) -> DataParallelOptions | None:
+        """The replicas asked for as a plan records them; None unless kind and replicas are
+        both given."""
+        dp = self.options.data_parallel
+        return dp if dp.is_resolved else None
 
     @property
     def stages_per_rank(self) -> int:
@@ -117,7 +120,7 @@ def profile_at(request: Request, captured: Captured, inputs: Inputs, target: Any
                    device=request.measure_on, only=only)
 
 
-def default_choices(microbatches: int | str | None, schedule: Any) -> tuple[int | str, Any]:
+def default_choices(microbatches: int | Literal["auto"] | None, schedule: Any) -> tuple[int | Literal["auto"], Any]:
     """What ``microbatches`` and ``schedule`` left out (None) mean: the planner chooses
     microbatches ("auto"), and the schedule with them unless one is given; a schedule left out
     beside a given count is GPipe.

@@ -28,7 +28,7 @@ from pipecut.cluster import Cluster, Link
 from pipecut.core.kinds import CaptureMethod, DataParallelKind, Partitioner, Recompute
 from pipecut.errors import PartitionError
 from pipecut.ir import DeviceSpec, NodeCost, Plan, Solver, Stage
-from pipecut.parallel import DataParallel
+from pipecut.options import DataParallelOptions
 from pipecut.passes.costs.stages import build_stages
 from pipecut.passes.parallel.training import RunCandidate, RunStage
 from pipecut.passes.partition.chain import liveness
@@ -57,7 +57,7 @@ def plan_of_run(
                   for s, st in enumerate(run.stages)]
     kinds = [recompute if names else Recompute.NONE for names in recomputed]
     d = run.placement.replicas
-    dp = DataParallel(kind=sharding, replicas=d) if d > 1 else None
+    dp = DataParallelOptions.resolved(sharding, d) if d > 1 else None
     link = _link_of(cluster, run)
     facts = build_stages(
         nodes, live, bounds, devices=devices, link=link, schedule=run.schedule, microbatches=microbatches,

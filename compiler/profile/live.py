@@ -31,8 +31,7 @@ import torch.distributed as dist
 from pipecut.cluster import Link
 from pipecut.core.kinds import Partitioner, Recompute
 from pipecut.ir import NodeCost, Plan
-from pipecut.options import PartitionOptions
-from pipecut.parallel import DataParallel
+from pipecut.options import DataParallelOptions, PartitionOptions
 from pipecut.passes.costs.stages import build_stages
 from pipecut.passes.partition.chain import liveness
 from pipecut.passes.partition.solve import partition_costs
@@ -126,7 +125,7 @@ def measure_stages(pipe: Any, inputs: Any, target: Any, steps: int = 2) -> LiveT
     return LiveTimes(stages=tuple(merged[s] for s in range(pipe.plan.num_stages)), step_ms=step_ms)
 
 
-def _split_facts(plan: Plan, nodes: Sequence[NodeCost], link: Link, data_parallel: DataParallel | None) -> Any:
+def _split_facts(plan: Plan, nodes: Sequence[NodeCost], link: Link, data_parallel: DataParallelOptions | None) -> Any:
     """Stage facts and prediction of ``plan``'s own split on ``nodes`` and ``link``."""
     live = liveness(nodes)
     bounds = [live.index[s.nodes[0]] for s in plan.stages] + [len(live.units)]
@@ -139,7 +138,7 @@ def _split_facts(plan: Plan, nodes: Sequence[NodeCost], link: Link, data_paralle
 
 
 def fit_latency(
-    plan: Plan, nodes: Sequence[NodeCost], step_ms: float, data_parallel: DataParallel | None = None
+    plan: Plan, nodes: Sequence[NodeCost], step_ms: float, data_parallel: DataParallelOptions | None = None
 ) -> Link:
     """``plan.link`` with the per-message latency that makes ``plan``'s split, simulated on
     ``nodes``, take the measured ``step_ms`` (zero if even that is too slow; unchanged if no
@@ -164,7 +163,7 @@ def fit_latency(
 
 
 def recalibrate(
-    plan: Plan, times: LiveTimes | Sequence[tuple[float, float]], data_parallel: DataParallel | None = None,
+    plan: Plan, times: LiveTimes | Sequence[tuple[float, float]], data_parallel: DataParallelOptions | None = None,
     keep_split: bool = False,
 ) -> Plan:
     """``plan`` with node costs scaled to the measured stage times (and, given the measured

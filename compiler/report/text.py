@@ -22,8 +22,13 @@ def human_bytes(n: float) -> str:
 
 
 def _asked(options: Any) -> str:
-    """The options that differ from their defaults, ``group.field=value``, in group order."""
+    """The options that differ from their defaults: ``microbatches=...``, ``schedule=...``,
+    then ``group.field=value`` in group order."""
     out = []
+    for name in ("microbatches", "schedule"):
+        value = getattr(options, name)
+        if value is not None:
+            out.append(f"{name}={value.value if isinstance(value, enum.Enum) else value!r}")
     for group in options.GROUPS:
         given, default = getattr(options, group), type(getattr(options, group))()
         for f in dataclasses.fields(given):
@@ -68,8 +73,8 @@ def summary(plan: Plan) -> str:
     if plan.data_parallel is not None:
         dp = plan.data_parallel
         lines.append(
-            f"data parallel: {dp.replicas} replicas x {plan.num_ranks} ranks ({dp.kind.value}), "
-            f"global batch {plan.batch_size * dp.replicas}"
+            f"data parallel: {dp.replicas} replicas x {plan.num_ranks} ranks ({dp.resolved_kind.value}), "
+            f"global batch {plan.batch_size * dp.resolved_replicas}"
         )
     if plan.cluster is not None and plan.run is not None:
         lines += _cluster_lines(plan)

@@ -14,7 +14,7 @@ import numpy as np
 from pipecut.cluster import Link
 from pipecut.core.kinds import DataParallelKind, NodeOp, Recompute, ScheduleKind
 from pipecut.ir import DeviceSpec, Edge, NodeCost, Plan, Predicted, Stage, TiedGroup
-from pipecut.parallel import DataParallel
+from pipecut.options import DataParallelOptions
 from pipecut.passes.partition.chain import (
     Liveness,
     boundary_bytes,
@@ -47,7 +47,7 @@ OPTIMIZER_STATE_FACTOR = 2
 """Optimizer state per parameter byte (AdamW keeps two moments)."""
 
 
-def state_bytes(param_bytes: int, data_parallel: DataParallel | None = None) -> int:
+def state_bytes(param_bytes: int, data_parallel: DataParallelOptions | None = None) -> int:
     """Peak bytes of parameters, gradients and optimizer state for ``param_bytes`` of parameters.
 
     Replicated (one pipeline, or DDP): all of it on every replica. FSDP shards a stage as one
@@ -58,7 +58,7 @@ def state_bytes(param_bytes: int, data_parallel: DataParallel | None = None) -> 
     """
     if data_parallel is None or data_parallel.kind is DataParallelKind.DDP:
         return param_bytes * (2 + OPTIMIZER_STATE_FACTOR)
-    shard = -(-param_bytes * (2 + OPTIMIZER_STATE_FACTOR) // data_parallel.replicas)
+    shard = -(-param_bytes * (2 + OPTIMIZER_STATE_FACTOR) // data_parallel.resolved_replicas)
     return 2 * param_bytes + shard
 
 
@@ -101,7 +101,7 @@ def build_stages(
     recompute: Sequence[Recompute] | None = None,
     recomputed: Sequence[tuple[str, ...]] | None = None,
     stages_per_rank: int = 1,
-    data_parallel: DataParallel | None = None,
+    data_parallel: DataParallelOptions | None = None,
 ) -> StageFacts:
     """The stages of the cut at ``bounds``, the values crossing stages, the parameters several
     stages read, and the predicted step."""
@@ -150,7 +150,7 @@ def _stage(
     recompute: Recompute,
     recomputed: tuple[str, ...],
     inflight: int,
-    data_parallel: DataParallel | None,
+    data_parallel: DataParallelOptions | None,
 ) -> Stage:
     """Stage s of the cut, its times on ``device`` and its memory with ``inflight`` microbatches."""
     a, e, k = cut.bounds[s], cut.bounds[s + 1], len(cut.bounds) - 1
@@ -300,7 +300,7 @@ def predict(
     schedule: ScheduleKind,
     link: Link,
     stages_per_rank: int = 1,
-    data_parallel: DataParallel | None = None,
+    data_parallel: DataParallelOptions | None = None,
 ) -> Predicted:
     """Step time of the schedule, simulated action by action on the per-stage costs; with
     data parallelism, each rank then all-reduces its stages' gradients over its replicas (a ring
@@ -311,7 +311,7 @@ def predict(
     sched = build_schedule(schedule, ranks, microbatches, stages_per_rank, costs)
     ends = rank_end_ms(sched, costs.forward, costs.backward, costs.forward_link, costs.backward_link,
                        costs.weight)
-    replicas = data_parallel.replicas if data_parallel is not None else 1
+    replicas = data_parallel.resolved_replicas if data_parallel is not None else 1
     held = [sum(st.param_bytes for st in stages if rank_of(st.index, ranks, schedule.placement) == r)
             for r in range(ranks)]
     step = max((end + ring_allreduce_ms(b, replicas, link) for end, b in zip(ends, held)), default=0.0)

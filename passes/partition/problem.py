@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pipecut.cluster import Link
 from pipecut.core.kinds import Recompute, ScheduleKind
 from pipecut.ir import DeviceSpec, NodeCost
-from pipecut.parallel import DataParallel
+from pipecut.options import DataParallelOptions
 from pipecut.passes.costs.stages import inflight_microbatches, state_bytes
 from pipecut.passes.partition.chain import (
     Liveness,
@@ -259,7 +259,7 @@ class Formulation:
     """Module path of each unit, for coarsening at module boundaries."""
 
 
-def unit_fixed_bytes(node: NodeCost, by_name: dict[str, NodeCost], data_parallel: DataParallel | None = None) -> int:
+def unit_fixed_bytes(node: NodeCost, by_name: dict[str, NodeCost], data_parallel: DataParallelOptions | None = None) -> int:
     """Parameters, gradients and optimizer state of a unit and the ``get_attr`` nodes it reads.
 
     A parameter read by two units of one stage is counted twice here (once in the plan), so the
@@ -276,7 +276,7 @@ def formulate(
     schedule: ScheduleKind,
     microbatches: int,
     recompute: bool,
-    data_parallel: DataParallel | None = None,
+    data_parallel: DataParallelOptions | None = None,
 ) -> Formulation:
     live = liveness(nodes)
     fwd_bytes, bwd_bytes, allowed = boundary_bytes(nodes, live)

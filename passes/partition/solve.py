@@ -22,8 +22,7 @@ from pipecut.core.choices import enum_choice
 from pipecut.core.kinds import CaptureMethod, Partitioner, Recompute, ScheduleKind
 from pipecut.errors import InputError, PartitionError
 from pipecut.ir import DeviceSpec, NodeCost, Plan, Solver, Stage
-from pipecut.options import AUTO, IlpSolver, PartitionOptions
-from pipecut.parallel import DataParallel
+from pipecut.options import AUTO, DataParallelOptions, IlpSolver, PartitionOptions
 from pipecut.passes.costs.stages import build_stages, inflight_microbatches
 from pipecut.passes.partition.chain import boundary_bytes, can_cross, is_unit, liveness
 from pipecut.passes.partition.coarsen import block_cuts, candidate_cuts
@@ -121,7 +120,7 @@ def partition_costs(
     link: Link = DEFAULT_LINK,
     partition: PartitionOptions | None = None,
     stages_per_rank: int = 1,
-    data_parallel: DataParallel | None = None,
+    data_parallel: DataParallelOptions | None = None,
     fingerprint: str = "",
     capture: CaptureMethod = CaptureMethod.SYMBOLIC_TRACE,
     inputs: Sequence[str] = (),
@@ -147,8 +146,29 @@ def partition_costs(
     causal mask, rotary tables) cross no cut: the plan's cost table marks them ``rebuilt``
     (:func:`pipecut.passes.partition.rebuild.mark_rebuilt`).
 
-    ``data_parallel``: the replicas each stage will have and their engine; FSDP shrinks the
-    memory a stage needs (see :func:`pipecut.passes.costs.stages.state_bytes`).
+    Args:
+        nodes: The cost table, in topological order (a plan's ``nodes``).
+        devices: K, a list of devices, or :class:`~pipecut.ir.DeviceSpec` s (the ranks).
+        microbatches: Microbatches per step.
+        batch_size: The whole batch's size (a multiple of ``microbatches``).
+        schedule: A :class:`~pipecut.core.kinds.ScheduleKind` or its name.
+        link: The link between neighbouring stages.
+        partition: :class:`~pipecut.options.PartitionOptions`, as above; None: the defaults.
+        stages_per_rank: Virtual stages per rank (interleaved schedules, ZBV).
+        data_parallel: The replicas each stage will have and their engine, resolved; FSDP
+            shrinks the memory a stage needs (see
+            :func:`pipecut.passes.costs.stages.state_bytes`).
+        fingerprint: The captured graph's fingerprint, recorded in the plan.
+        capture: How the graph was captured, recorded in the plan.
+        inputs: The graph's input placeholder names, in order.
+
+    Returns:
+        The :class:`~pipecut.ir.Plan`: stages, cut edges, schedule and prediction.
+
+    Raises:
+        InputError: An unknown schedule or device, or stages that do not divide over the ranks.
+        PartitionError: No split fits the devices' memory, or the split given names unknown
+            modules.
     """
     options = partition or PartitionOptions()
     nodes = mark_rebuilt(nodes, link)  # what a stage computes again rather than receives
@@ -189,7 +209,7 @@ class _Setup:
     microbatches: int
     batch_size: int
     stages_per_rank: int
-    data_parallel: DataParallel | None
+    data_parallel: DataParallelOptions | None
     options: PartitionOptions
     allow_recompute: bool
     method: Partitioner
@@ -198,7 +218,7 @@ class _Setup:
 
     @classmethod
     def of(cls, nodes: Sequence[NodeCost], devices: Devices, microbatches: int, batch_size: int,
-           schedule: str | ScheduleKind, link: Link, options: PartitionOptions, stages_per_rank: int, data_parallel: DataParallel | None) -> _Setup:
+           schedule: str | ScheduleKind, link: Link, options: PartitionOptions, stages_per_rank: int, data_parallel: DataParallelOptions | None) -> _Setup:
         kind = as_schedule(schedule)
         per_rank = _stages_per_rank(kind, stages_per_rank)
         ranks = as_devices(devices)
@@ -309,7 +329,7 @@ def _ilp(setup: _Setup) -> _Cut:
 def _refined(
     bounds: Sequence[int], form: Formulation, nodes: Sequence[NodeCost], specs: Sequence[DeviceSpec],
     ranks: Sequence[DeviceSpec], link: Link, kind: ScheduleKind, microbatches: int,
-    stages_per_rank: int, data_parallel: DataParallel | None,
+    stages_per_rank: int, data_parallel: DataParallelOptions | None,
 ) -> tuple[tuple[int, ...], str]:
     """With several stages per rank (interleaved, ZBV) the solvers' objective, the slowest
     stage, is only a proxy for the step, and their memory check is per stage while a rank's
@@ -338,7 +358,7 @@ def _refined(
 def _simulated_step(
     nodes: Sequence[NodeCost], live: Any, bounds: Sequence[int], specs: Sequence[DeviceSpec],
     ranks: Sequence[DeviceSpec], link: Link, kind: ScheduleKind, microbatches: int,
-    stages_per_rank: int, data_parallel: DataParallel | None,
+    stages_per_rank: int, data_parallel: DataParallelOptions | None,
 ) -> float:
     """The step a split would take, simulated; inf if a stage or a rank would not fit."""
     facts = build_stages(

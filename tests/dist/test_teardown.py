@@ -69,7 +69,7 @@ def test_the_readme_script_exits_cleanly_and_closes_its_process_group(tmp_path: 
         out = done.stdout + done.stderr
         assert done.returncode == 0, f"run {run}: exit code {done.returncode}\n{out[-4000:]}"
         assert "terminate called" not in out and "Aborted" not in out, out[-4000:]
-        assert "asked: scheduling.microbatches=4" in out  # the script ran to its end (rank 0 prints)
+        assert "asked: microbatches=4" in out  # the script ran to its end (rank 0 prints)
         for rank in (0, 1):
             assert f"rank {rank}: process group open at exit: False" in out, out[-4000:]
 

@@ -9,8 +9,7 @@ import torch
 
 from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.errors import InputError, PartitionError
-from pipecut.options import AUTO
-from pipecut.parallel import DataParallel
+from pipecut.options import AUTO, DataParallelOptions
 from pipecut.planning.autoplan import choose_microbatches_and_schedule, schedules_to_try
 from tests.unit.tiny import mlp_plan
 
@@ -85,10 +84,10 @@ def test_with_data_parallelism_split_backward_schedules_are_ruled_out():
     run the zbv schedule"."""
     times = all_pairs(lambda m, k: {ZV: 5.0, Z: 6.0}.get(k, 10.0))
     assert run(times)[:2] == (2, ZV)
-    _, kind, candidates = run(times, data_parallel=DataParallel(kind=DataParallelKind.DDP, replicas=2))
+    _, kind, candidates = run(times, data_parallel=DataParallelOptions(kind=DataParallelKind.DDP, replicas=2))
     assert kind is F
     assert {c.note for c in candidates if c.schedule in (Z, ZV)} == {f"data parallelism cannot run {k.value}" for k in (Z, ZV)}
-    assert run(times, data_parallel=DataParallel(kind=DataParallelKind.DDP, replicas=1))[1] is ZV
+    assert run(times, data_parallel=DataParallelOptions(kind=DataParallelKind.DDP, replicas=1))[1] is ZV
 
 
 def test_interleaved_counts_need_a_multiple_of_the_ranks_only_with_several_stages_per_rank():

@@ -282,7 +282,7 @@ def test_plan_flags_land_in_the_options_the_plan_records(in_repo, tmp_path, monk
     plan = pipecut.Plan.from_json(out)
     options = plan.options
     assert options.runtime.compile_stages is True and "stages priced compiled" in plan.solver.detail
-    assert options.partition.solver.value == "cbc" and options.scheduling.microbatches == 2
+    assert options.partition.solver.value == "cbc" and options.microbatches == 2
 
 
 def test_plan_link_stages_per_rank_no_calibrate_and_solver(in_repo, tmp_path):

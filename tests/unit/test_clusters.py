@@ -11,7 +11,7 @@ from pipecut.cluster import Cluster, Layout
 from pipecut.core.kinds import DataParallelKind, NodeOp
 from pipecut.errors import InputError, PartitionError
 from pipecut.ir import NodeCost
-from pipecut.parallel import DataParallel
+from pipecut.options import DataParallelOptions
 from pipecut.passes.parallel.training import RunShape
 from pipecut.planning.clusters import parse_cluster, plan_cluster, predict_run
 from pipecut.profile.hardware import family_figures
@@ -110,7 +110,7 @@ def test_pipecut_plan_with_a_cluster_is_plan_cluster() -> None:
     model, batch = _tiny_llama()
     via_plan = pipecut.plan(
         model, batch, cluster="1x2xH100-SXM", microbatches=2, schedule="1f1b",
-        data_parallel=DataParallel(kind=DataParallelKind.FSDP, replicas=2),
+        data_parallel=DataParallelOptions(kind=DataParallelKind.FSDP, replicas=2),
         partition=pipecut.PartitionOptions(recompute="full"),
     )
     direct = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2, recompute="full", data_parallel=2)

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import pipecut
 from benchmarks.synthetic import transformer_costs
 from pipecut.core.kinds import DataParallelKind, Partitioner, ScheduleKind
-from pipecut.errors import InputError, PartitionError
+from pipecut.errors import InputError, PartitionError, PlanError
 from pipecut.ir import DeviceSpec
-from pipecut.parallel import DataParallel, as_data_parallel
+from pipecut.options import DataParallelOptions
 from pipecut.passes.costs.stages import OPTIMIZER_STATE_FACTOR, state_bytes
 from pipecut.passes.partition.memory_floor import min_peak_memory
 from pipecut.passes.partition.problem import formulate
 from pipecut.passes.partition.solve import DEFAULT_LINK, partition_costs
 from pipecut.runtime.grads.data_parallel import last_backwards
 from pipecut.schedules.standard import gpipe, interleaved_1f1b, one_f_one_b
+from tests.browser.plans import synthetic_nodes
 
 
 def test_the_last_backward_is_the_schedules_not_the_last_microbatch() -> None:
@@ -28,23 +31,37 @@ def test_the_last_backward_is_the_schedules_not_the_last_microbatch() -> None:
 
 
 def test_data_parallel_option_parses_and_refuses_unknown_names() -> None:
-    assert as_data_parallel("FSDP") is DataParallelKind.FSDP
-    assert as_data_parallel(DataParallelKind.DDP) is DataParallelKind.DDP
-    with pytest.raises(InputError, match=r"unknown data_parallel 'zero2'; choose one of \['ddp', 'fsdp'\]"):
-        as_data_parallel("zero2")
-    with pytest.raises(InputError, match="at least 1 replica, got 0"):
-        DataParallel(kind=DataParallelKind.DDP, replicas=0)
+    assert DataParallelOptions(kind="FSDP").kind is DataParallelKind.FSDP
+    assert DataParallelOptions(kind=DataParallelKind.DDP).kind is DataParallelKind.DDP
+    with pytest.raises(InputError, match=r"unknown data_parallel 'zero2'; choose one of \['ddp', 'fsdp', 'auto'\]"):
+        DataParallelOptions(kind="zero2")
+    with pytest.raises(InputError, match=r"DataParallelOptions\(replicas=0\): at least 1"):
+        DataParallelOptions(kind=DataParallelKind.DDP, replicas=0)
+
+
+def test_resolved_data_parallel_fixes_kind_and_replicas_and_plans_refuse_others() -> None:
+    dp = DataParallelOptions.resolved("fsdp", 2)
+    assert dp.is_resolved and dp.resolved_kind is DataParallelKind.FSDP and dp.resolved_replicas == 2
+    assert not DataParallelOptions(kind="auto").is_resolved
+    with pytest.raises(InputError, match="not 'auto'"):
+        DataParallelOptions.resolved("auto", 2)
+    with pytest.raises(InputError, match="not resolved"):
+        _ = DataParallelOptions(kind="ddp").resolved_replicas
+    plan = pipecut.partition_costs(synthetic_nodes(2), devices=2, microbatches=2, batch_size=4,
+                                   schedule="1f1b", data_parallel=dp)
+    with pytest.raises(PlanError, match="must name its engine and replicas"):
+        dataclasses.replace(plan, data_parallel=DataParallelOptions(kind="ddp"))
 
 
 def test_state_bytes_replicated_and_sharded() -> None:
     p = 1000
     full = p * (2 + OPTIMIZER_STATE_FACTOR)  # parameters, gradients, two AdamW moments
     assert state_bytes(p) == full
-    assert state_bytes(p, DataParallel(kind=DataParallelKind.DDP, replicas=4)) == full
+    assert state_bytes(p, DataParallelOptions(kind=DataParallelKind.DDP, replicas=4)) == full
     # FSDP, one unit per stage: gathered parameters and unsharded gradients for the step, plus
     # a quarter of parameters, gradients and optimizer state.
-    assert state_bytes(p, DataParallel(kind=DataParallelKind.FSDP, replicas=4)) == 2 * p + full // 4
-    assert state_bytes(p, DataParallel(kind=DataParallelKind.FSDP, replicas=8)) == 2 * p + full // 8
+    assert state_bytes(p, DataParallelOptions(kind=DataParallelKind.FSDP, replicas=4)) == 2 * p + full // 4
+    assert state_bytes(p, DataParallelOptions(kind=DataParallelKind.FSDP, replicas=8)) == 2 * p + full // 8
 
 
 @pytest.mark.parametrize("partitioner", [Partitioner.DP, Partitioner.ILP])
@@ -53,7 +70,7 @@ def test_plan_memory_follows_the_data_parallel_option(partitioner: Partitioner) 
     plans = {
         kind: partition_costs(
             nodes, devices=[DeviceSpec(name="d")] * 2, microbatches=4, batch_size=8,
-            schedule="1f1b", data_parallel=DataParallel(kind=kind, replicas=8),
+            schedule="1f1b", data_parallel=DataParallelOptions(kind=kind, replicas=8),
             partition=pipecut.PartitionOptions(partitioner=partitioner),
         )
         for kind in DataParallelKind
@@ -63,7 +80,7 @@ def test_plan_memory_follows_the_data_parallel_option(partitioner: Partitioner) 
     for a, b in zip(ddp.stages, fsdp.stages):
         assert a.param_bytes > 0
         saved = a.param_bytes * (2 + OPTIMIZER_STATE_FACTOR) - state_bytes(
-            a.param_bytes, DataParallel(kind=DataParallelKind.FSDP, replicas=8))
+            a.param_bytes, DataParallelOptions(kind=DataParallelKind.FSDP, replicas=8))
         assert a.peak_memory_bytes - b.peak_memory_bytes == saved > 0
 
 
@@ -73,7 +90,7 @@ def test_a_memory_limit_that_only_fsdp_meets() -> None:
     for kind in DataParallelKind:
         form = formulate(nodes, devices=[DeviceSpec(name="d")] * 2, link=DEFAULT_LINK,
                          schedule=ScheduleKind.ONE_F_ONE_B, microbatches=4, recompute=False,
-                         data_parallel=DataParallel(kind=kind, replicas=8))
+                         data_parallel=DataParallelOptions(kind=kind, replicas=8))
         need[kind] = min_peak_memory(form.problem)[0]
     assert need[DataParallelKind.FSDP] < need[DataParallelKind.DDP]
     cap = int((need[DataParallelKind.FSDP] + need[DataParallelKind.DDP]) / 2)
@@ -82,7 +99,7 @@ def test_a_memory_limit_that_only_fsdp_meets() -> None:
     def plan(kind: DataParallelKind):
         return partition_costs(
             nodes, devices=devices, microbatches=4, batch_size=8, schedule="1f1b",
-            data_parallel=DataParallel(kind=kind, replicas=8),
+            data_parallel=DataParallelOptions(kind=kind, replicas=8),
             partition=pipecut.PartitionOptions(recompute="none"),
         )
 

@@ -12,7 +12,9 @@ exist and take the options given); the command-line page's block runs as written
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
+import inspect
 import re
 import shlex
 from pathlib import Path
@@ -276,3 +278,63 @@ def test_every_docs_page_is_in_the_index() -> None:
     missing = [p for p in pages() if p.startswith("docs/") and p != "docs/README.md"
                and f"({Path(p).name})" not in index]
     assert not missing, f"docs/README.md does not link {missing}"
+
+
+# --- entry points say what they take, return and raise -------------------------------------------
+def _entry_points() -> list[Any]:
+    import pipecut
+    from pipecut.runtime.pipeline import Pipeline
+
+    return [pipecut.compile, pipecut.plan, pipecut.partition_costs, Pipeline.step, Pipeline.eval_step,
+            Pipeline.save_pretrained]
+
+
+def _options_classes() -> list[type]:
+    from pipecut import options
+
+    return [options.CaptureOptions, options.MeasureOptions, options.PartitionOptions, options.ScheduleOptions,
+            options.DataParallelOptions, options.WeightOptions, options.RuntimeOptions, options.Options]
+
+
+def _sections(doc: str) -> dict[str, list[str]]:
+    """A Google-style docstring's sections (``Args:``, ``Returns:``, ``Raises:``): their lines."""
+    out: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in inspect.cleandoc(doc).splitlines():
+        if line.strip() in ("Args:", "Returns:", "Raises:") and not line.startswith(" "):
+            current = out.setdefault(line.strip()[:-1], [])
+        elif current is not None and line.startswith("    "):
+            current.append(line)
+        elif line.strip():
+            current = None
+    return out
+
+
+def _documented(section: list[str]) -> set[str]:
+    """The names an ``Args:`` section documents (``    name: ...`` lines)."""
+    return {line.split(":")[0].strip() for line in section if not line.startswith("     ") and ":" in line}
+
+
+@pytest.mark.parametrize("fn", _entry_points(), ids=lambda f: f.__qualname__)
+def test_entry_points_document_args_returns_and_raises(fn: Any) -> None:
+    sections = _sections(fn.__doc__ or "")
+    assert set(sections) == {"Args", "Returns", "Raises"}, f"{fn.__qualname__}: sections {sorted(sections)}"
+    assert all(sections.values()), f"{fn.__qualname__}: an empty section"
+    params = [p for p in inspect.signature(fn).parameters if p != "self"]
+    assert _documented(sections["Args"]) == set(params), f"{fn.__qualname__}: Args vs {params}"
+    assert all(line.split(":")[0].strip().endswith("Error") for line in sections["Raises"]
+               if not line.startswith("     ")), f"{fn.__qualname__}: Raises names its errors"
+
+
+@pytest.mark.parametrize("cls", _options_classes(), ids=lambda c: c.__name__)
+def test_options_classes_document_args_and_raises(cls: type) -> None:
+    sections = _sections(cls.__doc__ or "")
+    assert set(sections) == {"Args", "Raises"}, f"{cls.__name__}: sections {sorted(sections)}"
+    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    assert _documented(sections["Args"]) == fields, f"{cls.__name__}: Args vs {sorted(fields)}"
+
+
+def test_the_section_reader_finds_sections_and_names() -> None:
+    doc = "One line.\n\n    Args:\n        a: x\n            more: y\n        b: z\n\n    Raises:\n        E: w\n"
+    sections = _sections(doc)
+    assert set(sections) == {"Args", "Raises"} and _documented(sections["Args"]) == {"a", "b"}

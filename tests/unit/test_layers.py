@@ -1,6 +1,6 @@
 """The package's folders are layers, bottom to top, and no import points upwards.
 
-1. data: the plan (``pipecut.ir``, ``errors``, ``schema``, ``parallel``, ``cluster``,
+1. data: the plan (``pipecut.ir``, ``errors``, ``schema``, ``cluster``,
    ``version``), the options (``pipecut.options``), ``pipecut.core`` (kinds, programs, values,
    shapes) and ``pipecut.schedules`` (the schedule format, its generators and the one
    simulator: pure functions over numbers and names, which the runtime replays);
@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"compiler": "pipecut", "passes": "pipecut.passes", "runtime": "pipecut.runtime"}
-DATA = ("pipecut.ir", "pipecut.version", "pipecut.schedules", "pipecut.errors", "pipecut.schema", "pipecut.parallel", "pipecut.cluster",
+DATA = ("pipecut.ir", "pipecut.version", "pipecut.schedules", "pipecut.errors", "pipecut.schema", "pipecut.cluster",
         "pipecut.options", "pipecut.core")
 
 

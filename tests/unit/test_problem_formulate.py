@@ -7,7 +7,7 @@ import pytest
 from pipecut.cluster import Link
 from pipecut.core.kinds import DataParallelKind, NodeOp, ScheduleKind
 from pipecut.ir import DeviceSpec, NodeCost
-from pipecut.parallel import DataParallel
+from pipecut.options import DataParallelOptions
 from pipecut.passes.costs.stages import inflight_microbatches, state_bytes
 from pipecut.passes.partition.problem import evaluate, formulate, unit_fixed_bytes
 from tests.unit.tiny import mlp_plan
@@ -36,7 +36,7 @@ def test_unit_fixed_bytes_counts_the_attributes_it_reads_and_shards_with_fsdp():
     x = NodeCost(name="x", op=NodeOp.PLACEHOLDER, target="x")
     by_name = {n.name: n for n in (w, mm, x)}
     assert unit_fixed_bytes(mm, by_name) == state_bytes(400)
-    fsdp = DataParallel(kind=DataParallelKind.FSDP, replicas=4)
+    fsdp = DataParallelOptions(kind=DataParallelKind.FSDP, replicas=4)
     assert unit_fixed_bytes(mm, by_name, fsdp) == state_bytes(400, fsdp) < state_bytes(400)
 
 

@@ -128,9 +128,9 @@ def test_cli_data_parallel_auto(tmp_path, capsys) -> None:
 def test_a_data_parallel_plan_records_its_replicas() -> None:
     # the mesh path (compile with a ("dp", "pp") DeviceMesh) plans with DataParallel: recorded
     from pipecut.core.kinds import DataParallelKind
-    from pipecut.parallel import DataParallel
+    from pipecut.options import DataParallelOptions
 
-    dp = DataParallel(kind=DataParallelKind.FSDP, replicas=2)
+    dp = DataParallelOptions(kind=DataParallelKind.FSDP, replicas=2)
     plan = pipecut.partition_costs(synthetic_nodes(2), devices=2, data_parallel=dp, **KW)
     assert Plan.from_json(plan.to_json()).data_parallel == dp
     assert dataclasses.replace(plan, data_parallel=None).data_parallel is None

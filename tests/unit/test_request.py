@@ -16,10 +16,10 @@ def _request(**options) -> Request:
 
 
 def test_a_variant_changes_only_what_it_names() -> None:
-    r = _request(scheduling=ScheduleOptions(microbatches="auto", stages_per_rank=2))
-    v = r.with_scheduling(microbatches=4)
-    assert v.options.scheduling == ScheduleOptions(microbatches=4, stages_per_rank=2)
-    assert r.options.scheduling.microbatches == "auto"  # the request itself is unchanged
+    r = _request(microbatches="auto", scheduling=ScheduleOptions(stages_per_rank=2))
+    v = r.with_options(microbatches=4)
+    assert v.options == Options(microbatches=4, scheduling=ScheduleOptions(stages_per_rank=2))
+    assert r.options.microbatches == "auto"  # the request itself is unchanged
     assert v.stages_per_rank == 2 and _request().stages_per_rank == 1
     assert r.link == DEFAULT_LINK
 

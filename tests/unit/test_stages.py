@@ -7,7 +7,7 @@ import pytest
 from pipecut.core.kinds import DataParallelKind, NodeOp, ScheduleKind
 from pipecut.errors import ScheduleError
 from pipecut.ir import NodeCost
-from pipecut.parallel import DataParallel
+from pipecut.options import DataParallelOptions
 from pipecut.passes.costs.stages import (
     OPTIMIZER_STATE_FACTOR,
     inflight_microbatches,
@@ -24,8 +24,8 @@ from tests.unit.tiny import mlp_plan
 
 def test_state_bytes_replicated_and_sharded():
     assert state_bytes(100) == 100 * (2 + OPTIMIZER_STATE_FACTOR)
-    assert state_bytes(100, DataParallel(kind=DataParallelKind.DDP, replicas=4)) == state_bytes(100)
-    fsdp = DataParallel(kind=DataParallelKind.FSDP, replicas=4)
+    assert state_bytes(100, DataParallelOptions(kind=DataParallelKind.DDP, replicas=4)) == state_bytes(100)
+    fsdp = DataParallelOptions(kind=DataParallelKind.FSDP, replicas=4)
     assert state_bytes(100, fsdp) == 200 + 100 * (2 + OPTIMIZER_STATE_FACTOR) // 4
 
 
@@ -70,19 +70,19 @@ def test_stage_costs_and_the_zero_bubble_constraint():
 
 def test_data_parallel_adds_each_ranks_gradient_all_reduce():
     from pipecut.core.kinds import DataParallelKind
-    from pipecut.parallel import DataParallel
+    from pipecut.options import DataParallelOptions
     from pipecut.passes.costs.stages import ring_allreduce_ms
 
     plan = mlp_plan()
     alone = predict(plan.stages, plan.microbatches, plan.nodes, plan.schedule, plan.link)
-    dp = DataParallel(kind=DataParallelKind.DDP, replicas=4)
+    dp = DataParallelOptions(kind=DataParallelKind.DDP, replicas=4)
     replicated = predict(plan.stages, plan.microbatches, plan.nodes, plan.schedule, plan.link,
                          data_parallel=dp)
     slowest_reduce = max(ring_allreduce_ms(s.param_bytes, 4, plan.link) for s in plan.stages)
     assert slowest_reduce > 0
     assert alone.step_ms < replicated.step_ms <= alone.step_ms + slowest_reduce + 1e-9
     one = predict(plan.stages, plan.microbatches, plan.nodes, plan.schedule, plan.link,
-                  data_parallel=DataParallel(kind=DataParallelKind.DDP, replicas=1))
+                  data_parallel=DataParallelOptions(kind=DataParallelKind.DDP, replicas=1))
     assert one.step_ms == alone.step_ms  # one replica reduces nothing
 
 
