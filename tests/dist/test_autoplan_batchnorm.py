@@ -20,7 +20,7 @@ import pipecut
 from pipecut.core.batching import split_microbatches
 from tests.harness import run_ranks
 from tests.reference import ATOL, RTOL, assert_parity, pipeline_grads
-from tests.unit.test_autoplan_unrunnable import ONE_SAMPLE, BatchNormNet
+from tests.unit.planning.test_autoplan_unrunnable import ONE_SAMPLE, BatchNormNet
 
 pytestmark = pytest.mark.dist
 

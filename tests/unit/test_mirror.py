@@ -1,21 +1,18 @@
-"""Tests mirror modules: a newcomer finds the tests of a module in the file named after it.
+"""Tests mirror modules: a newcomer finds the tests of a module in the file named after it, in
+the folder named after its package.
 
 The rule. A package module is every ``.py`` file under ``compiler/`` (``pipecut``),
 ``passes/`` (``pipecut.passes``) and ``runtime/`` (``pipecut.runtime``) but ``__init__`` and
-``__main__``. Its *file name* is the name without ``.py``; its *package* is the last
-package of its dotted name (``core``, ``capture``, ``profile``, ``report``, ``cli``,
-``passes``, ``runtime``, or ``pipecut`` for a top-level module). Its tests live in
-``tests/unit/`` or ``tests/dist/``, in
-
-- ``test_<file name>.py`` (``pipecut.core.cut_values`` → ``test_values.py``), unless two modules
-  share that file name, or
-- ``test_<package>_<file name>.py``, always accepted, and required for shared file names
-  (``pipecut.capture.trace`` → ``test_capture_trace.py``, ``pipecut.runtime.execution.trace`` →
-  ``test_runtime_trace.py``); use it too where the bare name says little
-  (``pipecut.profile.nodes`` → ``test_profile_nodes.py``).
+``__main__``. Its unit tests live at ``tests/unit/<its package path>/test_<file name>.py``:
+``pipecut.core.cut_values`` → ``tests/unit/core/test_cut_values.py``,
+``pipecut.runtime.execution.trace`` → ``tests/unit/runtime/execution/test_trace.py``,
+``pipecut.errors`` → ``tests/unit/test_errors.py``. A module that only runs across processes
+may instead have ``tests/dist/test_<file name>.py`` (or ``test_<package>_<file name>.py`` where
+two modules share the file name: ``tests/dist`` is one folder).
 
 Test files named by feature (``test_layers.py``, ``test_regressions.py``, …) are welcome
-besides; they just do not count as a module's home.
+besides, at ``tests/unit/`` or beside the module they are about; they do not count as a
+module's home.
 
 A module whose behaviour is tested elsewhere may be listed in :data:`EXEMPT` with the file
 that covers it and why. Keep the list short: a new module gets a new test file.
@@ -28,7 +25,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"compiler": "pipecut", "passes": "pipecut.passes", "runtime": "pipecut.runtime"}
-TEST_DIRS = (ROOT / "tests" / "unit", ROOT / "tests" / "dist")
 
 EXEMPT: dict[str, tuple[str, str]] = {
     "pipecut.api": (
@@ -63,15 +59,14 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def _test_files() -> set[str]:
-    return {p.name for d in TEST_DIRS for p in d.glob("test_*.py")}
-
-
-def accepted_names(dotted: str, shared: set[str]) -> tuple[str, ...]:
-    """The test file names the rule accepts for a module, the bare one first."""
-    package, _, stem = dotted.rpartition(".")
-    qualified = f"test_{package.rpartition('.')[2]}_{stem}.py"
-    return (qualified,) if stem in shared else (f"test_{stem}.py", qualified)
+def homes(dotted: str, shared: set[str]) -> tuple[str, ...]:
+    """The test files, relative to the repository, the rule accepts for a module: its unit file
+    first."""
+    parts = dotted.split(".")[1:]  # without "pipecut"
+    stem, package = parts[-1], parts[:-1]
+    unit = "/".join(("tests", "unit", *package, f"test_{stem}.py"))
+    qualified = f"tests/dist/test_{(package or ['pipecut'])[-1]}_{stem}.py"
+    return (unit, qualified) if stem in shared else (unit, f"tests/dist/test_{stem}.py", qualified)
 
 
 def _shared_stems(names: list[str]) -> set[str]:
@@ -79,26 +74,42 @@ def _shared_stems(names: list[str]) -> set[str]:
     return {stem for stem, c in counts.items() if c > 1}
 
 
+def _have(names: tuple[str, ...]) -> bool:
+    return any((ROOT / n).is_file() for n in names)
+
+
 def test_rule_examples() -> None:
     shared = {"trace"}
-    assert accepted_names("pipecut.core.cut_values", shared) == ("test_cut_values.py", "test_core_cut_values.py")
-    assert accepted_names("pipecut.errors", shared) == ("test_errors.py", "test_pipecut_errors.py")
-    assert accepted_names("pipecut.runtime.execution.trace", shared) == ("test_execution_trace.py",)
-    assert accepted_names("pipecut.capture.trace", shared) == ("test_capture_trace.py",)
+    assert homes("pipecut.core.cut_values", shared) == (
+        "tests/unit/core/test_cut_values.py", "tests/dist/test_cut_values.py", "tests/dist/test_core_cut_values.py")
+    assert homes("pipecut.errors", shared)[0] == "tests/unit/test_errors.py"
+    assert homes("pipecut.runtime.execution.trace", shared) == (
+        "tests/unit/runtime/execution/test_trace.py", "tests/dist/test_execution_trace.py")
     assert _shared_stems(["pipecut.capture.trace", "pipecut.runtime.execution.trace", "pipecut.ir"]) == {"trace"}
+
+
+def test_unit_folders_mirror_the_packages() -> None:
+    """Every folder under tests/unit is a package folder of pipecut (no stray layout), and is a
+    Python package (its test modules get distinct names)."""
+    folders = {".".join(m.split(".")[1:-1]) for m in modules()} - {""}
+    prefixes = {".".join(f.split(".")[:i]) for f in folders for i in range(1, len(f.split(".")) + 1)}
+    unit = ROOT / "tests" / "unit"
+    for d in unit.rglob("*"):
+        if d.is_dir() and d.name != "__pycache__":
+            dotted = ".".join(d.relative_to(unit).parts)
+            assert dotted in prefixes, f"tests/unit/{d.relative_to(unit)} mirrors no package of pipecut"
+            assert (d / "__init__.py").is_file(), f"tests/unit/{d.relative_to(unit)} lacks __init__.py"
 
 
 def test_every_module_has_a_test_file() -> None:
     mods = modules()
     assert "pipecut.core.cut_values" in mods and "pipecut.runtime.execution.stage" in mods  # the walk works
     shared = _shared_stems(list(mods))
-    have = _test_files()
     missing = []
     for name in sorted(mods):
-        names = accepted_names(name, shared)
-        if name not in EXEMPT and not have.intersection(names):
-            missing.append(f"{name} ({mods[name].relative_to(ROOT)}): add tests/unit/{names[0]} "
-                           f"(or tests/dist/{names[0]})")
+        names = homes(name, shared)
+        if name not in EXEMPT and not _have(names):
+            missing.append(f"{name} ({mods[name].relative_to(ROOT)}): add {names[0]} (or {names[1]})")
     assert not missing, "modules without a test file of their own:\n  " + "\n  ".join(missing)
 
 
@@ -107,13 +118,12 @@ def test_exemptions_are_current() -> None:
     test file that exists; otherwise its entry is to be deleted or corrected."""
     mods = modules()
     shared = _shared_stems(list(mods))
-    have = _test_files()
     stale = []
     for name, (covering, why) in EXEMPT.items():
         assert why.strip(), f"say why {name} is exempt"
         if name not in mods:
             stale.append(f"{name} is no longer a module: delete its entry")
-        elif have.intersection(accepted_names(name, shared)):
+        elif _have(homes(name, shared)):
             stale.append(f"{name} now has its own test file: delete its entry")
         if not (ROOT / covering).is_file():
             stale.append(f"{name}: covering file {covering} does not exist")

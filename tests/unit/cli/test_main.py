@@ -23,7 +23,7 @@ from pipecut.report.diff import diff_plans, format_diff
 from pipecut.schema import validate_plan_dict
 from tests.browser.plans import synthetic_plan
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pipecut.ir import Leaf, NodeCost
 from pipecut.passes.partition.chain import liveness
 from pipecut.passes.partition.rebuild import mark_rebuilt, rebuildable
 from pipecut.passes.rewrite.split import split, verify
-from tests.unit.test_split import _run_chained
+from tests.unit.passes.rewrite.test_split import _run_chained
 
 SLOW = Link(bandwidth_bytes_per_ms=1e6, latency_ms=1.0)
 INSTANT = Link(bandwidth_bytes_per_ms=1e15, latency_ms=0.0)

@@ -63,7 +63,7 @@ def test_simulated_fill_drain_time() -> None:
 #
 #     PIPECUT_REGEN_GOLDEN=1 .venv/bin/pytest -q tests/unit/test_schedule.py -k golden_file
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 SKEWED = StageCosts(  # three stages, the middle one slow, links not free: zero bubble reorders
     forward=(1.0, 2.0, 1.0), backward=(2.0, 4.0, 3.0), weight=(1.0, 2.0, 1.0),
     forward_link=(0.5, 0.5), backward_link=(0.25, 0.25),

@@ -15,7 +15,7 @@ from pipecut.core.kinds import CaptureMethod
 from pipecut.core.program import Shapes
 from pipecut.errors import CaptureError
 from pipecut.ir import Plan
-from tests.unit.test_capture_bound import Net, _spin
+from tests.unit.capture.test_bound import Net, _spin
 
 EXPORT = CaptureMethod.EXPORT
 

@@ -242,7 +242,7 @@ def test_estimated_costs_of_a_meta_model_equal_the_real_models():
 
 def test_an_explicit_init_is_used_for_hugging_face_models_too(tmp_path):
     """Without init=, a Hugging Face model computes what no checkpoint holds as from_pretrained
-    does (tests/unit/test_pretrained.py); an init= given is used instead, as for any model."""
+    does (tests/unit/runtime/state/test_pretrained.py); an init= given is used instead, as for any model."""
     plain, inputs, *_ = zoo.llama(batch_size=2)
     plain.save_pretrained(tmp_path)
     with torch.device("meta"):

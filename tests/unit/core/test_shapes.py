@@ -75,7 +75,7 @@ def test_microbatch_sizes_for_full_and_smaller_batches():
         microbatch_sizes(9, plan)
     interleaved = dataclasses.replace(plan, schedule=ScheduleKind.INTERLEAVED_1F1B)
     # One stage per rank is plain 1F1B: 2 microbatches on 3 ranks run (with several stages per
-    # rank, a multiple of the ranks is needed: tests/unit/test_propagate.py).
+    # rank, a multiple of the ranks is needed: tests/unit/passes/rewrite/test_propagate.py).
     assert microbatch_sizes(2, interleaved) == (1, 1)
 
 

@@ -137,7 +137,7 @@ def test_a_data_parallel_plan_records_its_replicas() -> None:
 
 
 def _heavy_light() -> list[NodeCost]:
-    """x -> a (9 ms, 3 gradient bytes) -> b (3 ms, 12 bytes): tests/unit/test_replication.py's
+    """x -> a (9 ms, 3 gradient bytes) -> b (3 ms, 12 bytes): tests/unit/passes/parallel/test_replication.py's
     HEAVY_LIGHT as a cost table, activations of no size."""
     leaf = (Leaf(kind=LeafKind.TENSOR, shape=(12, 1), dtype="float32", requires_grad=True),)
 
@@ -152,7 +152,7 @@ def _heavy_light() -> list[NodeCost]:
 
 
 def test_uneven_replicas_per_stage_are_listed_never_chosen() -> None:
-    # By hand in tests/unit/test_replication.py: uniform 2 x 2 takes 22.5 ms, 4 x 1 34.5 ms, and
+    # By hand in tests/unit/passes/parallel/test_replication.py: uniform 2 x 2 takes 22.5 ms, 4 x 1 34.5 ms, and
     # three replicas of a and one of b 19 ms; the runtime cannot run the last, so 2 x 2 is chosen.
     choice = pipecut.choose_replicas(
         _heavy_light(), devices=CPUS, microbatches=4, batch_size=48, schedule=ScheduleKind.GPIPE,
