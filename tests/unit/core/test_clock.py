@@ -1,30 +1,57 @@
-"""core.clock: the median of repeated runs, host clock on CPU and CUDA events on a GPU."""
+"""core.clock: the median of repeated runs, host clock on CPU and CUDA events on a GPU.
+
+The CPU tests run on a fake host clock that only the work advances (:class:`FakeClock`): what
+they check is the arithmetic of sampling, which must not depend on how loaded the machine is
+(three real 10 ms sleeps once took 10 to 40 ms under another process's load, and a test failed).
+"""
 
 from __future__ import annotations
 
-import time
+import types
+from typing import Any
 
 import pytest
 import torch
 
+import pipecut.core.clock as clock
 from pipecut.core.clock import median_ms
 
 
-def test_median_ignores_one_slow_sample_and_returns_the_last_result() -> None:
-    delays = iter([0.0, 0.0, 0.05, 0.0, 0.0])  # one run of five disturbed by 50 ms
+class FakeClock:
+    """``time.perf_counter`` for :mod:`pipecut.core.clock`: seconds that pass only in ``sleep``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(clock, "time", types.SimpleNamespace(perf_counter=fake.perf_counter))
+    return fake
+
+
+def test_median_ignores_one_slow_sample_and_returns_the_last_result(fake: FakeClock) -> None:
+    delays = iter([0.001, 0.001, 0.05, 0.001, 0.001])  # one run of five disturbed by 50 ms
 
     def work() -> int:
-        time.sleep(next(delays))
+        fake.sleep(next(delays))
         return 7
 
     ms, result = median_ms(work, repeats=5)
-    assert ms < 25 and result == 7
+    assert ms == pytest.approx(1.0) and result == 7
 
 
-def test_warmup_runs_are_not_timed() -> None:
-    calls = []
-    ms, _ = median_ms(lambda: calls.append(time.sleep(0.05 if not calls else 0.0)), repeats=3, warmup=1)
-    assert len(calls) == 4 and ms < 25
+def test_warmup_runs_are_not_timed(fake: FakeClock) -> None:
+    calls: list[Any] = []
+    ms, _ = median_ms(lambda: calls.append(fake.sleep(0.05 if not calls else 0.002)), repeats=3, warmup=1)
+    assert len(calls) == 4 and ms == pytest.approx(2.0)
 
 
 def test_repeats_must_be_positive() -> None:
@@ -39,13 +66,13 @@ def test_cuda_events_time_the_kernels_not_the_launch() -> None:
     assert ms > 0 and y.shape == x.shape
 
 
-def test_a_steady_timer_stops_once_the_samples_agree() -> None:
+def test_a_steady_timer_stops_once_the_samples_agree(fake: FakeClock) -> None:
     from pipecut.core.clock import MIN_SAMPLES, Timer
 
-    calls = []
-    Timer(repeats=20, steady=0.5).ms(lambda: calls.append(time.sleep(0.01)))
-    assert len(calls) == MIN_SAMPLES  # three 10 ms sleeps agree within 50%
-    noisy = iter([0.0, 0.03, 0.0, 0.03, 0.0, 0.03])
+    calls: list[Any] = []
+    Timer(repeats=20, steady=0.5).ms(lambda: calls.append(fake.sleep(0.01)))
+    assert len(calls) == MIN_SAMPLES  # three 10 ms runs agree within 50%
+    noisy = iter([0.001, 0.03, 0.001, 0.03, 0.001, 0.03])
     calls.clear()
-    Timer(repeats=6, steady=0.01).ms(lambda: calls.append(time.sleep(next(noisy))))
+    Timer(repeats=6, steady=0.01).ms(lambda: calls.append(fake.sleep(next(noisy))))
     assert len(calls) == 6  # never within 1%: every repeat runs
