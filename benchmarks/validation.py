@@ -25,6 +25,7 @@ from typing import Any
 from pipecut.core.kinds import LeafKind, NodeOp
 from pipecut.ir import Leaf, NodeCost
 from pipecut.profile.flops import NodeWork
+from pipecut.profile.hardware import FigureEnd
 
 __all__ = ["COUNTS", "Prediction", "load", "predict", "table", "transformer_rows"]
 
@@ -167,7 +168,7 @@ def _published_tokens(run: dict[str, Any]) -> float:
     return float(p["tokens_per_s_per_gpu"]) if "tokens_per_s_per_gpu" in p else float(p["samples_per_s_per_gpu"]) * run["seq"]
 
 
-def _one(run: dict[str, Any], model: dict[str, Any], *, bound: str, residual: float | None) -> tuple[Any, float]:
+def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residual: float | None) -> tuple[Any, float]:
     from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
     from pipecut.passes.parallel.training import RunShape
     from pipecut.planning.clusters import (
@@ -182,7 +183,7 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: str, residual: fl
 
     cluster = parse_cluster(run["cluster"])
     profile = device_profile(cluster.device)
-    if bound != "value":  # links at the same end of their range as the kernels
+    if bound is not FigureEnd.VALUE:  # links at the same end of their range as the kernels
         cluster = cluster_at(cluster, profile, bound)
     replicas = cluster.gpus // run["pp"]
     samples = run["microbatch_size"] * replicas  # the cost table is at one microbatch of the global batch
@@ -213,9 +214,9 @@ def _dominant(best: Any) -> str:
 
 def predict(run: dict[str, Any], models: dict[str, Any], *, residual: float | None = None) -> Prediction:
     model = models[run["model"]]
-    best, mem = _one(run, model, bound="value", residual=residual)
-    fast, mem_lo = _one(run, model, bound="fast", residual=residual)
-    slow, mem_hi = _one(run, model, bound="slow", residual=residual)
+    best, mem = _one(run, model, bound=FigureEnd.VALUE, residual=residual)
+    fast, mem_lo = _one(run, model, bound=FigureEnd.FAST, residual=residual)
+    slow, mem_hi = _one(run, model, bound=FigureEnd.SLOW, residual=residual)
     pub_mem = run["published"].get("memory_gib")
     return Prediction(
         name=run["name"], fitted=run["fitted"], published_tokens=_published_tokens(run),
@@ -238,7 +239,7 @@ def fit(run_name: str, lo: float = 0.3, hi: float = 0.95, steps: int = 14) -> fl
     target = _published_tokens(run)
     for _ in range(steps):
         mid = (lo + hi) / 2
-        best, _ = _one(run, data["models"][run["model"]], bound="value", residual=mid)
+        best, _ = _one(run, data["models"][run["model"]], bound=FigureEnd.VALUE, residual=mid)
         lo, hi = (mid, hi) if best.tokens_per_s_per_gpu < target else (lo, mid)
     return round((lo + hi) / 2, 3)
 

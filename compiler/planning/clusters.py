@@ -56,6 +56,7 @@ from pipecut.profile.devices import (
     estimate_costs,
 )
 from pipecut.profile.hardware import (
+    FigureEnd,
     HardwareModel,
     bus_link,
     family_figures,
@@ -166,7 +167,7 @@ def family_efficiency(profile: DeviceProfile) -> tuple[float, str]:
     )
 
 
-def family_model(profile: DeviceProfile, *, attention: str = "flash", bound: str = "value",
+def family_model(profile: DeviceProfile, *, attention: str = "flash", bound: FigureEnd = FigureEnd.VALUE,
                  residual: float | None = None) -> HardwareModel | None:
     """The per-op model of a device at bf16 (None for a family without hardware figures)."""
     if not _has_figures(profile):
@@ -287,7 +288,7 @@ def plan_cluster(
                           batch_size=size // d, recompute=rec, sharding=shard)
     run = _run_prediction(best, c, rec, shard, efficiency, source, has_config=bool(layers))
     if counted:  # the same run at both ends of the figures' spread
-        low, high = (_step_at(bound, counted[0], nodes, best, c, profile, shape) for bound in ("fast", "slow"))
+        low, high = (_step_at(bound, counted[0], nodes, best, c, profile, shape) for bound in (FigureEnd.FAST, FigureEnd.SLOW))
         run = dataclasses.replace(run, step_low_ms=min(low, best.step_ms), step_high_ms=max(high, best.step_ms))
     return dataclasses.replace(planned, cluster=c, placement=best.placement, run=run,
                                replica_candidates=_candidates(choice, best),
@@ -315,7 +316,7 @@ def _overheads() -> dict[str, Any]:
     return {"fixed_memory_bytes": math.ceil(per["context"] + per["nccl"]), "reserve_fraction": per["fragmentation"]}
 
 
-def cluster_at(cluster: Cluster, profile: DeviceProfile, bound: str) -> Cluster:
+def cluster_at(cluster: Cluster, profile: DeviceProfile, bound: FigureEnd) -> Cluster:
     """``cluster`` with both links' bus bandwidth and latency at ``bound`` of the family's
     figures (the line rates kept)."""
     links = []
@@ -326,7 +327,7 @@ def cluster_at(cluster: Cluster, profile: DeviceProfile, bound: str) -> Cluster:
     return dataclasses.replace(cluster, intra=links[0], inter=links[1])
 
 
-def _step_at(bound: str, counted: tuple[tuple[NodeCost, ...], Any], nodes: Sequence[NodeCost], best: RunCandidate,
+def _step_at(bound: FigureEnd, counted: tuple[tuple[NodeCost, ...], Any], nodes: Sequence[NodeCost], best: RunCandidate,
              cluster: Cluster, profile: DeviceProfile, shape: RunShape) -> float:
     """The step of ``best`` (its split, layout, schedule and stages per rank) with every figure
     at ``bound``: the cost table priced again, the links at that end of their range."""

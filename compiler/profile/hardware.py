@@ -20,14 +20,15 @@ as ``{value, low, high, source}``. A node's time is priced by what kind of kerne
 family's latency. :func:`memory_overheads` gives what a published peak counts beyond tensors:
 the CUDA context, NCCL's buffers and the caching allocator's reserve.
 
-``bound`` picks the figures: ``"value"`` (the prediction), ``"fast"`` (each figure at the end of
-its range that makes the step shorter) or ``"slow"`` (the other end); the residual stays at its
-fitted value in all three. A prediction's range is the fast and slow steps.
+``bound`` (a :class:`FigureEnd`) picks the figures: ``VALUE`` (the prediction), ``FAST`` (each
+figure at the end of its range that makes the step shorter) or ``SLOW`` (the other end); the
+residual stays at its fitted value in all three. A prediction's range is the fast and slow steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import json
 import math
@@ -41,8 +42,8 @@ from pipecut.ir import NodeCost
 from pipecut.profile.flops import NodeWork
 
 __all__ = [
-    "BOUNDS",
     "Figure",
+    "FigureEnd",
     "HardwareModel",
     "all_figures",
     "bus_link",
@@ -53,7 +54,18 @@ __all__ = [
     "memory_overheads",
 ]
 
-BOUNDS = ("value", "fast", "slow")
+
+
+class FigureEnd(enum.Enum):
+    """Which end of each figure's range a model is priced at."""
+
+    VALUE = "value"
+    """The figure itself: the prediction."""
+    FAST = "fast"
+    """Each figure at the end of its range that makes the step shorter (or memory smaller)."""
+    SLOW = "slow"
+    """The other end."""
+
 _FASTER_WHEN_HIGH = {
     "residual", "attention_flash_forward", "attention_flash_backward", "attention_efficient_forward",
     "attention_efficient_backward", "memory_bandwidth_fraction", "nvlink_bus_fraction",
@@ -69,12 +81,12 @@ class Figure:
     high: float
     source: str
 
-    def at(self, bound: str, faster_when_high: bool) -> float:
-        if bound == "value":
+    def at(self, bound: FigureEnd, faster_when_high: bool) -> float:
+        if bound is FigureEnd.VALUE:
             return self.value
         fast = self.high if faster_when_high else self.low
         slow = self.low if faster_when_high else self.high
-        return fast if bound == "fast" else slow
+        return fast if bound is FigureEnd.FAST else slow
 
 
 @functools.cache
@@ -205,18 +217,17 @@ def _gemm_dims(row: NodeCost, w: NodeWork) -> tuple[int, int, int]:
 
 
 def hardware_model(peak_flops: float, memory_bandwidth: float, family: str, *, residual: float | None = None,
-                   attention: str = "flash", bound: str = "value", causal: bool = True) -> HardwareModel:
+                   attention: str = "flash", bound: FigureEnd = FigureEnd.VALUE, causal: bool = True) -> HardwareModel:
     """The model of a device (its dense peak at the run's precision and its HBM bandwidth) with its
     family's figures at ``bound``; ``residual`` replaces the fitted one (for fitting)."""
-    if bound not in BOUNDS:
-        raise InputError(f"bound {bound!r}: choose one of {list(BOUNDS)}")
     figs = {k: f.at(bound, k in _FASTER_WHEN_HIGH) for k, f in family_figures(family).items()}
     figs["residual"] = residual if residual is not None else family_figures(family)["residual"].value
     return HardwareModel(peak_flops=peak_flops, memory_bandwidth=memory_bandwidth, figures=figs,
                          attention=attention, causal=causal)
 
 
-def bus_link(line_bytes_per_s: float, family: str, *, inter: bool, bound: str = "value") -> tuple[float, float]:
+def bus_link(line_bytes_per_s: float, family: str, *, inter: bool,
+             bound: FigureEnd = FigureEnd.VALUE) -> tuple[float, float]:
     """(bus bytes/s NCCL reaches, latency ms) on a link of ``line_bytes_per_s`` per direction:
     NVLink inside a node, the network between nodes."""
     figs = family_figures(family)
@@ -225,14 +236,13 @@ def bus_link(line_bytes_per_s: float, family: str, *, inter: bool, bound: str = 
     return line_bytes_per_s * frac.at(bound, True), lat.at(bound, False) * 1e-3
 
 
-def memory_overheads(peak_tensor_bytes: float, *, bound: str = "value") -> dict[str, float]:
+def memory_overheads(peak_tensor_bytes: float, *, bound: FigureEnd = FigureEnd.VALUE) -> dict[str, float]:
     """Bytes a published peak may count beyond the tensors: ``context`` (CUDA context),
     ``nccl`` (NCCL's buffers) and ``fragmentation`` (the caching allocator's reserve above the
     tensors, a fraction of them)."""
     figs = _load()["memory"][""]
     gib = 2**30
-    # more memory is the "slow" side of a range
-    pick = {"value": lambda f: f.value, "fast": lambda f: f.low, "slow": lambda f: f.high}[bound]
+    pick = lambda f: f.at(bound, faster_when_high=False)  # noqa: E731 - more memory is the slow side
     return {
         "context": pick(figs["cuda_context_gib"]) * gib,
         "nccl": pick(figs["nccl_buffers_gib"]) * gib,
