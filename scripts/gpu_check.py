@@ -1,9 +1,10 @@
 """A short check of pipecut on whatever CUDA devices exist: ``make gpu-check``.
 
 Without CUDA it says so and exits 0 (nothing to check). With one GPU: profiling on CUDA gives
-a finite, positive time for the graph (profiling times with ``perf_counter`` around
-``torch.cuda.synchronize``, not CUDA events; the check compares the node sum with the whole
-forward timed by CUDA events, for information), a K=1 step with 4 microbatches and an autocast
+a finite, positive time for the graph (profiling times each node's kernels with CUDA events,
+:class:`pipecut.core.clock.Timer`; the node sum is printed beside the whole forward timed by CUDA
+events, for information: a small model's whole forward is bound by the host's dispatch, which
+the node times leave out), a K=1 step with 4 microbatches and an autocast
 bf16 step both match the plain model. With two or more: parity on NCCL at K=2 (and K=4 with
 four GPUs) for the three examples and a transformers GPT-2, data parallel × pipeline (DDP and
 FSDP, 2 × 2) with four GPUs, and the GPT step time against one GPU (reported, not asserted).

@@ -7,7 +7,8 @@ as ``{value, low, high, source}``. A node's time is priced by what kind of kerne
   efficiency by shape: the family's residual (what a large, aligned product reaches in a real run)
   times the *tile quantization* (the output padded to whole ``tile_m × tile_n`` tiles) times the
   *wave quantization* (the tiles padded to whole waves over the SMs), bounded below by the
-  roofline's memory time. Backward is two products (input and weight gradients), each with its
+  roofline's memory time; a 2-byte product whose inner or output size is not a multiple of 8
+  runs at the family's ``gemm_misaligned`` fraction of that (measured on an H200: 0.13-0.17). Backward is two products (input and weight gradients), each with its
   own shape.
 * **Attention** (SDPA): by kernel, flash or memory-efficient, with its own forward and backward
   efficiency relative to a large product. Eager attention is not one node: its score products
@@ -45,6 +46,7 @@ __all__ = [
     "Figure",
     "FigureEnd",
     "HardwareModel",
+    "aligned",
     "all_figures",
     "bus_link",
     "family_figures",
@@ -69,7 +71,7 @@ class FigureEnd(enum.Enum):
 _FASTER_WHEN_HIGH = {
     "residual", "attention_flash_forward", "attention_flash_backward", "attention_efficient_forward",
     "attention_efficient_backward", "memory_bandwidth_fraction", "nvlink_bus_fraction",
-    "network_bus_fraction", "tile_m", "sm_count", "tile_n",
+    "network_bus_fraction", "tile_m", "sm_count", "tile_n", "gemm_misaligned",
 }
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 
@@ -171,7 +173,7 @@ class HardwareModel:
         if kind == "gemm":
             batch, m, n = _gemm_dims(row, w)
             k = max(1, round(w.forward_flops / (2 * batch * m * n))) if batch * m * n else 1
-            rate = self.peak_flops
+            rate = self.peak_flops * (1.0 if aligned(n, k, row.dtype) else self._f("gemm_misaligned"))
             fwd = max(w.forward_flops / (rate * self.gemm_efficiency(m, n, batch)) * 1e3, mem_f) + launch
             half = w.backward_flops / 2
             grad = half / (rate * self.gemm_efficiency(m, k, batch)) + half / (rate * self.gemm_efficiency(k, n, batch))
@@ -201,6 +203,21 @@ def gemm_efficiency(m: int, n: int, batch: int = 1, *, residual: float, tile_m: 
     tiles = batch * tm * tn
     wave = tiles / (math.ceil(tiles / sms) * sms)
     return residual * tile * wave
+
+
+def aligned(n: int, k: int, dtype: str | None) -> bool:
+    """Whether a product's output width ``n`` and inner size ``k`` (the leading dimensions of its
+    row-major operands, forward and backward) are whole 16-byte units for a 2-byte ``dtype``:
+    the alignment cuBLAS's fast Tensor Core kernels need. Other dtypes count as aligned (the
+    penalty was measured on bf16 only).
+
+    >>> aligned(50304, 1024, "torch.bfloat16"), aligned(50257, 1024, "torch.bfloat16")
+    (True, False)
+    """
+    name = str(dtype or "").removeprefix("torch.")
+    if name not in {"bfloat16", "float16", "half"}:
+        return True
+    return n % 8 == 0 and k % 8 == 0
 
 
 def _gemm_dims(row: NodeCost, w: NodeWork) -> tuple[int, int, int]:

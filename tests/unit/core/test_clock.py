@@ -76,3 +76,17 @@ def test_a_steady_timer_stops_once_the_samples_agree(fake: FakeClock) -> None:
     calls.clear()
     Timer(repeats=6, steady=0.01).ms(lambda: calls.append(fake.sleep(next(noisy))))
     assert len(calls) == 6  # never within 1%: every repeat runs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_time_excludes_the_hosts_dispatch_before_the_kernel() -> None:
+    import time
+
+    x = torch.zeros(1024, device="cuda")
+
+    def slow_host_small_kernel() -> torch.Tensor:
+        time.sleep(0.005)  # 5 ms of host work before a kernel of a few microseconds
+        return x.add_(1)
+
+    ms = median_ms(slow_host_small_kernel, repeats=3, warmup=1, device=x.device)[0]
+    assert ms < 1.0, f"{ms:.3f} ms: the events timed the host's 5 ms, not the kernel"

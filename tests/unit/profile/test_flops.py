@@ -46,6 +46,32 @@ def test_loss_is_counted_on_the_output_node():
     assert work["output"].forward_bytes > 0 and work["output"].backward_bytes > 0
 
 
+class Head(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = torch.nn.Linear(16, 1000, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x)
+
+
+def _float_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.float(), target)
+
+
+def test_a_loss_of_several_kernels_moves_the_bytes_of_each():
+    x, y = torch.randn(64, 16, dtype=torch.bfloat16), torch.randint(0, 1000, (64,))
+    captured = capture(Head(), (x,))
+    loss = count_work(captured, captured.flatten_inputs((x,)), loss_fn=_float_cross_entropy, target=y)["output"]
+    logits = 64 * 1000
+    # the cast reads 2 and writes 4 bytes a logit, the log-softmax reads and writes 4 more each:
+    # at least 14 bytes a logit, where a single op reading the logits once would count 2
+    assert loss.forward_bytes >= 14 * logits
+    assert loss.forward_bytes < 30 * logits  # no op counted twice over
+    # backward: the log-softmax's gradient (reads 8, writes 4) and the cast's (reads 4, writes 2)
+    assert loss.backward_bytes >= 14 * logits
+
+
 def test_moved_bytes_counts_reads_and_writes():
     a = torch.zeros(10)
     assert moved_bytes((a,), a + 1) == 80

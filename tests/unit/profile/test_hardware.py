@@ -51,3 +51,23 @@ def test_attention_by_kernel_and_memory_bound_ops_by_bytes() -> None:
 def test_a_family_without_figures_is_refused_with_the_families_that_have_them() -> None:
     with pytest.raises(InputError, match="ampere"):
         family_figures("volta")
+
+
+def test_a_bf16_product_with_an_unaligned_width_runs_at_the_misaligned_fraction() -> None:
+    hw = hardware_model(989.5e12, 4.8e12, "hopper")
+    tokens, hidden = 8192, 1024
+
+    def head(vocab: int, dtype: str) -> tuple[float, float]:
+        row = NodeCost(name="lm_head", op=NodeOp.CALL_FUNCTION, target="torch.ops.aten.linear.default",
+                       shape=(8, 1024, vocab), dtype=dtype)
+        flops = 2 * tokens * hidden * vocab
+        return hw.node_ms(row, NodeWork(forward_flops=flops, backward_flops=2 * flops,
+                                        forward_bytes=2 * tokens * vocab, backward_bytes=4 * tokens * vocab))
+
+    padded, odd = head(50304, "torch.bfloat16"), head(50257, "torch.bfloat16")
+    factor = family_figures("hopper")["gemm_misaligned"].value
+    # the same work within 0.1%, priced at the misaligned fraction of the rate, forward and backward
+    assert odd[0] == pytest.approx(padded[0] / factor, rel=0.02)
+    assert odd[1] == pytest.approx(padded[1] / factor, rel=0.02)
+    # fp32 is not penalised (the factor was measured on bf16)
+    assert head(50257, "torch.float32")[0] == pytest.approx(head(50304, "torch.float32")[0], rel=0.01)
