@@ -42,11 +42,12 @@ __all__ = [
     "TiedGroup",
 ]
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """2 added ``options``; 3 records ``options.partition.recompute`` as a ``Recompute`` level or
 "auto"; 4 records the microbatches and schedule asked as ``options.microbatches`` and
-``options.schedule`` (they were ``options.scheduling.microbatches``/``kind``). Older plans are
-read as version 4 (:func:`pipecut.schema.upgraded`)."""
+``options.schedule`` (they were ``options.scheduling.microbatches``/``kind``); 5 writes "auto"
+where ``options.capture.method`` and ``options.partition.partitioner`` were null. Older plans
+are read as version 5 (:func:`pipecut.schema.upgraded`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -110,7 +110,7 @@ class CaptureOptions:
 
     Args:
         method: ``"symbolic_trace"`` or ``"export"`` (a :class:`~pipecut.core.kinds.CaptureMethod`);
-            None tries both.
+            "auto" tries both.
         leaf_modules: Module classes, or their ``module.QualName``, captured as one call.
         dynamic_shapes: Export with symbolic dimensions.
         time_limit: Seconds the symbolic-shape export may take; None: no bound.
@@ -119,8 +119,8 @@ class CaptureOptions:
         InputError: An unknown method, or a time limit that is not seconds > 0.
     """
 
-    method: CaptureMethod | None = None
-    """None: ``symbolic_trace``, then ``torch.export`` where tracing fails."""
+    method: CaptureMethod | Literal["auto"] = AUTO
+    """"auto": ``symbolic_trace``, then ``torch.export`` where tracing fails."""
     leaf_modules: tuple[str, ...] = ()
     """Module classes (or their ``module.QualName``) captured as one call, not traced into."""
     dynamic_shapes: bool = True
@@ -134,8 +134,8 @@ class CaptureOptions:
     warning)."""
 
     def __post_init__(self) -> None:
-        if self.method is not None:
-            _set(self, "method", enum_choice(CaptureMethod, self.method, "capture method"))
+        if self.method != AUTO:
+            _set(self, "method", enum_choice(CaptureMethod, self.method, "capture method", auto=True))
         _set(self, "leaf_modules", tuple(leaf_name(c) for c in self.leaf_modules))
         limit = self.time_limit
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
@@ -209,7 +209,7 @@ class PartitionOptions:
     """How the graph is cut into stages (``partition=``).
 
     Args:
-        partitioner: ``"dp"`` or ``"ilp"`` (a :class:`~pipecut.core.kinds.Partitioner`); None:
+        partitioner: ``"dp"`` or ``"ilp"`` (a :class:`~pipecut.core.kinds.Partitioner`); "auto":
             chosen by the problem.
         solver: The ILP's solver (:class:`IlpSolver`).
         ilp_time_limit: Seconds the ILP may spend in total.
@@ -221,8 +221,8 @@ class PartitionOptions:
         InputError: An unknown partitioner, solver or recompute level.
     """
 
-    partitioner: Partitioner | None = None
-    """None: the exact DP for equal devices without memory limits or recompute, else the ILP."""
+    partitioner: Partitioner | Literal["auto"] = AUTO
+    """"auto": the exact DP for equal devices without memory limits or recompute, else the ILP."""
     solver: IlpSolver = IlpSolver.HIGHS
     ilp_time_limit: float = 5.0
     """Seconds the ILP solver may spend in total."""
@@ -238,11 +238,11 @@ class PartitionOptions:
     """A node heavier than a stage's share (an LM head) may be computed in row pieces."""
 
     def __post_init__(self) -> None:
-        if self.partitioner is not None:
-            _set(self, "partitioner", enum_choice(Partitioner, self.partitioner, "partitioner"))
+        if self.partitioner != AUTO:
+            _set(self, "partitioner", enum_choice(Partitioner, self.partitioner, "partitioner", auto=True))
         _set(self, "solver", enum_choice(IlpSolver, self.solver, "ILP solver"))
         if self.recompute != AUTO:
-            _set(self, "recompute", enum_choice(Recompute, self.recompute, "recompute"))
+            _set(self, "recompute", enum_choice(Recompute, self.recompute, "recompute", auto=True))
         if self.split is not None:
             _set(self, "split", tuple(s if isinstance(s, str) else tuple(s) for s in self.split))
 
@@ -419,7 +419,7 @@ class Options:
 
     def __post_init__(self) -> None:
         if self.schedule is not None and self.schedule != AUTO:
-            _set(self, "schedule", enum_choice(ScheduleKind, self.schedule, "schedule"))
+            _set(self, "schedule", enum_choice(ScheduleKind, self.schedule, "schedule", auto=True))
         m = self.microbatches
         if m is not None and m != AUTO and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise InputError(f"microbatches must be a positive int or 'auto', got {m!r}")

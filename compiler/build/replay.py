@@ -31,13 +31,13 @@ class Settings:
     schedule: ScheduleKind
     stages_per_rank: int
     link: Link
-    capture_method: CaptureMethod | None
-    """None: symbolic_trace, then torch.export."""
+    capture_method: CaptureMethod | Literal["auto"]
+    """"auto": symbolic_trace, then torch.export."""
 
 
 DEFAULTS = Settings(
     microbatches=1, schedule=ScheduleKind.GPIPE, stages_per_rank=1, link=DEFAULT_LINK,
-    capture_method=None,
+    capture_method=AUTO,
 )
 
 
@@ -84,7 +84,7 @@ def settings(
     schedule: str | ScheduleKind | None,
     stages_per_rank: int | None,
     link: Link | None,
-    capture_method: CaptureMethod | None,
+    capture_method: CaptureMethod | Literal["auto"],
     devices: Any,
 ) -> Settings:
     """Resolve the arguments of ``compile``; PlanError naming every one that contradicts ``plan``."""
@@ -107,7 +107,7 @@ def settings(
     conflicts = [
         f"{name}={_show(given)} (the plan has {_show(planned)})"
         for name, (given, planned) in asked.items()
-        if given is not None and given != planned
+        if given not in (None, AUTO) and given != planned
     ]
     conflicts += _device_conflicts(plan, devices)
     if conflicts:

@@ -13,6 +13,7 @@ waiting for the symbolic export.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
@@ -21,7 +22,7 @@ from pipecut.core.kinds import CaptureMethod
 from pipecut.core.program import Captured, Inputs, Shapes
 from pipecut.errors import CaptureError
 from pipecut.ir import Plan
-from pipecut.options import CaptureOptions
+from pipecut.options import AUTO, CaptureOptions
 
 __all__ = ["REPLAY_SLACK", "capture_for_plan", "static_plan"]
 
@@ -38,7 +39,7 @@ def capture_for_plan(
     plan: Plan,
     options: CaptureOptions,
     *,
-    method: CaptureMethod | None = None,
+    method: CaptureMethod | Literal["auto"] = AUTO,
     got: Captured | None = None,
 ) -> Captured:
     """``model`` captured on ``inputs`` (the plan's first microbatch) as the graph ``plan``

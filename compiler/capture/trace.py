@@ -17,7 +17,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -27,13 +27,14 @@ from pipecut.capture.bound import Expired, check_unchanged, time_bound, torch_st
 from pipecut.capture.frozen import honour_no_grad, record_grad_mode
 from pipecut.capture.guard import ModuleState, check_input_writes, refuse_number_changes
 from pipecut.core.batching import check_inputs
+from pipecut.core.choices import enum_choice
 from pipecut.core.graph import target_name
 from pipecut.core.kinds import CaptureMethod
 from pipecut.core.meta import has_meta, input_device, relocate_meta, to_meta
 from pipecut.core.names import model_names
 from pipecut.core.program import NO_DEFAULT, Captured, Inputs, Shapes, split_args
 from pipecut.errors import CaptureError, InputError
-from pipecut.options import EXPORT_TIME_LIMIT, leaf_name
+from pipecut.options import AUTO, EXPORT_TIME_LIMIT, leaf_name
 
 __all__ = ["capture", "fingerprint"]
 
@@ -64,12 +65,12 @@ def capture(
     model: torch.nn.Module,
     example_inputs: Inputs,
     *,
-    method: CaptureMethod | None = None,
+    method: CaptureMethod | Literal["auto"] = AUTO,
     leaf_modules: Sequence[type | str] = (),
     dynamic_shapes: bool = True,
     time_limit: float | None = EXPORT_TIME_LIMIT,
 ) -> Captured:
-    """Capture ``model``; try symbolic_trace, then torch.export, unless ``method`` forces one.
+    """Capture ``model``; try symbolic_trace, then torch.export ("auto"), unless ``method`` forces one.
     ``leaf_modules``: module classes (or their ``module.QualName``) symbolic_trace keeps whole.
     ``dynamic_shapes``/``time_limit``: how torch.export treats shapes, and for how long it may
     reason about symbolic ones before exporting at static shapes instead (see
@@ -81,6 +82,8 @@ def capture(
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_inputs(example_inputs, "example_inputs")
+    if method != AUTO:
+        method = enum_choice(CaptureMethod, method, "capture method", auto=True)
     captured = _capture(model, example_inputs, method, leaf_modules, _Shapes(dynamic_shapes, time_limit))
     check_input_writes(captured.gm, captured.input_names, captured.flatten_inputs(example_inputs))
     return dataclasses.replace(captured, names=model_names(captured.gm, model),
@@ -112,12 +115,12 @@ def _untouched(model: torch.nn.Module, trace: Callable[[], fx.GraphModule]) -> t
 def _capture(
     model: torch.nn.Module,
     example_inputs: Inputs,
-    method: CaptureMethod | None,
+    method: CaptureMethod | Literal["auto"],
     leaf_modules: Sequence[type | str],
     shapes: _Shapes,
 ) -> Captured:
     attempts: list[str] = []
-    if method in (None, CaptureMethod.SYMBOLIC_TRACE):
+    if method in (AUTO, CaptureMethod.SYMBOLIC_TRACE):
         try:
             gm, reassigned = _untouched(model, lambda: _trace_fx(model, leaf_modules))
             if reassigned:
@@ -137,7 +140,7 @@ def _capture(
             raise
         except Exception as e:
             attempts.append(f"torch.fx.symbolic_trace: {type(e).__name__}: {_first_line(e)}")
-    if method in (None, CaptureMethod.EXPORT):
+    if method in (AUTO, CaptureMethod.EXPORT):
         try:
             args, kwargs = split_args(example_inputs)
             on_meta = has_meta(model)  # a meta model traces with meta inputs (see pipecut.core.meta)

@@ -17,12 +17,13 @@ __all__ = ["enum_choice"]
 E = TypeVar("E", bound=enum.Enum)
 
 
-def enum_choice(kind: type[E], value: Any, option: str) -> E:
-    """``value`` as a member of ``kind``: the member itself, or its value in any case."""
+def enum_choice(kind: type[E], value: Any, option: str, *, auto: bool = False) -> E:
+    """``value`` as a member of ``kind``: the member itself, or its value in any case.
+    ``auto``: the option also takes "auto" (handled by the caller), named among the choices."""
     if isinstance(value, kind):
         return value
     try:
         return kind(str(value).lower())
     except ValueError:
-        valid = [k.value for k in kind]
+        valid = [k.value for k in kind] + (["auto"] if auto else [])
         raise InputError(f"unknown {option} {value!r}; choose one of {valid}") from None

@@ -224,7 +224,8 @@ class _Setup:
         ranks = as_devices(devices)
         specs = tuple(ranks[rank_of(s, len(ranks), kind.placement)] for s in range(len(ranks) * per_rank))
         allow = _allows_recompute(options.recompute, specs)
-        method = options.partitioner or (Partitioner.ILP if _use_ilp(specs, allow) else Partitioner.DP)
+        method = (options.partitioner if options.partitioner != AUTO
+                  else Partitioner.ILP if _use_ilp(specs, allow) else Partitioner.DP)
         if method is Partitioner.GIVEN:
             raise InputError("partitioner must be Partitioner.DP, Partitioner.ILP or None")
         return cls(nodes=nodes, kind=kind, ranks=ranks, specs=specs, link=link, microbatches=microbatches,

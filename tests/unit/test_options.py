@@ -11,7 +11,7 @@ import torch
 
 import pipecut
 from examples import mlp
-from pipecut.core.kinds import CaptureMethod, DataParallelKind, Recompute, ScheduleKind
+from pipecut.core.kinds import CaptureMethod, DataParallelKind, Partitioner, Recompute, ScheduleKind
 from pipecut.errors import InputError
 from pipecut.ir import FORMAT_VERSION, Plan
 from pipecut.options import (
@@ -102,10 +102,20 @@ def test_the_options_page_runs() -> None:
     exec(code("docs/options.md", "heavy_pieces=False"), {})  # type: ignore[arg-type]
 
 
+def test_auto_is_one_value_for_every_choice_the_planner_can_make() -> None:
+    assert CaptureOptions().method == PartitionOptions().partitioner == "auto"
+    assert CaptureOptions(method="EXPORT").method is CaptureMethod.EXPORT
+    assert PartitionOptions(partitioner="ilp").partitioner is Partitioner.ILP
+    with pytest.raises(InputError, match=r"choose one of \['symbolic_trace', 'export', 'auto'\]"):
+        CaptureOptions(method=None)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match=r"choose one of \['dp', 'ilp', 'given', 'auto'\]"):
+        PartitionOptions(partitioner=None)  # type: ignore[arg-type]
+
+
 def test_recompute_is_a_level_or_auto() -> None:
     assert PartitionOptions().recompute == "auto"
     assert PartitionOptions(recompute="FULL").recompute is Recompute.FULL
-    with pytest.raises(InputError, match=r"unknown recompute True; choose one of \['none', 'full', 'selective'\]"):
+    with pytest.raises(InputError, match=r"unknown recompute True; choose one of \['none', 'full', 'selective', 'auto'\]"):
         PartitionOptions(recompute=True)
     with pytest.raises(InputError, match=r"recompute='selective'\) fixes the level of a cluster plan"):
         partition_costs(mlp_plan().nodes, devices=2, microbatches=2, batch_size=8,

@@ -16,7 +16,7 @@ from pipecut.core.names import model_names
 from pipecut.errors import PlanError
 from pipecut.ir import DeviceSpec
 
-NONE = dict(microbatches=None, schedule=None, stages_per_rank=None, link=None, capture_method=None,
+NONE = dict(microbatches=None, schedule=None, stages_per_rank=None, link=None, capture_method="auto",
             devices=None)
 
 
