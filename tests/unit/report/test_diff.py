@@ -21,8 +21,8 @@ def test_a_plan_against_itself_moves_nothing():
 def test_a_shifted_cut_is_one_run_of_moves():
     a = mlp_plan()
     stages = list(a.stages)
-    # The split is measured, so stage sizes vary run to run: shift the cut before the first
-    # stage that has nodes to spare (one exists: 3 stages share more than 6 nodes).
+    # Shift the cut before the first stage that has nodes to spare (3 stages share more than
+    # 6 nodes; the split is counted, not timed, so it is the same on every run).
     dst = next(s for s in range(len(stages) - 1) if len(stages[s + 1].nodes) >= 3)
     moved = stages[dst + 1].nodes[:2]
     stages[dst] = dataclasses.replace(stages[dst], nodes=stages[dst].nodes + moved)
