@@ -268,7 +268,8 @@ def _weight_source(job: Job) -> WeightSource | None:
 
 
 def _modes(job: Job, place: Place, workers: Any, derived: Any, make: WorkerFactory) -> Modes:
-    return Modes(model=job.model, workers=workers, derived=derived, make_worker=make, device=place.device)
+    return Modes(model=job.model, workers=workers, derived=derived, make_worker=make, device=place.device,
+                 make_wire=lambda captured, plan: WireSpecs(captured.gm, plan, place.device))
 
 
 def other_mode(

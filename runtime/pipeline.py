@@ -272,8 +272,10 @@ class Pipeline:
         return [dict(zip(names, tree_to(mb, self._device))) for mb in mbs], sizes, wire
 
     def _resolve(self, sig: Signature, mb: Sequence[Any]) -> Mapping[str, NodeCost] | None:
-        if self._wire is not None:
-            return self._wire(sig, mb)
+        # the mode's own graph names its cut values itself (an export graph's other mode)
+        wire = (self._modes.wire(self.training) if self._modes is not None else None) or self._wire
+        if wire is not None:
+            return wire(sig, mb)  # type: ignore[no-any-return]
         planned = planned_signature(self.plan)
         if sig.autocast.enabled or [p for p in sig.inputs if isinstance(p, tuple)] != [
             p for p in planned.inputs if isinstance(p, tuple)

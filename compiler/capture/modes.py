@@ -203,6 +203,7 @@ class Modes:
         derived: tuple[Captured, Plan] | Exception | None,
         make_worker: MakeWorker,
         device: torch.device,
+        make_wire: Callable[[Captured, Plan], Any] | None = None,
     ) -> None:
         self._model = model
         self.captured_training = model.training
@@ -214,6 +215,8 @@ class Modes:
         _set_modes(model, before)
         self._workers: dict[bool, Mapping[int, StageWorker]] = {self.captured_training: dict(workers)}
         self._error: Exception | None = None
+        self._wires: dict[bool, Any] = {}
+        """The other mode's wire resolver, where its graph is not the captured one."""
         if isinstance(derived, Exception):
             self._error = derived
         elif derived is None:
@@ -229,6 +232,8 @@ class Modes:
                 program.module.training = other  # not recursive: the submodules are the model's
                 built[stage] = make_worker(program, plan, captured.unflatten_output)
             self._workers[other] = built
+            if make_wire is not None:
+                self._wires[other] = make_wire(captured, plan)
 
     def refuse_separate_mode(self, error: Exception) -> None:
         """Keep ``error`` for the mode whose stage programs are separate from the captured
@@ -238,7 +243,13 @@ class Modes:
         other = not self.captured_training
         if other in self._workers and self._workers[other] is not self._workers[self.captured_training]:
             del self._workers[other]
+            self._wires.pop(other, None)
             self._error = error
+
+    def wire(self, training: bool) -> Any:
+        """The mode's own wire resolver where its graph is not the captured one; None: the
+        pipeline's (the captured graph's)."""
+        return self._wires.get(training)
 
     def workers(self, training: bool) -> Mapping[int, StageWorker]:
         if training not in self._workers:

@@ -50,6 +50,11 @@ class ModeSwitch(Protocol):
         """Raise ``error`` when the mode whose stage programs are not the captured ones is asked for."""
         ...
 
+    def wire(self, training: bool) -> Any:
+        """The wire resolver of the mode's own graph where its stage programs are not the
+        captured ones (its cut values have their own node names); None: the pipeline's."""
+        ...
+
 
 @contextlib.contextmanager
 def collecting(worker: StageWorker, *, keep_outputs: bool, compute_loss: bool) -> Iterator[list[Any]]:

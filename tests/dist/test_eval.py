@@ -4,6 +4,9 @@
   GPT-2 through torch.export) and BatchNorm running statistics, with loss and outputs equal to
   the plain model in eval mode, bitwise repeatable, no ``.grad`` written, statistics untouched;
 - training again after eval, and training a model compiled in eval mode after ``pipe.train()``;
+- eval on a derived eval graph at other shapes and under autocast: its cut values are named by
+  that graph (fuzz campaign 2026-11-28: ``KeyError: 'sym_size_int_12'`` from the train graph's
+  names);
 - frozen parts: a ``torch.no_grad()`` block in forward (both capture paths), parameters with
   ``requires_grad=False`` and ``.detach()``; loss and every gradient match, frozen weights keep
   ``.grad`` None;
@@ -102,6 +105,12 @@ def gpt2_dropout(batch_size: int = 8, seed: int = 0, p: float = 0.1):
     return model, {"input_ids": tokens[:, :-1]}, loss_fn, tokens[:, 1:]
 
 
+def gpt2_short(batch_size: int = 8, seed: int = 0):
+    """:func:`gpt2_dropout` with its sequences cut to 8 of their 16 tokens."""
+    model, inputs, loss_fn, target = gpt2_dropout(batch_size, seed)
+    return model, {"input_ids": inputs["input_ids"][:, :8]}, loss_fn, target[:, :8]
+
+
 def gpt2_eval_compiled(batch_size: int = 8, seed: int = 0):
     """GPT-2 without dropout probability but with train/eval graphs that differ (export bakes
     the dropout flag): compiled in eval mode, then trained."""
@@ -160,6 +169,10 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     pipe = _compile(model, world, inputs, loss_fn, target)
     res["gpt2_capture"] = pipe.plan.capture.value
     res["gpt2_eval"] = _eval_twice(pipe.eval(), inputs, target)
+    short = gpt2_short()
+    res["gpt2_eval_short"] = pipe.eval_step(short[1], short[3], all_ranks=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        res["gpt2_eval_autocast"] = pipe.eval_step(inputs, target, all_ranks=True)
     res["gpt2_train_after_eval"] = pipe.train().step(inputs, target)
     res["gpt2_has_grads"] = not _no_grads(pipe)
 
@@ -265,6 +278,17 @@ def test_eval_and_frozen_parts_match_plain_model() -> None:
         _close(res["gpt2_eval"]["out"], ref_out, f"rank {r} GPT-2 eval logits")
         assert res["gpt2_has_grads"]
         assert not torch.allclose(res["gpt2_train_after_eval"], ref_loss)  # dropout on again
+    short_loss, _ = _plain(gpt2_short, training=False)
+    model, inputs, loss_fn, target = gpt2_dropout()
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast_loss = loss_fn(model(**inputs), target)
+    for r, res in enumerate(per_rank):
+        _close(res["gpt2_eval_short"], short_loss, f"rank {r} GPT-2 eval loss, 8 tokens")
+        # bf16 products on microbatches and on the whole batch round differently: a few bf16
+        # ulps (2**-8 relative) of a loss near 4.9; a missing or doubled term moves it by O(1).
+        torch.testing.assert_close(res["gpt2_eval_autocast"], autocast_loss, rtol=2e-2, atol=2e-2,
+                                   msg=lambda m, r=r: f"rank {r} GPT-2 eval loss under autocast: {m}")
 
     # GPT-2 compiled in eval mode, then trained.
     ref_loss, ref_out = _plain(gpt2_eval_compiled, training=False)
