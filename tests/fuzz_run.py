@@ -70,7 +70,20 @@ def default_dtype(cfg: Config) -> Any:
 def build(cfg: Config) -> nn.Module:
     """The model of ``cfg`` with its parameters (and float buffers) in the drawn dtype; call
     under :func:`default_dtype`."""
-    return MODELS[cfg.model].build(cfg.seed).to(DTYPES[cfg.dtype])
+    model = MODELS[cfg.model].build(cfg.seed).to(DTYPES[cfg.dtype])
+    if cfg.dtype == "float64":
+        _eager_experts(model)
+    return model
+
+
+def _eager_experts(model: nn.Module) -> None:
+    """Mixture-of-experts layers run transformers' loop over the experts: its default,
+    ``torch.nn.functional.grouped_mm``, has no float64 kernel, and the plain model itself fails
+    ("Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double"; fuzz campaign
+    2026-11-28, 3 of 132 configurations)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) not in (None, "eager"):
+        config._experts_implementation = "eager"  # type: ignore[union-attr]  # sets the sub-configs too
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
