@@ -19,7 +19,7 @@ import torch.distributed as dist
 from pipecut.build.choice import capture_and_broadcast_plan, runnable_schedule
 from pipecut.build.context import Job, Place, connect
 from pipecut.build.layout import auto_layout
-from pipecut.build.replay import asked
+from pipecut.build.replay import settings_of
 from pipecut.build.resolve import WireSpecs, schedules
 from pipecut.build.workers import (
     WorkerFactory,
@@ -155,10 +155,10 @@ def compile(
 
 def _build(job: Job) -> tuple[Pipeline, Place]:
     """This rank's pipeline: the steps from settings to the runtime object."""
-    run = asked(job.given, job.options, job.devices)
+    settings = settings_of(job.given, job.options, job.devices)
     source = _weight_source(job)
-    place = connect(job, run.run)
-    chosen = capture_and_broadcast_plan(job, place, run)
+    place = connect(job, settings)
+    chosen = capture_and_broadcast_plan(job, place, settings)
     sched = runnable_schedule(chosen.plan, place)
     if job.options.runtime.compile_stages:
         check_compilable(chosen.plan, data_parallel=place.replication is not None)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from pipecut.build.context import Job, Place
 from pipecut.build.layout import plan_from_rank0
-from pipecut.build.replay import Asked
+from pipecut.build.replay import Settings
 from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.capture.agree import capture_for_plan
 from pipecut.core.batching import first_microbatch
@@ -43,18 +43,22 @@ class Chosen:
     first: Inputs
 
 
-def capture_and_broadcast_plan(job: Job, place: Place, asked: Asked) -> Chosen:
+def capture_and_broadcast_plan(job: Job, place: Place, settings: Settings) -> Chosen:
     """Capture the model on every rank; replay the given plan or take rank 0's, checked."""
-    chosen = _on_rank0(job, place, asked, None) if asked.auto else job.given
+    chosen = _on_rank0(job, place, settings, None) if settings.auto else job.given
     if chosen is not None and job.given is not None and dist.get_rank() == 0:
         warn_if_sequential(job.given)
-    microbatches = chosen.microbatches if chosen is not None else asked.run.microbatches
+    if chosen is not None:
+        microbatches = chosen.microbatches
+    else:  # not "auto": the planner chose nothing yet
+        assert isinstance(settings.microbatches, int)
+        microbatches = settings.microbatches
     _, first = first_microbatch(job.example_inputs, microbatches)
-    options, method = job.options.capture, asked.run.capture_method
+    options, method = job.options.capture, settings.capture_method
     if chosen is None:  # every rank captures, rank 0 plans on its graph
         captured = capture(job.model, first, method=method, leaf_modules=options.leaf_modules,
                            dynamic_shapes=options.dynamic_shapes, time_limit=options.time_limit)
-        chosen = _on_rank0(job, place, asked, captured)
+        chosen = _on_rank0(job, place, settings, captured)
         captured = capture_for_plan(job.model, first, chosen, options, method=method, got=captured)
     else:  # the graph the plan names (a time limit may have run out on rank 0 only)
         captured = capture_for_plan(job.model, first, chosen, options, method=method)
@@ -70,16 +74,16 @@ def capture_and_broadcast_plan(job: Job, place: Place, asked: Asked) -> Chosen:
     return Chosen(plan=chosen, captured=as_planned(captured, chosen.chunked), first=first)
 
 
-def _on_rank0(job: Job, place: Place, asked: Asked, captured: Captured | None) -> Plan:
+def _on_rank0(job: Job, place: Place, settings: Settings, captured: Captured | None) -> Plan:
     """Global rank 0 plans; every rank of every replica gets the same plan."""
     options = job.options
     measure = dataclasses.replace(  # by default measured where rank 0's stage will run, not where the model was left
         options.measure, link=place.link, device=options.measure.device or str(place.device))
     return plan_from_rank0(lambda: dataclasses.replace(make_plan(
         job.model, job.example_inputs, place.specs, loss_fn=job.loss_fn, target=job.target,
-        microbatches=asked.microbatches, schedule=asked.schedule, captured=captured,
+        microbatches=settings.microbatches, schedule=settings.schedule, captured=captured,
         capture=options.capture, measure=measure, partition=options.partition,
-        scheduling=ScheduleOptions(stages_per_rank=asked.run.stages_per_rank),
+        scheduling=ScheduleOptions(stages_per_rank=settings.stages_per_rank),
         data_parallel=place.replication,
     ), options=options))  # what compile was asked, its runtime options included
 

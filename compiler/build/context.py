@@ -78,7 +78,7 @@ class Place:
         return len(self.ranks)
 
 
-def connect(job: Job, run: Settings) -> Place:
+def connect(job: Job, settings: Settings) -> Place:
     """Join the process group on this rank's device and read where this rank sits. Collective:
     every rank calls it (NCCL needs the device chosen before any collective)."""
     device = local_device()
@@ -106,8 +106,8 @@ def connect(job: Job, run: Settings) -> Place:
         )
     if device.type == "cuda":  # free memory as capacity; CPU ranks share the host: no limit read
         specs = with_capacities(specs, gathered_free_bytes(device, group))
-    link = run.link
+    link = settings.link
     if job.given is None:  # planned here: the link given or estimated, else measured (the same on every rank)
-        link = job.options.measure.fixed_link or measure_link(list(ranks), rank, group, device) or run.link
+        link = job.options.measure.fixed_link or measure_link(list(ranks), rank, group, device) or settings.link
     return Place(device=device, layout=layout, rank=rank, ranks=ranks, specs=tuple(specs), link=link,
                  replication=replication)
