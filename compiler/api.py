@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from pipecut.build.choice import capture_and_broadcast_plan, runnable_schedule
-from pipecut.build.context import Job, Place, connect
+from pipecut.build.context import Place, connect
 from pipecut.build.layout import auto_layout
-from pipecut.build.replay import asked
+from pipecut.build.replay import settings_of
 from pipecut.build.resolve import WireSpecs, schedules
 from pipecut.build.workers import (
     WorkerFactory,
@@ -47,6 +47,7 @@ from pipecut.options import (
 )
 from pipecut.passes.costs.stages import predicted_timeline
 from pipecut.passes.partition.solve import Devices
+from pipecut.planning.request import Request
 from pipecut.profile.compiled import check_auto, measure_and_choose, with_note
 from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn
@@ -137,80 +138,80 @@ def compile(
         groups={"capture": capture or (carried and carried.capture), "measure": measure,
                 "partition": partition, "scheduling": scheduling,
                 "runtime": runtime or (carried and carried.runtime), "weights": _weight_options(weights)})
-    job = Job(model=model, devices=devices, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
-              options=options_of(groups), weights=groups["weights"], given=given)
-    check_auto(job.options.runtime.compile_stages, calibrates=_calibrates(job))
-    if job.options.data_parallel.kind == AUTO:
-        job = _with_replicas(job)
-    pipe, place = _build(job)
-    moved, job = _time_stages_and_replan(job, pipe, place)
+    request = Request(model=model, devices=devices, example_inputs=example_inputs, loss_fn=loss_fn,
+                      target=target, options=options_of(groups), weights=groups["weights"], given=given)
+    check_auto(request.options.runtime.compile_stages, calibrates=_calibrates(request))
+    if request.options.data_parallel.kind == AUTO:
+        request = _with_replicas(request)
+    pipe, place = _build(request)
+    moved, request = _time_stages_and_replan(request, pipe, place)
     if moved is not None:  # one build alive at a time: two would double every rank's peak memory
         del pipe
         gc.collect()
-        job = dataclasses.replace(job, given=moved, remeasure=True, options=_replaying(job))
-        pipe, place = _build(job)
-        _time_stages_and_replan(job, pipe, place)
+        request = dataclasses.replace(request, given=moved, remeasure=True, options=_replaying(request))
+        pipe, place = _build(request)
+        _time_stages_and_replan(request, pipe, place)
     return _replicated(pipe, place)
 
 
-def _build(job: Job) -> tuple[Pipeline, Place]:
+def _build(request: Request) -> tuple[Pipeline, Place]:
     """This rank's pipeline: the steps from settings to the runtime object."""
-    run = asked(job.given, job.options, job.devices)
-    source = _weight_source(job)
-    place = connect(job, run.run)
-    chosen = capture_and_broadcast_plan(job, place, run)
+    settings = settings_of(request.given, request.options, request.devices)
+    source = _weight_source(request)
+    place = connect(request, settings)
+    chosen = capture_and_broadcast_plan(request, place, settings)
     sched = runnable_schedule(chosen.plan, place)
-    if job.options.runtime.compile_stages:
+    if request.options.runtime.compile_stages:
         check_compilable(chosen.plan, data_parallel=place.replication is not None)
-    derived = other_mode(job.model, chosen.first, chosen.captured, chosen.plan, job.options.capture.leaf_modules)
-    make = worker_factory(job, place)
-    captured, workers = build_workers(job, place, chosen.captured, chosen.plan, source, make)
-    sync_weights(job, place, captured, chosen.plan, workers)
+    derived = other_mode(request.model, chosen.first, chosen.captured, chosen.plan, request.options.capture.leaf_modules)
+    make = worker_factory(request, place)
+    captured, workers = build_workers(request, place, chosen.captured, chosen.plan, source, make)
+    sync_weights(request, place, captured, chosen.plan, workers)
     ready_for_p2p(place.group, place.device)
     pipe = Pipeline(
         plan=chosen.plan, captured=captured, workers=workers, schedule=sched, rank=place.rank,
-        ranks=list(place.ranks), group=place.group, tied_groups=tied_groups(chosen.plan, place.layout, job),
-        dp_group=place.layout.dp_group, loss_reduction=job.options.runtime.loss_reduction,
-        modes=_modes(job, place, workers, derived, make), wire=WireSpecs(captured.gm, chosen.plan, place.device),
-        schedule_for=schedules(chosen.plan), predicted=predicted_timeline(chosen.plan), timeout=job.wait,
+        ranks=list(place.ranks), group=place.group, tied_groups=tied_groups(chosen.plan, place.layout, request),
+        dp_group=place.layout.dp_group, loss_reduction=request.options.runtime.loss_reduction,
+        modes=_modes(request, place, workers, derived, make), wire=WireSpecs(captured.gm, chosen.plan, place.device),
+        schedule_for=schedules(chosen.plan), predicted=predicted_timeline(chosen.plan), timeout=request.wait,
     )
     return pipe, place
 
 
-def _calibrates(job: Job) -> bool:
+def _calibrates(request: Request) -> bool:
     """Live calibration runs: the plan is made here (or a moved split is measured again) from
     timings (``MeasureOptions(estimate=...)`` times nothing)."""
-    measure = job.options.measure
-    return (job.given is None or job.remeasure) and measure.calibration_steps > 0 and measure.estimate is None
+    measure = request.options.measure
+    return (request.given is None or request.remeasure) and measure.calibration_steps > 0 and measure.estimate is None
 
 
-def _time_stages_and_replan(job: Job, pipe: Pipeline, place: Place) -> tuple[Plan | None, Job]:
+def _time_stages_and_replan(request: Request, pipe: Pipeline, place: Place) -> tuple[Plan | None, Request]:
     """Live calibration: time the stages of the running pipeline (with compile_stages="auto",
     eager and compiled, one kept), scale the costs to them and partition again on rank 0. The
     pipeline takes the new costs where the split stays (or is being measured again); the new
     plan is returned where the split moved, to build again (its prediction then comes from its
-    own stages' times, and that split is kept), with the job that builds it."""
-    if not _calibrates(job):
-        return None, job
-    steps, choice = job.options.measure.calibration_steps, None
-    if job.options.runtime.compile_stages == AUTO:
-        choice, times = measure_and_choose(pipe, job.example_inputs, job.target, steps)
-        runtime = dataclasses.replace(job.options.runtime, compile_stages=choice.compiled)
-        job = dataclasses.replace(job, options=dataclasses.replace(job.options, runtime=runtime))
+    own stages' times, and that split is kept), with the request that builds it."""
+    if not _calibrates(request):
+        return None, request
+    steps, choice = request.options.measure.calibration_steps, None
+    if request.options.runtime.compile_stages == AUTO:
+        choice, times = measure_and_choose(pipe, request.example_inputs, request.target, steps)
+        runtime = dataclasses.replace(request.options.runtime, compile_stages=choice.compiled)
+        request = dataclasses.replace(request, options=dataclasses.replace(request.options, runtime=runtime))
     else:
-        times = measure_stages(pipe, job.example_inputs, job.target, steps)  # before FSDP changes the modules
+        times = measure_stages(pipe, request.example_inputs, request.target, steps)  # before FSDP changes the modules
     again: list[Any] = [None]
     if dist.get_rank() == 0:
-        made = recalibrate(pipe.plan, times, place.replication, keep_split=job.remeasure)
+        made = recalibrate(pipe.plan, times, place.replication, keep_split=request.remeasure)
         if choice is not None:  # the plan replays with the mode chosen, and says why
-            made = dataclasses.replace(with_note(made, choice), options=job.options)
+            made = dataclasses.replace(with_note(made, choice), options=request.options)
         again = [made.to_json()]
     dist.broadcast_object_list(again, src=0)
     recalibrated = Plan.from_json(again[0])
-    if job.remeasure or recalibrated.runs_like(pipe.plan):  # same split: keep this build
+    if request.remeasure or recalibrated.runs_like(pipe.plan):  # same split: keep this build
         pipe.plan, pipe.predicted = recalibrated, tuple(predicted_timeline(recalibrated))
-        return None, job
-    return recalibrated, job
+        return None, request
+    return recalibrated, request
 
 
 def _replicated(pipe: Pipeline, place: Place) -> Pipeline:
@@ -233,21 +234,21 @@ def _replicated(pipe: Pipeline, place: Place) -> Pipeline:
     return pipe
 
 
-def _with_replicas(job: Job) -> Job:
+def _with_replicas(request: Request) -> Request:
     """data_parallel="auto": the layout rank 0 chose (D × K), to replay on this rank's share."""
-    chosen, (share, share_target) = auto_layout(job)
+    chosen, (share, share_target) = auto_layout(request)
     options = dataclasses.replace(
-        _replaying(job),
+        _replaying(request),
         data_parallel=DataParallelOptions(kind=None if chosen.mesh is None else chosen.kind))
     return dataclasses.replace(
-        job, devices=chosen.mesh if chosen.mesh is not None else chosen.plan.num_ranks,
+        request, devices=chosen.mesh if chosen.mesh is not None else chosen.plan.num_ranks,
         example_inputs=share, target=share_target, given=chosen.plan, options=options)
 
 
-def _replaying(job: Job) -> Any:
-    """The job's options for replaying ``plan``: its scheduling and link are the plan's."""
-    measure = dataclasses.replace(job.options.measure, link=None)
-    return dataclasses.replace(job.options, microbatches=None, schedule=None, scheduling=ScheduleOptions(),
+def _replaying(request: Request) -> Any:
+    """The request's options for replaying ``plan``: its scheduling and link are the plan's."""
+    measure = dataclasses.replace(request.options.measure, link=None)
+    return dataclasses.replace(request.options, microbatches=None, schedule=None, scheduling=ScheduleOptions(),
                                measure=measure)
 
 
@@ -258,17 +259,17 @@ def _weight_options(weights: Any) -> WeightOptions | None:
     return WeightOptions(source=weights)
 
 
-def _weight_source(job: Job) -> WeightSource | None:
+def _weight_source(request: Request) -> WeightSource | None:
     """The weights opened and checked against the model before anything else runs."""
-    if job.weights.source is None:
+    if request.weights.source is None:
         return None
-    source = open_weights(job.weights.source)  # type: ignore[arg-type]
-    check_unexpected(source, job.model)
+    source = open_weights(request.weights.source)  # type: ignore[arg-type]
+    check_unexpected(source, request.model)
     return source
 
 
-def _modes(job: Job, place: Place, workers: Any, derived: Any, make: WorkerFactory) -> Modes:
-    return Modes(model=job.model, workers=workers, derived=derived, make_worker=make, device=place.device,
+def _modes(request: Request, place: Place, workers: Any, derived: Any, make: WorkerFactory) -> Modes:
+    return Modes(model=request.model, workers=workers, derived=derived, make_worker=make, device=place.device,
                  make_wire=lambda captured, plan: WireSpecs(captured.gm, plan, place.device))
 
 

@@ -12,9 +12,9 @@ import dataclasses
 
 import torch.distributed as dist
 
-from pipecut.build.context import Job, Place
+from pipecut.build.context import Place
 from pipecut.build.layout import plan_from_rank0
-from pipecut.build.replay import Asked
+from pipecut.build.replay import Settings
 from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.capture.agree import capture_for_plan
 from pipecut.core.batching import first_microbatch
@@ -22,10 +22,10 @@ from pipecut.core.kinds import Recompute
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import PlanError
 from pipecut.ir import Plan
-from pipecut.options import ScheduleOptions
+from pipecut.options import DataParallelOptions, RuntimeOptions, ScheduleOptions
 from pipecut.passes.costs.stages import plan_schedule
-from pipecut.planning.planner import plan as make_plan
-from pipecut.planning.request import warn_if_sequential
+from pipecut.planning.planner import plan_asked
+from pipecut.planning.request import Request, warn_if_sequential
 from pipecut.runtime.comm.nccl import check_nccl
 from pipecut.runtime.comm.p2p import wiring
 from pipecut.runtime.grads.data_parallel import check_supported
@@ -43,21 +43,25 @@ class Chosen:
     first: Inputs
 
 
-def capture_and_broadcast_plan(job: Job, place: Place, asked: Asked) -> Chosen:
+def capture_and_broadcast_plan(request: Request, place: Place, settings: Settings) -> Chosen:
     """Capture the model on every rank; replay the given plan or take rank 0's, checked."""
-    chosen = _on_rank0(job, place, asked, None) if asked.auto else job.given
-    if chosen is not None and job.given is not None and dist.get_rank() == 0:
-        warn_if_sequential(job.given)
-    microbatches = chosen.microbatches if chosen is not None else asked.run.microbatches
-    _, first = first_microbatch(job.example_inputs, microbatches)
-    options, method = job.options.capture, asked.run.capture_method
+    chosen = _on_rank0(request, place, settings, None) if settings.auto else request.given
+    if chosen is not None and request.given is not None and dist.get_rank() == 0:
+        warn_if_sequential(request.given)
+    if chosen is not None:
+        microbatches = chosen.microbatches
+    else:  # not "auto": the planner chose nothing yet
+        assert isinstance(settings.microbatches, int)
+        microbatches = settings.microbatches
+    _, first = first_microbatch(request.example_inputs, microbatches)
+    options, method = request.options.capture, settings.capture_method
     if chosen is None:  # every rank captures, rank 0 plans on its graph
-        captured = capture(job.model, first, method=method, leaf_modules=options.leaf_modules,
+        captured = capture(request.model, first, method=method, leaf_modules=options.leaf_modules,
                            dynamic_shapes=options.dynamic_shapes, time_limit=options.time_limit)
-        chosen = _on_rank0(job, place, asked, captured)
-        captured = capture_for_plan(job.model, first, chosen, options, method=method, got=captured)
+        chosen = _on_rank0(request, place, settings, captured)
+        captured = capture_for_plan(request.model, first, chosen, options, method=method, got=captured)
     else:  # the graph the plan names (a time limit may have run out on rank 0 only)
-        captured = capture_for_plan(job.model, first, chosen, options, method=method)
+        captured = capture_for_plan(request.model, first, chosen, options, method=method)
     check_fingerprint(chosen, fingerprint(captured.gm))
     if chosen.num_ranks != place.world:
         raise PlanError(
@@ -65,23 +69,23 @@ def capture_and_broadcast_plan(job: Job, place: Place, asked: Asked) -> Chosen:
             f"pipeline process group has {place.world} ranks; launch with "
             f"--nproc_per_node={chosen.num_ranks} or re-plan for {place.world} devices"
         )
-    if chosen.microbatches != microbatches and job.given is None:
+    if chosen.microbatches != microbatches and request.given is None:
         raise PlanError(f"plan has {chosen.microbatches} microbatches, asked for {microbatches}")
     return Chosen(plan=chosen, captured=as_planned(captured, chosen.chunked), first=first)
 
 
-def _on_rank0(job: Job, place: Place, asked: Asked, captured: Captured | None) -> Plan:
-    """Global rank 0 plans; every rank of every replica gets the same plan."""
-    options = job.options
+def _on_rank0(request: Request, place: Place, settings: Settings, captured: Captured | None) -> Plan:
+    """Global rank 0 plans the request on this pipeline's devices, with its link, at the
+    settings' scheduling; every rank of every replica gets the same plan, which records what
+    ``compile`` was asked (its runtime options included)."""
     measure = dataclasses.replace(  # by default measured where rank 0's stage will run, not where the model was left
-        options.measure, link=place.link, device=options.measure.device or str(place.device))
-    return plan_from_rank0(lambda: dataclasses.replace(make_plan(
-        job.model, job.example_inputs, place.specs, loss_fn=job.loss_fn, target=job.target,
-        microbatches=asked.microbatches, schedule=asked.schedule, captured=captured,
-        capture=options.capture, measure=measure, partition=options.partition,
-        scheduling=ScheduleOptions(stages_per_rank=asked.run.stages_per_rank),
-        data_parallel=place.replication,
-    ), options=options))  # what compile was asked, its runtime options included
+        request.options.measure, link=place.link, device=request.options.measure.device or str(place.device))
+    planning = dataclasses.replace(request.with_options(
+        microbatches=settings.microbatches, schedule=settings.schedule, measure=measure,
+        scheduling=ScheduleOptions(stages_per_rank=settings.stages_per_rank),
+        data_parallel=place.replication or DataParallelOptions(), runtime=RuntimeOptions(),
+    ), specs=place.specs)
+    return plan_from_rank0(lambda: dataclasses.replace(plan_asked(planning, captured), options=request.options))
 
 
 def check_fingerprint(loaded: Plan, expected: str) -> None:

@@ -1,14 +1,14 @@
-"""What ``compile`` was asked (:class:`Job`) and where this rank sits (:class:`Place`).
+"""Where this rank sits (:class:`Place`), for what ``compile`` was asked (a
+:class:`~pipecut.planning.request.Request`).
 
 :func:`connect` is compile's first step on every rank: join (or start) the process group on
-this rank's device, read the layout of ``devices`` (a stage count, device names or a
-("dp", "pp") DeviceMesh), and measure the link between neighbours unless a plan or the options
-give it.
+this rank's device, read the layout of the request's ``devices`` (a stage count, device names
+or a ("dp", "pp") DeviceMesh), and measure the link between neighbours unless a plan or the
+options give it.
 """
 
 from __future__ import annotations
 
-import datetime
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -19,40 +19,18 @@ import torch.distributed as dist
 from pipecut.build.layout import Layout, layout_of, replication_of
 from pipecut.build.replay import Settings
 from pipecut.cluster import Link
-from pipecut.core.program import Inputs
 from pipecut.errors import InputError
-from pipecut.ir import DeviceSpec, Plan
-from pipecut.options import DataParallelOptions, Options, WeightOptions
+from pipecut.ir import DeviceSpec
+from pipecut.options import DataParallelOptions
 from pipecut.passes.partition.solve import as_devices
-from pipecut.profile.nodes import LossFn
+from pipecut.planning.request import Request
 from pipecut.runtime.comm.launch import local_device
 from pipecut.runtime.comm.linkprobe import measure_link
 from pipecut.runtime.comm.teardown import open_default_group
 from pipecut.runtime.memory.allocator import return_large_frees
 from pipecut.runtime.memory.capacity import gathered_free_bytes, with_capacities
 
-__all__ = ["Job", "Place", "connect"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Job:
-    """One ``compile`` call, its options resolved; the same on every rank."""
-
-    model: torch.nn.Module
-    devices: Any
-    example_inputs: Inputs
-    loss_fn: LossFn
-    target: Any
-    options: Options
-    weights: WeightOptions
-    given: Plan | None
-    """The plan to replay (``plan=``), or None to plan here."""
-    remeasure: bool = False
-    """A rebuild after live calibration moved the split: time it again, keep its split."""
-
-    @property
-    def wait(self) -> datetime.timedelta:
-        return datetime.timedelta(seconds=self.options.runtime.timeout)
+__all__ = ["Place", "connect"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,17 +56,17 @@ class Place:
         return len(self.ranks)
 
 
-def connect(job: Job, run: Settings) -> Place:
+def connect(request: Request, settings: Settings) -> Place:
     """Join the process group on this rank's device and read where this rank sits. Collective:
     every rank calls it (NCCL needs the device chosen before any collective)."""
     device = local_device()
-    open_default_group(job.wait, device)  # closed at exit if opened here (pipecut.runtime.comm.teardown)
-    if job.options.runtime.lean_host_memory and device.type == "cpu" and not return_large_frees():
+    open_default_group(request.wait, device)  # closed at exit if opened here (pipecut.runtime.comm.teardown)
+    if request.options.runtime.lean_host_memory and device.type == "cpu" and not return_large_frees():
         warnings.warn("lean_host_memory: the allocator was left as it is (not glibc, or "
                       "MALLOC_MMAP_THRESHOLD_ or PIPECUT_KEEP_MALLOC=1 set)", stacklevel=3)
-    layout = layout_of(job.devices)
-    replication = replication_of(layout, job.options.data_parallel.kind)
-    asked = job.options.data_parallel.replicas
+    layout = layout_of(request.devices)
+    replication = replication_of(layout, request.options.data_parallel.kind)
+    asked = request.options.data_parallel.replicas
     if asked is not None and (replication.replicas if replication else 1) != asked:
         raise InputError(
             f"DataParallelOptions(replicas={asked}) but the devices give "
@@ -106,8 +84,8 @@ def connect(job: Job, run: Settings) -> Place:
         )
     if device.type == "cuda":  # free memory as capacity; CPU ranks share the host: no limit read
         specs = with_capacities(specs, gathered_free_bytes(device, group))
-    link = run.link
-    if job.given is None:  # planned here: the link given or estimated, else measured (the same on every rank)
-        link = job.options.measure.fixed_link or measure_link(list(ranks), rank, group, device) or run.link
+    link = settings.link
+    if request.given is None:  # planned here: the link given or estimated, else measured (the same on every rank)
+        link = request.options.measure.fixed_link or measure_link(list(ranks), rank, group, device) or settings.link
     return Place(device=device, layout=layout, rank=rank, ranks=ranks, specs=tuple(specs), link=link,
                  replication=replication)

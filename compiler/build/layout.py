@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -21,15 +21,13 @@ from pipecut.core.kinds import DataParallelKind, ScheduleKind
 from pipecut.core.program import Inputs
 from pipecut.errors import InputError, PipelineRuntimeError, PlanError
 from pipecut.ir import Plan
-from pipecut.options import AUTO, DataParallelOptions
-from pipecut.passes.partition.solve import DEFAULT_LINK
-from pipecut.planning.planner import plan as make_plan
+from pipecut.options import AUTO, DataParallelOptions, RuntimeOptions, ScheduleOptions
+from pipecut.passes.partition.solve import DEFAULT_LINK, as_devices
+from pipecut.planning.planner import plan_asked
+from pipecut.planning.request import Request
 from pipecut.runtime.comm.launch import local_device
 from pipecut.runtime.comm.linkprobe import measure_link
 from pipecut.runtime.comm.teardown import close_at_exit, open_default_group
-
-if TYPE_CHECKING:  # context.py reads this module's Layout
-    from pipecut.build.context import Job
 
 __all__ = ["Auto", "Layout", "auto_layout", "layout_of", "plan_from_rank0", "replication_of"]
 
@@ -85,13 +83,13 @@ class Auto:
     kind: DataParallelKind
 
 
-def auto_layout(job: Job) -> tuple[Auto, tuple[Inputs, Any]]:
+def auto_layout(request: Request) -> tuple[Auto, tuple[Inputs, Any]]:
     """data_parallel="auto": rank 0 chooses D × K for every rank of the default group (or the
     given plan's), all ranks build the mesh, and each takes its replica's share of the batch."""
     device = local_device()
-    open_default_group(job.wait, device)
+    open_default_group(request.wait, device)
     world = dist.get_world_size()
-    devices, options = job.devices, job.options
+    devices, options = request.devices, request.options
     if devices is not None and (isinstance(devices, bool) or devices != world):
         raise InputError(
             f"data_parallel='auto' spreads the model over every rank of the process group "
@@ -103,18 +101,20 @@ def auto_layout(job: Job) -> tuple[Auto, tuple[Inputs, Any]]:
             "data_parallel='auto' needs microbatches and schedule as values, not 'auto', and "
             "one stage per rank (stages_per_rank=1)"
         )
-    chosen = job.given
+    chosen = request.given
     if chosen is None:
-        link = job.options.measure.fixed_link  # given or estimated: not measured
+        link = options.measure.fixed_link  # given or estimated: not measured
         used = link or measure_link(list(range(world)), dist.get_rank(), None, device) or DEFAULT_LINK
-        measure = dataclasses.replace(job.options.measure, link=used,  # by default where the stages run
-                                      device=job.options.measure.device or str(device))
-        chosen = plan_from_rank0(lambda: dataclasses.replace(make_plan(
-            job.model, job.example_inputs, world, loss_fn=job.loss_fn, target=job.target,
+        measure = dataclasses.replace(options.measure, link=used,  # by default where the stages run
+                                      device=options.measure.device or str(device))
+        planning = dataclasses.replace(request.with_options(
             microbatches=options.microbatches if options.microbatches is not None else 1,
             schedule=options.schedule if options.schedule is not None else ScheduleKind.GPIPE,
-            capture=job.options.capture, measure=measure, partition=job.options.partition, data_parallel=AUTO,
-        ), options=job.options))
+            measure=measure, scheduling=ScheduleOptions(), data_parallel=DataParallelOptions(kind=AUTO),
+            runtime=RuntimeOptions(),
+        ), specs=as_devices(world))
+        chosen = plan_from_rank0(  # the plan records what compile was asked
+            lambda: dataclasses.replace(plan_asked(planning), options=request.options))
     dp = chosen.data_parallel
     d = dp.resolved_replicas if dp is not None else 1
     if d * chosen.num_ranks != world:
@@ -124,13 +124,13 @@ def auto_layout(job: Job) -> tuple[Auto, tuple[Inputs, Any]]:
         )
     kind = dp.resolved_kind if dp is not None else DataParallelKind.DDP
     if d == 1:
-        return Auto(chosen, None, kind), (job.example_inputs, job.target)
+        return Auto(chosen, None, kind), (request.example_inputs, request.target)
     mesh = init_device_mesh(device.type, (d, chosen.num_ranks), mesh_dim_names=("dp", "pp"))
     close_at_exit([mesh.get_group("dp"), mesh.get_group("pp")])
     replica = mesh.get_local_rank("dp")
-    size, _ = first_microbatch(job.example_inputs, 1)
-    share = split_microbatches(job.example_inputs, d, size, "example_inputs")[replica]
-    share_target = split_microbatches(job.target, d, size, "target")[replica] if job.target is not None else None
+    size, _ = first_microbatch(request.example_inputs, 1)
+    share = split_microbatches(request.example_inputs, d, size, "example_inputs")[replica]
+    share_target = split_microbatches(request.target, d, size, "target")[replica] if request.target is not None else None
     return Auto(chosen, mesh, kind), (share, share_target)
 
 

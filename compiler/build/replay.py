@@ -2,8 +2,9 @@
 
 ``compile(plan=...)`` runs the plan's own schedule, microbatches, stage layout and capture
 method; an argument that says otherwise would be silently ignored, so it is an error instead.
-Arguments left at None take the plan's value (or, without a plan, the default of
-:data:`DEFAULTS`).
+:func:`settings_of` resolves a call's scheduling once into :class:`Settings`: arguments left
+out take the plan's value or, without a plan, the defaults (the planner chooses what is left
+"auto").
 """
 
 from __future__ import annotations
@@ -20,36 +21,22 @@ from pipecut.options import AUTO, Options
 from pipecut.passes.partition.solve import DEFAULT_LINK, as_devices, as_schedule
 from pipecut.planning.request import default_choices
 
-__all__ = ["Asked", "Settings", "asked"]
+__all__ = ["Settings", "settings_of"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Settings:
-    """What ``compile`` runs with, every argument resolved."""
+    """What a ``compile`` call runs with, every argument resolved; the microbatches or the
+    schedule are "auto" where the planner chooses them (no plan replayed)."""
 
-    microbatches: int
-    schedule: ScheduleKind
+    microbatches: int | Literal["auto"]
+    """The microbatch count, or "auto"."""
+    schedule: ScheduleKind | Literal["auto"]
+    """The schedule, or "auto"."""
     stages_per_rank: int
     link: Link
     capture_method: CaptureMethod | Literal["auto"]
     """"auto": symbolic_trace, then torch.export."""
-
-
-DEFAULTS = Settings(
-    microbatches=1, schedule=ScheduleKind.GPIPE, stages_per_rank=1, link=DEFAULT_LINK,
-    capture_method=AUTO,
-)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Asked:
-    """What a ``compile`` call runs with (:class:`Settings`), and what it asks the planner."""
-
-    run: Settings
-    microbatches: int | Literal["auto"]
-    """The microbatch count, or "auto"."""
-    schedule: ScheduleKind | str
-    """The schedule, or "auto"."""
 
     @property
     def auto(self) -> bool:
@@ -57,59 +44,37 @@ class Asked:
         return AUTO in (self.microbatches, self.schedule)
 
 
-def asked(given: Plan | None, options: Options, devices: Any) -> Asked:
-    """Resolve a ``compile`` call's scheduling against the plan it replays (``given``), or the
-    defaults: left out without a plan, the planner chooses ("auto")."""
+def settings_of(given: Plan | None, options: Options, devices: Any) -> Settings:
+    """Resolve a ``compile`` call's scheduling (``options``, ``devices``) against the plan it
+    replays (``given``), or the defaults: left out without a plan, the planner chooses
+    ("auto"); PlanError naming every argument that contradicts ``given``."""
     s = options.scheduling
-    m, kind = ((options.microbatches, options.schedule) if given is not None
-               else default_choices(options.microbatches, options.schedule))
-    if AUTO in (m, kind) and given is not None:
+    if given is None:
+        m, kind = default_choices(options.microbatches, options.schedule)
+        return Settings(
+            microbatches=m, schedule=kind if kind == AUTO else as_schedule(kind),
+            stages_per_rank=1 if s.stages_per_rank is None else s.stages_per_rank,
+            link=options.measure.link or DEFAULT_LINK, capture_method=options.capture.method,
+        )
+    if AUTO in (options.microbatches, options.schedule):
         raise PlanError(
             "microbatches/schedule='auto' ask the planner to choose, but plan= fixes them; drop "
             "plan= to plan again, or leave microbatches and schedule out to replay the plan"
         )
-    run = settings(
-        given, microbatches=m if isinstance(m, int) else None, schedule=None if kind == AUTO else kind,
-        stages_per_rank=s.stages_per_rank, link=options.measure.link, capture_method=options.capture.method,
-        devices=devices,
-    )
-    return Asked(run=run, microbatches=m if m is not None else run.microbatches,
-                 schedule=kind if kind is not None else run.schedule)
-
-
-def settings(
-    plan: Plan | None,
-    *,
-    microbatches: int | None,
-    schedule: str | ScheduleKind | None,
-    stages_per_rank: int | None,
-    link: Link | None,
-    capture_method: CaptureMethod | Literal["auto"],
-    devices: Any,
-) -> Settings:
-    """Resolve the arguments of ``compile``; PlanError naming every one that contradicts ``plan``."""
-    kind = as_schedule(schedule) if schedule is not None else None
-    if plan is None:
-        return Settings(
-            microbatches=DEFAULTS.microbatches if microbatches is None else microbatches,
-            schedule=kind or DEFAULTS.schedule,
-            stages_per_rank=DEFAULTS.stages_per_rank if stages_per_rank is None else stages_per_rank,
-            link=link or DEFAULTS.link,
-            capture_method=capture_method,
-        )
+    kind = as_schedule(options.schedule) if options.schedule is not None else None
     asked = {
-        "microbatches": (microbatches, plan.microbatches),
-        "schedule": (kind, plan.schedule),
-        "stages_per_rank": (stages_per_rank, plan.stages_per_rank),
-        "link": (link, plan.link),
-        "capture_method": (capture_method, plan.capture),
+        "microbatches": (options.microbatches, given.microbatches),
+        "schedule": (kind, given.schedule),
+        "stages_per_rank": (s.stages_per_rank, given.stages_per_rank),
+        "link": (options.measure.link, given.link),
+        "capture_method": (options.capture.method, given.capture),
     }
     conflicts = [
-        f"{name}={_show(given)} (the plan has {_show(planned)})"
-        for name, (given, planned) in asked.items()
-        if given not in (None, AUTO) and given != planned
+        f"{name}={_show(value)} (the plan has {_show(planned)})"
+        for name, (value, planned) in asked.items()
+        if value not in (None, AUTO) and value != planned
     ]
-    conflicts += _device_conflicts(plan, devices)
+    conflicts += _device_conflicts(given, devices)
     if conflicts:
         raise PlanError(
             f"compile(plan=...) runs the plan's own settings, but {'; '.join(conflicts)}. Leave "
@@ -117,8 +82,8 @@ def settings(
             f"(compile without plan=, or pipecut.plan(...))"
         )
     return Settings(
-        microbatches=plan.microbatches, schedule=plan.schedule,
-        stages_per_rank=plan.stages_per_rank, link=plan.link, capture_method=plan.capture,
+        microbatches=given.microbatches, schedule=given.schedule,
+        stages_per_rank=given.stages_per_rank, link=given.link, capture_method=given.capture,
     )
 
 

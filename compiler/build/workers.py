@@ -18,13 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecut.build.context import Job, Place
+from pipecut.build.context import Place
 from pipecut.build.layout import Layout
 from pipecut.core.meta import has_meta
 from pipecut.core.program import Captured, StageProgram
 from pipecut.errors import InputError
 from pipecut.ir import Plan
 from pipecut.passes.rewrite.split import split_stage
+from pipecut.planning.request import Request
 from pipecut.runtime.comm.sync import stage_state, sync_from_rank0
 from pipecut.runtime.comm.teardown import close_at_exit
 from pipecut.runtime.execution.stage import StageWorker
@@ -37,21 +38,21 @@ WorkerFactory = Callable[[StageProgram, Plan, Callable[[Any], Any]], StageWorker
 """``(program, plan, unflatten_output) -> worker`` on this rank: the eval mode builds its own."""
 
 
-def worker_factory(job: Job, place: Place) -> WorkerFactory:
+def worker_factory(request: Request, place: Place) -> WorkerFactory:
     """Workers of this rank, compiled where ``RuntimeOptions.compile_stages`` is True ("auto"
     compiles them after the calibration steps timed them eager)."""
     def make(program: StageProgram, for_plan: Plan, unflatten: Callable[[Any], Any]) -> StageWorker:
         worker = StageWorker(
             program, for_plan, rank=place.rank, ranks=list(place.ranks), group=place.group,
-            device=place.device, loss_fn=job.loss_fn, unflatten_output=unflatten, timeout=job.wait,
+            device=place.device, loss_fn=request.loss_fn, unflatten_output=unflatten, timeout=request.wait,
         )
-        if job.options.runtime.compile_stages is True:
+        if request.options.runtime.compile_stages is True:
             worker.compile()
         return worker
     return make
 
 
-def build_workers(job: Job, place: Place, captured: Captured, plan: Plan, source: WeightSource | None,
+def build_workers(request: Request, place: Place, captured: Captured, plan: Plan, source: WeightSource | None,
                   make: WorkerFactory) -> tuple[Captured, dict[int, StageWorker]]:
     """The workers of this rank's stages, their tensors real on its device; the captured graph
     they were split from (this rank's copy where the model is on meta). A rank that cannot
@@ -66,20 +67,20 @@ def build_workers(job: Job, place: Place, captured: Captured, plan: Plan, source
         program = split_stage(captured.gm, plan, stage)
         try:
             materialize_stage(
-                program.module, (captured.gm,), job.model, device=place.device, source=source,
-                init=job.weights.init, seed=job.weights.seed, where=f"stage {stage} (rank {dist.get_rank()})",
+                program.module, (captured.gm,), request.model, device=place.device, source=source,
+                init=request.weights.init, seed=request.weights.seed, where=f"stage {stage} (rank {dist.get_rank()})",
             )
         except InputError as e:
             failure = failure or e
             continue
         program.module.to(place.device)
         workers[stage] = make(program, plan, captured.unflatten_output)
-    if source is not None or has_meta(job.model):  # the same on every rank
+    if source is not None or has_meta(request.model):  # the same on every rank
         raise_together(failure)
     return captured, workers
 
 
-def sync_weights(job: Job, place: Place, captured: Captured, plan: Plan, workers: dict[int, StageWorker]) -> None:
+def sync_weights(request: Request, place: Place, captured: Captured, plan: Plan, workers: dict[int, StageWorker]) -> None:
     """Every rank's stage tensors := global rank 0's (rank 0 holds them all in its captured
     graph): ranks seeded differently still train one model."""
     mine = [t for _, t in stage_state([workers[s].program.module for s in sorted(workers)])]
@@ -94,10 +95,10 @@ def sync_weights(job: Job, place: Place, captured: Captured, plan: Plan, workers
                     modules = [split_stage(captured.gm, plan, s).module for s in plan.stages_on(position)]
                     by_position[position] = [t for _, t in stage_state(modules)]
                 sources[global_rank] = by_position[position]
-    sync_from_rank0(mine, sources, place.device, job.wait)
+    sync_from_rank0(mine, sources, place.device, request.wait)
 
 
-def tied_groups(plan: Plan, layout: Layout, job: Job) -> list[tuple[str, Any]]:
+def tied_groups(plan: Plan, layout: Layout, request: Request) -> list[tuple[str, Any]]:
     """Process groups over the ranks that hold each tied parameter. Every rank creates every
     group (new_group is collective), in plan order, replica by replica."""
     mine = []
@@ -109,7 +110,7 @@ def tied_groups(plan: Plan, layout: Layout, job: Job) -> list[tuple[str, Any]]:
                 continue  # the stages holding it share one rank, and so one parameter object
             global_ranks = tuple(replica[h] for h in holders)
             if global_ranks not in made:
-                made[global_ranks] = dist.new_group(list(global_ranks), timeout=job.wait)
+                made[global_ranks] = dist.new_group(list(global_ranks), timeout=request.wait)
                 close_at_exit([made[global_ranks]])  # a no-op where this rank is not a member
             if dist.get_rank() in global_ranks:
                 mine.append((tied.fqn, made[global_ranks]))

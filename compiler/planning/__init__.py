@@ -6,6 +6,8 @@ measure, partition, calibrate; the partition itself is the pass
 :mod:`~pipecut.planning.autoplan` (microbatches and schedule chosen by predicted step),
 :mod:`~pipecut.planning.heavy` (heavy nodes in row pieces), :mod:`~pipecut.planning.replicas`
 (D replicas × K stages) and :mod:`~pipecut.planning.clusters` (a cluster that is not here).
+Each reads one :class:`~pipecut.planning.request.Request`: what ``plan`` or ``compile`` was
+asked.
 """
 
 __all__: list[str] = []

@@ -56,13 +56,13 @@ def plan_auto(request: Request, plan_at: PlanAt) -> Plan:
     def partition_at(costs: Sequence[NodeCost], m: int, kind: ScheduleKind) -> Plan:
         tables[m] = costs
         return partition_costs(
-            costs, devices=request.devices, microbatches=m, batch_size=full, schedule=kind,
+            costs, devices=request.specs, microbatches=m, batch_size=full, schedule=kind,
             link=request.link, partition=request.options.partition, stages_per_rank=request.stages_per_rank,
             data_parallel=request.replication)
 
     options = request.options
     m, kind, candidates = choose_microbatches_and_schedule(
-        request.example_inputs, request.target, ranks=len(request.devices), microbatches=options.microbatches
+        request.example_inputs, request.target, ranks=len(request.specs), microbatches=options.microbatches
         if options.microbatches is not None else AUTO, schedule=options.schedule,
         stages_per_rank=request.stages_per_rank, profile_at=measured.costs, partition=partition_at,
     )

@@ -2,7 +2,8 @@
 
 Planning runs in one process and needs no torch.distributed. :func:`plan` reads as its steps:
 resolve the options into a :class:`~pipecut.planning.request.Request`, then plan for a cluster
-(:mod:`~pipecut.planning.clusters`), for replicas (:mod:`~pipecut.planning.replicas`), with the
+(:mod:`~pipecut.planning.clusters`), or (:func:`plan_asked`, where ``compile``'s rank 0 hands
+its own request) for replicas (:mod:`~pipecut.planning.replicas`), with the
 microbatches and schedule chosen (:mod:`~pipecut.planning.autoplan`), or at fixed ones
 (:func:`plan_fixed`: capture → measure → partition → calibrate → heavy nodes in pieces →
 finish). The pure part (cost table in, plan out) is
@@ -56,7 +57,7 @@ from pipecut.profile.calibrate import stage_times
 from pipecut.profile.compiled import AMORTIZED_STEPS, CompileChoice, compiled_stage_times, with_note
 from pipecut.profile.nodes import LossFn
 
-__all__ = ["plan", "plan_fixed"]
+__all__ = ["plan", "plan_asked", "plan_fixed"]
 
 
 def plan(
@@ -127,10 +128,20 @@ def plan(
                        groups={"capture": capture, "measure": measure, "partition": partition,
                                "scheduling": scheduling, "runtime": runtime})
     request = Request(model=model, example_inputs=example_inputs, target=target, loss_fn=loss_fn,
-                      devices=() if cluster is not None else as_devices(devices),
+                      devices=devices, specs=() if cluster is not None else as_devices(devices),
                       options=options_of(groups), progress=progress)
     if cluster is not None:
         return _for_cluster(request, cluster)
+    return plan_asked(request, captured)
+
+
+def plan_asked(request: Request, captured: Captured | None = None) -> Plan:
+    """The plan of ``request`` on its resolved devices (``request.specs``), with what was asked
+    recorded in ``plan.options``: D replicas x K stages chosen where data parallelism is
+    "auto", else the microbatches and schedule left out defaulted (see
+    :func:`~pipecut.planning.request.default_choices`) and planned. ``pipecut.plan`` and
+    ``compile``'s rank 0 both plan here; ``captured``: the graph, captured already at the first
+    microbatch."""
     if request.options.data_parallel.kind == AUTO:
         return _recorded(plan_replicated(request, plan_request), request)
     m, kind = default_choices(request.options.microbatches, request.options.schedule)
@@ -246,7 +257,7 @@ def _partitioned(request: Request, captured: Captured, graph_fingerprint: str, b
     options = request.options
     assert isinstance(options.microbatches, int) and options.schedule not in (None, AUTO)
     planned = partition_costs(
-        costs, devices=request.devices, microbatches=options.microbatches, batch_size=batch_size,
+        costs, devices=request.specs, microbatches=options.microbatches, batch_size=batch_size,
         schedule=as_schedule(options.schedule), link=request.link, partition=request.options.partition,
         stages_per_rank=request.stages_per_rank, data_parallel=request.replication,
         fingerprint=graph_fingerprint, capture=captured.method, inputs=captured.input_names,

@@ -162,10 +162,10 @@ def plan_replicated(request: Request, plan_at: Callable[[Request], Plan]) -> Pla
 
     def plan_share(share: Any, share_target: Any, k: int, replicated: DataParallelOptions) -> Plan:
         return plan_at(dataclasses.replace(request.with_options(data_parallel=replicated), example_inputs=share,
-                                           target=share_target, devices=request.devices[:k]))
+                                           target=share_target, specs=request.specs[:k]))
 
     return plan_replicas(
-        request.example_inputs, request.target, devices=request.devices, microbatches=options.microbatches,
+        request.example_inputs, request.target, devices=request.specs, microbatches=options.microbatches,
         schedule=as_schedule(options.schedule), link=request.link, profile_at=measurements(request).costs,
         plan_share=plan_share,
     )

@@ -1,16 +1,19 @@
-"""One planning request: the model, its inputs, the devices and the options, passed step to step.
+"""What ``plan`` or ``compile`` was asked: the model, its inputs, the devices and the options.
 
-``pipecut.plan`` builds a :class:`Request` once and every planning step (auto choices, replicas,
-a cluster, one fixed plan) reads it, instead of threading two dozen keyword arguments through
-each. :class:`FirstBatch` is the microbatch a fixed plan is captured and measured on.
+``pipecut.plan`` and ``pipecut.compile`` each resolve their arguments once into a
+:class:`Request`; every planning step (auto choices, replicas, a cluster, one fixed plan) and
+every build step reads it, instead of threading two dozen keyword arguments through each.
+Compile's rank 0 hands the planner its own request, with the devices resolved and the options
+it plans with. :class:`FirstBatch` is the microbatch a fixed plan is captured and measured on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -21,7 +24,7 @@ from pipecut.core.kinds import ScheduleKind
 from pipecut.core.meta import input_device
 from pipecut.core.program import Captured, Inputs
 from pipecut.ir import DeviceSpec, NodeCost, Plan
-from pipecut.options import AUTO, DataParallelOptions, Options
+from pipecut.options import AUTO, DataParallelOptions, Options, WeightOptions
 from pipecut.passes.partition.solve import DEFAULT_LINK
 from pipecut.profile.devices import estimate_table
 from pipecut.profile.nodes import LossFn, profile
@@ -34,20 +37,38 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Request:
-    """What ``pipecut.plan`` was asked: read by every planning step, never changed (a step that
-    plans a variant makes a new one with :meth:`with_options`)."""
+    """What ``pipecut.plan`` or ``pipecut.compile`` was asked, its options resolved (the same
+    on every rank): read by every step, never changed (a step that plans or builds a variant
+    makes a new one with :meth:`with_options` or ``dataclasses.replace``)."""
 
     model: torch.nn.Module
     example_inputs: Inputs
     target: Any
     loss_fn: LossFn | None
-    devices: tuple[DeviceSpec, ...]
+    devices: Any
+    """The devices as given: a count, device names or :class:`~pipecut.ir.DeviceSpec` s, a
+    DeviceMesh (``compile``), or None (``compile``: one stage per rank of the default group)."""
+    specs: tuple[DeviceSpec, ...] = ()
+    """The devices the planner partitions over, resolved: ``plan`` resolves ``devices`` at
+    once, ``compile`` fills them from where its ranks sit before rank 0 plans (empty until
+    then, and for a cluster plan)."""
     options: Options
+    weights: WeightOptions = field(default_factory=WeightOptions)
+    """Where a meta model's weights come from (``compile``)."""
+    given: Plan | None = None
+    """The plan to replay (``compile(plan=...)``), or None to plan."""
+    remeasure: bool = False
+    """A rebuild after live calibration moved the split: time it again, keep its split."""
     progress: Callable[[int, int], None] | None = None
 
     def with_options(self, **groups: Any) -> Request:
         """This request with some options replaced (``microbatches=4``, ``measure=...``)."""
         return dataclasses.replace(self, options=dataclasses.replace(self.options, **groups))
+
+    @property
+    def wait(self) -> datetime.timedelta:
+        """How long a rank waits for another (``RuntimeOptions.timeout``)."""
+        return datetime.timedelta(seconds=self.options.runtime.timeout)
 
     @property
     def link(self) -> Any:

@@ -47,8 +47,8 @@ def _features(rank: int, world: int, tmp: str) -> dict[str, Any]:
     def no_planning(*a: Any, **k: Any) -> None:
         raise AssertionError("replaying a plan must not plan")
 
-    assert hasattr(pipecut.build.choice, "make_plan")  # the name compile plans through
-    pipecut.build.choice.make_plan = no_planning  # type: ignore[assignment]
+    assert hasattr(pipecut.build.choice, "plan_asked")  # the name compile plans through
+    pipecut.build.choice.plan_asked = no_planning  # type: ignore[assignment]
     saved = Plan.from_json(f"{tmp}/plan.json")
     model, inputs, loss_fn, target = gpt.build()
     pipe = _compile(model, world, inputs, loss_fn, target, plan=f"{tmp}/plan.json")

@@ -8,16 +8,15 @@ import torch
 
 import pipecut
 from examples import gpt, mlp
-from pipecut.build.replay import DEFAULTS, settings
+from pipecut.build.replay import Settings, settings_of
 from pipecut.capture import capture
 from pipecut.cluster import Link
 from pipecut.core.kinds import CaptureMethod, ScheduleKind
 from pipecut.core.names import model_names
 from pipecut.errors import PlanError
 from pipecut.ir import DeviceSpec
-
-NONE = dict(microbatches=None, schedule=None, stages_per_rank=None, link=None, capture_method="auto",
-            devices=None)
+from pipecut.options import CaptureOptions, MeasureOptions, Options, ScheduleOptions
+from pipecut.passes.partition.solve import DEFAULT_LINK
 
 
 @pytest.fixture(scope="module")
@@ -30,26 +29,39 @@ def plan() -> pipecut.Plan:
 
 
 def test_none_means_the_plans_value_or_the_default(plan: pipecut.Plan) -> None:
-    run = settings(plan, **NONE)
+    run = settings_of(plan, Options(), None)
     assert (run.microbatches, run.schedule, run.stages_per_rank) == (4, ScheduleKind.ONE_F_ONE_B, 1)
-    assert run.link == plan.link and run.capture_method is plan.capture
-    assert settings(None, **NONE) == DEFAULTS
-    agreeing = {**NONE, "microbatches": 4, "schedule": "1f1b", "devices": 2, "stages_per_rank": 1}
-    assert settings(plan, **agreeing) == run
+    assert run.link == plan.link and run.capture_method is plan.capture and not run.auto
+    agreeing = Options(microbatches=4, schedule="1f1b", scheduling=ScheduleOptions(stages_per_rank=1))
+    assert settings_of(plan, agreeing, 2) == run
+
+
+def test_without_a_plan_what_is_left_out_is_auto_or_the_default() -> None:
+    assert settings_of(None, Options(), None) == Settings(
+        microbatches="auto", schedule="auto", stages_per_rank=1, link=DEFAULT_LINK, capture_method="auto")
+    run = settings_of(None, Options(microbatches=4), 3)
+    assert (run.microbatches, run.schedule, run.auto) == (4, ScheduleKind.GPIPE, False)
+    assert settings_of(None, Options(microbatches=4, schedule="auto"), None).auto
+
+
+def test_auto_is_refused_beside_a_plan(plan: pipecut.Plan) -> None:
+    with pytest.raises(PlanError, match=r"'auto' ask the planner to choose, but plan= fixes them"):
+        settings_of(plan, Options(microbatches="auto"), None)
 
 
 def test_every_contradiction_is_named(plan: pipecut.Plan) -> None:
-    conflicting = {**NONE, "microbatches": 8, "schedule": "gpipe", "stages_per_rank": 2,
-                   "devices": 3, "capture_method": CaptureMethod.EXPORT,
-                   "link": Link(bandwidth_bytes_per_ms=1.0, latency_ms=0.0, measured=False)}
+    conflicting = Options(
+        microbatches=8, schedule="gpipe", scheduling=ScheduleOptions(stages_per_rank=2),
+        capture=CaptureOptions(method=CaptureMethod.EXPORT),
+        measure=MeasureOptions(link=Link(bandwidth_bytes_per_ms=1.0, latency_ms=0.0, measured=False)))
     with pytest.raises(PlanError, match=(
         r"microbatches=8 \(the plan has 4\); schedule='gpipe' \(the plan has '1f1b'\); "
         r"stages_per_rank=2 \(the plan has 1\); link=.*; capture_method='export' \(the plan has "
         r"'symbolic_trace'\); devices=3 \(the plan is for 2 ranks\)\. Leave these arguments out")):
-        settings(plan, **conflicting)
+        settings_of(plan, conflicting, 3)
     specs = [DeviceSpec(name="cpu", memory_bytes=1 << 30), DeviceSpec(name="cpu")]
     with pytest.raises(PlanError, match=r"devices=\[.*memory_bytes=1073741824.*\] \(the plan has"):
-        settings(plan, **{**NONE, "devices": specs})
+        settings_of(plan, Options(), specs)
 
 
 def test_state_names_are_the_models_own() -> None:

@@ -12,7 +12,7 @@ from pipecut.planning.request import FirstBatch, Request
 
 def _request(**options) -> Request:
     return Request(model=torch.nn.Linear(3, 2), example_inputs=(torch.ones(8, 3),), target=torch.arange(8),
-                   loss_fn=None, devices=(DeviceSpec(name="cpu"),) * 2, options=Options(**options))
+                   loss_fn=None, devices=2, specs=(DeviceSpec(name="cpu"),) * 2, options=Options(**options))
 
 
 def test_a_variant_changes_only_what_it_names() -> None:
