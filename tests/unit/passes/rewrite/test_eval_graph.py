@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from typing import Literal
 
 import pytest
 import torch
@@ -86,7 +87,7 @@ class FunctionalDropout(nn.Module):
         return self.bn(x)
 
 
-def _plan(model: nn.Module, x: torch.Tensor, method: CaptureMethod | None = None) -> pipecut.Plan:
+def _plan(model: nn.Module, x: torch.Tensor, method: CaptureMethod | Literal["auto"] = "auto") -> pipecut.Plan:
     """A 2-stage plan cut by equal node costs (measured times would make the cut vary)."""
     measured = pipecut.plan(
         model, (x,), 2, loss_fn=lambda o, t: o.pow(2).mean(), target=x, microbatches=2,

@@ -15,6 +15,7 @@ from pipecut.core.graph import canonical_names
 from pipecut.core.kinds import Recompute
 from pipecut.core.segment import Segment
 from pipecut.passes.rewrite.split import split, split_stage, verify
+from tests.reference import COUNTED
 
 
 def _run_chained(programs: Any, cap: Any, inputs: Any) -> Any:
@@ -48,7 +49,7 @@ def test_chained_stages_equal_the_model(name: str, k: int) -> None:
     model.eval()  # BatchNorm in eval mode: both runs see the same statistics
     plan = pipecut.plan(
         model, inputs, k, loss_fn=loss_fn, target=target, microbatches=1, schedule="gpipe",
-        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+        measure=COUNTED,
     )
     cap = capture(model, inputs)
     programs = split(cap.gm, plan)
@@ -63,7 +64,7 @@ def test_tied_embedding_lives_on_both_ends() -> None:
     model, inputs, loss_fn, target = EXAMPLES["gpt"](batch_size=2)
     plan = pipecut.plan(
         model, inputs, 3, loss_fn=loss_fn, target=target, microbatches=1, schedule="gpipe",
-        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+        measure=COUNTED,
     )
     assert [(t.fqn, t.stages) for t in plan.tied] == [("tok_emb.weight", (0, 2))]
     programs = split(capture(model, inputs).gm, plan)
@@ -75,7 +76,7 @@ def test_skip_connections_are_relayed() -> None:
     model, inputs, loss_fn, target = EXAMPLES["resnet"](batch_size=2)
     plan = pipecut.plan(
         model, inputs, 4, loss_fn=loss_fn, target=target, microbatches=1, schedule="gpipe",
-        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+        measure=COUNTED,
     )
     for a, b in zip(plan.stages, plan.stages[1:]):
         assert a.outputs == b.inputs and a.outputs  # every cut carries the values live across it
@@ -89,7 +90,7 @@ def test_stages_recomputing_some_nodes_equal_the_model(name: str) -> None:
     model.eval()
     plan = pipecut.plan(
         model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=1, schedule="gpipe",
-        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+        measure=COUNTED,
     )
     stages = tuple(dataclasses.replace(s, recompute=Recompute.SELECTIVE,
                                        recomputed=s.nodes[len(s.nodes) // 3: 2 * len(s.nodes) // 3])
@@ -106,7 +107,7 @@ def test_verify_catches_a_lost_or_duplicated_node() -> None:
     model, inputs, loss_fn, target = EXAMPLES["gpt"](batch_size=2)
     plan = pipecut.plan(
         model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=1, schedule="gpipe",
-        measure=pipecut.MeasureOptions(repeats=1, warmup=0),
+        measure=COUNTED,
     )
     gm = capture(model, inputs).gm
     programs = split(gm, plan)
