@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from pipecut.cluster import Link
-from pipecut.core.kinds import NodeOp, TensorShard
+from pipecut.core.kinds import LeafKind, NodeOp, TensorShard
 from pipecut.errors import InputError
 from pipecut.ir import NodeCost
 from pipecut.passes.parallel.run_costs import ring_ms
@@ -214,9 +214,28 @@ def shard_table(nodes: Sequence[NodeCost], tp: int, link: Link, *, sequence_para
             changes["output_bytes"] = math.ceil(n.output_bytes / tp)
             if n.saved_bytes is not None:
                 changes["saved_bytes"] = math.ceil(n.saved_bytes / tp)
+            feature = kinds[n.name] in (TensorShard.COLUMN, TensorShard.SPLIT)
+            if n.shape is not None:
+                changes["shape"] = _split_shape(n.shape, tp, feature=feature)
+            changes["leaves"] = tuple(replace(leaf, shape=_split_shape(leaf.shape, tp, feature=feature))
+                                      if leaf.kind is LeafKind.TENSOR and leaf.shape else leaf for leaf in n.leaves)
         rows.append(replace(n, **changes))  # type: ignore[arg-type]
     return ShardedTable(tensor_parallel=tp, sequence_parallel=sequence_parallel, nodes=tuple(rows),
                         collectives=comm, kinds=kinds)
+
+
+def _split_shape(shape: tuple[int, ...], tp: int, *, feature: bool) -> tuple[int, ...]:
+    """One GPU's shape of a split value (what crosses a cut is its bytes): features (or heads)
+    split on the last dimension, a sequence-parallel value on the sequence (dimension 1 of three
+    or more, else 0); another dimension that T divides where that one does not."""
+    if not shape:
+        return shape
+    first = len(shape) - 1 if feature else (1 if len(shape) >= 3 else 0)
+    order = [first] + [i for i in range(len(shape) - 1, -1, -1) if i != first]
+    for i in order:
+        if shape[i] % tp == 0 and shape[i] >= tp:
+            return (*shape[:i], shape[i] // tp, *shape[i + 1:])
+    return shape
 
 
 def sharded_widths(nodes: Sequence[NodeCost], kinds: Mapping[str, TensorShard]) -> tuple[int, ...]:

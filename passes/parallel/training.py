@@ -49,9 +49,15 @@ configure, and what this model assumes of it:
   check; both 0 by default (the tensors alone), set from the figures by
   :func:`pipecut.planning.clusters.plan_cluster`.
 
-Not modelled: tensor, context or expert parallelism; ZeRO-1 (optimizer state sharded, parameters
-and gradients whole), which is neither of pipecut's data-parallel kinds; compute/communication
-contention on the SMs.
+* **Tensor parallelism** (``RunShape.tensor_parallel`` T): each (replica, stage) runs on T GPUs of
+  one node (:class:`~pipecut.cluster.ClusterPlacement`), and the workload is one GPU's share of
+  the table with its collectives in its times (:mod:`pipecut.passes.parallel.tensor`): so its
+  FSDP units gather and reduce 1/T of the parameters, its cuts send what one GPU holds, and the
+  step's parts show the tensor group's link time apart from compute.
+
+Not modelled: context or expert parallelism; async tensor parallelism (its collectives
+overlapped with the products); ZeRO-1 (optimizer state sharded, parameters and gradients whole),
+which is neither of pipecut's data-parallel kinds; compute/communication contention on the SMs.
 """
 
 from __future__ import annotations
