@@ -8,7 +8,6 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from benchmarks import validation
 from pipecut import Plan, summary
@@ -26,6 +25,7 @@ from pipecut.planning.clusters import (
 )
 from pipecut.planning.tensor_parallel import head_counts, sharded_tables, tensor_parallel_sizes
 from pipecut.profile.devices import device_profile
+from tests.unit.tiny import tiny_llama
 
 
 def _llama(name: str, *, samples: int = 1, seq: int = 8192, cluster: str = "8x8xH100-SXM") -> tuple:
@@ -104,17 +104,8 @@ def test_the_refusal_names_tensor_parallelism_as_a_fix() -> None:
         predict_run(nodes, c, shape)
 
 
-def _tiny_llama() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, use_cache=False)
-    return LlamaForCausalLM(cfg).to(torch.bfloat16), {"input_ids": torch.zeros(4, 32, dtype=torch.long)}
-
-
 def test_a_tp_plan_records_t_and_its_groups_and_round_trips() -> None:
-    model, batch = _tiny_llama()
+    model, batch = tiny_llama(heads=4, kv_heads=2, batch=4, seq=32, vocab=128)
     plan = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=2, tensor_parallel=2, data_parallel=1)
     place = plan.placement
     assert place is not None and plan.run is not None
