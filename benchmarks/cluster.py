@@ -78,14 +78,18 @@ def validation_table(out: str) -> int:  # pragma: no cover
         c = choices[p.name] = validation.planner_choice(run, data["models"])
         verdict = ("the published layout" if (c.replicas, c.tensor_parallel, c.stages) ==
                    (p.replicas, p.tensor_parallel, p.stages) else f"{c.tokens / p.tokens - 1:+.1%} vs the published layout")
-        print(f"  {p.name:44} {c.replicas}×{c.tensor_parallel}×{c.stages} {c.tokens:9.1f} tokens/s/GPU ({verdict})")
+        print(f"  {p.name:44} {c.replicas}×{c.tensor_parallel}×{c.stages} {c.tokens:9.1f} tokens/s/GPU, "
+              f"{c.memory_gib:.1f} GiB ({verdict})")
+        if run.get("planner_note"):
+            print(f"    {run['planner_note']}")
     for p in (p for p in preds if p.issue == 28 and p.explained):
         print(f"  why {p.name}: {p.explained}")
     s = validation.summary(preds)
     print(f"issue 29's unfitted rows: median |error| {s['median_abs_error']:.1%} (target <= 10%), worst "
           f"{s['worst_abs_error']:.1%} (<= 20%), worst |memory error| {s['worst_abs_memory_error']:.1%} (<= 15%)")
     rows = [{**{k: getattr(p, k) for k in p.__dataclass_fields__}, "error": p.error, "memory_error": p.memory_error,
-             **({"planner": {k: getattr(choices[p.name], k) for k in ("replicas", "tensor_parallel", "stages", "tokens")}}
+             **({"planner": {k: getattr(choices[p.name], k) for k in ("replicas", "tensor_parallel", "stages", "tokens",
+                                                                       "memory_gib")}}
                 if p.name in choices else {})}
             for p in preds]
     Path(out).write_text(json.dumps({"rows": rows, "summary": s}, indent=1) + "\n")

@@ -266,14 +266,16 @@ class Choice:
     stages: int
     tokens: float
     """Predicted tokens/s per GPU of the planner's layout (the published layout's is the row's)."""
+    memory_gib: float
+    """Its predicted peak memory per GPU, as the row's source counts it."""
 
 
 def planner_choice(run: dict[str, Any], models: dict[str, Any]) -> Choice:
     """What :func:`pipecut.planning.clusters.predict_run` chooses for ``run`` when D and T are
     left to it (the schedule, microbatches and checkpointing kept)."""
-    best, _ = _one(run, models[run["model"]], bound=FigureEnd.VALUE, residual=None, planner=True)
+    best, mem = _one(run, models[run["model"]], bound=FigureEnd.VALUE, residual=None, planner=True)
     return Choice(name=run["name"], replicas=best.placement.replicas, tensor_parallel=best.placement.tensor_parallel,
-                  stages=best.placement.stages, tokens=best.tokens_per_s_per_gpu)
+                  stages=best.placement.stages, tokens=best.tokens_per_s_per_gpu, memory_gib=mem)
 
 
 def table() -> list[Prediction]:

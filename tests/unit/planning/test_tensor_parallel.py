@@ -25,6 +25,7 @@ from pipecut.planning.clusters import (
 )
 from pipecut.planning.tensor_parallel import head_counts, sharded_tables, tensor_parallel_sizes
 from pipecut.profile.devices import device_profile
+from pipecut.report.render import render_html
 from tests.unit.tiny import tiny_llama
 
 
@@ -116,6 +117,8 @@ def test_a_tp_plan_records_t_and_its_groups_and_round_trips() -> None:
     assert again == plan and again.placement == place
     text = summary(plan)
     assert "1 replicas x 2 stages x tensor parallel 2" in text and "GPUs 0-1 (r0 s0), 2-3 (r0 s1)" in text
+    page = render_html(plan)
+    assert 'id="tensor-groups"' in page and "GPUs 0–1; GPUs 2–3" in page and "tensor rank 1 of 2" in page
     with pytest.raises(PlanError, match=r"tensor_parallel=2 is planned but not yet run by pipecut.compile.*"
                                         r"tensor_parallel=1"):
         refuse_tensor_parallel(plan)
