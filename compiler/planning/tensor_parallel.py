@@ -45,8 +45,10 @@ def head_counts(model: Any) -> dict[str, int]:
 
 def tensor_parallel_sizes(asked: str | int, nodes: Sequence[NodeCost], cluster: Cluster,
                           heads: Mapping[str, int]) -> tuple[int, ...]:
-    """The T to weigh: with "auto" every size that divides a node's GPUs, the heads and the
-    widths the group splits (1 first); a number is checked and weighed alone.
+    """The T to weigh: with "auto" every size that divides a node's GPUs and the heads (1
+    first); a number is checked and weighed alone. Where the model names no heads (no Hugging
+    Face config), the widths the group splits stand in for them (``sharded_widths``); where it
+    does, an odd vocabulary is not a bar (Megatron pads it, DTensor shards it unevenly).
 
     Raises:
         InputError: ``asked`` is neither "auto" nor a size that divides them (the sizes that
@@ -56,12 +58,10 @@ def tensor_parallel_sizes(asked: str | int, nodes: Sequence[NodeCost], cluster: 
         raise InputError(f"tensor_parallel={asked!r}: give 'auto' or a size (1 plans without it)")
     if asked == 1:
         return (1,)
-    counts = dict(heads)
-    widths = sharded_widths(nodes, shard_kinds(nodes))
+    counts = dict(heads) or {f"split width {w}": w for w in sharded_widths(nodes, shard_kinds(nodes))}
     if asked == "auto":
-        return tensor_sizes(cluster.gpus_per_node, (*counts.values(), *widths))
+        return tensor_sizes(cluster.gpus_per_node, tuple(counts.values()))
     assert isinstance(asked, int)
-    counts.update({f"split width {w}": w for w in widths})
     check_tensor_parallel(asked, cluster.gpus_per_node, counts)
     return (asked,)
 

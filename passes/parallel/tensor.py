@@ -162,8 +162,8 @@ def collectives(nodes: Sequence[NodeCost], kinds: Mapping[str, TensorShard], tp:
         elif kind is TensorShard.COLUMN:  # f, once per replicated input
             weights = _weights(n, by_name)
             for i in n.inputs:
-                if i in weights or i in gathered or kinds.get(i) in (TensorShard.COLUMN, TensorShard.SPLIT):
-                    continue
+                if i in weights or i in gathered or by_name[i].op is NodeOp.GET_ATTR:
+                    continue  # a bias is not gathered; a shared input once
                 gathered.add(i)
                 size = half(by_name[i].output_bytes)
                 add(n.name, *((size, size) if sequence_parallel else (0.0, 2 * size)))
