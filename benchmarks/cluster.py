@@ -5,9 +5,11 @@
     .venv/bin/python benchmarks/cluster.py --schedules [--cluster 2x8xH100-SXM] [--batch 64] [-m 8]
 
 By default: the validation table (``validation_runs.json``, :mod:`validation`): every run, whether
-its residual was fitted on it, published and predicted tokens/s per GPU with the prediction's
-range and error, memory likewise, and the assumption that dominates the step; then the targets of
-issue 29 on the unfitted rows. ``--fit`` bisects each family's residual on the run the split
+its residual was fitted on it, its D × T × K, published and predicted tokens/s per GPU with the
+prediction's range and error, memory likewise, and the assumption that dominates the step; issue
+28's tensor-parallel rows (torchtitan's 70B and 405B on H100, Megatron-LM's PTD-P weak scaling on
+A100) apart, with the planner's own layout beside them and why each miss beyond 15% misses; then
+the targets of issue 29 on its unfitted rows. ``--fit`` bisects each family's residual on the run the split
 names. ``--published``: the older check below.
 
 Each run of :data:`published.RUNS` (torchtitan's FSDP Llama runs on H100 and A100) is predicted
@@ -41,21 +43,54 @@ import validation
 __all__ = ["main"]
 
 
+PLANNER_UP_TO_GPUS = 1024
+"""The planner column is weighed for tensor-parallel rows up to this many GPUs: beyond, its search
+over every D × T × K (stages up to the model's units) takes minutes a row here."""
+
+
 def validation_table(out: str) -> int:  # pragma: no cover
-    """Print the validation table and write it as JSON."""
+    """Print the validation table and write it as JSON: issue 29's rows, then issue 28's
+    tensor-parallel rows with the planner's own layout beside the published one's prediction."""
     preds = validation.table()
-    print(f"{'run':28} {'fit':>3} {'D×K':>6} {'published':>9} {'predicted':>9} {'range':>15} {'error':>7} "
+    data = validation.load()
+    runs = {r["name"]: r for r in data["runs"]}
+    print(f"{'run':44} {'fit':>3} {'D×T×K':>9} {'published':>9} {'predicted':>9} {'range':>15} {'error':>7} "
           f"{'GiB pub':>7} {'GiB':>5} {'error':>7}  dominant")
-    for p in preds:
-        mem_err = "" if p.memory_error is None else f"{p.memory_error:+.1%}"
-        pub_mem = "-" if p.published_memory_gib is None else f"{p.published_memory_gib:g}"
-        print(f"{p.name:28} {'yes' if p.fitted else '':>3} {p.replicas}×{p.stages:<4} {p.published_tokens:>9.0f} "
-              f"{p.tokens:>9.0f} {p.tokens_low:>7.0f}-{p.tokens_high:<7.0f} {p.error:>+7.1%} {pub_mem:>7} "
-              f"{p.memory_gib:>5.1f} {mem_err:>7}  {p.dominant}")
+    choices: dict[str, validation.Choice] = {}
+    for issue in (29, 28):
+        if issue == 28:
+            print("issue 28: tensor parallelism (not fitted on; each miss beyond 15% explained below)")
+        for p in (p for p in preds if p.issue == issue):
+            mem_err = "" if p.memory_error is None else f"{p.memory_error:+.1%}"
+            pub_mem = "-" if p.published_memory_gib is None else f"{p.published_memory_gib:g}"
+            shape = f"{p.replicas}×{p.tensor_parallel}×{p.stages}"
+            print(f"{p.name:44} {'yes' if p.fitted else '':>3} {shape:>9} {p.published_tokens:>9.1f} "
+                  f"{p.tokens:>9.1f} {p.tokens_low:>7.1f}-{p.tokens_high:<7.1f} {p.error:>+7.1%} {pub_mem:>7} "
+                  f"{p.memory_gib:>5.1f} {mem_err:>7}  {p.dominant}")
+    print("planner's own layout for the tensor-parallel rows (same cluster, batch, microbatches, schedule, "
+          "checkpointing; D and T free):")
+    for p in (p for p in preds if p.issue == 28):
+        run = runs[p.name]
+        gpus = int(run["cluster"].split("x")[0]) * int(run["cluster"].split("x")[1])
+        if gpus > PLANNER_UP_TO_GPUS:
+            print(f"  {p.name:44} not weighed ({gpus} GPUs > {PLANNER_UP_TO_GPUS}: minutes a row)")
+            continue
+        c = choices[p.name] = validation.planner_choice(run, data["models"])
+        verdict = ("the published layout" if (c.replicas, c.tensor_parallel, c.stages) ==
+                   (p.replicas, p.tensor_parallel, p.stages) else f"{c.tokens / p.tokens - 1:+.1%} vs the published layout")
+        print(f"  {p.name:44} {c.replicas}×{c.tensor_parallel}×{c.stages} {c.tokens:9.1f} tokens/s/GPU, "
+              f"{c.memory_gib:.1f} GiB ({verdict})")
+        if run.get("planner_note"):
+            print(f"    {run['planner_note']}")
+    for p in (p for p in preds if p.issue == 28 and p.explained):
+        print(f"  why {p.name}: {p.explained}")
     s = validation.summary(preds)
-    print(f"unfitted rows: median |error| {s['median_abs_error']:.1%} (target <= 10%), worst "
+    print(f"issue 29's unfitted rows: median |error| {s['median_abs_error']:.1%} (target <= 10%), worst "
           f"{s['worst_abs_error']:.1%} (<= 20%), worst |memory error| {s['worst_abs_memory_error']:.1%} (<= 15%)")
-    rows = [{**{k: getattr(p, k) for k in p.__dataclass_fields__}, "error": p.error, "memory_error": p.memory_error}
+    rows = [{**{k: getattr(p, k) for k in p.__dataclass_fields__}, "error": p.error, "memory_error": p.memory_error,
+             **({"planner": {k: getattr(choices[p.name], k) for k in ("replicas", "tensor_parallel", "stages", "tokens",
+                                                                       "memory_gib")}}
+                if p.name in choices else {})}
             for p in preds]
     Path(out).write_text(json.dumps({"rows": rows, "summary": s}, indent=1) + "\n")
     return 0

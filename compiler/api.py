@@ -16,7 +16,11 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from pipecut.build.choice import capture_and_broadcast_plan, runnable_schedule
+from pipecut.build.choice import (
+    capture_and_broadcast_plan,
+    refuse_tensor_parallel,
+    runnable_schedule,
+)
 from pipecut.build.context import Place, connect
 from pipecut.build.layout import auto_layout
 from pipecut.build.replay import settings_of
@@ -127,11 +131,13 @@ def compile(
         InputError: An argument is not valid (an unknown option, devices that do not match the
             process group, ``data_parallel`` without replicas).
         PlanError: ``plan=`` was made for another model or world size, or an argument
-            contradicts it.
+            contradicts it, or it splits stages over a tensor-parallel group (planned, not run yet).
         CaptureError: The model cannot be captured (raised when the failing mode is used).
         PipelineRuntimeError: Another rank failed while planning or building.
     """
     given = None if plan is None else plan if isinstance(plan, Plan) else Plan.from_json(plan)
+    if given is not None:
+        refuse_tensor_parallel(given)
     carried = given.options if given is not None and given.options is not None else None
     groups = requested(  # a replayed plan carries how it was captured and run
         microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,

@@ -93,14 +93,16 @@ class Cluster:
 
 
 class Layout(enum.Enum):
-    """How D replicas × K stages are laid onto the cluster's GPUs (numbered node by node)."""
+    """How D replicas × K stages are laid onto the cluster's GPUs (numbered node by node), each
+    (replica, stage) on one tensor-parallel group of T consecutive GPUs of one node (T = 1: one
+    GPU); the positions below count groups."""
 
     STAGES_INSIDE_NODES = "stages_inside_nodes"
-    """Replica r's stage s on GPU r·K + s: a pipeline's cuts stay on NVLink where K fits a node;
-    each stage's replica group spans nodes."""
+    """Replica r's stage s on group r·K + s: a pipeline's cuts stay on NVLink where T·K fits a
+    node; each stage's replica group spans nodes."""
     REPLICAS_INSIDE_NODES = "replicas_inside_nodes"
-    """Stage s of replica r on GPU s·D + r: a stage's replica ring stays on NVLink where D fits a
-    node; the pipeline's cuts cross nodes."""
+    """Stage s of replica r on group s·D + r: a stage's replica ring stays on NVLink where T·D
+    fits a node; the pipeline's cuts cross nodes."""
 
     def gpu(self, replica: int, stage: int, replicas: int, stages: int) -> int:
         if self is Layout.STAGES_INSIDE_NODES:
@@ -110,29 +112,50 @@ class Layout(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ClusterPlacement:
-    """Which GPU holds which stage of which replica (chosen by predicted step)."""
+    """Which GPUs hold which stage of which replica (chosen by predicted step): D replicas ×
+    K pipeline ranks, each on a tensor-parallel group of T consecutive GPUs of one node."""
 
     layout: Layout
     replicas: int
     stages: int
+    tensor_parallel: int = 1
+    """T: the GPUs of one node that split each stage's layers between them (1: none)."""
 
     def __post_init__(self) -> None:
-        if self.replicas < 1 or self.stages < 1:
-            raise InputError(f"a placement needs replicas and stages ≥ 1, got {self.replicas} × {self.stages}")
+        if self.replicas < 1 or self.stages < 1 or self.tensor_parallel < 1:
+            raise InputError(f"a placement needs replicas and stages ≥ 1 and tensor parallelism ≥ 1, got "
+                             f"{self.replicas} × {self.stages} × {self.tensor_parallel}")
+
+    @property
+    def gpus(self) -> int:
+        """D · K · T."""
+        return self.replicas * self.stages * self.tensor_parallel
 
     def gpu(self, replica: int, stage: int) -> int:
-        return self.layout.gpu(replica, stage, self.replicas, self.stages)
+        """The first GPU of the group holding ``stage`` of ``replica``."""
+        return self.tensor_parallel * self.layout.gpu(replica, stage, self.replicas, self.stages)
+
+    def tensor_group(self, replica: int, stage: int) -> tuple[int, ...]:
+        """The T GPUs that hold ``stage`` of ``replica`` between them (its tensor-parallel group)."""
+        first = self.gpu(replica, stage)
+        return tuple(range(first, first + self.tensor_parallel))
 
     def grid(self) -> tuple[tuple[int, int], ...]:
-        """Per GPU, in order: (replica, stage) it holds."""
+        """Per GPU, in order: (replica, stage) it holds (its share, with T > 1)."""
         out: dict[int, tuple[int, int]] = {}
         for r in range(self.replicas):
             for s in range(self.stages):
-                out[self.gpu(r, s)] = (r, s)
+                for g in self.tensor_group(r, s):
+                    out[g] = (r, s)
         return tuple(out[g] for g in sorted(out))
 
+    def tensor_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Every tensor-parallel group, in GPU order."""
+        return tuple(sorted(self.tensor_group(r, s) for r in range(self.replicas) for s in range(self.stages)))
+
     def replica_group(self, stage: int) -> tuple[int, ...]:
-        """The GPUs holding ``stage`` of every replica (its FSDP/DDP ring)."""
+        """The GPUs holding ``stage`` of every replica at the first position of their tensor
+        group (its FSDP/DDP ring; the rings of the other positions cross the same links)."""
         return tuple(self.gpu(r, stage) for r in range(self.replicas))
 
 
@@ -176,6 +199,8 @@ class RunPrediction:
     """Activation checkpointing assumed: none, selective or full."""
     sharding: str = "fsdp"
     """fsdp (parameters, gradients, optimizer state sharded over replicas) or ddp."""
+    sequence_parallel: bool = False
+    """With tensor parallelism: the residual stream split along the sequence as well."""
     compute_efficiency: float = 0.0
     """Fraction of peak FLOP/s a matrix product reaches, for the device family (fitted once)."""
     notes: tuple[str, ...] = ()

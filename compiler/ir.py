@@ -248,6 +248,8 @@ class ReplicaCandidate:
     """On a cluster: how the D × K GPUs were laid onto nodes for this prediction."""
     note: str = ""
     """"chosen", or why the shape was ruled out or cannot run."""
+    tensor_parallel: int = 1
+    """On a cluster: T, the GPUs of one node that split each stage (D × K × T GPUs in all)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

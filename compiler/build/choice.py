@@ -31,7 +31,7 @@ from pipecut.runtime.comm.p2p import wiring
 from pipecut.runtime.grads.data_parallel import check_supported
 from pipecut.schedules.format import Schedule, validate
 
-__all__ = ["Chosen", "capture_and_broadcast_plan", "check_fingerprint", "runnable_schedule"]
+__all__ = ["Chosen", "capture_and_broadcast_plan", "check_fingerprint", "refuse_tensor_parallel", "runnable_schedule"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,6 +86,20 @@ def _on_rank0(request: Request, place: Place, settings: Settings, captured: Capt
         data_parallel=place.replication or DataParallelOptions(), runtime=RuntimeOptions(),
     ), specs=place.specs)
     return plan_from_rank0(lambda: dataclasses.replace(plan_asked(planning, captured), options=request.options))
+
+
+def refuse_tensor_parallel(plan: Plan) -> None:
+    """PlanError for a plan whose stages are split over a tensor-parallel group: pipecut plans
+    and prices tensor parallelism (``plan(..., cluster=..., tensor_parallel=...)``) but its
+    runtime does not run it yet."""
+    t = plan.placement.tensor_parallel if plan.placement is not None else 1
+    if t > 1:
+        raise PlanError(
+            f"tensor_parallel={t} is planned but not yet run by pipecut.compile (its stages hold "
+            f"1/{t} of each split layer): re-plan with tensor_parallel=1 (CLI --tensor-parallel 1) to "
+            f"run it with pipecut, or run this plan's D x T x K layout with an engine that has tensor "
+            f"parallelism (torchtitan, Megatron-LM)"
+        )
 
 
 def check_fingerprint(loaded: Plan, expected: str) -> None:

@@ -78,6 +78,11 @@ def parse_split(text: str) -> list[str] | list[list[str]]:
     return [m.strip() for m in text.split(",") if m.strip()]
 
 
+def _auto_or_positive(text: str) -> str | int:
+    """``auto`` or a positive integer (``--tensor-parallel``)."""
+    return "auto" if text == "auto" else _positive(text)
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -196,7 +201,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             microbatches=args.microbatches, schedule=args.schedule,
             recompute="selective" if args.recompute == "auto" else args.recompute,
             stages_per_rank=args.stages_per_rank if args.stages_per_rank > 1 else None,
-            loss_fn=example.loss_fn, target=example.target,
+            loss_fn=example.loss_fn, target=example.target, tensor_parallel=args.tensor_parallel,
         )
     elif args.device_profile is not None:
         plan = _plan_estimated(args, example, args.link)
@@ -229,6 +234,9 @@ def _check_plan_args(args: argparse.Namespace) -> None:
             f"(got {args.schedule}); use --stages-per-rank 1 otherwise"
         )
     as_ilp_solver(args.solver)
+    if args.cluster is None and args.tensor_parallel not in ("auto", 1):
+        raise InputError(f"--tensor-parallel {args.tensor_parallel} plans tensor parallelism for a cluster: add "
+                         f"--cluster (e.g. 8x8xH100-SXM); pipecut does not run tensor parallelism itself yet")
     if args.cluster is not None:
         from pipecut.planning.clusters import parse_cluster
 
@@ -296,13 +304,15 @@ def summary_data(plan: Plan) -> dict[str, Any]:
             "replicas": plan.data_parallel.resolved_replicas},
         "replica_candidates": [
             {"replicas": c.replicas, "stages": c.stages, "per_stage": list(c.per_stage),
-             "step_ms": c.step_ms, "layout": c.layout.value if c.layout else None, "note": c.note}
+             "step_ms": c.step_ms, "layout": c.layout.value if c.layout else None, "note": c.note,
+             "tensor_parallel": c.tensor_parallel}
             for c in plan.replica_candidates
         ],
         "cluster": None if plan.cluster is None else plan.cluster.spec,
         "placement": None if plan.placement is None else {
             "layout": plan.placement.layout.value, "replicas": plan.placement.replicas,
-            "stages": plan.placement.stages,
+            "stages": plan.placement.stages, "tensor_parallel": plan.placement.tensor_parallel,
+            "tensor_groups": [list(g) for g in plan.placement.tensor_groups()],
             "gpus": [{"replica": r, "stage": s} for r, s in plan.placement.grid()]},
         "run": None if plan.run is None else dataclasses.asdict(plan.run),
     }
@@ -416,6 +426,10 @@ def _plan_shape_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="SIZE",
                    help="memory capacity of every device, e.g. 2GiB (default: unlimited, or the "
                    "device profile's)")
+    p.add_argument("--tensor-parallel", type=_auto_or_positive, default="auto", metavar="auto|T",
+                   help="with --cluster: T GPUs of a node split each stage's layers (Megatron's column/row "
+                        "pairing, sequence parallel); 'auto' (default) weighs every T that divides the GPUs "
+                        "per node and the attention heads, 1 plans without it")
     p.add_argument("--data-parallel", choices=["auto"], default=None,
                    help="choose D replicas x K stages for the --devices N by predicted step "
                         "(gradient all-reduce included); the plan is one replica's K stages")

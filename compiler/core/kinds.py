@@ -20,6 +20,7 @@ __all__ = [
     "Partitioner",
     "Recompute",
     "ScheduleKind",
+    "TensorShard",
 ]
 
 
@@ -100,3 +101,24 @@ class DataParallelKind(enum.Enum):
     """DistributedDataParallel on each stage: every replica holds all of its stage's state."""
     FSDP = "fsdp"
     """FSDP2 ``fully_shard`` on each stage: parameters, gradients and optimizer state sharded."""
+
+
+class TensorShard(enum.Enum):
+    """How a node of the cost table runs under tensor parallelism (Megatron's pairing: a
+    column-wise product opens a sharded region, a row-wise one closes it with a reduction).
+    :func:`pipecut.passes.parallel.tensor.shard_kinds` gives each node its kind."""
+
+    REPLICATED = "replicated"
+    """Every rank of the group computes it whole (norms, residual adds; split by sequence
+    under sequence parallelism)."""
+    COLUMN = "column"
+    """A product whose weight is split by output features (q/k/v, gate/up, the LM head): its
+    output is sharded."""
+    ROW = "row"
+    """A product whose weight is split by input features (o, down): partial sums, reduced
+    across the group (all-reduce, or reduce-scatter with sequence parallelism)."""
+    SPLIT = "split"
+    """Work on sharded values between a column and a row product (attention heads, the MLP's
+    hidden features, a vocabulary-parallel loss): each rank does its share."""
+    VOCAB = "vocab"
+    """An embedding lookup on a shard of the vocabulary, reduced across the group."""

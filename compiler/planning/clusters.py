@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from pipecut.errors import InputError, PartitionError
 from pipecut.ir import Candidate, NodeCost, Plan, ReplicaCandidate
 from pipecut.passes.costs.workload import Workload, workload
 from pipecut.passes.parallel.hybrid import Skipped
+from pipecut.passes.parallel.tensor import ShardedTable, shard_table
 from pipecut.passes.parallel.training import (
     RunCandidate,
     RunChoice,
@@ -45,9 +46,11 @@ from pipecut.passes.parallel.training import (
     block_of,
     choose_run,
     evaluate_run,
+    merged_choices,
 )
 from pipecut.passes.partition.rebuild import mark_rebuilt
 from pipecut.planning.run_plan import mixed_links_note, plan_of_run
+from pipecut.planning.tensor_parallel import head_counts, sharded_tables, tensor_parallel_sizes
 from pipecut.profile.devices import (
     LINK_LATENCY_MS,
     DeviceProfile,
@@ -76,14 +79,13 @@ __all__ = [
     "parse_cluster",
     "plan_cluster",
     "predict_run",
+    "tensor_note",
 ]
 
 INTER_NODE_LATENCY_MS = 0.02
 """20 µs per message between nodes: the order of NCCL's latency over InfiniBand."""
 
 NOT_MODELLED = (
-    "tensor parallelism is not planned (torchtitan's 70B and 405B H100 runs use TP 8): every "
-    "stage holds whole layers",
     "context and expert parallelism are not planned",
     "ZeRO-1 (optimizer state sharded, parameters and gradients whole) is not one of pipecut's "
     "data-parallel kinds (ddp, fsdp): not planned",
@@ -194,38 +196,57 @@ def _attention_dims(model: torch.nn.Module) -> tuple[int, int]:
 
 def predict_run(
     nodes: Sequence[NodeCost], cluster: Cluster, shape: RunShape, *, replicas: int | None = None,
-    schedules: tuple[ScheduleKind, ...] | None = None,
+    schedules: tuple[ScheduleKind, ...] | None = None, tensor_parallel: Sequence[int] = (1,),
+    sharded: Mapping[int, ShardedTable] | None = None,
 ) -> tuple[RunCandidate, RunChoice, Workload]:
-    """The fastest fitting D × K × layout (× schedule of ``schedules``, default
-    ``shape.schedule``, × stages per rank) for a cost table at microbatch ``B / M``; refuses,
+    """The fastest fitting D × T × K × layout (× schedule of ``schedules``, default
+    ``shape.schedule``, × stages per rank) for a cost table at microbatch ``B / M``, for each T
+    of ``tensor_parallel`` (T > 1 on one GPU's share of the table: ``sharded[T]``, else the
+    table's work divided by T, :func:`~pipecut.passes.parallel.tensor.shard_table`); refuses,
     with the memory needed per GPU and the smallest cluster of that device that fits, when none
     fits."""
-    work = workload(nodes)
-    blocks = block_of(work.modules or ("",) * work.units)
-    choice = choose_run(work, blocks, shape, cluster, replicas=replicas, schedules=schedules)
+    works = {t: _work_of(nodes, t, cluster, shape, sharded) for t in tensor_parallel}
+    blocks = block_of(works[tensor_parallel[0]].modules or ("",) * works[tensor_parallel[0]].units)
+
+    def choose(on: Cluster, layouts: tuple[Layout, ...] = tuple(Layout)) -> RunChoice:
+        return merged_choices([choose_run(w, blocks, dataclasses.replace(shape, tensor_parallel=t), on,
+                                          replicas=replicas, layouts=layouts, schedules=schedules)
+                               for t, w in works.items()])
+
+    choice = choose(cluster)
     if choice.best is not None:
-        return choice.best, choice, work
+        return choice.best, choice, works[choice.best.placement.tensor_parallel]
     need = choice.smallest_memory_bytes
+    ways = "pipeline × FSDP" + (f" × tensor parallel (T in {', '.join(map(str, works))})"
+                                if max(works) > 1 else "")
     if need is None:
-        reasons = "; ".join(f"D={s.replicas} K={s.stages}: {s.reason}" for s in choice.skipped)
-        raise PartitionError(f"no D × K shape can run on {cluster.spec} ({reasons})")
+        reasons = "; ".join(f"D={s.replicas} K={s.stages} T={s.tensor_parallel}: {s.reason}" for s in choice.skipped)
+        raise PartitionError(f"no D × T × K shape can run on {cluster.spec} ({reasons})")
     bigger = None
     for factor in (2, 4, 8, 16, 32, 64):
         wider = dataclasses.replace(cluster, nodes=cluster.nodes * factor)
-        fits = choose_run(work, blocks, shape, wider, replicas=replicas, layouts=(Layout.STAGES_INSIDE_NODES,),
-                          schedules=schedules)
-        if fits.best is not None:
+        if choose(wider, (Layout.STAGES_INSIDE_NODES,)).best is not None:
             bigger = wider.spec
             break
     hint = f"the smallest {cluster.device} cluster that fits is {bigger}" if bigger else (
         f"no cluster up to {cluster.nodes * 64} nodes of {cluster.device} fits")
     raise PartitionError(
-        f"the model does not fit on {cluster.spec} with pipeline × FSDP: it needs at least "
+        f"the model does not fit on {cluster.spec} with {ways}: it needs at least "
         f"{need / 2**30:.1f} GiB per GPU, a {cluster.device} has {cluster.memory_bytes / 2**30:.1f} "
         f"GiB; {hint} (or use {'' if shape.recompute is Recompute.FULL else 'full activation checkpointing, '}"
-        f"a smaller batch or more microbatches)"
+        f"a smaller batch or more microbatches"
+        + (", or tensor_parallel='auto'" if max(works) == 1 and cluster.gpus_per_node > 1 else "") + ")"
         + ("" if replicas is None else f"; with data_parallel={replicas} fixed")
     )
+
+
+def _work_of(nodes: Sequence[NodeCost], t: int, cluster: Cluster, shape: RunShape,
+             sharded: Mapping[int, ShardedTable] | None) -> Workload:
+    """The workload of one GPU of a ``t``-way tensor group."""
+    if t == 1:
+        return workload(nodes)
+    table = (sharded or {}).get(t) or shard_table(nodes, t, cluster.intra, sequence_parallel=shape.sequence_parallel)
+    return workload(table.nodes, table.collectives)
 
 
 def plan_cluster(
@@ -241,6 +262,8 @@ def plan_cluster(
     sharding: str | DataParallelKind = DataParallelKind.FSDP,
     loss_fn: LossFn | None = None,
     target: Any = None,
+    tensor_parallel: str | int = "auto",
+    sequence_parallel: bool = True,
 ) -> Plan:
     """Plan ``model`` (on meta is fine) for ``cluster`` with one global batch ``example_inputs``.
 
@@ -248,7 +271,11 @@ def plan_cluster(
     "auto" to weigh all of :data:`SCHEDULES` and keep the fastest run that fits.
     ``stages_per_rank``: interleaved 1F1B's V (None weighs 2 and every V that divides the
     blocks evenly). ``recompute``: the activation checkpointing the run uses (none, selective,
-    full). ``sharding``: fsdp or ddp. The returned plan is one replica of the chosen run at its
+    full). ``sharding``: fsdp or ddp. ``tensor_parallel``: "auto" weighs every T that divides a
+    node's GPUs and the attention (and KV) heads, an int fixes T (1: none); each T-way group
+    stays inside a node (:mod:`pipecut.planning.tensor_parallel`). ``sequence_parallel``: with
+    T > 1, the residual stream split along the sequence too (torchtitan's default; False prices
+    Megatron's all-reduces). The returned plan is one replica of the chosen run at its
     share of the batch, its stages priced as the run is (:mod:`pipecut.planning.run_plan`);
     ``plan.run`` is the whole run's prediction, ``plan.placement`` where each pipeline rank of
     each replica sits, ``plan.replica_candidates`` every shape weighed for the chosen schedule and,
@@ -274,19 +301,28 @@ def plan_cluster(
 
     nodes = costs(example_inputs, target)
     counted = priced.seen[:1]
+    sizes = tensor_parallel_sizes(tensor_parallel, nodes, c, head_counts(model))
+    sharded = sharded_tables(nodes, sizes, c, sequence_parallel=sequence_parallel, model=priced.model,
+                             counted=counted[0] if counted else None)
     width = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
     flops = model_flops_per_token(nodes, layers=layers, hidden=hidden, seq=seq, param_dtype_bytes=width)
     shape = RunShape(batch_size=size, microbatches=microbatches, tokens_per_sample=seq,
                      model_flops_per_token=flops, schedule=kinds[0], stages_per_rank=stages_per_rank,
-                     recompute=rec, sharding=shard, param_dtype_bytes=width, **_overheads())
-    best, choice, _ = predict_run(nodes, c, shape, schedules=kinds,
-                                     replicas=None if data_parallel == "auto" else int(data_parallel))
-    d = best.placement.replicas
+                     recompute=rec, sharding=shard, param_dtype_bytes=width, sequence_parallel=sequence_parallel,
+                     **_overheads())
+    best, choice, _ = predict_run(nodes, c, shape, schedules=kinds, tensor_parallel=sizes, sharded=sharded,
+                                  replicas=None if data_parallel == "auto" else int(data_parallel))
+    d, t = best.placement.replicas, best.placement.tensor_parallel
     share = split_microbatches(example_inputs, d, size, "example_inputs")[0]
     share_target = split_microbatches(target, d, size, "target")[0] if target is not None else None
-    planned = plan_of_run(costs(share, share_target), nodes, best, cluster=c, microbatches=microbatches,
-                          batch_size=size // d, recompute=rec, sharding=shard)
-    run = _run_prediction(best, c, rec, shard, efficiency, source, has_config=bool(layers))
+    share_rows = costs(share, share_target)
+    if t > 1:  # the plan's table is one GPU's share, as the run's
+        share_rows = sharded_tables(share_rows, (t,), c, sequence_parallel=sequence_parallel, model=priced.model,
+                                    counted=priced.seen[-1] if priced.model is not None else None)[t].nodes
+    planned = plan_of_run(share_rows, sharded[t].nodes if t > 1 else nodes, best, cluster=c,
+                          microbatches=microbatches, batch_size=size // d, recompute=rec, sharding=shard)
+    run = _run_prediction(best, c, rec, shard, efficiency, source, has_config=bool(layers),
+                          sequence_parallel=sequence_parallel and t > 1)
     if counted:  # the same run at both ends of the figures' spread
         low, high = (_step_at(bound, counted[0], nodes, best, c, profile, shape) for bound in (FigureEnd.FAST, FigureEnd.SLOW))
         run = dataclasses.replace(run, step_low_ms=min(low, best.step_ms), step_high_ms=max(high, best.step_ms))
@@ -335,10 +371,12 @@ def _step_at(bound: FigureEnd, counted: tuple[tuple[NodeCost, ...], Any], nodes:
     assert hw is not None
     rebuilt = {n.name: n.rebuilt for n in nodes}
     rows = tuple(dataclasses.replace(r, rebuilt=rebuilt.get(r.name, r.rebuilt)) for r in hw.price(*counted))
-    work = workload(rows)
-    d, k, v = best.placement.replicas, best.placement.stages, best.stages_per_rank
-    run = dataclasses.replace(shape, schedule=best.schedule, stages_per_rank=v)
-    again = evaluate_run(work, block_of(work.modules or ("",) * work.units), run, cluster_at(cluster, profile, bound),
+    on = cluster_at(cluster, profile, bound)
+    d, k, v, t = best.placement.replicas, best.placement.stages, best.stages_per_rank, best.placement.tensor_parallel
+    tables = sharded_tables(rows, (t,), on, sequence_parallel=shape.sequence_parallel, model=hw, counted=counted)
+    work = workload(tables[t].nodes, tables[t].collectives) if t > 1 else workload(rows)
+    run = dataclasses.replace(shape, schedule=best.schedule, stages_per_rank=v, tensor_parallel=t)
+    again = evaluate_run(work, block_of(work.modules or ("",) * work.units), run, on,
                          replicas=d, stages=k, layout=best.placement.layout, splits={(d, v * k): best.bounds})
     return best.step_ms if isinstance(again, Skipped) else again.step_ms
 
@@ -359,11 +397,14 @@ def _choices(
 
 def _run_prediction(
     best: RunCandidate, cluster: Cluster, rec: Recompute, shard: DataParallelKind, efficiency: float,
-    source: str, *, has_config: bool,
+    source: str, *, has_config: bool, sequence_parallel: bool = False,
 ) -> RunPrediction:
     """The whole run's prediction for the chosen candidate, with what it does not model."""
     notes = (source, *NOT_MODELLED) + (() if has_config else (
         "attention FLOPs not counted in MFU: the model has no Hugging Face config",))
+    t = best.placement.tensor_parallel
+    if t > 1:
+        notes += (tensor_note(t, cluster, sequence_parallel),)
     if best.schedule.splits_backward and best.placement.replicas > 1:
         notes += (f"pipecut's own runtime refuses data parallelism with {best.schedule.value} (its W "
                   f"pass writes .grad outside DDP/FSDP hooks): this predicts a run by an engine "
@@ -374,22 +415,38 @@ def _run_prediction(
         tokens_per_s_per_gpu=best.tokens_per_s_per_gpu, mfu=best.mfu,
         peak_memory_bytes=best.peak_memory_bytes, compute_ms=best.compute_ms,
         exposed_comm_ms=best.exposed_comm_ms, recompute=rec.value, sharding=shard.value,
+        sequence_parallel=sequence_parallel,
         compute_efficiency=efficiency, notes=notes + ((mixed,) if mixed else ()),
         parts=tuple(StepPart(name=n, ms=ms) for n, ms in best.parts),
-        memory_parts=tuple(MemoryPart(name=_memory_term(n, shard, best.placement.replicas), nbytes=b)
+        memory_parts=tuple(MemoryPart(name=_memory_term(n, shard, best.placement.replicas, t), nbytes=b)
                            for n, b in best.memory_parts),
     )
 
 
-def _memory_term(name: str, shard: DataParallelKind, replicas: int) -> str:
+def tensor_note(t: int, cluster: Cluster, sequence_parallel: bool) -> str:
+    """What the plan assumes of its T-way tensor parallelism, and that pipecut does not run it."""
+    how = ("reduce-scatter and all-gather (sequence parallel: norms and residuals split too)"
+           if sequence_parallel else "all-reduce")
+    return (f"tensor parallel {t} inside each node (Megatron's pairing: q/k/v, gate/up and the LM head "
+            f"column-wise, o and down row-wise, the embedding by vocabulary): two collectives forward "
+            f"and two backward per block, {how}, on {cluster.intra.name}, exposed (async tensor "
+            f"parallelism not modelled); pipecut.compile does not run tensor parallelism yet: this "
+            f"plan predicts a run by an engine that does (torchtitan, Megatron-LM)")
+
+
+def _memory_term(name: str, shard: DataParallelKind, replicas: int, tp: int = 1) -> str:
     """A memory part of the run model named for the reader: the state says how it is held."""
+    split = f"; the split layers' 1/{tp} on each GPU of a tensor group" if tp > 1 else ""
+    if name == "activations" and tp > 1:
+        return f"activations (the split values' 1/{tp})"
     if name != "state":
         return name
     if replicas < 2:
-        return "parameters, gradients and AdamW state (one replica: nothing sharded)"
+        return f"parameters, gradients and AdamW state (one replica: no data-parallel sharding{split})"
     if shard is DataParallelKind.FSDP:
-        return f"parameters, gradients and AdamW state (fsdp: sharded over {replicas}, the stage's working copies gathered)"
-    return f"parameters, gradients and AdamW state (ddp: whole on each of {replicas} replicas)"
+        return (f"parameters, gradients and AdamW state (fsdp: sharded over {replicas}, the stage's working "
+                f"copies gathered{split})")
+    return f"parameters, gradients and AdamW state (ddp: whole on each of {replicas} replicas{split})"
 
 
 def _candidates(choice: RunChoice, best: RunCandidate) -> tuple[ReplicaCandidate, ...]:
@@ -399,9 +456,10 @@ def _candidates(choice: RunChoice, best: RunCandidate) -> tuple[ReplicaCandidate
 
     rows = [ReplicaCandidate(replicas=c.placement.replicas, stages=c.placement.stages,
                              step_ms=c.step_ms, layout=c.placement.layout,
-                             note="chosen" if c is best else "")
+                             tensor_parallel=c.placement.tensor_parallel, note="chosen" if c is best else "")
             for c in choice.candidates if same(c)]
-    rows += [ReplicaCandidate(replicas=s.replicas, stages=s.stages, step_ms=None, note=s.reason)
+    rows += [ReplicaCandidate(replicas=s.replicas, stages=s.stages, step_ms=None, note=s.reason,
+                              tensor_parallel=s.tensor_parallel)
              for s in choice.skipped if same(s)]
     return tuple(rows)
 
@@ -423,6 +481,7 @@ def _schedule_candidates(choice: RunChoice, best: RunCandidate, kinds: tuple[Sch
                                   note=f"nothing fits or runs, e.g. {why}"))
             continue
         shape = f"{fastest.placement.replicas} x {fastest.placement.stages}" + (
+            f" x TP {fastest.placement.tensor_parallel}" if fastest.placement.tensor_parallel > 1 else "") + (
             f" on {fastest.stages_per_rank} stages per rank" if fastest.stages_per_rank > 1 else "")
         rows.append(Candidate(microbatches=microbatches, schedule=kind, step_ms=fastest.step_ms,
                               note="chosen" if fastest is best else

@@ -76,6 +76,7 @@ def plan(
     data_parallel: DataParallelOptions | DataParallelKind | str | None = None,
     runtime: RuntimeOptions | None = None,
     cluster: str | Cluster | None = None,
+    tensor_parallel: int | str = "auto",
     progress: Callable[[int, int], None] | None = None,
     captured: Captured | None = None,
 ) -> Plan:
@@ -112,6 +113,10 @@ def plan(
         cluster: ``"8x8xH100-SXM"`` or a :class:`~pipecut.cluster.Cluster`: plan a whole run on
             a cluster that is not here from estimated costs (see
             :func:`pipecut.planning.clusters.plan_cluster`).
+        tensor_parallel: With ``cluster``: "auto" weighs every T that divides a node's GPUs and
+            the attention heads (each T-way group inside one node, Megatron's column/row split,
+            sequence parallel), an int fixes T; 1 plans without it. The plan predicts the run;
+            ``compile`` does not run T > 1 yet. Without ``cluster`` only "auto" or 1.
         progress: Called as ``progress(done, total)`` while nodes are measured.
         captured: The graph to plan, already captured at the first microbatch (``compile``).
 
@@ -120,7 +125,8 @@ def plan(
 
     Raises:
         InputError: An argument is not valid (an unknown option, "auto" where a value is
-            needed, compiled stages with nothing timed).
+            needed, compiled stages with nothing timed, tensor parallelism without a cluster or
+            of a size that does not divide the heads or a node's GPUs).
         CaptureError: The model cannot be captured.
         PartitionError: No split fits (memory) or the graph has nothing to partition.
     """
@@ -131,7 +137,11 @@ def plan(
                       devices=devices, specs=() if cluster is not None else as_devices(devices),
                       options=options_of(groups), progress=progress)
     if cluster is not None:
-        return _for_cluster(request, cluster)
+        return _for_cluster(request, cluster, tensor_parallel)
+    if tensor_parallel not in ("auto", 1):
+        raise InputError(f"tensor_parallel={tensor_parallel!r} is planned for a cluster only: pass "
+                         f"cluster='8x8xH100-SXM' (or the cluster you plan for), or tensor_parallel=1; "
+                         f"pipecut does not run tensor parallelism itself yet")
     return plan_asked(request, captured)
 
 
@@ -278,7 +288,7 @@ def _recorded(p: Plan, request: Request) -> Plan:
     return dataclasses.replace(p, options=request.options)
 
 
-def _for_cluster(request: Request, cluster: str | Cluster) -> Plan:
+def _for_cluster(request: Request, cluster: str | Cluster, tensor_parallel: int | str = "auto") -> Plan:
     """:func:`~pipecut.planning.clusters.plan_cluster` with the request's options (left out:
     one microbatch, 1F1B; schedule "auto" weighs every schedule; ``recompute`` "auto":
     selective)."""
@@ -301,6 +311,7 @@ def _for_cluster(request: Request, cluster: str | Cluster) -> Plan:
         stages_per_rank=request.stages_per_rank if request.stages_per_rank > 1 else None,
         recompute=_cluster_recompute(request.options.partition.recompute),
         sharding=fixed.resolved_kind if fixed else DataParallelKind.FSDP, loss_fn=request.loss_fn, target=request.target,
+        tensor_parallel=tensor_parallel,
     ), request)
 
 

@@ -6,10 +6,10 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["dominated_by", "human_bytes", "sequential_note", "step_range", "summary"]
+__all__ = ["dominated_by", "human_bytes", "sequential_note", "step_range", "summary", "tensor_groups"]
 
 if TYPE_CHECKING:
-    from pipecut.cluster import RunPrediction
+    from pipecut.cluster import ClusterPlacement, RunPrediction
     from pipecut.ir import Plan, ReplicaCandidate
 
 
@@ -79,7 +79,9 @@ def summary(plan: Plan) -> str:
     if plan.cluster is not None and plan.run is not None:
         lines += _cluster_lines(plan)
     if plan.replica_candidates:
-        lines.append("replicas x stages weighed (data_parallel='auto'):")
+        weighed = "replicas x stages x tensor parallel" if any(c.tensor_parallel > 1 for c in plan.replica_candidates) \
+            else "replicas x stages"
+        lines.append(f"{weighed} weighed (data_parallel='auto'):")
         lines += [f"  {_replica_row(c)}" for c in plan.replica_candidates]
     if plan.tied:
         lines.append("tied parameters: " + ", ".join(f"{t.fqn} on stages {list(t.stages)}" for t in plan.tied))
@@ -134,7 +136,16 @@ def _replica_row(c: ReplicaCandidate) -> str:
     shape = "/".join(map(str, c.per_stage)) if c.per_stage else str(c.replicas)
     step = f"{c.step_ms:.2f} ms" if c.step_ms is not None else "-"
     layout = f" {c.layout.value}" if c.layout is not None else ""
-    return f"{shape} x {c.stages}{layout}: {step}" + (f"  ({c.note})" if c.note else "")
+    tp = f" x {c.tensor_parallel}" if c.tensor_parallel > 1 else ""
+    return f"{shape} x {c.stages}{tp}{layout}: {step}" + (f"  ({c.note})" if c.note else "")
+
+
+def tensor_groups(place: ClusterPlacement, shown: int = 8) -> str:
+    """``GPUs 0-7 (r0 s0), 8-15 (r0 s1), … (64 groups)``: which GPUs form each tensor group."""
+    grid = place.grid()
+    groups = place.tensor_groups()
+    text = ", ".join(f"{g[0]}-{g[-1]} (r{grid[g[0]][0]} s{grid[g[0]][1]})" for g in groups[:shown])
+    return f"GPUs {text}" + (f", … ({len(groups)} groups)" if len(groups) > shown else "")
 
 
 def step_range(r: RunPrediction) -> str:
@@ -150,8 +161,9 @@ def dominated_by(r: RunPrediction) -> str:
 def _cluster_lines(plan: Plan) -> list[str]:
     c, r, place = plan.cluster, plan.run, plan.placement
     assert c is not None and r is not None
-    where = (f"{place.replicas} replicas x {place.stages} stages, {place.layout.value}"
-             if place is not None else "")
+    where = (f"{place.replicas} replicas x {place.stages} stages"
+             + (f" x tensor parallel {place.tensor_parallel}" if place.tensor_parallel > 1 else "")
+             + f", {place.layout.value}" if place is not None else "")
     chunks = f" on {plan.stages_per_rank} stages per GPU" if plan.stages_per_rank > 1 else ""
     lines = [
         f"cluster {c.spec}: {c.gpus} GPUs, intra-node {c.intra.name}, inter-node {c.inter.name}; {where}",
@@ -161,6 +173,9 @@ def _cluster_lines(plan: Plan) -> list[str]:
         f"peak memory {human_bytes(r.peak_memory_bytes)} per GPU of {human_bytes(c.memory_bytes)}; "
         f"exposed collectives {r.exposed_comm_ms:.1f} ms",
     ]
+    if place is not None and place.tensor_parallel > 1:
+        lines.append(f"  tensor-parallel groups ({'sequence parallel, ' if r.sequence_parallel else ''}"
+                     f"{c.intra.name}): {tensor_groups(place)}")
     if r.memory_parts:
         lines.append("  peak memory counts: " + ", ".join(
             f"{p.name} {human_bytes(p.nbytes)}" for p in r.memory_parts))

@@ -6,7 +6,7 @@ replication DP (:mod:`pipecut.passes.parallel.replication`). Pure numbers, no to
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pipecut.ir import NodeCost
@@ -43,10 +43,15 @@ class Workload:
     modules: tuple[str, ...] = ()
     """Module path of each unit, for coarsening large graphs at module boundaries."""
     names: tuple[str, ...] = ()
+    collective_forward_ms: tuple[float, ...] = ()
+    collective_backward_ms: tuple[float, ...] = ()
+    """Of each unit's forward_ms and backward_ms, the tensor-parallel collectives it waits for
+    (:mod:`pipecut.passes.parallel.tensor`; default none), so that a step can say what they cost."""
 
     def __post_init__(self) -> None:
         n = len(self.forward_ms)
-        for name in ("backward_ms", "param_bytes", "activation_bytes", "modules", "names"):
+        for name in ("backward_ms", "param_bytes", "activation_bytes", "modules", "names",
+                     "collective_forward_ms", "collective_backward_ms"):
             value = getattr(self, name)
             if (name in ("backward_ms", "param_bytes") or value) and len(value) != n:
                 raise ValueError(f"a workload of {n} units needs {n} {name}, got {len(value)}")
@@ -68,8 +73,11 @@ class Workload:
         return sum(self.forward_ms) + sum(self.backward_ms)
 
 
-def workload(nodes: Sequence[NodeCost]) -> Workload:
-    """The hybrid planner's view of a cost table (placeholders and parameters are not units)."""
+def workload(nodes: Sequence[NodeCost],
+             collectives: Mapping[str, tuple[float, float]] | None = None) -> Workload:
+    """The hybrid planner's view of a cost table (placeholders and parameters are not units);
+    ``collectives``: the (forward, backward) ms of its nodes' times that are tensor-parallel
+    collectives (:func:`pipecut.passes.parallel.tensor.shard_table`)."""
     live = liveness(nodes)
     fwd, bwd, allowed = boundary_bytes(nodes, live)
     f_msgs, b_msgs = boundary_messages(nodes, live)
@@ -88,4 +96,6 @@ def workload(nodes: Sequence[NodeCost]) -> Workload:
         cut_backward_messages=tuple(b_msgs),
         crossable=tuple(allowed),
         modules=tuple(u.module for u in units),
+        collective_forward_ms=tuple(collectives.get(u.name, (0.0, 0.0))[0] for u in units) if collectives else (),
+        collective_backward_ms=tuple(collectives.get(u.name, (0.0, 0.0))[1] for u in units) if collectives else (),
     )

@@ -49,9 +49,15 @@ configure, and what this model assumes of it:
   check; both 0 by default (the tensors alone), set from the figures by
   :func:`pipecut.planning.clusters.plan_cluster`.
 
-Not modelled: tensor, context or expert parallelism; ZeRO-1 (optimizer state sharded, parameters
-and gradients whole), which is neither of pipecut's data-parallel kinds; compute/communication
-contention on the SMs.
+* **Tensor parallelism** (``RunShape.tensor_parallel`` T): each (replica, stage) runs on T GPUs of
+  one node (:class:`~pipecut.cluster.ClusterPlacement`), and the workload is one GPU's share of
+  the table with its collectives in its times (:mod:`pipecut.passes.parallel.tensor`): so its
+  FSDP units gather and reduce 1/T of the parameters, its cuts send what one GPU holds, and the
+  step's parts show the tensor group's link time apart from compute.
+
+Not modelled: context or expert parallelism; async tensor parallelism (its collectives
+overlapped with the products); ZeRO-1 (optimizer state sharded, parameters and gradients whole),
+which is neither of pipecut's data-parallel kinds; compute/communication contention on the SMs.
 """
 
 from __future__ import annotations
@@ -88,6 +94,7 @@ __all__ = [
     "block_of",
     "choose_run",
     "evaluate_run",
+    "merged_choices",
     "step_parts",
 ]
 
@@ -137,6 +144,12 @@ class RunShape:
     """Bytes every GPU holds outside its tensors and the allocator: the CUDA context, NCCL's buffers."""
     reserve_fraction: float = 0.0
     """The caching allocator's reserve above the tensors (fragmentation), a fraction of them."""
+    tensor_parallel: int = 1
+    """T: the GPUs of one node that split each stage (the workload is then one GPU's share, its
+    collectives included: :func:`pipecut.passes.parallel.tensor.shard_table`)."""
+    sequence_parallel: bool = False
+    """With T > 1: the residual stream split along the sequence (reduce-scatter and all-gather
+    in place of all-reduce)."""
 
     def __post_init__(self) -> None:
         if self.fixed_memory_bytes < 0 or not 0 <= self.reserve_fraction < 1:
@@ -144,6 +157,8 @@ class RunShape:
                 f"fixed_memory_bytes={self.fixed_memory_bytes}, reserve_fraction={self.reserve_fraction}: "
                 f"give bytes ≥ 0 and a fraction in [0, 1)"
             )
+        if self.tensor_parallel < 1:
+            raise InputError(f"tensor_parallel={self.tensor_parallel}: give a size ≥ 1")
         v, kind = self.stages_per_rank, self.schedule
         fixed = kind.fixed_stages_per_rank or 1
         if v is not None and (v < 1 or (kind is not ScheduleKind.INTERLEAVED_1F1B and v not in (1, fixed))):
@@ -233,6 +248,7 @@ class RunSkipped:
     reason: str
     schedule: ScheduleKind
     stages_per_rank: int
+    tensor_parallel: int = 1
 
 
 Splits = dict[tuple[int, int], "tuple[int, ...] | Skipped"]
@@ -246,7 +262,7 @@ def evaluate_run(
     """Predict one step of ``replicas`` × ``stages`` pipeline ranks laid out by ``layout`` on
     ``cluster``, running ``shape.schedule`` on ``shape.chunks`` stages per rank. ``splits``
     caches the splits between calls."""
-    d, k, v = replicas, stages, shape.chunks
+    d, k, v, t = replicas, stages, shape.chunks, shape.tensor_parallel
     refused = _refused(shape, cluster, d, k)
     if refused is not None:
         return refused
@@ -263,14 +279,19 @@ def evaluate_run(
         return Skipped(replicas=d, stages=k, reason=found.reason if found.reason.startswith("only ") else (
             f"no split into {v * k} stages gives every stage parameters to train: too many stages for this model"))
     sts = [stage_work(work, blocks, found[s], found[s + 1], d, shape.recompute) for s in range(v * k)]
-    return _priced(work, found, sts, shape, cluster, ClusterPlacement(layout=layout, replicas=d, stages=k))
+    return _priced(work, found, sts, shape, cluster,
+                   ClusterPlacement(layout=layout, replicas=d, stages=k, tensor_parallel=t))
 
 
 def _refused(shape: RunShape, cluster: Cluster, d: int, k: int) -> Skipped | None:
     """Why ``d`` × ``k`` cannot run ``shape`` at all, or None."""
-    kind, v, m = shape.schedule, shape.chunks, shape.microbatches
-    if d * k != cluster.gpus:
-        return Skipped(replicas=d, stages=k, reason=f"{d} × {k} is not the cluster's {cluster.gpus} GPUs")
+    kind, v, m, t = shape.schedule, shape.chunks, shape.microbatches, shape.tensor_parallel
+    if d * k * t != cluster.gpus:
+        shown = f"{d} × {k}" + (f" × {t}" if t > 1 else "")
+        return Skipped(replicas=d, stages=k, reason=f"{shown} is not the cluster's {cluster.gpus} GPUs")
+    if cluster.gpus_per_node % t:
+        return Skipped(replicas=d, stages=k, reason=(
+            f"tensor parallelism {t} does not divide the {cluster.gpus_per_node} GPUs of a node"))
     if v > 1 and k == 1:
         return Skipped(replicas=d, stages=k, reason=f"{kind.value} on {v} stages per rank needs 2 ranks or more")
     if kind is ScheduleKind.INTERLEAVED_1F1B and v > 1 and m % k:
@@ -326,6 +347,8 @@ def _priced(work: Workload, bounds: tuple[int, ...], sts: Sequence[StageWork], s
                     for s in mine[r]) for r in range(k)]
     recomputed = m * sum(sum(sts[s].recompute_ms) for s in mine[last])
     collectives = m * exposed[last][0] + exposed[last][1]
+    tp_ms, tp_again = _tensor_collectives(work, [sts[s] for s in mine[last]], bounds, mine[last], d)
+    tp_ms, tp_again = m * tp_ms, m * tp_again
     # the cuts' share: how much sooner the step would end if they cost nothing
     free = rank_end_ms(schedule, f_ms, b_ms, (), (), w_ms) if any(f_link) or any(b_link) else ends
     cut_ms = max(0.0, step - max(end + exposed[r][1] for r, end in enumerate(free)))
@@ -333,8 +356,11 @@ def _priced(work: Workload, bounds: tuple[int, ...], sts: Sequence[StageWork], s
     for c, fl, bl in zip(cuts, f_link, b_link):
         if c is not None:
             per_cut[c.name] = per_cut.get(c.name, 0.0) + fl + bl
-    parts = step_parts(step, compute=busy[last] - recomputed, recompute=recomputed,
-                       links={rings[last].name: collectives}, cuts=per_cut, cut_ms=cut_ms)
+    links = {rings[last].name: collectives}
+    if tp_ms > 0:
+        links[f"{cluster.intra.name} (tensor parallel)"] = tp_ms
+    parts = step_parts(step, compute=busy[last] - recomputed - (tp_ms - tp_again),
+                       recompute=recomputed - tp_again, links=links, cuts=per_cut, cut_ms=cut_ms)
     span = max(ends)  # the pipeline's idle share (exposed collectives count as busy)
     bubble = 1 - sum(m * (f + b) for f, b in zip(f_ms, b_ms)) / (k * span) if span else 0.0
     state, live = _memory(schedule, sts, d, k, shape)
@@ -362,6 +388,22 @@ def _priced(work: Workload, bounds: tuple[int, ...], sts: Sequence[StageWork], s
         ring_links=tuple(c.name for c in rings), tokens_per_s_per_gpu=tokens,
         mfu=tokens * shape.model_flops_per_token / cluster.peak_flops, parts=parts, memory_parts=memory_parts,
     )
+
+
+def _tensor_collectives(work: Workload, sts: Sequence[StageWork], bounds: Sequence[int], stages: Sequence[int],
+                        d: int) -> tuple[float, float]:
+    """Per microbatch on one GPU holding ``stages``: (its tensor-parallel collectives in all,
+    those of them that recomputed blocks run again), at one replica's share."""
+    if not work.collective_forward_ms:
+        return 0.0, 0.0
+    total = again = 0.0
+    for st, s in zip(sts, stages):
+        rerun = set(st.recomputed)
+        for u in range(bounds[s], bounds[s + 1]):
+            f, b = work.collective_forward_ms[u] / d, work.collective_backward_ms[u] / d
+            total += f + b + (f if u in rerun else 0.0)
+            again += f if u in rerun else 0.0
+    return total, again
 
 
 def step_parts(step: float, *, compute: float, recompute: float, links: dict[str, float],
@@ -422,13 +464,15 @@ def choose_run(
     replicas: int | None = None, layouts: tuple[Layout, ...] = tuple(Layout),
     schedules: tuple[ScheduleKind, ...] | None = None,
 ) -> RunChoice:
-    """Every factorisation of the cluster's GPUs into D × K (or K = N / ``replicas`` only), in
+    """Every factorisation of the cluster's GPUs into D × K × ``shape.tensor_parallel`` (or K = N
+    / (T · ``replicas``) only), in
     ``layouts``, for each of ``schedules`` (default ``shape.schedule``) with each of its stages
     per rank (``shape.stages_per_rank``, or where None its
     :func:`~pipecut.passes.parallel.run_schedule.chunk_options`), ranked by predicted step;
     over-memory runs are skipped with their need. (Memory does not depend on the layout: one
     layout answers "does anything fit".)"""
-    n = cluster.gpus
+    t = shape.tensor_parallel
+    n = cluster.gpus // t if cluster.gpus % t == 0 else 0
     shapes = [(n // k, k) for k in range(1, n + 1) if n % k == 0 and k <= work.units]
     if replicas is not None:
         shapes = [(d, k) for d, k in shapes if d == replicas]
@@ -445,18 +489,33 @@ def choose_run(
                                      splits=splits)
                     if isinstance(c, Skipped):
                         skipped.append(RunSkipped(replicas=d, stages=k, reason=c.reason, schedule=kind,
-                                                  stages_per_rank=v))
+                                                  stages_per_rank=v, tensor_parallel=t))
                         break  # the other layout has the same reason
                     least = c.peak_memory_bytes if least is None else min(least, c.peak_memory_bytes)
                     if c.peak_memory_bytes > cluster.memory_bytes:
-                        skipped.append(RunSkipped(replicas=d, stages=k, schedule=kind, stages_per_rank=v, reason=(
+                        skipped.append(RunSkipped(replicas=d, stages=k, schedule=kind, stages_per_rank=v,
+                                                  tensor_parallel=t, reason=(
                             f"{layout.value}: needs {c.peak_memory_bytes / 2**30:.1f} GiB per GPU, "
                             f"{cluster.device} has {cluster.memory_bytes / 2**30:.1f} GiB")))
                         continue
                     found.append(c)
-    found.sort(key=lambda c: (float(f"{c.step_ms:.9g}"), c.placement.stages, _PREFERENCE.index(c.schedule),
-                              c.stages_per_rank))
+    found.sort(key=_rank)
     return RunChoice(candidates=tuple(found), skipped=tuple(skipped), smallest_memory_bytes=least)
+
+
+def _rank(c: RunCandidate) -> tuple[float, int, int, int, int]:
+    """Fastest first; between equal steps fewer stages, less tensor parallelism, the simpler
+    schedule, fewer stages per rank."""
+    return (float(f"{c.step_ms:.9g}"), c.placement.stages, c.placement.tensor_parallel,
+            _PREFERENCE.index(c.schedule), c.stages_per_rank)
+
+
+def merged_choices(choices: Sequence[RunChoice]) -> RunChoice:
+    """The runs of several choices (one per tensor-parallel size) as one choice, fastest first."""
+    least = [c.smallest_memory_bytes for c in choices if c.smallest_memory_bytes is not None]
+    return RunChoice(candidates=tuple(sorted((r for c in choices for r in c.candidates), key=_rank)),
+                     skipped=tuple(s for c in choices for s in c.skipped),
+                     smallest_memory_bytes=min(least) if least else None)
 
 
 def _chunks(shape: RunShape, kind: ScheduleKind, ranks: int, blocks: tuple[int, ...]) -> tuple[int, ...]:

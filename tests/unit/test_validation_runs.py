@@ -35,13 +35,24 @@ def test_the_data_meets_the_issues_shape() -> None:
 
 
 def test_unfitted_rows_within_the_issues_tolerance(table: dict[str, validation.Prediction]) -> None:
-    unfitted = [p for p in table.values() if not p.fitted]
+    unfitted = [p for p in table.values() if not p.fitted and p.issue == 29]
     errors = {p.name: round(p.error, 3) for p in unfitted}
     assert statistics.median(abs(e) for e in errors.values()) <= 0.10, errors
     assert max(abs(e) for e in errors.values()) <= 0.20, errors
     for p in unfitted:
         if p.memory_error is not None:
             assert abs(p.memory_error) <= 0.15, (p.name, p.memory_gib, p.published_memory_gib)
+
+
+def test_tensor_parallel_rows_explain_every_miss_beyond_15_percent(table: dict[str, validation.Prediction]) -> None:
+    """Issue 28's rows (torchtitan 3D, Megatron PTD-P) are checks, not fits: each miss is said."""
+    rows = [p for p in table.values() if p.issue == 28]
+    assert len(rows) >= 10 and all(not p.fitted and p.tensor_parallel == 8 for p in rows)
+    for p in rows:
+        missed = abs(p.error) > 0.15 or (p.memory_error is not None and abs(p.memory_error) > 0.15)
+        assert not missed or p.explained, (p.name, p.error, p.memory_error)
+    megatron = [p for p in rows if p.name.startswith("megatron-")]
+    assert max(abs(p.error) for p in megatron) <= 0.15, {p.name: round(p.error, 3) for p in megatron}
 
 
 def test_fitted_rows_are_reproduced(table: dict[str, validation.Prediction]) -> None:

@@ -10,7 +10,7 @@ from pipecut.capture import capture
 from pipecut.core.program import Captured
 from pipecut.ir import Plan
 
-__all__ = ["mlp_captured", "mlp_plan"]
+__all__ = ["mlp_captured", "mlp_plan", "tiny_llama"]
 
 
 def _mlp():  # type: ignore[no-untyped-def]
@@ -35,3 +35,14 @@ def mlp_captured() -> Captured:
     """The graph :func:`mlp_plan` plans, captured for a microbatch of 2."""
     model, (x,), _, _ = _mlp()
     return capture(model, (x[:2],))
+
+
+def tiny_llama(heads: int = 2, kv_heads: int = 1, batch: int = 8, seq: int = 16, vocab: int = 100):  # type: ignore[no-untyped-def]
+    """A two-layer bf16 Llama (hidden 64) and a batch of token ids, for cluster plans."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, vocab_size=vocab, use_cache=False)
+    return LlamaForCausalLM(cfg).to(torch.bfloat16), {"input_ids": torch.zeros(batch, seq, dtype=torch.long)}

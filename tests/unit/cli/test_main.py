@@ -428,7 +428,21 @@ def test_plan_for_a_cluster_writes_the_run_and_placement(in_repo, tmp_path, caps
     assert len(shown["placement"]["gpus"]) == 4
 
 
+def test_plan_for_a_cluster_with_tensor_parallelism(in_repo, tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    assert main(["plan", "examples.mlp:build", "-m", "2", "--batch-size", "8", "--cluster", "1x4xH100-SXM",
+                 "--tensor-parallel", "2", "--recompute", "none", "-o", str(out), "-q"]) == 0
+    plan = pipecut.Plan.from_json(out)
+    validate_plan_dict(json.loads(out.read_text()))
+    assert plan.placement is not None and plan.placement.tensor_parallel == 2
+    assert "x tensor parallel 2" in capsys.readouterr().out
+    assert main(["show", str(out), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["placement"]
+    assert shown["tensor_parallel"] == 2 and [0, 1] in shown["tensor_groups"] and len(shown["gpus"]) == 4
+
+
 @pytest.mark.parametrize(("argv", "message"), [
+    (["--tensor-parallel", "2"], "--tensor-parallel 2 plans tensor parallelism for a cluster: add --cluster"),
     (["--cluster", "8x8"], "cannot read cluster '8x8'"),
     (["--cluster", "1x2xH100-SXM", "--device-profile", "A100-80GB"], "--cluster names the device"),
     (["-k", "4", "--device-profile", "A100-80GB", "--data-parallel", "auto"],

@@ -15,6 +15,7 @@ from pipecut.options import DataParallelOptions
 from pipecut.passes.parallel.training import RunShape
 from pipecut.planning.clusters import parse_cluster, plan_cluster, predict_run
 from pipecut.profile.hardware import family_figures
+from tests.unit.tiny import tiny_llama
 
 
 def test_parse_cluster_reads_nodes_gpus_and_profile() -> None:
@@ -45,24 +46,16 @@ def test_gpu_outside_the_cluster_is_refused() -> None:
         parse_cluster("1x4xA100-80GB").node_of(4)
 
 
-def _tiny_llama() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=100, use_cache=False)
-    return LlamaForCausalLM(cfg).to(torch.bfloat16), {"input_ids": torch.zeros(8, 16, dtype=torch.long)}
-
-
 def test_plan_cluster_records_cluster_placement_and_run_and_round_trips() -> None:
-    model, batch = _tiny_llama()
+    model, batch = tiny_llama()
     plan = plan_cluster(model, batch, "2x2xH100-SXM", microbatches=2)
     assert plan.cluster == parse_cluster("2x2xH100-SXM") and plan.placement is not None and plan.run is not None
     d, k = plan.placement.replicas, plan.placement.stages
     assert d * k == 4 and plan.num_stages == k and plan.batch_size == 8 // d
     assert sorted(plan.placement.grid()) == sorted((r, s) for r in range(d) for s in range(k))
     assert plan.run.tokens_per_s_per_gpu > 0 and 0 < plan.run.mfu < 1 and plan.run.peak_memory_bytes > 0
-    assert any("tensor parallelism is not planned" in n for n in plan.run.notes)
+    # one KV head: no tensor-parallel size but 1 splits it
+    assert plan.placement.tensor_parallel == 1 and any("context and expert parallelism" in n for n in plan.run.notes)
     chosen = [c for c in plan.replica_candidates if c.note == "chosen"]
     assert len(chosen) == 1 and chosen[0].layout is plan.placement.layout
     again = Plan.from_json(plan.to_json())
@@ -72,7 +65,7 @@ def test_plan_cluster_records_cluster_placement_and_run_and_round_trips() -> Non
 
 
 def test_old_plans_read_without_cluster_fields() -> None:
-    model, batch = _tiny_llama()
+    model, batch = tiny_llama()
     plan = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2)
     data = plan.to_dict()
     for key in ("cluster", "placement", "run"):
@@ -107,7 +100,7 @@ def test_a_model_that_does_not_fit_is_refused_with_its_need_and_the_smallest_clu
 
 def test_pipecut_plan_with_a_cluster_is_plan_cluster() -> None:
 
-    model, batch = _tiny_llama()
+    model, batch = tiny_llama()
     via_plan = pipecut.plan(
         model, batch, cluster="1x2xH100-SXM", microbatches=2, schedule="1f1b",
         data_parallel=DataParallelOptions(kind=DataParallelKind.FSDP, replicas=2),
@@ -121,7 +114,7 @@ def test_pipecut_plan_with_a_cluster_is_plan_cluster() -> None:
 
 
 def test_parameters_are_counted_in_the_models_own_dtype() -> None:
-    model, batch = _tiny_llama()
+    model, batch = tiny_llama()
     params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
     for dtype in (torch.bfloat16, torch.float32):
         plan = plan_cluster(model.to(dtype), batch, "1x1xH100-SXM", recompute="none")
@@ -135,7 +128,7 @@ def test_parameters_are_counted_in_the_models_own_dtype() -> None:
 def test_the_run_carries_its_range_and_the_parts_of_its_step_into_text_html_and_json() -> None:
     from pipecut.report.render import render_html
 
-    model, batch = _tiny_llama()
+    model, batch = tiny_llama()
     plan = plan_cluster(model, batch, "2x2xH100-SXM", microbatches=2)
     r = plan.run
     assert r is not None and r.has_range and r.step_low_ms < r.step_ms < r.step_high_ms
@@ -152,7 +145,7 @@ def test_the_run_carries_its_range_and_the_parts_of_its_step_into_text_html_and_
 
 
 def test_the_dominant_assumption_is_computed_from_the_step() -> None:
-    model, batch = _tiny_llama()
+    model, batch = tiny_llama()
     # one microbatch through 4 stages: three quarters of the step is waiting
     deep = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=1, data_parallel=1, recompute="none")
     # four replicas of one stage: no bubble at all
@@ -163,7 +156,7 @@ def test_the_dominant_assumption_is_computed_from_the_step() -> None:
 
 
 def test_a_plan_written_before_ranges_still_reads() -> None:
-    model, batch = _tiny_llama()
+    model, batch = tiny_llama()
     data = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2).to_dict()
     for key in ("step_low_ms", "step_high_ms", "parts"):
         data["run"].pop(key)
@@ -175,7 +168,7 @@ def test_a_plan_written_before_ranges_still_reads() -> None:
 def test_peak_memory_counts_the_state_of_its_kind_the_context_nccl_and_the_allocator() -> None:
     from pipecut.profile.hardware import memory_overheads
 
-    model, batch = _tiny_llama()
+    model, batch = tiny_llama()
     fsdp = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=2, data_parallel=4, sharding="fsdp")
     ddp = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=2, data_parallel=4, sharding="ddp")
     for plan in (fsdp, ddp):

@@ -105,3 +105,22 @@ def test_plan_without_microbatches_or_schedule_chooses_them_and_says_so(caplog: 
     warned = [r.getMessage() for r in caplog.records]
     assert any("1 microbatch on 2 ranks: the stages run one after another" in m for m in warned), warned
     assert "warning: 1 microbatch on 2 ranks" in pipecut.summary(one)
+
+
+def test_tensor_parallel_is_threaded_to_the_cluster_planner_and_refused_without_a_cluster(monkeypatch):
+    import pipecut.planning.clusters as clusters
+
+    model, inputs, _, _ = mlp.build(batch_size=8, width=32, depth=2)
+    with pytest.raises(InputError, match="tensor_parallel=2 is planned for a cluster only: pass cluster="):
+        pipecut.plan(model, inputs, 2, tensor_parallel=2, microbatches=2, schedule="1f1b")
+    asked: dict[str, Any] = {}
+
+    def fake(*args: Any, **kwargs: Any) -> Any:
+        asked.update(kwargs)
+        return mlp_plan()
+
+    monkeypatch.setattr(clusters, "plan_cluster", fake)
+    pipecut.plan(model, inputs, cluster="1x8xH100-SXM", tensor_parallel=4, microbatches=2)
+    assert asked["tensor_parallel"] == 4
+    pipecut.plan(model, inputs, cluster="1x8xH100-SXM", microbatches=2)
+    assert asked["tensor_parallel"] == "auto"
