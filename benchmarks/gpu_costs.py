@@ -203,7 +203,7 @@ def compare(name: str, device: torch.device, tiny: bool) -> dict[str, Any]:
     by_kind: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for n in common:
         w = work.get(n)
-        kind = kernel_kind(str(predicted[n].target), w.forward_flops if w else 0)
+        kind = kernel_kind(str(predicted[n].target), w.forward_flops if w else 0).value
         for side in ("forward", "backward"):
             by_kind[kind][f"predicted_{side}_ms"] += getattr(predicted[n], f"{side}_ms")
             by_kind[kind][f"measured_{side}_ms"] += getattr(measured[n], f"{side}_ms")
@@ -220,7 +220,7 @@ def compare(name: str, device: torch.device, tiny: bool) -> dict[str, Any]:
         w = work.get(n)
         p, m = predicted[n], measured[n]
         nodes.append({"name": n, "target": str(p.target), "shape": list(p.shape or ()),
-                      "kind": kernel_kind(str(p.target), w.forward_flops if w else 0),
+                      "kind": kernel_kind(str(p.target), w.forward_flops if w else 0).value,
                       "predicted": [p.forward_ms, p.backward_ms], "measured": [m.forward_ms, m.backward_ms]})
     return {
         "model": name, "device_profile": prof.name, "batch": batch, "seq": seq,

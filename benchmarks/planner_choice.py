@@ -93,7 +93,7 @@ def examples() -> list[dict[str, Any]]:  # pragma: no cover
 
 def _published_choice(run: dict[str, Any], model: dict[str, Any], schedule: str, old: bool) -> dict[str, Any]:
     from pipecut.cluster import Link
-    from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
+    from pipecut.core.kinds import AttentionKernel, DataParallelKind, Recompute, ScheduleKind
     from pipecut.errors import PartitionError
     from pipecut.passes.parallel.training import RunShape
     from pipecut.planning.clusters import (
@@ -121,7 +121,8 @@ def _published_choice(run: dict[str, Any], model: dict[str, Any], schedule: str,
                        latency_ms=0.02))
         extra: dict[str, Any] = {}
     else:
-        hw = family_model(profile, attention="flash" if run["attention"] == "flash" else "efficient")
+        hw = family_model(profile, attention=AttentionKernel.FLASH if run["attention"] == "flash"
+                          else AttentionKernel.EFFICIENT)
         assert hw is not None
         nodes = hw.price(rows, work)
         extra = _overheads()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipecut.core.kinds import LeafKind, NodeOp
+from pipecut.core.kinds import AttentionKernel, LeafKind, NodeOp
 from pipecut.ir import Leaf, NodeCost
 from pipecut.profile.flops import NodeWork
 from pipecut.profile.hardware import FigureEnd
@@ -213,7 +213,7 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
     rows, work = transformer_rows(model, samples=samples, seq=run["seq"], attention=run["attention"],
                                   dropout=run["framework"] == "megatron", loss_fp32=run["loss_fp32"],
                                   head_params=not model["tied"] or run["pp"] > 1)
-    hw = family_model(profile, attention="flash" if run["attention"] == "flash" else "efficient", bound=bound,
+    hw = family_model(profile, attention=AttentionKernel.FLASH if run["attention"] == "flash" else AttentionKernel.EFFICIENT, bound=bound,
                       residual=residual)
     assert hw is not None, f"no hardware figures for {profile.name}"
     nodes = hw.price(rows, work)

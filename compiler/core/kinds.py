@@ -12,9 +12,11 @@ import enum
 from pipecut.schedules.format import Placement
 
 __all__ = [
+    "AttentionKernel",
     "CaptureMethod",
     "CostSource",
     "DataParallelKind",
+    "KernelKind",
     "LeafKind",
     "NodeOp",
     "Partitioner",
@@ -101,6 +103,25 @@ class DataParallelKind(enum.Enum):
     """DistributedDataParallel on each stage: every replica holds all of its stage's state."""
     FSDP = "fsdp"
     """FSDP2 ``fully_shard`` on each stage: parameters, gradients and optimizer state sharded."""
+
+
+class KernelKind(enum.Enum):
+    """How the per-op cost model prices a node (:func:`pipecut.profile.hardware.kernel_kind`)."""
+
+    GEMM = "gemm"
+    """A matrix product (linear, matmul, bmm, conv): FLOPs at its shape's efficiency."""
+    ATTENTION = "attention"
+    """A fused attention kernel (SDPA): FLOPs at the kernel's own efficiency."""
+    MEMORY = "memory"
+    """Elementwise, norms, softmax, lookups, the loss: bytes at HBM speed."""
+
+
+class AttentionKernel(enum.Enum):
+    """The fused attention kernel a run uses (eager attention is separate nodes)."""
+
+    FLASH = "flash"
+    EFFICIENT = "efficient"
+    """xFormers' memory-efficient kernel (PyTorch's ``_efficient_attention``)."""
 
 
 class TensorShard(enum.Enum):

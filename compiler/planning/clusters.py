@@ -32,7 +32,7 @@ import torch
 from pipecut.cluster import Cluster, Layout, Link, MemoryPart, RunPrediction, StepPart
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.choices import enum_choice
-from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
+from pipecut.core.kinds import AttentionKernel, DataParallelKind, Recompute, ScheduleKind
 from pipecut.core.program import Inputs
 from pipecut.errors import InputError, PartitionError
 from pipecut.ir import Candidate, NodeCost, Plan, ReplicaCandidate
@@ -169,7 +169,8 @@ def family_efficiency(profile: DeviceProfile) -> tuple[float, str]:
     )
 
 
-def family_model(profile: DeviceProfile, *, attention: str = "flash", bound: FigureEnd = FigureEnd.VALUE,
+def family_model(profile: DeviceProfile, *, attention: AttentionKernel = AttentionKernel.FLASH,
+                 bound: FigureEnd = FigureEnd.VALUE,
                  residual: float | None = None) -> HardwareModel | None:
     """The per-op model of a device at bf16 (None for a family without hardware figures)."""
     if not _has_figures(profile):

@@ -37,7 +37,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
 
-from pipecut.core.kinds import CostSource
+from pipecut.core.kinds import AttentionKernel, CostSource, KernelKind
 from pipecut.errors import InputError
 from pipecut.ir import NodeCost
 from pipecut.profile.flops import NodeWork
@@ -120,13 +120,13 @@ def all_figures() -> Iterator[tuple[str, Figure]]:
         yield f"memory.{name}", fig
 
 
-def kernel_kind(target: str, forward_flops: int) -> str:
-    """"attention", "gemm" or "memory" for a node's target."""
+def kernel_kind(target: str, forward_flops: int) -> KernelKind:
+    """How a node of ``target`` with ``forward_flops`` is priced."""
     t = target.lower()
     if any(a in t for a in _ATTENTION):
-        return "attention"
+        return KernelKind.ATTENTION
     elementwise = ("embedding", "loss", "entropy", "softmax", "norm")
-    return "gemm" if forward_flops > 0 and not any(e in t for e in elementwise) else "memory"
+    return KernelKind.GEMM if forward_flops > 0 and not any(e in t for e in elementwise) else KernelKind.MEMORY
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,8 +137,8 @@ class HardwareModel:
     peak_flops: float
     memory_bandwidth: float
     figures: Mapping[str, float]
-    attention: str = "flash"
-    """"flash" or "efficient": the SDPA backend (eager attention is separate nodes)."""
+    attention: AttentionKernel = AttentionKernel.FLASH
+    """The SDPA backend (eager attention is separate nodes)."""
     causal: bool = True
     """Attention is causal: the fused kernels skip the masked half of the token pairs, which
     torch's FLOP counter counts in full (``sdpa_flop_count`` ignores ``is_causal``)."""
@@ -162,15 +162,15 @@ class HardwareModel:
         kind = kernel_kind(str(row.target), w.forward_flops)
         mem_f, mem_b = w.forward_bytes / bw * 1e3, w.backward_bytes / bw * 1e3
         bwd_launch = 2 * launch if (w.backward_flops or w.backward_bytes) else 0.0
-        if kind == "attention":
-            key = "efficient" if self.attention == "efficient" else "flash"
+        if kind is KernelKind.ATTENTION:
+            key = self.attention.value
             ef = self._f("residual") * self._f(f"attention_{key}_forward")
             eb = self._f("residual") * self._f(f"attention_{key}_backward")
             done = 0.5 if self.causal else 1.0
             fwd = max(done * w.forward_flops / (self.peak_flops * ef) * 1e3, mem_f) + launch
             bwd = max(done * w.backward_flops / (self.peak_flops * eb) * 1e3, mem_b) + bwd_launch
             return fwd, bwd
-        if kind == "gemm":
+        if kind is KernelKind.GEMM:
             batch, m, n = _gemm_dims(row, w)
             k = max(1, round(w.forward_flops / (2 * batch * m * n))) if batch * m * n else 1
             rate = self.peak_flops * (1.0 if aligned(n, k, row.dtype) else self._f("gemm_misaligned"))
@@ -234,7 +234,8 @@ def _gemm_dims(row: NodeCost, w: NodeWork) -> tuple[int, int, int]:
 
 
 def hardware_model(peak_flops: float, memory_bandwidth: float, family: str, *, residual: float | None = None,
-                   attention: str = "flash", bound: FigureEnd = FigureEnd.VALUE, causal: bool = True) -> HardwareModel:
+                   attention: AttentionKernel = AttentionKernel.FLASH, bound: FigureEnd = FigureEnd.VALUE,
+                   causal: bool = True) -> HardwareModel:
     """The model of a device (its dense peak at the run's precision and its HBM bandwidth) with its
     family's figures at ``bound``; ``residual`` replaces the fitted one (for fitting)."""
     figs = {k: f.at(bound, k in _FASTER_WHEN_HIGH) for k, f in family_figures(family).items()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipecut.core.kinds import NodeOp
+from pipecut.core.kinds import AttentionKernel, NodeOp
 from pipecut.errors import InputError
 from pipecut.ir import NodeCost
 from pipecut.profile.flops import NodeWork
@@ -36,7 +36,7 @@ def test_tile_and_wave_quantization_cost_an_odd_shape() -> None:
 
 def test_attention_by_kernel_and_memory_bound_ops_by_bytes() -> None:
     hw = hardware_model(312e12, 2.039e12, "ampere")
-    slow = hardware_model(312e12, 2.039e12, "ampere", attention="efficient")
+    slow = hardware_model(312e12, 2.039e12, "ampere", attention=AttentionKernel.EFFICIENT)
     sdpa = NodeCost(name="a", op=NodeOp.CALL_FUNCTION, target="scaled_dot_product_attention", shape=(8, 2048, 4096))
     w = NodeWork(forward_flops=10**12, backward_flops=25 * 10**11, forward_bytes=10**8, backward_bytes=2 * 10**8)
     assert hw.node_ms(sdpa, w)[0] < slow.node_ms(sdpa, w)[0]
