@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecut.build.layout import Layout, layout_of, replication_of
+from pipecut.build.layout import RankGroups, layout_of, replication_of
 from pipecut.build.replay import Settings
 from pipecut.cluster import Link
 from pipecut.errors import InputError
@@ -38,7 +38,7 @@ class Place:
     """Where this rank sits: its device, its pipeline's group and ranks, the devices and link."""
 
     device: torch.device
-    layout: Layout
+    layout: RankGroups
     rank: int
     """This rank's index in its pipeline (its position, stage order)."""
     ranks: tuple[int, ...]

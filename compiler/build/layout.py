@@ -29,11 +29,11 @@ from pipecut.runtime.comm.launch import local_device
 from pipecut.runtime.comm.linkprobe import measure_link
 from pipecut.runtime.comm.teardown import close_at_exit, open_default_group
 
-__all__ = ["Auto", "Layout", "auto_layout", "layout_of", "plan_from_rank0", "replication_of"]
+__all__ = ["Auto", "RankGroups", "auto_layout", "layout_of", "plan_from_rank0", "replication_of"]
 
 
 @dataclass(frozen=True)
-class Layout:
+class RankGroups:
     """Where this rank sits: its pipeline group and, with data parallelism, its replica group."""
 
     pp_group: dist.ProcessGroup | None
@@ -45,13 +45,13 @@ class Layout:
     devices: Any
 
 
-def layout_of(devices: Any) -> Layout:
+def layout_of(devices: Any) -> RankGroups:
     """From an int, a list of devices, a DeviceMesh with a "pp" (and maybe "dp") dimension, or
     None (one stage per rank of the default group)."""
     names = getattr(devices, "mesh_dim_names", None)
     if names is None:
         world = dist.get_world_size()
-        return Layout(None, None, None, (tuple(range(world)),), world if devices is None else devices)
+        return RankGroups(None, None, None, (tuple(range(world)),), world if devices is None else devices)
     if "pp" not in names or not set(names) <= {"dp", "pp"}:
         raise InputError(f"the DeviceMesh needs dimensions ('dp', 'pp') or ('pp',), it has {names}")
     pp = devices.get_group("pp")
@@ -59,10 +59,10 @@ def layout_of(devices: Any) -> Layout:
     dp_mesh = devices["dp"] if "dp" in names else None
     mesh = devices.mesh if names.index("pp") == len(names) - 1 else devices.mesh.transpose(0, 1)
     replicas = tuple(tuple(int(r) for r in row) for row in mesh.reshape(-1, mesh.shape[-1]).tolist())
-    return Layout(pp, dp, dp_mesh, replicas, dist.get_world_size(pp))
+    return RankGroups(pp, dp, dp_mesh, replicas, dist.get_world_size(pp))
 
 
-def replication_of(layout: Layout, data_parallel: str | DataParallelKind | None) -> DataParallelOptions | None:
+def replication_of(layout: RankGroups, data_parallel: str | DataParallelKind | None) -> DataParallelOptions | None:
     """The data-parallel engine and replica count; DDP by default when there is a "dp" dimension."""
     if layout.dp_group is None:
         if data_parallel is not None:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pipecut.build.context import Place
-from pipecut.build.layout import Layout
+from pipecut.build.layout import RankGroups
 from pipecut.core.meta import has_meta
 from pipecut.core.program import Captured, StageProgram
 from pipecut.errors import InputError
@@ -98,7 +98,7 @@ def sync_weights(request: Request, place: Place, captured: Captured, plan: Plan,
     sync_from_rank0(mine, sources, place.device, request.wait)
 
 
-def tied_groups(plan: Plan, layout: Layout, request: Request) -> list[tuple[str, Any]]:
+def tied_groups(plan: Plan, layout: RankGroups, request: Request) -> list[tuple[str, Any]]:
     """Process groups over the ranks that hold each tied parameter. Every rank creates every
     group (new_group is collective), in plan order, replica by replica."""
     mine = []
