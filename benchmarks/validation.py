@@ -17,6 +17,7 @@ the slow end of its sources' spread. Memory is compared as the source counts it
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,18 +219,27 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
     assert hw is not None, f"no hardware figures for {profile.name}"
     nodes = hw.price(rows, work)
     flops = model_flops_per_token(nodes, layers=model["layers"], hidden=model["hidden"], seq=run["seq"])
+    # The planner's layout must fit the GPU as a run fills it (CUDA context, NCCL's buffers, the
+    # allocator's reserve), as plan_cluster checks it; the published layout ran, so it is priced alone.
+    over = memory_overheads(1.0, bound=bound)
+    fixed = math.ceil(over["context"] + over["nccl"]) if planner else 0
     shape = RunShape(batch_size=samples * run["microbatches"], microbatches=run["microbatches"],
                      tokens_per_sample=run["seq"], model_flops_per_token=flops,
                      schedule=ScheduleKind(run["schedule"]), stages_per_rank=run["stages_per_rank"],
                      recompute=Recompute(run["recompute"]),
                      sharding=DataParallelKind.FSDP if run["dp"] == "fsdp" else DataParallelKind.DDP,
-                     sequence_parallel=sp)
+                     sequence_parallel=sp, fixed_memory_bytes=fixed,
+                     reserve_fraction=over["fragmentation"] if planner else 0.0)
     sizes = tensor_sizes(cluster.gpus_per_node, (model["heads"], model.get("kv_heads", model["heads"]))) \
         if planner else (tp,)
     sharded = sharded_tables(nodes, sizes, cluster, sequence_parallel=sp, model=hw, counted=(rows, work))
     best, _, _ = predict_run(nodes, cluster, shape, replicas=None if planner else replicas, schedules=(shape.schedule,),
                              tensor_parallel=sizes, sharded=sharded)
     counted = COUNTS.get(run["source"], ())
+    if planner:  # its peak holds every overhead: keep those the source counts
+        parts = dict(best.memory_parts)
+        kept = ("state", "activations", *(("allocator reserve",) if "fragmentation" in counted else ()))
+        return best, sum(parts.get(k, 0) for k in kept) / 2**30
     extra = sum(b for k, b in memory_overheads(best.peak_memory_bytes, bound=bound).items() if k in counted)
     return best, (best.peak_memory_bytes + extra) / 2**30
 

@@ -123,8 +123,8 @@ def state_memory(stage: StageWork, *, replicas: int, ranks: int, sharding: DataP
         root = sum(p for u, p in zip(stage.units, stage.param_bytes) if u < 0)
         blocks = sorted((p for u, p in zip(stage.units, stage.param_bytes) if u >= 0), reverse=True)
         gathered = (root + sum(blocks[:2])) * per_param
-    else:  # the whole stage's bf16 weights and gradients, kept over the microbatches
-        gathered = 2 * sum(stage.param_bytes)
+    else:  # the whole stage's bf16 weights and its gradients, kept over the microbatches in fp32
+        gathered = sum(stage.param_bytes) * per_param
     return shard + gathered
 
 

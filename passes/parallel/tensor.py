@@ -15,7 +15,9 @@ all-reduce of the input gradient backward): two all-reduces forward and two back
 transformer block. With **sequence parallelism** (Korthikanti et al. 2022) the replicated values
 are split along the sequence instead: ``g`` becomes a reduce-scatter forward (all-gather
 backward) and ``f`` an all-gather forward (reduce-scatter backward), the same bytes on the wire,
-and the norms, residual adds and their activations are divided by T too. An embedding lookup on
+and the norms, residual adds and their activations are divided by T too, except what a column
+product reads: it is all-gathered, and autograd keeps the gathered copy whole (as DTensor runs
+it; Megatron-LM keeps the shard and gathers again in backward). An embedding lookup on
 a vocabulary shard is reduced like ``g``. All of them run on the tensor group's link (NVLink:
 the group stays inside a node) and are exposed: the next kernel needs their result (async
 tensor parallelism, which overlaps them with the products, is not modelled).
@@ -42,6 +44,7 @@ __all__ = [
     "ShardedTable",
     "check_tensor_parallel",
     "collectives",
+    "gathered_inputs",
     "shard_kinds",
     "shard_table",
     "sharded_widths",
@@ -153,20 +156,27 @@ def collectives(nodes: Sequence[NodeCost], kinds: Mapping[str, TensorShard], tp:
         f, b = out.get(name, (0.0, 0.0))
         out[name] = (f + fwd, b + bwd)
 
-    gathered: set[str] = set()
     for n in nodes:
-        kind = kinds.get(n.name)
-        if kind in (TensorShard.ROW, TensorShard.VOCAB):  # g
+        if kinds.get(n.name) in (TensorShard.ROW, TensorShard.VOCAB):  # g
             size = half(n.output_bytes)
             add(n.name, *((size, size) if sequence_parallel else (2 * size, 0.0)))
-        elif kind is TensorShard.COLUMN:  # f, once per replicated input
+    for value, reader in gathered_inputs(nodes, kinds).items():  # f, charged to its first reader
+        size = half(by_name[value].output_bytes)
+        add(reader, *((size, size) if sequence_parallel else (0.0, 2 * size)))
+    return out
+
+
+def gathered_inputs(nodes: Sequence[NodeCost], kinds: Mapping[str, TensorShard]) -> dict[str, str]:
+    """The replicated values COLUMN nodes read (``f``'s inputs), each with the first of its
+    readers: q, k and v share one; a weight or a bias is not one."""
+    by_name = {n.name: n for n in nodes}
+    out: dict[str, str] = {}
+    for n in nodes:
+        if kinds.get(n.name) is TensorShard.COLUMN:
             weights = _weights(n, by_name)
             for i in n.inputs:
-                if i in weights or i in gathered or by_name[i].op is NodeOp.GET_ATTR:
-                    continue  # a bias is not gathered; a shared input once
-                gathered.add(i)
-                size = half(by_name[i].output_bytes)
-                add(n.name, *((size, size) if sequence_parallel else (0.0, 2 * size)))
+                if i not in weights and i not in out and by_name[i].op is not NodeOp.GET_ATTR:
+                    out[i] = n.name
     return out
 
 
@@ -201,6 +211,10 @@ def shard_table(nodes: Sequence[NodeCost], tp: int, link: Link, *, sequence_para
     weights = {w for n in nodes if kinds[n.name] in (TensorShard.COLUMN, TensorShard.ROW, TensorShard.VOCAB)
                for w in _weights(n, by_name)}
     comm = collectives(nodes, kinds, tp, link, sequence_parallel=sequence_parallel)
+    # With sequence parallelism a column product's input is all-gathered, and autograd keeps the
+    # gathered copy, whole on every GPU (DTensor's redistribute is an op of the graph; Megatron-LM
+    # keeps the shard and gathers again in backward, which is not modelled).
+    whole_saved = set(gathered_inputs(nodes, kinds)) if sequence_parallel else set()
     given = times or {}
     rows = []
     for n in nodes:
@@ -212,7 +226,9 @@ def shard_table(nodes: Sequence[NodeCost], tp: int, link: Link, *, sequence_para
             changes["param_bytes"] = math.ceil(n.param_bytes / tp)
         if n.name in outs:
             changes["output_bytes"] = math.ceil(n.output_bytes / tp)
-            if n.saved_bytes is not None:
+            if n.name in whole_saved:
+                changes["saved_bytes"] = n.kept_bytes
+            elif n.saved_bytes is not None:
                 changes["saved_bytes"] = math.ceil(n.saved_bytes / tp)
             feature = kinds[n.name] in (TensorShard.COLUMN, TensorShard.SPLIT)
             if n.shape is not None:

@@ -22,7 +22,10 @@ configure, and what this model assumes of it:
   unsharded gradients for all microbatches (``reshard_after_forward=False``, as torchtitan runs
   PP with FSDP), reducing once after its last backward. Peak working memory: K = 1, two blocks
   gathered at once (current and prefetched, bf16 weights and fp32 gradient buffers) plus the
-  root unit; K > 1, the whole stage's bf16 weights and gradients.
+  root unit; K > 1, the whole stage's bf16 weights and its gradients, accumulated over the
+  microbatches in the reduce dtype (fp32): torch's pipeline stage turns gradient sync off until
+  the last backward (``PipelineStage.backward_maybe_with_nosync``) and FSDP2 then keeps the
+  unsharded gradient in ``reduce_dtype`` (``FSDPParam.to_accumulated_grad_if_needed``).
 * **DDP** keeps all 16 bytes per parameter on every replica and all-reduces the stage's
   gradients (bf16) after its last backward, not overlapped (conservative).
 * **Activation checkpointing**: ``Recompute.NONE`` keeps every saved activation; ``FULL`` keeps

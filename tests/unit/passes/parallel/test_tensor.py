@@ -116,6 +116,9 @@ def test_one_gpus_share_divides_weights_activations_and_time() -> None:
     assert got["o"].forward_ms == pytest.approx(0.5 + f) and got["o"].backward_ms == pytest.approx(1.0 + b)
     seq = {n.name: n for n in shard_table(rows, 2, NVLINK, sequence_parallel=True).nodes}
     assert seq["add1"].saved_bytes == by["add1"].saved_bytes // 2 and seq["norm1"].forward_ms == 0.5
+    # what q, k and v read is gathered: it crosses a cut split, but autograd keeps the gathered copy
+    assert seq["norm1"].output_bytes == by["norm1"].output_bytes // 2
+    assert seq["norm1"].saved_bytes == by["norm1"].saved_bytes and seq["norm2"].saved_bytes == by["norm2"].saved_bytes
     assert seq["emb"].forward_ms == pytest.approx(1.0 + table.collectives["emb"][0] / 2)  # the lookup stays whole
 
 

@@ -108,6 +108,17 @@ def test_memory_fsdp_shards_state_and_gathers_two_blocks() -> None:
     assert ddp.peak_memory_bytes == int(STATE_BYTES_PER_PARAM * params + acts)
 
 
+def test_memory_fsdp_with_stages_keeps_the_stage_unsharded_with_fp32_gradients() -> None:
+    # K > 1: the stage is gathered once a step; its gradients accumulate unsharded over the
+    # microbatches in the reduce dtype (fp32) until the last backward reduce-scatters them.
+    work = chain(4, params=2000, act=100)
+    two = run(work, cluster(1, 4), 2, 2, batch_size=2, microbatches=1)
+    stage_params = 2 * 2000 / 2  # two units of the stage, bf16 bytes per parameter
+    shard = STATE_BYTES_PER_PARAM * stage_params / 2
+    unsharded = 2 * 2000 * (1 + REDUCE_BYTES_PER_PARAM / 2)  # bf16 weights + fp32 gradients
+    assert dict(two.memory_parts)["state"] == pytest.approx(shard + unsharded)
+
+
 def test_memory_checkpointing_keeps_block_inputs() -> None:
     work = dataclasses.replace(chain(4, act=1000, cut=10), cut_forward_bytes=(10,) * 5)
     full = run(work, cluster(1, 1), 1, 1, batch_size=1, recompute=Recompute.FULL)
