@@ -33,7 +33,7 @@ typecheck: setup
 
 test: lint
 	if [ -x scripts/install-chromium.sh ]; then scripts/install-chromium.sh; fi
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q --durations=20
 
 test-fast: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q tests/unit
