@@ -65,14 +65,14 @@ def _one_step(model: nn.Module, inputs: Any, loss_fn: Any, target: Any, mesh: An
     return {"loss": loss.detach().clone(), "grads": grads, "params": params, "split": split}
 
 
-def _reference(model: nn.Module, inputs: Any, loss_fn: Any, target: Any) -> dict[str, Any]:
+def _reference(model: nn.Module, inputs: Any, loss_fn: Any, target: Any, microbatches: int = MICROBATCHES) -> dict[str, Any]:
     names = canonical_names(model)
     total = torch.zeros(())
-    batch = BATCH
-    for mb, t in zip(split_microbatches(inputs, MICROBATCHES, batch),
-                     split_microbatches(target, MICROBATCHES, batch, "target")):
+    batch = len(target)
+    for mb, t in zip(split_microbatches(inputs, microbatches, batch),
+                     split_microbatches(target, microbatches, batch, "target")):
         out = model(**mb) if isinstance(mb, dict) else model(*mb)
-        loss = loss_fn(out, t) / MICROBATCHES
+        loss = loss_fn(out, t) / microbatches
         loss.backward()
         total += loss.detach()
     grads = {names[id(p)]: p.grad.clone() for p in model.parameters() if p.grad is not None}
@@ -83,7 +83,9 @@ def _reference(model: nn.Module, inputs: Any, loss_fn: Any, target: Any) -> dict
 def _check(want: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
     seen: set[str] = set()
     for r, got in enumerate(ranks):
-        torch.testing.assert_close(got["loss"], want["loss"], atol=ATOL, rtol=RTOL, msg=lambda m, r=r: f"rank {r} loss: {m}")
+        if want["loss"] is not None:
+            torch.testing.assert_close(got["loss"], want["loss"], atol=ATOL, rtol=RTOL,
+                                       msg=lambda m, r=r: f"rank {r} loss: {m}")
         for name, g in got["grads"].items():
             torch.testing.assert_close(g, want["grads"][name], atol=ATOL, rtol=RTOL,
                                        msg=lambda m, r=r, name=name: f"rank {r} grad {name}: {m}")
@@ -155,3 +157,26 @@ def pp2_tp2() -> list[dict[str, Any]]:
 def test_tp2_pp2_matches_the_plain_model(pp2_tp2: list[dict[str, Any]], name: str) -> None:
     _check(_reference(*MODELS[name](batch_size=BATCH)), [r[name] for r in pp2_tp2])
     assert pp2_tp2[0][name]["split"], "no parameter was split"
+
+
+# --- D x T x K: FSDP2 over "dp" ------------------------------------------------------------------
+def _dp_pp_tp(rank: int, world: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+    replica = mesh.get_local_rank("dp")
+    model, inputs, loss_fn, target = zoo.llama(batch_size=2 * BATCH)
+    half = slice(BATCH * replica, BATCH * (replica + 1))  # each replica trains on its half
+    got = _one_step(model, {"input_ids": inputs["input_ids"][half]}, loss_fn, target[half], mesh, data_parallel="fsdp")
+    return {**got, "replica": replica}
+
+
+@pytest.mark.timeout(600)
+def test_dp2_tp2_pp2_with_fsdp_matches_the_whole_batch() -> None:
+    """8 ranks: 2 replicas (FSDP2 over "dp") x 2 stages x 2-way tensor groups. Gradients are
+    averaged over the replicas, so they equal the plain model's over the whole batch in 4
+    microbatches; each replica's loss is its half's."""
+    ranks = run_ranks(_dp_pp_tp, 8, timeout=560, collective_timeout=120)
+    model, inputs, loss_fn, target = zoo.llama(batch_size=2 * BATCH)
+    want = _reference(model, inputs, loss_fn, target, microbatches=2 * MICROBATCHES)
+    losses = {r["replica"]: r["loss"] for r in ranks}
+    torch.testing.assert_close((losses[0] + losses[1]) / 2, want["loss"], atol=ATOL, rtol=RTOL)
+    _check({**want, "loss": None}, ranks)
