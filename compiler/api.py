@@ -194,6 +194,7 @@ def _build(request: Request) -> tuple[Pipeline, Place]:
         plan=chosen.plan, captured=captured, workers=workers, schedule=sched, rank=place.rank,
         ranks=list(place.ranks), group=place.group, tied_groups=tied_groups(chosen.plan, place.layout, request),
         dp_group=place.layout.dp_group, loss_reduction=request.options.runtime.loss_reduction,
+        tp_group=place.layout.tp_mesh.get_group() if place.layout.tp_mesh is not None else None,
         modes=_modes(request, place, workers, derived, make), wire=WireSpecs(captured.gm, chosen.plan, place.device),
         schedule_for=schedules(chosen.plan), predicted=predicted_timeline(chosen.plan), timeout=request.wait,
     )

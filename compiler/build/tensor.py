@@ -19,6 +19,7 @@ at build time: DTensor propagates shardings there as in every step).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -33,7 +34,7 @@ from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError, PlanError
 from pipecut.ir import Plan
 from pipecut.options import TensorParallelOptions
-from pipecut.passes.parallel.tensor import ParameterShard, check_tensor_parallel, parameter_shards
+from pipecut.passes.parallel.tensor import ParameterShard, parameter_shards, tensor_sizes
 from pipecut.passes.rewrite.tensor_regions import shard_regions
 from pipecut.planning.tensor_parallel import head_counts
 from pipecut.runtime.comm.wire import unpack
@@ -110,7 +111,7 @@ def check_composable(plan: Plan, place: Place, shards: Mapping[str, ParameterSha
         raise PlanError(
             f"the {plan.schedule.value} schedule splits each backward into an input and a weight pass "
             f"(torch.autograd.grad on the stage's parameters), which tensor-parallel stages (DTensor "
-            f"parameters) do not run yet; use schedule='1f1b', 'gpipe' or 'interleaved_1f1b'")
+            f"parameters) do not run yet; use schedule='1f1b', 'gpipe' or 'interleaved-1f1b'")
     if options.runtime.compile_stages is not False:
         raise PlanError("RuntimeOptions(compile_stages=...) with tensor parallelism is not supported yet "
                         "(torch.compile of stages holding DTensors is untested); use compile_stages=False")
@@ -122,7 +123,13 @@ def check_composable(plan: Plan, place: Place, shards: Mapping[str, ParameterSha
         raise PlanError("data_parallel='ddp' with tensor parallelism: DistributedDataParallel does not reduce "
                         "DTensor gradients; use data_parallel='fsdp' (FSDP2 over the 'dp' dimension composes "
                         "with the tensor-parallel DTensors)")
-    check_tensor_parallel(t, t, head_counts(model))
+    heads = head_counts(model)
+    uneven = {name: n for name, n in heads.items() if n % t}
+    if uneven:
+        raise InputError(
+            f"tensor_parallel={t} (the mesh's 'tp' dimension) must divide the "
+            f"{' and the '.join(f'{k} ({v})' for k, v in uneven.items())} of the model's config: a tensor group "
+            f"splits whole heads; group sizes that run: {', '.join(map(str, tensor_sizes(math.gcd(*heads.values()), tuple(heads.values()))))}")
     bad = {fqn: (s.dim, int(model.get_parameter(fqn).shape[s.dim])) for fqn, s in shards.items()
            if model.get_parameter(fqn).shape[s.dim] % t}
     if bad:
@@ -195,6 +202,6 @@ def _run_on_zeros(module: fx.GraphModule, worker: StageWorker, inputs: Mapping[s
         where = f"node {at.name} ({at.format_node()})" if at is not None else "its graph"
         raise PlanError(
             f"stage {stage} (rank {dist.get_rank()}) cannot run split over its tensor-parallel group: {where} "
-            f"failed on DTensors: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Keep the "
+            f"failed on DTensors: {type(e).__name__}: {str(e).splitlines()[0].rstrip('.') if str(e) else ''}. Keep the "
             f"parameters it reads whole with TensorParallelOptions(plan=...), or run without a 'tp' dimension"
         ) from e

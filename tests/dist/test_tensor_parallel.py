@@ -18,6 +18,8 @@ with rounding: parameters are compared with ``atol`` = 2·lr·1e-2 ... in practi
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any
 
 import pytest
@@ -31,6 +33,8 @@ import pipecut
 from examples import zoo
 from pipecut.core.batching import split_microbatches
 from pipecut.core.graph import canonical_names
+from pipecut.errors import InputError, PlanError
+from pipecut.runtime.state import checkpoint
 from tests.harness import run_ranks
 from tests.reference import COUNTED
 
@@ -62,7 +66,8 @@ def _one_step(model: nn.Module, inputs: Any, loss_fn: Any, target: Any, mesh: An
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
     opt.step()
     params = {alias[n]: _full(p) for n, p in named}
-    return {"loss": loss.detach().clone(), "grads": grads, "params": params, "split": split}
+    return {"loss": loss.detach().clone(), "grads": grads, "params": params, "split": split,
+            "recompute": [s.recompute.value for s in pipe.plan.stages]}
 
 
 def _reference(model: nn.Module, inputs: Any, loss_fn: Any, target: Any, microbatches: int = MICROBATCHES) -> dict[str, Any]:
@@ -165,8 +170,15 @@ def _dp_pp_tp(rank: int, world: int) -> dict[str, Any]:
     replica = mesh.get_local_rank("dp")
     model, inputs, loss_fn, target = zoo.llama(batch_size=2 * BATCH)
     half = slice(BATCH * replica, BATCH * (replica + 1))  # each replica trains on its half
-    got = _one_step(model, {"input_ids": inputs["input_ids"][half]}, loss_fn, target[half], mesh, data_parallel="fsdp")
-    return {**got, "replica": replica}
+    local = ({"input_ids": inputs["input_ids"][half]}, target[half])
+    got = _one_step(model, local[0], loss_fn, local[1], mesh, data_parallel="fsdp")
+    try:
+        pipecut.compile(model, local[0], mesh, loss_fn=loss_fn, target=local[1], microbatches=MICROBATCHES,
+                        data_parallel="ddp", measure=COUNTED, runtime=pipecut.RuntimeOptions(timeout=60))
+        refused = "no error"
+    except PlanError as e:
+        refused = str(e)
+    return {**got, "replica": replica, "ddp": refused}
 
 
 @pytest.mark.timeout(600)
@@ -180,3 +192,186 @@ def test_dp2_tp2_pp2_with_fsdp_matches_the_whole_batch() -> None:
     losses = {r["replica"]: r["loss"] for r in ranks}
     torch.testing.assert_close((losses[0] + losses[1]) / 2, want["loss"], atol=ATOL, rtol=RTOL)
     _check({**want, "loss": None}, ranks)
+    assert all("data_parallel='ddp' with tensor parallelism" in r["ddp"] and "use data_parallel='fsdp'" in r["ddp"]
+               for r in ranks)
+
+
+# --- compositions: no_sync, clipping, save_pretrained, recompute, autocast -------------------------
+CLIP = 0.5
+# bf16 keeps 8 bits of mantissa (2e-3 relative per op). Under autocast a split product rounds
+# each rank's partial sum to bf16 before the all-reduce, where the plain model rounds the whole
+# sum once: measured at most ~4e-3 of each tensor's largest entry; 2e-2 leaves a 5x margin,
+# and a lost microbatch or shard is off by O(1).
+AMP_REL = 2e-2
+
+
+def _compositions(rank: int, world: int, directory: str) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    model, inputs, loss_fn, target = zoo.gpt2(batch_size=2 * BATCH)
+    ids = inputs["input_ids"]
+    first, second = ({"input_ids": ids[:BATCH]}, target[:BATCH]), ({"input_ids": ids[BATCH:]}, target[BATCH:])
+    names = canonical_names(model)
+    alias = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    pipe = pipecut.compile(model, first[0], mesh, loss_fn=loss_fn, target=first[1], microbatches=MICROBATCHES,
+                           schedule="1f1b", measure=COUNTED, runtime=pipecut.RuntimeOptions(timeout=60))
+    with pipe.no_sync():  # accumulation: the tied head's sum waits for the last step
+        pipe.step(*first)
+    pipe.step(*second)
+    accumulated = {alias[n]: _full(p.grad) for n, p in pipe.named_parameters()}
+    norm = pipe.clip_grad_norm_(CLIP)
+    clipped = {alias[n]: _full(p.grad) for n, p in pipe.named_parameters()}
+    pipe.save_pretrained(directory)
+    out: dict[str, Any] = {"accumulated": accumulated, "norm": norm, "clipped": clipped}
+    full = dataclasses.replace(pipe.plan, schedule=pipecut.ScheduleKind.GPIPE, stages=tuple(
+        dataclasses.replace(s, recompute=pipecut.Recompute.FULL) for s in pipe.plan.stages))  # the same graph
+    out["recompute"] = _one_step(*zoo.gpt2(batch_size=BATCH), mesh, schedule="gpipe", plan=full)
+    model, inputs, loss_fn, target = zoo.gpt2(batch_size=BATCH)
+    pipe = pipecut.compile(model, inputs, mesh, loss_fn=loss_fn, target=target, microbatches=MICROBATCHES,
+                           schedule="1f1b", measure=COUNTED, runtime=pipecut.RuntimeOptions(timeout=60))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = pipe.step(inputs, target)
+    out["amp"] = {"loss": loss.detach().clone(), "grads": {alias[n]: _full(p.grad) for n, p in pipe.named_parameters()}}
+    return out
+
+
+def _normwise(got: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> None:
+    err = (got.double() - want.double()).abs().max().item()
+    assert err <= rel * max(want.double().abs().max().item(), 1e-6), f"{what}: max error {err:.3g}"
+
+
+@pytest.mark.timeout(600)
+def test_tp_composes_with_no_sync_clipping_save_pretrained_recompute_and_autocast(tmp_path: Any) -> None:
+    from safetensors.torch import load_file
+
+    ranks = run_ranks(_compositions, 4, str(tmp_path), timeout=560, collective_timeout=120)
+    model, inputs, loss_fn, target = zoo.gpt2(batch_size=2 * BATCH)
+    saved = {k: v for f in tmp_path.glob("*.safetensors") for k, v in load_file(f).items()}
+    for key, value in model.state_dict().items():  # whole tensors, under the model's names
+        if key in saved:
+            torch.testing.assert_close(saved[key], value, atol=0, rtol=0)
+    assert {n for n, _ in model.named_parameters()} <= set(saved)
+    names = canonical_names(model)
+    for half in (slice(0, BATCH), slice(BATCH, 2 * BATCH)):  # two batches accumulated, as the pipeline
+        for mb, t in zip(split_microbatches({"input_ids": inputs["input_ids"][half]}, MICROBATCHES, BATCH),
+                         split_microbatches(target[half], MICROBATCHES, BATCH, "target")):
+            (loss_fn(model(**mb), t) / MICROBATCHES).backward()
+    accumulated = {names[id(p)]: p.grad.clone() for p in model.parameters()}
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    for got in ranks:
+        torch.testing.assert_close(got["norm"], norm, atol=ATOL, rtol=RTOL)
+        for p in model.parameters():
+            key = names[id(p)]
+            if key in got["accumulated"]:
+                torch.testing.assert_close(got["accumulated"][key], accumulated[key], atol=ATOL, rtol=RTOL)
+                torch.testing.assert_close(got["clipped"][key], p.grad, atol=ATOL, rtol=RTOL)
+    _check(_reference(*zoo.gpt2(batch_size=BATCH)), [r["recompute"] for r in ranks])
+    assert ranks[0]["recompute"]["recompute"] == ["full", "full"]
+    model, inputs, loss_fn, target = zoo.gpt2(batch_size=BATCH)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _reference(model, inputs, loss_fn, target)
+    for r, got in enumerate(ranks):
+        _normwise(got["amp"]["loss"], want["loss"], AMP_REL, f"rank {r} autocast loss")
+        for name, g in got["amp"]["grads"].items():
+            _normwise(g, want["grads"][name], AMP_REL, f"rank {r} autocast grad {name}")
+
+
+# --- refused before any step, by name ---------------------------------------------------------------
+class Odd(nn.Module):
+    """63 output features (T = 2 does not divide them); or an op DTensor has no rule for
+    (``renorm``) in the split region."""
+
+    def __init__(self, renorm: bool = False) -> None:
+        super().__init__()
+        self.renorm = renorm
+        self.proj = nn.Linear(zoo.HIDDEN, 2 * zoo.HIDDEN if renorm else 63)
+        self.out = nn.Linear(self.proj.out_features, zoo.VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        if self.renorm:
+            h = torch.renorm(h, 2, 0, 10.0)
+        return self.out(torch.relu(h))
+
+
+def _odd(renorm: bool) -> zoo.Built:
+    torch.manual_seed(0)
+    return Odd(renorm), (torch.randn(BATCH, zoo.HIDDEN),), F.cross_entropy, torch.randint(0, zoo.VOCAB, (BATCH,))
+
+
+def _three_heads() -> zoo.Built:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=zoo.VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=3, num_key_value_heads=3, max_position_embeddings=zoo.SEQ,
+                         use_cache=False, attn_implementation="eager")
+    ids, target = zoo._tokens(BATCH)
+    return LlamaForCausalLM(config), {"input_ids": ids}, zoo.logits_ce, target
+
+
+USER_PLAN = {"blocks.*.0": "column", "blocks.*.2": "row"}
+
+
+def _refusals(rank: int, world: int, directory: str) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    odd_plan = pipecut.TensorParallelOptions(plan={"proj": "column"})
+    cases: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+        "heads": (_three_heads(), mesh, {}),
+        "width": (_odd(False), mesh, {"tensor_parallel": odd_plan}),
+        "op": (_odd(True), mesh, {}),
+        "zero-bubble": (mlp(), mesh, {"schedule": "zero-bubble"}),
+        "sequence": (mlp(), mesh, {"tensor_parallel": pipecut.TensorParallelOptions(sequence_parallel=True)}),
+        "compiled": (mlp(), mesh, {"runtime": pipecut.RuntimeOptions(timeout=60, compile_stages=True)}),
+        "mesh": (mlp(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "xx")), {}),
+    }
+    out: dict[str, Any] = {}
+    for case, ((model, inputs, loss_fn, target), devices, kwargs) in cases.items():
+        kwargs.setdefault("runtime", pipecut.RuntimeOptions(timeout=60))
+        try:
+            pipecut.compile(model, inputs, devices, loss_fn=loss_fn, target=target, microbatches=MICROBATCHES,
+                            measure=COUNTED, **kwargs)
+            out[case] = "no error"
+        except pipecut.PipecutError as e:
+            out[case] = f"{type(e).__name__}: {e}"
+    model, inputs, loss_fn, target = mlp()
+    pipe = pipecut.compile(model, inputs, mesh, loss_fn=loss_fn, target=target, microbatches=MICROBATCHES,
+                           measure=COUNTED, runtime=pipecut.RuntimeOptions(timeout=60),
+                           tensor_parallel=pipecut.TensorParallelOptions(plan=USER_PLAN))
+    out["user plan"] = sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor))
+    out["recorded"] = pipe.plan.options.tensor_parallel if pipe.plan.options else None
+    try:
+        checkpoint.save(pipe, directory)
+        out["checkpoint"] = "no error"
+    except InputError as e:
+        out["checkpoint"] = str(e)
+    pipe.eval()  # symbolic_trace: one program for both modes, split alike
+    with torch.no_grad():
+        out["eval"] = pipe.step(inputs, target)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_what_cannot_be_split_is_refused_by_name_before_any_step(tmp_path: Any) -> None:
+    ranks = run_ranks(_refusals, 4, str(tmp_path), timeout=560, collective_timeout=120)
+    got = ranks[0]
+    assert all(r[k] == got[k] for r in ranks for k in got if k not in ("user plan", "op")), "ranks refused differently"
+    assert "InputError: tensor_parallel=2 (the mesh's 'tp' dimension) must divide the attention heads (3) and " \
+           "the KV heads (3)" in got["heads"] and "group sizes that run: 1, 3" in got["heads"]
+    assert "InputError: tensor_parallel=2 must divide every split dimension: proj.bias (dimension 0 of size 63), " \
+           "proj.weight (dimension 0 of size 63)" in got["width"]
+    for r in ranks:  # the stage holding the op names it (either rank of its group); the others stop naming it
+        assert re.search(r"stage 0 \(rank [01]\) cannot run split over its tensor-parallel group: node renorm", r["op"])
+        assert "Operator aten.renorm.default does not have a sharding strategy" in r["op"]
+    assert "PlanError: the zero-bubble schedule splits each backward" in got["zero-bubble"]
+    assert "InputError: TensorParallelOptions(sequence_parallel=True) is not run yet" in got["sequence"]
+    assert "PlanError: RuntimeOptions(compile_stages=...) with tensor parallelism" in got["compiled"]
+    assert "InputError: the DeviceMesh needs a 'pp' dimension and maybe 'dp' and 'tp' ones" in got["mesh"]
+    split = {n.rpartition(".")[0] for r in ranks for n in r["user plan"]}
+    assert split == {"blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2"}, split  # embed and head stay whole
+    assert got["recorded"] == pipecut.TensorParallelOptions(plan=USER_PLAN, size=2)
+    assert "checkpoint.save: pipecut checkpoints of tensor-parallel stages are not supported yet" in got["checkpoint"]
+    model, inputs, loss_fn, target = mlp()
+    with torch.no_grad():
+        want = loss_fn(model.eval()(*inputs), target)
+    for r in ranks:
+        torch.testing.assert_close(r["eval"], want, atol=ATOL, rtol=RTOL)
