@@ -12,6 +12,7 @@ is DTensor's: the sharded matmuls, the collectives and their backward.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -51,6 +52,7 @@ def shard_module(module: torch.nn.Module, shards: Mapping[str, ParameterShard], 
     whose weight is split: the module's own forward mixes them, and DTensor mixes no plain tensor
     into a product)."""
     made: dict[int, torch.nn.Parameter] = {}
+    owners: dict[str, torch.nn.Module] = {}
     for fqn, p in list(module.named_parameters(remove_duplicate=False)):
         if fqn not in shards and fqn not in replicated:
             continue
@@ -59,4 +61,21 @@ def shard_module(module: torch.nn.Module, shards: Mapping[str, ParameterShard], 
             value = distribute_tensor(p.detach(), mesh, [placement], src_data_rank=None)
             made[id(p)] = torch.nn.Parameter(value, requires_grad=p.requires_grad)
         owner_name, _, name = fqn.rpartition(".")
-        setattr(module.get_submodule(owner_name), name, made[id(p)])
+        if owner_name not in owners:
+            owners[owner_name] = _own(module, owner_name)
+        setattr(owners[owner_name], name, made[id(p)])
+
+
+def _own(module: torch.nn.Module, path: str) -> torch.nn.Module:
+    """The submodule at ``path`` as this module's own object. A stage module shares the modules
+    it calls (symbolic_trace's ``nn.Linear``) with the captured graph, whose parameters name the
+    model's tied weights (both names of one tensor) for the whole pipeline: a shallow copy with
+    its own parameter slots is split instead, and the captured graph keeps its tensors."""
+    if not path:
+        return module
+    parent_name, _, name = path.rpartition(".")
+    parent = module.get_submodule(parent_name)
+    clone = copy.copy(getattr(parent, name))
+    clone._parameters = dict(clone._parameters)
+    setattr(parent, name, clone)
+    return clone

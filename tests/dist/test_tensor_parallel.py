@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import pipecut
-from examples import zoo
+from examples import gpt, zoo
 from pipecut.core.batching import split_microbatches
 from pipecut.core.graph import canonical_names
 from pipecut.errors import InputError, PlanError
@@ -141,7 +141,12 @@ def mixtral(batch_size: int = BATCH, seed: int = 0) -> zoo.Built:
     return model, {"input_ids": ids}, zoo.logits_ce, target
 
 
-MODELS = {"llama": zoo.llama, "gpt2": zoo.gpt2, "mixtral": mixtral, "mlp": mlp}
+def gpt_example(batch_size: int = BATCH, seed: int = 0) -> zoo.Built:
+    """examples/gpt.py, small: symbolic_trace's module calls with a tied embedding and head."""
+    return gpt.build(batch_size, seed, vocab=zoo.VOCAB, dim=zoo.HIDDEN, heads=zoo.HEADS, layers=2, seq=zoo.SEQ)
+
+
+MODELS = {"llama": zoo.llama, "gpt2": zoo.gpt2, "mixtral": mixtral, "mlp": mlp, "gpt": gpt_example}
 
 
 def _pp_tp(rank: int, world: int, names: list[str]) -> dict[str, Any]:
