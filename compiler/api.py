@@ -153,7 +153,8 @@ def compile(
         groups={"capture": capture or (carried and carried.capture), "measure": measure,
                 "partition": partition, "scheduling": scheduling,
                 "runtime": runtime or (carried and carried.runtime), "weights": _weight_options(weights),
-                "tensor_parallel": _tensor_group(tensor_parallel, devices)})
+                "tensor_parallel": _tensor_group(
+                    tensor_parallel or (_split_of(carried.tensor_parallel) if carried else None), devices)})
     request = Request(model=model, devices=devices, example_inputs=example_inputs, loss_fn=loss_fn,
                       target=target, options=options_of(groups), weights=groups["weights"], given=given)
     check_auto(request.options.runtime.compile_stages, calibrates=_calibrates(request))
@@ -293,6 +294,13 @@ def _tensor_group(options: TensorParallelOptions | None, devices: Any) -> Tensor
     if options.plan and size is None:
         raise InputError("TensorParallelOptions(plan=...) needs a DeviceMesh with a 'tp' dimension as devices")
     return dataclasses.replace(options, size=size)
+
+
+def _split_of(recorded: TensorParallelOptions) -> TensorParallelOptions | None:
+    """What a replayed plan's options carry of the tensor split: the split asked (the size is
+    the mesh's of this run)."""
+    return TensorParallelOptions(plan=recorded.plan, sequence_parallel=recorded.sequence_parallel) if recorded.plan \
+        else None
 
 
 def _weight_options(weights: Any) -> WeightOptions | None:

@@ -344,6 +344,9 @@ def _refusals(rank: int, world: int, directory: str) -> dict[str, Any]:
                            tensor_parallel=pipecut.TensorParallelOptions(plan=USER_PLAN))
     out["user plan"] = sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor))
     out["recorded"] = pipe.plan.options.tensor_parallel if pipe.plan.options else None
+    again = pipecut.compile(model, inputs, mesh, loss_fn=loss_fn, target=target, plan=pipe.plan,
+                            runtime=pipecut.RuntimeOptions(timeout=60))  # the plan carries the split asked
+    out["replayed"] = sorted(n for n, p in again.named_parameters() if isinstance(p, DTensor))
     try:
         checkpoint.save(pipe, directory)
         out["checkpoint"] = "no error"
@@ -359,7 +362,7 @@ def _refusals(rank: int, world: int, directory: str) -> dict[str, Any]:
 def test_what_cannot_be_split_is_refused_by_name_before_any_step(tmp_path: Any) -> None:
     ranks = run_ranks(_refusals, 4, str(tmp_path), timeout=560, collective_timeout=120)
     got = ranks[0]
-    assert all(r[k] == got[k] for r in ranks for k in got if k not in ("user plan", "op")), "ranks refused differently"
+    assert all(r[k] == got[k] for r in ranks for k in got if k not in ("user plan", "replayed", "op", "eval")), "ranks refused differently"
     assert "InputError: tensor_parallel=2 (the mesh's 'tp' dimension) must divide the attention heads (3) and " \
            "the KV heads (3)" in got["heads"] and "group sizes that run: 1, 3" in got["heads"]
     assert "InputError: tensor_parallel=2 must divide every split dimension: proj.bias (dimension 0 of size 63), " \
@@ -374,6 +377,7 @@ def test_what_cannot_be_split_is_refused_by_name_before_any_step(tmp_path: Any) 
     split = {n.rpartition(".")[0] for r in ranks for n in r["user plan"]}
     assert split == {"blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2"}, split  # embed and head stay whole
     assert got["recorded"] == pipecut.TensorParallelOptions(plan=USER_PLAN, size=2)
+    assert all(r["replayed"] == r["user plan"] for r in ranks)
     assert "checkpoint.save: pipecut checkpoints of tensor-parallel stages are not supported yet" in got["checkpoint"]
     model, inputs, loss_fn, target = mlp()
     with torch.no_grad():
