@@ -165,7 +165,8 @@ def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first:
         public = captured.names.public if captured.names is not None else (lambda n: n)
         mine = {name: shards[public(name) or name] for name, _ in program.module.named_parameters(remove_duplicate=False)
                 if (public(name) or name) in shards}  # by the stage's names (a tied weight's may be an alias)
-        shard_module(program.module, mine, mesh, replicated=_beside_split(program.module, mine))
+        shard_module(program.module, {name: shard.dim for name, shard in mine.items()}, mesh,
+                     replicated=_beside_split(program.module, mine))
         program = dataclasses.replace(program, module=shard_regions(program.module, mine, enter=enter, leave=leave))
         try:
             _run_on_zeros(program.module, worker, inputs, s)

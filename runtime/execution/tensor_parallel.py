@@ -20,8 +20,6 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from pipecut.passes.parallel.tensor import ParameterShard
-
 __all__ = ["region_ends", "shard_module", "whole"]
 
 
@@ -42,10 +40,10 @@ def whole(x: Any) -> Any:
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
-def shard_module(module: torch.nn.Module, shards: Mapping[str, ParameterShard], mesh: DeviceMesh,
+def shard_module(module: torch.nn.Module, dims: Mapping[str, int], mesh: DeviceMesh,
                  replicated: Collection[str] = ()) -> None:
-    """Replace each parameter of ``module`` named in ``shards`` by a DTensor parameter sharded
-    along its dimension on ``mesh``, from the whole tensor every rank of the group holds (the
+    """Replace each parameter of ``module`` named in ``dims`` by a DTensor parameter sharded
+    along that dimension on ``mesh``, from the whole tensor every rank of the group holds (the
     same on all of them: rank 0's, set by compile's weight sync). A parameter held under two
     names (a tied weight) becomes one DTensor parameter under both. ``replicated``: parameters
     to hold as DTensors replicated over the group, whole on every rank (the bias of a module
@@ -54,10 +52,10 @@ def shard_module(module: torch.nn.Module, shards: Mapping[str, ParameterShard], 
     made: dict[int, torch.nn.Parameter] = {}
     owners: dict[str, torch.nn.Module] = {}
     for fqn, p in list(module.named_parameters(remove_duplicate=False)):
-        if fqn not in shards and fqn not in replicated:
+        if fqn not in dims and fqn not in replicated:
             continue
         if id(p) not in made:
-            placement = Shard(shards[fqn].dim) if fqn in shards else Replicate()
+            placement = Shard(dims[fqn]) if fqn in dims else Replicate()
             value = distribute_tensor(p.detach(), mesh, [placement], src_data_rank=None)
             made[id(p)] = torch.nn.Parameter(value, requires_grad=p.requires_grad)
         owner_name, _, name = fqn.rpartition(".")
