@@ -11,7 +11,7 @@ import logging
 
 from pipecut.api import compile
 from pipecut.cluster import Link
-from pipecut.core.kinds import CaptureMethod, Partitioner, Recompute, ScheduleKind
+from pipecut.core.kinds import CaptureMethod, Partitioner, Recompute, ScheduleKind, TensorShard
 from pipecut.errors import (
     CaptureError,
     InputError,
@@ -32,6 +32,7 @@ from pipecut.options import (
     PartitionOptions,
     RuntimeOptions,
     ScheduleOptions,
+    TensorParallelOptions,
     WeightOptions,
 )
 from pipecut.passes.partition.solve import partition_costs
@@ -70,6 +71,8 @@ __all__ = [
     "ScheduleError",
     "ScheduleKind",
     "ScheduleOptions",
+    "TensorParallelOptions",
+    "TensorShard",
     "WeightOptions",
     "__version__",
     "choose_replicas",

@@ -25,6 +25,7 @@ from pipecut.build.context import Place, connect
 from pipecut.build.layout import auto_layout
 from pipecut.build.replay import settings_of
 from pipecut.build.resolve import WireSpecs, schedules
+from pipecut.build.tensor import check_composable, split_over_tensor_group, tensor_shards
 from pipecut.build.workers import (
     WorkerFactory,
     build_workers,
@@ -35,7 +36,7 @@ from pipecut.build.workers import (
 from pipecut.capture.modes import Modes, derive_other_mode
 from pipecut.core.kinds import DataParallelKind, ScheduleKind
 from pipecut.core.program import Captured, Inputs
-from pipecut.errors import CaptureError, PipecutError, PlanError
+from pipecut.errors import CaptureError, InputError, PipecutError, PlanError
 from pipecut.ir import Plan
 from pipecut.options import (
     AUTO,
@@ -45,6 +46,7 @@ from pipecut.options import (
     PartitionOptions,
     RuntimeOptions,
     ScheduleOptions,
+    TensorParallelOptions,
     WeightOptions,
     options_of,
     requested,
@@ -82,6 +84,7 @@ def compile(
     data_parallel: DataParallelOptions | DataParallelKind | str | None = None,
     weights: WeightOptions | str | Path | Any = None,
     runtime: RuntimeOptions | None = None,
+    tensor_parallel: TensorParallelOptions | None = None,
 ) -> Pipeline:
     """Build this rank's stage of ``model`` pipelined over the ranks of the process group.
 
@@ -97,8 +100,9 @@ def compile(
         example_inputs: One full batch: a tuple of positional tensors or a dict of keyword
             tensors.
         devices: K (one stage per rank of the default group), a list of K devices, or a
-            DeviceMesh with dimensions ("dp", "pp"), each of the D replicas training on its own
-            share of the batch; None: every rank of the default group.
+            DeviceMesh with a "pp" dimension and maybe "dp" (each of the D replicas training on
+            its own share of the batch) and "tp" (each stage's layers split over T ranks, see
+            ``tensor_parallel``); None: every rank of the default group.
         loss_fn: ``loss_fn(output, target)``, the loss of one microbatch.
         target: The full batch's target for ``loss_fn``.
         microbatches: Microbatches per step, or "auto" (the planner chooses); None: "auto",
@@ -122,6 +126,9 @@ def compile(
             weights are set to global rank 0's.
         runtime: Timeouts, host memory, loss reduction, compiled stages
             (:class:`~pipecut.options.RuntimeOptions`).
+        tensor_parallel: With a "tp" dimension: which layers split, as column, row or
+            vocabulary shards (:class:`~pipecut.options.TensorParallelOptions`); by default the
+            model's ``tp_plan``, else the column/row pairs of its graph.
 
     Returns:
         This rank's :class:`~pipecut.runtime.pipeline.Pipeline`: ``step``, ``parameters`` (this
@@ -131,7 +138,9 @@ def compile(
         InputError: An argument is not valid (an unknown option, devices that do not match the
             process group, ``data_parallel`` without replicas).
         PlanError: ``plan=`` was made for another model or world size, or an argument
-            contradicts it, or it splits stages over a tensor-parallel group (planned, not run yet).
+            contradicts it, or it splits stages over a tensor-parallel group (planned for a
+            cluster: run it over a DeviceMesh with a "tp" dimension instead), or it asks what
+            tensor-parallel stages do not run (a split backward, DDP, compiled stages).
         CaptureError: The model cannot be captured (raised when the failing mode is used).
         PipelineRuntimeError: Another rank failed while planning or building.
     """
@@ -143,7 +152,9 @@ def compile(
         microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
         groups={"capture": capture or (carried and carried.capture), "measure": measure,
                 "partition": partition, "scheduling": scheduling,
-                "runtime": runtime or (carried and carried.runtime), "weights": _weight_options(weights)})
+                "runtime": runtime or (carried and carried.runtime), "weights": _weight_options(weights),
+                "tensor_parallel": _tensor_group(
+                    tensor_parallel or (_split_of(carried.tensor_parallel) if carried else None), devices)})
     request = Request(model=model, devices=devices, example_inputs=example_inputs, loss_fn=loss_fn,
                       target=target, options=options_of(groups), weights=groups["weights"], given=given)
     check_auto(request.options.runtime.compile_stages, calibrates=_calibrates(request))
@@ -171,16 +182,29 @@ def _build(request: Request) -> tuple[Pipeline, Place]:
         check_compilable(chosen.plan, data_parallel=place.replication is not None)
     derived = other_mode(request.model, chosen.first, chosen.captured, chosen.plan, request.options.capture.leaf_modules)
     make = worker_factory(request, place)
+    shards = None
+    if place.layout.tp_mesh is not None:  # refused before any tensor is made
+        shards = tensor_shards(request.model, chosen.plan, request.options.tensor_parallel)
+        check_composable(chosen.plan, place, shards, request.model, request.options)
     captured, workers = build_workers(request, place, chosen.captured, chosen.plan, source, make)
     sync_weights(request, place, captured, chosen.plan, workers)
+    if shards is not None:
+        workers = split_over_tensor_group(place, chosen.plan, captured, chosen.first, workers, shards, make)
     ready_for_p2p(place.group, place.device)
     pipe = Pipeline(
         plan=chosen.plan, captured=captured, workers=workers, schedule=sched, rank=place.rank,
         ranks=list(place.ranks), group=place.group, tied_groups=tied_groups(chosen.plan, place.layout, request),
         dp_group=place.layout.dp_group, loss_reduction=request.options.runtime.loss_reduction,
+        tp_group=place.layout.tp_mesh.get_group() if place.layout.tp_mesh is not None else None,
         modes=_modes(request, place, workers, derived, make), wire=WireSpecs(captured.gm, chosen.plan, place.device),
         schedule_for=schedules(chosen.plan), predicted=predicted_timeline(chosen.plan), timeout=request.wait,
     )
+    if shards is not None and pipe.modes is not None:
+        mode = "eval" if pipe.training else "train"
+        pipe.modes.refuse_separate_mode(PlanError(
+            f"{mode} mode with tensor parallelism is not supported for a model captured by torch.export "
+            f"(its {mode}-mode graph is a second program, which is not split over the tensor group): run "
+            f"{mode} steps outside the pipeline (pipe.state_dict() gives the full weights)"))
     return pipe, place
 
 
@@ -256,6 +280,27 @@ def _replaying(request: Request) -> Any:
     measure = dataclasses.replace(request.options.measure, link=None)
     return dataclasses.replace(request.options, microbatches=None, schedule=None, scheduling=ScheduleOptions(),
                                measure=measure)
+
+
+def _tensor_group(options: TensorParallelOptions | None, devices: Any) -> TensorParallelOptions:
+    """The options with the size of the mesh's "tp" dimension recorded (None without one)."""
+    options = options or TensorParallelOptions()
+    names = getattr(devices, "mesh_dim_names", None) or ()
+    size = int(devices["tp"].size()) if "tp" in names else None
+    if options.size is not None and options.size != size:
+        raise InputError(f"TensorParallelOptions(size={options.size}) but the devices give "
+                         f"{'no tp dimension' if size is None else f'a tp dimension of {size}'}; compile reads "
+                         f"the size from the DeviceMesh: leave size out or match it")
+    if options.plan and size is None:
+        raise InputError("TensorParallelOptions(plan=...) needs a DeviceMesh with a 'tp' dimension as devices")
+    return dataclasses.replace(options, size=size)
+
+
+def _split_of(recorded: TensorParallelOptions) -> TensorParallelOptions | None:
+    """What a replayed plan's options carry of the tensor split: the split asked (the size is
+    the mesh's of this run)."""
+    return TensorParallelOptions(plan=recorded.plan, sequence_parallel=recorded.sequence_parallel) if recorded.plan \
+        else None
 
 
 def _weight_options(weights: Any) -> WeightOptions | None:

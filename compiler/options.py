@@ -10,6 +10,7 @@
 - :class:`ScheduleOptions`: stages per rank (the microbatches and the schedule are arguments of
   their own, ``microbatches=`` and ``schedule=``: one spelling per knob);
 - :class:`DataParallelOptions`: replicas of the pipeline and their engine;
+- :class:`TensorParallelOptions`: how each stage splits its layers over a mesh's "tp" dimension;
 - :class:`WeightOptions`: where a meta model's weights come from (``compile`` only);
 - :class:`RuntimeOptions`: timeouts, host memory, loss reduction, compiled stages (``compile``
   only).
@@ -32,7 +33,14 @@ from typing import Any, ClassVar, Literal
 
 from pipecut.cluster import LINK_LATENCY_MS, Link
 from pipecut.core.choices import enum_choice
-from pipecut.core.kinds import CaptureMethod, DataParallelKind, Partitioner, Recompute, ScheduleKind
+from pipecut.core.kinds import (
+    CaptureMethod,
+    DataParallelKind,
+    Partitioner,
+    Recompute,
+    ScheduleKind,
+    TensorShard,
+)
 from pipecut.errors import InputError
 
 __all__ = [
@@ -47,6 +55,7 @@ __all__ = [
     "PartitionOptions",
     "RuntimeOptions",
     "ScheduleOptions",
+    "TensorParallelOptions",
     "WeightOptions",
     "leaf_name",
     "options_of",
@@ -327,6 +336,37 @@ class DataParallelOptions:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class TensorParallelOptions:
+    """How each stage splits its layers over the "tp" dimension of ``compile``'s DeviceMesh
+    (``tensor_parallel=``); see :mod:`pipecut.build.tensor`.
+
+    Args:
+        plan: Module patterns (``*`` for one name, as in a Hugging Face ``tp_plan``) → a
+            :class:`~pipecut.core.kinds.TensorShard` or its name: ``column`` (the module's
+            ``weight`` split by output features, its ``bias`` too), ``row`` (by input features),
+            ``vocab`` (an embedding's rows) or ``replicated``. Given, it is the whole split: the
+            model's ``tp_plan`` and the graph's pairs are not used.
+        sequence_parallel: Split the norms and residual stream along the sequence (not run yet).
+        size: The group size T; ``compile`` records the mesh's (None: no "tp" dimension).
+
+    Raises:
+        InputError: An unknown kind, or a size below 1.
+    """
+
+    plan: tuple[tuple[str, TensorShard], ...] = ()
+    """(module pattern, kind) pairs, sorted by pattern; a mapping given is stored so."""
+    sequence_parallel: bool = False
+    size: int | None = None
+
+    def __post_init__(self) -> None:
+        given = self.plan.items() if isinstance(self.plan, Mapping) else self.plan
+        _set(self, "plan", tuple(sorted((str(m), enum_choice(TensorShard, k, f"tensor-parallel kind of {m!r}"))
+                                        for m, k in given)))
+        if self.size is not None and (isinstance(self.size, bool) or self.size < 1):
+            raise InputError(f"TensorParallelOptions(size={self.size}): at least 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class WeightOptions:
     """Where a meta model's weights come from (``compile``'s ``weights=``).
 
@@ -396,6 +436,7 @@ class Options:
         scheduling: :class:`ScheduleOptions`.
         data_parallel: :class:`DataParallelOptions`.
         runtime: :class:`RuntimeOptions`.
+        tensor_parallel: :class:`TensorParallelOptions`.
 
     Raises:
         InputError: An unknown schedule, or microbatches that are not a positive int or "auto".
@@ -413,9 +454,10 @@ class Options:
     scheduling: ScheduleOptions = field(default_factory=ScheduleOptions)
     data_parallel: DataParallelOptions = field(default_factory=DataParallelOptions)
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
+    tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
 
     GROUPS: ClassVar[tuple[str, ...]] = (
-        "capture", "measure", "partition", "scheduling", "data_parallel", "runtime")
+        "capture", "measure", "partition", "scheduling", "data_parallel", "runtime", "tensor_parallel")
 
     def __post_init__(self) -> None:
         if self.schedule is not None and self.schedule != AUTO:
@@ -436,7 +478,8 @@ def requested(
     given): the groups given (None: the defaults), the microbatches and the schedule (None: not
     given), and the data parallelism (a kind's name alone: its options)."""
     defaults = {"capture": CaptureOptions(), "measure": MeasureOptions(), "partition": PartitionOptions(),
-                "scheduling": ScheduleOptions(), "runtime": RuntimeOptions(), "weights": WeightOptions()}
+                "scheduling": ScheduleOptions(), "runtime": RuntimeOptions(), "weights": WeightOptions(),
+                "tensor_parallel": TensorParallelOptions()}
     out: dict[str, Any] = {k: groups.get(k) or v for k, v in defaults.items()}
     out["data_parallel"] = (data_parallel if isinstance(data_parallel, DataParallelOptions)
                             else DataParallelOptions(kind=data_parallel))  # type: ignore[arg-type]

@@ -76,6 +76,7 @@ class Pipeline:
         group: dist.ProcessGroup | None,
         tied_groups: Sequence[tuple[str, dist.ProcessGroup | None]],
         dp_group: dist.ProcessGroup | None = None,
+        tp_group: dist.ProcessGroup | None = None,
         loss_reduction: LossReduction = LossReduction.MEAN,
         modes: ModeSwitch | None = None,
         wire: WireResolver | None = None,
@@ -96,6 +97,8 @@ class Pipeline:
         self._reduce = True
         """Whether steps reduce gradients across ranks (False inside :meth:`no_sync`)."""
         self.dp_group = dp_group
+        self.tp_group = tp_group
+        """The ranks that split this rank's stages between them (a "tp" dimension), or None."""
         self.replication: Replication | None = None
         """The data-parallel wrappers of this rank's stages (set by compile once it wraps them)."""
         self.timeout = timeout

@@ -89,16 +89,17 @@ def _on_rank0(request: Request, place: Place, settings: Settings, captured: Capt
 
 
 def refuse_tensor_parallel(plan: Plan) -> None:
-    """PlanError for a plan whose stages are split over a tensor-parallel group: pipecut plans
-    and prices tensor parallelism (``plan(..., cluster=..., tensor_parallel=...)``) but its
-    runtime does not run it yet."""
+    """PlanError for a cluster plan whose stages are split over a tensor-parallel group
+    (``plan(..., cluster=..., tensor_parallel=...)``): its D x T x K placement is GPUs of a cluster,
+    which ``compile`` does not replay; compile runs tensor parallelism over a DeviceMesh with a
+    "tp" dimension (:mod:`pipecut.build.tensor`)."""
     t = plan.placement.tensor_parallel if plan.placement is not None else 1
     if t > 1:
         raise PlanError(
-            f"tensor_parallel={t} is planned but not yet run by pipecut.compile (its stages hold "
-            f"1/{t} of each split layer): re-plan with tensor_parallel=1 (CLI --tensor-parallel 1) to "
-            f"run it with pipecut, or run this plan's D x T x K layout with an engine that has tensor "
-            f"parallelism (torchtitan, Megatron-LM)"
+            f"this cluster plan splits its stages over tensor-parallel groups of {t} GPUs "
+            f"(placement.tensor_parallel={t}), which pipecut.compile does not replay; re-plan with "
+            f"tensor_parallel=1 (CLI --tensor-parallel 1), or compile the model over a DeviceMesh with "
+            f"dimensions ('dp', 'pp', 'tp') and tp={t}, which splits each stage as DTensors"
         )
 
 

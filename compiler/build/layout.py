@@ -1,6 +1,7 @@
 """Where each rank sits: its pipeline and replica groups, and the mesh ``data_parallel="auto"`` builds.
 
-``compile`` takes ``devices`` as a stage count, a list of devices or a ("dp", "pp") DeviceMesh;
+``compile`` takes ``devices`` as a stage count, a list of devices or a DeviceMesh with a "pp"
+dimension and maybe "dp" and "tp" ones;
 :func:`layout_of` turns each into the groups this rank talks to, :func:`replication_of` into the
 plan's data parallelism, and :func:`auto_layout` lets rank 0 choose D replicas × K stages and
 builds that mesh on every rank. :func:`plan_from_rank0` is how every rank gets rank 0's plan.
@@ -34,32 +35,44 @@ __all__ = ["Auto", "RankGroups", "auto_layout", "layout_of", "plan_from_rank0", 
 
 @dataclass(frozen=True)
 class RankGroups:
-    """Where this rank sits: its pipeline group and, with data parallelism, its replica group."""
+    """Where this rank sits: its pipeline group and, with data parallelism, its replica group;
+    with tensor parallelism, the group that splits its stages' layers."""
 
     pp_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None
     dp_mesh: Any
     """The 1-D "dp" DeviceMesh (FSDP2 takes a mesh), or None."""
     replicas: tuple[tuple[int, ...], ...]
-    """Global ranks of every pipeline replica, stage-rank order; this rank's replica included."""
+    """Global ranks of every pipeline, stage-rank order; this rank's included. With a "tp"
+    dimension each tensor-parallel position has its own pipeline: rank i of a stage's group
+    sends to rank i of the next stage's group, whole values, each used by its receiver."""
     devices: Any
+    tp_mesh: Any = None
+    """The 1-D "tp" DeviceMesh over which this rank's stages split their layers, or None."""
+
+    @property
+    def tensor_parallel(self) -> int:
+        return 1 if self.tp_mesh is None else int(self.tp_mesh.size())
 
 
 def layout_of(devices: Any) -> RankGroups:
-    """From an int, a list of devices, a DeviceMesh with a "pp" (and maybe "dp") dimension, or
-    None (one stage per rank of the default group)."""
+    """From an int, a list of devices, a DeviceMesh with a "pp" (and maybe "dp" and "tp")
+    dimension, or None (one stage per rank of the default group)."""
     names = getattr(devices, "mesh_dim_names", None)
     if names is None:
         world = dist.get_world_size()
         return RankGroups(None, None, None, (tuple(range(world)),), world if devices is None else devices)
-    if "pp" not in names or not set(names) <= {"dp", "pp"}:
-        raise InputError(f"the DeviceMesh needs dimensions ('dp', 'pp') or ('pp',), it has {names}")
+    if "pp" not in names or not set(names) <= {"dp", "pp", "tp"} or len(set(names)) != len(names):
+        raise InputError(
+            f"the DeviceMesh needs a 'pp' dimension and maybe 'dp' and 'tp' ones, e.g. ('dp', 'pp', 'tp'), "
+            f"('pp', 'tp'), ('dp', 'pp') or ('pp',); it has {names}")
     pp = devices.get_group("pp")
     dp = devices.get_group("dp") if "dp" in names else None
     dp_mesh = devices["dp"] if "dp" in names else None
-    mesh = devices.mesh if names.index("pp") == len(names) - 1 else devices.mesh.transpose(0, 1)
+    tp_mesh = devices["tp"] if "tp" in names else None
+    mesh = devices.mesh.movedim(names.index("pp"), -1)
     replicas = tuple(tuple(int(r) for r in row) for row in mesh.reshape(-1, mesh.shape[-1]).tolist())
-    return RankGroups(pp, dp, dp_mesh, replicas, dist.get_world_size(pp))
+    return RankGroups(pp, dp, dp_mesh, replicas, dist.get_world_size(pp), tp_mesh)
 
 
 def replication_of(layout: RankGroups, data_parallel: str | DataParallelKind | None) -> DataParallelOptions | None:

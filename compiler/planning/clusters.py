@@ -425,14 +425,14 @@ def _run_prediction(
 
 
 def tensor_note(t: int, cluster: Cluster, sequence_parallel: bool) -> str:
-    """What the plan assumes of its T-way tensor parallelism, and that pipecut does not run it."""
+    """What the plan assumes of its T-way tensor parallelism, and that compile does not replay it."""
     how = ("reduce-scatter and all-gather (sequence parallel: norms and residuals split too)"
            if sequence_parallel else "all-reduce")
     return (f"tensor parallel {t} inside each node (Megatron's pairing: q/k/v, gate/up and the LM head "
             f"column-wise, o and down row-wise, the embedding by vocabulary): two collectives forward "
             f"and two backward per block, {how}, on {cluster.intra.name}, exposed (async tensor "
-            f"parallelism not modelled); pipecut.compile does not run tensor parallelism yet: this "
-            f"plan predicts a run by an engine that does (torchtitan, Megatron-LM)")
+            f"parallelism not modelled); pipecut.compile does not run this cluster plan: it predicts a "
+            f"run by torchtitan or Megatron-LM, or by pipecut.compile over a ('dp', 'pp', 'tp') DeviceMesh")
 
 
 def _memory_term(name: str, shard: DataParallelKind, replicas: int, tp: int = 1) -> str:

@@ -41,10 +41,12 @@ from pipecut.ir import NodeCost
 from pipecut.passes.parallel.run_costs import ring_ms
 
 __all__ = [
+    "ParameterShard",
     "ShardedTable",
     "check_tensor_parallel",
     "collectives",
     "gathered_inputs",
+    "parameter_shards",
     "shard_kinds",
     "shard_table",
     "sharded_widths",
@@ -66,18 +68,26 @@ def _weights(node: NodeCost, by_name: Mapping[str, NodeCost]) -> tuple[str, ...]
                        and len(by_name[i].shape or (0, 0)) >= 2)
 
 
-def _is_product(node: NodeCost) -> bool:
-    t = node.target.lower()
+def _what(node: NodeCost, classes: Mapping[str, str]) -> str:
+    """What a node calls, lower case: its target, or for a module call its class where known."""
+    if node.op is NodeOp.CALL_MODULE and node.target in classes:
+        return classes[node.target].lower()
+    return node.target.lower()
+
+
+def _is_product(node: NodeCost, classes: Mapping[str, str]) -> bool:
+    t = _what(node, classes)
     if node.op is NodeOp.CALL_MODULE:
         return not any(x in t or x in node.module.lower() for x in _NOT_PRODUCTS)
     return any(p in t for p in _PRODUCTS)
 
 
-def shard_kinds(nodes: Sequence[NodeCost]) -> dict[str, TensorShard]:
+def shard_kinds(nodes: Sequence[NodeCost], classes: Mapping[str, str] | None = None) -> dict[str, TensorShard]:
     """Every node's :class:`~pipecut.core.kinds.TensorShard`, walking the table in topological
     order: a product reading a weight is COLUMN on a replicated input and ROW on a sharded one;
     an embedding lookup with a weight is VOCAB; anything else is SPLIT when it reads a sharded
-    value, else REPLICATED.
+    value, else REPLICATED. ``classes``: the class name of each called module, by its path
+    (the table names a module call by its path only: ``embed``, ``norm``).
 
     >>> from pipecut.ir import NodeCost
     >>> from pipecut.core.kinds import NodeOp
@@ -90,6 +100,7 @@ def shard_kinds(nodes: Sequence[NodeCost]) -> dict[str, TensorShard]:
     ['column', 'split', 'row', 'replicated']
     """
     by_name = {n.name: n for n in nodes}
+    classes = classes or {}
     kinds: dict[str, TensorShard] = {}
     sharded: set[str] = set()
     for n in nodes:
@@ -98,9 +109,9 @@ def shard_kinds(nodes: Sequence[NodeCost]) -> dict[str, TensorShard]:
             continue
         weights = _weights(n, by_name)
         reads_sharded = any(i in sharded for i in n.inputs if i not in weights)
-        if weights and "embedding" in n.target.lower() and not reads_sharded:
+        if weights and "embedding" in _what(n, classes) and not reads_sharded:
             kind = TensorShard.VOCAB
-        elif weights and _is_product(n):
+        elif weights and _is_product(n, classes):
             kind = TensorShard.ROW if reads_sharded else TensorShard.COLUMN
         else:
             kind = TensorShard.SPLIT if reads_sharded else TensorShard.REPLICATED
@@ -108,6 +119,83 @@ def shard_kinds(nodes: Sequence[NodeCost]) -> dict[str, TensorShard]:
         if kind in (TensorShard.COLUMN, TensorShard.SPLIT):
             sharded.add(n.name)
     return kinds
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParameterShard:
+    """How one parameter is split over a tensor-parallel group: along ``dim``, for the kind of
+    product that reads it (COLUMN: output features; ROW: input features, its reader's partial
+    sums are reduced; VOCAB: an embedding's rows, its lookups reduced)."""
+
+    kind: TensorShard
+    dim: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in (TensorShard.COLUMN, TensorShard.ROW, TensorShard.VOCAB) or self.dim < 0:
+            raise InputError(f"a parameter is split as a column, row or vocab weight along a dimension >= 0, "
+                             f"not {self.kind.value} along {self.dim}")
+
+    @property
+    def reduces(self) -> bool:
+        """Its reader's output is a sum of partial results across the group (Megatron's ``g``)."""
+        return self.kind is not TensorShard.COLUMN
+
+
+def parameter_shards(nodes: Sequence[NodeCost], classes: Mapping[str, str] | None = None) -> dict[str, ParameterShard]:
+    """Which parameters a tensor group splits, found from the graph alone (:func:`shard_kinds`):
+    the weight matrices of COLUMN, ROW and VOCAB nodes, and the bias vectors of COLUMN ones. A
+    ``linear`` weight is ``(out, in)``: COLUMN splits dimension 0, ROW dimension 1; a weight
+    that ``mm``/``addmm``/``matmul`` multiplies from the right is ``(in, out)``: the other way
+    round; an embedding's rows are dimension 0. A module call (symbolic_trace's ``nn.Linear``)
+    holds ``weight`` and ``bias`` as ``linear`` does (``classes`` as :func:`shard_kinds`). A
+    parameter two nodes would split along different dimensions stays whole.
+
+    >>> from pipecut.ir import NodeCost
+    >>> from pipecut.core.kinds import NodeOp
+    >>> w = lambda n: NodeCost(name=n, op=NodeOp.GET_ATTR, target=n, param_bytes=8, shape=(2, 2), parameters=(n,))
+    >>> f = lambda n, t, *i: NodeCost(name=n, op=NodeOp.CALL_FUNCTION, target=t, inputs=i)
+    >>> t = [NodeCost(name="x", op=NodeOp.PLACEHOLDER, target="x"), w("w1"), w("w2"),
+    ...      f("up", "aten.linear", "x", "w1"), f("act", "gelu", "up"), f("down", "aten.mm", "act", "w2")]
+    >>> {k: (v.kind.value, v.dim) for k, v in parameter_shards(t).items()}
+    {'w1': ('column', 0), 'w2': ('row', 0)}
+    """
+    by_name = {n.name: n for n in nodes}
+    found: dict[str, set[tuple[TensorShard, int]]] = {}
+    for n, kind in shard_kinds(nodes, classes).items():
+        if kind not in (TensorShard.COLUMN, TensorShard.ROW, TensorShard.VOCAB):
+            continue
+        node = by_name[n]
+        for fqn, dim in _split_dims(node, kind, by_name):
+            found.setdefault(fqn, set()).add((kind, dim))
+    out = {}
+    for fqn, ways in found.items():
+        dims = {d for _, d in ways}
+        if len(dims) == 1:  # one dimension: the kind that reduces wins (its reader closes the region)
+            kind = max((k for k, _ in ways), key=lambda k: k is not TensorShard.COLUMN)
+            out[fqn] = ParameterShard(kind=kind, dim=dims.pop())
+    return out
+
+
+def _split_dims(node: NodeCost, kind: TensorShard, by_name: Mapping[str, NodeCost]) -> list[tuple[str, int]]:
+    """(parameter, dimension) pairs ``node`` of ``kind`` splits."""
+    if kind is TensorShard.VOCAB:
+        return [(p, 0) for w in _weights(node, by_name) for p in by_name[w].parameters[:1]]
+    column = kind is TensorShard.COLUMN
+    if node.op is NodeOp.CALL_MODULE:  # nn.Linear: weight (out, in), bias (out,)
+        return [(p, 0 if column else 1) for p in node.parameters if p.endswith(".weight")] + [
+            (p, 0) for p in node.parameters if p.endswith(".bias") and column]
+    linear = "linear" in node.target.lower()
+    dim = (0 if column else 1) if linear else (1 if column else 0)
+    out = []
+    for w in _weights(node, by_name):
+        if by_name[w].op is NodeOp.GET_ATTR and by_name[w].parameters:
+            if not linear and node.inputs.index(w) == 0:
+                continue  # a weight on the left of a product: not a layout we split
+            out.append((by_name[w].parameters[0], dim))
+    if column:  # a bias vector of the product: split with its output features
+        out += [(by_name[i].parameters[0], 0) for i in node.inputs
+                if by_name[i].op is NodeOp.GET_ATTR and by_name[i].parameters and len(by_name[i].shape or (0, 0)) == 1]
+    return out
 
 
 def _hidden(nodes: Sequence[NodeCost], kinds: Mapping[str, TensorShard]) -> set[str]:

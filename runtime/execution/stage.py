@@ -34,7 +34,7 @@ from pipecut.runtime.execution.backward_split import split_backward
 from pipecut.runtime.execution.compiled import CompileStats, compile_stage, uncompile_stage
 from pipecut.runtime.execution.forward import check_grad_flags
 from pipecut.runtime.execution.recompute_state import StateReplay
-from pipecut.runtime.memory.activations import ActivationMeter
+from pipecut.runtime.memory.activations import ActivationMeter, storage_of
 
 __all__ = ["LossFn", "StageWorker", "tree_to"]
 
@@ -300,7 +300,7 @@ def tree_to(value: Any, device: torch.device) -> Any:
 
 
 def _storages(module: torch.nn.Module) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+    return {storage_of(t).data_ptr() for t in [*module.parameters(), *module.buffers()]}
 
 
 def _own(tensors: list[torch.Tensor], state: set[int]) -> list[torch.Tensor]:

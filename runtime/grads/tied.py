@@ -85,6 +85,10 @@ class TiedGrads:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:  # type: ignore[attr-defined]
+                # a tensor-parallel weight's gradient as DTensor's backward left it (a tied
+                # head's may be replicated): each holder sums the shard it holds
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
             dist.all_reduce(_local(p.grad), group=group)
             aside = self._aside.pop(fqn, None)
             if aside is not None:

@@ -14,13 +14,23 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
 
-__all__ = ["ActivationMeter"]
+__all__ = ["ActivationMeter", "storage_of"]
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    """The memory ``t`` occupies on this rank: a DTensor's (tensor-parallel parameters, what
+    autograd saves of their products) is its local shard's."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            t = t.to_local()
+    return t.untyped_storage()
 
 
 class ActivationMeter:
     def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
-        self._params = {p.untyped_storage().data_ptr() for p in parameters}
+        self._params = {storage_of(p).data_ptr() for p in parameters}
         self._per_mb: dict[int, dict[int, int]] = {}
         self._held: dict[int, int] = {}
         self.sending = self.peak_sending = 0
@@ -36,7 +46,7 @@ class ActivationMeter:
         self.live = self.peak = self.sending = self.peak_sending = 0
 
     def _add(self, mb: int, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
+        storage = storage_of(t)
         ptr = storage.data_ptr()
         seen = self._per_mb.setdefault(mb, {})
         if ptr in self._params or ptr in seen or ptr == 0:

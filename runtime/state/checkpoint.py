@@ -155,6 +155,16 @@ def _optimizer_params(
             yield names[id(p)], p, group
 
 
+def _refuse_tensor_parallel(pipe: Pipeline, what: str) -> None:
+    """Checkpoints are written per pipeline group; a tensor group's shards would need one DCP
+    save over the stage's whole group (not done yet)."""
+    if getattr(pipe, "tp_group", None) is not None:
+        raise InputError(
+            f"checkpoint.{what}: pipecut checkpoints of tensor-parallel stages are not supported yet "
+            f"(each stage's tensors are split over its 'tp' group); save whole weights with "
+            f"pipe.save_pretrained(directory) and compile again with weights=directory")
+
+
 def save(pipe: Pipeline, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
          *, step: int = 0, extra: Any = None) -> Path:
     """Save this stage's tensors (and optimizer state) as the checkpoint ``path``. Collective.
@@ -162,6 +172,7 @@ def save(pipe: Pipeline, path: str | os.PathLike[str], optimizer: torch.optim.Op
     Call on every rank with the same ``path``, after ``optimizer.step()``. ``extra`` is any
     picklable object (a data loader position, a scheduler's state dict), saved by stage 0.
     """
+    _refuse_tensor_parallel(pipe, "save")
     path = Path(path)
     mine = owned(pipe)
     state: dict[str, Any] = {
@@ -225,6 +236,7 @@ def load(pipe: Pipeline, path: str | os.PathLike[str],
     hyperparameters are replaced. The RNG state is restored when the checkpoint was saved with
     as many stages as this run has.
     """
+    _refuse_tensor_parallel(pipe, "load")
     path = Path(path)
     meta = _metadata(path)
     tensors = stage_tensors(pipe)

@@ -121,12 +121,14 @@ def export(pipe: Pipeline, directory: str | os.PathLike[str], model: torch.nn.Mo
             f"readers would take instead of the safetensors; save into another directory"
         )
     replica = dist.get_rank(pipe.dp_group) if pipe.dp_group is not None else 0
+    if pipe.tp_group is not None:  # one writer per stage: the first rank of its tensor group
+        replica += dist.get_rank(pipe.tp_group)
     mine = owned(pipe)
     stage = {saved_name(keys, model): t for first, (keys, t) in sorted(_keys(pipe).items()) if first in mine}
     tensors: dict[str, torch.Tensor] = {}
     for key, t in sorted(stage.items()):  # the same order on every replica
         value = t.detach()
-        if isinstance(value, DTensor):  # FSDP: gathered whole, a collective over the replicas
+        if isinstance(value, DTensor):  # FSDP, tensor parallelism: gathered whole, a collective over its mesh
             value = value.full_tensor()
         if replica == 0:  # the other replicas only take part in the gathers
             tensors[key] = value.cpu().contiguous()

@@ -46,6 +46,8 @@ PYTHON_BLOCKS: dict[tuple[str, str], str] = {
         "run: tests/unit/test_public_api.py::test_the_docs_plan_for_hardware_that_is_not_here",
     ("docs/clusters.md", "plan_cluster(model, batch"):
         "run with two layers of Llama-3.1-8B: test_the_cluster_block_plans_a_run",
+    ("docs/tensor-parallel.md", 'mesh_dim_names=("dp", "pp", "tp")'):
+        "compiled: a fragment; it runs on 8 ranks in tests/dist/test_tensor_parallel.py (FSDP2 x TP x PP)",
 }
 """(page, marker) of every python block -> how it is tested."""
 

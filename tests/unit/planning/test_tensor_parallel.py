@@ -119,8 +119,8 @@ def test_a_tp_plan_records_t_and_its_groups_and_round_trips() -> None:
     assert "1 replicas x 2 stages x tensor parallel 2" in text and "GPUs 0-1 (r0 s0), 2-3 (r0 s1)" in text
     page = render_html(plan)
     assert 'id="tensor-groups"' in page and "GPUs 0–1; GPUs 2–3" in page and "tensor rank 1 of 2" in page
-    with pytest.raises(PlanError, match=r"tensor_parallel=2 is planned but not yet run by pipecut.compile.*"
-                                        r"tensor_parallel=1"):
+    with pytest.raises(PlanError, match=r"groups of 2 GPUs \(placement.tensor_parallel=2\), which pipecut.compile "
+                                        r"does not replay; re-plan with tensor_parallel=1.*\('dp', 'pp', 'tp'\)"):
         refuse_tensor_parallel(plan)
     refuse_tensor_parallel(dataclasses.replace(plan, placement=dataclasses.replace(place, tensor_parallel=1)))
     with pytest.raises(InputError, match="tensor_parallel=3 must divide"):

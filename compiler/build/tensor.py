@@ -1,0 +1,208 @@
+"""Tensor parallelism inside each stage: which parameters split, checked, then the stages split.
+
+compile's step after the weights are synchronised, with a "tp" dimension in the DeviceMesh.
+Where the split comes from, first that applies:
+
+1. the user's plan, ``TensorParallelOptions(plan={"model.layers.*.mlp.up_proj": "column", ...})``;
+2. the model's own: a Hugging Face model's ``tp_plan`` (``config.base_model_tp_plan`` under its
+   base model's prefix), ``colwise`` → column, ``rowwise`` → row, ``embedding_rowwise`` →
+   vocab; styles without a plain column/row meaning (packed or expert weights, ``gather``,
+   ``sequence_parallel``) leave their parameters whole;
+3. the graph: Megatron's pairs found by :func:`pipecut.passes.parallel.tensor.parameter_shards`.
+
+Everything that cannot run is refused before any step, by name: a count of heads or a split
+dimension that the group size does not divide, a schedule or engine that does not compose yet,
+and an op of a stage that DTensor cannot run on its split values (each stage runs once on zeros
+at build time: DTensor propagates shardings there as in every step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from pipecut.build.context import Place
+from pipecut.core.kinds import DataParallelKind, Recompute, TensorShard
+from pipecut.core.program import Captured, Inputs
+from pipecut.errors import InputError, PlanError
+from pipecut.ir import Plan
+from pipecut.options import TensorParallelOptions
+from pipecut.passes.parallel.tensor import ParameterShard, parameter_shards, tensor_sizes
+from pipecut.passes.rewrite.tensor_regions import shard_regions
+from pipecut.planning.tensor_parallel import head_counts
+from pipecut.runtime.comm.wire import unpack
+from pipecut.runtime.execution.stage import StageWorker
+from pipecut.runtime.execution.tensor_parallel import region_ends, shard_module
+from pipecut.runtime.state.materialize import raise_together
+
+__all__ = ["MODEL_STYLES", "check_composable", "split_over_tensor_group", "tensor_shards"]
+
+MODEL_STYLES: Mapping[str, TensorShard] = {
+    "colwise": TensorShard.COLUMN, "colwise_gather_output": TensorShard.COLUMN, "local_colwise": TensorShard.COLUMN,
+    "rowwise": TensorShard.ROW, "rowwise_split_input": TensorShard.ROW, "local_rowwise": TensorShard.ROW,
+    "embedding_rowwise": TensorShard.VOCAB,
+}
+"""Hugging Face ``tp_plan`` styles that are a plain column, row or vocabulary split of a module's
+``weight`` (and a column's ``bias``); any other style leaves the module's parameters whole."""
+
+
+def model_tp_plan(model: torch.nn.Module) -> dict[str, str]:
+    """A Hugging Face model's tensor-parallel plan, module patterns → style (empty: none)."""
+    own = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
+    if own:
+        return dict(own)
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    return {prefix + k: v for k, v in base.items()}
+
+
+def _pattern(module: str) -> re.Pattern[str]:
+    """``layers.*.mlp`` as a regular expression: ``*`` is one name of the path."""
+    return re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in module.split(".")))
+
+
+def _from_styles(styles: Mapping[str, TensorShard], params: Mapping[str, torch.Size]) -> dict[str, ParameterShard]:
+    """Module patterns → kind, as parameter splits: a matrix ``weight`` (out, in) along 0 for
+    column and vocab, 1 for row; a ``bias`` along 0 for column."""
+    patterns = [(_pattern(m), kind) for m, kind in styles.items() if kind is not TensorShard.REPLICATED]
+    out = {}
+    for fqn, shape in params.items():
+        owner, _, leaf = fqn.rpartition(".")
+        kind = next((k for p, k in patterns if p.fullmatch(owner)), None)
+        if kind is None:
+            continue
+        if leaf == "weight" and len(shape) == 2:
+            out[fqn] = ParameterShard(kind=kind, dim=1 if kind is TensorShard.ROW else 0)
+        elif leaf == "bias" and len(shape) == 1 and kind is TensorShard.COLUMN:
+            out[fqn] = ParameterShard(kind=kind, dim=0)
+    return out
+
+
+def tensor_shards(model: torch.nn.Module, plan: Plan, options: TensorParallelOptions) -> dict[str, ParameterShard]:
+    """Every split parameter of the plan, by the model's name: the user's plan, else the model's
+    ``tp_plan``, else the graph's pairs (see the module docstring)."""
+    planned = {fqn for stage in plan.stages for fqn in stage.parameters}
+    params = {fqn: p.shape for fqn, p in model.named_parameters() if fqn in planned}
+    if options.plan:
+        return _from_styles(dict(options.plan), params)
+    styles = {m: MODEL_STYLES.get(s, TensorShard.REPLICATED) for m, s in model_tp_plan(model).items()}
+    if any(k is not TensorShard.REPLICATED for k in styles.values()):
+        return _from_styles(styles, params)
+    classes = {name: type(m).__name__ for name, m in model.named_modules()}
+    return {fqn: s for fqn, s in parameter_shards(plan.nodes, classes).items() if fqn in params}
+
+
+def check_composable(plan: Plan, place: Place, shards: Mapping[str, ParameterShard], model: torch.nn.Module,
+                     options: Any) -> None:
+    """Refuse, before anything is split, what tensor parallelism does not run (yet)."""
+    t = place.layout.tensor_parallel
+    if options.tensor_parallel.sequence_parallel:
+        raise InputError("TensorParallelOptions(sequence_parallel=True) is not run yet: the norms and residual "
+                         "adds run whole on every rank of the tensor group; leave sequence_parallel=False")
+    if plan.schedule.splits_backward:
+        raise PlanError(
+            f"the {plan.schedule.value} schedule splits each backward into an input and a weight pass "
+            f"(torch.autograd.grad on the stage's parameters), which tensor-parallel stages (DTensor "
+            f"parameters) do not run yet; use schedule='1f1b', 'gpipe' or 'interleaved-1f1b'")
+    if options.runtime.compile_stages is not False:
+        raise PlanError("RuntimeOptions(compile_stages=...) with tensor parallelism is not supported yet "
+                        "(torch.compile of stages holding DTensors is untested); use compile_stages=False")
+    selective = [s.index for s in plan.stages if s.recompute is Recompute.SELECTIVE]
+    if selective:
+        raise PlanError(f"stages {selective} recompute some of their blocks (selective recompute), which tensor-"
+                        f"parallel stages do not run yet; use PartitionOptions(recompute='full') or 'none'")
+    if place.replication is not None and place.replication.resolved_kind is DataParallelKind.DDP:
+        raise PlanError("data_parallel='ddp' with tensor parallelism: DistributedDataParallel does not reduce "
+                        "DTensor gradients; use data_parallel='fsdp' (FSDP2 over the 'dp' dimension composes "
+                        "with the tensor-parallel DTensors)")
+    heads = head_counts(model)
+    uneven = {name: n for name, n in heads.items() if n % t}
+    if uneven:
+        raise InputError(
+            f"tensor_parallel={t} (the mesh's 'tp' dimension) must divide the "
+            f"{' and the '.join(f'{k} ({v})' for k, v in uneven.items())} of the model's config: a tensor group "
+            f"splits whole heads; group sizes that run: {', '.join(map(str, tensor_sizes(math.gcd(*heads.values()), tuple(heads.values()))))}")
+    bad = {fqn: (s.dim, int(model.get_parameter(fqn).shape[s.dim])) for fqn, s in shards.items()
+           if model.get_parameter(fqn).shape[s.dim] % t}
+    if bad:
+        raise InputError(
+            "tensor_parallel=" + str(t) + " must divide every split dimension: " + ", ".join(
+                f"{fqn} (dimension {d} of size {n})" for fqn, (d, n) in sorted(bad.items()))
+            + "; use a group size that divides them, or TensorParallelOptions(plan=...) keeping them whole")
+
+
+class _Tracing(fx.Interpreter):
+    """Runs a stage node by node, remembering the node it is at (to name it in an error)."""
+
+    at: fx.Node | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.at = n
+        return super().run_node(n)
+
+
+def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first: Inputs,
+                            workers: Mapping[int, StageWorker], shards: Mapping[str, ParameterShard],
+                            make: Any) -> dict[int, StageWorker]:
+    """This rank's stages with their split parameters as DTensors and their graphs in regions
+    (:func:`pipecut.passes.rewrite.tensor_regions.shard_regions`), each run once on zeros; new
+    workers over them. Collective over every rank: one that cannot split its stage fails all."""
+    mesh = place.layout.tp_mesh
+    enter, leave = region_ends(mesh)
+    inputs = dict(zip(captured.input_names, captured.flatten_inputs(first)))
+    out: dict[int, StageWorker] = {}
+    failure: BaseException | None = None
+    for s, worker in sorted(workers.items()):
+        program = worker.program
+        public = captured.names.public if captured.names is not None else (lambda n: n)
+        mine = {name: shards[public(name) or name] for name, _ in program.module.named_parameters(remove_duplicate=False)
+                if (public(name) or name) in shards}  # by the stage's names (a tied weight's may be an alias)
+        shard_module(program.module, {name: shard.dim for name, shard in mine.items()}, mesh,
+                     replicated=_beside_split(program.module, mine))
+        program = dataclasses.replace(program, module=shard_regions(program.module, mine, enter=enter, leave=leave))
+        try:
+            _run_on_zeros(program.module, worker, inputs, s)
+        except PlanError as e:
+            failure = failure or e
+        out[s] = make(program, plan, captured.unflatten_output)
+    raise_together(failure, "split its stage over its tensor-parallel group")
+    return out
+
+
+def _beside_split(module: fx.GraphModule, split: Mapping[str, ParameterShard]) -> list[str]:
+    """The parameters a called module holds beside a split one (an ``nn.Linear``'s bias beside its
+    row-split weight): its forward reads them directly, so they are replicated DTensors."""
+    called = [f"{n.target}." for n in module.graph.nodes if n.op == "call_module"]
+    owners = {prefix for prefix in called if any(name.startswith(prefix) for name in split)}
+    return [name for name, _ in module.named_parameters(remove_duplicate=False)
+            if name not in split and any(name.startswith(prefix) for prefix in owners)]
+
+
+def _run_on_zeros(module: fx.GraphModule, worker: StageWorker, inputs: Mapping[str, Any], stage: int) -> None:
+    """One forward of the split stage on zeros of its planned inputs (no gradients, no state
+    kept): DTensor refuses an op it cannot propagate here, as it would in the first step."""
+    received = unpack([torch.zeros(leaf.shape, dtype=leaf.dtype, device=worker.device)
+                       for leaf in worker.in_spec.tensors], worker.in_spec, stage) if worker.prev is not None else []
+    run = _Tracing(module)
+    kept = [(b, b.clone()) for b in module.buffers()]
+    try:
+        with torch.no_grad():
+            run.run(*received, *[inputs[n] for n in worker.program.model_inputs])
+            for b, value in kept:  # BatchNorm statistics, counters: as they were
+                b.copy_(value)
+    except Exception as e:
+        at = run.at
+        where = f"node {at.name} ({at.format_node()})" if at is not None else "its graph"
+        raise PlanError(
+            f"stage {stage} (rank {dist.get_rank()}) cannot run split over its tensor-parallel group: {where} "
+            f"failed on DTensors: {type(e).__name__}: {str(e).splitlines()[0].rstrip('.') if str(e) else ''}. Keep the "
+            f"parameters it reads whole with TensorParallelOptions(plan=...), or run without a 'tp' dimension"
+        ) from e

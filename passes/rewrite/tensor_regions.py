@@ -1,0 +1,107 @@
+"""Mark where a tensor-parallel stage computes on DTensors: its split regions.
+
+A stage whose parameters are split over a tensor group holds them as DTensors; everything else
+stays plain tensors, as Megatron keeps the residual stream whole::
+
+    plain ─enter─▶ column product ─▶ … (DTensors: heads, hidden features) … ─▶ row product ─leave─▶ plain
+
+:func:`shard_regions` inserts the two conversions, given as functions (the runtime binds them
+to its mesh): ``enter`` on every value a DTensor computation reads that is still plain (a
+replicated DTensor: its gradient is summed over the group when it flows back, Megatron's
+``f``), and ``leave`` after every node that reads a parameter whose split ``reduces`` (a row
+product, a vocabulary-split embedding: the partial sums are reduced, ``g``) and on every
+DTensor the stage returns (gathered whole: the next stage, or the loss, reads plain values).
+DTensor's own propagation does the rest, so the graph's shapes (head counts in views) stay the
+model's and the result is the plain model's whatever the split; a split a region does not
+expect (a cut between a column and its row product) costs a redistribution, never accuracy.
+
+``torch.export``'s checks of a value's dtype and device (``aten._assert_tensor_metadata``), which
+DTensor has no rule for, are dropped inside regions: DTensor keeps both of its local tensors.
+
+The input graph is not modified: the pass returns a new GraphModule over the same submodules.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.fx as fx
+
+from pipecut.core.graph import node_parameters
+from pipecut.passes.parallel.tensor import ParameterShard
+
+__all__ = ["region_nodes", "shard_regions"]
+
+_CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+def _reads(node: fx.Node, gm: fx.GraphModule, shards: Mapping[str, ParameterShard]) -> list[ParameterShard]:
+    """The splits of the parameters ``node`` reads itself (a module's own) or through get_attr."""
+    direct = [*node_parameters(node, gm), *(p for a in node.all_input_nodes if a.op == "get_attr"
+                                            for p in node_parameters(a, gm))]
+    return [shards[fqn] for fqn, _ in direct if fqn in shards]
+
+
+def _read_by(read: Callable[[fx.Node, fx.Node], fx.Node], by: fx.Node, a: fx.Node) -> fx.Node:
+    return read(a, by)
+
+
+def region_nodes(gm: fx.GraphModule, shards: Mapping[str, ParameterShard]) -> tuple[set[str], set[str]]:
+    """(nodes whose value is a DTensor, nodes after which the region closes), by name."""
+    inside: set[str] = set()
+    closing: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "get_attr":
+            if any(fqn in shards for fqn, _ in node_parameters(node, gm)):
+                inside.add(node.name)
+            continue
+        reads = _reads(node, gm, shards)
+        if reads or any(a.name in inside and a.name not in closing for a in node.all_input_nodes):
+            inside.add(node.name)
+            if any(s.reduces for s in reads):
+                closing.add(node.name)
+    return inside, closing
+
+
+def shard_regions(gm: fx.GraphModule, shards: Mapping[str, ParameterShard], *,
+                  enter: Callable[[object], object], leave: Callable[[object], object]) -> fx.GraphModule:
+    """A copy of ``gm`` with ``enter``/``leave`` calls around its split regions (see the module
+    docstring). ``shards``: the split parameters by their names in ``gm``."""
+    inside, closing = region_nodes(gm, shards)
+    graph = fx.Graph()
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    env: dict[fx.Node, fx.Node] = {}
+    entered: dict[fx.Node, fx.Node] = {}
+    plain: dict[fx.Node, fx.Node] = {}  # a closing node's value after ``leave``
+
+    def as_read(a: fx.Node, by: fx.Node) -> fx.Node:
+        value = plain.get(a, env[a])
+        if by.name not in inside or (a.name in inside and a.name not in closing):
+            return value
+        if a.op == "get_attr" and a.name in inside:
+            return value
+        if a not in entered:
+            entered[a] = graph.call_function(enter, (value,))
+        return entered[a]
+
+    def returned(a: fx.Node) -> fx.Node:  # what the stage sends or returns: plain
+        if a in plain:
+            return plain[a]
+        return graph.call_function(leave, (env[a],)) if a.name in inside else env[a]
+
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            graph.output(fx.map_arg(node.args[0], returned))
+            continue
+        if node.name in inside and node.target in _CHECKS and not node.users:
+            continue
+        env[node] = graph.node_copy(node, functools.partial(_read_by, as_read, node))
+        if node.name in closing:
+            plain[node] = graph.call_function(leave, (env[node],))
+    graph.lint()
+    return fx.GraphModule(gm, graph, gm.__class__.__name__)

@@ -1,0 +1,79 @@
+"""A stage split over a tensor-parallel group: DTensor parameters and the two region ends.
+
+:func:`shard_module` makes each split parameter a DTensor sharded along its dimension (each rank
+keeps its own slice of the whole tensor it holds: no communication), the rest stay plain and
+whole. :func:`region_ends` gives the conversions that
+:func:`pipecut.passes.rewrite.tensor_regions.shard_regions` puts around the split regions:
+``enter`` views a plain value as replicated over the group (``DTensor.from_local``: its gradient
+is summed over the group in backward) and ``leave`` makes a DTensor whole and plain again
+(``full_tensor``: partial sums all-reduced, shards all-gathered). All arithmetic on split values
+is DTensor's: the sharded matmuls, the collectives and their backward.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+__all__ = ["region_ends", "shard_module", "whole"]
+
+
+def region_ends(mesh: DeviceMesh) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    """``(enter, leave)`` over ``mesh``, the stage's 1-D tensor-parallel mesh."""
+
+    def tp_enter(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        return x
+
+    return tp_enter, whole
+
+
+def whole(x: Any) -> Any:
+    """A DTensor as the plain tensor of its whole value (collective over its mesh); anything
+    else as it is."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def shard_module(module: torch.nn.Module, dims: Mapping[str, int], mesh: DeviceMesh,
+                 replicated: Collection[str] = ()) -> None:
+    """Replace each parameter of ``module`` named in ``dims`` by a DTensor parameter sharded
+    along that dimension on ``mesh``, from the whole tensor every rank of the group holds (the
+    same on all of them: rank 0's, set by compile's weight sync). A parameter held under two
+    names (a tied weight) becomes one DTensor parameter under both. ``replicated``: parameters
+    to hold as DTensors replicated over the group, whole on every rank (the bias of a module
+    whose weight is split: the module's own forward mixes them, and DTensor mixes no plain tensor
+    into a product)."""
+    made: dict[int, torch.nn.Parameter] = {}
+    owners: dict[str, torch.nn.Module] = {}
+    for fqn, p in list(module.named_parameters(remove_duplicate=False)):
+        if fqn not in dims and fqn not in replicated:
+            continue
+        if id(p) not in made:
+            placement = Shard(dims[fqn]) if fqn in dims else Replicate()
+            value = distribute_tensor(p.detach(), mesh, [placement], src_data_rank=None)
+            made[id(p)] = torch.nn.Parameter(value, requires_grad=p.requires_grad)
+        owner_name, _, name = fqn.rpartition(".")
+        if owner_name not in owners:
+            owners[owner_name] = _own(module, owner_name)
+        setattr(owners[owner_name], name, made[id(p)])
+
+
+def _own(module: torch.nn.Module, path: str) -> torch.nn.Module:
+    """The submodule at ``path`` as this module's own object. A stage module shares the modules
+    it calls (symbolic_trace's ``nn.Linear``) with the captured graph, whose parameters name the
+    model's tied weights (both names of one tensor) for the whole pipeline: a shallow copy with
+    its own parameter slots is split instead, and the captured graph keeps its tensors."""
+    if not path:
+        return module
+    parent_name, _, name = path.rpartition(".")
+    parent = module.get_submodule(parent_name)
+    clone = copy.copy(getattr(parent, name))
+    clone._parameters = dict(clone._parameters)
+    setattr(parent, name, clone)
+    return clone
