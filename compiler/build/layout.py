@@ -76,7 +76,8 @@ def layout_of(devices: Any) -> RankGroups:
 
 
 def replication_of(layout: RankGroups, data_parallel: str | DataParallelKind | None) -> DataParallelOptions | None:
-    """The data-parallel engine and replica count; DDP by default when there is a "dp" dimension."""
+    """The data-parallel engine and replica count; by default where there is a "dp" dimension,
+    DDP, or FSDP2 beside a "tp" one (DDP does not reduce the DTensor gradients of split stages)."""
     if layout.dp_group is None:
         if data_parallel is not None:
             raise InputError(
@@ -84,7 +85,8 @@ def replication_of(layout: RankGroups, data_parallel: str | DataParallelKind | N
                 f"dimensions ('dp', 'pp') as devices, or leave data_parallel=None"
             )
         return None
-    kind = data_parallel if data_parallel is not None else DataParallelKind.DDP
+    default = DataParallelKind.FSDP if layout.tp_mesh is not None else DataParallelKind.DDP
+    kind = data_parallel if data_parallel is not None else default
     return DataParallelOptions.resolved(kind, dist.get_world_size(layout.dp_group))
 
 

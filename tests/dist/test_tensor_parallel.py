@@ -355,6 +355,11 @@ def _refusals(rank: int, world: int, directory: str) -> dict[str, Any]:
     pipe.eval()  # symbolic_trace: one program for both modes, split alike
     with torch.no_grad():
         out["eval"] = pipe.step(inputs, target)
+    flat = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "pp", "tp"))  # one replica: FSDP2 by default
+    model, inputs, loss_fn, target = mlp()  # a model of its own: FSDP2 shards the modules it calls
+    one = pipecut.compile(model, inputs, flat, loss_fn=loss_fn, target=target, microbatches=MICROBATCHES,
+                          measure=COUNTED, runtime=pipecut.RuntimeOptions(timeout=60))
+    out["dp1"] = (one.step(inputs, target), one.plan.data_parallel)
     return out
 
 
@@ -362,7 +367,7 @@ def _refusals(rank: int, world: int, directory: str) -> dict[str, Any]:
 def test_what_cannot_be_split_is_refused_by_name_before_any_step(tmp_path: Any) -> None:
     ranks = run_ranks(_refusals, 4, str(tmp_path), timeout=560, collective_timeout=120)
     got = ranks[0]
-    assert all(r[k] == got[k] for r in ranks for k in got if k not in ("user plan", "replayed", "op", "eval")), "ranks refused differently"
+    assert all(r[k] == got[k] for r in ranks for k in got if k not in ("user plan", "replayed", "op", "eval", "dp1"))
     assert "InputError: tensor_parallel=2 (the mesh's 'tp' dimension) must divide the attention heads (3) and " \
            "the KV heads (3)" in got["heads"] and "group sizes that run: 1, 3" in got["heads"]
     assert "InputError: tensor_parallel=2 must divide every split dimension: proj.bias (dimension 0 of size 63), " \
@@ -380,6 +385,9 @@ def test_what_cannot_be_split_is_refused_by_name_before_any_step(tmp_path: Any) 
     assert all(r["replayed"] == r["user plan"] for r in ranks)
     assert "checkpoint.save: pipecut checkpoints of tensor-parallel stages are not supported yet" in got["checkpoint"]
     model, inputs, loss_fn, target = mlp()
+    for r in ranks:
+        torch.testing.assert_close(r["dp1"][0], loss_fn(model(*inputs), target), atol=ATOL, rtol=RTOL)
+        assert r["dp1"][1] == pipecut.DataParallelOptions(kind="fsdp", replicas=1)
     with torch.no_grad():
         want = loss_fn(model.eval()(*inputs), target)
     for r in ranks:
