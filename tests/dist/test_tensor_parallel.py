@@ -8,12 +8,13 @@ step. Scenarios share forks: forking is cheap, compiling is not.
 
 Tolerances: float32. A split product sums its partial results across the group (all-reduce)
 instead of in one kernel, and the pipeline runs the captured ATen graph while the reference runs
-the eager modules, so the same math is grouped differently: differences are rounding, ~1e-7
-relative. ``atol=1e-5, rtol=1e-4`` (as tests/dist/test_zoo.py) leaves two orders of margin and
-is far below any real error (a missing partial sum or a wrong shard is off by > 1e-2). After
-AdamW, whose first step moves each weight by ~lr·sign(g), a gradient near zero can flip sign
-with rounding: parameters are compared with ``atol`` = 2·lr·1e-2 ... in practice they agree to
-1e-6; ``atol=1e-4`` with lr=1e-3 bounds the error to a tenth of one step.
+the eager modules, so the same math is grouped differently: measured, losses equal to the bit
+and gradients within 8.2e-7 of each tensor's largest entry (TP 2 x PP 2, five models).
+``atol=1e-5, rtol=1e-4`` (as tests/dist/test_zoo.py) leaves an order of margin and is far below
+any real error (a missing partial sum or a wrong shard is off by > 1e-2). AdamW's first step
+moves each weight by lr·g/(|g| + eps), which amplifies the rounding of gradients near zero:
+weights after the step differ by at most 5.4e-5 (GPT-2; 1.5e-6 for Llama) with lr = 1e-3, so
+``PARAM_ATOL = 2e-4``, while a wrong gradient's sign moves a weight by ~2·lr = 2e-3.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ pytestmark = pytest.mark.dist
 
 ATOL, RTOL = 1e-5, 1e-4
 LR = 1e-3
-PARAM_ATOL = 1e-4
+PARAM_ATOL = 2e-4
 MICROBATCHES = 2
 BATCH = 4
 
@@ -230,6 +231,8 @@ def _compositions(rank: int, world: int, directory: str) -> dict[str, Any]:
     full = dataclasses.replace(pipe.plan, schedule=pipecut.ScheduleKind.GPIPE, stages=tuple(
         dataclasses.replace(s, recompute=pipecut.Recompute.FULL) for s in pipe.plan.stages))  # the same graph
     out["recompute"] = _one_step(*zoo.gpt2(batch_size=BATCH), mesh, schedule="gpipe", plan=full)
+    out["interleaved"] = _one_step(*gpt_example(), mesh, schedule="interleaved-1f1b",
+                                   scheduling=pipecut.ScheduleOptions(stages_per_rank=2))
     model, inputs, loss_fn, target = zoo.gpt2(batch_size=BATCH)
     pipe = pipecut.compile(model, inputs, mesh, loss_fn=loss_fn, target=target, microbatches=MICROBATCHES,
                            schedule="1f1b", measure=COUNTED, runtime=pipecut.RuntimeOptions(timeout=60))
@@ -245,7 +248,7 @@ def _normwise(got: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> N
 
 
 @pytest.mark.timeout(600)
-def test_tp_composes_with_no_sync_clipping_save_pretrained_recompute_and_autocast(tmp_path: Any) -> None:
+def test_tp_composes_with_no_sync_clipping_save_pretrained_recompute_interleaving_and_autocast(tmp_path: Any) -> None:
     from safetensors.torch import load_file
 
     ranks = run_ranks(_compositions, 4, str(tmp_path), timeout=560, collective_timeout=120)
@@ -271,6 +274,8 @@ def test_tp_composes_with_no_sync_clipping_save_pretrained_recompute_and_autocas
                 torch.testing.assert_close(got["clipped"][key], p.grad, atol=ATOL, rtol=RTOL)
     _check(_reference(*zoo.gpt2(batch_size=BATCH)), [r["recompute"] for r in ranks])
     assert ranks[0]["recompute"]["recompute"] == ["full", "full"]
+    _check(_reference(*gpt_example()), [r["interleaved"] for r in ranks])
+    assert len(ranks[0]["interleaved"]["recompute"]) == 4  # two stages per rank
     model, inputs, loss_fn, target = zoo.gpt2(batch_size=BATCH)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = _reference(model, inputs, loss_fn, target)
