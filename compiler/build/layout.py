@@ -49,6 +49,9 @@ class RankGroups:
     devices: Any
     tp_mesh: Any = None
     """The 1-D "tp" DeviceMesh over which this rank's stages split their layers, or None."""
+    copies: tuple[tuple[int, ...], ...] = ()
+    """Global ranks that hold one whole copy of the model between them (every stage and every
+    tensor-parallel shard), one tuple per data-parallel replica; empty: ``replicas``."""
 
     @property
     def tensor_parallel(self) -> int:
@@ -72,7 +75,9 @@ def layout_of(devices: Any) -> RankGroups:
     tp_mesh = devices["tp"] if "tp" in names else None
     mesh = devices.mesh.movedim(names.index("pp"), -1)
     replicas = tuple(tuple(int(r) for r in row) for row in mesh.reshape(-1, mesh.shape[-1]).tolist())
-    return RankGroups(pp, dp, dp_mesh, replicas, dist.get_world_size(pp), tp_mesh)
+    by_replica = devices.mesh.movedim(names.index("dp"), 0) if "dp" in names else devices.mesh.unsqueeze(0)
+    copies = tuple(tuple(int(r) for r in row) for row in by_replica.reshape(by_replica.shape[0], -1).tolist())
+    return RankGroups(pp, dp, dp_mesh, replicas, dist.get_world_size(pp), tp_mesh, copies)
 
 
 def replication_of(layout: RankGroups, data_parallel: str | DataParallelKind | None) -> DataParallelOptions | None:
