@@ -25,7 +25,12 @@ from pipecut.build.context import Place, connect
 from pipecut.build.layout import auto_layout
 from pipecut.build.replay import settings_of
 from pipecut.build.resolve import WireSpecs, schedules
-from pipecut.build.tensor import check_composable, split_over_tensor_group, tensor_shards
+from pipecut.build.tensor import (
+    check_composable,
+    copy_group,
+    split_over_tensor_group,
+    tensor_shards,
+)
 from pipecut.build.workers import (
     WorkerFactory,
     build_workers,
@@ -199,6 +204,8 @@ def _build(request: Request) -> tuple[Pipeline, Place]:
         modes=_modes(request, place, workers, derived, make), wire=WireSpecs(captured.gm, chosen.plan, place.device),
         schedule_for=schedules(chosen.plan), predicted=predicted_timeline(chosen.plan), timeout=request.wait,
     )
+    if shards is not None:  # checkpoints of split stages are written by every rank of the copy
+        pipe.state_group = copy_group(place.layout, request.wait)
     if shards is not None and pipe.modes is not None:
         mode = "eval" if pipe.training else "train"
         pipe.modes.refuse_separate_mode(PlanError(

@@ -99,6 +99,9 @@ class Pipeline:
         self.dp_group = dp_group
         self.tp_group = tp_group
         """The ranks that split this rank's stages between them (a "tp" dimension), or None."""
+        self.state_group: dist.ProcessGroup | None = None
+        """With tensor parallelism: the ranks holding one copy of the model (every stage, every
+        shard), over which checkpoints are written and read; None: the pipeline group."""
         self.replication: Replication | None = None
         """The data-parallel wrappers of this rank's stages (set by compile once it wraps them)."""
         self.timeout = timeout

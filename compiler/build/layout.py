@@ -49,6 +49,9 @@ class RankGroups:
     devices: Any
     tp_mesh: Any = None
     """The 1-D "tp" DeviceMesh over which this rank's stages split their layers, or None."""
+    copies: tuple[tuple[int, ...], ...] = ()
+    """Global ranks that hold one whole copy of the model between them (every stage and every
+    tensor-parallel shard), one tuple per data-parallel replica; empty: ``replicas``."""
 
     @property
     def tensor_parallel(self) -> int:
@@ -72,11 +75,14 @@ def layout_of(devices: Any) -> RankGroups:
     tp_mesh = devices["tp"] if "tp" in names else None
     mesh = devices.mesh.movedim(names.index("pp"), -1)
     replicas = tuple(tuple(int(r) for r in row) for row in mesh.reshape(-1, mesh.shape[-1]).tolist())
-    return RankGroups(pp, dp, dp_mesh, replicas, dist.get_world_size(pp), tp_mesh)
+    by_replica = devices.mesh.movedim(names.index("dp"), 0) if "dp" in names else devices.mesh.unsqueeze(0)
+    copies = tuple(tuple(int(r) for r in row) for row in by_replica.reshape(by_replica.shape[0], -1).tolist())
+    return RankGroups(pp, dp, dp_mesh, replicas, dist.get_world_size(pp), tp_mesh, copies)
 
 
 def replication_of(layout: RankGroups, data_parallel: str | DataParallelKind | None) -> DataParallelOptions | None:
-    """The data-parallel engine and replica count; DDP by default when there is a "dp" dimension."""
+    """The data-parallel engine and replica count; by default where there is a "dp" dimension,
+    DDP, or FSDP2 beside a "tp" one (DDP does not reduce the DTensor gradients of split stages)."""
     if layout.dp_group is None:
         if data_parallel is not None:
             raise InputError(
@@ -84,7 +90,8 @@ def replication_of(layout: RankGroups, data_parallel: str | DataParallelKind | N
                 f"dimensions ('dp', 'pp') as devices, or leave data_parallel=None"
             )
         return None
-    kind = data_parallel if data_parallel is not None else DataParallelKind.DDP
+    default = DataParallelKind.FSDP if layout.tp_mesh is not None else DataParallelKind.DDP
+    kind = data_parallel if data_parallel is not None else default
     return DataParallelOptions.resolved(kind, dist.get_world_size(layout.dp_group))
 
 

@@ -19,6 +19,7 @@ at build time: DTensor propagates shardings there as in every step).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import re
 from collections.abc import Mapping
@@ -29,6 +30,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from pipecut.build.context import Place
+from pipecut.build.layout import RankGroups
 from pipecut.core.kinds import DataParallelKind, Recompute, TensorShard
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError, PlanError
@@ -37,12 +39,13 @@ from pipecut.options import TensorParallelOptions
 from pipecut.passes.parallel.tensor import ParameterShard, parameter_shards, tensor_sizes
 from pipecut.passes.rewrite.tensor_regions import shard_regions
 from pipecut.planning.tensor_parallel import head_counts
+from pipecut.runtime.comm.teardown import close_at_exit
 from pipecut.runtime.comm.wire import unpack
 from pipecut.runtime.execution.stage import StageWorker
 from pipecut.runtime.execution.tensor_parallel import region_ends, shard_module
 from pipecut.runtime.state.materialize import raise_together
 
-__all__ = ["MODEL_STYLES", "check_composable", "split_over_tensor_group", "tensor_shards"]
+__all__ = ["MODEL_STYLES", "check_composable", "copy_group", "split_over_tensor_group", "tensor_shards"]
 
 MODEL_STYLES: Mapping[str, TensorShard] = {
     "colwise": TensorShard.COLUMN, "colwise_gather_output": TensorShard.COLUMN, "local_colwise": TensorShard.COLUMN,
@@ -137,6 +140,19 @@ def check_composable(plan: Plan, place: Place, shards: Mapping[str, ParameterSha
             "tensor_parallel=" + str(t) + " must divide every split dimension: " + ", ".join(
                 f"{fqn} (dimension {d} of size {n})" for fqn, (d, n) in sorted(bad.items()))
             + "; use a group size that divides them, or TensorParallelOptions(plan=...) keeping them whole")
+
+
+def copy_group(layout: RankGroups, timeout: datetime.timedelta) -> dist.ProcessGroup | None:
+    """The group of the ranks holding this rank's copy of the model (its pipeline's stages and
+    their tensor shards), over which a checkpoint is written and read. Collective: every rank
+    makes every replica's group, in order."""
+    mine = None
+    for ranks in layout.copies:
+        group = dist.new_group(list(ranks), timeout=timeout)
+        close_at_exit([group])  # a no-op where this rank is not a member
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
 
 
 class _Tracing(fx.Interpreter):

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipecut.core.graph import mutates_first_arg
 from pipecut.errors import InputError
@@ -155,14 +156,19 @@ def _optimizer_params(
             yield names[id(p)], p, group
 
 
-def _refuse_tensor_parallel(pipe: Pipeline, what: str) -> None:
-    """Checkpoints are written per pipeline group; a tensor group's shards would need one DCP
-    save over the stage's whole group (not done yet)."""
-    if getattr(pipe, "tp_group", None) is not None:
-        raise InputError(
-            f"checkpoint.{what}: pipecut checkpoints of tensor-parallel stages are not supported yet "
-            f"(each stage's tensors are split over its 'tp' group); save whole weights with "
-            f"pipe.save_pretrained(directory) and compile again with weights=directory")
+def _group(pipe: Pipeline) -> dist.ProcessGroup | None:
+    """The ranks that write and read the checkpoint together: the pipeline's, or with tensor
+    parallelism every rank of the model's copy (each shard of a split tensor is written by its
+    rank, DTensor's placements say where it lies in the whole)."""
+    return pipe.state_group if pipe.state_group is not None else pipe.group
+
+
+def _like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A whole tensor read from the checkpoint as ``target`` holds it: this rank's shard of a
+    split (DTensor) target, else the tensor on the target's device."""
+    if isinstance(target, DTensor):
+        return distribute_tensor(value.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+    return value.to(target.device)
 
 
 def save(pipe: Pipeline, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
@@ -172,7 +178,6 @@ def save(pipe: Pipeline, path: str | os.PathLike[str], optimizer: torch.optim.Op
     Call on every rank with the same ``path``, after ``optimizer.step()``. ``extra`` is any
     picklable object (a data loader position, a scheduler's state dict), saved by stage 0.
     """
-    _refuse_tensor_parallel(pipe, "save")
     path = Path(path)
     mine = owned(pipe)
     state: dict[str, Any] = {
@@ -195,7 +200,7 @@ def save(pipe: Pipeline, path: str | os.PathLike[str], optimizer: torch.optim.Op
         state[f"meta.extra{_PICKLE}"] = _pack(extra)
         path.mkdir(parents=True, exist_ok=True)
         pipe.plan.to_json(path / PLAN_FILE)
-    dcp.save(state, checkpoint_id=path, process_group=pipe.group)
+    dcp.save(state, checkpoint_id=path, process_group=_group(pipe))
     return path
 
 
@@ -236,7 +241,6 @@ def load(pipe: Pipeline, path: str | os.PathLike[str],
     hyperparameters are replaced. The RNG state is restored when the checkpoint was saved with
     as many stages as this run has.
     """
-    _refuse_tensor_parallel(pipe, "load")
     path = Path(path)
     meta = _metadata(path)
     tensors = stage_tensors(pipe)
@@ -249,17 +253,19 @@ def load(pipe: Pipeline, path: str | os.PathLike[str],
         keys += [k for k in meta if k.startswith(f"optim.{name}.")]
     rng = f"rng.{len(pipe.ranks)}.{pipe.stage}"
     keys += [k for k in (rng, f"meta.step{_PICKLE}", f"meta.extra{_PICKLE}") if k in meta]
-    state = _read(meta, keys, path, process_group=pipe.group)
+    state = _read(meta, keys, path, process_group=_group(pipe))
     with torch.no_grad():
         for name, t in tensors.items():
-            t.copy_(state[f"model.{name}"])
+            value = _like(state[f"model.{name}"], t)
+            (t.to_local() if isinstance(t, DTensor) else t).copy_(value.to_local() if isinstance(value, DTensor) else value)
     for name, p, group in params:
         prefix = f"optim.{name}."
         values = {k.removeprefix(prefix).removesuffix(_PICKLE): v for k, v in state.items()
                   if k.startswith(prefix)}
         group.update({k: v for k, v in values.pop("hparams", {}).items() if k in group})
         optimizer.state[p] = {  # type: ignore[union-attr]
-            k: v.to(p.device) if isinstance(v, torch.Tensor) else v for k, v in values.items()
+            k: _like(v, p) if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() else
+            v.to(p.device) if isinstance(v, torch.Tensor) else v for k, v in values.items()
         }
     if rng in state:
         torch.set_rng_state(state[rng])

@@ -8,12 +8,13 @@ step. Scenarios share forks: forking is cheap, compiling is not.
 
 Tolerances: float32. A split product sums its partial results across the group (all-reduce)
 instead of in one kernel, and the pipeline runs the captured ATen graph while the reference runs
-the eager modules, so the same math is grouped differently: differences are rounding, ~1e-7
-relative. ``atol=1e-5, rtol=1e-4`` (as tests/dist/test_zoo.py) leaves two orders of margin and
-is far below any real error (a missing partial sum or a wrong shard is off by > 1e-2). After
-AdamW, whose first step moves each weight by ~lr·sign(g), a gradient near zero can flip sign
-with rounding: parameters are compared with ``atol`` = 2·lr·1e-2 ... in practice they agree to
-1e-6; ``atol=1e-4`` with lr=1e-3 bounds the error to a tenth of one step.
+the eager modules, so the same math is grouped differently: measured, losses equal to the bit
+and gradients within 8.2e-7 of each tensor's largest entry (TP 2 x PP 2, five models).
+``atol=1e-5, rtol=1e-4`` (as tests/dist/test_zoo.py) leaves an order of margin and is far below
+any real error (a missing partial sum or a wrong shard is off by > 1e-2). AdamW's first step
+moves each weight by lr·g/(|g| + eps), which amplifies the rounding of gradients near zero:
+weights after the step differ by at most 5.4e-5 (GPT-2; 1.5e-6 for Llama) with lr = 1e-3, so
+``PARAM_ATOL = 2e-4``, while a wrong gradient's sign moves a weight by ~2·lr = 2e-3.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import pipecut
 from examples import gpt, zoo
 from pipecut.core.batching import split_microbatches
 from pipecut.core.graph import canonical_names
-from pipecut.errors import InputError, PlanError
+from pipecut.errors import PlanError
 from pipecut.runtime.state import checkpoint
 from tests.harness import run_ranks
 from tests.reference import COUNTED
@@ -42,7 +43,7 @@ pytestmark = pytest.mark.dist
 
 ATOL, RTOL = 1e-5, 1e-4
 LR = 1e-3
-PARAM_ATOL = 1e-4
+PARAM_ATOL = 2e-4
 MICROBATCHES = 2
 BATCH = 4
 
@@ -201,7 +202,7 @@ def test_dp2_tp2_pp2_with_fsdp_matches_the_whole_batch() -> None:
                for r in ranks)
 
 
-# --- compositions: no_sync, clipping, save_pretrained, recompute, autocast -------------------------
+# --- compositions: no_sync, clipping, save_pretrained, DCP checkpoints, recompute, interleaving, autocast
 CLIP = 0.5
 # bf16 keeps 8 bits of mantissa (2e-3 relative per op). Under autocast a split product rounds
 # each rank's partial sum to bf16 before the all-reduce, where the plain model rounds the whole
@@ -227,9 +228,22 @@ def _compositions(rank: int, world: int, directory: str) -> dict[str, Any]:
     clipped = {alias[n]: _full(p.grad) for n, p in pipe.named_parameters()}
     pipe.save_pretrained(directory)
     out: dict[str, Any] = {"accumulated": accumulated, "norm": norm, "clipped": clipped}
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    opt.step()  # a checkpoint of split stages: each rank writes its shards (DCP)
+    checkpoint.save(pipe, f"{directory}/ckpt", opt, step=3)
+    out["stepped"] = {alias[n]: _full(p) for n, p in pipe.named_parameters()}
+    model, inputs, loss_fn, target = zoo.gpt2(batch_size=BATCH)
+    again = pipecut.compile(model, inputs, mesh, loss_fn=loss_fn, target=target, plan=pipe.plan,
+                            runtime=pipecut.RuntimeOptions(timeout=60))
+    opt = torch.optim.AdamW(again.parameters(), lr=LR)
+    loaded = checkpoint.load(again, f"{directory}/ckpt", opt)
+    out["loaded"] = ({alias[n]: _full(p) for n, p in again.named_parameters()}, loaded.step,
+                     {alias[n]: _full(opt.state[p]["exp_avg"]) for n, p in again.named_parameters()})
     full = dataclasses.replace(pipe.plan, schedule=pipecut.ScheduleKind.GPIPE, stages=tuple(
         dataclasses.replace(s, recompute=pipecut.Recompute.FULL) for s in pipe.plan.stages))  # the same graph
     out["recompute"] = _one_step(*zoo.gpt2(batch_size=BATCH), mesh, schedule="gpipe", plan=full)
+    out["interleaved"] = _one_step(*gpt_example(), mesh, schedule="interleaved-1f1b",
+                                   scheduling=pipecut.ScheduleOptions(stages_per_rank=2))
     model, inputs, loss_fn, target = zoo.gpt2(batch_size=BATCH)
     pipe = pipecut.compile(model, inputs, mesh, loss_fn=loss_fn, target=target, microbatches=MICROBATCHES,
                            schedule="1f1b", measure=COUNTED, runtime=pipecut.RuntimeOptions(timeout=60))
@@ -245,7 +259,7 @@ def _normwise(got: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> N
 
 
 @pytest.mark.timeout(600)
-def test_tp_composes_with_no_sync_clipping_save_pretrained_recompute_and_autocast(tmp_path: Any) -> None:
+def test_tp_composes_with_no_sync_clipping_checkpoints_recompute_interleaving_and_autocast(tmp_path: Any) -> None:
     from safetensors.torch import load_file
 
     ranks = run_ranks(_compositions, 4, str(tmp_path), timeout=560, collective_timeout=120)
@@ -262,6 +276,18 @@ def test_tp_composes_with_no_sync_clipping_save_pretrained_recompute_and_autocas
             (loss_fn(model(**mb), t) / MICROBATCHES).backward()
     accumulated = {names[id(p)]: p.grad.clone() for p in model.parameters()}
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    stepped = {**ranks[0]["stepped"], **ranks[-1]["stepped"]}  # stage 0's and the last stage's
+    for got in ranks:
+        params, step, exp_avg = got["loaded"]
+        assert step == 3 and params.keys() == exp_avg.keys()
+        for name, value in params.items():  # the weights and the optimizer state saved, shard by shard
+            torch.testing.assert_close(value, stepped[name], atol=0, rtol=0)
+            assert exp_avg[name].abs().sum() > 0
+    plain, *_ = zoo.gpt2(batch_size=BATCH)
+    checkpoint.load_into_model(plain, tmp_path / "ckpt")  # whole tensors, no process group
+    plain_names = canonical_names(plain)
+    for p in plain.parameters():
+        torch.testing.assert_close(p.detach(), stepped[plain_names[id(p)]], atol=0, rtol=0)
     for got in ranks:
         torch.testing.assert_close(got["norm"], norm, atol=ATOL, rtol=RTOL)
         for p in model.parameters():
@@ -271,6 +297,8 @@ def test_tp_composes_with_no_sync_clipping_save_pretrained_recompute_and_autocas
                 torch.testing.assert_close(got["clipped"][key], p.grad, atol=ATOL, rtol=RTOL)
     _check(_reference(*zoo.gpt2(batch_size=BATCH)), [r["recompute"] for r in ranks])
     assert ranks[0]["recompute"]["recompute"] == ["full", "full"]
+    _check(_reference(*gpt_example()), [r["interleaved"] for r in ranks])
+    assert len(ranks[0]["interleaved"]["recompute"]) == 4  # two stages per rank
     model, inputs, loss_fn, target = zoo.gpt2(batch_size=BATCH)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = _reference(model, inputs, loss_fn, target)
@@ -347,14 +375,14 @@ def _refusals(rank: int, world: int, directory: str) -> dict[str, Any]:
     again = pipecut.compile(model, inputs, mesh, loss_fn=loss_fn, target=target, plan=pipe.plan,
                             runtime=pipecut.RuntimeOptions(timeout=60))  # the plan carries the split asked
     out["replayed"] = sorted(n for n, p in again.named_parameters() if isinstance(p, DTensor))
-    try:
-        checkpoint.save(pipe, directory)
-        out["checkpoint"] = "no error"
-    except InputError as e:
-        out["checkpoint"] = str(e)
     pipe.eval()  # symbolic_trace: one program for both modes, split alike
     with torch.no_grad():
         out["eval"] = pipe.step(inputs, target)
+    flat = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "pp", "tp"))  # one replica: FSDP2 by default
+    model, inputs, loss_fn, target = mlp()  # a model of its own: FSDP2 shards the modules it calls
+    one = pipecut.compile(model, inputs, flat, loss_fn=loss_fn, target=target, microbatches=MICROBATCHES,
+                          measure=COUNTED, runtime=pipecut.RuntimeOptions(timeout=60))
+    out["dp1"] = (one.step(inputs, target), one.plan.data_parallel)
     return out
 
 
@@ -362,7 +390,7 @@ def _refusals(rank: int, world: int, directory: str) -> dict[str, Any]:
 def test_what_cannot_be_split_is_refused_by_name_before_any_step(tmp_path: Any) -> None:
     ranks = run_ranks(_refusals, 4, str(tmp_path), timeout=560, collective_timeout=120)
     got = ranks[0]
-    assert all(r[k] == got[k] for r in ranks for k in got if k not in ("user plan", "replayed", "op", "eval")), "ranks refused differently"
+    assert all(r[k] == got[k] for r in ranks for k in got if k not in ("user plan", "replayed", "op", "eval", "dp1"))
     assert "InputError: tensor_parallel=2 (the mesh's 'tp' dimension) must divide the attention heads (3) and " \
            "the KV heads (3)" in got["heads"] and "group sizes that run: 1, 3" in got["heads"]
     assert "InputError: tensor_parallel=2 must divide every split dimension: proj.bias (dimension 0 of size 63), " \
@@ -378,8 +406,10 @@ def test_what_cannot_be_split_is_refused_by_name_before_any_step(tmp_path: Any) 
     assert split == {"blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2"}, split  # embed and head stay whole
     assert got["recorded"] == pipecut.TensorParallelOptions(plan=USER_PLAN, size=2)
     assert all(r["replayed"] == r["user plan"] for r in ranks)
-    assert "checkpoint.save: pipecut checkpoints of tensor-parallel stages are not supported yet" in got["checkpoint"]
     model, inputs, loss_fn, target = mlp()
+    for r in ranks:
+        torch.testing.assert_close(r["dp1"][0], loss_fn(model(*inputs), target), atol=ATOL, rtol=RTOL)
+        assert r["dp1"][1] == pipecut.DataParallelOptions(kind="fsdp", replicas=1)
     with torch.no_grad():
         want = loss_fn(model.eval()(*inputs), target)
     for r in ranks:
