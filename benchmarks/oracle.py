@@ -1,6 +1,6 @@
 """The split proven against the clock: pipecut's chosen split among every block-boundary split.
 
-    .venv/bin/python benchmarks/oracle.py [--models gpt,hf_gpt2,resnet] [--ranks 2] [--rounds 3]
+    .venv/bin/python benchmarks/oracle.py [--models gpt,hf_gpt2,hf_llama,resnet] [--ranks 2] [--rounds 3]
         [--stages-per-rank 1] [--schedule 1f1b]
 
 For each model: compile once as a user would (pipecut's partitioner, 1F1B, batch 16 in 8
@@ -141,7 +141,7 @@ def print_result(res: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt,hf_gpt2,resnet")
+    parser.add_argument("--models", default="gpt,hf_gpt2,hf_llama,resnet")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per candidate and round")

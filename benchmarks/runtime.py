@@ -67,6 +67,26 @@ def hf_gpt2(batch_size: int = BATCH, seed: int = 0) -> tuple[Any, Any, Any, Any]
     return model, {"input_ids": tokens[:, :-1]}, loss_fn, tokens[:, 1:]
 
 
+def hf_llama(batch_size: int = BATCH, seed: int = 0, layers: int = 8) -> tuple[Any, Any, Any, Any]:
+    """transformers' Llama, ``layers`` blocks of GPT-2's size above (hidden 256, 8 heads, 2 KV
+    heads, MLP 688, 2,048 tokens of vocabulary, 128 per sample), random weights: issue 29's
+    8-layer Llama at K = 2, batch 16 in 8 microbatches."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                         attention_dropout=0.0, use_cache=False, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    tokens = torch.randint(0, 2048, (batch_size, 129))
+
+    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = out.logits if hasattr(out, "logits") else out if isinstance(out, torch.Tensor) else out[0]
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    return model, {"input_ids": tokens[:, :-1]}, loss_fn, tokens[:, 1:]
+
+
 def hf_resnet50(batch_size: int = BATCH, seed: int = 0, image: int = 224) -> tuple[Any, Any, Any, Any]:
     """transformers' ResNet-50 (its default config: bottleneck blocks 3-4-6-3, widths 256-2048),
     random weights, ``image`` x ``image`` pictures. At 224 one step of 16 takes about 7 s on one
@@ -89,6 +109,7 @@ MODELS: dict[str, Callable[..., Any]] = {
     "mlp": lambda batch_size=BATCH, seed=0: mlp.build(batch_size, seed, width=1024, depth=8),
     "resnet": lambda batch_size=BATCH, seed=0: resnet.build(batch_size, seed, image=64),
     "hf_gpt2": hf_gpt2,
+    "hf_llama": hf_llama,
     "hf_resnet50": hf_resnet50,
 }
 
