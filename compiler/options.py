@@ -337,8 +337,9 @@ class DataParallelOptions:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TensorParallelOptions:
-    """How each stage splits its layers over the "tp" dimension of ``compile``'s DeviceMesh
-    (``tensor_parallel=``); see :mod:`pipecut.build.tensor`.
+    """Tensor parallelism, as ``compile`` and ``plan`` take it (``tensor_parallel=``): how each
+    stage splits its layers over the "tp" dimension of ``compile``'s DeviceMesh (see
+    :mod:`pipecut.build.tensor`), and the group size a cluster plan weighs.
 
     Args:
         plan: Module patterns (``*`` for one name, as in a Hugging Face ``tp_plan``) → a
@@ -347,7 +348,9 @@ class TensorParallelOptions:
             ``vocab`` (an embedding's rows) or ``replicated``. Given, it is the whole split: the
             model's ``tp_plan`` and the graph's pairs are not used.
         sequence_parallel: Split the norms and residual stream along the sequence (not run yet).
-        size: The group size T; ``compile`` records the mesh's (None: no "tp" dimension).
+        size: The group size T. ``compile`` takes it from the DeviceMesh's "tp" dimension and
+            records it (None: no "tp" dimension); ``plan(cluster=...)`` weighs every size the
+            heads and a node allow where it is None, else plans that size.
 
     Raises:
         InputError: An unknown kind, or a size below 1.

@@ -236,7 +236,8 @@ def _check_plan_args(args: argparse.Namespace) -> None:
     as_ilp_solver(args.solver)
     if args.cluster is None and args.tensor_parallel not in ("auto", 1):
         raise InputError(f"--tensor-parallel {args.tensor_parallel} plans tensor parallelism for a cluster: add "
-                         f"--cluster (e.g. 8x8xH100-SXM); pipecut does not run tensor parallelism itself yet")
+                         f"--cluster (e.g. 8x8xH100-SXM); without one the plan is the pipeline's, and compile "
+                         f"splits each stage over its DeviceMesh's 'tp' dimension")
     if args.cluster is not None:
         from pipecut.planning.clusters import parse_cluster
 

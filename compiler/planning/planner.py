@@ -35,6 +35,7 @@ from pipecut.options import (
     PartitionOptions,
     RuntimeOptions,
     ScheduleOptions,
+    TensorParallelOptions,
     options_of,
     requested,
 )
@@ -76,7 +77,7 @@ def plan(
     data_parallel: DataParallelOptions | DataParallelKind | str | None = None,
     runtime: RuntimeOptions | None = None,
     cluster: str | Cluster | None = None,
-    tensor_parallel: int | str = "auto",
+    tensor_parallel: TensorParallelOptions | int | str = "auto",
     progress: Callable[[int, int], None] | None = None,
     captured: Captured | None = None,
 ) -> Plan:
@@ -113,10 +114,12 @@ def plan(
         cluster: ``"8x8xH100-SXM"`` or a :class:`~pipecut.cluster.Cluster`: plan a whole run on
             a cluster that is not here from estimated costs (see
             :func:`pipecut.planning.clusters.plan_cluster`).
-        tensor_parallel: With ``cluster``: "auto" weighs every T that divides a node's GPUs and
-            the attention heads (each T-way group inside one node, Megatron's column/row split,
-            sequence parallel), an int fixes T; 1 plans without it. The plan predicts the run;
-            ``compile`` does not run T > 1 yet. Without ``cluster`` only "auto" or 1.
+        tensor_parallel: A :class:`~pipecut.options.TensorParallelOptions`, or its size alone. With
+            ``cluster``: "auto" (or no size) weighs every T that divides a node's GPUs and the
+            attention heads (each T-way group inside one node, Megatron's column/row split,
+            sequence parallel), a size fixes T; 1 plans without it. Without ``cluster`` the plan
+            is the pipeline's: ``compile`` splits each stage over its DeviceMesh's "tp"
+            dimension, so only "auto" or 1 is taken here.
         progress: Called as ``progress(done, total)`` while nodes are measured.
         captured: The graph to plan, already captured at the first microbatch (``compile``).
 
@@ -130,19 +133,32 @@ def plan(
         CaptureError: The model cannot be captured.
         PartitionError: No split fits (memory) or the graph has nothing to partition.
     """
+    tp = _tensor_options(tensor_parallel)
+    if cluster is None and tp.size not in (None, 1):
+        raise InputError(f"tensor_parallel={tp.size!r} without a cluster: the plan here is the pipeline's K stages, "
+                         f"and compile splits each stage over its DeviceMesh's 'tp' dimension (pass a mesh with "
+                         f"dimensions ('pp', 'tp') to compile); or plan a whole run with cluster='8x8xH100-SXM'")
     groups = requested(microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
                        groups={"capture": capture, "measure": measure, "partition": partition,
-                               "scheduling": scheduling, "runtime": runtime})
+                               "scheduling": scheduling, "runtime": runtime, "tensor_parallel": tp})
     request = Request(model=model, example_inputs=example_inputs, target=target, loss_fn=loss_fn,
                       devices=devices, specs=() if cluster is not None else as_devices(devices),
                       options=options_of(groups), progress=progress)
     if cluster is not None:
-        return _for_cluster(request, cluster, tensor_parallel)
-    if tensor_parallel not in ("auto", 1):
-        raise InputError(f"tensor_parallel={tensor_parallel!r} is planned for a cluster only: pass "
-                         f"cluster='8x8xH100-SXM' (or the cluster you plan for), or tensor_parallel=1; "
-                         f"pipecut does not run tensor parallelism itself yet")
+        return _for_cluster(request, cluster, AUTO if tp.size is None else tp.size)
     return plan_asked(request, captured)
+
+
+def _tensor_options(given: TensorParallelOptions | int | str) -> TensorParallelOptions:
+    """``tensor_parallel=`` as options: a size alone (an int, or "auto" for none fixed) is
+    ``TensorParallelOptions(size=...)``."""
+    if isinstance(given, TensorParallelOptions):
+        return given
+    if given == AUTO:
+        return TensorParallelOptions()
+    if isinstance(given, bool) or not isinstance(given, int):
+        raise InputError(f"tensor_parallel={given!r}: TensorParallelOptions, a group size (an int) or 'auto'")
+    return TensorParallelOptions(size=given)
 
 
 def plan_asked(request: Request, captured: Captured | None = None) -> Plan:

@@ -111,8 +111,10 @@ def test_tensor_parallel_is_threaded_to_the_cluster_planner_and_refused_without_
     import pipecut.planning.clusters as clusters
 
     model, inputs, _, _ = mlp.build(batch_size=8, width=32, depth=2)
-    with pytest.raises(InputError, match="tensor_parallel=2 is planned for a cluster only: pass cluster="):
+    with pytest.raises(InputError, match=r"tensor_parallel=2 without a cluster: .*DeviceMesh's 'tp' dimension"):
         pipecut.plan(model, inputs, 2, tensor_parallel=2, microbatches=2, schedule="1f1b")
+    with pytest.raises(InputError, match="a group size"):
+        pipecut.plan(model, inputs, 2, tensor_parallel="two", microbatches=2, schedule="1f1b")
     asked: dict[str, Any] = {}
 
     def fake(*args: Any, **kwargs: Any) -> Any:
@@ -123,4 +125,13 @@ def test_tensor_parallel_is_threaded_to_the_cluster_planner_and_refused_without_
     pipecut.plan(model, inputs, cluster="1x8xH100-SXM", tensor_parallel=4, microbatches=2)
     assert asked["tensor_parallel"] == 4
     pipecut.plan(model, inputs, cluster="1x8xH100-SXM", microbatches=2)
+    assert asked["tensor_parallel"] == "auto"
+    # one type for compile and plan: the options, whose size None is "auto" for a cluster
+    split = {"layers.*.up": "column", "layers.*.down": "row"}
+    got = pipecut.plan(model, inputs, cluster="1x8xH100-SXM", microbatches=2,
+                       tensor_parallel=pipecut.TensorParallelOptions(size=2, plan=split))
+    assert asked["tensor_parallel"] == 2
+    assert got.options.tensor_parallel == pipecut.TensorParallelOptions(size=2, plan=split)
+    pipecut.plan(model, inputs, cluster="1x8xH100-SXM", microbatches=2,
+                 tensor_parallel=pipecut.TensorParallelOptions(plan=split))
     assert asked["tensor_parallel"] == "auto"
