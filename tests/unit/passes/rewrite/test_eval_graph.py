@@ -88,10 +88,13 @@ class FunctionalDropout(nn.Module):
 
 
 def _plan(model: nn.Module, x: torch.Tensor, method: CaptureMethod | Literal["auto"] = "auto") -> pipecut.Plan:
-    """A 2-stage plan cut by equal node costs (measured times would make the cut vary)."""
+    """A 2-stage plan cut by equal node costs. Measured times would make the cut vary, and so
+    would the planned graph: with measured costs, under load, one plan had 18 nodes in its stages
+    instead of 14 (a heavy-looking node computed in row pieces), and a fresh clone's suite beside
+    a CPU hog failed the refusal below. Counted costs on a fixed profile give one graph."""
     measured = pipecut.plan(
         model, (x,), 2, loss_fn=lambda o, t: o.pow(2).mean(), target=x, microbatches=2,
-        measure=pipecut.MeasureOptions(repeats=1, warmup=0, calibrate=False),
+        measure=pipecut.MeasureOptions(estimate="A100-80GB"),
         capture=pipecut.CaptureOptions(method=method),
     )
     nodes = [dataclasses.replace(n, forward_ms=1.0, backward_ms=1.0) for n in measured.nodes]
