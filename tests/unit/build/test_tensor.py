@@ -1,0 +1,51 @@
+"""Which parameters a tensor-parallel stage splits (``pipecut.build.tensor.tensor_shards``): the
+user's split, else the model's own ``tp_plan``, else the graph's column/row pairs. The split at
+run time and its numbers against the plain model are in tests/dist/test_tensor_parallel.py."""
+
+from __future__ import annotations
+
+import torch
+
+from pipecut.build.tensor import model_tp_plan, tensor_shards
+from pipecut.core.kinds import TensorShard
+from pipecut.options import TensorParallelOptions
+from pipecut.passes.parallel.tensor import ParameterShard
+from tests.unit.tiny import _mlp, mlp_plan
+
+COLUMN, ROW = ParameterShard(kind=TensorShard.COLUMN, dim=0), ParameterShard(kind=TensorShard.ROW, dim=1)
+
+
+def test_the_graph_pairs_column_then_row_products() -> None:
+    model, _, _, _ = _mlp()  # Linear, ReLU blocks, then a head: up to nothing that reduces
+    shards = tensor_shards(model, mlp_plan(2), TensorParallelOptions())
+    assert shards["layers.0.0.weight"] == COLUMN and shards["layers.0.0.bias"] == COLUMN
+    assert shards["layers.1.0.weight"] == ROW and "layers.1.0.bias" not in shards  # added after the reduction
+    assert shards["layers.2.0.weight"] == COLUMN and shards["layers.3.0.weight"] == ROW
+
+
+def test_a_users_split_is_the_whole_split() -> None:
+    model, _, _, _ = _mlp()
+    asked = TensorParallelOptions(plan={"layers.*.0": "column", "head": "replicated"})
+    shards = tensor_shards(model, mlp_plan(2), asked)
+    assert set(shards) == {f"layers.{i}.0.{leaf}" for i in range(4) for leaf in ("weight", "bias")}
+    assert all(s == COLUMN for s in shards.values())
+
+
+def test_a_models_own_tp_plan_wins_over_the_graph() -> None:
+    model, _, _, _ = _mlp()
+    model.tp_plan = {"layers.0.0": "colwise", "layers.1.0": "rowwise", "layers.2.0": "colwise_rep"}
+    assert model_tp_plan(model) == model.tp_plan
+    shards = tensor_shards(model, mlp_plan(2), TensorParallelOptions())
+    # a style that is not a plain split (colwise_rep gathers its output) leaves the module whole
+    assert shards == {"layers.0.0.weight": COLUMN, "layers.0.0.bias": COLUMN, "layers.1.0.weight": ROW}
+
+
+def test_a_hugging_face_config_plan_is_read_under_the_base_models_prefix() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+    styles = model_tp_plan(model)
+    assert styles["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert styles["model.layers.*.self_attn.o_proj"] == "rowwise"
