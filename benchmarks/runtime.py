@@ -48,6 +48,13 @@ from tests.harness import run_ranks
 BATCH, MICROBATCHES, WORLD = 16, 8, 2
 
 
+def _next_token_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of a language model's logits. pipecut hands the loss the model's
+    ModelOutput; torch.distributed.pipelining its flattened first output (the logits tensor)."""
+    logits = out.logits if hasattr(out, "logits") else out if isinstance(out, torch.Tensor) else out[0]
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
 def hf_gpt2(batch_size: int = BATCH, seed: int = 0) -> tuple[Any, Any, Any, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -58,13 +65,7 @@ def hf_gpt2(batch_size: int = BATCH, seed: int = 0) -> tuple[Any, Any, Any, Any]
     model = GPT2LMHeadModel(config)
     tokens = torch.randint(0, 2048, (batch_size, 129))
 
-    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
-        # pipecut hands the loss the model's ModelOutput; torch.distributed.pipelining its
-        # flattened first output (the logits tensor).
-        logits = out.logits if hasattr(out, "logits") else out if isinstance(out, torch.Tensor) else out[0]
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-    return model, {"input_ids": tokens[:, :-1]}, loss_fn, tokens[:, 1:]
+    return model, {"input_ids": tokens[:, :-1]}, _next_token_loss, tokens[:, 1:]
 
 
 def hf_llama(batch_size: int = BATCH, seed: int = 0, layers: int = 8) -> tuple[Any, Any, Any, Any]:
@@ -80,11 +81,7 @@ def hf_llama(batch_size: int = BATCH, seed: int = 0, layers: int = 8) -> tuple[A
     model = LlamaForCausalLM(config)
     tokens = torch.randint(0, 2048, (batch_size, 129))
 
-    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
-        logits = out.logits if hasattr(out, "logits") else out if isinstance(out, torch.Tensor) else out[0]
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-    return model, {"input_ids": tokens[:, :-1]}, loss_fn, tokens[:, 1:]
+    return model, {"input_ids": tokens[:, :-1]}, _next_token_loss, tokens[:, 1:]
 
 
 def hf_resnet50(batch_size: int = BATCH, seed: int = 0, image: int = 224) -> tuple[Any, Any, Any, Any]:
