@@ -188,6 +188,12 @@ def balanced_split(
     if split is not None and coarse and refine:
         # Exact over every position, bounded by the coarse answer (so it cannot be worse).
         split = partition_bounded(problem, coarse=coarse) or split
+    holders = sum(problem.holds_params)
+    if split is None and 0 < holders < k:
+        return Skipped(
+            replicas=d, stages=k,
+            reason=f"{holders} of the units hold parameters, fewer than the {k} stages (each must train one)",
+        )
     if split is None or not split.fits:
         return Skipped(
             replicas=d, stages=k,
