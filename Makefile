@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 SOURCES := compiler passes runtime tests examples benchmarks
 
-.PHONY: setup demo lint typecheck test test-fast gpu-check vision clean
+.PHONY: setup demo lint typecheck test test-fast jitter-check gpu-check vision clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -37,6 +37,12 @@ test: lint
 
 test-fast: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q tests/unit
+
+# An audit for tests that depend on the clock: the unit suite with every measured time scaled
+# by a seeded random factor (tests/conftest.py); a test it fails reads the machine's timings.
+JITTER_SEEDS ?= 1 2
+jitter-check: setup
+	for s in $(JITTER_SEEDS); do OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q tests/unit --jitter-clock=$$s || exit 1; done
 
 # A short check on whatever CUDA devices exist (scripts/gpu_check.py); exits 0 with a message
 # where there are none. The default venv holds a CPU build of torch: pass VENV=<a venv with a

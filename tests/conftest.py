@@ -1,5 +1,79 @@
-"""Shared test set-up: one intra-op thread (ranks are forked; OpenMP must not be live in the parent)."""
+"""Shared test set-up: one intra-op thread (ranks are forked; OpenMP must not be live in the parent).
 
+``--jitter-clock=SEED`` scales every time pipecut's :class:`~pipecut.core.clock.Timer` measures
+by a random factor (seeded by SEED and the test's id), as a loaded machine might: log-uniform
+from 1/4 to 4, and one time in :data:`SPIKE_ODDS` :data:`SPIKE` times more (the process was
+descheduled). The ILP's time limits shrink by :data:`SLOWER` (the solver gets that much less
+of the machine), and so does torch.export's bound on a symbolic capture (by a random 1 to
+:data:`JITTER` times, with the same spikes, so that one capture of a test may run out where
+another does not). A test whose outcome changes under it depends on the clock: its plan should come from counted
+costs (``MeasureOptions(estimate=...)``) or a pinned split (``PartitionOptions(split=...)``).
+It is an audit, not part of ``make test``: ``make jitter-check`` runs the unit suite under it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
 import torch
+from hypothesis import settings
 
 torch.set_num_threads(1)
+
+# The suite draws the same examples on every run, so that its result does not depend on the
+# draw (a random draw once found a real bug in the middle of an unrelated change), and no
+# example has a deadline (hypothesis's default 200 ms is a clock a loaded machine misses).
+# Exploring is `pytest --hypothesis-profile=explore`, beside the fuzz campaign (benchmarks/fuzz.py).
+settings.register_profile("suite", derandomize=True, database=None, deadline=None)
+settings.register_profile("explore", deadline=None)
+settings.load_profile("suite")
+
+JITTER = 4.0
+"""``--jitter-clock`` scales each measured time by a log-uniform factor in [1/JITTER, JITTER] ..."""
+SPIKE, SPIKE_ODDS = 20.0, 20
+"""... and one time in SPIKE_ODDS by SPIKE more."""
+SLOWER = 10.0
+"""``--jitter-clock`` divides every ILP time limit by this."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--jitter-clock", type=int, default=None, metavar="SEED",
+                     help="scale every time pipecut measures by a seeded random factor (an audit for clock-dependent tests)")
+
+
+@pytest.fixture(autouse=True)
+def _jitter_clock(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    seed = request.config.getoption("--jitter-clock")
+    if seed is not None and request.node.get_closest_marker("clock") is None:
+        _jitter(monkeypatch, random.Random(f"{seed}:{request.node.nodeid}"))
+    yield
+
+
+def _jitter(monkeypatch: pytest.MonkeyPatch, rng: random.Random) -> None:
+    """Patch the three clocks pipecut's results can depend on: measured times, the ILP's time
+    limit and torch.export's bound."""
+    import pipecut.capture.trace as trace
+    import pipecut.passes.partition.ilp as ilp
+    from pipecut.core.clock import Timer
+
+    measured, solver, bound = Timer.sampled, ilp._pulp_solver, trace.time_bound
+
+    def spike() -> float:
+        return SPIKE if rng.randrange(SPIKE_ODDS) == 0 else 1.0
+
+    def sampled(self: Timer, fn: Callable[[], Any]) -> tuple[float, Any]:
+        ms, result = measured(self, fn)
+        return ms * JITTER ** rng.uniform(-1, 1) * spike(), result
+
+    def hurried(kind: Any, time_limit_s: float | None, warm: bool) -> Any:
+        return solver(kind, None if time_limit_s is None else time_limit_s / SLOWER, warm)
+
+    def sooner(seconds: float | None) -> Any:
+        return bound(None if seconds is None else seconds / JITTER ** rng.random() / spike())
+
+    monkeypatch.setattr(Timer, "sampled", sampled)
+    monkeypatch.setattr(ilp, "_pulp_solver", hurried)
+    monkeypatch.setattr(trace, "time_bound", sooner)

@@ -16,6 +16,8 @@ import torch
 import pipecut.core.clock as clock
 from pipecut.core.clock import median_ms
 
+pytestmark = pytest.mark.clock  # --jitter-clock would scale the times these tests check
+
 
 class FakeClock:
     """``time.perf_counter`` for :mod:`pipecut.core.clock`: seconds that pass only in ``sleep``."""
