@@ -20,7 +20,9 @@ import torch.distributed as dist
 
 from pipecut.build.context import Place
 from pipecut.build.layout import RankGroups
+from pipecut.core.kinds import DataParallelKind
 from pipecut.core.meta import has_meta
+from pipecut.core.owned import own_modules
 from pipecut.core.program import Captured, StageProgram
 from pipecut.errors import InputError
 from pipecut.ir import Plan
@@ -65,6 +67,10 @@ def build_workers(request: Request, place: Place, captured: Captured, plan: Plan
     failure: BaseException | None = None
     for stage in plan.stages_on(place.rank):
         program = split_stage(captured.gm, plan, stage)
+        if place.replication is not None and place.replication.resolved_kind is DataParallelKind.FSDP:
+            # fully_shard swaps the parameter slots of the modules it shards: the stage's own
+            # copies, not the model's (which another pipeline of the same model may train)
+            own_modules(program.module)
         try:
             materialize_stage(
                 program.module, (captured.gm,), request.model, device=place.device, source=source,

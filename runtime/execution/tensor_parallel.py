@@ -12,13 +12,14 @@ is DTensor's: the sharded matmuls, the collectives and their backward.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from pipecut.core.owned import own_path
 
 __all__ = ["region_ends", "shard_module", "whole"]
 
@@ -51,6 +52,7 @@ def shard_module(module: torch.nn.Module, dims: Mapping[str, int], mesh: DeviceM
     into a product)."""
     made: dict[int, torch.nn.Parameter] = {}
     owners: dict[str, torch.nn.Module] = {}
+    owned: set[int] = set()
     for fqn, p in list(module.named_parameters(remove_duplicate=False)):
         if fqn not in dims and fqn not in replicated:
             continue
@@ -60,20 +62,6 @@ def shard_module(module: torch.nn.Module, dims: Mapping[str, int], mesh: DeviceM
             made[id(p)] = torch.nn.Parameter(value, requires_grad=p.requires_grad)
         owner_name, _, name = fqn.rpartition(".")
         if owner_name not in owners:
-            owners[owner_name] = _own(module, owner_name)
+            # the stage's own copy: the model and its captured graph keep their tensors
+            owners[owner_name] = own_path(module, owner_name, owned)
         setattr(owners[owner_name], name, made[id(p)])
-
-
-def _own(module: torch.nn.Module, path: str) -> torch.nn.Module:
-    """The submodule at ``path`` as this module's own object. A stage module shares the modules
-    it calls (symbolic_trace's ``nn.Linear``) with the captured graph, whose parameters name the
-    model's tied weights (both names of one tensor) for the whole pipeline: a shallow copy with
-    its own parameter slots is split instead, and the captured graph keeps its tensors."""
-    if not path:
-        return module
-    parent_name, _, name = path.rpartition(".")
-    parent = module.get_submodule(parent_name)
-    clone = copy.copy(getattr(parent, name))
-    clone._parameters = dict(clone._parameters)
-    setattr(parent, name, clone)
-    return clone

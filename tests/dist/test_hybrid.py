@@ -117,6 +117,18 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
                    if isinstance(p, DTensor) and p.shape[0] % 2 == 0]
         out["runs"].append({"steps": steps, "stages": pipe.stages, "fired": fired,
                             "sharded": sharded})
+    # One model compiled twice under FSDP: each pipeline shards its own copies of the modules,
+    # so the first still trains after the second is made, and the model keeps its plain tensors
+    # (fully_shard swapped the model's own parameter slots before).
+    model, inputs, loss_fn, target = EXAMPLES["gpt"]()
+    alias, before = _aliases(model), {n: p.detach().clone() for n, p in model.named_parameters()}
+    twice = [pipecut.compile(model, (inputs[0][half],), mesh, loss_fn=loss_fn, target=target[half], microbatches=4,
+                             plan=plans[("1f1b", 1)], data_parallel="fsdp",
+                             runtime=pipecut.RuntimeOptions(timeout=60)) for _ in range(2)]
+    out["twice"] = [{"loss": pipe.step((inputs[0][half],), target[half]), "grads": _full_grads(alias, pipe)}
+                    for pipe in reversed(twice)]
+    out["model"] = {n: "DTensor" if isinstance(p, DTensor) else bool(torch.equal(p, before[n]))
+                    for n, p in model.named_parameters()}
     model, inputs, loss_fn, target = EXAMPLES["gpt"]()
     for devices, kwargs in [(world, {"data_parallel": "fsdp"}),
                             (mesh, {"data_parallel": "zero"}),
@@ -178,6 +190,10 @@ def test_ddp_and_fsdp_two_stages_times_two_replicas_match_the_whole_batch() -> N
         else:  # FSDP: every parameter with an even first dimension is split in two halves
             for run in runs:
                 assert run["sharded"] and all(run["sharded"]), run["sharded"]
+    for r in results:
+        assert set(r["model"].values()) == {True}, r["model"]  # plain and unchanged on every rank
+    for i in range(2):  # the second pipeline, then the first
+        assert_parity(plain[0][0], plain[0][1], [r["twice"][i] for r in results])
     for r in results:
         no_dp, unknown, replicas, zero_bubble = r["errors"]
         assert "InputError: DataParallelOptions(replicas=4) but the devices give 2 replica(s)" in replicas
