@@ -64,7 +64,7 @@ from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn
 from pipecut.runtime.comm.launch import ready_for_p2p
 from pipecut.runtime.execution.compiled import check_compilable
-from pipecut.runtime.grads.data_parallel import replicate
+from pipecut.runtime.grads.data_parallel import fsdp2_engine, replicate
 from pipecut.runtime.pipeline import Pipeline
 from pipecut.runtime.state.materialize import check_unexpected
 from pipecut.runtime.state.weights import WeightSource, open_weights
@@ -256,18 +256,19 @@ def _replicated(pipe: Pipeline, place: Place) -> Pipeline:
     may change."""
     if place.replication is not None:
         assert place.layout.dp_group is not None  # replication_of gives None without a "dp" dimension
-        pipe.replication = replicate(pipe.workers, pipe.schedule[place.rank], place.replication.resolved_kind,
-                                     group=place.layout.dp_group, mesh=place.layout.dp_mesh)
-        if place.replication.resolved_kind is DataParallelKind.FSDP and pipe.modes is not None:
-            # fully_shard swapped the captured mode's parameters for sharded ones; the other
-            # mode's programs (an export graph fixes its mode) would run the tensors of compile
-            # time, silently (found by the fuzzer, issue 27).
+        kind, tensor_parallel = place.replication.resolved_kind, place.layout.tp_mesh is not None
+        pipe.replication = replicate(pipe.workers, pipe.schedule[place.rank], kind, group=place.layout.dp_group,
+                                     mesh=place.layout.dp_mesh, tensor_parallel=tensor_parallel)
+        if fsdp2_engine(kind, tensor_parallel) and pipe.modes is not None:
+            # FSDP2 swapped the captured mode's parameters for its own; the other mode's
+            # programs (an export graph fixes its mode) would run the tensors of compile time,
+            # silently (found by the fuzzer, issue 27).
             mode = "eval" if pipe.training else "train"
             pipe.modes.refuse_separate_mode(PlanError(
-                f"{mode} mode under data_parallel='fsdp' is not supported for a model captured by "
-                f"torch.export (its {mode}-mode graph is a second program, which FSDP does not "
-                f"shard): use data_parallel='ddp', or run {mode} steps outside the pipeline "
-                f"(pipe.state_dict() gives the full weights)"))
+                f"{mode} mode under data_parallel='{kind.value}'{' with tensor parallelism' if tensor_parallel else ''} "
+                f"is not supported for a model captured by torch.export (its {mode}-mode graph is a second "
+                f"program, which FSDP2 does not wrap): use data_parallel='ddp' without tensor parallelism, "
+                f"or run {mode} steps outside the pipeline (pipe.state_dict() gives the full weights)"))
     return pipe
 
 

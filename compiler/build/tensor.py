@@ -43,6 +43,7 @@ from pipecut.runtime.comm.teardown import close_at_exit
 from pipecut.runtime.comm.wire import unpack
 from pipecut.runtime.execution.stage import StageWorker
 from pipecut.runtime.execution.tensor_parallel import region_ends, shard_module
+from pipecut.runtime.grads.data_parallel import can_replicate_dtensors
 from pipecut.runtime.state.materialize import raise_together
 
 __all__ = ["MODEL_STYLES", "check_composable", "copy_group", "split_over_tensor_group", "tensor_shards"]
@@ -122,10 +123,12 @@ def check_composable(plan: Plan, place: Place, shards: Mapping[str, ParameterSha
     if selective:
         raise PlanError(f"stages {selective} recompute some of their blocks (selective recompute), which tensor-"
                         f"parallel stages do not run yet; use PartitionOptions(recompute='full') or 'none'")
-    if place.replication is not None and place.replication.resolved_kind is DataParallelKind.DDP:
-        raise PlanError("data_parallel='ddp' with tensor parallelism: DistributedDataParallel does not reduce "
-                        "DTensor gradients; use data_parallel='fsdp' (FSDP2 over the 'dp' dimension composes "
-                        "with the tensor-parallel DTensors)")
+    if (place.replication is not None and place.replication.resolved_kind is DataParallelKind.DDP
+            and not can_replicate_dtensors()):
+        raise PlanError(f"data_parallel='ddp' with tensor parallelism needs torch's FSDP2-based replicate "
+                        f"(torch.distributed._composable.replicate_with_fsdp), which torch {torch.__version__} "
+                        f"lacks (DistributedDataParallel does not reduce DTensor gradients); use "
+                        f"data_parallel='fsdp', or a newer torch")
     heads = head_counts(model)
     uneven = {name: n for name, n in heads.items() if n % t}
     if uneven:

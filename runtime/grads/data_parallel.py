@@ -60,7 +60,7 @@ from pipecut.runtime.comm.sync import wait_for
 from pipecut.runtime.execution.stage import StageWorker
 from pipecut.schedules.format import Action, ActionKind
 
-__all__: list[str] = []
+__all__ = ["Replication", "can_replicate_dtensors", "check_supported", "fsdp2_engine", "last_backwards", "replicate", "trainable_disagreement"]
 
 _HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
 
@@ -169,14 +169,42 @@ class _DdpStage:
         self.ddp = self._wrap(init_sync=False)
 
 
-class _FsdpStage:
-    """One stage module under FSDP2. A change of the trainable set needs nothing more: FSDP2
-    reduce-scatters only the gradients a backward produced, and copies ``requires_grad`` from
-    each sharded parameter to its gathered copy whenever it gathers, which every training step
-    does since :meth:`settle` leaves the module sharded between steps."""
+def fsdp2_engine(kind: DataParallelKind, tensor_parallel: bool) -> bool:
+    """Whether stage modules are wrapped by FSDP2's machinery, which swaps the parameter slots
+    of the modules it wraps: ``fully_shard`` for FSDP, and for DDP over tensor-parallel stages
+    its replicate-only twin (``torch.distributed._composable.replicate_with_fsdp``), since
+    DistributedDataParallel does not reduce DTensor gradients."""
+    return kind is DataParallelKind.FSDP or tensor_parallel
 
-    def __init__(self, worker: StageWorker, mesh: DeviceMesh, last_mb: int) -> None:
-        module = fully_shard(worker.program.module, mesh=mesh, reshard_after_forward=False)
+
+def _replicate_fsdp2() -> Any:
+    """torch's DDP built on FSDP2 (``replicate`` from ``replicate_with_fsdp``); None where this
+    torch has none."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_fsdp2
+    except ImportError:
+        return None
+    return replicate_fsdp2
+
+
+def can_replicate_dtensors() -> bool:
+    """Whether this torch can run DDP over tensor-parallel stages (see :func:`fsdp2_engine`)."""
+    return _replicate_fsdp2() is not None
+
+
+class _FsdpStage:
+    """One stage module under FSDP2 (or, ``shard=False``, FSDP2's replicate-only DDP, for
+    tensor-parallel stages: gradients all-reduced over the replicas, DTensors and all). A change
+    of the trainable set needs nothing more: FSDP2 reduces only the gradients a backward
+    produced, and copies ``requires_grad`` from each sharded parameter to its gathered copy
+    whenever it gathers, which every training step does since :meth:`settle` leaves the module
+    sharded between steps."""
+
+    def __init__(self, worker: StageWorker, mesh: DeviceMesh, last_mb: int, *, shard: bool = True) -> None:
+        if shard:
+            module = fully_shard(worker.program.module, mesh=mesh, reshard_after_forward=False)
+        else:
+            module = _replicate_fsdp2()(worker.program.module, mesh=mesh)
         assert isinstance(module, FSDPModule)
         self.module = module
         self.worker = worker
@@ -252,18 +280,20 @@ def replicate(
     *,
     group: dist.ProcessGroup,
     mesh: DeviceMesh,
+    tensor_parallel: bool = False,
 ) -> Replication:
     """Wrap each of this rank's stage modules over its replica group (``mesh``: the 1-D "dp"
-    mesh of ``group``), with gradient reduction overlapped with the stage's last backward."""
+    mesh of ``group``), with gradient reduction overlapped with the stage's last backward.
+    ``tensor_parallel``: the stages hold DTensor parameters split over a "tp" dimension."""
     last = last_backwards(actions)
     stages: list[_Stage] = []
     for stage, worker in workers.items():
         if stage not in last:
             raise PlanError(f"stage {stage} has no backward in this rank's schedule {actions}")
-        if kind is DataParallelKind.DDP:
+        if not fsdp2_engine(kind, tensor_parallel):
             stages.append(_DdpStage(worker, group, last[stage]))
         else:
-            stages.append(_FsdpStage(worker, mesh, last[stage]))
+            stages.append(_FsdpStage(worker, mesh, last[stage], shard=kind is DataParallelKind.FSDP))
     return Replication(stages)
 
 
