@@ -53,6 +53,7 @@ from pipecut.planning.request import (
     profile_at,
     warn_if_sequential,
 )
+from pipecut.planning.tensor_parallel import rank_share
 from pipecut.profile.calibrate import calibrate as calibrate_costs
 from pipecut.profile.calibrate import stage_times
 from pipecut.profile.compiled import AMORTIZED_STEPS, CompileChoice, compiled_stage_times, with_note
@@ -283,7 +284,7 @@ def _partitioned(request: Request, captured: Captured, graph_fingerprint: str, b
     options = request.options
     assert isinstance(options.microbatches, int) and options.schedule not in (None, AUTO)
     planned = partition_costs(
-        costs, devices=request.specs, microbatches=options.microbatches, batch_size=batch_size,
+        rank_share(costs, options.tensor_parallel.size or 1, request.link), devices=request.specs, microbatches=options.microbatches, batch_size=batch_size,
         schedule=as_schedule(options.schedule), link=request.link, partition=request.options.partition,
         stages_per_rank=request.stages_per_rank, data_parallel=request.replication,
         fingerprint=graph_fingerprint, capture=captured.method, inputs=captured.input_names,

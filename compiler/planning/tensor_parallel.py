@@ -1,5 +1,7 @@
 """Tensor parallelism for a cluster plan: which sizes T a model and a node allow, and each
-size's cost table for one GPU of the group, its products priced again at their smaller shapes.
+size's cost table for one GPU of the group, its products priced again at their smaller shapes;
+and for ``compile`` over a "tp" dimension, the measured table at one rank's share
+(:func:`rank_share`).
 
 The regions, collectives and divided bytes are the pass's
 (:mod:`pipecut.passes.parallel.tensor`); this module adds what needs the front end: the model's
@@ -16,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pipecut.cluster import Cluster
+from pipecut.cluster import Cluster, Link
 from pipecut.core.kinds import TensorShard
 from pipecut.errors import InputError
 from pipecut.ir import NodeCost
@@ -32,7 +34,7 @@ from pipecut.passes.parallel.tensor import (
 from pipecut.profile.flops import NodeWork
 from pipecut.profile.hardware import HardwareModel
 
-__all__ = ["head_counts", "sharded_tables", "tensor_parallel_sizes"]
+__all__ = ["head_counts", "rank_share", "sharded_tables", "tensor_parallel_sizes"]
 
 
 def head_counts(model: Any) -> dict[str, int]:
@@ -114,3 +116,19 @@ def _share_shape(row: NodeCost, kind: TensorShard | None, t: int) -> NodeCost:
             if s % t == 0 and s >= t:
                 return dataclasses.replace(row, shape=(*shape[:i], s // t, *shape[i + 1:]))
     return row
+
+
+def rank_share(nodes: Sequence[NodeCost], tp: int, link: Link) -> tuple[NodeCost, ...]:
+    """``nodes`` (measured on one device, whole) as one rank of a ``tp``-way group runs them
+    under ``compile``: the times of :func:`~pipecut.passes.parallel.tensor.shard_table` (the
+    divided nodes at 1/T, the group's collectives over ``link`` added), the divided weights and
+    kept activations at 1/T. Shapes and output bytes stay whole: what a stage sends is whole
+    (its split regions end inside it), and the wiring reads them. The regions are the graph's
+    (Megatron's pairs); a split given by the model's ``tp_plan`` or the user's may differ, which
+    the calibration on the running pipeline corrects for the times."""
+    if tp <= 1:
+        return tuple(nodes)
+    share = shard_table(nodes, tp, link, sequence_parallel=False).nodes
+    return tuple(dataclasses.replace(n, forward_ms=s.forward_ms, backward_ms=s.backward_ms,
+                                     param_bytes=s.param_bytes, saved_bytes=s.saved_bytes)
+                 for n, s in zip(nodes, share, strict=True))

@@ -93,10 +93,13 @@ def stage_times(
 
 
 def calibrate(nodes: Sequence[NodeCost], plan: Plan, times: Sequence[tuple[float, float]]) -> tuple[NodeCost, ...]:
-    """Scale each stage's node times so that they add up to the measured stage times."""
+    """Scale each stage's node times so that they add up to the measured stage times. The
+    times scaled and summed are ``nodes``' (the plan's own may be another table: one rank's
+    share under tensor parallelism, where the stages were timed whole)."""
     scale: dict[str, tuple[float, float]] = {}
+    rows = {n.name: n for n in nodes}
     for stage, (forward_ms, backward_ms) in zip(plan.stages, times):
-        members = [plan.node(n) for n in stage.nodes]
+        members = [rows[n] for n in stage.nodes]
         f = sum(n.forward_ms for n in members)
         b = sum(n.backward_ms for n in members)
         factors = (forward_ms / f if f > 0 else 1.0, backward_ms / b if b > 0 else 1.0)

@@ -67,7 +67,8 @@ def _one_step(model: nn.Module, inputs: Any, loss_fn: Any, target: Any, mesh: An
     opt.step()
     params = {alias[n]: _full(p) for n, p in named}
     return {"loss": loss.detach().clone(), "grads": grads, "params": params, "split": split,
-            "recompute": [s.recompute.value for s in pipe.plan.stages]}
+            "recompute": [s.recompute.value for s in pipe.plan.stages],
+            "planned_bytes": sum(n.param_bytes for n in pipe.plan.nodes)}
 
 
 def _reference(model: nn.Module, inputs: Any, loss_fn: Any, target: Any, microbatches: int = MICROBATCHES) -> dict[str, Any]:
@@ -167,6 +168,11 @@ def pp2_tp2() -> list[dict[str, Any]]:
 def test_tp2_pp2_matches_the_plain_model(pp2_tp2: list[dict[str, Any]], name: str) -> None:
     _check(_reference(*MODELS[name](batch_size=BATCH)), [r[name] for r in pp2_tp2])
     assert pp2_tp2[0][name]["split"], "no parameter was split"
+    # the plan priced one rank's share: the weights the graph splits count half
+    model, inputs, loss_fn, target = MODELS[name](batch_size=BATCH)
+    whole = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=MICROBATCHES,
+                         schedule="1f1b", measure=COUNTED)
+    assert pp2_tp2[0][name]["planned_bytes"] < sum(n.param_bytes for n in whole.nodes)
 
 
 # --- D x T x K: FSDP2 over "dp" ------------------------------------------------------------------

@@ -13,7 +13,7 @@ from benchmarks import validation
 from pipecut import Plan, summary
 from pipecut.build.choice import refuse_tensor_parallel
 from pipecut.cluster import ClusterPlacement, Layout
-from pipecut.core.kinds import Recompute
+from pipecut.core.kinds import Recompute, TensorShard
 from pipecut.errors import InputError, PartitionError, PlanError
 from pipecut.passes.parallel.training import RunShape
 from pipecut.planning.clusters import (
@@ -23,7 +23,12 @@ from pipecut.planning.clusters import (
     plan_cluster,
     predict_run,
 )
-from pipecut.planning.tensor_parallel import head_counts, sharded_tables, tensor_parallel_sizes
+from pipecut.planning.tensor_parallel import (
+    head_counts,
+    rank_share,
+    sharded_tables,
+    tensor_parallel_sizes,
+)
 from pipecut.profile.devices import device_profile
 from pipecut.report.render import render_html
 from tests.unit.tiny import tiny_llama
@@ -133,3 +138,21 @@ def test_placement_lays_tensor_groups_inside_nodes() -> None:
     assert place.replica_group(1) == (8, 12)
     with pytest.raises(InputError, match="tensor parallelism ≥ 1"):
         ClusterPlacement(layout=Layout.STAGES_INSIDE_NODES, replicas=1, stages=1, tensor_parallel=0)
+
+
+def test_compile_plans_one_ranks_share_and_keeps_what_crosses_a_cut_whole() -> None:
+    """compile over a "tp" dimension partitions the measured table at one rank's share: times
+    and weights divided where the graph splits, collectives added, shapes and sent bytes whole
+    (a stage sends whole values; the wiring reads them)."""
+    _, _, _, _, nodes, _ = _llama("llama3-70b", seq=1024)
+    link = parse_cluster("8x8xH100-SXM").intra
+    share = {n.name: n for n in rank_share(nodes, 8, link)}
+    table = sharded_tables(nodes, (8,), parse_cluster("8x8xH100-SXM"), sequence_parallel=False)[8]
+    assert rank_share(nodes, 1, link) == tuple(nodes)
+    for n in nodes:
+        s = share[n.name]
+        assert (s.shape, s.output_bytes, s.leaves) == (n.shape, n.output_bytes, n.leaves), n.name
+    split = [n for n in nodes if table.kinds.get(n.name) is TensorShard.COLUMN]
+    assert split and all(share[n.name].forward_ms < n.forward_ms for n in split)
+    assert sum(s.param_bytes for s in share.values()) < sum(n.param_bytes for n in nodes) / 4
+    assert any(share[name].forward_ms > 0 for name in table.collectives)
