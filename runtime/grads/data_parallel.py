@@ -22,6 +22,10 @@ last is microbatch 0. :func:`last_backwards` reads it off the rank's action list
   then this rank's shard (a DTensor), and an optimizer over ``pipe.parameters()`` keeps
   only its shard of the state. Between steps every module holds its sharded parameters
   (:meth:`Replication.settle`).
+- **DDP over tensor-parallel stages**: DistributedDataParallel does not reduce DTensor
+  gradients, so such a stage is wrapped by FSDP2's replicate-only twin (``replicate`` from
+  ``torch.distributed._composable.replicate_with_fsdp``), driven exactly as FSDP2 above: whole
+  parameters on every replica, gradients all-reduced in the last backward.
 
 Under ``pipe.no_sync()`` (gradient accumulation) no backward of the step is the last one:
 gradients accumulate locally, and the next step outside it reduces everything at once, as
