@@ -1,18 +1,21 @@
 """Shared test set-up: one intra-op thread (ranks are forked; OpenMP must not be live in the parent).
 
-``--jitter-clock=SEED`` scales every time pipecut's :class:`~pipecut.core.clock.Timer` measures
-by a random factor (seeded by SEED and the test's id), as a loaded machine might: log-uniform
-from 1/4 to 4, and one time in :data:`SPIKE_ODDS` :data:`SPIKE` times more (the process was
-descheduled). The ILP's time limits shrink by :data:`SLOWER` (the solver gets that much less
-of the machine), and so does torch.export's bound on a symbolic capture (by a random 1 to
+``--jitter-clock=SEED`` plays a loaded machine (seeded by SEED and the test's id): every time
+pipecut measures (nodes and stages by :class:`~pipecut.core.clock.Timer`, the running
+pipeline's stages in live calibration) is scaled by a log-uniform factor from 1/4 to 4, and one
+time in :data:`SPIKE_ODDS` by :data:`SPIKE` more (the process was descheduled); the ILP's time
+limits shrink by :data:`SLOWER`; torch.export's bound on a symbolic capture shrinks by 1 to
 :data:`JITTER` times, with the same spikes, so that one capture of a test may run out where
-another does not). A test whose outcome changes under it depends on the clock: its plan should come from counted
-costs (``MeasureOptions(estimate=...)``) or a pinned split (``PartitionOptions(split=...)``).
-It is an audit, not part of ``make test``: ``make jitter-check`` runs the unit suite under it.
+another does not. A test whose outcome changes under it depends on the clock: its plan should
+come from counted costs (``MeasureOptions(estimate=...)``) or a pinned split
+(``PartitionOptions(split=...)``), its tolerance hold for any split. It is an audit, not part of
+``make test``: ``make jitter-check`` runs the unit suite under it (forked ranks inherit it, so
+``pytest tests/dist/... --jitter-clock=1`` works too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -53,20 +56,31 @@ def _jitter_clock(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 
 
 def _jitter(monkeypatch: pytest.MonkeyPatch, rng: random.Random) -> None:
-    """Patch the three clocks pipecut's results can depend on: measured times, the ILP's time
-    limit and torch.export's bound."""
+    """Patch the clocks pipecut's results can depend on: node and stage times, the running
+    pipeline's stage times (live calibration, every rank alike: forked ranks draw the same), the
+    ILP's time limit and torch.export's bound."""
+    import pipecut.api as api
     import pipecut.capture.trace as trace
     import pipecut.passes.partition.ilp as ilp
+    import pipecut.profile.compiled as compiled
     from pipecut.core.clock import Timer
 
-    measured, solver, bound = Timer.sampled, ilp._pulp_solver, trace.time_bound
+    measured, solver, bound, live = Timer.sampled, ilp._pulp_solver, trace.time_bound, api.measure_stages
 
     def spike() -> float:
         return SPIKE if rng.randrange(SPIKE_ODDS) == 0 else 1.0
 
     def sampled(self: Timer, fn: Callable[[], Any]) -> tuple[float, Any]:
         ms, result = measured(self, fn)
-        return ms * JITTER ** rng.uniform(-1, 1) * spike(), result
+        return ms * factor(), result
+
+    def factor() -> float:
+        return JITTER ** rng.uniform(-1, 1) * spike()
+
+    def running(*args: Any, **kwargs: Any) -> Any:
+        times = live(*args, **kwargs)
+        return dataclasses.replace(times, stages=tuple((f * factor(), b * factor()) for f, b in times.stages),
+                                   step_ms=times.step_ms * factor())
 
     def hurried(kind: Any, time_limit_s: float | None, warm: bool) -> Any:
         return solver(kind, None if time_limit_s is None else time_limit_s / SLOWER, warm)
@@ -77,3 +91,5 @@ def _jitter(monkeypatch: pytest.MonkeyPatch, rng: random.Random) -> None:
     monkeypatch.setattr(Timer, "sampled", sampled)
     monkeypatch.setattr(ilp, "_pulp_solver", hurried)
     monkeypatch.setattr(trace, "time_bound", sooner)
+    monkeypatch.setattr(api, "measure_stages", running)
+    monkeypatch.setattr(compiled, "measure_stages", running)
