@@ -120,9 +120,8 @@ def export(pipe: Pipeline, directory: str | os.PathLike[str], model: torch.nn.Mo
             f"save_pretrained: {directory} holds a pipecut checkpoint (.metadata), which weight "
             f"readers would take instead of the safetensors; save into another directory"
         )
-    replica = dist.get_rank(pipe.dp_group) if pipe.dp_group is not None else 0
-    if pipe.tp_group is not None:  # one writer per stage: the first rank of its tensor group
-        replica += dist.get_rank(pipe.tp_group)
+    # One writer per stage: replica 0's rank, and of its tensor group the first.
+    writer = all(dist.get_rank(g) == 0 for g in (pipe.dp_group, pipe.tp_group) if g is not None)
     mine = owned(pipe)
     stage = {saved_name(keys, model): t for first, (keys, t) in sorted(_keys(pipe).items()) if first in mine}
     tensors: dict[str, torch.Tensor] = {}
@@ -130,7 +129,7 @@ def export(pipe: Pipeline, directory: str | os.PathLike[str], model: torch.nn.Mo
         value = t.detach()
         if isinstance(value, DTensor):  # FSDP, tensor parallelism: gathered whole, a collective over its mesh
             value = value.full_tensor()
-        if replica == 0:  # the other replicas only take part in the gathers
+        if writer:  # the other ranks of the stage only take part in the gathers
             tensors[key] = value.cpu().contiguous()
     everyone: list[Any] = [None] * len(pipe.ranks)
     dist.all_gather_object(everyone, {k: t.numel() * t.element_size() for k, t in stage.items()},
@@ -143,13 +142,13 @@ def export(pipe: Pipeline, directory: str | os.PathLike[str], model: torch.nn.Mo
         raise PipelineRuntimeError(f"save_pretrained: tensors {twice[:5]} are owned by two stages")
     failure: BaseException | None = None
     try:
-        if replica == 0 and tensors:
+        if writer and tensors:
             _write_shard(directory, files[pipe.rank], tensors)
     except Exception as e:
         failure = e
     raise_together(failure, f"write its shard into {directory}")
     try:
-        if replica == 0 and pipe.rank == 0:
+        if writer and pipe.rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
             config = getattr(model, "config", None) or pipe.captured.config
             _write_index(directory, weight_map, sum(sum(s.values()) for s in everyone), config, model)
