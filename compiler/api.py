@@ -59,7 +59,7 @@ from pipecut.options import (
 from pipecut.passes.costs.stages import predicted_timeline
 from pipecut.passes.partition.solve import Devices
 from pipecut.planning.request import Request
-from pipecut.profile.compiled import check_auto, measure_and_choose, with_note
+from pipecut.profile.compiled import check_auto, measure_and_choose
 from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn
 from pipecut.runtime.comm.launch import ready_for_p2p
@@ -166,13 +166,19 @@ def compile(
     if request.options.data_parallel.kind == AUTO:
         request = _with_replicas(request)
     pipe, place = _build(request)
-    moved, request = _time_stages_and_replan(request, pipe, place)
+    moved, request, first = _time_stages_and_replan(request, pipe, place)
     if moved is not None:  # one build alive at a time: two would double every rank's peak memory
         del pipe
         gc.collect()
-        request = dataclasses.replace(request, given=moved, remeasure=True, options=_replaying(request))
+        replay = _replaying(request)
+        request = dataclasses.replace(request, given=moved, remeasure=True, options=replay)
         pipe, place = _build(request)
-        _time_stages_and_replan(request, pipe, place)
+        back, request, _ = _time_stages_and_replan(request, pipe, place, first)
+        if back is not None:  # the moved split measured slower: the first one, built again, untimed
+            del pipe
+            gc.collect()
+            request = dataclasses.replace(request, given=back, remeasure=False, options=replay)
+            pipe, place = _build(request)
     return _replicated(pipe, place)
 
 
@@ -222,14 +228,34 @@ def _calibrates(request: Request) -> bool:
     return (request.given is None or request.remeasure) and measure.calibration_steps > 0 and measure.estimate is None
 
 
-def _time_stages_and_replan(request: Request, pipe: Pipeline, place: Place) -> tuple[Plan | None, Request]:
+REVERT_MARGIN = 0.03
+"""A moved split whose measured step is slower than the first split's by more than this
+fraction is given up for the first (two medians of a few steps each differ by about 1-2% on an
+idle machine here)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _FirstSplit:
+    """On rank 0: the first build's plan, its costs scaled to its own stage times (the split
+    kept), and the step it measured."""
+
+    plan: Plan
+    step_ms: float
+
+
+def _time_stages_and_replan(request: Request, pipe: Pipeline, place: Place, first: _FirstSplit | None = None,
+                            ) -> tuple[Plan | None, Request, _FirstSplit | None]:
     """Live calibration: time the stages of the running pipeline (with compile_stages="auto",
     eager and compiled, one kept), scale the costs to them and partition again on rank 0. The
     pipeline takes the new costs where the split stays (or is being measured again); the new
     plan is returned where the split moved, to build again (its prediction then comes from its
-    own stages' times, and that split is kept), with the request that builds it."""
+    own stages' times, and that split is kept), with the request that builds it and, on rank 0,
+    the first split measured. Measuring a moved split (``first`` given): where it stepped
+    slower than the first split by more than :data:`REVERT_MARGIN`, the first split's plan is
+    returned instead, to build again: the calibrated costs predicted the move to pay, the clock
+    says it did not, and the clock decides."""
     if not _calibrates(request):
-        return None, request
+        return None, request, None
     steps, choice = request.options.measure.calibration_steps, None
     if request.options.runtime.compile_stages == AUTO:
         choice, times = measure_and_choose(pipe, request.example_inputs, request.target, steps)
@@ -237,18 +263,33 @@ def _time_stages_and_replan(request: Request, pipe: Pipeline, place: Place) -> t
         request = dataclasses.replace(request, options=dataclasses.replace(request.options, runtime=runtime))
     else:
         times = measure_stages(pipe, request.example_inputs, request.target, steps)  # before FSDP changes the modules
-    again: list[Any] = [None]
+    again: list[Any] = [None, None]
+    measured: _FirstSplit | None = None
     if dist.get_rank() == 0:
-        made = recalibrate(pipe.plan, times, place.replication, keep_split=request.remeasure)
+        made = recalibrate(pipe.plan, times, place.replication, moved=request.remeasure)
         if choice is not None:  # the plan replays with the mode chosen, and says why
-            made = dataclasses.replace(with_note(made, choice), options=request.options)
-        again = [made.to_json()]
+            made = dataclasses.replace(made.noted(choice.note()), options=request.options)
+        again[0] = made.to_json()
+        if first is not None and times.step_ms > first.step_ms * (1 + REVERT_MARGIN):
+            again[1] = first.plan.noted(f"calibration moved the split to stages of {_sizes(made)} nodes, which "
+                                          f"measured {times.step_ms:.1f} ms a step against {first.step_ms:.1f} ms "
+                                          f"for this split: this split kept").to_json()
+        elif not request.remeasure and not made.runs_like(pipe.plan):
+            kept = recalibrate(pipe.plan, times, place.replication, keep_split=True)
+            measured = _FirstSplit(dataclasses.replace(kept, options=made.options), times.step_ms)
     dist.broadcast_object_list(again, src=0)
+    if again[1] is not None:
+        return Plan.from_json(again[1]), request, None
     recalibrated = Plan.from_json(again[0])
     if request.remeasure or recalibrated.runs_like(pipe.plan):  # same split: keep this build
         pipe.plan, pipe.predicted = recalibrated, tuple(predicted_timeline(recalibrated))
-        return None, request
-    return recalibrated, request
+        return None, request, None
+    return recalibrated, request, measured
+
+
+def _sizes(plan: Plan) -> str:
+    return "/".join(str(len(s.nodes)) for s in plan.stages)
+
 
 
 def _replicated(pipe: Pipeline, place: Place) -> Pipeline:

@@ -9,7 +9,7 @@ not ``pipecut.plan``: that name is the planning function. The kinds the plan nam
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -408,6 +408,14 @@ class Plan:
                     p.data_parallel, p.tied, p.inputs, p.chunked,
                     tuple((s.nodes, s.parameters, s.recompute, s.recomputed, s.inputs, s.outputs) for s in p.stages))
         return layout(self) == layout(other)
+
+    def noted(self, note: str) -> Plan:
+        """This plan with ``note`` appended to its solver's notes (the summary and the report
+        print them); the same plan where ``note`` is empty."""
+        if not note:
+            return self
+        detail = f"{self.solver.detail}; {note}" if self.solver.detail else note
+        return replace(self, solver=replace(self.solver, detail=detail))
 
     def stage_of(self) -> dict[str, int]:
         """Map every partitioned node name to its stage index."""

@@ -56,7 +56,7 @@ from pipecut.planning.request import (
 from pipecut.planning.tensor_parallel import rank_share
 from pipecut.profile.calibrate import calibrate as calibrate_costs
 from pipecut.profile.calibrate import stage_times
-from pipecut.profile.compiled import AMORTIZED_STEPS, CompileChoice, compiled_stage_times, with_note
+from pipecut.profile.compiled import AMORTIZED_STEPS, CompileChoice, compiled_stage_times
 from pipecut.profile.nodes import LossFn
 
 __all__ = ["plan", "plan_asked", "plan_fixed"]
@@ -271,11 +271,11 @@ def _plan_and_time_stages(request: Request, on: Captured, batch: FirstBatch, cos
     times, seconds = compiled_stage_times(on, planned, batch.flat(on), request.loss_fn, batch.target, repeats)
     compiled = named(calibrate_costs(costs, planned, times), chunked)
     if eager is None:
-        return _noted(compiled, f"stages priced compiled (compiling took {seconds:.1f} s here)")
+        return compiled.noted(f"stages priced compiled (compiling took {seconds:.1f} s here)")
     saving_s = (eager.predicted.step_ms - compiled.predicted.step_ms) * AMORTIZED_STEPS / 1e3
     choice = CompileChoice(compiled=saving_s > seconds, eager_step_ms=eager.predicted.step_ms,
                            compiled_step_ms=compiled.predicted.step_ms, compile_s=seconds, source="predicted")
-    return with_note(compiled if choice.compiled else eager, choice)
+    return (compiled if choice.compiled else eager).noted(choice.note())
 
 
 def _partitioned(request: Request, captured: Captured, graph_fingerprint: str, batch_size: int,
@@ -297,7 +297,7 @@ def _finished(request: Request, captured: Captured, batch: FirstBatch, best: Pla
     accepts = accepted_shapes(captured.gm, captured.method, captured.input_names, batch.flat(captured))
     measured = request.options.measure.estimate is None
     done = dataclasses.replace(best, accepts=accepts, profiled_on=str(request.measure_on) if measured else "")
-    return warn_if_sequential(_noted(done, note))
+    return warn_if_sequential(done.noted(note))
 
 
 def _recorded(p: Plan, request: Request) -> Plan:
@@ -337,9 +337,3 @@ def _cluster_recompute(recompute: Recompute | str) -> Recompute:
     return Recompute.SELECTIVE if recompute == AUTO else recompute  # type: ignore[return-value]
 
 
-def _noted(p: Plan, note: str) -> Plan:
-    """``p`` with ``note`` appended to its solver detail."""
-    if not note:
-        return p
-    detail = f"{p.solver.detail}; {note}" if p.solver.detail else note
-    return dataclasses.replace(p, solver=dataclasses.replace(p.solver, detail=detail))

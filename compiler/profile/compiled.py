@@ -30,7 +30,7 @@ from pipecut.profile.calibrate import stage_times
 from pipecut.profile.live import LiveTimes, measure_stages
 from pipecut.runtime.execution.compiled import CompileStats, compile_stage
 
-__all__ = ["AMORTIZED_STEPS", "CompileChoice", "check_auto", "choose_compiled", "compiled_stage_times", "measure_and_choose", "with_note"]
+__all__ = ["AMORTIZED_STEPS", "CompileChoice", "check_auto", "choose_compiled", "compiled_stage_times", "measure_and_choose"]
 
 
 AMORTIZED_STEPS = 1000
@@ -109,8 +109,3 @@ def check_auto(value: bool | str, *, calibrates: bool) -> None:
             "compile_stages=True or False"
         )
 
-
-def with_note(plan: Plan, choice: CompileChoice) -> Plan:
-    """``plan`` with the choice in its solver's notes (the summary and the report print them)."""
-    detail = f"{plan.solver.detail}; {choice.note()}" if plan.solver.detail else choice.note()
-    return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, detail=detail))

@@ -165,10 +165,12 @@ def fit_latency(
 def recalibrate(
     plan: Plan, times: LiveTimes | Sequence[tuple[float, float]], data_parallel: DataParallelOptions | None = None,
     keep_split: bool = False,
+    moved: bool = False,
 ) -> Plan:
     """``plan`` with node costs scaled to the measured stage times (and, given the measured
     step, the link's latency fitted to it: :func:`fit_latency`), partitioned again (a split
-    the user gave is kept, and so is any split with ``keep_split``); predictions come from the
+    the user gave is kept, and so is any split with ``keep_split`` or ``moved``: a split that
+    calibration moved to, timed on its own build, as its note says); predictions come from the
     scaled costs."""
 
     stage_times = times.stages if isinstance(times, LiveTimes) else times
@@ -177,9 +179,9 @@ def recalibrate(
     note = "node costs calibrated on the running pipeline"
     if link != plan.link:
         note += f" (message latency fitted to the measured step: {link.latency_ms:.3f} ms)"
-    if keep_split:
+    if moved:
         note = "the moved split measured again on the running pipeline" + note.removeprefix("node costs calibrated on the running pipeline")
-    if (keep_split or plan.solver.method is Partitioner.GIVEN
+    if (keep_split or moved or plan.solver.method is Partitioner.GIVEN
             or any(s.recompute is not Recompute.NONE for s in plan.stages)):
         facts = _split_facts(plan, nodes, link, data_parallel)
         predicted = dataclasses.replace(facts.predicted, optimum_step_ms=plan.predicted.optimum_step_ms)
@@ -195,5 +197,4 @@ def recalibrate(
         )
         again = dataclasses.replace(again, candidates=plan.candidates, accepts=plan.accepts, profiled_on=plan.profiled_on,
                                     chunked=plan.chunked, options=plan.options)
-    detail = f"{plan.solver.detail}; {note}" if plan.solver.detail else note  # keeps earlier notes
-    return dataclasses.replace(again, solver=dataclasses.replace(again.solver, detail=detail))
+    return dataclasses.replace(again, solver=dataclasses.replace(again.solver, detail=plan.solver.detail)).noted(note)

@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import dataclasses
+import unittest.mock
 from typing import Any
 
 import pytest
 import torch
 
 import pipecut
+import pipecut.api
 from examples import mlp, resnet
 from tests.harness import run_ranks
 from tests.reference import assert_parity, pipeline_grads, reference
 
 pytestmark = pytest.mark.dist
+
+
+def _paced(measure: Any, slower: float) -> Any:
+    """``measure_stages`` whose second call reports a step ``slower`` times the first's."""
+    steps: list[float] = []
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        times = measure(*args, **kwargs)
+        if steps:
+            times = dataclasses.replace(times, step_ms=steps[0] * slower)
+        steps.append(times.step_ms)
+        return times
+
+    return timed
 
 
 def _calibrated(rank: int, world: int) -> dict[str, Any]:
@@ -29,18 +46,21 @@ def _calibrated(rank: int, world: int) -> dict[str, Any]:
     out = {"untouched": untouched, "no_grads": no_grads, "detail": pipe.plan.solver.detail,
            "loss": loss, "grads": pipeline_grads(model, pipe), "link": pipe.plan.link,
            "profiled_on": pipe.plan.profiled_on}
-    # A split that moves after calibration builds the pipeline again (the first build freed).
-    import unittest.mock
-
-    model, inputs, loss_fn, target = resnet.build()  # fresh: the first pipeline's step left gradients
-    with unittest.mock.patch.object(pipecut.Plan, "runs_like", lambda self, other: False):
-        rebuilt = pipecut.compile(
-            model, inputs, world, loss_fn=loss_fn, target=target, microbatches=4,
-            measure=pipecut.MeasureOptions(calibration_steps=1),
-            runtime=pipecut.RuntimeOptions(timeout=120),
-        )
-    out["rebuilt"] = {"loss": rebuilt.step(inputs, target), "grads": pipeline_grads(model, rebuilt),
-                      "detail": rebuilt.plan.solver.detail}
+    # A split that moves after calibration builds the pipeline again (the first build freed),
+    # and is timed again: kept where it steps as fast as the first split, given up for the first
+    # (built a third time) where it steps slower. The moved split's step is set here, so that
+    # which happens does not depend on the machine's load.
+    for name, slower in (("rebuilt", 1.0), ("reverted", 2.0)):
+        model, inputs, loss_fn, target = resnet.build()  # fresh: the first pipeline's step left gradients
+        with unittest.mock.patch.object(pipecut.Plan, "runs_like", lambda self, other: False), \
+                unittest.mock.patch.object(pipecut.api, "measure_stages", _paced(pipecut.api.measure_stages, slower)):
+            rebuilt = pipecut.compile(
+                model, inputs, world, loss_fn=loss_fn, target=target, microbatches=4,
+                measure=pipecut.MeasureOptions(calibration_steps=1),
+                runtime=pipecut.RuntimeOptions(timeout=120),
+            )
+        out[name] = {"loss": rebuilt.step(inputs, target), "grads": pipeline_grads(model, rebuilt),
+                     "detail": rebuilt.plan.solver.detail}
     # The planner chooses microbatches and schedule; the link is measured at compile.
     model, inputs, loss_fn, target = mlp.build(batch_size=8, depth=4)
     auto = pipecut.compile(
@@ -65,6 +85,11 @@ def test_live_calibration_keeps_the_model_and_parity() -> None:
     # ... and the moved split is timed again, its prediction made from its own stages' times
     assert all("moved split measured again" in r["rebuilt"]["detail"] for r in results)
     assert_parity(ref_loss, ref_grads, [r["rebuilt"] for r in results])
+    # ... or, measured slower than the first split, given up for it (and built again)
+    for r in results:
+        assert "measured again" not in r["reverted"]["detail"], r["reverted"]["detail"]
+        assert "this split kept" in r["reverted"]["detail"] and "calibrated on the running" in r["reverted"]["detail"]
+    assert_parity(ref_loss, ref_grads, [r["reverted"] for r in results])
     assert results[0]["link"].measured and results[0]["link"] == results[1]["link"]
     assert results[0]["profiled_on"] == results[1]["profiled_on"] == "cpu"  # rank 0's own device
     plan = pipecut.Plan.from_json(results[0]["auto"]["plan"])

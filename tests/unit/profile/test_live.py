@@ -23,7 +23,9 @@ def test_recalibrate_moves_the_split_unless_told_to_keep_it() -> None:
     moved = recalibrate(plan, times)
     assert len(moved.stages[0].nodes) < len(plan.stages[0].nodes)
     kept = recalibrate(plan, times, keep_split=True)
-    assert kept.runs_like(plan) and "measured again" in kept.solver.detail
+    assert kept.runs_like(plan) and "measured again" not in kept.solver.detail
+    again = recalibrate(plan, times, moved=True)  # a moved split, timed on its own build
+    assert again.runs_like(plan) and "the moved split measured again" in again.solver.detail
     # The kept split's prediction is made from the measured stage times.
     assert kept.stages[0].forward_ms == pytest.approx(times[0][0])
     assert kept.stages[0].backward_ms == pytest.approx(times[0][1])
