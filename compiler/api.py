@@ -291,7 +291,6 @@ def _sizes(plan: Plan) -> str:
     return "/".join(str(len(s.nodes)) for s in plan.stages)
 
 
-
 def _replicated(pipe: Pipeline, place: Place) -> Pipeline:
     """Data parallelism over the replicas, after Pipeline has read the parameter names FSDP
     may change."""

@@ -283,8 +283,9 @@ def _partitioned(request: Request, captured: Captured, graph_fingerprint: str, b
     """:func:`partition_costs` for the request; the plan names ``captured``'s graph."""
     options = request.options
     assert isinstance(options.microbatches, int) and options.schedule not in (None, AUTO)
+    share = rank_share(costs, options.tensor_parallel.size or 1, request.link)  # one rank's, under TP
     planned = partition_costs(
-        rank_share(costs, options.tensor_parallel.size or 1, request.link), devices=request.specs, microbatches=options.microbatches, batch_size=batch_size,
+        share, devices=request.specs, microbatches=options.microbatches, batch_size=batch_size,
         schedule=as_schedule(options.schedule), link=request.link, partition=request.options.partition,
         stages_per_rank=request.stages_per_rank, data_parallel=request.replication,
         fingerprint=graph_fingerprint, capture=captured.method, inputs=captured.input_names,
@@ -335,5 +336,3 @@ def _for_cluster(request: Request, cluster: str | Cluster, tensor_parallel: int 
 def _cluster_recompute(recompute: Recompute | str) -> Recompute:
     """A cluster plan assumes one level for every stage: selective checkpointing for "auto"."""
     return Recompute.SELECTIVE if recompute == AUTO else recompute  # type: ignore[return-value]
-
-

@@ -108,4 +108,3 @@ def check_auto(value: bool | str, *, calibrates: bool) -> None:
             "calibration_steps=0 or estimated costs (MeasureOptions(estimate=...)) skip; pass "
             "compile_stages=True or False"
         )
-
