@@ -126,7 +126,8 @@ def run(name: str, ranks: int, rounds: int, steps: int, most: int, schedule: str
     return {"model": name, "ranks": ranks, "stages": chosen.num_stages, "schedule": chosen.schedule.value,
             "candidates": len(rows) - 1, "rows": rows,
             "pipecut_split_is_a_block_boundary": len(keep) < len(given),
-            "pipecut_rank": order.index(0) + 1, "pipecut_vs_best": rows[0]["vs_best"]}
+            "pipecut_rank": order.index(0) + 1, "pipecut_vs_best": rows[0]["vs_best"],
+            "pipecut_notes": chosen.solver.detail}
 
 
 def print_result(res: dict[str, Any]) -> None:
@@ -134,6 +135,7 @@ def print_result(res: dict[str, Any]) -> None:
           f"{res['candidates']} block-boundary splits; pipecut's "
           f"split ranks {res['pipecut_rank']} of {res['candidates'] + 1}, "
           f"{res['pipecut_vs_best']:+.1%} from the measured best")
+    print(f"  pipecut's notes: {res.get('pipecut_notes', '')}")
     for r in sorted(res["rows"], key=lambda r: r["ms"]):
         print(f"  {r['split'][:70]:70} measured {r['ms']:8.1f} ms ({r['vs_best']:+6.1%})  "
               f"predicted {r['predicted_ms']:8.1f} ms", flush=True)
