@@ -28,13 +28,14 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from pipecut.capture import capture
+from pipecut.capture import capture as capture_model
 from pipecut.cluster import LINK_LATENCY_MS, Link
 from pipecut.core.batching import batch_size, split_microbatches
 from pipecut.core.kinds import CostSource
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError
 from pipecut.ir import DeviceSpec, NodeCost
+from pipecut.options import CaptureOptions
 from pipecut.profile.fake import fake_work
 from pipecut.profile.flops import NodeWork, count_work
 from pipecut.profile.nodes import LossFn, profile
@@ -236,6 +237,7 @@ def estimate_costs(
     memory_efficiency: float = MEMORY_EFFICIENCY,
     real: bool = False,
     cost_model: Any = None,
+    capture: CaptureOptions | None = None,
 ) -> tuple[NodeCost, ...]:
     """Cost table of ``model`` on one microbatch, with times estimated for ``device``.
 
@@ -248,12 +250,14 @@ def estimate_costs(
     ``real``: count by running every node for real instead (the reference the fake count is
     tested against; slow, and a meta model's weights are made one node at a time).
     ``cost_model``: price the nodes with a per-op model
-    (:class:`pipecut.profile.hardware.HardwareModel`) instead of the roofline.
+    (:class:`pipecut.profile.hardware.HardwareModel`) instead of the roofline. ``capture``: how
+    the model is captured (default ``CaptureOptions()``: torch.export's symbolic shapes within
+    its time bound; ``time_limit=None`` waits, so the graph does not depend on the machine's load).
     """
     return estimate_captured(
         model, example_inputs, device, precision=precision, microbatches=microbatches,
         loss_fn=loss_fn, target=target, compute_efficiency=compute_efficiency,
-        memory_efficiency=memory_efficiency, real=real, cost_model=cost_model,
+        memory_efficiency=memory_efficiency, real=real, cost_model=cost_model, capture=capture,
     )[1]
 
 
@@ -270,6 +274,7 @@ def estimate_captured(
     memory_efficiency: float = MEMORY_EFFICIENCY,
     real: bool = False,
     cost_model: Any = None,
+    capture: CaptureOptions | None = None,
 ) -> tuple[Captured, tuple[NodeCost, ...]]:
     """:func:`estimate_costs` and the capture it made (for the plan's fingerprint, without
     capturing a large model twice)."""
@@ -293,7 +298,9 @@ def estimate_captured(
     first_target = (
         split_microbatches(target, microbatches, size, "target")[0] if target is not None else None
     )
-    captured = capture(model, first_inputs)
+    how = capture or CaptureOptions()
+    captured = capture_model(model, first_inputs, method=how.method, leaf_modules=how.leaf_modules,
+                             dynamic_shapes=how.dynamic_shapes, time_limit=how.time_limit)
     flat = captured.flatten_inputs(first_inputs)
     rows, work = count_costs(captured, flat, loss_fn=loss_fn, target=first_target, real=real)
     return captured, estimate_rows(
