@@ -282,7 +282,8 @@ def _time_stages_and_replan(request: Request, pipe: Pipeline, place: Place, firs
         return Plan.from_json(again[1]), request, None
     recalibrated = Plan.from_json(again[0])
     if request.remeasure or recalibrated.runs_like(pipe.plan):  # same split: keep this build
-        pipe.plan, pipe.predicted = recalibrated, tuple(predicted_timeline(recalibrated))
+        pipe.recost(recalibrated, runnable_schedule(recalibrated, place), schedules(recalibrated),
+                    predicted_timeline(recalibrated))
         return None, request, None
     return recalibrated, request, measured
 

@@ -160,6 +160,24 @@ class Pipeline:
                 workers.update({id(w): w for w in self._modes.workers(mode).values()})  # type: ignore[union-attr]
         return list(workers.values())
 
+    def recost(self, plan: Plan, schedule: Schedule, schedule_for: ScheduleResolver,
+               predicted: Sequence[tuple[Action, float, float]]) -> None:
+        """Take ``plan``, this pipeline's stages with other costs (live calibration), and the
+        schedule built on them. A zero-bubble order is list scheduled on the costs, so it can
+        move with them; the pipeline runs the order its plan replays, or a resumed run would
+        sum gradients in another order than the run it resumes."""
+        def layout(p: Plan) -> tuple[Any, ...]:
+            return p.schedule, p.microbatches, tuple(s.nodes for s in p.stages)
+
+        if layout(plan) != layout(self.plan):
+            raise PipelineRuntimeError(
+                f"rank {self.rank}: a plan of other stages cannot replace this pipeline's "
+                f"(stages {self.stages}); build it with pipecut.compile (a pipecut bug if compile got here)"
+            )
+        self.plan, self.schedule, self._schedule_for = plan, schedule, schedule_for
+        self.predicted = tuple(predicted)
+        self._programs.clear()
+
     @property
     def module(self) -> torch.nn.Module:
         """This rank's stage GraphModule (one stage per rank; see :attr:`modules` otherwise)."""

@@ -12,6 +12,7 @@ import torch
 import pipecut
 import pipecut.api
 from examples import mlp, resnet
+from pipecut.passes.costs.stages import plan_schedule
 from tests.harness import run_ranks
 from tests.reference import assert_parity, pipeline_grads, reference
 
@@ -28,6 +29,17 @@ def _paced(measure: Any, slower: float) -> Any:
             times = dataclasses.replace(times, step_ms=steps[0] * slower)
         steps.append(times.step_ms)
         return times
+
+    return timed
+
+
+def _timed_as(measure: Any, stages: tuple[tuple[float, float], ...], orders: list[Any]) -> Any:
+    """``measure_stages`` that reports the stages' (forward, backward) ms as ``stages``, whatever
+    they measured; notes the order each pipeline it times runs in ``orders``."""
+
+    def timed(pipe: Any, *args: Any, **kwargs: Any) -> Any:
+        orders.append(pipe.schedule)
+        return dataclasses.replace(measure(pipe, *args, **kwargs), stages=stages)
 
     return timed
 
@@ -61,6 +73,20 @@ def _calibrated(rank: int, world: int) -> dict[str, Any]:
             )
         out[name] = {"loss": rebuilt.step(inputs, target), "grads": pipeline_grads(model, rebuilt),
                      "detail": rebuilt.plan.solver.detail}
+    # A build kept with calibrated costs runs the order those costs give (a ZBV order is list
+    # scheduled on them), which is the order its plan replays. The last of the four stages is
+    # set to time 8x each of the others, which the profiled split balances: the split moves
+    # (built again, timed again, kept: its step set equal) or stays, and either way the kept
+    # build's order moves with its costs (checked below: else this would check nothing).
+    model, inputs, loss_fn, target = mlp.build(batch_size=8, depth=4)
+    orders: list[Any] = []
+    heavy_last = _timed_as(pipecut.api.measure_stages, ((1.0, 2.0),) * 3 + ((8.0, 16.0),), orders)
+    with unittest.mock.patch.object(pipecut.api, "measure_stages", _paced(heavy_last, 1.0)):
+        kept = pipecut.compile(model, inputs, world, loss_fn=loss_fn, target=target, microbatches=4,
+                               schedule="zbv", measure=pipecut.MeasureOptions(calibration_steps=1),
+                               runtime=pipecut.RuntimeOptions(timeout=120))
+    out["kept"] = {"loss": kept.step(inputs, target), "grads": pipeline_grads(model, kept),
+                   "runs": kept.schedule == plan_schedule(kept.plan), "moved": orders[-1] != plan_schedule(kept.plan)}
     # The planner chooses microbatches and schedule; the link is measured at compile.
     model, inputs, loss_fn, target = mlp.build(batch_size=8, depth=4)
     auto = pipecut.compile(
@@ -92,6 +118,11 @@ def test_live_calibration_keeps_the_model_and_parity() -> None:
     assert_parity(ref_loss, ref_grads, [r["reverted"] for r in results])
     assert results[0]["link"].measured and results[0]["link"] == results[1]["link"]
     assert results[0]["profiled_on"] == results[1]["profiled_on"] == "cpu"  # rank 0's own device
+    for r in results:
+        assert r["kept"]["moved"]  # the calibrated costs give another order than the first build's
+        assert r["kept"]["runs"]  # ... and the pipeline runs it
+    ref_loss, ref_grads = reference(lambda: mlp.build(batch_size=8, depth=4), 4, False)
+    assert_parity(ref_loss, ref_grads, [r["kept"] for r in results])
     plan = pipecut.Plan.from_json(results[0]["auto"]["plan"])
     chosen = [c for c in plan.candidates if c.note == "chosen"]
     assert len(plan.candidates) == 12 and len(chosen) == 1  # M in {2, 4, 8} x four schedules (ZBV too)
