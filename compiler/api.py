@@ -64,7 +64,7 @@ from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn
 from pipecut.runtime.comm.launch import ready_for_p2p
 from pipecut.runtime.execution.compiled import check_compilable
-from pipecut.runtime.grads.data_parallel import fsdp2_engine, replicate
+from pipecut.runtime.grads.data_parallel import replicate
 from pipecut.runtime.pipeline import Pipeline
 from pipecut.runtime.state.materialize import check_unexpected
 from pipecut.runtime.state.weights import WeightSource, open_weights
@@ -194,7 +194,7 @@ def _build(request: Request) -> tuple[Pipeline, Place]:
     derived = other_mode(request.model, chosen.first, chosen.captured, chosen.plan, request.options.capture.leaf_modules)
     make = worker_factory(request, place)
     shards = None
-    if place.layout.tp_mesh is not None:  # refused before any tensor is made
+    if place.tensor_parallel:  # refused before any tensor is made
         shards = tensor_shards(request.model, chosen.plan, request.options.tensor_parallel)
         check_composable(chosen.plan, place, shards, request.model, request.options)
     captured, workers = build_workers(request, place, chosen.captured, chosen.plan, source, make)
@@ -297,10 +297,10 @@ def _replicated(pipe: Pipeline, place: Place) -> Pipeline:
     may change."""
     if place.replication is not None:
         assert place.layout.dp_group is not None  # replication_of gives None without a "dp" dimension
-        kind, tensor_parallel = place.replication.resolved_kind, place.layout.tp_mesh is not None
+        kind, tensor_parallel = place.replication.resolved_kind, place.tensor_parallel
         pipe.replication = replicate(pipe.workers, pipe.schedule[place.rank], kind, group=place.layout.dp_group,
                                      mesh=place.layout.dp_mesh, tensor_parallel=tensor_parallel)
-        if fsdp2_engine(kind, tensor_parallel) and pipe.modes is not None:
+        if place.on_fsdp2 and pipe.modes is not None:
             # FSDP2 swapped the captured mode's parameters for its own; the other mode's
             # programs (an export graph fixes its mode) would run the tensors of compile time,
             # silently (found by the fuzzer, issue 27).

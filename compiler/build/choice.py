@@ -15,7 +15,7 @@ import torch.distributed as dist
 from pipecut.build.context import Place
 from pipecut.build.layout import plan_from_rank0
 from pipecut.build.replay import Settings
-from pipecut.capture import as_planned, capture, fingerprint
+from pipecut.capture import as_planned, capture_as, fingerprint
 from pipecut.capture.agree import capture_for_plan
 from pipecut.core.batching import first_microbatch
 from pipecut.core.kinds import Recompute
@@ -56,8 +56,7 @@ def capture_and_broadcast_plan(request: Request, place: Place, settings: Setting
     _, first = first_microbatch(request.example_inputs, microbatches)
     options, method = request.options.capture, settings.capture_method
     if chosen is None:  # every rank captures, rank 0 plans on its graph
-        captured = capture(request.model, first, method=method, leaf_modules=options.leaf_modules,
-                           dynamic_shapes=options.dynamic_shapes, time_limit=options.time_limit)
+        captured = capture_as(request.model, first, options, method=method)
         chosen = _on_rank0(request, place, settings, captured)
         captured = capture_for_plan(request.model, first, chosen, options, method=method, got=captured)
     else:  # the graph the plan names (a time limit may have run out on rank 0 only)

@@ -27,6 +27,7 @@ from pipecut.planning.request import Request
 from pipecut.runtime.comm.launch import local_device
 from pipecut.runtime.comm.linkprobe import measure_link
 from pipecut.runtime.comm.teardown import open_default_group
+from pipecut.runtime.grads.data_parallel import fsdp2_engine
 from pipecut.runtime.memory.allocator import return_large_frees
 from pipecut.runtime.memory.capacity import gathered_free_bytes, with_capacities
 
@@ -54,6 +55,17 @@ class Place:
     @property
     def world(self) -> int:
         return len(self.ranks)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether this rank's stages are split over a tensor-parallel group."""
+        return self.layout.tp_mesh is not None
+
+    @property
+    def on_fsdp2(self) -> bool:
+        """Whether the replicas are kept in step by FSDP2's engine (``fully_shard``, or
+        ``replicate`` over tensor-parallel stages), which swaps the stages' parameter slots."""
+        return self.replication is not None and fsdp2_engine(self.replication.resolved_kind, self.tensor_parallel)
 
 
 def connect(request: Request, settings: Settings) -> Place:

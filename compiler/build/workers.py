@@ -30,7 +30,6 @@ from pipecut.planning.request import Request
 from pipecut.runtime.comm.sync import stage_state, sync_from_rank0
 from pipecut.runtime.comm.teardown import close_at_exit
 from pipecut.runtime.execution.stage import StageWorker
-from pipecut.runtime.grads.data_parallel import fsdp2_engine
 from pipecut.runtime.state.materialize import materialize_stage, raise_together
 from pipecut.runtime.state.weights import WeightSource
 
@@ -67,8 +66,7 @@ def build_workers(request: Request, place: Place, captured: Captured, plan: Plan
     failure: BaseException | None = None
     for stage in plan.stages_on(place.rank):
         program = split_stage(captured.gm, plan, stage)
-        if place.replication is not None and fsdp2_engine(place.replication.resolved_kind,
-                                                          place.layout.tp_mesh is not None):
+        if place.on_fsdp2:
             # FSDP2 swaps the parameter slots of the modules it wraps: the stage's own copies,
             # not the model's (which another pipeline of the same model may train)
             own_modules(program.module)

@@ -10,6 +10,6 @@ as it was, :mod:`~pipecut.capture.frozen` honours ``no_grad`` blocks, and
 from __future__ import annotations
 
 from pipecut.capture.chunked import as_planned
-from pipecut.capture.trace import capture, fingerprint
+from pipecut.capture.trace import capture, capture_as, fingerprint
 
-__all__ = ["as_planned", "capture", "fingerprint"]
+__all__ = ["as_planned", "capture", "capture_as", "fingerprint"]

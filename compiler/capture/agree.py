@@ -12,12 +12,13 @@ waiting for the symbolic export.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
 
-from pipecut.capture.trace import capture, fingerprint
+from pipecut.capture.trace import capture_as, fingerprint
 from pipecut.core.kinds import CaptureMethod
 from pipecut.core.program import Captured, Inputs, Shapes
 from pipecut.errors import CaptureError
@@ -55,8 +56,8 @@ def capture_for_plan(
         if any(c.static_shapes == static or c.method is CaptureMethod.SYMBOLIC_TRACE for c in tried):
             continue  # that mode gave its graph already (symbolic_trace has no shapes mode)
         limit = _limit(options, replaying=static == static_plan(plan))
-        captured = capture(model, inputs, method=method, leaf_modules=options.leaf_modules,
-                           dynamic_shapes=not static, time_limit=limit)
+        captured = capture_as(model, inputs, dataclasses.replace(options, dynamic_shapes=not static, time_limit=limit),
+                              method=method)
         if _matches(captured, plan):
             return captured
         tried.append(captured)

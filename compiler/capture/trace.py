@@ -34,7 +34,7 @@ from pipecut.core.meta import has_meta, input_device, relocate_meta, to_meta
 from pipecut.core.names import model_names
 from pipecut.core.program import NO_DEFAULT, Captured, Inputs, Shapes, split_args
 from pipecut.errors import CaptureError, InputError
-from pipecut.options import AUTO, EXPORT_TIME_LIMIT, leaf_name
+from pipecut.options import AUTO, EXPORT_TIME_LIMIT, CaptureOptions, leaf_name
 
 __all__ = ["capture", "fingerprint"]
 
@@ -88,6 +88,15 @@ def capture(
     check_input_writes(captured.gm, captured.input_names, captured.flatten_inputs(example_inputs))
     return dataclasses.replace(captured, names=model_names(captured.gm, model),
                                config=getattr(model, "config", None))
+
+
+def capture_as(model: torch.nn.Module, example_inputs: Inputs, options: CaptureOptions,
+               method: CaptureMethod | Literal["auto"] | None = None) -> Captured:
+    """:func:`capture` as ``options`` say; ``method``, where given, instead of theirs (a replayed
+    plan's)."""
+    return capture(model, example_inputs, method=options.method if method is None else method,
+                   leaf_modules=options.leaf_modules, dynamic_shapes=options.dynamic_shapes,
+                   time_limit=options.time_limit)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 
-from pipecut.capture import capture
+from pipecut.capture import capture_as
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.kinds import ScheduleKind
 from pipecut.core.meta import input_device
@@ -120,9 +120,7 @@ class FirstBatch:
 
 def capture_at(request: Request, inputs: Inputs) -> Captured:
     """The request's model captured on ``inputs`` (one microbatch) as its options say."""
-    options = request.options.capture
-    return capture(request.model, inputs, method=options.method, leaf_modules=options.leaf_modules,
-                   dynamic_shapes=options.dynamic_shapes, time_limit=options.time_limit)
+    return capture_as(request.model, inputs, request.options.capture)
 
 
 def profile_at(request: Request, captured: Captured, inputs: Inputs, target: Any, *,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from pipecut.capture import capture as capture_model
+from pipecut.capture import capture_as
 from pipecut.cluster import LINK_LATENCY_MS, Link
 from pipecut.core.batching import batch_size, split_microbatches
 from pipecut.core.kinds import CostSource
@@ -298,9 +298,7 @@ def estimate_captured(
     first_target = (
         split_microbatches(target, microbatches, size, "target")[0] if target is not None else None
     )
-    how = capture or CaptureOptions()
-    captured = capture_model(model, first_inputs, method=how.method, leaf_modules=how.leaf_modules,
-                             dynamic_shapes=how.dynamic_shapes, time_limit=how.time_limit)
+    captured = capture_as(model, first_inputs, capture or CaptureOptions())
     flat = captured.flatten_inputs(first_inputs)
     rows, work = count_costs(captured, flat, loss_fn=loss_fn, target=first_target, real=real)
     return captured, estimate_rows(
