@@ -16,7 +16,8 @@ Columns: GPipe, 1F1B and zero-bubble split batch 4 into 2 microbatches; interlea
 stages per rank) and ZBV split 4 into 4; ``zero-bubble-1`` is ViT's case of one sample per
 microbatch (batch 2 in 2) under zero-bubble. Plans come from a fixed cost table
 (``examples.pinned``: every node the same cost), so a cell gives the same answer on every run;
-``--measured`` plans from timings instead, as a user's ``compile`` does.
+``--measured`` plans from timings instead, calibrated on the running pipeline, as a user's
+``compile`` does (the runtime's paths after calibration: a rebuilt split, a re-costed order).
 
     .venv/bin/python benchmarks/zoo_matrix.py                                  # everything, K = 2
     .venv/bin/python benchmarks/zoo_matrix.py --models t5 bart --schedules zbv --timeout 120
@@ -42,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.coverage import ATOL, RTOL, write_section  # noqa: E402
 from examples import pinned, zoo  # noqa: E402
 from examples.architectures import ARCHITECTURES  # noqa: E402
-from pipecut import ScheduleKind  # noqa: E402
+from pipecut import MeasureOptions, ScheduleKind  # noqa: E402
 from pipecut.errors import PipecutError  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 
@@ -68,11 +69,12 @@ COLUMNS = (
 BY_NAME = {c.name: c for c in COLUMNS}
 
 
-def _cell_on_rank(rank: int, world: int, name: str, column: Column, plan: Any) -> dict[str, Any]:
+def _cell_on_rank(rank: int, world: int, name: str, column: Column, plan: Any, measured: bool) -> dict[str, Any]:
     """One rank's step, or its error as data (so that the other rank's result still comes back)."""
     try:
         return zoo.pipelined_step(rank, world, name, column.microbatches, batch_size=column.batch_size,
-                                  schedule=column.schedule, models=ARCHITECTURES, plan=plan)
+                                  schedule=column.schedule, models=ARCHITECTURES, plan=plan,
+                                  measure=MeasureOptions() if measured else None)
     except Exception as e:
         return {"error": _error_line(e), "refused": isinstance(e, PipecutError),
                 "kind": type(e).__name__, "traceback": traceback.format_exc()}
@@ -95,12 +97,13 @@ def _row(name: str, column: Column, k: int) -> dict[str, Any]:
             "batch_size": column.batch_size, "microbatches": column.microbatches}
 
 
-def run_cell(name: str, column: Column, k: int, timeout: float, plan: Any) -> dict[str, Any]:
-    """The row of one cell: its status and what explains it."""
+def run_cell(name: str, column: Column, k: int, timeout: float, plan: Any, measured: bool = False) -> dict[str, Any]:
+    """The row of one cell: its status and what explains it. Without ``plan``, ``measured``
+    plans from timings and calibrates on the running pipeline (else from counted costs)."""
     row = _row(name, column, k)
     start = time.perf_counter()
     try:
-        ranks = run_ranks(_cell_on_rank, k, name, column, plan, timeout=timeout)
+        ranks = run_ranks(_cell_on_rank, k, name, column, plan, measured, timeout=timeout)
     except TimeoutError as e:
         return {**row, "status": "timeout", "detail": str(e).splitlines()[0],
                 "seconds": round(time.perf_counter() - start, 1)}
@@ -145,7 +148,7 @@ def sweep(names: list[str], columns: list[Column], stages: list[int], timeout: f
                              "status": "refused" if isinstance(e, PipecutError) else "error",
                              "detail": f"planning: {_error_line(e)}", "traceback": traceback.format_exc()})
             else:
-                rows.append(run_cell(name, column, k, timeout, plan))
+                rows.append(run_cell(name, column, k, timeout, plan, measured))
             print(_progress(rows[-1]), file=sys.stderr, flush=True)
     return rows
 

@@ -279,25 +279,28 @@ def stages_per_rank_of(kind: pipecut.ScheduleKind) -> int:
 
 def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_size: int = 8,
                    seed: int = 0, timeout: float = 60.0, schedule: str | pipecut.ScheduleKind = "gpipe",
-                   *, models: Factories | None = None, plan: Any = None) -> dict[str, Any]:
+                   *, models: Factories | None = None, plan: Any = None,
+                   measure: pipecut.MeasureOptions | None = None) -> dict[str, Any]:
     """On one rank: compile model ``name`` of ``models`` over ``world`` ranks, run one step.
 
     ``schedule``: any :class:`pipecut.ScheduleKind` or its name (interleaved 1F1B and ZBV with
-    2 stages per rank). ``plan``: replay this plan instead of profiling on rank 0 (a parity
-    test pins its split and schedule with :func:`examples.pinned.fixed_plan`). Returns what the
+    2 stages per rank). ``plan``: replay this plan instead of planning on rank 0 (a parity
+    test pins its split and schedule with :func:`examples.pinned.fixed_plan`). ``measure``: how
+    rank 0 plans without one (default: counted costs priced on a fixed device profile, no clock
+    and no calibration, so the split, and with it the order in which gradients are summed, is
+    the same on every run; ``MeasureOptions()`` plans as a user's ``compile`` does, from
+    timings, calibrated on the running pipeline). Returns what the
     parity check compares: the loss, this rank's gradients and buffers under the model's names,
     and how the model was captured.
     """
     kind = pipecut.ScheduleKind(schedule)
     model, inputs, loss_fn, target = factory(name, models)(batch_size=batch_size, seed=seed)
-    # Planned from counted costs priced on a fixed device profile (no clock, no calibration):
-    # the split, and with it the order in which gradients are summed, is the same on every run.
     pipe = pipecut.compile(
         model, inputs, world, loss_fn=loss_fn, target=target, plan=plan,
         microbatches=microbatches, schedule=kind,
         scheduling=pipecut.ScheduleOptions(stages_per_rank=stages_per_rank_of(kind)),
         runtime=pipecut.RuntimeOptions(timeout=timeout),
-        measure=pipecut.MeasureOptions(estimate="A100-80GB"),
+        measure=measure if measure is not None else pipecut.MeasureOptions(estimate="A100-80GB"),
     )
     loss = pipe.step(inputs, target)
     return {

@@ -36,7 +36,7 @@ from pipecut.core.program import NO_DEFAULT, Captured, Inputs, Shapes, split_arg
 from pipecut.errors import CaptureError, InputError
 from pipecut.options import AUTO, EXPORT_TIME_LIMIT, CaptureOptions, leaf_name
 
-__all__ = ["capture", "fingerprint"]
+__all__ = ["capture", "capture_as", "fingerprint"]
 
 log = logging.getLogger(__name__)
 

@@ -11,12 +11,18 @@ import torch
 
 import pipecut
 import pipecut.api
+import pipecut.planning.planner
 from examples import mlp, resnet
+from pipecut.cluster import Link
+from pipecut.ir import NodeCost
 from pipecut.passes.costs.stages import plan_schedule
+from pipecut.passes.partition.chain import is_unit
 from tests.harness import run_ranks
 from tests.reference import assert_parity, pipeline_grads, reference
 
 pytestmark = pytest.mark.dist
+
+FAST = Link(bandwidth_bytes_per_ms=1e9, name="given: messages cost nothing")
 
 
 def _paced(measure: Any, slower: float) -> Any:
@@ -34,14 +40,25 @@ def _paced(measure: Any, slower: float) -> Any:
 
 
 def _timed_as(measure: Any, stages: tuple[tuple[float, float], ...], orders: list[Any]) -> Any:
-    """``measure_stages`` that reports the stages' (forward, backward) ms as ``stages``, whatever
+    """``measure_stages`` that reports the stages' (forward, backward) ms as ``stages`` and a
+    step of 1 ms (shorter than any simulated step: the fitted message latency is 0), whatever
     they measured; notes the order each pipeline it times runs in ``orders``."""
 
     def timed(pipe: Any, *args: Any, **kwargs: Any) -> Any:
         orders.append(pipe.schedule)
-        return dataclasses.replace(measure(pipe, *args, **kwargs), stages=stages)
+        return dataclasses.replace(measure(pipe, *args, **kwargs), stages=stages, step_ms=1.0)
 
     return timed
+
+
+def _counted(profile_at: Any) -> Any:
+    """The planner's node profile with every operation set to 1 ms forward, 2 ms backward."""
+
+    def fixed(*args: Any, **kwargs: Any) -> tuple[NodeCost, ...]:
+        return tuple(dataclasses.replace(n, forward_ms=1.0, backward_ms=2.0) if is_unit(n) else n
+                     for n in profile_at(*args, **kwargs))
+
+    return fixed
 
 
 def _calibrated(rank: int, world: int) -> dict[str, Any]:
@@ -74,19 +91,22 @@ def _calibrated(rank: int, world: int) -> dict[str, Any]:
         out[name] = {"loss": rebuilt.step(inputs, target), "grads": pipeline_grads(model, rebuilt),
                      "detail": rebuilt.plan.solver.detail}
     # A build kept with calibrated costs runs the order those costs give (a ZBV order is list
-    # scheduled on them), which is the order its plan replays. The last of the four stages is
-    # set to time 8x each of the others, which the profiled split balances: the split moves
-    # (built again, timed again, kept: its step set equal) or stays, and either way the kept
-    # build's order moves with its costs (checked below: else this would check nothing).
+    # scheduled on them), which is the order its plan replays. Nothing here reads a clock: the
+    # nodes profile at set costs, the link is given, and the running stages report set times,
+    # the last stage 8x each of the others. So the split moves off the last stage (built
+    # again, timed again and kept: the same step), and the kept build's costs give another
+    # order than the one it was built with, on every run (checked below).
     model, inputs, loss_fn, target = mlp.build(batch_size=8, depth=4)
     orders: list[Any] = []
     heavy_last = _timed_as(pipecut.api.measure_stages, ((1.0, 2.0),) * 3 + ((8.0, 16.0),), orders)
-    with unittest.mock.patch.object(pipecut.api, "measure_stages", _paced(heavy_last, 1.0)):
-        kept = pipecut.compile(model, inputs, world, loss_fn=loss_fn, target=target, microbatches=4,
-                               schedule="zbv", measure=pipecut.MeasureOptions(calibration_steps=1),
+    with unittest.mock.patch.object(pipecut.api, "measure_stages", heavy_last), \
+            unittest.mock.patch.object(pipecut.planning.planner, "profile_at", _counted(pipecut.planning.planner.profile_at)):
+        kept = pipecut.compile(model, inputs, world, loss_fn=loss_fn, target=target, microbatches=4, schedule="zbv",
+                               measure=pipecut.MeasureOptions(calibrate=False, calibration_steps=1, link=FAST),
                                runtime=pipecut.RuntimeOptions(timeout=120))
     out["kept"] = {"loss": kept.step(inputs, target), "grads": pipeline_grads(model, kept),
-                   "runs": kept.schedule == plan_schedule(kept.plan), "moved": orders[-1] != plan_schedule(kept.plan)}
+                   "runs": kept.schedule == plan_schedule(kept.plan), "moved": orders[-1] != plan_schedule(kept.plan),
+                   "builds": len(orders)}
     # The planner chooses microbatches and schedule; the link is measured at compile.
     model, inputs, loss_fn, target = mlp.build(batch_size=8, depth=4)
     auto = pipecut.compile(
@@ -119,7 +139,7 @@ def test_live_calibration_keeps_the_model_and_parity() -> None:
     assert results[0]["link"].measured and results[0]["link"] == results[1]["link"]
     assert results[0]["profiled_on"] == results[1]["profiled_on"] == "cpu"  # rank 0's own device
     for r in results:
-        assert r["kept"]["moved"]  # the calibrated costs give another order than the first build's
+        assert r["kept"]["builds"] == 2 and r["kept"]["moved"]  # another order than the kept build's first
         assert r["kept"]["runs"]  # ... and the pipeline runs it
     ref_loss, ref_grads = reference(lambda: mlp.build(batch_size=8, depth=4), 4, False)
     assert_parity(ref_loss, ref_grads, [r["kept"] for r in results])
