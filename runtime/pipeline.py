@@ -166,10 +166,7 @@ class Pipeline:
         schedule built on them. A zero-bubble order is list scheduled on the costs, so it can
         move with them; the pipeline runs the order its plan replays, or a resumed run would
         sum gradients in another order than the run it resumes."""
-        def layout(p: Plan) -> tuple[Any, ...]:
-            return p.schedule, p.microbatches, tuple(s.nodes for s in p.stages)
-
-        if layout(plan) != layout(self.plan):
+        if not plan.runs_like(self.plan):
             raise PipelineRuntimeError(
                 f"rank {self.rank}: a plan of other stages cannot replace this pipeline's "
                 f"(stages {self.stages}); build it with pipecut.compile (a pipecut bug if compile got here)"

@@ -39,13 +39,15 @@ def _paced(measure: Any, slower: float) -> Any:
     return timed
 
 
-def _timed_as(measure: Any, stages: tuple[tuple[float, float], ...], orders: list[Any]) -> Any:
-    """``measure_stages`` that reports the stages' (forward, backward) ms as ``stages`` and a
-    step of 1 ms (shorter than any simulated step: the fitted message latency is 0), whatever
-    they measured; notes the order each pipeline it times runs in ``orders``."""
+def _heavy_last(measure: Any, orders: list[Any]) -> Any:
+    """``measure_stages`` that reports every stage at 1 ms forward and 2 ms backward but the
+    last, at 8x that, and a step of 1 ms (shorter than any simulated step: the fitted message
+    latency is 0), whatever they measured; notes the order each pipeline it times runs in
+    ``orders``. Calibration then moves the split off the last stage on every run."""
 
     def timed(pipe: Any, *args: Any, **kwargs: Any) -> Any:
         orders.append(pipe.schedule)
+        stages = ((1.0, 2.0),) * (len(pipe.plan.stages) - 1) + ((8.0, 16.0),)
         return dataclasses.replace(measure(pipe, *args, **kwargs), stages=stages, step_ms=1.0)
 
     return timed
@@ -77,12 +79,13 @@ def _calibrated(rank: int, world: int) -> dict[str, Any]:
            "profiled_on": pipe.plan.profiled_on}
     # A split that moves after calibration builds the pipeline again (the first build freed),
     # and is timed again: kept where it steps as fast as the first split, given up for the first
-    # (built a third time) where it steps slower. The moved split's step is set here, so that
-    # which happens does not depend on the machine's load.
+    # (built a third time) where it steps slower. The stages' times and the moved split's step
+    # are set here (the last stage 8x the other), so that the split moves, and which of the two
+    # happens, do not depend on the machine's load.
     for name, slower in (("rebuilt", 1.0), ("reverted", 2.0)):
         model, inputs, loss_fn, target = resnet.build()  # fresh: the first pipeline's step left gradients
-        with unittest.mock.patch.object(pipecut.Plan, "runs_like", lambda self, other: False), \
-                unittest.mock.patch.object(pipecut.api, "measure_stages", _paced(pipecut.api.measure_stages, slower)):
+        timed = _paced(_heavy_last(pipecut.api.measure_stages, []), slower)
+        with unittest.mock.patch.object(pipecut.api, "measure_stages", timed):
             rebuilt = pipecut.compile(
                 model, inputs, world, loss_fn=loss_fn, target=target, microbatches=4,
                 measure=pipecut.MeasureOptions(calibration_steps=1),
@@ -98,7 +101,7 @@ def _calibrated(rank: int, world: int) -> dict[str, Any]:
     # order than the one it was built with, on every run (checked below).
     model, inputs, loss_fn, target = mlp.build(batch_size=8, depth=4)
     orders: list[Any] = []
-    heavy_last = _timed_as(pipecut.api.measure_stages, ((1.0, 2.0),) * 3 + ((8.0, 16.0),), orders)
+    heavy_last = _heavy_last(pipecut.api.measure_stages, orders)
     with unittest.mock.patch.object(pipecut.api, "measure_stages", heavy_last), \
             unittest.mock.patch.object(pipecut.planning.planner, "profile_at", _counted(pipecut.planning.planner.profile_at)):
         kept = pipecut.compile(model, inputs, world, loss_fn=loss_fn, target=target, microbatches=4, schedule="zbv",
