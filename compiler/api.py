@@ -200,7 +200,8 @@ def _build(request: Request) -> tuple[Pipeline, Place]:
     captured, workers = build_workers(request, place, chosen.captured, chosen.plan, source, make)
     sync_weights(request, place, captured, chosen.plan, workers)
     if shards is not None:
-        workers = split_over_tensor_group(place, chosen.plan, captured, chosen.first, workers, shards, make)
+        workers = split_over_tensor_group(place, chosen.plan, captured, chosen.first, workers, shards, make,
+                                          request.options.tensor_parallel.sequence_parallel)
     ready_for_p2p(place.group, place.device)
     pipe = Pipeline(
         plan=chosen.plan, captured=captured, workers=workers, schedule=sched, rank=place.rank,
@@ -348,8 +349,9 @@ def _tensor_group(options: TensorParallelOptions | None, devices: Any) -> Tensor
 def _split_of(recorded: TensorParallelOptions) -> TensorParallelOptions | None:
     """What a replayed plan's options carry of the tensor split: the split asked (the size is
     the mesh's of this run)."""
-    return TensorParallelOptions(plan=recorded.plan, sequence_parallel=recorded.sequence_parallel) if recorded.plan \
-        else None
+    if not recorded.plan and not recorded.sequence_parallel:
+        return None
+    return TensorParallelOptions(plan=recorded.plan, sequence_parallel=recorded.sequence_parallel)
 
 
 def _weight_options(weights: Any) -> WeightOptions | None:

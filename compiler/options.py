@@ -347,7 +347,9 @@ class TensorParallelOptions:
             ``weight`` split by output features, its ``bias`` too), ``row`` (by input features),
             ``vocab`` (an embedding's rows) or ``replicated``. Given, it is the whole split: the
             model's ``tp_plan`` and the graph's pairs are not used.
-        sequence_parallel: Split the norms and residual stream along the sequence (not run yet).
+        sequence_parallel: Split the norms and residual stream along the tokens between split
+            regions (Megatron's sequence parallelism: each region closes with a reduce-scatter
+            and opens with an all-gather instead of an all-reduce; stage boundaries stay whole).
         size: The group size T. ``compile`` takes it from the DeviceMesh's "tp" dimension and
             records it (None: no "tp" dimension); ``plan(cluster=...)`` weighs every size the
             heads and a node allow where it is None, else plans that size.

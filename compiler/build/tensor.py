@@ -22,7 +22,7 @@ import dataclasses
 import datetime
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from pipecut.errors import InputError, PlanError
 from pipecut.ir import Plan
 from pipecut.options import TensorParallelOptions
 from pipecut.passes.parallel.tensor import ParameterShard, parameter_shards, tensor_sizes
-from pipecut.passes.rewrite.tensor_regions import shard_regions
+from pipecut.passes.rewrite.tensor_regions import region_nodes, shard_regions
 from pipecut.planning.tensor_parallel import head_counts
 from pipecut.runtime.comm.teardown import close_at_exit
 from pipecut.runtime.comm.wire import unpack
@@ -108,9 +108,6 @@ def check_composable(plan: Plan, place: Place, shards: Mapping[str, ParameterSha
                      options: Any) -> None:
     """Refuse, before anything is split, what tensor parallelism does not run (yet)."""
     t = place.layout.tensor_parallel
-    if options.tensor_parallel.sequence_parallel:
-        raise InputError("TensorParallelOptions(sequence_parallel=True) is not run yet: the norms and residual "
-                         "adds run whole on every rank of the tensor group; leave sequence_parallel=False")
     if plan.schedule.splits_backward:
         raise PlanError(
             f"the {plan.schedule.value} schedule splits each backward into an input and a weight pass "
@@ -170,12 +167,13 @@ class _Tracing(fx.Interpreter):
 
 def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first: Inputs,
                             workers: Mapping[int, StageWorker], shards: Mapping[str, ParameterShard],
-                            make: Any) -> dict[int, StageWorker]:
+                            make: Any, sequence_parallel: bool = False) -> dict[int, StageWorker]:
     """This rank's stages with their split parameters as DTensors and their graphs in regions
-    (:func:`pipecut.passes.rewrite.tensor_regions.shard_regions`), each run once on zeros; new
-    workers over them. Collective over every rank: one that cannot split its stage fails all."""
+    (:func:`pipecut.passes.rewrite.tensor_regions.shard_regions`; ``sequence_parallel``: the
+    residual stream between them split along its tokens), each run once on zeros; new workers
+    over them. Collective over every rank: one that cannot split its stage fails all."""
     mesh = place.layout.tp_mesh
-    enter, leave = region_ends(mesh)
+    ends = region_ends(mesh, sequence_parallel)
     inputs = dict(zip(captured.input_names, captured.flatten_inputs(first)))
     out: dict[int, StageWorker] = {}
     failure: BaseException | None = None
@@ -184,11 +182,13 @@ def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first:
         public = captured.names.public if captured.names is not None else (lambda n: n)
         mine = {name: shards[public(name) or name] for name, _ in program.module.named_parameters(remove_duplicate=False)
                 if (public(name) or name) in shards}  # by the stage's names (a tied weight's may be an alias)
+        regions = region_nodes(program.module, mine, sequence_parallel)
         shard_module(program.module, {name: shard.dim for name, shard in mine.items()}, mesh,
-                     replicated=_beside_split(program.module, mine))
-        program = dataclasses.replace(program, module=shard_regions(program.module, mine, enter=enter, leave=leave))
+                     replicated=_called_on_dtensors(program.module, mine, regions.inside | regions.spread))
+        split = shard_regions(program.module, mine, enter=ends.enter, leave=ends.leave, whole=ends.whole, join=ends.join)
+        program = dataclasses.replace(program, module=split)
         try:
-            _run_on_zeros(program.module, worker, inputs, s)
+            _run_on_zeros(program.module, worker, inputs, s, regions.spread)
         except PlanError as e:
             failure = failure or e
         out[s] = make(program, plan, captured.unflatten_output)
@@ -196,18 +196,21 @@ def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first:
     return out
 
 
-def _beside_split(module: fx.GraphModule, split: Mapping[str, ParameterShard]) -> list[str]:
-    """The parameters a called module holds beside a split one (an ``nn.Linear``'s bias beside its
-    row-split weight): its forward reads them directly, so they are replicated DTensors."""
-    called = [f"{n.target}." for n in module.graph.nodes if n.op == "call_module"]
-    owners = {prefix for prefix in called if any(name.startswith(prefix) for name in split)}
+def _called_on_dtensors(module: fx.GraphModule, split: Mapping[str, ParameterShard], on: Collection[str]) -> list[str]:
+    """The parameters that a module called on DTensors (the nodes named in ``on``) holds whole:
+    an ``nn.Linear``'s bias beside its row-split weight, a norm's weight on a token shard. The
+    module's forward reads them directly, and DTensor mixes no plain tensor into a product, so
+    they are replicated DTensors."""
+    called = [f"{n.target}." for n in module.graph.nodes if n.op == "call_module" and n.name in on]
     return [name for name, _ in module.named_parameters(remove_duplicate=False)
-            if name not in split and any(name.startswith(prefix) for prefix in owners)]
+            if name not in split and any(name.startswith(prefix) for prefix in called)]
 
 
-def _run_on_zeros(module: fx.GraphModule, worker: StageWorker, inputs: Mapping[str, Any], stage: int) -> None:
+def _run_on_zeros(module: fx.GraphModule, worker: StageWorker, inputs: Mapping[str, Any], stage: int,
+                  spread: Collection[str]) -> None:
     """One forward of the split stage on zeros of its planned inputs (no gradients, no state
-    kept): DTensor refuses an op it cannot propagate here, as it would in the first step."""
+    kept): DTensor refuses an op it cannot propagate here, as it would in the first step.
+    ``spread``: the nodes that run on token shards (sequence parallelism), named as such."""
     received = unpack([torch.zeros(leaf.shape, dtype=leaf.dtype, device=worker.device)
                        for leaf in worker.in_spec.tensors], worker.in_spec, stage) if worker.prev is not None else []
     run = _Tracing(module)
@@ -220,8 +223,12 @@ def _run_on_zeros(module: fx.GraphModule, worker: StageWorker, inputs: Mapping[s
     except Exception as e:
         at = run.at
         where = f"node {at.name} ({at.format_node()})" if at is not None else "its graph"
+        tokens = at is not None and at.name in spread
+        if tokens:
+            where += ", on the residual stream's token shards (sequence parallelism),"
+        fix = ("leave TensorParallelOptions(sequence_parallel=False), keep" if tokens else "Keep")
         raise PlanError(
             f"stage {stage} (rank {dist.get_rank()}) cannot run split over its tensor-parallel group: {where} "
-            f"failed on DTensors: {type(e).__name__}: {str(e).splitlines()[0].rstrip('.') if str(e) else ''}. Keep the "
+            f"failed on DTensors: {type(e).__name__}: {str(e).splitlines()[0].rstrip('.') if str(e) else ''}. {fix} the "
             f"parameters it reads whole with TensorParallelOptions(plan=...), or run without a 'tp' dimension"
         ) from e

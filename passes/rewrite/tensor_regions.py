@@ -18,12 +18,24 @@ expect (a cut between a column and its row product) costs a redistribution, neve
 ``torch.export``'s checks of a value's dtype and device (``aten._assert_tensor_metadata``), which
 DTensor has no rule for, are dropped inside regions: DTensor keeps both of its local tensors.
 
+With sequence parallelism (Megatron's, Korthikanti et al. 2022) the residual stream between
+regions is split too, along its tokens::
+
+    tokens split ─enter (all-gather)─▶ column … row ─leave (reduce-scatter)─▶ tokens split ─▶ norm, residual add ─▶ …
+
+``leave`` then splits a closing node's value along its tokens instead of making it whole, and
+every node downstream of it that opens no region (norms, residual adds, dropout) runs on its
+token shard: the *spread* nodes. ``enter`` gathers such a value wherever a region reads it; a
+plain value a spread node reads is entered as replicated (DTensor takes this rank's tokens of
+it). What the stage returns is made whole (``whole``), so stage boundaries are unchanged.
+
 The input graph is not modified: the pass returns a new GraphModule over the same submodules.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 
@@ -33,7 +45,7 @@ import torch.fx as fx
 from pipecut.core.graph import node_parameters
 from pipecut.passes.parallel.tensor import ParameterShard
 
-__all__ = ["region_nodes", "shard_regions"]
+__all__ = ["Regions", "region_nodes", "shard_regions"]
 
 _CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)
 
@@ -49,10 +61,25 @@ def _read_by(read: Callable[[fx.Node, fx.Node], fx.Node], by: fx.Node, a: fx.Nod
     return read(a, by)
 
 
-def region_nodes(gm: fx.GraphModule, shards: Mapping[str, ParameterShard]) -> tuple[set[str], set[str]]:
-    """(nodes whose value is a DTensor, nodes after which the region closes), by name."""
+@dataclasses.dataclass(frozen=True)
+class Regions:
+    """A stage's nodes by where their values live, by name."""
+
+    inside: frozenset[str]
+    """Nodes whose value is a DTensor of a split region (heads, hidden features)."""
+    closing: frozenset[str]
+    """Region nodes after which the region closes (a row product, a vocabulary-split embedding)."""
+    spread: frozenset[str] = frozenset()
+    """With sequence parallelism: nodes outside any region whose value is split along its tokens."""
+
+
+def region_nodes(gm: fx.GraphModule, shards: Mapping[str, ParameterShard], sequence_parallel: bool = False) -> Regions:
+    """Every node's place (see :class:`Regions`): a node is inside a region if it reads a split
+    parameter or a region's open value; with ``sequence_parallel``, a node that is not, and reads
+    a closing or spread value, is spread."""
     inside: set[str] = set()
     closing: set[str] = set()
+    spread: set[str] = set()
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
@@ -65,22 +92,40 @@ def region_nodes(gm: fx.GraphModule, shards: Mapping[str, ParameterShard]) -> tu
             inside.add(node.name)
             if any(s.reduces for s in reads):
                 closing.add(node.name)
-    return inside, closing
+        elif sequence_parallel and any(a.name in closing or a.name in spread for a in node.all_input_nodes):
+            spread.add(node.name)
+    return Regions(frozenset(inside), frozenset(closing), frozenset(spread))
 
 
 def shard_regions(gm: fx.GraphModule, shards: Mapping[str, ParameterShard], *,
-                  enter: Callable[[object], object], leave: Callable[[object], object]) -> fx.GraphModule:
+                  enter: Callable[[object], object], leave: Callable[[object], object],
+                  whole: Callable[[object], object] | None = None,
+                  join: Callable[[object], object] | None = None) -> fx.GraphModule:
     """A copy of ``gm`` with ``enter``/``leave`` calls around its split regions (see the module
-    docstring). ``shards``: the split parameters by their names in ``gm``."""
-    inside, closing = region_nodes(gm, shards)
+    docstring), and ``whole`` (default ``leave``) on the DTensors it returns. ``join`` given,
+    the residual stream is split along its tokens (sequence parallelism), and ``join`` takes
+    what a spread node reads that may be plain (a replicated DTensor then; a DTensor as it is).
+    ``shards``: the split parameters by their names in ``gm``."""
+    sequence_parallel = join is not None
+    regions = region_nodes(gm, shards, sequence_parallel)
+    inside, closing, spread = regions.inside, regions.closing, regions.spread
+    out = whole or leave
     graph = fx.Graph()
     graph._codegen = copy.deepcopy(gm.graph._codegen)
     env: dict[fx.Node, fx.Node] = {}
     entered: dict[fx.Node, fx.Node] = {}
-    plain: dict[fx.Node, fx.Node] = {}  # a closing node's value after ``leave``
+    left: dict[fx.Node, fx.Node] = {}  # a closing node's value after ``leave``
+    joined: dict[fx.Node, fx.Node] = {}
 
     def as_read(a: fx.Node, by: fx.Node) -> fx.Node:
-        value = plain.get(a, env[a])
+        value = left.get(a, env[a])
+        if by.name in spread:
+            if a.name in closing:
+                return value  # a token shard
+            if a not in joined:  # a token shard, or a plain value (a parameter, a shape's tensor)
+                assert join is not None
+                joined[a] = graph.call_function(join, (value,))
+            return joined[a]
         if by.name not in inside or (a.name in inside and a.name not in closing):
             return value
         if a.op == "get_attr" and a.name in inside:
@@ -90,18 +135,18 @@ def shard_regions(gm: fx.GraphModule, shards: Mapping[str, ParameterShard], *,
         return entered[a]
 
     def returned(a: fx.Node) -> fx.Node:  # what the stage sends or returns: plain
-        if a in plain:
-            return plain[a]
-        return graph.call_function(leave, (env[a],)) if a.name in inside else env[a]
+        if a in left and not sequence_parallel:
+            return left[a]
+        return graph.call_function(out, (left.get(a, env[a]),)) if a.name in inside | spread else env[a]
 
     for node in gm.graph.nodes:
         if node.op == "output":
             graph.output(fx.map_arg(node.args[0], returned))
             continue
-        if node.name in inside and node.target in _CHECKS and not node.users:
+        if node.name in inside | spread and node.target in _CHECKS and not node.users:
             continue
         env[node] = graph.node_copy(node, functools.partial(_read_by, as_read, node))
         if node.name in closing:
-            plain[node] = graph.call_function(leave, (env[node],))
+            left[node] = graph.call_function(leave, (env[node],))
     graph.lint()
     return fx.GraphModule(gm, graph, gm.__class__.__name__)

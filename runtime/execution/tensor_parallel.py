@@ -6,33 +6,68 @@ whole. :func:`region_ends` gives the conversions that
 :func:`pipecut.passes.rewrite.tensor_regions.shard_regions` puts around the split regions:
 ``enter`` views a plain value as replicated over the group (``DTensor.from_local``: its gradient
 is summed over the group in backward) and ``leave`` makes a DTensor whole and plain again
-(``full_tensor``: partial sums all-reduced, shards all-gathered). All arithmetic on split values
-is DTensor's: the sharded matmuls, the collectives and their backward.
+(``full_tensor``: partial sums all-reduced, shards all-gathered). With sequence parallelism
+``leave`` cuts a region's value into token shards instead (reduce-scatter), ``enter`` gathers
+them, and ``join`` views what the token-split residual stream reads as replicated. All
+arithmetic on split values is DTensor's: the sharded matmuls, the collectives and their backward.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from pipecut.core.owned import own_path
 
-__all__ = ["region_ends", "shard_module", "whole"]
+__all__ = ["RegionEnds", "region_ends", "shard_module", "whole"]
 
 
-def region_ends(mesh: DeviceMesh) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-    """``(enter, leave)`` over ``mesh``, the stage's 1-D tensor-parallel mesh."""
+@dataclasses.dataclass(frozen=True)
+class RegionEnds:
+    """The conversions :func:`pipecut.passes.rewrite.tensor_regions.shard_regions` inserts, bound
+    to a stage's tensor-parallel mesh (its keywords)."""
 
-    def tp_enter(x: Any) -> Any:
+    enter: Callable[[Any], Any]
+    leave: Callable[[Any], Any]
+    whole: Callable[[Any], Any]
+    join: Callable[[Any], Any] | None = None
+    """Sequence parallelism only (None: off)."""
+
+
+def region_ends(mesh: DeviceMesh, sequence_parallel: bool = False) -> RegionEnds:
+    """The region ends over ``mesh``, the stage's 1-D tensor-parallel mesh. With
+    ``sequence_parallel`` a region leaves into a token shard (reduce-scatter; all-gather in
+    backward) and enters from one by gathering it (all-gather; reduce-scatter in backward):
+    Megatron's sequence-parallel ``g`` and its conjugate."""
+
+    def replicated(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
             return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
         return x
 
-    return tp_enter, whole
+    if not sequence_parallel:
+        return RegionEnds(enter=replicated, leave=whole, whole=whole)
+
+    def gathered(x: Any) -> Any:
+        if isinstance(x, DTensor) and any(isinstance(p, Shard) for p in x.placements):
+            return x.redistribute(mesh, [Replicate()])
+        return replicated(x)
+
+    def token_shard(x: Any) -> Any:
+        if not isinstance(x, DTensor):
+            return x
+        if any(p.is_partial() and type(p) is not Partial for p in x.placements):
+            # a vocabulary-split embedding's masked sum: the backward of a reduce-scatter cannot
+            # return to it (torch 2.13), so it is summed whole first, then cut (once per model)
+            x = x.redistribute(mesh, [Replicate()])
+        return x.redistribute(mesh, [Shard(max(x.ndim - 2, 0))])  # (batch, tokens, features), (tokens, features)
+
+    return RegionEnds(enter=gathered, leave=token_shard, whole=whole, join=replicated)
 
 
 def whole(x: Any) -> Any:

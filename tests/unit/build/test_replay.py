@@ -97,3 +97,13 @@ def test_lifted_constants_have_no_model_name() -> None:
 
 
 
+
+
+def test_a_replayed_plan_carries_the_tensor_split_asked_and_sequence_parallelism() -> None:
+    from pipecut.api import _split_of
+
+    tokens = pipecut.TensorParallelOptions(sequence_parallel=True, size=2)
+    assert _split_of(tokens) == pipecut.TensorParallelOptions(sequence_parallel=True)  # the size is the mesh's
+    given = pipecut.TensorParallelOptions(plan={"blocks.*.0": "column"}, size=2)
+    assert _split_of(given) == pipecut.TensorParallelOptions(plan={"blocks.*.0": "column"})
+    assert _split_of(pipecut.TensorParallelOptions(size=2)) is None  # nothing asked: the model's or graph's split

@@ -37,8 +37,9 @@ class Block(nn.Module):
 def test_regions_open_at_split_products_and_close_after_row_and_vocab_ones() -> None:
     gm = fx.symbolic_trace(Block())
     shards = {"embed.weight": VOCAB, "up.weight": COLUMN, "up.bias": COLUMN, "down.weight": ROW}
-    inside, closing = region_nodes(gm, shards)
-    assert inside == {"embed", "up", "relu", "down"} and closing == {"embed", "down"}
+    regions = region_nodes(gm, shards)
+    assert regions.inside == {"embed", "up", "relu", "down"} and regions.closing == {"embed", "down"}
+    assert not regions.spread  # without sequence parallelism the residual stream stays whole
 
     def enter(x: object) -> object:
         return x
@@ -53,6 +54,36 @@ def test_regions_open_at_split_products_and_close_after_row_and_vocab_ones() -> 
     assert gm.graph is not out.graph and not any(n.target in (enter, leave) for n in gm.graph.nodes)
     ids = torch.randint(0, 16, (2, 3))
     torch.testing.assert_close(out(ids), gm(ids))  # identity ends: the same function
+
+
+def test_sequence_parallel_keeps_the_residual_stream_on_token_shards_between_regions() -> None:
+    gm = fx.symbolic_trace(Block())
+    shards = {"embed.weight": VOCAB, "up.weight": COLUMN, "up.bias": COLUMN, "down.weight": ROW}
+    regions = region_nodes(gm, shards, sequence_parallel=True)
+    assert regions.inside == {"embed", "up", "relu", "down"} and regions.closing == {"embed", "down"}
+    assert regions.spread == {"add", "norm"}  # the residual add and the norm after it
+
+    def enter(x: object) -> object:
+        return x
+
+    def leave(x: object) -> object:
+        return x
+
+    def whole(x: object) -> object:
+        return x
+
+    def join(x: object) -> object:
+        return x
+
+    ends = (enter, leave, whole, join)
+    out = shard_regions(gm, shards, enter=enter, leave=leave, whole=whole, join=join)
+    calls = [(n.target.__name__, n.args[0].name) for n in out.graph.nodes if n.target in ends]
+    # the region closes into token shards, which `up` gathers and the add reads as they are; the
+    # norm reads the add's shard (joined: it might have been plain), the stage returns it whole
+    assert calls == [("enter", "ids"), ("leave", "embed"), ("enter", "leave"), ("leave", "down"),
+                     ("join", "add"), ("whole", "norm")]
+    ids = torch.randint(0, 16, (2, 3))
+    torch.testing.assert_close(out(ids), gm(ids))
 
 
 def test_the_graph_splits_linear_pairs_and_the_embedding() -> None:

@@ -46,7 +46,8 @@ def test_split_parameters_become_dtensors_on_a_copy_and_tied_names_stay_one(mesh
 
 
 def test_region_ends_view_a_plain_value_as_replicated_and_make_it_plain_again(mesh) -> None:
-    enter, leave = region_ends(mesh)
+    ends = region_ends(mesh)
+    enter, leave = ends.enter, ends.leave
     x = torch.randn(3, 4, requires_grad=True)
     inside = enter(x)
     assert isinstance(inside, DTensor) and inside.placements == (Replicate(),)
@@ -55,3 +56,21 @@ def test_region_ends_view_a_plain_value_as_replicated_and_make_it_plain_again(me
     out.sum().backward()
     torch.testing.assert_close(x.grad, torch.full((3, 4), 2.0))
     assert enter("not a tensor") == "not a tensor" and leave(x) is x
+
+
+def test_sequence_parallel_ends_cut_the_tokens_gather_them_and_join_plain_values(mesh) -> None:
+    ends = region_ends(mesh, sequence_parallel=True)
+    assert ends.join is not None
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    inside = ends.enter(x)
+    assert isinstance(inside, DTensor) and inside.placements == (Replicate(),)
+    shard = ends.leave(inside * 2)  # (batch, tokens, features): split along the tokens
+    assert isinstance(shard, DTensor) and shard.placements == (Shard(1),)
+    assert ends.leave(ends.enter(torch.randn(6, 4))).placements == (Shard(0),)  # (tokens, features)
+    assert ends.enter(shard).placements == (Replicate(),)  # gathered where a region reads it
+    assert ends.join(shard) is shard and ends.join(x).placements == (Replicate(),)
+    assert ends.join(7) == 7 and ends.whole(x) is x
+    out = ends.whole(ends.join(shard) + ends.join(torch.ones(2, 3, 4)))
+    assert not isinstance(out, DTensor)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((2, 3, 4), 2.0))
