@@ -14,7 +14,9 @@ A cell reads
 
 Columns: GPipe, 1F1B and zero-bubble split batch 4 into 2 microbatches; interleaved 1F1B (2
 stages per rank) and ZBV split 4 into 4; ``zero-bubble-1`` is ViT's case of one sample per
-microbatch (batch 2 in 2) under zero-bubble. Plans come from a fixed cost table
+microbatch (batch 2 in 2) under zero-bubble; ``tp2-1f1b`` and ``tp2-sp-1f1b`` (not run by
+default) split each of the K stages over 2 ranks (DTensor), the second with sequence
+parallelism, under 1F1B with batch 4 in 2. Plans come from a fixed cost table
 (``examples.pinned``: every node the same cost), so a cell gives the same answer on every run;
 ``--measured`` plans from timings instead, calibrated on the running pipeline, as a user's
 ``compile`` does (the runtime's paths after calibration: a rebuilt split, a re-costed order).
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -43,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.coverage import ATOL, RTOL, write_section  # noqa: E402
 from examples import pinned, zoo  # noqa: E402
 from examples.architectures import ARCHITECTURES  # noqa: E402
-from pipecut import MeasureOptions, ScheduleKind  # noqa: E402
+from pipecut import MeasureOptions, ScheduleKind, TensorParallelOptions  # noqa: E402
 from pipecut.errors import PipecutError  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 
@@ -56,6 +59,9 @@ class Column:
     schedule: ScheduleKind
     batch_size: int
     microbatches: int
+    tensor_parallel: int = 1
+    """T: each of the K stages split over T ranks (a ("pp", "tp") mesh of K x T ranks)."""
+    sequence_parallel: bool = False
 
 
 COLUMNS = (
@@ -65,16 +71,26 @@ COLUMNS = (
     Column(name="zero-bubble", schedule=ScheduleKind.ZERO_BUBBLE, batch_size=4, microbatches=2),
     Column(name="zbv", schedule=ScheduleKind.ZBV, batch_size=4, microbatches=4),
     Column(name="zero-bubble-1", schedule=ScheduleKind.ZERO_BUBBLE, batch_size=2, microbatches=2),
+    Column(name="tp2-1f1b", schedule=ScheduleKind.ONE_F_ONE_B, batch_size=4, microbatches=2, tensor_parallel=2),
+    Column(name="tp2-sp-1f1b", schedule=ScheduleKind.ONE_F_ONE_B, batch_size=4, microbatches=2, tensor_parallel=2,
+           sequence_parallel=True),
 )
+DEFAULT = [c.name for c in COLUMNS if c.tensor_parallel == 1]
 BY_NAME = {c.name: c for c in COLUMNS}
 
 
 def _cell_on_rank(rank: int, world: int, name: str, column: Column, plan: Any, measured: bool) -> dict[str, Any]:
     """One rank's step, or its error as data (so that the other rank's result still comes back)."""
     try:
+        devices, split = None, None
+        if column.tensor_parallel > 1:
+            devices = init_device_mesh("cpu", (world // column.tensor_parallel, column.tensor_parallel),
+                                       mesh_dim_names=("pp", "tp"))
+            split = TensorParallelOptions(sequence_parallel=column.sequence_parallel)
         return zoo.pipelined_step(rank, world, name, column.microbatches, batch_size=column.batch_size,
                                   schedule=column.schedule, models=ARCHITECTURES, plan=plan,
-                                  measure=MeasureOptions() if measured else None)
+                                  measure=MeasureOptions() if measured else None, devices=devices,
+                                  tensor_parallel=split)
     except Exception as e:
         return {"error": _error_line(e), "refused": isinstance(e, PipecutError),
                 "kind": type(e).__name__, "traceback": traceback.format_exc()}
@@ -103,7 +119,7 @@ def run_cell(name: str, column: Column, k: int, timeout: float, plan: Any, measu
     row = _row(name, column, k)
     start = time.perf_counter()
     try:
-        ranks = run_ranks(_cell_on_rank, k, name, column, plan, measured, timeout=timeout)
+        ranks = run_ranks(_cell_on_rank, k * column.tensor_parallel, name, column, plan, measured, timeout=timeout)
     except TimeoutError as e:
         return {**row, "status": "timeout", "detail": str(e).splitlines()[0],
                 "seconds": round(time.perf_counter() - start, 1)}
@@ -190,8 +206,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=sorted(ARCHITECTURES), choices=sorted(ARCHITECTURES))
-    parser.add_argument("--schedules", nargs="+", default=list(BY_NAME), choices=list(BY_NAME),
-                        help="columns: a schedule, or zero-bubble-1 (one sample per microbatch)")
+    parser.add_argument("--schedules", nargs="+", default=DEFAULT, choices=list(BY_NAME),
+                        help="columns: a schedule, zero-bubble-1 (one sample per microbatch), or "
+                             "tp2-1f1b / tp2-sp-1f1b (each stage over 2 ranks; with sequence parallelism)")
     parser.add_argument("--stages", nargs="+", type=int, default=[2])
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per cell")
     parser.add_argument("--measured", action="store_true",

@@ -280,7 +280,8 @@ def stages_per_rank_of(kind: pipecut.ScheduleKind) -> int:
 def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_size: int = 8,
                    seed: int = 0, timeout: float = 60.0, schedule: str | pipecut.ScheduleKind = "gpipe",
                    *, models: Factories | None = None, plan: Any = None,
-                   measure: pipecut.MeasureOptions | None = None) -> dict[str, Any]:
+                   measure: pipecut.MeasureOptions | None = None, devices: Any = None,
+                   tensor_parallel: pipecut.TensorParallelOptions | None = None) -> dict[str, Any]:
     """On one rank: compile model ``name`` of ``models`` over ``world`` ranks, run one step.
 
     ``schedule``: any :class:`pipecut.ScheduleKind` or its name (interleaved 1F1B and ZBV with
@@ -289,15 +290,16 @@ def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_si
     rank 0 plans without one (default: counted costs priced on a fixed device profile, no clock
     and no calibration, so the split, and with it the order in which gradients are summed, is
     the same on every run; ``MeasureOptions()`` plans as a user's ``compile`` does, from
-    timings, calibrated on the running pipeline). Returns what the
-    parity check compares: the loss, this rank's gradients and buffers under the model's names,
-    and how the model was captured.
+    timings, calibrated on the running pipeline). ``devices``: instead of ``world`` ranks, a
+    DeviceMesh (a "tp" dimension splits the stages; ``tensor_parallel`` how). Returns what the
+    parity check compares: the loss, this rank's gradients (whole: a split one gathered over its
+    group) and buffers under the model's names, and how the model was captured.
     """
     kind = pipecut.ScheduleKind(schedule)
     model, inputs, loss_fn, target = factory(name, models)(batch_size=batch_size, seed=seed)
     pipe = pipecut.compile(
-        model, inputs, world, loss_fn=loss_fn, target=target, plan=plan,
-        microbatches=microbatches, schedule=kind,
+        model, inputs, world if devices is None else devices, loss_fn=loss_fn, target=target, plan=plan,
+        microbatches=microbatches, schedule=kind, tensor_parallel=tensor_parallel,
         scheduling=pipecut.ScheduleOptions(stages_per_rank=stages_per_rank_of(kind)),
         runtime=pipecut.RuntimeOptions(timeout=timeout),
         measure=measure if measure is not None else pipecut.MeasureOptions(estimate="A100-80GB"),
@@ -305,12 +307,20 @@ def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_si
     loss = pipe.step(inputs, target)
     return {
         "loss": loss,
-        "grads": {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None},
+        "grads": {n: _whole(p.grad) for n, p in pipe.named_parameters() if p.grad is not None},
         "buffers": {n: b.clone() for n, b in pipe.named_buffers()},
         "capture": pipe.plan.capture.value,
         "stages": [len(s.nodes) for s in pipe.plan.stages],
         "cut_constants": cut_constants(pipe.plan),
     }
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A gradient as one plain tensor: a DTensor's gathered over its group (collective: every
+    rank of the group walks its parameters in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def cut_constants(plan: Any) -> int:
