@@ -1,19 +1,22 @@
-"""Tensor parallelism on CPU: a TP 2 x PP 2 step against PP 4 and PP 2 x DP 2 on the same 4 ranks.
+"""Tensor parallelism on CPU: a TP 2 x PP 2 step (with and without sequence parallelism) against PP 4
+and PP 2 x DP 2 on the same 4 ranks.
 
     .venv/bin/python benchmarks/tensor_parallel.py [--rounds 3] [--steps 2] [--size demo|small]
         [--out benchmarks/tensor_parallel.json]
 
 Four forked CPU ranks on gloo, one thread each, the GPT example (examples/gpt.py: tied input and
-output embeddings, a fused qkv projection), 1F1B, one batch per step. The three layouts are
+output embeddings, a fused qkv projection), 1F1B, one batch per step. The four layouts are
 compiled once on the same ranks, then timed in alternation, round by round and in a rotating
 order, so that the machine's drift hits all of them alike:
 
 - ``tp2xpp2``: a ("pp", "tp") mesh of 2 x 2: two stages, each split over 2 ranks as DTensors
   (the split found from the graph: the MLP's column/row pair, qkv and proj, the tied head);
+- ``tp2xpp2-sp``: the same with sequence parallelism (norms and residual adds on token shards,
+  reduce-scatter and all-gather in place of each all-reduce);
 - ``pp4``: four stages, one per rank;
 - ``pp2xdp2``: a ("dp", "pp") mesh of 2 x 2: two replicas (DDP) of two stages, each on its half.
 
-All three give the plain model's numbers (tests/dist/test_tensor_parallel.py, test_hybrid.py).
+All four give the plain model's numbers (tests/dist/test_tensor_parallel.py, test_hybrid.py).
 Prints a table (median ms per step) and writes JSON. Not a test: no speed is asserted anywhere.
 """
 
@@ -36,7 +39,7 @@ import pipecut
 from examples import gpt
 from tests.harness import run_ranks
 
-LAYOUTS = ("tp2xpp2", "pp4", "pp2xdp2")
+LAYOUTS = ("tp2xpp2", "tp2xpp2-sp", "pp4", "pp2xdp2")
 BATCH, MICROBATCHES = 16, 4
 SIZES = {"demo": {}, "small": {"vocab": 512, "dim": 128, "heads": 4, "layers": 4, "seq": 64}}
 
@@ -50,8 +53,9 @@ def _build(size: str) -> tuple[Any, Any, Any, Any]:
 def _compile(layout: str, world: int, size: str) -> tuple[Any, Any, Any]:
     model, inputs, loss_fn, target = _build(size)
     microbatches, kwargs = MICROBATCHES, {}
-    if layout == "tp2xpp2":
+    if layout.startswith("tp2xpp2"):
         devices: Any = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "tp"))
+        kwargs = {"tensor_parallel": pipecut.TensorParallelOptions(sequence_parallel=layout.endswith("-sp"))}
     elif layout == "pp2xdp2":
         devices = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "pp"))
         replica = devices.get_local_rank("dp")
