@@ -1,7 +1,7 @@
 """The split proven against the clock: pipecut's chosen split among every block-boundary split.
 
     .venv/bin/python benchmarks/oracle.py [--models gpt,hf_gpt2,hf_llama,resnet] [--ranks 2] [--rounds 3]
-        [--stages-per-rank 1] [--schedule 1f1b]
+        [--stages-per-rank 1] [--schedule 1f1b] [--stage-times]
 
 For each model: compile once as a user would (pipecut's partitioner, 1F1B, batch 16 in 8
 microbatches, calibrated on the running ranks); its plan is pipecut's split. Then build, from
@@ -58,7 +58,8 @@ def candidate_splits(blocks: list[str], stages: int, most: int, seed: int = 0) -
     return combos
 
 
-def _measure(rank: int, world: int, name: str, plans: list[str], rounds: int, steps: int) -> list[list[float]]:
+def _measure(rank: int, world: int, name: str, plans: list[str], rounds: int, steps: int,
+             stage_times: bool = False) -> tuple[list[list[float]], list[Any]]:
     model, inputs, loss_fn, target = MODELS[name]()
     pipes = [pipecut.compile(
         model, inputs, world, loss_fn=loss_fn, target=target,
@@ -76,7 +77,12 @@ def _measure(rank: int, world: int, name: str, plans: list[str], rounds: int, st
                 times[i].append((time.perf_counter() - start) * 1e3)
                 for p in pipe.parameters():
                     p.grad = None
-    return times
+    stages: list[Any] = []
+    if stage_times:  # each stage's (forward, backward) ms inside pipelined steps, as calibration times them
+        from pipecut.profile.live import measure_stages
+
+        stages = [list(measure_stages(pipe, inputs, target, steps=3).stages) for pipe in pipes]
+    return times, stages
 
 
 def _compiled(rank: int, world: int, name: str, schedule: str, per_rank: int) -> str:
@@ -92,7 +98,7 @@ def _compiled(rank: int, world: int, name: str, schedule: str, per_rank: int) ->
 
 
 def run(name: str, ranks: int, rounds: int, steps: int, most: int, schedule: str = "1f1b",
-        per_rank: int = 1) -> dict[str, Any]:
+        per_rank: int = 1, stage_times: bool = False) -> dict[str, Any]:
     model = MODELS[name]()[0]
     chosen = pipecut.Plan.from_json(run_ranks(_compiled, ranks, name, schedule, per_rank, timeout=1800,
                                               collective_timeout=900)[0])
@@ -112,13 +118,16 @@ def run(name: str, ranks: int, rounds: int, steps: int, most: int, schedule: str
     # A block-boundary split identical to pipecut's is measured once, as pipecut's.
     keep = [i for i, p in enumerate(given) if [s.nodes for s in p.stages] != [s.nodes for s in chosen.stages]]
     splits, plans = [splits[i] for i in keep], [chosen] + [given[i] for i in keep]
-    times = run_ranks(_measure, ranks, name, [p.to_json() for p in plans], rounds, steps,
-                      timeout=3600, collective_timeout=900)[0]
+    times, stages = run_ranks(_measure, ranks, name, [p.to_json() for p in plans], rounds, steps, stage_times,
+                              timeout=3600, collective_timeout=900)[0]
     rows = [
         {"split": "pipecut: " + ", ".join(chosen_starts) if i == 0 else ", ".join(splits[i - 1]),
-         "predicted_ms": p.predicted.step_ms, "ms": statistics.median(t), "samples": len(t)}
+         "predicted_ms": p.predicted.step_ms, "ms": statistics.median(t), "samples": len(t),
+         "stages_predicted_ms": [[s.forward_ms, s.backward_ms] for s in p.stages]}
         for i, (p, t) in enumerate(zip(plans, times))
     ]
+    for r, measured in zip(rows, stages):
+        r["stages_ms"] = measured
     best = min(r["ms"] for r in rows)
     order = sorted(range(len(rows)), key=lambda i: rows[i]["ms"])
     for r in rows:
@@ -139,6 +148,10 @@ def print_result(res: dict[str, Any]) -> None:
     for r in sorted(res["rows"], key=lambda r: r["ms"]):
         print(f"  {r['split'][:70]:70} measured {r['ms']:8.1f} ms ({r['vs_best']:+6.1%})  "
               f"predicted {r['predicted_ms']:8.1f} ms", flush=True)
+        if r.get("stages_ms"):
+            pairs = zip(r["stages_ms"], r["stages_predicted_ms"])
+            print("      stages fwd+bwd ms, measured / predicted: " + "  ".join(
+                f"{sum(m):6.1f} / {sum(p):6.1f}" for m, p in pairs))
 
 
 def main() -> None:
@@ -150,12 +163,16 @@ def main() -> None:
     parser.add_argument("--max-splits", type=int, default=12, help="sample at most this many splits")
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--stages-per-rank", type=int, default=1)
+    parser.add_argument("--stage-times", action="store_true",
+                        help="also time every stage of every candidate inside pipelined steps (as live "
+                             "calibration does), beside the stage times its plan predicts")
     parser.add_argument("--out", default=str(Path(__file__).with_name("oracle.json")))
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = []
     for name in args.models.split(","):
-        res = run(name, args.ranks, args.rounds, args.steps, args.max_splits, args.schedule, args.stages_per_rank)
+        res = run(name, args.ranks, args.rounds, args.steps, args.max_splits, args.schedule, args.stages_per_rank,
+                  args.stage_times)
         print_result(res)
         results.append(res)
     Path(args.out).write_text(json.dumps({"batch": BATCH, "microbatches": MICROBATCHES,
