@@ -12,8 +12,9 @@ Where the split comes from, first that applies:
 
 Everything that cannot run is refused before any step, by name: a count of heads or a split
 dimension that the group size does not divide, a schedule or engine that does not compose yet,
-and an op of a stage that DTensor cannot run on its split values (each stage runs once on zeros
-at build time: DTensor propagates shardings there as in every step).
+and an op of a stage that DTensor cannot run on its split values (each stage runs once at build
+time, on zeros, and on random values where zeros fail: DTensor propagates shardings there as in
+every step).
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first:
                             make: Any, sequence_parallel: bool = False) -> dict[int, StageWorker]:
     """This rank's stages with their split parameters as DTensors and their graphs in regions
     (:func:`pipecut.passes.rewrite.tensor_regions.shard_regions`; ``sequence_parallel``: the
-    residual stream between them split along its tokens), each run once on zeros; new workers
+    residual stream between them split along its tokens), each run once on zeros (or random values); new workers
     over them. Collective over every rank: one that cannot split its stage fails all."""
     mesh = place.layout.tp_mesh
     ends = region_ends(mesh, sequence_parallel)
@@ -188,7 +189,7 @@ def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first:
         split = shard_regions(program.module, mine, enter=ends.enter, leave=ends.leave, whole=ends.whole, join=ends.join)
         program = dataclasses.replace(program, module=split)
         try:
-            _run_on_zeros(program.module, worker, inputs, s, regions.spread)
+            _run_once(program.module, worker, inputs, s, regions.spread)
         except PlanError as e:
             failure = failure or e
         out[s] = make(program, plan, captured.unflatten_output)
@@ -206,29 +207,50 @@ def _called_on_dtensors(module: fx.GraphModule, split: Mapping[str, ParameterSha
             if name not in split and any(name.startswith(prefix) for prefix in called)]
 
 
-def _run_on_zeros(module: fx.GraphModule, worker: StageWorker, inputs: Mapping[str, Any], stage: int,
+def _probe_values(worker: StageWorker, stage: int, fill: str) -> list[Any]:
+    """What the stage receives, as ``fill`` ("zeros", or "random": floating values drawn from a
+    generator seeded alike on every rank of the group, integers zero) of its planned shapes."""
+    if worker.prev is None:
+        return []
+    generator = torch.Generator().manual_seed(0)
+    leaves = []
+    for leaf in worker.in_spec.tensors:
+        value = torch.zeros(leaf.shape, dtype=leaf.dtype)
+        if fill == "random" and value.is_floating_point():
+            value = torch.randn(leaf.shape, generator=generator).to(leaf.dtype)
+        leaves.append(value.to(worker.device))
+    return unpack(leaves, worker.in_spec, stage)
+
+
+def _run_once(module: fx.GraphModule, worker: StageWorker, inputs: Mapping[str, Any], stage: int,
                   spread: Collection[str]) -> None:
     """One forward of the split stage on zeros of its planned inputs (no gradients, no state
-    kept): DTensor refuses an op it cannot propagate here, as it would in the first step.
+    kept): DTensor refuses an op it cannot propagate here, as it would in the first step. Where
+    zeros fail, random values are tried before refusing: a model that routes or indexes on the
+    values it receives (a mixture of experts) can fail on zeros alone, which no step sends.
     ``spread``: the nodes that run on token shards (sequence parallelism), named as such."""
-    received = unpack([torch.zeros(leaf.shape, dtype=leaf.dtype, device=worker.device)
-                       for leaf in worker.in_spec.tensors], worker.in_spec, stage) if worker.prev is not None else []
-    run = _Tracing(module)
     kept = [(b, b.clone()) for b in module.buffers()]
-    try:
-        with torch.no_grad():
-            run.run(*received, *[inputs[n] for n in worker.program.model_inputs])
+    failure: tuple[Exception, fx.Node | None] | None = None
+    for fill in ("zeros", "random"):
+        run = _Tracing(module)
+        try:
+            with torch.no_grad():
+                run.run(*_probe_values(worker, stage, fill), *[inputs[n] for n in worker.program.model_inputs])
+            return
+        except Exception as e:
+            failure = (e, run.at)
+        finally:
             for b, value in kept:  # BatchNorm statistics, counters: as they were
                 b.copy_(value)
-    except Exception as e:
-        at = run.at
-        where = f"node {at.name} ({at.format_node()})" if at is not None else "its graph"
-        tokens = at is not None and at.name in spread
-        if tokens:
-            where += ", on the residual stream's token shards (sequence parallelism),"
-        fix = ("leave TensorParallelOptions(sequence_parallel=False), keep" if tokens else "Keep")
-        raise PlanError(
-            f"stage {stage} (rank {dist.get_rank()}) cannot run split over its tensor-parallel group: {where} "
-            f"failed on DTensors: {type(e).__name__}: {str(e).splitlines()[0].rstrip('.') if str(e) else ''}. {fix} the "
-            f"parameters it reads whole with TensorParallelOptions(plan=...), or run without a 'tp' dimension"
-        ) from e
+    assert failure is not None
+    e, at = failure
+    where = f"node {at.name} ({at.format_node()})" if at is not None else "its graph"
+    tokens = at is not None and at.name in spread
+    if tokens:
+        where += ", on the residual stream's token shards (sequence parallelism),"
+    fix = ("leave TensorParallelOptions(sequence_parallel=False), keep" if tokens else "Keep")
+    raise PlanError(
+        f"stage {stage} (rank {dist.get_rank()}) cannot run split over its tensor-parallel group: {where} "
+        f"failed on DTensors: {type(e).__name__}: {str(e).splitlines()[0].rstrip('.') if str(e) else ''}. {fix} the "
+        f"parameters it reads whole with TensorParallelOptions(plan=...), or run without a 'tp' dimension"
+    ) from e

@@ -38,11 +38,20 @@ __all__ = ["head_counts", "rank_share", "sharded_tables", "tensor_parallel_sizes
 
 
 def head_counts(model: Any) -> dict[str, int]:
-    """``{"attention heads": h, "KV heads": kv}`` from a Hugging Face config (empty without one)."""
+    """``{"attention heads": h, "KV heads": kv}`` from a Hugging Face config (empty without one).
+    A config that gives a count per stage of the model (Swin's ``num_heads``, a list) names each:
+    ``"attention heads of stage 2"``."""
     cfg = getattr(model, "config", None)
-    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
-    kv = int(getattr(cfg, "num_key_value_heads", 0) or 0) or heads
-    return {k: v for k, v in (("attention heads", heads), ("KV heads", kv)) if v > 0}
+    heads = _counts(getattr(cfg, "num_attention_heads", None))
+    kv = _counts(getattr(cfg, "num_key_value_heads", None)) or heads
+    return {f"{label} of stage {i}" if len(counts) > 1 else label: n
+            for label, counts in (("attention heads", heads), ("KV heads", kv)) for i, n in enumerate(counts)}
+
+
+def _counts(value: Any) -> list[int]:
+    """A config's head count: one, or one per stage of the model; none where it is absent or 0."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [int(v) for v in values if v]
 
 
 def tensor_parallel_sizes(asked: str | int, nodes: Sequence[NodeCost], cluster: Cluster,

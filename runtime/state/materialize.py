@@ -257,7 +257,15 @@ def raise_together(failure: BaseException | None, what: str = "build its stage")
     that the others fail at once naming it instead of waiting in the next collective until
     timeout. Also a barrier of every rank."""
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, None if failure is None else f"{type(failure).__name__}: {failure}")
+    try:
+        dist.all_gather_object(everyone, None if failure is None else f"{type(failure).__name__}: {failure}")
+    except Exception as e:  # a rank never came: stuck in a collective of its own, or dead
+        if failure is not None:
+            raise failure from e
+        raise PipelineRuntimeError(
+            f"rank {dist.get_rank()} could {what}, but not every rank reported whether it could (the group's "
+            f"timeout passed: a rank is stuck or died; its own error is on that rank): {e}"
+        ) from e
     if failure is not None:
         raise failure
     bad = [(r, message) for r, message in enumerate(everyone) if message is not None]

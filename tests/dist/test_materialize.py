@@ -21,6 +21,7 @@ eager modules; measured differences are ~1e-7): atol=1e-5, rtol=1e-4.
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ import pipecut
 from examples import mlp, zoo
 from pipecut.core.meta import is_meta, module_tensors
 from pipecut.runtime.state import checkpoint as ckpt
-from pipecut.runtime.state.materialize import materialize_model
+from pipecut.runtime.state.materialize import materialize_model, raise_together
 from tests.harness import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
@@ -198,3 +199,22 @@ def test_no_rank_holds_the_whole_model(k2):
             assert res["held_bytes"] == res["stage_bytes"], (name, rank, res["held_bytes"], res["stage_bytes"])
             assert res["held_bytes"] < total, (name, rank, res["held_bytes"], total)
         assert "meta model" in k2[0][name]["detail"]
+
+
+def _one_never_reports(rank, world):
+    """Rank 1 never reports (stuck elsewhere, as a rank blocked in a collective of its own)."""
+    if rank == 1:
+        time.sleep(6)
+        return "away"
+    try:
+        raise_together(None, "split its stage")
+    except pipecut.PipecutError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_never_reports_fails_the_others_clearly_at_the_groups_timeout():
+    got = run_ranks(_one_never_reports, 2, timeout=50, collective_timeout=3)
+    assert got[1] == "away"
+    assert got[0].startswith("PipelineRuntimeError: rank 0 could split its stage, but not every rank reported"), got[0]

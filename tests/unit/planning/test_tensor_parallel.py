@@ -53,6 +53,13 @@ def test_sizes_divide_a_node_the_heads_and_the_split_widths() -> None:
     c, _, _, _, nodes, _ = _llama("llama3-70b", seq=128)
     heads = head_counts(SimpleNamespace(config=SimpleNamespace(num_attention_heads=64, num_key_value_heads=8)))
     assert heads == {"attention heads": 64, "KV heads": 8}
+    assert head_counts(SimpleNamespace(config=SimpleNamespace(num_attention_heads=12))) == \
+        {"attention heads": 12, "KV heads": 12}  # no KV count: one per head
+    # Swin gives one count per stage of the model (a list, once a raw TypeError)
+    assert head_counts(SimpleNamespace(config=SimpleNamespace(num_attention_heads=[3, 6]))) == {
+        "attention heads of stage 0": 3, "attention heads of stage 1": 6,
+        "KV heads of stage 0": 3, "KV heads of stage 1": 6}
+    assert head_counts(SimpleNamespace()) == {}
     assert tensor_parallel_sizes("auto", nodes, c, heads) == (1, 2, 4, 8)
     assert tensor_parallel_sizes(4, nodes, c, heads) == (4,) and tensor_parallel_sizes(1, nodes, c, {}) == (1,)
     assert tensor_parallel_sizes("auto", nodes, parse_cluster("1x6xH100-SXM"), heads) == (1, 2)
