@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import math
 import re
+import warnings
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -222,28 +223,51 @@ def _probe_values(worker: StageWorker, stage: int, fill: str) -> list[Any]:
     return unpack(leaves, worker.in_spec, stage)
 
 
+def _dtensor_failure(e: BaseException) -> bool:
+    """Whether ``e`` says DTensor cannot run an op on split values (no sharding rule, a
+    redistribution it cannot make), not that the probe's made-up values were invalid (an index
+    out of range on a received index tensor of zeros)."""
+    text = f"{type(e).__name__} {e}"
+    return isinstance(e, NotImplementedError) or any(w in text for w in ("DTensor", "sharding", "Redistribut", "placement"))
+
+
 def _run_once(module: fx.GraphModule, worker: StageWorker, inputs: Mapping[str, Any], stage: int,
-                  spread: Collection[str]) -> None:
-    """One forward of the split stage on zeros of its planned inputs (no gradients, no state
-    kept): DTensor refuses an op it cannot propagate here, as it would in the first step. Where
-    zeros fail, random values are tried before refusing: a model that routes or indexes on the
+              spread: Collection[str]) -> None:
+    """One forward of the split stage on made-up values of its planned inputs (no gradients, no
+    state kept): DTensor refuses an op it cannot propagate here, as it would in the first step.
+    Zeros first, then random values where zeros fail: a model that routes or indexes on the
     values it receives (a mixture of experts) can fail on zeros alone, which no step sends.
-    ``spread``: the nodes that run on token shards (sequence parallelism), named as such."""
+    Uninitialised memory is filled alike on every rank meanwhile (``torch.empty`` then holds the
+    same values on the ranks of the group, so they fail alike instead of parting ways in a
+    collective). A failure that is not DTensor's (an index out of range on values no step
+    sends) leaves the check to the first step. ``spread``: the nodes that run on token shards
+    (sequence parallelism), named as such."""
     kept = [(b, b.clone()) for b in module.buffers()]
     failure: tuple[Exception, fx.Node | None] | None = None
-    for fill in ("zeros", "random"):
-        run = _Tracing(module)
-        try:
-            with torch.no_grad():
-                run.run(*_probe_values(worker, stage, fill), *[inputs[n] for n in worker.program.model_inputs])
-            return
-        except Exception as e:
-            failure = (e, run.at)
-        finally:
-            for b, value in kept:  # BatchNorm statistics, counters: as they were
-                b.copy_(value)
+    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                     torch.utils.deterministic.fill_uninitialized_memory)  # type: ignore[attr-defined]
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
+    try:
+        for fill in ("zeros", "random"):
+            run = _Tracing(module)
+            try:
+                with torch.no_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # warn_only: an op without a deterministic kernel
+                    run.run(*_probe_values(worker, stage, fill), *[inputs[n] for n in worker.program.model_inputs])
+                return
+            except Exception as e:
+                failure = (e, run.at)
+            finally:
+                for b, value in kept:  # BatchNorm statistics, counters: as they were
+                    b.copy_(value)
+    finally:
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        torch.utils.deterministic.fill_uninitialized_memory = deterministic[2]  # type: ignore[attr-defined]
     assert failure is not None
-    e, at = failure
+    error, at = failure
+    if not _dtensor_failure(error):
+        return
     where = f"node {at.name} ({at.format_node()})" if at is not None else "its graph"
     tokens = at is not None and at.name in spread
     if tokens:
@@ -251,6 +275,6 @@ def _run_once(module: fx.GraphModule, worker: StageWorker, inputs: Mapping[str, 
     fix = ("leave TensorParallelOptions(sequence_parallel=False), keep" if tokens else "Keep")
     raise PlanError(
         f"stage {stage} (rank {dist.get_rank()}) cannot run split over its tensor-parallel group: {where} "
-        f"failed on DTensors: {type(e).__name__}: {str(e).splitlines()[0].rstrip('.') if str(e) else ''}. {fix} the "
+        f"failed on DTensors: {type(error).__name__}: {str(error).splitlines()[0].rstrip('.') if str(error) else ''}. {fix} the "
         f"parameters it reads whole with TensorParallelOptions(plan=...), or run without a 'tp' dimension"
-    ) from e
+    ) from error
