@@ -29,8 +29,8 @@ __all__ = ["RegionEnds", "region_ends", "shard_module", "whole"]
 
 @dataclasses.dataclass(frozen=True)
 class RegionEnds:
-    """The conversions :func:`pipecut.passes.rewrite.tensor_regions.shard_regions` inserts, bound
-    to a stage's tensor-parallel mesh (its keywords)."""
+    """The conversions :func:`pipecut.passes.rewrite.tensor_regions.shard_regions` inserts (its
+    keyword arguments of the same names), bound to a stage's tensor-parallel mesh."""
 
     enter: Callable[[Any], Any]
     leave: Callable[[Any], Any]
