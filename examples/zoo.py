@@ -307,7 +307,7 @@ def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_si
     loss = pipe.step(inputs, target)
     return {
         "loss": loss,
-        "grads": {n: _whole(p.grad) for n, p in pipe.named_parameters() if p.grad is not None},
+        "grads": {n: whole_copy(p.grad) for n, p in pipe.named_parameters() if p.grad is not None},
         "buffers": {n: b.clone() for n, b in pipe.named_buffers()},
         "capture": pipe.plan.capture.value,
         "stages": [len(s.nodes) for s in pipe.plan.stages],
@@ -315,7 +315,7 @@ def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_si
     }
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
+def whole_copy(t: torch.Tensor) -> torch.Tensor:
     """A gradient as one plain tensor: a DTensor's gathered over its group (collective: every
     rank of the group walks its parameters in the same order)."""
     from torch.distributed.tensor import DTensor

@@ -16,12 +16,15 @@ come from counted costs (``MeasureOptions(estimate=...)``) or a pinned split
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import random
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import settings
 
 torch.set_num_threads(1)
@@ -93,3 +96,18 @@ def _jitter(monkeypatch: pytest.MonkeyPatch, rng: random.Random) -> None:
     monkeypatch.setattr(trace, "time_bound", sooner)
     monkeypatch.setattr(api, "measure_stages", running)
     monkeypatch.setattr(compiled, "measure_stages", running)
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path: Path) -> Iterator[Any]:
+    """A one-rank gloo group and its 1-D ("tp") DeviceMesh in this process, for DTensor's rules
+    without forking (several ranks: tests/harness.py)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()

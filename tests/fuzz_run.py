@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 import pipecut
+from examples.zoo import whole_copy
 from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.capture.modes import describe_graph
 from pipecut.core.batching import first_microbatch
@@ -298,7 +298,7 @@ def _train(cfg: Config, pipe: Pipeline, replica: int, replicas: int, trail: Trai
             pipe.train()
     trail.enter("end", "end")
     out["buffers"] = {n: b.detach().clone() for n, b in pipe.named_buffers()}
-    out["state"] = {k: _full(v) for k, v in pipe.state_dict().items()}
+    out["state"] = {k: whole_copy(v) for k, v in pipe.state_dict().items()}
     out["scale"] = scaler.get_scale() if scaler is not None else None
     return out
 
@@ -341,9 +341,5 @@ def _tensors(pipe: Any, grads: bool) -> dict[str, torch.Tensor]:
         t = p.grad if grads else p.detach()
         if t is None:
             continue
-        out[name] = _full(t)
+        out[name] = whole_copy(t)
     return out
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()

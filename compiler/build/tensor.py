@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import pathlib
 import re
 import warnings
 from collections.abc import Collection, Mapping
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor
 import torch.fx as fx
 
 from pipecut.build.context import Place
@@ -39,16 +41,16 @@ from pipecut.errors import InputError, PlanError
 from pipecut.ir import Plan
 from pipecut.options import TensorParallelOptions
 from pipecut.passes.parallel.tensor import ParameterShard, parameter_shards, tensor_sizes
+from pipecut.passes.rewrite.split import split_stage
 from pipecut.passes.rewrite.tensor_regions import region_nodes, shard_regions
 from pipecut.planning.tensor_parallel import head_counts
 from pipecut.runtime.comm.teardown import close_at_exit
-from pipecut.runtime.comm.wire import unpack
 from pipecut.runtime.execution.stage import StageWorker
-from pipecut.runtime.execution.tensor_parallel import region_ends, shard_module
+from pipecut.runtime.execution.tensor_parallel import TokenWire, region_ends, shard_module
 from pipecut.runtime.grads.data_parallel import can_replicate_dtensors
 from pipecut.runtime.state.materialize import raise_together
 
-__all__ = ["MODEL_STYLES", "check_composable", "copy_group", "split_over_tensor_group", "tensor_shards"]
+__all__ = ["MODEL_STYLES", "check_composable", "copy_group", "split_over_tensor_group", "tensor_shards", "token_cuts"]
 
 MODEL_STYLES: Mapping[str, TensorShard] = {
     "colwise": TensorShard.COLUMN, "colwise_gather_output": TensorShard.COLUMN, "local_colwise": TensorShard.COLUMN,
@@ -177,24 +179,58 @@ def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first:
     mesh = place.layout.tp_mesh
     ends = region_ends(mesh, sequence_parallel)
     inputs = dict(zip(captured.input_names, captured.flatten_inputs(first)))
+    public = captured.names.public if captured.names is not None else (lambda n: n)
+    cuts = token_cuts(captured.gm, plan, shards, public) if sequence_parallel else {}
     out: dict[int, StageWorker] = {}
     failure: BaseException | None = None
     for s, worker in sorted(workers.items()):
         program = worker.program
-        public = captured.names.public if captured.names is not None else (lambda n: n)
-        mine = {name: shards[public(name) or name] for name, _ in program.module.named_parameters(remove_duplicate=False)
-                if (public(name) or name) in shards}  # by the stage's names (a tied weight's may be an alias)
-        regions = region_nodes(program.module, mine, sequence_parallel)
+        mine = _stage_shards(program.module, shards, public)
+        arriving, sent = cuts.get(s, (frozenset(), frozenset()))
+        regions = region_nodes(program.module, mine, sequence_parallel, arriving)
         shard_module(program.module, {name: shard.dim for name, shard in mine.items()}, mesh,
                      replicated=_called_on_dtensors(program.module, mine, regions.inside | regions.spread))
-        split = shard_regions(program.module, mine, enter=ends.enter, leave=ends.leave, whole=ends.whole, join=ends.join)
+        split = shard_regions(program.module, mine, enter=ends.enter, leave=ends.leave, whole=ends.whole, join=ends.join,
+                              arriving=arriving, sends_tokens=bool(sent))
         program = dataclasses.replace(program, module=split)
+        made = make(program, plan, captured.unflatten_output)
+        if arriving or sent:
+            made.tokens = TokenWire(mesh, arriving | sent)
         try:
-            _run_once(program.module, worker, inputs, s, regions.spread)
+            _run_once(program.module, made, inputs, s, regions.spread)
         except PlanError as e:
             failure = failure or e
-        out[s] = make(program, plan, captured.unflatten_output)
+        out[s] = made
     raise_together(failure, "split its stage over its tensor-parallel group")
+    return out
+
+
+def _stage_shards(module: torch.nn.Module, shards: Mapping[str, ParameterShard],
+                  public: Any) -> dict[str, ParameterShard]:
+    """The split parameters of a stage module, by its own names (a tied weight's may be an alias
+    of the model's)."""
+    return {name: shards[public(name) or name] for name, _ in module.named_parameters(remove_duplicate=False)
+            if (public(name) or name) in shards}
+
+
+def token_cuts(gm: fx.GraphModule, plan: Plan, shards: Mapping[str, ParameterShard],
+               public: Any) -> dict[int, tuple[frozenset[str], frozenset[str]]]:
+    """Sequence parallelism: per stage, the cut values it receives and those it sends as token
+    shards (the residual stream between split regions), stage after stage along the plan (what
+    one sends, the next receives); every rank derives the same from the captured graph. The last
+    stage sends nothing: what it returns goes whole to the loss."""
+    out = {}
+    arriving: frozenset[str] = frozenset()
+    for stage in plan.stages:
+        program = split_stage(gm, plan, stage.index)
+        regions = region_nodes(program.module, _stage_shards(program.module, shards, public), True, arriving)
+        sent: frozenset[str] = frozenset()
+        if not program.is_last:
+            returned = next(n for n in program.module.graph.nodes if n.op == "output").args[0]
+            sent = frozenset(name for name, node in zip(program.sent, returned)
+                             if isinstance(node, fx.Node) and node.name in regions.closing | regions.spread)
+        out[stage.index] = (arriving, sent)
+        arriving = sent
     return out
 
 
@@ -208,27 +244,35 @@ def _called_on_dtensors(module: fx.GraphModule, split: Mapping[str, ParameterSha
             if name not in split and any(name.startswith(prefix) for prefix in called)]
 
 
-def _probe_values(worker: StageWorker, stage: int, fill: str) -> list[Any]:
+def _probe_values(worker: StageWorker, fill: str) -> list[Any]:
     """What the stage receives, as ``fill`` ("zeros", or "random": floating values drawn from a
-    generator seeded alike on every rank of the group, integers zero) of its planned shapes."""
+    generator seeded alike on every rank of the group, integers zero) of its planned shapes (on
+    the wire: a token shard's is this rank's tokens)."""
     if worker.prev is None:
         return []
     generator = torch.Generator().manual_seed(0)
     leaves = []
     for leaf in worker.in_spec.tensors:
-        value = torch.zeros(leaf.shape, dtype=leaf.dtype)
+        shape = worker.wire_shape(worker.in_spec, leaf)
+        value = torch.zeros(shape, dtype=leaf.dtype)
         if fill == "random" and value.is_floating_point():
-            value = torch.randn(leaf.shape, generator=generator).to(leaf.dtype)
+            value = torch.randn(shape, generator=generator).to(leaf.dtype)
         leaves.append(value.to(worker.device))
-    return unpack(leaves, worker.in_spec, stage)
+    return worker.arrived(leaves, worker.in_spec)
+
+
+_DTENSOR_CODE = str(pathlib.Path(torch.distributed.tensor.__file__).parent)
 
 
 def _dtensor_failure(e: BaseException) -> bool:
-    """Whether ``e`` says DTensor cannot run an op on split values (no sharding rule, a
-    redistribution it cannot make), not that the probe's made-up values were invalid (an index
-    out of range on a received index tensor of zeros)."""
-    text = f"{type(e).__name__} {e}"
-    return isinstance(e, NotImplementedError) or any(w in text for w in ("DTensor", "sharding", "Redistribut", "placement"))
+    """Whether ``e`` is DTensor's own refusal to run an op on split values (no sharding rule, a
+    redistribution it cannot make: raised by DTensor's code), not a kernel's error on the probe's
+    made-up values (an index out of range on a received index tensor of zeros: raised by the
+    op DTensor called, even when DTensor called it)."""
+    tb, innermost = e.__traceback__, None
+    while tb is not None:
+        innermost, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    return innermost is not None and innermost.startswith(_DTENSOR_CODE)
 
 
 def _run_once(module: fx.GraphModule, worker: StageWorker, inputs: Mapping[str, Any], stage: int,
@@ -254,7 +298,7 @@ def _run_once(module: fx.GraphModule, worker: StageWorker, inputs: Mapping[str, 
             try:
                 with torch.no_grad(), warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # warn_only: an op without a deterministic kernel
-                    run.run(*_probe_values(worker, stage, fill), *[inputs[n] for n in worker.program.model_inputs])
+                    run.run(*_probe_values(worker, fill), *[inputs[n] for n in worker.program.model_inputs])
                 return
             except Exception as e:
                 failure = (e, run.at)

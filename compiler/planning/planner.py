@@ -283,7 +283,8 @@ def _partitioned(request: Request, captured: Captured, graph_fingerprint: str, b
     """:func:`partition_costs` for the request; the plan names ``captured``'s graph."""
     options = request.options
     assert isinstance(options.microbatches, int) and options.schedule not in (None, AUTO)
-    share = rank_share(costs, options.tensor_parallel.size or 1, request.link)  # one rank's, under TP
+    share = rank_share(costs, options.tensor_parallel.size or 1, request.link,  # one rank's, under TP
+                       options.tensor_parallel.sequence_parallel)
     planned = partition_costs(
         share, devices=request.specs, microbatches=options.microbatches, batch_size=batch_size,
         schedule=as_schedule(options.schedule), link=request.link, partition=request.options.partition,

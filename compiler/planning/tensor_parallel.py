@@ -28,6 +28,7 @@ from pipecut.passes.parallel.tensor import (
     shard_kinds,
     shard_table,
     sharded_widths,
+    split_outputs,
     split_work,
     tensor_sizes,
 )
@@ -127,17 +128,20 @@ def _share_shape(row: NodeCost, kind: TensorShard | None, t: int) -> NodeCost:
     return row
 
 
-def rank_share(nodes: Sequence[NodeCost], tp: int, link: Link) -> tuple[NodeCost, ...]:
+def rank_share(nodes: Sequence[NodeCost], tp: int, link: Link, sequence_parallel: bool = False) -> tuple[NodeCost, ...]:
     """``nodes`` (measured on one device, whole) as one rank of a ``tp``-way group runs them
     under ``compile``: the times of :func:`~pipecut.passes.parallel.tensor.shard_table` (the
     divided nodes at 1/T, the group's collectives over ``link`` added), the divided weights and
-    kept activations at 1/T. Shapes and output bytes stay whole: what a stage sends is whole
-    (its split regions end inside it), and the wiring reads them. The regions are the graph's
-    (Megatron's pairs); a split given by the model's ``tp_plan`` or the user's may differ, which
-    the calibration on the running pipeline corrects for the times."""
+    kept activations at 1/T. Shapes stay whole: the wiring reads them. So do the bytes a split
+    region's values send (its regions end inside the stage); with ``sequence_parallel`` the
+    residual stream's values cross a cut as token shards, a T-th of their bytes. The regions are
+    the graph's (Megatron's pairs); a split given by the model's ``tp_plan`` or the user's may
+    differ, which the calibration on the running pipeline corrects for the times."""
     if tp <= 1:
         return tuple(nodes)
-    share = shard_table(nodes, tp, link, sequence_parallel=False).nodes
-    return tuple(dataclasses.replace(n, forward_ms=s.forward_ms, backward_ms=s.backward_ms,
-                                     param_bytes=s.param_bytes, saved_bytes=s.saved_bytes)
-                 for n, s in zip(nodes, share, strict=True))
+    table = shard_table(nodes, tp, link, sequence_parallel=sequence_parallel)
+    tokens = (split_outputs(table.kinds, nodes, sequence_parallel=True) - split_outputs(table.kinds, nodes, sequence_parallel=False)
+              if sequence_parallel else frozenset())
+    return tuple(dataclasses.replace(n, forward_ms=s.forward_ms, backward_ms=s.backward_ms, param_bytes=s.param_bytes,
+                                     saved_bytes=s.saved_bytes, output_bytes=s.output_bytes if n.name in tokens else n.output_bytes)
+                 for n, s in zip(nodes, table.nodes, strict=True))

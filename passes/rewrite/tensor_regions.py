@@ -27,7 +27,10 @@ regions is split too, along its tokens::
 every node downstream of it that opens no region (norms, residual adds, dropout) runs on its
 token shard: the *spread* nodes. ``enter`` gathers such a value wherever a region reads it; a
 plain value a spread node reads is entered as replicated (DTensor takes this rank's tokens of
-it). What the stage returns is made whole (``whole``), so stage boundaries are unchanged.
+it). A token shard the stage sends on stays one (``sends_tokens``): the runtime sends this
+rank's tokens and the next stage's placeholder receives them as the same shard (``arriving``:
+its readers are spread nodes). Only what the last stage returns to the loss is made whole; a
+closing value returned and read by nothing else (the head's logits) is made whole at once.
 
 The input graph is not modified: the pass returns a new GraphModule over the same submodules.
 """
@@ -37,7 +40,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 import torch.fx as fx
@@ -73,13 +76,15 @@ class Regions:
     """With sequence parallelism: nodes outside any region whose value is split along its tokens."""
 
 
-def region_nodes(gm: fx.GraphModule, shards: Mapping[str, ParameterShard], sequence_parallel: bool = False) -> Regions:
+def region_nodes(gm: fx.GraphModule, shards: Mapping[str, ParameterShard], sequence_parallel: bool = False,
+                 arriving: Collection[str] = ()) -> Regions:
     """Every node's place (see :class:`Regions`): a node is inside a region if it reads a split
     parameter or a region's open value; with ``sequence_parallel``, a node that is not, and reads
-    a closing or spread value, is spread."""
+    a closing or spread value, is spread, and so are the placeholders named in ``arriving``
+    (received as token shards)."""
     inside: set[str] = set()
     closing: set[str] = set()
-    spread: set[str] = set()
+    spread: set[str] = set(arriving) if sequence_parallel else set()
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
@@ -100,14 +105,17 @@ def region_nodes(gm: fx.GraphModule, shards: Mapping[str, ParameterShard], seque
 def shard_regions(gm: fx.GraphModule, shards: Mapping[str, ParameterShard], *,
                   enter: Callable[[object], object], leave: Callable[[object], object],
                   whole: Callable[[object], object] | None = None,
-                  join: Callable[[object], object] | None = None) -> fx.GraphModule:
+                  join: Callable[[object], object] | None = None,
+                  arriving: Collection[str] = (), sends_tokens: bool = False) -> fx.GraphModule:
     """A copy of ``gm`` with ``enter``/``leave`` calls around its split regions (see the module
     docstring), and ``whole`` (default ``leave``) on the DTensors it returns. ``join`` given,
     the residual stream is split along its tokens (sequence parallelism), and ``join`` takes
-    what a spread node reads that may be plain (a replicated DTensor then; a DTensor as it is).
-    ``shards``: the split parameters by their names in ``gm``."""
+    what a spread node reads that may be plain (a replicated DTensor then; a DTensor as it is);
+    the placeholders named in ``arriving`` are token shards, and with ``sends_tokens`` the
+    token shards the graph returns are returned as they are. ``shards``: the split parameters
+    by their names in ``gm``."""
     sequence_parallel = join is not None
-    regions = region_nodes(gm, shards, sequence_parallel)
+    regions = region_nodes(gm, shards, sequence_parallel, arriving)
     inside, closing, spread = regions.inside, regions.closing, regions.spread
     out = whole or leave
     graph = fx.Graph()
@@ -134,9 +142,16 @@ def shard_regions(gm: fx.GraphModule, shards: Mapping[str, ParameterShard], *,
             entered[a] = graph.call_function(enter, (value,))
         return entered[a]
 
-    def returned(a: fx.Node) -> fx.Node:  # what the stage sends or returns: plain
-        if a in left and not sequence_parallel:
+    # a closing value only returned whole (the head's logits, to the loss) is made whole at once:
+    # one all-gather or all-reduce, not a cut into token shards and a gather of them
+    direct = {n for n in gm.graph.nodes if n.name in closing and not sends_tokens and n.users
+              and all(u.op == "output" for u in n.users)}
+
+    def returned(a: fx.Node) -> fx.Node:  # what the stage sends or returns: plain, or token shards sent on
+        if a in left and (not sequence_parallel or a in direct):
             return left[a]
+        if sends_tokens and a.name in closing | spread:
+            return left.get(a, env[a])
         return graph.call_function(out, (left.get(a, env[a]),)) if a.name in inside | spread else env[a]
 
     for node in gm.graph.nodes:
@@ -147,6 +162,6 @@ def shard_regions(gm: fx.GraphModule, shards: Mapping[str, ParameterShard], *,
             continue
         env[node] = graph.node_copy(node, functools.partial(_read_by, as_read, node))
         if node.name in closing:
-            left[node] = graph.call_function(leave, (env[node],))
+            left[node] = graph.call_function(out if node in direct else leave, (env[node],))
     graph.lint()
     return fx.GraphModule(gm, graph, gm.__class__.__name__)

@@ -16,7 +16,7 @@ import datetime
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,12 +29,15 @@ from pipecut.core.segment import Segment
 from pipecut.errors import PipelineRuntimeError
 from pipecut.ir import NodeCost, Plan
 from pipecut.runtime.comm.p2p import Direction, Op, Transfer
-from pipecut.runtime.comm.wire import Peer, WireSpec, pack, unpack
+from pipecut.runtime.comm.wire import Peer, TensorLeaf, WireSpec, pack, unpack
 from pipecut.runtime.execution.backward_split import split_backward
 from pipecut.runtime.execution.compiled import CompileStats, compile_stage, uncompile_stage
 from pipecut.runtime.execution.forward import check_grad_flags
 from pipecut.runtime.execution.recompute_state import StateReplay
 from pipecut.runtime.memory.activations import ActivationMeter, storage_of
+
+if TYPE_CHECKING:
+    from pipecut.runtime.execution.tensor_parallel import TokenWire
 
 __all__ = ["LossFn", "StageWorker", "tree_to"]
 
@@ -116,6 +119,9 @@ class StageWorker:
         self.reduce_grads = True
         """Whether this step's gradients are reduced across ranks (False under ``no_sync``):
         the data-parallel wrappers read it before the last backward."""
+        self.tokens: TokenWire | None = None
+        """Sequence parallelism: the cut values that travel as token shards (set by the build;
+        None: every cut value travels whole, as its spec says)."""
 
     def _hook_segments(self) -> list[Any]:
         """The meter counts the inputs each recomputing segment keeps (eager stages)."""
@@ -176,7 +182,8 @@ class StageWorker:
             in_spec, out_spec = self._spec(t.microbatch)  # this microbatch's shapes and dtypes
             spec = in_spec.tensors if t.direction is Direction.FORWARD else out_spec.grads
             leaf = spec[t.leaf]
-            buf = torch.empty(leaf.shape, dtype=leaf.dtype, device=self.device)
+            values = in_spec if t.direction is Direction.FORWARD else out_spec
+            buf = torch.empty(self.wire_shape(values, leaf), dtype=leaf.dtype, device=self.device)
             self.inbox.setdefault((t.direction, t.microbatch), {})[t.leaf] = buf
             return peer.recv_op(buf, t)
         tensor = self.outbox.pop((t.direction, t.microbatch, t.leaf), None)
@@ -186,6 +193,15 @@ class StageWorker:
                 f"the plan's wiring and the stage program disagree (re-plan)"
             )
         return peer.send_op(tensor, t)
+
+    def wire_shape(self, spec: WireSpec, leaf: TensorLeaf) -> tuple[int, ...]:
+        """The shape ``leaf`` of ``spec`` has on the wire (a token shard's is a T-th of it)."""
+        return self.tokens.shape(spec, leaf) if self.tokens is not None else leaf.shape
+
+    def arrived(self, tensors: Sequence[torch.Tensor], spec: WireSpec) -> list[Any]:
+        """The values a forward reads from the tensor leaves received for ``spec``."""
+        views = self.tokens.arrive(tensors, spec) if self.tokens is not None else tensors
+        return unpack(views, spec, self.stage)
 
     def check_all_sent(self) -> None:
         if self.outbox:
@@ -214,9 +230,9 @@ class StageWorker:
         received: list[Any] = []
         if self.prev is not None:
             tensors = self._received(mb, Direction.FORWARD, len(in_spec.tensors))
-            received = unpack(tensors, in_spec, self.stage)
             for t, leaf in zip(tensors, in_spec.tensors):
                 t.requires_grad_(leaf.requires_grad)
+            received = self.arrived(tensors, in_spec)
             state.received = tensors
         args = received + [model_inputs[name] for name in self.program.model_inputs]
         kept = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)] if self.recompute else []
@@ -234,9 +250,12 @@ class StageWorker:
                     weight = self.weights[mb] if mb < len(self.weights) else Fraction(1, self.plan.microbatches)
                     state.loss = loss * weight.numerator / weight.denominator
                 return
-        tensors = _own(pack(out, out_spec, self.stage), self.state_storage)
+        tensors = pack(out, out_spec, self.stage)
         if torch.is_grad_enabled():
             check_grad_flags(tensors, out_spec, self.stage)
+        if self.tokens is not None:
+            tensors = self.tokens.depart(tensors, out_spec)
+        tensors = _own(tensors, self.state_storage)
         state.sent = [t for t, leaf in zip(tensors, out_spec.tensors) if leaf.requires_grad]
         self._send(tensors, mb, Direction.FORWARD)
 

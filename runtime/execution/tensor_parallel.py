@@ -10,12 +10,17 @@ is summed over the group in backward) and ``leave`` makes a DTensor whole and pl
 ``leave`` cuts a region's value into token shards instead (reduce-scatter), ``enter`` gathers
 them, and ``join`` views what the token-split residual stream reads as replicated. All
 arithmetic on split values is DTensor's: the sharded matmuls, the collectives and their backward.
+
+:class:`TokenWire` carries the token-split residual stream across cuts as it is: each rank
+sends its own tokens to the rank of the next stage at its place in the tensor group, which
+views them as the same token shard (Megatron's sequence-parallel point-to-point): a T-th of the
+bytes on the wire, no all-gather before a send, no rank receiving tokens it does not compute on.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,8 +28,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from pipecut.core.owned import own_path
+from pipecut.runtime.comm.wire import TensorLeaf, WireSpec
 
-__all__ = ["RegionEnds", "region_ends", "shard_module", "whole"]
+__all__ = ["RegionEnds", "TokenWire", "region_ends", "shard_module", "whole"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +74,61 @@ def region_ends(mesh: DeviceMesh, sequence_parallel: bool = False) -> RegionEnds
         return x.redistribute(mesh, [Shard(max(x.ndim - 2, 0))])  # (batch, tokens, features), (tokens, features)
 
     return RegionEnds(enter=gathered, leave=token_shard, whole=whole, join=replicated)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenWire:
+    """The cut values of a stage (sent or received, by name) that are token shards on both sides
+    of their cut (sequence parallelism): on the wire each tensor leaf of them is this rank's
+    shard of dimension ``ndim - 2`` (the tokens of ``(batch, tokens, features)``), where the
+    group size divides it (as Megatron requires of the sequence); where it does not, or the leaf
+    has fewer than two dimensions, the leaf travels whole and is received as replicated. Both
+    ends decide from the same spec, so they agree without a handshake."""
+
+    mesh: DeviceMesh
+    values: frozenset[str]
+
+    def _token_dim(self, spec: WireSpec, leaf: TensorLeaf) -> int | None:
+        """The dimension ``leaf`` travels cut along; None: whole (or not a token value)."""
+        if spec.values[leaf.value].name not in self.values or len(leaf.shape) < 2:
+            return None
+        d = len(leaf.shape) - 2
+        return d if leaf.shape[d] % self.mesh.size() == 0 else None
+
+    def shape(self, spec: WireSpec, leaf: TensorLeaf) -> tuple[int, ...]:
+        """The shape ``leaf`` has on the wire."""
+        d = self._token_dim(spec, leaf)
+        if d is None:
+            return leaf.shape
+        return (*leaf.shape[:d], leaf.shape[d] // self.mesh.size(), *leaf.shape[d + 1:])
+
+    def arrive(self, tensors: Sequence[torch.Tensor], spec: WireSpec) -> list[torch.Tensor]:
+        """Received tensor leaves (wire shapes) as the values the stage reads: token values as
+        DTensors (their shape the spec's), the rest as they came. Differentiable: a received
+        leaf's gradient is that of its shard."""
+        out = []
+        for t, leaf in zip(tensors, spec.tensors):
+            if spec.values[leaf.value].name not in self.values:
+                out.append(t)
+                continue
+            d = self._token_dim(spec, leaf)
+            placement = Replicate() if d is None else Shard(d)
+            out.append(DTensor.from_local(t, self.mesh, [placement], run_check=False))
+        return out
+
+    def depart(self, tensors: Sequence[torch.Tensor], spec: WireSpec) -> list[torch.Tensor]:
+        """The stage's sent tensor leaves as they go on the wire: token values as this rank's
+        shard (a plain tensor there is a replicated value: this rank's tokens of it), whole
+        where they are not cut; the rest as they are. Differentiable."""
+        out = []
+        for t, leaf in zip(tensors, spec.tensors):
+            if spec.values[leaf.value].name not in self.values:
+                out.append(t)
+                continue
+            x = t if isinstance(t, DTensor) else DTensor.from_local(t, self.mesh, [Replicate()], run_check=False)
+            d = self._token_dim(spec, leaf)
+            out.append(x.full_tensor() if d is None else x.redistribute(self.mesh, [Shard(d)]).to_local())
+        return out
 
 
 def whole(x: Any) -> Any:

@@ -48,10 +48,6 @@ MICROBATCHES = 2
 BATCH = 4
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
 def _one_step(model: nn.Module, inputs: Any, loss_fn: Any, target: Any, mesh: Any, **kwargs: Any) -> dict[str, Any]:
     """Compile over ``mesh``, one step, gradients gathered, one AdamW step, parameters gathered
     (collectives over each tensor group: every rank walks its parameters in the same order)."""
@@ -62,17 +58,19 @@ def _one_step(model: nn.Module, inputs: Any, loss_fn: Any, target: Any, mesh: An
                            runtime=pipecut.RuntimeOptions(timeout=60), **kwargs)
     loss = pipe.step(inputs, target)
     named = list(pipe.named_parameters())
-    grads = {alias[n]: _full(p.grad) for n, p in named if p.grad is not None}
+    grads = {alias[n]: zoo.whole_copy(p.grad) for n, p in named if p.grad is not None}
     split = sorted(alias[n] for n, p in named if isinstance(p, DTensor))
     norm = pipe.clip_grad_norm_(NO_CLIP)
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
     opt.step()
-    params = {alias[n]: _full(p) for n, p in named}
+    params = {alias[n]: zoo.whole_copy(p) for n, p in named}
     return {"loss": loss.detach().clone(), "grads": grads, "params": params, "split": split, "norm": norm,
             "recompute": [s.recompute.value for s in pipe.plan.stages],
             "planned_bytes": sum(n.param_bytes for n in pipe.plan.nodes),
             "token_shards": sum(getattr(n.target, "__name__", "") == "token_shard"
-                                for m in pipe.modules for n in m.graph.nodes)}
+                                for m in pipe.modules for n in m.graph.nodes),
+            "wire": [(leaf.shape, w.wire_shape(w.in_spec, leaf)) for w in pipe.workers.values()
+                     for leaf in w.in_spec.tensors]}
 
 
 def _reference(model: nn.Module, inputs: Any, loss_fn: Any, target: Any, microbatches: int = MICROBATCHES) -> dict[str, Any]:
@@ -155,15 +153,22 @@ def gpt_example(batch_size: int = BATCH, seed: int = 0) -> zoo.Built:
     return gpt.build(batch_size, seed, vocab=zoo.VOCAB, dim=zoo.HIDDEN, heads=zoo.HEADS, layers=2, seq=zoo.SEQ)
 
 
-MODELS = {"llama": zoo.llama, "gpt2": zoo.gpt2, "mixtral": mixtral, "mlp": mlp, "gpt": gpt_example}
-SEQUENCE_PARALLEL = ("llama", "gpt2", "gpt")  # a norm's weight read directly, through a tied vocab split, in a module
-"""Run again with TensorParallelOptions(sequence_parallel=True): norms and residual adds on token shards."""
+def gpt_odd(batch_size: int = BATCH, seed: int = 0) -> zoo.Built:
+    """The same with a token count the group size does not divide (cut values travel whole)."""
+    return gpt.build(batch_size, seed, vocab=zoo.VOCAB, dim=zoo.HIDDEN, heads=zoo.HEADS, layers=2, seq=zoo.SEQ - 1)
 
 
-def _pp_tp(rank: int, world: int, names: list[str]) -> dict[str, Any]:
+MODELS = {"llama": zoo.llama, "gpt2": zoo.gpt2, "mixtral": mixtral, "mlp": mlp, "gpt": gpt_example, "gpt-odd": gpt_odd}
+SEQUENCE_PARALLEL = ("llama", "gpt2", "gpt-odd")  # a norm's weight read directly, through a tied vocab split, in a module
+"""Run with TensorParallelOptions(sequence_parallel=True): norms and residual adds on token shards."""
+PLAIN = ("llama", "gpt2", "mixtral", "mlp", "gpt")
+"""Run without."""
+
+
+def _pp_tp(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     out = {}
-    for name in names:
+    for name in PLAIN:
         out[name] = _one_step(*MODELS[name](batch_size=BATCH), mesh)
     tokens = pipecut.TensorParallelOptions(sequence_parallel=True)
     for name in SEQUENCE_PARALLEL:
@@ -173,15 +178,16 @@ def _pp_tp(rank: int, world: int, names: list[str]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pp2_tp2() -> list[dict[str, Any]]:
-    return run_ranks(_pp_tp, 4, list(MODELS), timeout=800, collective_timeout=120)
+    return run_ranks(_pp_tp, 4, timeout=800, collective_timeout=120)
 
 
 @pytest.mark.timeout(860)
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", PLAIN)
 def test_tp2_pp2_matches_the_plain_model(pp2_tp2: list[dict[str, Any]], name: str) -> None:
     _check(_reference(*MODELS[name](batch_size=BATCH)), [r[name] for r in pp2_tp2])
     assert pp2_tp2[0][name]["split"], "no parameter was split"
     assert all(r[name]["token_shards"] == 0 for r in pp2_tp2)
+    assert all(spec == wire for r in pp2_tp2 for spec, wire in r[name]["wire"]), "cut values travel whole"
     # the plan priced one rank's share: the weights the graph splits count half
     model, inputs, loss_fn, target = MODELS[name](batch_size=BATCH)
     whole = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=MICROBATCHES,
@@ -194,9 +200,16 @@ def test_tp2_pp2_matches_the_plain_model(pp2_tp2: list[dict[str, Any]], name: st
 def test_tp2_pp2_with_sequence_parallelism_matches_the_plain_model(pp2_tp2: list[dict[str, Any]], name: str) -> None:
     """Each closing product reduce-scatters into token shards (one per row product and vocabulary
     embedding, on both stages), the norms and residual adds run on them, and the numbers are
-    the plain model's as without."""
+    the plain model's as without. The residual stream crosses the cut as each rank's tokens
+    (half of them here), or whole where the group size does not divide the tokens (gpt-odd)."""
     _check(_reference(*MODELS[name](batch_size=BATCH)), [r[f"{name}+sp"] for r in pp2_tp2])
     assert all(r[f"{name}+sp"]["token_shards"] >= 2 for r in pp2_tp2)
+    mb = BATCH // MICROBATCHES
+    tokens = zoo.SEQ - 1 if name == "gpt-odd" else zoo.SEQ
+    stream = [wire for r in pp2_tp2 for spec, wire in r[f"{name}+sp"]["wire"] if spec == (mb, tokens, zoo.HIDDEN)]
+    assert stream, "no residual stream crosses the cut"
+    travels = (mb, tokens, zoo.HIDDEN) if name == "gpt-odd" else (mb, tokens // 2, zoo.HIDDEN)
+    assert all(wire == travels for wire in stream), stream
 
 
 # --- D x T x K: FSDP2 over "dp" ------------------------------------------------------------------
@@ -229,7 +242,8 @@ def test_dp2_tp2_pp2_with_fsdp_and_ddp_matches_the_whole_batch() -> None:
     assert all(r["ddp"]["token_shards"] >= 2 and r["fsdp"]["token_shards"] == 0 for r in ranks)
 
 
-# --- compositions: no_sync, clipping, save_pretrained, DCP checkpoints, recompute, interleaving, autocast
+# --- compositions: no_sync, clipping, save_pretrained, DCP checkpoints, recompute and interleaving (both
+# with sequence parallelism), autocast
 CLIP = 0.5
 # bf16 keeps 8 bits of mantissa (2e-3 relative per op). Under autocast a split product rounds
 # each rank's partial sum to bf16 before the all-reduce, where the plain model rounds the whole
@@ -250,33 +264,34 @@ def _compositions(rank: int, world: int, directory: str) -> dict[str, Any]:
     with pipe.no_sync():  # accumulation: the tied head's sum waits for the last step
         pipe.step(*first)
     pipe.step(*second)
-    accumulated = {alias[n]: _full(p.grad) for n, p in pipe.named_parameters()}
+    accumulated = {alias[n]: zoo.whole_copy(p.grad) for n, p in pipe.named_parameters()}
     norm = pipe.clip_grad_norm_(CLIP)
-    clipped = {alias[n]: _full(p.grad) for n, p in pipe.named_parameters()}
+    clipped = {alias[n]: zoo.whole_copy(p.grad) for n, p in pipe.named_parameters()}
     pipe.save_pretrained(directory)
     out: dict[str, Any] = {"accumulated": accumulated, "norm": norm, "clipped": clipped}
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
     opt.step()  # a checkpoint of split stages: each rank writes its shards (DCP)
     checkpoint.save(pipe, f"{directory}/ckpt", opt, step=3)
-    out["stepped"] = {alias[n]: _full(p) for n, p in pipe.named_parameters()}
+    out["stepped"] = {alias[n]: zoo.whole_copy(p) for n, p in pipe.named_parameters()}
     model, inputs, loss_fn, target = zoo.gpt2(batch_size=BATCH)
     again = pipecut.compile(model, inputs, mesh, loss_fn=loss_fn, target=target, plan=pipe.plan,
                             runtime=pipecut.RuntimeOptions(timeout=60))
     opt = torch.optim.AdamW(again.parameters(), lr=LR)
     loaded = checkpoint.load(again, f"{directory}/ckpt", opt)
-    out["loaded"] = ({alias[n]: _full(p) for n, p in again.named_parameters()}, loaded.step,
-                     {alias[n]: _full(opt.state[p]["exp_avg"]) for n, p in again.named_parameters()})
+    out["loaded"] = ({alias[n]: zoo.whole_copy(p) for n, p in again.named_parameters()}, loaded.step,
+                     {alias[n]: zoo.whole_copy(opt.state[p]["exp_avg"]) for n, p in again.named_parameters()})
     full = dataclasses.replace(pipe.plan, schedule=pipecut.ScheduleKind.GPIPE, stages=tuple(
         dataclasses.replace(s, recompute=pipecut.Recompute.FULL) for s in pipe.plan.stages))  # the same graph
-    out["recompute"] = _one_step(*zoo.gpt2(batch_size=BATCH), mesh, schedule="gpipe", plan=full)
-    out["interleaved"] = _one_step(*gpt_example(), mesh, schedule="interleaved-1f1b",
+    tokens = pipecut.TensorParallelOptions(sequence_parallel=True)  # token shards across every cut
+    out["recompute"] = _one_step(*zoo.gpt2(batch_size=BATCH), mesh, schedule="gpipe", plan=full, tensor_parallel=tokens)
+    out["interleaved"] = _one_step(*gpt_example(), mesh, schedule="interleaved-1f1b", tensor_parallel=tokens,
                                    scheduling=pipecut.ScheduleOptions(stages_per_rank=2))
     model, inputs, loss_fn, target = zoo.gpt2(batch_size=BATCH)
     pipe = pipecut.compile(model, inputs, mesh, loss_fn=loss_fn, target=target, microbatches=MICROBATCHES,
                            schedule="1f1b", measure=COUNTED, runtime=pipecut.RuntimeOptions(timeout=60))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = pipe.step(inputs, target)
-    out["amp"] = {"loss": loss.detach().clone(), "grads": {alias[n]: _full(p.grad) for n, p in pipe.named_parameters()}}
+    out["amp"] = {"loss": loss.detach().clone(), "grads": {alias[n]: zoo.whole_copy(p.grad) for n, p in pipe.named_parameters()}}
     return out
 
 
@@ -326,6 +341,8 @@ def test_tp_composes_with_no_sync_clipping_checkpoints_recompute_interleaving_an
     assert ranks[0]["recompute"]["recompute"] == ["full", "full"]
     _check(_reference(*gpt_example()), [r["interleaved"] for r in ranks])
     assert len(ranks[0]["interleaved"]["recompute"]) == 4  # two stages per rank
+    for scenario in ("recompute", "interleaved"):  # the residual stream crossed its cuts as token shards
+        assert any(wire != spec for r in ranks for spec, wire in r[scenario]["wire"]), scenario
     model, inputs, loss_fn, target = zoo.gpt2(batch_size=BATCH)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = _reference(model, inputs, loss_fn, target)

@@ -4,6 +4,9 @@ run time and its numbers against the plain model are in tests/dist/test_tensor_p
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
 from pipecut.build.tensor import model_tp_plan, tensor_shards
@@ -49,3 +52,26 @@ def test_a_hugging_face_config_plan_is_read_under_the_base_models_prefix() -> No
     styles = model_tp_plan(model)
     assert styles["model.layers.*.self_attn.q_proj"] == "colwise"
     assert styles["model.layers.*.self_attn.o_proj"] == "rowwise"
+
+
+def test_the_build_probe_refuses_dtensors_own_failures_and_leaves_a_kernels_to_the_step(one_rank_mesh: Any) -> None:
+    """What DTensor's code raises (no sharding rule for an op) is refused at build; what a kernel
+    raises on the probe's made-up values (an index out of range), even called by DTensor, is not
+    DTensor's, and neither is the model's own error, whatever its type or words."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from pipecut.build.tensor import _dtensor_failure
+
+    def models_own() -> None:
+        raise NotImplementedError("this DTensor placement is not handled by the model")
+
+    x = DTensor.from_local(torch.randn(4, 3), one_rank_mesh, [Shard(0)], run_check=False)
+    index = DTensor.from_local(torch.tensor([9]), one_rank_mesh, [Replicate()], run_check=False)
+    failures = []
+    for run in (lambda: torch.renorm(x, 2, 0, 1.0),
+                lambda: torch.index_select(x.redistribute(one_rank_mesh, [Replicate()]), 0, index),
+                lambda: int("nine"), models_own):
+        with pytest.raises(Exception) as caught:
+            run()
+        failures.append(_dtensor_failure(caught.value))
+    assert failures == [True, False, False, False]

@@ -147,10 +147,10 @@ def test_placement_lays_tensor_groups_inside_nodes() -> None:
         ClusterPlacement(layout=Layout.STAGES_INSIDE_NODES, replicas=1, stages=1, tensor_parallel=0)
 
 
-def test_compile_plans_one_ranks_share_and_keeps_what_crosses_a_cut_whole() -> None:
+def test_compile_plans_one_ranks_share_and_prices_what_crosses_a_cut_as_it_travels() -> None:
     """compile over a "tp" dimension partitions the measured table at one rank's share: times
-    and weights divided where the graph splits, collectives added, shapes and sent bytes whole
-    (a stage sends whole values; the wiring reads them)."""
+    and weights divided where the graph splits, collectives added, shapes whole (the wiring
+    reads them), sent bytes as they travel (whole; token shards with sequence parallelism)."""
     _, _, _, _, nodes, _ = _llama("llama3-70b", seq=1024)
     link = parse_cluster("8x8xH100-SXM").intra
     share = {n.name: n for n in rank_share(nodes, 8, link)}
@@ -163,3 +163,10 @@ def test_compile_plans_one_ranks_share_and_keeps_what_crosses_a_cut_whole() -> N
     assert split and all(share[n.name].forward_ms < n.forward_ms for n in split)
     assert sum(s.param_bytes for s in share.values()) < sum(n.param_bytes for n in nodes) / 4
     assert any(share[name].forward_ms > 0 for name in table.collectives)
+    # with sequence parallelism the residual stream crosses cuts as token shards: a T-th of its
+    # bytes (shapes whole: the wiring divides them); a split region's values still go whole
+    tokens = {n.name: n for n in rank_share(nodes, 8, link, sequence_parallel=True)}
+    stream = [n for n in nodes if table.kinds.get(n.name) is TensorShard.ROW]
+    assert stream and all(tokens[n.name].output_bytes == -(-n.output_bytes // 8) for n in stream)
+    assert all(tokens[n.name].output_bytes == n.output_bytes for n in split)
+    assert all((tokens[n.name].shape, tokens[n.name].leaves) == (n.shape, n.leaves) for n in nodes)

@@ -1,30 +1,23 @@
-"""A stage's parameters as DTensors (``shard_module``) and the two ends of a split region, on a
-one-rank gloo group (the numbers over two and more ranks are tests/dist/test_tensor_parallel.py)."""
+"""A stage's parameters as DTensors (``shard_module``), the two ends of a split region and the
+token shards' wire (``TokenWire``), on a one-rank gloo group (the numbers over two and more ranks are tests/dist/test_tensor_parallel.py)."""
 
 from __future__ import annotations
 
-import datetime
-from collections.abc import Iterator
-from pathlib import Path
+import types
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from pipecut.runtime.execution.tensor_parallel import region_ends, shard_module, whole
+from pipecut.core.kinds import LeafKind, NodeOp
+from pipecut.ir import Leaf, NodeCost
+from pipecut.runtime.comm.wire import WireSpec
+from pipecut.runtime.execution.tensor_parallel import TokenWire, region_ends, shard_module, whole
 
 
 @pytest.fixture
-def mesh(tmp_path: Path) -> Iterator[object]:
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
-    finally:
-        dist.destroy_process_group()
+def mesh(one_rank_mesh: object) -> object:
+    return one_rank_mesh
 
 
 def test_split_parameters_become_dtensors_on_a_copy_and_tied_names_stay_one(mesh) -> None:
@@ -74,3 +67,34 @@ def test_sequence_parallel_ends_cut_the_tokens_gather_them_and_join_plain_values
     assert not isinstance(out, DTensor)
     out.sum().backward()
     torch.testing.assert_close(x.grad, torch.full((2, 3, 4), 2.0))
+
+
+def _cut(*shapes: tuple[int, ...]) -> WireSpec:
+    leaves = [NodeCost(name=f"v{i}", op=NodeOp.CALL_FUNCTION, target="add",
+                       leaves=(Leaf(kind=LeafKind.TENSOR, shape=shape, dtype="float32", requires_grad=True),))
+              for i, shape in enumerate(shapes)]
+    return WireSpec(tuple(leaves))
+
+
+def test_token_values_travel_as_a_groups_share_of_their_tokens_where_it_divides_them() -> None:
+    two = types.SimpleNamespace(size=lambda: 2)  # the rule reads the group size only
+    spec = _cut((2, 16, 64), (2, 15, 64), (16,), (2, 16, 64))
+    wire = TokenWire(two, frozenset({"v0", "v1", "v2"}))  # type: ignore[arg-type]
+    shapes = [wire.shape(spec, leaf) for leaf in spec.tensors]
+    # tokens split in two; 15 tokens and a 1-D value travel whole; v3 is not a token value
+    assert shapes == [(2, 8, 64), (2, 15, 64), (16,), (2, 16, 64)]
+
+
+def test_token_shards_leave_as_local_tensors_and_arrive_as_the_same_shard(mesh) -> None:
+    spec = _cut((2, 4, 3), (2, 4, 3))
+    wire = TokenWire(mesh, frozenset({"v0"}))
+    x = torch.randn(2, 4, 3, requires_grad=True)
+    shard = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
+    plain = torch.randn(2, 4, 3)
+    sent = wire.depart([shard * 2, plain], spec)
+    assert not isinstance(sent[0], DTensor) and sent[1] is plain
+    arrived = wire.arrive([sent[0], plain], spec)
+    assert isinstance(arrived[0], DTensor) and arrived[0].placements == (Shard(1),) and arrived[1] is plain
+    torch.testing.assert_close(arrived[0].full_tensor(), 2 * x)
+    arrived[0].full_tensor().sum().backward()  # differentiable across both ends
+    torch.testing.assert_close(x.grad, torch.full((2, 4, 3), 2.0))
