@@ -69,6 +69,9 @@ class StageWork:
     """Activations of one block while it is recomputed."""
     recomputed: tuple[int, ...] = ()
     """Workload units whose forward runs again in backward."""
+    held_bytes: float = 0.0
+    """Bytes each microbatch's forward adds that stay until the step ends: none in pipecut's
+    runtime; a published run's runtime may hold some (:mod:`pipecut.passes.parallel.foreign_runtime`)."""
 
 
 def stage_work(work: Workload, blocks: tuple[int, ...], start: int, end: int, d: int,

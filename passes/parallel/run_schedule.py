@@ -64,13 +64,16 @@ def weight_ms(work: Workload, start: int, end: int, replicas: int) -> float:
 
 def peak_activations(
     schedule: Schedule, kept: Sequence[float], retained: Sequence[float], transient: Sequence[float],
+    held: Sequence[float] = (),
 ) -> tuple[float, ...]:
     """Per stage, its activation bytes at the moment its rank's activations peak.
 
     ``kept[s]``: bytes a microbatch keeps on stage s from its forward to its backward (or to its
     W pass); ``retained[s]``: what a split backward's I pass rebuilds by recomputation and keeps
     until W; ``transient[s]``: one recomputed block's activations while it is rebuilt in the
-    backward. The stages of one rank sum to that rank's peak.
+    backward; ``held[s]`` (default none): bytes each forward on stage s adds that no action
+    frees before the step ends (a published run's runtime keeping its outputs). The stages of
+    one rank sum to that rank's peak.
     """
     shares = [0.0] * len(kept)
     for actions in schedule:
@@ -81,7 +84,7 @@ def peak_activations(
             live.setdefault(s, 0.0)
             bump = 0.0
             if a.kind is ActionKind.FORWARD:
-                live[s] += kept[s]
+                live[s] += kept[s] + (held[s] if held else 0.0)
             elif a.kind is ActionKind.BACKWARD:
                 bump = transient[s]
             elif a.kind is ActionKind.INPUT:

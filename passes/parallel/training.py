@@ -46,6 +46,11 @@ configure, and what this model assumes of it:
 * **Metrics**: tokens/s per GPU = ``B · tokens_per_sample / step / N``; MFU = that times the model
   FLOPs per token (``6·params + attention``) over the datasheet dense bf16 peak.
 
+* **Another runtime**: ``RunShape.runtime_terms`` prices a published run with what its runtime
+  holds beyond pipecut's (torchtitan's loss-parallel cross entropy, torch.distributed.pipelining
+  keeping the last stage's outputs: :mod:`pipecut.passes.parallel.foreign_runtime`); by default
+  none, the run is pipecut's own.
+
 * **Memory beyond tensors**: ``RunShape.fixed_memory_bytes`` per GPU (the CUDA context and
   NCCL's buffers, outside the caching allocator) and ``RunShape.reserve_fraction`` of the tensors
   (the allocator's reserve and fragmentation) are added to every GPU's peak and so to the fit
@@ -75,6 +80,7 @@ from pipecut.cluster import Cluster, ClusterPlacement, Layout, Link
 from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.errors import InputError
 from pipecut.passes.costs.workload import Workload
+from pipecut.passes.parallel.foreign_runtime import RuntimeTerm, with_runtime
 from pipecut.passes.parallel.hybrid import Skipped, balanced_split, unsplittable
 from pipecut.passes.parallel.run_costs import (
     StageWork,
@@ -153,6 +159,9 @@ class RunShape:
     sequence_parallel: bool = False
     """With T > 1: the residual stream split along the sequence (reduce-scatter and all-gather
     in place of all-reduce)."""
+    runtime_terms: tuple[RuntimeTerm, ...] = ()
+    """What the run's runtime holds beyond pipecut's own (none: pipecut's runtime). Set to
+    price a published run as its runtime ran it (:mod:`pipecut.passes.parallel.foreign_runtime`)."""
 
     def __post_init__(self) -> None:
         if self.fixed_memory_bytes < 0 or not 0 <= self.reserve_fraction < 1:
@@ -281,7 +290,9 @@ def evaluate_run(
     if isinstance(found, Skipped):  # no memory limit here: a stage without parameters, or a value that cannot cross
         return Skipped(replicas=d, stages=k, reason=found.reason if found.reason.startswith("only ") else (
             f"no split into {v * k} stages gives every stage parameters to train: too many stages for this model"))
-    sts = [stage_work(work, blocks, found[s], found[s + 1], d, shape.recompute) for s in range(v * k)]
+    sts = [with_runtime(stage_work(work, blocks, found[s], found[s + 1], d, shape.recompute), work, found[s],
+                        found[s + 1], replicas=d, ranks=k, tensor_parallel=t, terms=shape.runtime_terms)
+           for s in range(v * k)]
     return _priced(work, found, sts, shape, cluster,
                    ClusterPlacement(layout=layout, replicas=d, stages=k, tensor_parallel=t))
 
@@ -435,7 +446,7 @@ def _memory(schedule: Schedule, sts: Sequence[StageWork], d: int, k: int,
     """Per stage: (its state on its GPU, its activations at that GPU's peak)."""
     live = peak_activations(schedule, [st.kept_bytes for st in sts],
                             [st.full_bytes - st.kept_bytes for st in sts],
-                            [st.transient_bytes for st in sts])
+                            [st.transient_bytes for st in sts], [st.held_bytes for st in sts])
     state = [math.ceil(state_memory(st, replicas=d, ranks=k, sharding=shape.sharding,
                                     param_dtype_bytes=shape.param_dtype_bytes)) for st in sts]
     return state, [math.ceil(x) for x in live]
