@@ -25,10 +25,11 @@ from typing import Any
 
 from pipecut.core.kinds import AttentionKernel, LeafKind, NodeOp
 from pipecut.ir import Leaf, NodeCost
+from pipecut.passes.parallel.foreign_runtime import RuntimeTerm
 from pipecut.profile.flops import NodeWork
 from pipecut.profile.hardware import FigureEnd
 
-__all__ = ["COUNTS", "Choice", "Prediction", "load", "planner_choice", "predict", "table", "transformer_rows"]
+__all__ = ["COUNTS", "RUNTIMES", "Choice", "Prediction", "load", "planner_choice", "predict", "table", "transformer_rows"]
 
 DATA = Path(__file__).with_name("validation_runs.json")
 _TENSOR = '[1, {"type": null, "context": null, "children_spec": []}]'
@@ -44,6 +45,18 @@ COUNTS = {
 torch's max reserved, i.e. the caching allocator's segments: the tensors and the allocator's
 reserve, not the CUDA context or NCCL's buffers (``pipecut.profile.hardware.memory_overheads``).
 The Zero Bubble paper does not say; read as Megatron's reserved figure, like the others."""
+
+_TORCHTITAN = (RuntimeTerm.LOSS_PARALLEL, RuntimeTerm.PIPELINE_KEEPS_OUTPUTS)
+RUNTIMES = {
+    "torchtitan-h100": _TORCHTITAN,
+    "torchtitan-h100-3d": _TORCHTITAN,
+    "torchtitan-a100": _TORCHTITAN,
+}
+"""What each source's runtime holds beyond pipecut's own (``RunShape.runtime_terms``): torchtitan
+runs its loss under ``loss_parallel()`` and its pipeline on torch.distributed.pipelining
+(:mod:`pipecut.passes.parallel.foreign_runtime`; each term is 0 without tensor parallelism or
+without a pipeline, as on the 8B and 70B FSDP rows). Megatron-LM, the Zero Bubble code and
+LLM Foundry: none is counted."""
 
 
 def load() -> dict[str, Any]:
@@ -228,7 +241,7 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
                      schedule=ScheduleKind(run["schedule"]), stages_per_rank=run["stages_per_rank"],
                      recompute=Recompute(run["recompute"]),
                      sharding=DataParallelKind.FSDP if run["dp"] == "fsdp" else DataParallelKind.DDP,
-                     sequence_parallel=sp, fixed_memory_bytes=fixed,
+                     sequence_parallel=sp, fixed_memory_bytes=fixed, runtime_terms=RUNTIMES.get(run["source"], ()),
                      reserve_fraction=over["fragmentation"] if planner else 0.0)
     sizes = tensor_sizes(cluster.gpus_per_node, (model["heads"], model.get("kv_heads", model["heads"]))) \
         if planner else (tp,)
