@@ -174,8 +174,9 @@ def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first:
                             make: Any, sequence_parallel: bool = False) -> dict[int, StageWorker]:
     """This rank's stages with their split parameters as DTensors and their graphs in regions
     (:func:`pipecut.passes.rewrite.tensor_regions.shard_regions`; ``sequence_parallel``: the
-    residual stream between them split along its tokens), each run once on zeros (or random values); new workers
-    over them. Collective over every rank: one that cannot split its stage fails all."""
+    residual stream between them split along its tokens, and across cuts in token shards:
+    :func:`token_cuts`), each run once on zeros (or random values); new workers over them.
+    Collective over every rank: one that cannot split its stage fails all."""
     mesh = place.layout.tp_mesh
     ends = region_ends(mesh, sequence_parallel)
     inputs = dict(zip(captured.input_names, captured.flatten_inputs(first)))
