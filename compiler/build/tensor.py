@@ -123,7 +123,9 @@ def check_composable(plan: Plan, place: Place, shards: Mapping[str, ParameterSha
     selective = [s.index for s in plan.stages if s.recompute is Recompute.SELECTIVE]
     if selective:
         raise PlanError(f"stages {selective} recompute some of their blocks (selective recompute), which tensor-"
-                        f"parallel stages do not run yet; use PartitionOptions(recompute='full') or 'none'")
+                        f"parallel stages do not run yet; use PartitionOptions(recompute='none') with enough stages "
+                        f"or devices to fit, or a plan whose stages recompute whole (recompute='full' lets the "
+                        f"partitioner choose blocks again where memory is tight)")
     if (place.replication is not None and place.replication.resolved_kind is DataParallelKind.DDP
             and not can_replicate_dtensors()):
         raise PlanError(f"data_parallel='ddp' with tensor parallelism needs torch's FSDP2-based replicate "
