@@ -41,6 +41,7 @@ from pipecut.errors import InputError, PlanError
 from pipecut.ir import Plan
 from pipecut.options import TensorParallelOptions
 from pipecut.passes.parallel.tensor import ParameterShard, parameter_shards, tensor_sizes
+from pipecut.passes.rewrite.segments import checkpoint_segments
 from pipecut.passes.rewrite.split import split_stage
 from pipecut.passes.rewrite.tensor_regions import region_nodes, shard_regions
 from pipecut.planning.tensor_parallel import head_counts
@@ -120,12 +121,6 @@ def check_composable(plan: Plan, place: Place, shards: Mapping[str, ParameterSha
     if options.runtime.compile_stages is not False:
         raise PlanError("RuntimeOptions(compile_stages=...) with tensor parallelism is not supported yet "
                         "(torch.compile of stages holding DTensors is untested); use compile_stages=False")
-    selective = [s.index for s in plan.stages if s.recompute is Recompute.SELECTIVE]
-    if selective:
-        raise PlanError(f"stages {selective} recompute some of their blocks (selective recompute), which tensor-"
-                        f"parallel stages do not run yet; use PartitionOptions(recompute='none') with enough stages "
-                        f"or devices to fit, or a plan whose stages recompute whole (recompute='full' lets the "
-                        f"partitioner choose blocks again where memory is tight)")
     if (place.replication is not None and place.replication.resolved_kind is DataParallelKind.DDP
             and not can_replicate_dtensors()):
         raise PlanError(f"data_parallel='ddp' with tensor parallelism needs torch's FSDP2-based replicate "
@@ -177,7 +172,9 @@ def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first:
     """This rank's stages with their split parameters as DTensors and their graphs in regions
     (:func:`pipecut.passes.rewrite.tensor_regions.shard_regions`; ``sequence_parallel``: the
     residual stream between them split along its tokens, and across cuts in token shards:
-    :func:`token_cuts`), each run once on zeros (or random values); new workers over them.
+    :func:`token_cuts`), a stage planned with selective recompute then segmented (it comes
+    flat from ``build_workers``), each run once on zeros (or random values); new workers over
+    them.
     Collective over every rank: one that cannot split its stage fails all."""
     mesh = place.layout.tp_mesh
     ends = region_ends(mesh, sequence_parallel)
@@ -195,6 +192,10 @@ def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first:
                      replicated=_called_on_dtensors(program.module, mine, regions.inside | regions.spread))
         split = shard_regions(program.module, mine, enter=ends.enter, leave=ends.leave, whole=ends.whole, join=ends.join,
                               arriving=arriving, sends_tokens=bool(sent))
+        stage = plan.stages[s]
+        if stage.recompute is Recompute.SELECTIVE:  # its recomputed runs, now on DTensors, as segments
+            kept = {n.name for n in split.graph.nodes}  # the regions drop export's metadata checks
+            split = checkpoint_segments(split, [n for n in stage.recomputed if n in kept], where=f"stage {s}")
         program = dataclasses.replace(program, module=split)
         made = make(program, plan, captured.unflatten_output)
         if arriving or sent:
@@ -225,7 +226,7 @@ def token_cuts(gm: fx.GraphModule, plan: Plan, shards: Mapping[str, ParameterSha
     out = {}
     arriving: frozenset[str] = frozenset()
     for stage in plan.stages:
-        program = split_stage(gm, plan, stage.index)
+        program = split_stage(gm, plan, stage.index, segments=False)  # as the stage is split into regions
         regions = region_nodes(program.module, _stage_shards(program.module, shards, public), True, arriving)
         sent: frozenset[str] = frozenset()
         if not program.is_last:

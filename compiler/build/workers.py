@@ -65,7 +65,8 @@ def build_workers(request: Request, place: Place, captured: Captured, plan: Plan
     workers = {}
     failure: BaseException | None = None
     for stage in plan.stages_on(place.rank):
-        program = split_stage(captured.gm, plan, stage)
+        # a tensor-parallel stage is segmented after its regions are marked (pipecut.build.tensor)
+        program = split_stage(captured.gm, plan, stage, segments=not place.tensor_parallel)
         if place.on_fsdp2:
             # FSDP2 swaps the parameter slots of the modules it wraps: the stage's own copies,
             # not the model's (which another pipeline of the same model may train)

@@ -34,8 +34,10 @@ def split(gm: fx.GraphModule, plan: Plan) -> tuple[StageProgram, ...]:
     return tuple(split_stage(gm, plan, s) for s in range(plan.num_stages))
 
 
-def split_stage(gm: fx.GraphModule, plan: Plan, index: int) -> StageProgram:
-    """The program of one stage (a rank only builds its own)."""
+def split_stage(gm: fx.GraphModule, plan: Plan, index: int, segments: bool = True) -> StageProgram:
+    """The program of one stage (a rank only builds its own). ``segments=False``: a stage
+    planned with selective recompute comes flat, its recomputed runs not yet segments (a later
+    pass rewrites the graph first, then segments it: tensor parallelism)."""
     stage = plan.stages[index]
     is_last = index == plan.num_stages - 1
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -77,7 +79,7 @@ def split_stage(gm: fx.GraphModule, plan: Plan, index: int) -> StageProgram:
         raise PlanError(f"the last stage ({index}) does not hold the graph's output node")
     graph.lint()
     module = fx.GraphModule(gm, graph, f"Stage{index}")
-    if stage.recompute is Recompute.SELECTIVE:
+    if stage.recompute is Recompute.SELECTIVE and segments:
         module = checkpoint_segments(module, stage.recomputed, where=f"stage {index}")
     return StageProgram(
         index=index,

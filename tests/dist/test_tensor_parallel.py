@@ -242,8 +242,8 @@ def test_dp2_tp2_pp2_with_fsdp_and_ddp_matches_the_whole_batch() -> None:
     assert all(r["ddp"]["token_shards"] >= 2 and r["fsdp"]["token_shards"] == 0 for r in ranks)
 
 
-# --- compositions: no_sync, clipping, save_pretrained, DCP checkpoints, recompute and interleaving (both
-# with sequence parallelism), autocast
+# --- compositions: no_sync, clipping, save_pretrained, DCP checkpoints, full and selective recompute and
+# interleaving (all with sequence parallelism), autocast
 CLIP = 0.5
 # bf16 keeps 8 bits of mantissa (2e-3 relative per op). Under autocast a split product rounds
 # each rank's partial sum to bf16 before the all-reduce, where the plain model rounds the whole
@@ -284,6 +284,8 @@ def _compositions(rank: int, world: int, directory: str) -> dict[str, Any]:
         dataclasses.replace(s, recompute=pipecut.Recompute.FULL) for s in pipe.plan.stages))  # the same graph
     tokens = pipecut.TensorParallelOptions(sequence_parallel=True)  # token shards across every cut
     out["recompute"] = _one_step(*zoo.gpt2(batch_size=BATCH), mesh, schedule="gpipe", plan=full, tensor_parallel=tokens)
+    out["selective"] = _one_step(*zoo.gpt2(batch_size=BATCH), mesh, plan=_first_block_recomputed(pipe.plan),
+                                 tensor_parallel=tokens)
     out["interleaved"] = _one_step(*gpt_example(), mesh, schedule="interleaved-1f1b", tensor_parallel=tokens,
                                    scheduling=pipecut.ScheduleOptions(stages_per_rank=2))
     model, inputs, loss_fn, target = zoo.gpt2(batch_size=BATCH)
@@ -293,6 +295,16 @@ def _compositions(rank: int, world: int, directory: str) -> dict[str, Any]:
         loss = pipe.step(inputs, target)
     out["amp"] = {"loss": loss.detach().clone(), "grads": {alias[n]: zoo.whole_copy(p.grad) for n, p in pipe.named_parameters()}}
     return out
+
+
+def _first_block_recomputed(plan: pipecut.Plan) -> pipecut.Plan:
+    """``plan`` with each stage recomputing its first transformer block (selective recompute)."""
+    stages = []
+    for stage in plan.stages:
+        blocks = [m.group(0) for n in stage.nodes if (m := re.match(r".*\.h\.\d+\.", plan.node(n).module + "."))]
+        chosen = tuple(n for n in stage.nodes if blocks and (plan.node(n).module + ".").startswith(blocks[0]))
+        stages.append(dataclasses.replace(stage, recompute=pipecut.Recompute.SELECTIVE, recomputed=chosen))
+    return dataclasses.replace(plan, stages=tuple(stages))
 
 
 def _normwise(got: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> None:
@@ -339,9 +351,11 @@ def test_tp_composes_with_no_sync_clipping_checkpoints_recompute_interleaving_an
                 torch.testing.assert_close(got["clipped"][key], p.grad, atol=ATOL, rtol=RTOL)
     _check(_reference(*zoo.gpt2(batch_size=BATCH)), [r["recompute"] for r in ranks])
     assert ranks[0]["recompute"]["recompute"] == ["full", "full"]
+    _check(_reference(*zoo.gpt2(batch_size=BATCH)), [r["selective"] for r in ranks])
+    assert ranks[0]["selective"]["recompute"] == ["selective", "selective"]
     _check(_reference(*gpt_example()), [r["interleaved"] for r in ranks])
     assert len(ranks[0]["interleaved"]["recompute"]) == 4  # two stages per rank
-    for scenario in ("recompute", "interleaved"):  # the residual stream crossed its cuts as token shards
+    for scenario in ("recompute", "selective", "interleaved"):  # the residual stream crossed its cuts as token shards
         assert any(wire != spec for r in ranks for spec, wire in r[scenario]["wire"]), scenario
     model, inputs, loss_fn, target = zoo.gpt2(batch_size=BATCH)
     with torch.autocast("cpu", dtype=torch.bfloat16):
