@@ -8,7 +8,10 @@ run's attention kernel, and run through :func:`pipecut.planning.clusters.predict
 run's own data parallelism, pipeline depth, schedule, microbatches and checkpointing. The
 prediction carries a range: the same run priced with every hardware figure at the fast and at
 the slow end of its sources' spread. Memory is compared as the source counts it
-(:data:`COUNTS`).
+(:data:`COUNTS`). A run that names its ``kernels`` (``compiled-float8``: torch.compile with
+Float8 linears) is priced with that family's residual for them, fitted on the split's run for
+those kernels; one with ``async_tp`` hides each tensor-parallel collective under its product
+(``shard_table(..., overlapped=True)``).
 
     from benchmarks import validation
     for row in validation.table(): print(row)
@@ -46,14 +49,15 @@ torch's max reserved, i.e. the caching allocator's segments: the tensors and the
 reserve, not the CUDA context or NCCL's buffers (``pipecut.profile.hardware.memory_overheads``).
 The Zero Bubble paper does not say; read as Megatron's reserved figure, like the others."""
 
-_TORCHTITAN = (RuntimeTerm.LOSS_PARALLEL, RuntimeTerm.PIPELINE_KEEPS_OUTPUTS)
+_TORCHTITAN = (RuntimeTerm.LOSS_PARALLEL, RuntimeTerm.PIPELINE_KEEPS_OUTPUTS, RuntimeTerm.PIPELINE_BUFFERS)
 RUNTIMES = {
     "torchtitan-h100": _TORCHTITAN,
     "torchtitan-h100-3d": _TORCHTITAN,
     "torchtitan-a100": _TORCHTITAN,
 }
 """What each source's runtime holds beyond pipecut's own (``RunShape.runtime_terms``): torchtitan
-runs its loss under ``loss_parallel()`` and its pipeline on torch.distributed.pipelining
+runs its loss under ``loss_parallel()`` and its pipeline on torch.distributed.pipelining, which
+keeps the last stage's outputs and a receive buffer per microbatch
 (:mod:`pipecut.passes.parallel.foreign_runtime`; each term is 0 without tensor parallelism or
 without a pipeline, as on the 8B and 70B FSDP rows). Megatron-LM, the Zero Bubble code and
 LLM Foundry: none is counted."""
@@ -215,7 +219,7 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
     )
     from pipecut.planning.tensor_parallel import sharded_tables
     from pipecut.profile.devices import device_profile
-    from pipecut.profile.hardware import memory_overheads
+    from pipecut.profile.hardware import family_figures, memory_overheads
 
     cluster = parse_cluster(run["cluster"])
     profile = device_profile(cluster.device)
@@ -227,6 +231,8 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
     rows, work = transformer_rows(model, samples=samples, seq=run["seq"], attention=run["attention"],
                                   dropout=run["framework"] == "megatron", loss_fp32=run["loss_fp32"],
                                   head_params=not model["tied"] or run["pp"] > 1)
+    if residual is None and run.get("kernels"):  # its kernels' own residual, fitted on the split's run
+        residual = family_figures(profile.family)[f"residual_{run['kernels'].replace('-', '_')}"].value
     hw = family_model(profile, attention=AttentionKernel.FLASH if run["attention"] == "flash" else AttentionKernel.EFFICIENT, bound=bound,
                       residual=residual)
     assert hw is not None, f"no hardware figures for {profile.name}"
@@ -245,7 +251,8 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
                      reserve_fraction=over["fragmentation"] if planner else 0.0)
     sizes = tensor_sizes(cluster.gpus_per_node, (model["heads"], model.get("kv_heads", model["heads"]))) \
         if planner else (tp,)
-    sharded = sharded_tables(nodes, sizes, cluster, sequence_parallel=sp, model=hw, counted=(rows, work))
+    sharded = sharded_tables(nodes, sizes, cluster, sequence_parallel=sp, model=hw, counted=(rows, work),
+                             overlapped=run.get("async_tp", False))
     best, _, _ = predict_run(nodes, cluster, shape, replicas=None if planner else replicas, schedules=(shape.schedule,),
                              tensor_parallel=sizes, sharded=sharded)
     counted = COUNTS.get(run["source"], ())

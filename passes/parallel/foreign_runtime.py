@@ -26,6 +26,7 @@ __all__ = [
     "RuntimeTerm",
     "kept_output_bytes",
     "loss_workspace_bytes",
+    "receive_buffer_bytes",
     "with_runtime",
 ]
 
@@ -53,6 +54,11 @@ class RuntimeTerm(enum.Enum):
     PIPELINE_KEEPS_OUTPUTS = "pipeline-keeps-outputs"
     """torch.distributed.pipelining's last stage keeps every microbatch's output until the next
     step (K > 1): :func:`kept_output_bytes`."""
+    PIPELINE_BUFFERS = "pipeline-buffers"
+    """torch.distributed.pipelining gives every microbatch its own receive buffers, allocated
+    once and kept from step to step: the stage's input (every stage but the first) and its
+    output's gradient (every stage but the last); each backward leaves the input's gradient on
+    its buffer until the next step clears it (K > 1): :func:`receive_buffer_bytes`."""
 
 
 def _loss_unit(work: Workload, start: int, end: int) -> int | None:
@@ -105,10 +111,37 @@ def kept_output_bytes(work: Workload, start: int, end: int, replicas: int, ranks
     return work.cut_forward_bytes[last] / replicas
 
 
+def receive_buffer_bytes(work: Workload, start: int, end: int, replicas: int, ranks: int) -> tuple[float, float]:
+    """Per microbatch, the stage of units ``[start, end)``'s receive buffers in torch's
+    pipelining: (its input, its output's gradient). ``torch/distributed/pipelining/stage.py``
+    allocates them per microbatch index when the schedule first runs
+    (``_prepare_forward_infra``'s ``args_recv_info[chunk]``, ``_prepare_backward_infra``'s
+    ``grad_recv_info[mb_index]``, each through ``_make_tensor_from_meta``) and keeps them for
+    every later step; ``clear_runtime_states`` only drops the input buffers' ``.grad`` at the
+    start of the next step. The first stage reads its input from the data (no buffer); the
+    stage that holds the loss starts its own backward (no gradient buffer). (0, 0) with one
+    pipeline rank.
+
+    >>> w = Workload(forward_ms=(1.0, 1.0, 1.0), backward_ms=(1.0, 1.0, 1.0), param_bytes=(1, 1, 0),
+    ...              cut_forward_bytes=(8, 40, 30, 0), cut_backward_bytes=(0, 40, 30, 0))
+    >>> receive_buffer_bytes(w, 0, 1, 2, 2), receive_buffer_bytes(w, 1, 3, 2, 2), receive_buffer_bytes(w, 1, 3, 2, 1)
+    ((0.0, 20.0), (20.0, 0.0), (0.0, 0.0))
+    """
+    if ranks <= 1 or not work.cut_forward_bytes:
+        return 0.0, 0.0
+    grads = work.cut_backward_bytes or work.cut_forward_bytes
+    received = work.cut_forward_bytes[start] / replicas if start > 0 else 0.0
+    sent = grads[end] / replicas if _loss_unit(work, start, end) is None and end < work.units else 0.0
+    return float(received), float(sent)
+
+
 def with_runtime(stage: StageWork, work: Workload, start: int, end: int, *, replicas: int, ranks: int,
-                 tensor_parallel: int, terms: tuple[RuntimeTerm, ...]) -> StageWork:
+                 tensor_parallel: int, microbatches: int, terms: tuple[RuntimeTerm, ...]) -> StageWork:
     """``stage`` (units ``[start, end)``) as the runtime of ``terms`` holds it: the loss's
-    workspace in place of the recompute transient where larger, the outputs kept to step end."""
+    workspace in place of the recompute transient where larger, the outputs kept to step end,
+    the receive buffers of all ``microbatches`` standing (the input a microbatch keeps, which
+    its first op saves, is its buffer: counted there, not again) and each backward's input
+    gradient left on its buffer."""
     if not terms:
         return stage
     out = stage
@@ -120,4 +153,9 @@ def with_runtime(stage: StageWork, work: Workload, start: int, end: int, *, repl
         held = kept_output_bytes(work, start, end, replicas, ranks)
         if held:
             out = dataclasses.replace(out, held_bytes=held)
+    if RuntimeTerm.PIPELINE_BUFFERS in terms:
+        received, sent = receive_buffer_bytes(work, start, end, replicas, ranks)
+        if received or sent:
+            out = dataclasses.replace(out, standing_bytes=microbatches * (received + sent), left_bytes=received,
+                                      kept_bytes=max(0.0, out.kept_bytes - received))
     return out

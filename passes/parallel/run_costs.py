@@ -72,6 +72,10 @@ class StageWork:
     held_bytes: float = 0.0
     """Bytes each microbatch's forward adds that stay until the step ends: none in pipecut's
     runtime; a published run's runtime may hold some (:mod:`pipecut.passes.parallel.foreign_runtime`)."""
+    left_bytes: float = 0.0
+    """Bytes each microbatch's backward leaves until the step ends (likewise)."""
+    standing_bytes: float = 0.0
+    """Bytes the stage holds through the whole step, whatever runs (likewise)."""
 
 
 def stage_work(work: Workload, blocks: tuple[int, ...], start: int, end: int, d: int,

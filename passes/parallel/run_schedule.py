@@ -64,7 +64,7 @@ def weight_ms(work: Workload, start: int, end: int, replicas: int) -> float:
 
 def peak_activations(
     schedule: Schedule, kept: Sequence[float], retained: Sequence[float], transient: Sequence[float],
-    held: Sequence[float] = (),
+    held: Sequence[float] = (), left: Sequence[float] = (),
 ) -> tuple[float, ...]:
     """Per stage, its activation bytes at the moment its rank's activations peak.
 
@@ -72,8 +72,10 @@ def peak_activations(
     W pass); ``retained[s]``: what a split backward's I pass rebuilds by recomputation and keeps
     until W; ``transient[s]``: one recomputed block's activations while it is rebuilt in the
     backward; ``held[s]`` (default none): bytes each forward on stage s adds that no action
-    frees before the step ends (a published run's runtime keeping its outputs). The stages of
-    one rank sum to that rank's peak.
+    frees before the step ends (a published run's runtime keeping its outputs); ``left[s]``
+    (default none): likewise, added by each backward (its I pass where split) once it is done
+    (the input gradients a published run's runtime leaves on its buffers). The stages of one
+    rank sum to that rank's peak.
     """
     shares = [0.0] * len(kept)
     for actions in schedule:
@@ -94,9 +96,9 @@ def peak_activations(
                 best, at = during, dict(live)
                 at[s] += bump
             if a.kind is ActionKind.BACKWARD:
-                live[s] -= kept[s]
+                live[s] -= kept[s] - (left[s] if left else 0.0)
             elif a.kind is ActionKind.INPUT:
-                live[s] += retained[s]
+                live[s] += retained[s] + (left[s] if left else 0.0)
             elif a.kind is ActionKind.WEIGHT:
                 live[s] -= kept[s] + retained[s]
         for s, nbytes in at.items():

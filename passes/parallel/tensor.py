@@ -19,8 +19,11 @@ and the norms, residual adds and their activations are divided by T too, except 
 product reads: it is all-gathered, and autograd keeps the gathered copy whole (as DTensor runs
 it; Megatron-LM keeps the shard and gathers again in backward). An embedding lookup on
 a vocabulary shard is reduced like ``g``. All of them run on the tensor group's link (NVLink:
-the group stays inside a node) and are exposed: the next kernel needs their result (async
-tensor parallelism, which overlaps them with the products, is not modelled).
+the group stays inside a node) and are exposed: the next kernel needs their result. *Async*
+tensor parallelism (torch's micro-pipelined TP, as torchtitan runs it) splits each collective
+into chunks that run under the product that reads or writes its buffer: priced
+(``shard_table(..., overlapped=True)``) as exposed only where the collective takes longer than
+that product, an optimistic bound (the first or last chunk cannot hide).
 
 :func:`shard_table` turns a full cost table into one GPU's share: parameters of the split
 products divided by T (and so the state FSDP shards and the gradients it reduces), activations
@@ -282,14 +285,15 @@ class ShardedTable:
 
 
 def shard_table(nodes: Sequence[NodeCost], tp: int, link: Link, *, sequence_parallel: bool,
-                times: Mapping[str, tuple[float, float]] | None = None) -> ShardedTable:
+                times: Mapping[str, tuple[float, float]] | None = None, overlapped: bool = False) -> ShardedTable:
     """``nodes`` (the full table, one microbatch) as one GPU of a ``tp``-way group runs them.
 
     ``times``: the (forward, backward) ms of each node of :func:`split_work` at its 1/T share,
     priced by the caller (a product's efficiency depends on its shape); where a node is not
     given, its times are divided by T. Weights read by COLUMN, ROW and VOCAB nodes are divided
     by T; so are the outputs and kept bytes of :func:`split_outputs`. The collectives of
-    :func:`collectives` are added to the times of the node they follow."""
+    :func:`collectives` are added to the times of the node they follow; ``overlapped`` (async
+    tensor parallelism): only what each takes beyond that node's own product, which hides it."""
     kinds = shard_kinds(nodes)
     if tp <= 1:
         return ShardedTable(tensor_parallel=1, sequence_parallel=False, nodes=tuple(nodes), kinds=kinds)
@@ -305,10 +309,15 @@ def shard_table(nodes: Sequence[NodeCost], tp: int, link: Link, *, sequence_para
     whole_saved = set(gathered_inputs(nodes, kinds)) if sequence_parallel else set()
     given = times or {}
     rows = []
+    exposed: dict[str, tuple[float, float]] = {}
     for n in nodes:
         fwd, bwd = given.get(n.name, (n.forward_ms / tp, n.backward_ms / tp)) if n.name in work else (
             n.forward_ms, n.backward_ms)
         cf, cb = comm.get(n.name, (0.0, 0.0))
+        if overlapped:
+            cf, cb = max(0.0, cf - fwd), max(0.0, cb - bwd)
+            if n.name in comm:
+                exposed[n.name] = (cf, cb)
         changes: dict[str, object] = {"forward_ms": fwd + cf, "backward_ms": bwd + cb}
         if n.name in weights:
             changes["param_bytes"] = math.ceil(n.param_bytes / tp)
@@ -325,7 +334,7 @@ def shard_table(nodes: Sequence[NodeCost], tp: int, link: Link, *, sequence_para
                                       if leaf.kind is LeafKind.TENSOR and leaf.shape else leaf for leaf in n.leaves)
         rows.append(replace(n, **changes))  # type: ignore[arg-type]
     return ShardedTable(tensor_parallel=tp, sequence_parallel=sequence_parallel, nodes=tuple(rows),
-                        collectives=comm, kinds=kinds)
+                        collectives=exposed if overlapped else comm, kinds=kinds)
 
 
 def _split_shape(shape: tuple[int, ...], tp: int, *, feature: bool) -> tuple[int, ...]:

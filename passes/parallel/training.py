@@ -48,7 +48,8 @@ configure, and what this model assumes of it:
 
 * **Another runtime**: ``RunShape.runtime_terms`` prices a published run with what its runtime
   holds beyond pipecut's (torchtitan's loss-parallel cross entropy, torch.distributed.pipelining
-  keeping the last stage's outputs: :mod:`pipecut.passes.parallel.foreign_runtime`); by default
+  keeping the last stage's outputs and a receive buffer per microbatch:
+  :mod:`pipecut.passes.parallel.foreign_runtime`); by default
   none, the run is pipecut's own.
 
 * **Memory beyond tensors**: ``RunShape.fixed_memory_bytes`` per GPU (the CUDA context and
@@ -291,7 +292,8 @@ def evaluate_run(
         return Skipped(replicas=d, stages=k, reason=found.reason if found.reason.startswith("only ") else (
             f"no split into {v * k} stages gives every stage parameters to train: too many stages for this model"))
     sts = [with_runtime(stage_work(work, blocks, found[s], found[s + 1], d, shape.recompute), work, found[s],
-                        found[s + 1], replicas=d, ranks=k, tensor_parallel=t, terms=shape.runtime_terms)
+                        found[s + 1], replicas=d, ranks=k, tensor_parallel=t, microbatches=shape.microbatches,
+                        terms=shape.runtime_terms)
            for s in range(v * k)]
     return _priced(work, found, sts, shape, cluster,
                    ClusterPlacement(layout=layout, replicas=d, stages=k, tensor_parallel=t))
@@ -446,10 +448,11 @@ def _memory(schedule: Schedule, sts: Sequence[StageWork], d: int, k: int,
     """Per stage: (its state on its GPU, its activations at that GPU's peak)."""
     live = peak_activations(schedule, [st.kept_bytes for st in sts],
                             [st.full_bytes - st.kept_bytes for st in sts],
-                            [st.transient_bytes for st in sts], [st.held_bytes for st in sts])
+                            [st.transient_bytes for st in sts], [st.held_bytes for st in sts],
+                            [st.left_bytes for st in sts])
     state = [math.ceil(state_memory(st, replicas=d, ranks=k, sharding=shape.sharding,
                                     param_dtype_bytes=shape.param_dtype_bytes)) for st in sts]
-    return state, [math.ceil(x) for x in live]
+    return state, [math.ceil(x + st.standing_bytes) for x, st in zip(live, sts)]
 
 
 def _with_overheads(tensors: int, shared_with: int, shape: RunShape) -> int:

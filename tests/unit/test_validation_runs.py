@@ -29,7 +29,7 @@ def test_the_data_meets_the_issues_shape() -> None:
     assert {r["cluster"].split("x")[2].split("-")[0] for r in runs} >= {"A100", "H100"}
     assert len([r for r in runs if r["dp"] == "none" and r["pp"] > 1]) >= 3
     fitted = [r["name"] for r in runs if r["fitted"]]
-    assert sorted(fitted) == sorted(data["split"][f] for f in ("ampere", "hopper"))
+    assert sorted(fitted) == sorted(data["split"][f] for f in ("ampere", "hopper", "hopper compiled-float8"))
     for r in runs:
         assert r["source"] in data["sources"] and r["where"], r["name"]
 
@@ -44,13 +44,17 @@ def test_unfitted_rows_within_the_issues_tolerance(table: dict[str, validation.P
             assert abs(p.memory_error) <= 0.15, (p.name, p.memory_gib, p.published_memory_gib)
 
 
-def test_tensor_parallel_rows_explain_every_miss_beyond_15_percent(table: dict[str, validation.Prediction]) -> None:
-    """Issue 28's rows (torchtitan 3D, Megatron PTD-P) are checks, not fits: each miss is said."""
-    rows = [p for p in table.values() if p.issue == 28]
-    assert len(rows) >= 10 and all(not p.fitted and p.tensor_parallel == 8 for p in rows)
+def test_tensor_parallel_rows_within_the_tolerance_and_every_miss_beyond_15_percent_explained(
+        table: dict[str, validation.Prediction]) -> None:
+    """Issue 28's rows (torchtitan 3D, Megatron PTD-P, and the torch.compile + Float8 rows that
+    price the 3D runs' kernels) are checks, not fits: each within issue 29's tolerance (±20%
+    throughput, ±15% memory), and a throughput miss beyond 15% said."""
+    rows = [p for p in table.values() if p.issue == 28 and not p.fitted]
+    assert len([p for p in rows if p.tensor_parallel == 8]) >= 10
     for p in rows:
-        missed = abs(p.error) > 0.15 or (p.memory_error is not None and abs(p.memory_error) > 0.15)
-        assert not missed or p.explained, (p.name, p.error, p.memory_error)
+        assert abs(p.error) <= 0.20, (p.name, p.error)
+        assert p.memory_error is None or abs(p.memory_error) <= 0.15, (p.name, p.memory_error)
+        assert abs(p.error) <= 0.15 or p.explained, (p.name, p.error)
     megatron = [p for p in rows if p.name.startswith("megatron-")]
     assert max(abs(p.error) for p in megatron) <= 0.15, {p.name: round(p.error, 3) for p in megatron}
 
@@ -61,15 +65,24 @@ def test_fitted_rows_are_reproduced(table: dict[str, validation.Prediction]) -> 
             assert p.error == pytest.approx(0, abs=0.01), p.name
 
 
+def _reproduced(order: dict[str, object], table: dict[str, validation.Prediction]) -> bool:
+    if "faster_first" in order:
+        tokens = [table[n].tokens for n in order["faster_first"]]  # type: ignore[attr-defined]
+        return tokens == sorted(tokens, reverse=True)
+    # memory: never reversed; pipecut's zero bubble (ZB-H1) keeps exactly 1F1B's activations,
+    # where the paper's ZB-1p measured 2 GB more, so a tie is allowed there
+    mem = [table[n].memory_gib for n in order["larger_first"]]  # type: ignore[attr-defined]
+    return all(a >= b - 1e-6 for a, b in itertools.pairwise(mem))
+
+
 def test_published_orderings_reproduced(table: dict[str, validation.Prediction]) -> None:
+    """Every ordering a source publishes, but one of issue 28's that says why the model misses
+    it; that one must still be missed (else its explanation is stale). Issue 29's all hold."""
     for order in validation.load()["orderings"]:
-        if "faster_first" in order:
-            tokens = [table[n].tokens for n in order["faster_first"]]
-            assert tokens == sorted(tokens, reverse=True), (order, tokens)
-        else:  # memory: never reversed; pipecut's zero bubble (ZB-H1) keeps exactly 1F1B's
-            # activations, where the paper's ZB-1p measured 2 GB more, so a tie is allowed there
-            mem = [table[n].memory_gib for n in order["larger_first"]]
-            assert all(a >= b - 1e-6 for a, b in itertools.pairwise(mem)), (order, mem)
+        if order.get("explained"):
+            assert order["issue"] == 28 and not _reproduced(order, table), order
+        else:
+            assert _reproduced(order, table), order
 
 
 def test_every_prediction_carries_a_range_around_it(table: dict[str, validation.Prediction]) -> None:

@@ -1,6 +1,7 @@
 """A published run's runtime priced as it holds memory (torchtitan's loss parallelism, torch's
-pipelining keeping the last stage's outputs): the sizes on a hand-computable workload, and no
-change at all where the behaviour does not arise (T = 1, K = 1, no terms)."""
+pipelining keeping the last stage's outputs and a receive buffer per microbatch): the sizes on
+a hand-computable workload, and no change at all where the behaviour does not arise (T = 1,
+K = 1, no terms)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pipecut.passes.parallel.foreign_runtime import (
     RuntimeTerm,
     kept_output_bytes,
     loss_workspace_bytes,
+    receive_buffer_bytes,
     with_runtime,
 )
 from pipecut.passes.parallel.run_costs import stage_work
@@ -54,10 +56,23 @@ def test_the_pipelines_last_stage_keeps_each_microbatchs_logits() -> None:
 def test_the_loss_workspace_takes_the_recompute_transients_place_never_adds_to_it() -> None:
     st = stage_work(model(), block_of(model().modules), 0, 5, 2, Recompute.FULL)
     assert st.transient_bytes == 25.0  # one block's activations, 50 / 2
-    out = with_runtime(st, model(), 0, 5, replicas=2, ranks=1, tensor_parallel=8, terms=BOTH)
+    out = with_runtime(st, model(), 0, 5, replicas=2, ranks=1, tensor_parallel=8, microbatches=4, terms=BOTH)
     assert (out.transient_bytes, out.held_bytes) == (4000.0, 0.0)
-    assert with_runtime(st, model(), 0, 5, replicas=2, ranks=1, tensor_parallel=1, terms=BOTH) == st
-    assert with_runtime(st, model(), 0, 5, replicas=2, ranks=4, tensor_parallel=8, terms=()) is st
+    assert with_runtime(st, model(), 0, 5, replicas=2, ranks=1, tensor_parallel=1, microbatches=4, terms=BOTH) == st
+    assert with_runtime(st, model(), 0, 5, replicas=2, ranks=4, tensor_parallel=8, microbatches=4, terms=()) is st
+
+
+def test_receive_buffers_a_stage_holds_per_microbatch() -> None:
+    # the cut after layers.1 carries 40 B (20 a replica) each way
+    assert receive_buffer_bytes(model(), 0, 2, 2, 2) == (0.0, 20.0)  # first stage: no input buffer
+    assert receive_buffer_bytes(model(), 2, 5, 2, 2) == (20.0, 0.0)  # holds the loss: no gradient buffer
+    assert receive_buffer_bytes(model(), 1, 2, 2, 3) == (20.0, 20.0)
+    assert receive_buffer_bytes(model(), 0, 2, 2, 1) == (0.0, 0.0)  # K = 1: no pipeline
+    st = stage_work(model(), block_of(model().modules), 2, 5, 2, Recompute.FULL)
+    out = with_runtime(st, model(), 2, 5, replicas=2, ranks=2, tensor_parallel=1, microbatches=4,
+                       terms=(RuntimeTerm.PIPELINE_BUFFERS,))
+    # 4 input buffers stand all step; the input a microbatch keeps is its buffer, not counted twice
+    assert (out.standing_bytes, out.left_bytes, st.kept_bytes - out.kept_bytes) == (80.0, 20.0, 20.0)
 
 
 def test_held_bytes_stay_until_the_step_ends() -> None:
@@ -65,6 +80,8 @@ def test_held_bytes_stay_until_the_step_ends() -> None:
     assert peak_activations(one_rank, [10.0], [0.0], [1.0]) == (11.0,)
     # each forward adds 3 that no backward frees: 3 + 10 + 3 live at 0B1, plus its transient
     assert peak_activations(one_rank, [10.0], [0.0], [1.0], [3.0]) == (17.0,)
+    # each backward leaves 2 that no action frees: 2 + 10 live at 0B1, plus its transient
+    assert peak_activations(one_rank, [10.0], [0.0], [1.0], (), [2.0]) == (13.0,)
 
 
 def run(k: int, t: int, terms: tuple[RuntimeTerm, ...]) -> RunCandidate:
@@ -89,7 +106,17 @@ def test_a_run_with_the_terms_holds_exactly_what_they_size() -> None:
     assert run(1, 2, BOTH).peak_memory_bytes - run(1, 2, ()).peak_memory_bytes == 4000 - 25
 
 
+def test_a_pipelines_receive_buffers_on_each_rank() -> None:
+    with_terms, without = run(2, 1, (RuntimeTerm.PIPELINE_BUFFERS,)), run(2, 1, ())
+    assert with_terms.bounds == (0, 2, 5)
+    # rank 0: 4 gradient buffers of 20 B stand; nothing else moves
+    assert with_terms.rank_memory_bytes[0] - without.rank_memory_bytes[0] == 80
+    # last rank (1F1B: F0 B0 F1 B1 ...): 4 input buffers stand (80); at B3, its peak, the
+    # microbatch's input is its buffer (-20) and B0..B2 left their input gradients (+60)
+    assert with_terms.rank_memory_bytes[1] - without.rank_memory_bytes[1] == 80 - 20 + 60
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_without_tensor_parallelism_or_a_pipeline_nothing_moves(k: int) -> None:
-    terms = BOTH if k == 1 else (RuntimeTerm.LOSS_PARALLEL,)
+    terms = (*BOTH, RuntimeTerm.PIPELINE_BUFFERS) if k == 1 else (RuntimeTerm.LOSS_PARALLEL,)
     assert run(k, 1, terms) == run(k, 1, ())

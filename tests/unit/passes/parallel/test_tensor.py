@@ -140,3 +140,21 @@ def test_tensor_sizes_divide_the_node_and_the_heads() -> None:
         check_tensor_parallel(3, 8, {"attention heads": 64})
     with pytest.raises(InputError, match=r"KV heads \(2\)"):
         check_tensor_parallel(4, 8, {"attention heads": 32, "KV heads": 2})
+
+
+def test_async_tensor_parallelism_hides_each_collective_under_its_product() -> None:
+    rows = _block()
+    plain = shard_table(rows, 2, NVLINK, sequence_parallel=True)
+    hidden = {n.name: n for n in shard_table(rows, 2, NVLINK, sequence_parallel=True, overlapped=True).nodes}
+    for name, (f, b) in plain.collectives.items():  # a few µs each on NVLink, under 0.5 ms products
+        assert f + b > 0
+        node = next(n for n in plain.nodes if n.name == name)
+        assert hidden[name].forward_ms == pytest.approx(node.forward_ms - f), name
+        assert hidden[name].backward_ms == pytest.approx(node.backward_ms - b), name
+    slow = Link(bandwidth_bytes_per_ms=2560.0, latency_ms=0.0, name="slow")
+    one = ring_ms(ACT, 2, slow)  # 0.8 ms: longer than o's 0.5 ms forward, shorter than its 1 ms backward
+    assert one == pytest.approx(0.8)
+    table = shard_table(rows, 2, slow, sequence_parallel=True, overlapped=True)
+    o = next(n for n in table.nodes if n.name == "o")
+    assert table.collectives["o"] == pytest.approx((one - 0.5, 0.0))
+    assert (o.forward_ms, o.backward_ms) == pytest.approx((one, 1.0))
