@@ -56,6 +56,13 @@ class Signature:
     autocast: AutocastState
 
 
+def token_dim(ndim: int) -> int:
+    """Where sequence parallelism cuts a value of ``ndim`` dimensions: its tokens, ``ndim - 2``
+    (``(batch, tokens, features)``, ``(tokens, features)``); 0 for a vector. One rule for the
+    regions that cut it, the wire that carries its shards and the planner that prices them."""
+    return max(ndim - 2, 0)
+
+
 def signature(flat: Sequence[Any], autocast: AutocastState) -> Signature:
     """The signature of one microbatch's flat placeholder values."""
     parts: list[tuple[tuple[int, ...], str] | str] = []

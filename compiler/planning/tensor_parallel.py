@@ -25,10 +25,10 @@ from pipecut.ir import NodeCost
 from pipecut.passes.parallel.tensor import (
     ShardedTable,
     check_tensor_parallel,
+    residual_stream,
     shard_kinds,
     shard_table,
     sharded_widths,
-    split_outputs,
     split_work,
     tensor_sizes,
 )
@@ -143,8 +143,7 @@ def rank_share(nodes: Sequence[NodeCost], tp: int, link: Link, sequence_parallel
     if tp <= 1:
         return tuple(nodes)
     table = shard_table(nodes, tp, link, sequence_parallel=sequence_parallel)
-    tokens = (split_outputs(table.kinds, nodes, sequence_parallel=True) - split_outputs(table.kinds, nodes, sequence_parallel=False)
-              if sequence_parallel else frozenset())
+    tokens = residual_stream(nodes, table.kinds) if sequence_parallel else frozenset()
     return tuple(dataclasses.replace(n, forward_ms=s.forward_ms, backward_ms=s.backward_ms, param_bytes=s.param_bytes,
                                      saved_bytes=s.saved_bytes, output_bytes=s.output_bytes if n.name in tokens else n.output_bytes)
                  for n, s in zip(nodes, table.nodes, strict=True))

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 
 from pipecut.cluster import Link
 from pipecut.core.kinds import LeafKind, NodeOp, TensorShard
+from pipecut.core.shapes import token_dim
 from pipecut.errors import InputError
 from pipecut.ir import NodeCost
 from pipecut.passes.parallel.run_costs import ring_ms
@@ -50,6 +51,7 @@ __all__ = [
     "collectives",
     "gathered_inputs",
     "parameter_shards",
+    "residual_stream",
     "shard_kinds",
     "shard_table",
     "sharded_widths",
@@ -201,23 +203,24 @@ def _split_dims(node: NodeCost, kind: TensorShard, by_name: Mapping[str, NodeCos
     return out
 
 
-def _hidden(nodes: Sequence[NodeCost], kinds: Mapping[str, TensorShard]) -> set[str]:
+def residual_stream(nodes: Sequence[NodeCost], kinds: Mapping[str, TensorShard]) -> frozenset[str]:
     """The replicated values on the residual stream: made by a ROW or VOCAB node or from one
-    (what sequence parallelism splits along the sequence); masks and rotary tables are not."""
+    (what sequence parallelism splits along the sequence, and sends across a cut as token
+    shards); masks and rotary tables are not."""
     out: set[str] = set()
     for n in nodes:
         k = kinds.get(n.name)
         if k in (TensorShard.ROW, TensorShard.VOCAB) or (
                 k is TensorShard.REPLICATED and n.op is not NodeOp.GET_ATTR and any(i in out for i in n.inputs)):
             out.add(n.name)
-    return out
+    return frozenset(out)
 
 
 def split_work(kinds: Mapping[str, TensorShard], nodes: Sequence[NodeCost], *,
                sequence_parallel: bool) -> frozenset[str]:
     """The nodes whose FLOPs and bytes each GPU of the group does 1/T of: the products and the
     split region; with sequence parallelism the residual stream's norms and adds too."""
-    seq = _hidden(nodes, kinds) - {n for n, k in kinds.items() if k is TensorShard.VOCAB} if sequence_parallel else set()
+    seq = residual_stream(nodes, kinds) - {n for n, k in kinds.items() if k is TensorShard.VOCAB} if sequence_parallel else set()
     return frozenset(n for n, k in kinds.items()
                      if k in (TensorShard.COLUMN, TensorShard.ROW, TensorShard.SPLIT) or n in seq)
 
@@ -226,7 +229,7 @@ def split_outputs(kinds: Mapping[str, TensorShard], nodes: Sequence[NodeCost], *
                   sequence_parallel: bool) -> frozenset[str]:
     """The nodes whose output (and what autograd keeps of it) each GPU holds 1/T of: sharded
     values; with sequence parallelism the residual stream's values too."""
-    seq = _hidden(nodes, kinds) if sequence_parallel else set()
+    seq = residual_stream(nodes, kinds) if sequence_parallel else set()
     return frozenset(n for n, k in kinds.items() if k in (TensorShard.COLUMN, TensorShard.SPLIT) or n in seq)
 
 
@@ -339,11 +342,12 @@ def shard_table(nodes: Sequence[NodeCost], tp: int, link: Link, *, sequence_para
 
 def _split_shape(shape: tuple[int, ...], tp: int, *, feature: bool) -> tuple[int, ...]:
     """One GPU's shape of a split value (what crosses a cut is its bytes): features (or heads)
-    split on the last dimension, a sequence-parallel value on the sequence (dimension 1 of three
-    or more, else 0); another dimension that T divides where that one does not."""
+    split on the last dimension, a sequence-parallel value on its tokens
+    (:func:`~pipecut.core.shapes.token_dim`); another dimension that T divides where that one
+    does not."""
     if not shape:
         return shape
-    first = len(shape) - 1 if feature else (1 if len(shape) >= 3 else 0)
+    first = len(shape) - 1 if feature else token_dim(len(shape))
     order = [first] + [i for i in range(len(shape) - 1, -1, -1) if i != first]
     for i in order:
         if shape[i] % tp == 0 and shape[i] >= tp:

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from pipecut.core.owned import own_path
+from pipecut.core.shapes import token_dim
 from pipecut.runtime.comm.wire import TensorLeaf, WireSpec
 
 __all__ = ["RegionEnds", "TokenWire", "region_ends", "shard_module", "whole"]
@@ -71,7 +72,7 @@ def region_ends(mesh: DeviceMesh, sequence_parallel: bool = False) -> RegionEnds
             # a vocabulary-split embedding's masked sum: the backward of a reduce-scatter cannot
             # return to it (torch 2.13), so it is summed whole first, then cut (once per model)
             x = x.redistribute(mesh, [Replicate()])
-        return x.redistribute(mesh, [Shard(max(x.ndim - 2, 0))])  # (batch, tokens, features), (tokens, features)
+        return x.redistribute(mesh, [Shard(token_dim(x.ndim))])
 
     return RegionEnds(enter=gathered, leave=token_shard, whole=whole, join=replicated)
 
@@ -80,7 +81,7 @@ def region_ends(mesh: DeviceMesh, sequence_parallel: bool = False) -> RegionEnds
 class TokenWire:
     """The cut values of a stage (sent or received, by name) that are token shards on both sides
     of their cut (sequence parallelism): on the wire each tensor leaf of them is this rank's
-    shard of dimension ``ndim - 2`` (the tokens of ``(batch, tokens, features)``), where the
+    shard of its tokens (:func:`~pipecut.core.shapes.token_dim`: ``(batch, tokens, features)``), where the
     group size divides it (as Megatron requires of the sequence); where it does not, or the leaf
     has fewer than two dimensions, the leaf travels whole and is received as replicated. Both
     ends decide from the same spec, so they agree without a handshake."""
@@ -92,7 +93,7 @@ class TokenWire:
         """The dimension ``leaf`` travels cut along; None: whole (or not a token value)."""
         if spec.values[leaf.value].name not in self.values or len(leaf.shape) < 2:
             return None
-        d = len(leaf.shape) - 2
+        d = token_dim(len(leaf.shape))
         return d if leaf.shape[d] % self.mesh.size() == 0 else None
 
     def shape(self, spec: WireSpec, leaf: TensorLeaf) -> tuple[int, ...]:
