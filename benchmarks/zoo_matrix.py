@@ -14,9 +14,10 @@ A cell reads
 
 Columns: GPipe, 1F1B and zero-bubble split batch 4 into 2 microbatches; interleaved 1F1B (2
 stages per rank) and ZBV split 4 into 4; ``zero-bubble-1`` is ViT's case of one sample per
-microbatch (batch 2 in 2) under zero-bubble; ``tp2-1f1b`` and ``tp2-sp-1f1b`` (not run by
-default) split each of the K stages over 2 ranks (DTensor), the second with sequence
-parallelism, under 1F1B with batch 4 in 2. Plans come from a fixed cost table
+microbatch (batch 2 in 2) under zero-bubble; the ``tp2-`` columns (not run by default) split
+each of the K stages over 2 ranks (DTensor), ``-sp-`` with sequence parallelism: 1F1B and
+GPipe with batch 4 in 2, interleaved 1F1B with batch 4 in 4; ``-selective-``: each stage
+recomputes its first block. Plans come from a fixed cost table
 (``examples.pinned``: every node the same cost), so a cell gives the same answer on every run;
 ``--measured`` plans from timings instead, calibrated on the running pipeline, as a user's
 ``compile`` does (the runtime's paths after calibration: a rebuilt split, a re-costed order).
@@ -62,6 +63,8 @@ class Column:
     tensor_parallel: int = 1
     """T: each of the K stages split over T ranks (a ("pp", "tp") mesh of K x T ranks)."""
     sequence_parallel: bool = False
+    recompute_first_block: bool = False
+    """Each stage recomputes its first block (selective recompute: ``pinned.first_block_recomputed``)."""
 
 
 COLUMNS = (
@@ -74,6 +77,12 @@ COLUMNS = (
     Column(name="tp2-1f1b", schedule=ScheduleKind.ONE_F_ONE_B, batch_size=4, microbatches=2, tensor_parallel=2),
     Column(name="tp2-sp-1f1b", schedule=ScheduleKind.ONE_F_ONE_B, batch_size=4, microbatches=2, tensor_parallel=2,
            sequence_parallel=True),
+    Column(name="tp2-sp-gpipe", schedule=ScheduleKind.GPIPE, batch_size=4, microbatches=2, tensor_parallel=2,
+           sequence_parallel=True),
+    Column(name="tp2-sp-interleaved-1f1b", schedule=ScheduleKind.INTERLEAVED_1F1B, batch_size=4, microbatches=4,
+           tensor_parallel=2, sequence_parallel=True),
+    Column(name="tp2-sp-selective-1f1b", schedule=ScheduleKind.ONE_F_ONE_B, batch_size=4, microbatches=2,
+           tensor_parallel=2, sequence_parallel=True, recompute_first_block=True),
 )
 DEFAULT = [c.name for c in COLUMNS if c.tensor_parallel == 1]
 BY_NAME = {c.name: c for c in COLUMNS}
@@ -147,7 +156,8 @@ def _plan(name: str, column: Column, k: int, costs: dict[tuple[int, int], pinned
     if key not in costs:
         costs[key] = pinned.fixed_costs(name, column.microbatches, models=ARCHITECTURES,
                                         batch_size=column.batch_size)
-    return pinned.fixed_plan(costs[key], k, column.schedule)
+    plan = pinned.fixed_plan(costs[key], k, column.schedule)
+    return pinned.first_block_recomputed(plan) if column.recompute_first_block else plan
 
 
 def sweep(names: list[str], columns: list[Column], stages: list[int], timeout: float,
@@ -208,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=sorted(ARCHITECTURES), choices=sorted(ARCHITECTURES))
     parser.add_argument("--schedules", nargs="+", default=DEFAULT, choices=list(BY_NAME),
                         help="columns: a schedule, zero-bubble-1 (one sample per microbatch), or "
-                             "tp2-1f1b / tp2-sp-1f1b (each stage over 2 ranks; with sequence parallelism)")
+                             "a tp2-... column (each stage over 2 ranks; -sp-: with sequence parallelism)")
     parser.add_argument("--stages", nargs="+", type=int, default=[2])
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per cell")
     parser.add_argument("--measured", action="store_true",

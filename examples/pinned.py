@@ -16,6 +16,7 @@ A split may still be given as module names, to cut where the structure says.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import pipecut
@@ -71,3 +72,17 @@ def fixed_plan(costs: FixedCosts, world: int, schedule: str | pipecut.ScheduleKi
         partition=pipecut.PartitionOptions(split=split), fingerprint=costs.fingerprint,
         capture=costs.capture, inputs=costs.inputs,
     )
+
+
+def first_block_recomputed(plan: Plan) -> Plan:
+    """``plan`` with each stage recomputing its first block (selective recompute): the nodes of
+    the first numbered module it holds (``transformer.h.0.``, ``model.layers.3.``, ...); a stage
+    without one recomputes nothing."""
+    stages = []
+    for stage in plan.stages:
+        blocks = [m.group(1) for n in stage.nodes if (m := re.match(r"(.*?\.\d+\.)", plan.node(n).module + "."))]
+        chosen = tuple(n for n in stage.nodes if blocks and (plan.node(n).module + ".").startswith(blocks[0]))
+        stages.append(dataclasses.replace(stage, recompute=pipecut.Recompute.SELECTIVE if chosen else stage.recompute,
+                                          recomputed=chosen))
+    return dataclasses.replace(plan, stages=tuple(stages))
+

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import pipecut
-from examples import gpt, zoo
+from examples import gpt, pinned, zoo
 from pipecut.core.batching import split_microbatches
 from pipecut.core.graph import canonical_names
 from pipecut.runtime.state import checkpoint
@@ -284,7 +284,7 @@ def _compositions(rank: int, world: int, directory: str) -> dict[str, Any]:
         dataclasses.replace(s, recompute=pipecut.Recompute.FULL) for s in pipe.plan.stages))  # the same graph
     tokens = pipecut.TensorParallelOptions(sequence_parallel=True)  # token shards across every cut
     out["recompute"] = _one_step(*zoo.gpt2(batch_size=BATCH), mesh, schedule="gpipe", plan=full, tensor_parallel=tokens)
-    out["selective"] = _one_step(*zoo.gpt2(batch_size=BATCH), mesh, plan=_first_block_recomputed(pipe.plan),
+    out["selective"] = _one_step(*zoo.gpt2(batch_size=BATCH), mesh, plan=pinned.first_block_recomputed(pipe.plan),
                                  tensor_parallel=tokens)
     out["interleaved"] = _one_step(*gpt_example(), mesh, schedule="interleaved-1f1b", tensor_parallel=tokens,
                                    scheduling=pipecut.ScheduleOptions(stages_per_rank=2))
@@ -295,16 +295,6 @@ def _compositions(rank: int, world: int, directory: str) -> dict[str, Any]:
         loss = pipe.step(inputs, target)
     out["amp"] = {"loss": loss.detach().clone(), "grads": {alias[n]: zoo.whole_copy(p.grad) for n, p in pipe.named_parameters()}}
     return out
-
-
-def _first_block_recomputed(plan: pipecut.Plan) -> pipecut.Plan:
-    """``plan`` with each stage recomputing its first transformer block (selective recompute)."""
-    stages = []
-    for stage in plan.stages:
-        blocks = [m.group(0) for n in stage.nodes if (m := re.match(r".*\.h\.\d+\.", plan.node(n).module + "."))]
-        chosen = tuple(n for n in stage.nodes if blocks and (plan.node(n).module + ".").startswith(blocks[0]))
-        stages.append(dataclasses.replace(stage, recompute=pipecut.Recompute.SELECTIVE, recomputed=chosen))
-    return dataclasses.replace(plan, stages=tuple(stages))
 
 
 def _normwise(got: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> None:
