@@ -37,6 +37,7 @@ from pipecut.build.context import Place
 from pipecut.build.layout import RankGroups
 from pipecut.core.kinds import DataParallelKind, Recompute, TensorShard
 from pipecut.core.program import Captured, Inputs
+from pipecut.core.segment import Segment
 from pipecut.errors import InputError, PlanError
 from pipecut.ir import Plan
 from pipecut.options import TensorParallelOptions
@@ -164,6 +165,17 @@ class _Tracing(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         self.at = n
         return super().run_node(n)
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        sub = self.fetch_attr(target)
+        if not isinstance(sub, Segment):
+            return super().call_module(target, args, kwargs)
+        inner = _Tracing(sub.interpretable())  # a recomputed run: the node inside it is named
+        try:
+            return inner.run(*args)
+        except Exception:
+            self.at = inner.at
+            raise
 
 
 def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first: Inputs,

@@ -22,12 +22,21 @@ __all__ = ["Segment"]
 class Segment(torch.nn.Module):
     """One run of a stage's nodes, recomputed in backward. Holds no tensors of its own."""
 
+    _owner: torch.nn.Module
+    _graph: fx.Graph
+
     def __init__(self, owner: torch.nn.Module, graph: fx.Graph, nodes: tuple[str, ...]) -> None:
         super().__init__()
         self.nodes = nodes
         code = fx.GraphModule(owner, graph, "Segment")  # compiles the run's code; then dropped
         object.__setattr__(self, "_run", type(code).forward)  # plain attributes: not submodules
         object.__setattr__(self, "_owner", owner)
+        object.__setattr__(self, "_graph", graph)
+
+    def interpretable(self) -> fx.GraphModule:
+        """The run as a module of its own nodes, reading the stage's tensors (to walk it node
+        by node: an error can then name the node inside it)."""
+        return fx.GraphModule(self._owner, self._graph, "Segment")
 
     def forward(self, *args: Any) -> Any:
         return checkpoint(self._run, self._owner, *args, use_reentrant=False)

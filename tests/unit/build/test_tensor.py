@@ -75,3 +75,37 @@ def test_the_build_probe_refuses_dtensors_own_failures_and_leaves_a_kernels_to_t
             run()
         failures.append(_dtensor_failure(caught.value))
     assert failures == [True, False, False, False]
+
+
+
+def refused(x: torch.Tensor) -> torch.Tensor:
+    """An op that fails when run (as DTensor fails one without a sharding rule): a leaf of the trace."""
+    raise NotImplementedError("no sharding strategy")
+
+
+torch.fx.wrap("refused")
+
+
+def test_the_probe_names_the_node_inside_a_recomputed_run_that_fails() -> None:
+    """A stage with selective recompute holds its recomputed runs as segments: the node an
+    error names is the op inside the run, not the segment (whose name says nothing of it)."""
+    import torch.fx as fx
+
+    from pipecut.build.tensor import _Tracing
+    from pipecut.passes.rewrite.segments import checkpoint_segments
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(refused(self.lin(x)))
+
+    gm = fx.symbolic_trace(Net())
+    runs = checkpoint_segments(gm, ("lin", "refused"))
+    assert [n.target for n in runs.graph.nodes if n.op == "call_module"] == ["recompute_0"]
+    run = _Tracing(runs)
+    with pytest.raises(NotImplementedError), torch.no_grad():
+        run.run(torch.randn(2, 3))
+    assert run.at is not None and run.at.name == "refused"
