@@ -85,4 +85,3 @@ def first_block_recomputed(plan: Plan) -> Plan:
         stages.append(dataclasses.replace(stage, recompute=pipecut.Recompute.SELECTIVE if chosen else stage.recompute,
                                           recomputed=chosen))
     return dataclasses.replace(plan, stages=tuple(stages))
-
