@@ -32,17 +32,16 @@ typecheck: setup
 	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p pipecut
 
 # The multi-process tests (marked dist) run one at a time, their ranks filling the cores; the
-# single-process tests run beside them in a second pytest, whose report follows theirs, with
-# the longest multi-process test, of two ranks (marked alongside), to even the two out.
+# single-process tests run beside them in a second pytest, whose report follows theirs.
 test: lint
 	if [ -x scripts/install-chromium.sh ]; then scripts/install-chromium.sh; fi
 	mkdir -p build
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m "not dist or alongside" -p no:cacheprovider --durations=10 \
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m "not dist" -p no:cacheprovider --durations=10 \
 		> build/test-single-process.log 2>&1 & single=$$!; \
 	trap 'kill $$single 2>/dev/null' INT TERM; \
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m "dist and not alongside" --durations=20; ranks=$$?; \
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m dist --durations=20; ranks=$$?; \
 	wait $$single; one=$$?; \
-	echo "== the single-process tests and the one marked alongside (run beside the multi-process ones above)"; \
+	echo "== the single-process tests (run beside the multi-process ones above)"; \
 	cat build/test-single-process.log; \
 	exit $$(( ranks || one ))
 

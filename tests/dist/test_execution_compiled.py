@@ -182,7 +182,6 @@ def inductor_cache(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.alongside  # two ranks compiling most of the time: the longest test, beside the others
 def test_compiled_stages_match_plain_model(inductor_cache: Path) -> None:
     plans: dict[str, str] = {}
     for name, (build, schedule, per_rank, rewrite, _) in SCENARIOS.items():
