@@ -430,8 +430,8 @@ def tensor_note(t: int, cluster: Cluster, sequence_parallel: bool) -> str:
            if sequence_parallel else "all-reduce")
     return (f"tensor parallel {t} inside each node (Megatron's pairing: q/k/v, gate/up and the LM head "
             f"column-wise, o and down row-wise, the embedding by vocabulary): two collectives forward "
-            f"and two backward per block, {how}, on {cluster.intra.name}, exposed (async tensor "
-            f"parallelism not modelled); pipecut.compile does not run this cluster plan: it predicts a "
+            f"and two backward per block, {how}, on {cluster.intra.name}, exposed (not hidden by async "
+            f"tensor parallelism: a run that uses it is faster); pipecut.compile does not run this cluster plan: it predicts a "
             f"run by torchtitan or Megatron-LM, or by pipecut.compile over a ('dp', 'pp', 'tp') DeviceMesh")
 
 
