@@ -14,7 +14,7 @@ both alike:
 Layouts: ``dp2`` is two data-parallel replicas of a one-stage pipeline (DDP all-reduces every
 gradient: the case no_sync exists for); ``pp2`` is one pipeline of two stages, where only the
 tied embedding's gradient crosses ranks. Both modes give the same gradients
-(``tests/dist/test_tied.py``). Prints a table and writes JSON. Not a test.
+(``tests/multiprocess/test_tied.py``). Prints a table and writes JSON. Not a test.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from examples import zoo  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 
 ATOL, RTOL = 1e-5, 1e-4
-"""The tolerances of tests/dist/test_zoo.py (justified there)."""
+"""The tolerances of tests/multiprocess/test_zoo.py (justified there)."""
 
 NOTES = {
     "resnet": "BatchNorm buffers (train mode), ModelOutput",
@@ -131,7 +131,7 @@ def section(rows: list[dict[str, Any]], microbatches: int, title: str = "## Cove
         "control flow), so its shapes are specialised and no non-tensor value crosses a cut; "
         "`tagger` covers symbolic_trace, where a `torch.Size` and ints do. Checkpoints (save "
         "with K=2, load with K=3 and into the plain model; a killed run resumed bitwise) are "
-        "tested in `tests/dist/test_checkpoint.py`.\n"
+        "tested in `tests/multiprocess/test_checkpoint.py`.\n"
     )
 
 

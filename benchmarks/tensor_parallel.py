@@ -16,7 +16,7 @@ order, so that the machine's drift hits all of them alike:
 - ``pp4``: four stages, one per rank;
 - ``pp2xdp2``: a ("dp", "pp") mesh of 2 x 2: two replicas (DDP) of two stages, each on its half.
 
-All four give the plain model's numbers (tests/dist/test_tensor_parallel.py, test_hybrid.py).
+All four give the plain model's numbers (tests/multiprocess/test_tensor_parallel.py, test_hybrid.py).
 Prints a table (median ms per step) and writes JSON. Not a test: no speed is asserted anywhere.
 """
 

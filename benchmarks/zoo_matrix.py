@@ -3,7 +3,7 @@
 Each cell is one (architecture, column) pair: its own forked gloo ranks (``run_ranks``, with a
 timeout, so one hang cannot stop the sweep) compile the model, run one training step and
 return the loss, gradients and buffers; this process runs the plain model microbatch by
-microbatch and compares (``examples.zoo.compare``, the tolerances of tests/dist/test_zoo.py).
+microbatch and compares (``examples.zoo.compare``, the tolerances of tests/multiprocess/test_zoo.py).
 A cell reads
 
 - ``pass``: loss, every gradient and every buffer match;

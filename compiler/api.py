@@ -3,7 +3,7 @@
 :func:`compile` reads as its steps: options → (data-parallel layout) → build (settings →
 weights source → connect → capture, plan, broadcast, check → other mode → stages and their
 weights → sync → runtime) → live calibration (and one rebuild where the split moved) → data
-parallelism. Each step lives in the module that owns it (:mod:`pipecut.build`).
+parallelism. Each step lives in the module that owns it (:mod:`pipecut.assemble`).
 """
 
 from __future__ import annotations
@@ -16,22 +16,22 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from pipecut.build.choice import (
+from pipecut.assemble.choice import (
     capture_and_broadcast_plan,
     refuse_tensor_parallel,
     runnable_schedule,
 )
-from pipecut.build.context import Place, connect
-from pipecut.build.layout import auto_layout
-from pipecut.build.replay import settings_of
-from pipecut.build.resolve import WireSpecs, schedules
-from pipecut.build.tensor import (
+from pipecut.assemble.context import Place, connect
+from pipecut.assemble.layout import auto_layout
+from pipecut.assemble.replay import settings_of
+from pipecut.assemble.resolve import WireSpecs, schedules
+from pipecut.assemble.tensor import (
     check_composable,
     copy_group,
     split_over_tensor_group,
     tensor_shards,
 )
-from pipecut.build.workers import (
+from pipecut.assemble.workers import (
     WorkerFactory,
     build_workers,
     sync_weights,

@@ -339,7 +339,7 @@ class DataParallelOptions:
 class TensorParallelOptions:
     """Tensor parallelism, as ``compile`` and ``plan`` take it (``tensor_parallel=``): how each
     stage splits its layers over the "tp" dimension of ``compile``'s DeviceMesh (see
-    :mod:`pipecut.build.tensor`), and the group size a cluster plan weighs.
+    :mod:`pipecut.assemble.tensor`), and the group size a cluster plan weighs.
 
     Args:
         plan: Module patterns (``*`` for one name, as in a Hugging Face ``tp_plan``) → a

@@ -79,8 +79,8 @@ def run(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
 
 
 def hf_gpt2(batch_size: int = 8, seed: int = 0):
-    """A small transformers GPT-2 (the one tests/dist/test_parity.py uses)."""
-    from tests.dist.test_parity import hf_gpt2 as build
+    """A small transformers GPT-2 (the one tests/multiprocess/test_parity.py uses)."""
+    from tests.multiprocess.test_parity import hf_gpt2 as build
 
     return build(batch_size, seed)
 

@@ -10,7 +10,7 @@ another does not. A test whose outcome changes under it depends on the clock: it
 come from counted costs (``MeasureOptions(estimate=...)``) or a pinned split
 (``PartitionOptions(split=...)``), its tolerance hold for any split. It is an audit, not part of
 ``make test``: ``make jitter-check`` runs the unit suite under it (forked ranks inherit it, so
-``pytest tests/dist/... --jitter-clock=1`` works too).
+``pytest tests/multiprocess/... --jitter-clock=1`` works too).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Bugs the differential fuzzer knows about and that are still open: which configurations hit
-each one, so that the fixed budget (tests/dist/test_fuzz.py) leaves them out and a campaign
+each one, so that the fixed budget (tests/multiprocess/test_fuzz.py) leaves them out and a campaign
 (benchmarks/fuzz.py) can tell a known failure from a new one.
 
 Each entry says which configurations hit the bug, as narrowly as the shrunk repros allow (a
 wide predicate hides new bugs behind a known one). Every entry has a strict xfail in
-tests/dist/test_fuzz_regressions.py with its shrunk configuration: when a fix lands, that test
+tests/multiprocess/test_fuzz_regressions.py with its shrunk configuration: when a fix lands, that test
 XPASSes, and the entry and the mark go together.
 """
 

@@ -6,8 +6,8 @@ that other tests pin, so drawing it would spend the budget on one known PlanErro
 
 - data parallelism with zero-bubble or ZBV (their weight pass writes ``.grad`` where DDP's and
   FSDP's hooks do not see it) or with recompute: PlanError in
-  ``runtime.data_parallel.check_supported`` (tests/dist/test_hybrid.py);
-- recompute under zero-bubble or ZBV: PlanError in ``compile`` (tests/dist/test_zbv.py);
+  ``runtime.data_parallel.check_supported`` (tests/multiprocess/test_hybrid.py);
+- recompute under zero-bubble or ZBV: PlanError in ``compile`` (tests/multiprocess/test_zbv.py);
 - BatchNorm with data parallelism: each replica keeps its own running statistics, which no
   single-process run of the plain model reproduces (SyncBatchNorm is not what is tested);
 - more pinned stages than the model has split points (the split is then chosen by compile);
@@ -48,7 +48,7 @@ PLANS = ("auto", "split", "pinned", "json", "memory", "heavy")
 depend on measured times), ``pipecut.plan(split=...)`` made in the driver and passed as a Plan
 (``pinned``) or as a JSON path (``json``), the planner under a memory limit that forces
 recompute (``memory``), or a plan with the LM head in row pieces (``heavy``, set costs as in
-tests/dist/test_chunked_head.py)."""
+tests/multiprocess/test_chunked_head.py)."""
 SPLIT_PLANS = ("split", "pinned", "json")
 """The plan sources whose split the configuration pins."""
 RECOMPUTE = ("none", "selective", "full")

@@ -197,14 +197,14 @@ def _make_plan(cfg: Config, folder: Path) -> Plan | str:
 def _recompute(plan: Plan, how: str, prefix: str) -> Plan:
     """Every stage recomputing its whole forward (full), or its first block ``prefix``.N
     (selective; stages without such a block keep all activations)."""
-    from tests.dist.test_recompute import _blocks, _whole
+    from tests.multiprocess.test_recompute import _blocks, _whole
 
     return {"none": plan, "full": _whole(plan), "selective": _blocks(plan, prefix, 1)}[how]
 
 
 def _heavy_plan(cfg: Config, model: torch.nn.Module, inputs: Any) -> Plan:
     """The head in one piece per rank, each piece far heavier than the rest (as in
-    tests/dist/test_chunked_head.py), so the pieces land on different stages."""
+    tests/multiprocess/test_chunked_head.py), so the pieces land on different stages."""
     head = MODELS[cfg.model].head
     assert head is not None
     chunks = (ChunkedNode(node=head, pieces=cfg.ranks),)

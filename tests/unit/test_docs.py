@@ -3,7 +3,7 @@
 Python blocks: each is compiled and every ``pipecut`` name it imports or reaches by attribute
 exists; each is also listed in :data:`PYTHON_BLOCKS` with the test that runs it or the reason it
 is only compiled, so a new block needs a decision. Blocks that need several ranks run in
-tests/dist/test_docs.py; the single-process ones run here or in tests/unit/test_public_api.py.
+tests/multiprocess/test_docs.py; the single-process ones run here or in tests/unit/test_public_api.py.
 Shell blocks: every command is parsed by the program it calls (``pipecut`` by its own parser,
 ``torchrun`` by torch's, ``make`` against the Makefile's targets, scripts and test paths must
 exist and take the options given); the command-line page's block runs as written.
@@ -31,15 +31,15 @@ from tests.docs import ROOT, Block, block, blocks, code, pages
 
 PYTHON_BLOCKS: dict[tuple[str, str], str] = {
     ("README.md", "layers = [torch.nn.Sequential"):
-        "run at 2 ranks against the plain model: tests/dist/test_docs.py",
+        "run at 2 ranks against the plain model: tests/multiprocess/test_docs.py",
     ("docs/training-loop.md", "# Planning: one process"):
-        "run at 2 ranks against the plain model: tests/dist/test_docs.py",
+        "run at 2 ranks against the plain model: tests/multiprocess/test_docs.py",
     ("docs/training-loop.md", 'ckpt.latest("ckpt")'):
-        "run at 4 ranks, then resumed from its checkpoint: tests/dist/test_docs.py",
+        "run at 4 ranks, then resumed from its checkpoint: tests/multiprocess/test_docs.py",
     ("docs/training-loop.md", "normalizer=(y != -100)"):
-        "compiled: fragments (`compile(...)`); each line runs in tests/dist/test_training_loop.py",
+        "compiled: fragments (`compile(...)`); each line runs in tests/multiprocess/test_training_loop.py",
     ("docs/big-models.md", "from_config(cfg)"):
-        "compiled: a recipe with `...`; it runs on five families in tests/dist/test_pretrained.py",
+        "compiled: a recipe with `...`; it runs on five families in tests/multiprocess/test_pretrained.py",
     ("docs/options.md", "heavy_pieces=False"):
         "run: tests/unit/test_options.py::test_the_options_page_runs",
     ("docs/clusters.md", "partition_costs"):
@@ -47,7 +47,7 @@ PYTHON_BLOCKS: dict[tuple[str, str], str] = {
     ("docs/clusters.md", "plan_cluster(model, batch"):
         "run with two layers of Llama-3.1-8B: test_the_cluster_block_plans_a_run",
     ("docs/tensor-parallel.md", 'mesh_dim_names=("dp", "pp", "tp")'):
-        "compiled: a fragment; it runs on 8 ranks in tests/dist/test_tensor_parallel.py (FSDP2 x TP x PP)",
+        "compiled: a fragment; it runs on 8 ranks in tests/multiprocess/test_tensor_parallel.py (FSDP2 x TP x PP)",
 }
 """(page, marker) of every python block -> how it is tested."""
 

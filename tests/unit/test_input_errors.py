@@ -12,7 +12,7 @@ Now the message says what was passed and what the plan was captured with (the pl
 names), then the first difference that matters and the fix; the pytree structures follow as
 detail. Both capture paths: torch.export (a structure fixed at capture) and symbolic_trace
 (placeholders taken by position or keyword). ``pipe.step`` passes ``what="step"``; the
-multi-rank check of that is in ``tests/dist/test_freeze.py``.
+multi-rank check of that is in ``tests/multiprocess/test_freeze.py``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 
 import pipecut
 from examples import mlp
-from pipecut.build.choice import check_fingerprint
+from pipecut.assemble.choice import check_fingerprint
 from pipecut.core.kinds import NodeOp
 from pipecut.errors import PlanError
 from pipecut.ir import ChunkedNode, NodeCost, Plan

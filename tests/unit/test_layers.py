@@ -113,10 +113,10 @@ def test_the_checker_sees_a_pass_importing_the_runtime(tmp_path: Path, source: s
 
 def test_planning_runs_in_one_process_below_the_build() -> None:
     """``pipecut.planning`` (cost tables, plans) imports neither the runtime nor what builds and
-    runs a pipeline (``pipecut.build``, ``pipecut.api``, the CLI): planning needs no process
+    runs a pipeline (``pipecut.assemble``, ``pipecut.api``, the CLI): planning needs no process
     group, and compile's steps sit on top of it, not the other way round."""
     known = modules()
-    above = ("pipecut.runtime", "pipecut.build", "pipecut.api", "pipecut.cli")
+    above = ("pipecut.runtime", "pipecut.assemble", "pipecut.api", "pipecut.cli")
     wrong = [f"{module} imports {imported}"
              for module, path in sorted(known.items()) if module.startswith("pipecut.planning")
              for imported in sorted(imports(path)) if imported in known and imported.startswith(above)]

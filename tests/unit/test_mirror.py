@@ -7,8 +7,8 @@ The rule. A package module is every ``.py`` file under ``compiler/`` (``pipecut`
 ``pipecut.core.cut_values`` → ``tests/unit/core/test_cut_values.py``,
 ``pipecut.runtime.execution.trace`` → ``tests/unit/runtime/execution/test_trace.py``,
 ``pipecut.errors`` → ``tests/unit/test_errors.py``. A module that only runs across processes
-may instead have ``tests/dist/test_<file name>.py`` (or ``test_<package>_<file name>.py`` where
-two modules share the file name: ``tests/dist`` is one folder).
+may instead have ``tests/multiprocess/test_<file name>.py`` (or ``test_<package>_<file name>.py`` where
+two modules share the file name: ``tests/multiprocess`` is one folder).
 
 Test files named by feature (``test_layers.py``, ``test_regressions.py``, …) are welcome
 besides, at ``tests/unit/`` or beside the module they are about; they do not count as a
@@ -23,18 +23,20 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from tests.collection import collected_files
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"compiler": "pipecut", "passes": "pipecut.passes", "runtime": "pipecut.runtime"}
 
 EXEMPT: dict[str, tuple[str, str]] = {
     "pipecut.api": (
-        "tests/dist/test_parity.py", "compile() builds a pipeline across processes; every tests/dist file runs it"),
-    "pipecut.build.choice": (
-        "tests/dist/test_parity.py", "compile()'s capture/plan/check step: needs a process group"),
-    "pipecut.build.context": (
-        "tests/dist/test_parity.py", "compile()'s connect step: needs a process group"),
-    "pipecut.build.workers": (
-        "tests/dist/test_parity.py", "compile()'s build/materialise/sync steps: need a process group"),
+        "tests/multiprocess/test_parity.py", "compile() builds a pipeline across processes; every tests/multiprocess file runs it"),
+    "pipecut.assemble.choice": (
+        "tests/multiprocess/test_parity.py", "compile()'s capture/plan/check step: needs a process group"),
+    "pipecut.assemble.context": (
+        "tests/multiprocess/test_parity.py", "compile()'s connect step: needs a process group"),
+    "pipecut.assemble.workers": (
+        "tests/multiprocess/test_parity.py", "compile()'s build/materialise/sync steps: need a process group"),
     "pipecut.passes.parallel.run_costs": (
         "tests/unit/test_cluster_schedules.py", "a cluster run's per-stage costs: checked through the runs they price"),
     "pipecut.passes.parallel.run_schedule": (
@@ -42,7 +44,7 @@ EXEMPT: dict[str, tuple[str, str]] = {
     "pipecut.planning.run_plan": (
         "tests/unit/test_cluster_schedules.py", "the plan of the chosen cluster run: its stages agree with the run line"),
     "pipecut.runtime.pipeline": (
-        "tests/dist/test_training_loop.py", "the Pipeline object only runs across processes: the README's loop"),
+        "tests/multiprocess/test_training_loop.py", "the Pipeline object only runs across processes: the README's loop"),
 }
 """Module -> (test file that covers it, relative to the repository; why it has no own file)."""
 
@@ -65,8 +67,8 @@ def homes(dotted: str, shared: set[str]) -> tuple[str, ...]:
     parts = dotted.split(".")[1:]  # without "pipecut"
     stem, package = parts[-1], parts[:-1]
     unit = "/".join(("tests", "unit", *package, f"test_{stem}.py"))
-    qualified = f"tests/dist/test_{(package or ['pipecut'])[-1]}_{stem}.py"
-    return (unit, qualified) if stem in shared else (unit, f"tests/dist/test_{stem}.py", qualified)
+    qualified = f"tests/multiprocess/test_{(package or ['pipecut'])[-1]}_{stem}.py"
+    return (unit, qualified) if stem in shared else (unit, f"tests/multiprocess/test_{stem}.py", qualified)
 
 
 def _shared_stems(names: list[str]) -> set[str]:
@@ -75,16 +77,19 @@ def _shared_stems(names: list[str]) -> set[str]:
 
 
 def _have(names: tuple[str, ...]) -> bool:
-    return any((ROOT / n).is_file() for n in names)
+    """Whether one of ``names`` is a test file pytest collects (a file that exists but is not
+    collected never runs: ``tests/unit/build/`` once was such a folder)."""
+    collected = collected_files()
+    return any(n in collected for n in names)
 
 
 def test_rule_examples() -> None:
     shared = {"trace"}
     assert homes("pipecut.core.cut_values", shared) == (
-        "tests/unit/core/test_cut_values.py", "tests/dist/test_cut_values.py", "tests/dist/test_core_cut_values.py")
+        "tests/unit/core/test_cut_values.py", "tests/multiprocess/test_cut_values.py", "tests/multiprocess/test_core_cut_values.py")
     assert homes("pipecut.errors", shared)[0] == "tests/unit/test_errors.py"
     assert homes("pipecut.runtime.execution.trace", shared) == (
-        "tests/unit/runtime/execution/test_trace.py", "tests/dist/test_execution_trace.py")
+        "tests/unit/runtime/execution/test_trace.py", "tests/multiprocess/test_execution_trace.py")
     assert _shared_stems(["pipecut.capture.trace", "pipecut.runtime.execution.trace", "pipecut.ir"]) == {"trace"}
 
 
@@ -125,7 +130,7 @@ def test_exemptions_are_current() -> None:
             stale.append(f"{name} is no longer a module: delete its entry")
         elif _have(homes(name, shared)):
             stale.append(f"{name} now has its own test file: delete its entry")
-        if not (ROOT / covering).is_file():
-            stale.append(f"{name}: covering file {covering} does not exist")
+        if covering not in collected_files():
+            stale.append(f"{name}: covering file {covering} does not exist or is not collected")
     assert not stale, "\n".join(stale)
     assert len(EXEMPT) < 12, "keep the exemptions few: give modules their own test files"

@@ -10,12 +10,12 @@ import torch
 import pipecut
 from pipecut.core.kinds import CaptureMethod
 from pipecut.passes.partition.chain import boundary_bytes, liveness
-from tests.dist.test_eval import M, frozen
+from tests.multiprocess.test_eval import M, frozen
 from tests.stateful import counts_calls
 
 
 def test_no_cut_between_a_no_grad_node_and_the_detach_that_closes_its_block() -> None:
-    """Seen when merging the eval and partitioner work (tests/dist/test_eval.py, 1 run in 3):
+    """Seen when merging the eval and partitioner work (tests/multiprocess/test_eval.py, 1 run in 3):
 
         assert all(r["frozen_untouched"] for r in results)   ->   assert False
 
@@ -39,7 +39,7 @@ def test_no_cut_between_a_no_grad_node_and_the_detach_that_closes_its_block() ->
 
 
 def test_calibration_does_not_make_a_buffer_require_grad() -> None:
-    """Seen when merging (tests/dist/test_model_state.py, every run):
+    """Seen when merging (tests/multiprocess/test_model_state.py, every run):
 
         PipelineRuntimeError: stage 0: value 'add_' (leaf 0) requires grad, but the plan was
         made when it did not: a parameter's requires_grad changed after pipecut.compile.

@@ -5,7 +5,7 @@ Issue 27: a transformers Swin at one sample per microbatch never finished ``comp
 minutes, in sympy under torch.export's ``_reshape_view_helper`` (symbolic image height and
 width through the window partitions). These tests stand a slow export in with a Python loop
 that never ends (a stand-in for sympy), so they are fast and do not depend on timing beyond
-"it finishes"; tests/dist/test_capture_swin.py runs the Swin itself.
+"it finishes"; tests/multiprocess/test_capture_swin.py runs the Swin itself.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def test_zbv_is_a_candidate_and_wins_where_it_is_fastest():
 
 
 def test_with_data_parallelism_split_backward_schedules_are_ruled_out():
-    """Found by the fuzzer (tests/dist/test_fuzz_regressions.py): compile(mesh, schedule="auto",
+    """Found by the fuzzer (tests/multiprocess/test_fuzz_regressions.py): compile(mesh, schedule="auto",
     data_parallel="ddp") chose ZBV, then refused it: "PlanError: data_parallel='ddp' cannot
     run the zbv schedule"."""
     times = all_pairs(lambda m, k: {ZV: 5.0, Z: 6.0}.get(k, 10.0))

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import validation
 from pipecut import Plan, summary
-from pipecut.build.choice import refuse_tensor_parallel
+from pipecut.assemble.choice import refuse_tensor_parallel
 from pipecut.cluster import ClusterPlacement, Layout
 from pipecut.core.kinds import Recompute, TensorShard
 from pipecut.errors import InputError, PartitionError, PlanError

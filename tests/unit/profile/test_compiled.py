@@ -1,7 +1,7 @@
 """``compile_stages="auto"``: the rule that keeps compiled or eager stages, and its inputs.
 
 The measuring half (:func:`pipecut.profile.compiled.measure_and_choose`) runs on the ranks in
-``tests/dist/test_execution_compiled.py``.
+``tests/multiprocess/test_execution_compiled.py``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 
 import pipecut
 from examples import gpt, mlp
-from pipecut.build.resolve import WireSpecs, schedules
+from pipecut.assemble.resolve import WireSpecs, schedules
 from pipecut.capture import capture
 from pipecut.core.batching import split_by_sizes
 from pipecut.core.cut_values import describe
@@ -100,7 +100,7 @@ def test_accepted_shapes_of_symbolic_trace(gpt_plan: Any, mlp_plan: Any) -> None
     # symbolic_trace: the GPT takes any shorter sequence; the MLP's width is fixed by its Linear.
     assert gpt_plan[0].accepts == (InputShape(name="idx", dtype="int64", min_shape=(1, 1), max_shape=(2, 16)),)
     assert mlp_plan[0].accepts == (InputShape(name="x", dtype="float32", min_shape=(1, 16), max_shape=(2, 16)),)
-    # torch.export keeps its own symbolic dimensions: checked on GPT-2 in tests/dist/test_amp_shapes.py.
+    # torch.export keeps its own symbolic dimensions: checked on GPT-2 in tests/multiprocess/test_amp_shapes.py.
 
 
 def test_inputs_sharing_a_sequence_length_must_agree() -> None:
@@ -168,7 +168,7 @@ def test_interleaved_schedules_get_a_multiple_of_the_ranks() -> None:
 
 
 def test_interleaved_with_one_stage_per_rank_runs_any_count(mlp_plan: Any) -> None:
-    """It is plain 1F1B (tests/dist/test_fuzz_regressions.py: M = 3 on 2 ranks was refused at
+    """It is plain 1F1B (tests/multiprocess/test_fuzz_regressions.py: M = 3 on 2 ranks was refused at
     every step, even with the planned batch)."""
     plan = dataclasses.replace(mlp_plan[0], batch_size=6, microbatches=3, schedule=ScheduleKind.INTERLEAVED_1F1B,
                                stages_per_rank=1,

@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch import nn
 
 import pipecut
-from pipecut.build.tensor import _from_styles, model_tp_plan
+from pipecut.assemble.tensor import _from_styles, model_tp_plan
 from pipecut.core.kinds import TensorShard
 from pipecut.errors import InputError
 from pipecut.ir import Plan

@@ -1,5 +1,5 @@
 """How compile's weight sync cuts a rank's tensors into messages (the sync itself runs in
-tests/dist/test_model_state.py)."""
+tests/multiprocess/test_model_state.py)."""
 
 from __future__ import annotations
 

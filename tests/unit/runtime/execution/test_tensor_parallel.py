@@ -1,5 +1,5 @@
 """A stage's parameters as DTensors (``shard_module``), the two ends of a split region and the
-token shards' wire (``TokenWire``), on a one-rank gloo group (the numbers over two and more ranks are tests/dist/test_tensor_parallel.py)."""
+token shards' wire (``TokenWire``), on a one-rank gloo group (the numbers over two and more ranks are tests/multiprocess/test_tensor_parallel.py)."""
 
 from __future__ import annotations
 

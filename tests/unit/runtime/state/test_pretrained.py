@@ -1,6 +1,6 @@
 """Hugging Face models built on meta, filled without init=: every tensor as from_pretrained gives
 it (bitwise: the same checkpoint values, and the same deterministic init of what no checkpoint
-holds), in one process. The pipelined runs are tests/dist/test_pretrained.py."""
+holds), in one process. The pipelined runs are tests/multiprocess/test_pretrained.py."""
 
 from __future__ import annotations
 

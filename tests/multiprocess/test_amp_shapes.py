@@ -20,8 +20,8 @@ import pipecut
 from examples import gpt, mlp, zoo
 from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import InputError
-from tests.dist.test_parity import hf_gpt2
 from tests.harness import run_ranks
+from tests.multiprocess.test_parity import hf_gpt2
 from tests.reference import COUNTED, assert_parity, pipeline_grads, reference
 
 pytestmark = pytest.mark.dist

@@ -18,7 +18,7 @@ to the encoder's, and the tied head) is the last stage. Cut by node count instea
 passes under both split-backward schedules; cut there, its tied ``shared.weight`` gradient is
 off by 0.05 (max 0.09), so the scenario shows the bug rather than hiding it.
 
-Tolerances: those of tests/dist/test_zoo.py (fp32, the captured ATen graph against the eager
+Tolerances: those of tests/multiprocess/test_zoo.py (fp32, the captured ATen graph against the eager
 modules: measured differences below 1e-7; a real error is off by > 1e-3).
 """
 

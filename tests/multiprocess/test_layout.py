@@ -1,4 +1,4 @@
-"""pipecut.build.layout: the groups each rank talks to, from an int, a device list or a DeviceMesh."""
+"""pipecut.assemble.layout: the groups each rank talks to, from an int, a device list or a DeviceMesh."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from pipecut.build.layout import layout_of, plan_from_rank0, replication_of
+from pipecut.assemble.layout import layout_of, plan_from_rank0, replication_of
 from pipecut.core.kinds import DataParallelKind
 from pipecut.errors import InputError, PipelineRuntimeError
 from tests.harness import run_ranks

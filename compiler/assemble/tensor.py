@@ -33,8 +33,8 @@ import torch.distributed as dist
 import torch.distributed.tensor
 import torch.fx as fx
 
-from pipecut.build.context import Place
-from pipecut.build.layout import RankGroups
+from pipecut.assemble.context import Place
+from pipecut.assemble.layout import RankGroups
 from pipecut.core.kinds import DataParallelKind, Recompute, TensorShard
 from pipecut.core.program import Captured, Inputs
 from pipecut.core.segment import Segment

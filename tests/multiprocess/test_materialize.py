@@ -14,7 +14,7 @@ Scenarios, all in one forked run at K=2 (GPT-2 alone again at K=4):
 - on every rank: the user's model stays on meta, and the real tensors a rank holds are its
   stage's only (counted in bytes), never the whole model.
 
-Tolerances: as tests/dist/test_zoo.py (the pipeline runs the captured graph, the reference the
+Tolerances: as tests/multiprocess/test_zoo.py (the pipeline runs the captured graph, the reference the
 eager modules; measured differences are ~1e-7): atol=1e-5, rtol=1e-4.
 """
 

@@ -1,4 +1,4 @@
-"""pipecut.build.resolve: wire specs and schedules for microbatches other than the planned one."""
+"""pipecut.assemble.resolve: wire specs and schedules for microbatches other than the planned one."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from pipecut.build.resolve import WireSpecs, schedules
+from pipecut.assemble.resolve import WireSpecs, schedules
 from pipecut.core.kinds import ScheduleKind
 from pipecut.core.shapes import AutocastState, signature
 from pipecut.errors import InputError

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecut.build.layout import RankGroups, layout_of, replication_of
-from pipecut.build.replay import Settings
+from pipecut.assemble.layout import RankGroups, layout_of, replication_of
+from pipecut.assemble.replay import Settings
 from pipecut.cluster import Link
 from pipecut.errors import InputError
 from pipecut.ir import DeviceSpec

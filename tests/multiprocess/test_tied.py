@@ -32,10 +32,10 @@ import pipecut
 from examples import gpt
 from pipecut.core.kinds import Recompute
 from pipecut.ir import ChunkedNode, Plan
-from tests.dist.test_chunked_head import _set_plan
-from tests.dist.test_grads import PAD, token_sum
-from tests.dist.test_hybrid import _aliases, _full_grads
 from tests.harness import run_ranks
+from tests.multiprocess.test_chunked_head import _set_plan
+from tests.multiprocess.test_grads import PAD, token_sum
+from tests.multiprocess.test_hybrid import _aliases, _full_grads
 from tests.reference import ATOL, COUNTED, RTOL, assert_parity, pipeline_grads
 
 pytestmark = pytest.mark.dist

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pipecut
-import pipecut.build.choice as choice
+import pipecut.assemble.choice as choice
 from examples import gpt
 from pipecut.errors import ScheduleError
 from pipecut.passes.costs.stages import inflight_microbatches

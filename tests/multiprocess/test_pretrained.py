@@ -4,7 +4,7 @@ built on meta with ``AutoModelForCausalLM.from_config``, compiled with ``weights
 Gemma's ``embed_scale``) is computed on each rank for its stage as ``from_pretrained`` computes
 it, so loss and every gradient match ``from_pretrained`` of the same directory in one process.
 
-Tolerances: as tests/dist/test_materialize.py (the pipeline runs the captured graph, the
+Tolerances: as tests/multiprocess/test_materialize.py (the pipeline runs the captured graph, the
 reference the eager modules; only summation order differs): atol=1e-5, rtol=1e-4.
 """
 

@@ -1,6 +1,6 @@
-"""Which parameters a tensor-parallel stage splits (``pipecut.build.tensor.tensor_shards``): the
+"""Which parameters a tensor-parallel stage splits (``pipecut.assemble.tensor.tensor_shards``): the
 user's split, else the model's own ``tp_plan``, else the graph's column/row pairs. The split at
-run time and its numbers against the plain model are in tests/dist/test_tensor_parallel.py."""
+run time and its numbers against the plain model are in tests/multiprocess/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipecut.build.tensor import model_tp_plan, tensor_shards
+from pipecut.assemble.tensor import model_tp_plan, tensor_shards
 from pipecut.core.kinds import TensorShard
 from pipecut.options import TensorParallelOptions
 from pipecut.passes.parallel.tensor import ParameterShard
@@ -60,7 +60,7 @@ def test_the_build_probe_refuses_dtensors_own_failures_and_leaves_a_kernels_to_t
     DTensor's, and neither is the model's own error, whatever its type or words."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from pipecut.build.tensor import _dtensor_failure
+    from pipecut.assemble.tensor import _dtensor_failure
 
     def models_own() -> None:
         raise NotImplementedError("this DTensor placement is not handled by the model")
@@ -91,7 +91,7 @@ def test_the_probe_names_the_node_inside_a_recomputed_run_that_fails() -> None:
     error names is the op inside the run, not the segment (whose name says nothing of it)."""
     import torch.fx as fx
 
-    from pipecut.build.tensor import _Tracing
+    from pipecut.assemble.tensor import _Tracing
     from pipecut.passes.rewrite.segments import checkpoint_segments
 
     class Net(torch.nn.Module):

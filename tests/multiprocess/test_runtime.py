@@ -42,13 +42,13 @@ def _features(rank: int, world: int, tmp: str) -> dict[str, Any]:
     torch.distributed.barrier()
 
     # Replaying the saved plan must not profile or plan again.
-    import pipecut.build.choice
+    import pipecut.assemble.choice
 
     def no_planning(*a: Any, **k: Any) -> None:
         raise AssertionError("replaying a plan must not plan")
 
-    assert hasattr(pipecut.build.choice, "plan_asked")  # the name compile plans through
-    pipecut.build.choice.plan_asked = no_planning  # type: ignore[assignment]
+    assert hasattr(pipecut.assemble.choice, "plan_asked")  # the name compile plans through
+    pipecut.assemble.choice.plan_asked = no_planning  # type: ignore[assignment]
     saved = Plan.from_json(f"{tmp}/plan.json")
     model, inputs, loss_fn, target = gpt.build()
     pipe = _compile(model, world, inputs, loss_fn, target, plan=f"{tmp}/plan.json")
@@ -70,7 +70,7 @@ def _features(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["recompute_peak"] = pipe.peak_activation_bytes
 
     # Bad input fails identically on every rank, before any communication. (Shorter sequences
-    # and smaller batches run: tests/dist/test_amp_shapes.py.)
+    # and smaller batches run: tests/multiprocess/test_amp_shapes.py.)
     for name, call in {
         "shape": lambda: pipe.step((inputs[0].repeat(1, 2),), target.repeat(1, 2)),
         "batch": lambda: pipe.step((inputs[0].repeat(2, 1),), target.repeat(2, 1)),

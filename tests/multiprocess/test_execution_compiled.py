@@ -28,10 +28,10 @@ from pipecut.core.kinds import Recompute, ScheduleKind
 from pipecut.errors import PlanError
 from pipecut.ir import Plan
 from pipecut.runtime.execution.compiled import check_compilable
-from tests.dist.test_amp_shapes import AMP_RTOL, Step, _amp, _cut
-from tests.dist.test_parity import hf_gpt2
-from tests.dist.test_recompute import _check_buffers, _reference_with_buffers
 from tests.harness import run_ranks
+from tests.multiprocess.test_amp_shapes import AMP_RTOL, Step, _amp, _cut
+from tests.multiprocess.test_parity import hf_gpt2
+from tests.multiprocess.test_recompute import _check_buffers, _reference_with_buffers
 from tests.reference import COUNTED, assert_parity, pipeline_grads, reference
 
 pytestmark = pytest.mark.dist

@@ -12,8 +12,8 @@ import torch.distributed as dist
 import pipecut
 from examples import EXAMPLES
 from pipecut.errors import InputError
-from tests.dist.test_hybrid import LR, _aliases, _full_grads, _plain_two_steps
 from tests.harness import run_ranks
+from tests.multiprocess.test_hybrid import LR, _aliases, _full_grads, _plain_two_steps
 from tests.reference import COUNTED, assert_parity
 
 pytestmark = pytest.mark.dist

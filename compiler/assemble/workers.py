@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecut.build.context import Place
-from pipecut.build.layout import RankGroups
+from pipecut.assemble.context import Place
+from pipecut.assemble.layout import RankGroups
 from pipecut.core.meta import has_meta
 from pipecut.core.owned import own_modules
 from pipecut.core.program import Captured, StageProgram
@@ -65,7 +65,7 @@ def build_workers(request: Request, place: Place, captured: Captured, plan: Plan
     workers = {}
     failure: BaseException | None = None
     for stage in plan.stages_on(place.rank):
-        # a tensor-parallel stage is segmented after its regions are marked (pipecut.build.tensor)
+        # a tensor-parallel stage is segmented after its regions are marked (pipecut.assemble.tensor)
         program = split_stage(captured.gm, plan, stage, segments=not place.tensor_parallel)
         if place.on_fsdp2:
             # FSDP2 swaps the parameter slots of the modules it wraps: the stage's own copies,

@@ -12,9 +12,9 @@ import dataclasses
 
 import torch.distributed as dist
 
-from pipecut.build.context import Place
-from pipecut.build.layout import plan_from_rank0
-from pipecut.build.replay import Settings
+from pipecut.assemble.context import Place
+from pipecut.assemble.layout import plan_from_rank0
+from pipecut.assemble.replay import Settings
 from pipecut.capture import as_planned, capture_as, fingerprint
 from pipecut.capture.agree import capture_for_plan
 from pipecut.core.batching import first_microbatch
@@ -91,7 +91,7 @@ def refuse_tensor_parallel(plan: Plan) -> None:
     """PlanError for a cluster plan whose stages are split over a tensor-parallel group
     (``plan(..., cluster=..., tensor_parallel=...)``): its D x T x K placement is GPUs of a cluster,
     which ``compile`` does not replay; compile runs tensor parallelism over a DeviceMesh with a
-    "tp" dimension (:mod:`pipecut.build.tensor`)."""
+    "tp" dimension (:mod:`pipecut.assemble.tensor`)."""
     t = plan.placement.tensor_parallel if plan.placement is not None else 1
     if t > 1:
         raise PlanError(

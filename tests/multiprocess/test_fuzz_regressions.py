@@ -6,7 +6,7 @@ it is refused with a given PipecutError class and message (:func:`expect`). A fi
 match into a refusal fails here, and so does a refusal that starts running.
 
 A bug still open is a strict xfail (with an entry in ``KNOWN`` of tests/fuzz_bugs.py that
-keeps the fixed budget of tests/dist/test_fuzz.py off it); when its fix lands, XPASS fails the
+keeps the fixed budget of tests/multiprocess/test_fuzz.py off it); when its fix lands, XPASS fails the
 run and both go.
 """
 

@@ -20,7 +20,7 @@ against 70 s for the 40 hand-written configurations this budget had before. Only
 depend on the machine's timings are drawn here (compile's own split and the memory-limited
 planner profile the model, so their split could differ between runs); benchmarks/fuzz.py draws
 those too. Configurations that hit an open bug are left out (``KNOWN`` in tests/fuzz_bugs.py;
-each has a strict xfail in tests/dist/test_fuzz_regressions.py or in its owner's tests).
+each has a strict xfail in tests/multiprocess/test_fuzz_regressions.py or in its owner's tests).
 
 Run a longer campaign with ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fuzz.py
 --seeds 1-20 --budget-min 45``.

@@ -10,7 +10,7 @@ Tolerances: float32. A split product sums its partial results across the group (
 instead of in one kernel, and the pipeline runs the captured ATen graph while the reference runs
 the eager modules, so the same math is grouped differently: measured, losses equal to the bit
 and gradients within 8.2e-7 of each tensor's largest entry (TP 2 x PP 2, five models).
-``atol=1e-5, rtol=1e-4`` (as tests/dist/test_zoo.py) leaves an order of margin and is far below
+``atol=1e-5, rtol=1e-4`` (as tests/multiprocess/test_zoo.py) leaves an order of margin and is far below
 any real error (a missing partial sum or a wrong shard is off by > 1e-2). AdamW's first step
 moves each weight by lr·g/(|g| + eps), which amplifies the rounding of gradients near zero:
 weights after the step differ by at most 5.4e-5 (GPT-2; 1.5e-6 for Llama) with lr = 1e-3, so

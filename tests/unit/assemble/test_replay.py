@@ -8,7 +8,7 @@ import torch
 
 import pipecut
 from examples import gpt, mlp
-from pipecut.build.replay import Settings, settings_of
+from pipecut.assemble.replay import Settings, settings_of
 from pipecut.capture import capture
 from pipecut.cluster import Link
 from pipecut.core.kinds import CaptureMethod, ScheduleKind

@@ -3,7 +3,7 @@ finds them) and checked against the plain model in this process.
 
 - README.md's first script at 2 ranks: three clipped AdamW steps, every loss the plain model's
   (how it exits under torchrun, with no `destroy_process_group` in it, is tested in
-  tests/dist/test_teardown.py).
+  tests/multiprocess/test_teardown.py).
 - docs/training-loop.md's API block at 2 ranks on the GPT example (tied embeddings): the loss,
   every gradient (read back from AdamW's first moment), and, merged over the ranks, the state
   dict after one AdamW step, within the bound that step's sensitivity gives
@@ -234,7 +234,7 @@ def test_training_loop_block_at_four_ranks_matches_plain_model_and_resumes(tmp_p
         assert sorted(row for rows in first["batches"][3 * epoch:3 * epoch + 3] for row in rows) == list(range(20))
     losses, val = _plain_loop(first["batches"])
     # bf16 autocast: microbatches round in another order than the full batch (see AMP_RTOL in
-    # tests/dist/test_amp_shapes.py); the loss moves far less than the gradients (under 1e-5 relative
+    # tests/multiprocess/test_amp_shapes.py); the loss moves far less than the gradients (under 1e-5 relative
     # here), and a step moves it by about 1%, so 2e-3 still tells one step from the next.
     for rank_first, rank_resumed in ranks:
         assert rank_first["start"] == 0 and rank_first["adam_steps"] == {6}
