@@ -1,9 +1,10 @@
 """About forty Hugging Face architectures, each from a tiny config with random weights.
 
 The issue 27 sweep: every architecture at the issue's sizes (4 layers where the config has
-layers, hidden 64, every dropout 0, eager attention, no KV cache), built the same way as
+layers, hidden 64, every dropout 0, no KV cache; transformers' default attention, or the one
+named by ``attention=``), built the same way as
 :mod:`examples.zoo` (nothing downloaded). :data:`ARCHITECTURES` maps a stable lowercase name
-to a factory ``factory(batch_size=8, seed=0, layers=4) -> (model, inputs, loss_fn, target)``.
+to a factory ``factory(batch_size=8, seed=0, layers=4, attention=None) -> (model, inputs, loss_fn, target)``.
 
 Most architectures differ only in their config classes and settings, so each is one
 :class:`Architecture` row (config, model class, task, settings) rather than a function; the
@@ -78,9 +79,10 @@ class Architecture:
     layers: Callable[[int], dict[str, Any]] = _hidden_layers
     """The depth as config keyword arguments (names differ between families)."""
 
-    def __call__(self, batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
+    def __call__(self, batch_size: int = 8, seed: int = 0, layers: int = LAYERS, attention: str | None = None) -> Built:
         torch.manual_seed(seed)
-        config = getattr(transformers, self.config)(**self.settings, **self.layers(layers))
+        config = getattr(transformers, self.config)(**self.settings, **self.layers(layers),
+                                                    **zoo.attention_settings(attention))
         check_no_dropout(config)
         model = getattr(transformers, self.model)(config)
         return model, *_inputs(self.task, batch_size)  # type: ignore[return-value]
@@ -116,31 +118,30 @@ def _inputs(task: Task, batch_size: int) -> tuple[Any, Callable[[Any, Any], torc
 
 # --- shared settings ---------------------------------------------------------------------------
 
-_EAGER = {"attn_implementation": "eager"}
 _DECODER = {  # Llama-style decoders: GQA with 2 key/value heads, no cache
     "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN,
     "num_attention_heads": HEADS, "num_key_value_heads": 2, "max_position_embeddings": SEQ,
     "use_cache": False, "attention_dropout": 0.0, "pad_token_id": 0, "bos_token_id": 0,
-    "eos_token_id": 0, **_EAGER,
+    "eos_token_id": 0,
 }
 _ENCODER = {  # BERT-style encoders
     "vocab_size": VOCAB, "hidden_size": HIDDEN, "num_attention_heads": HEADS,
     "intermediate_size": 2 * HIDDEN, "max_position_embeddings": SEQ + 2,  # RoBERTa offsets by 2
-    "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "pad_token_id": 1, **_EAGER,
+    "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "pad_token_id": 1,
 }
 _BART = {  # BART-style encoder-decoders
     "vocab_size": VOCAB, "d_model": HIDDEN, "encoder_attention_heads": HEADS,
     "decoder_attention_heads": HEADS, "encoder_ffn_dim": 2 * HIDDEN, "decoder_ffn_dim": 2 * HIDDEN,
     "max_position_embeddings": SEQ, "dropout": 0.0, "attention_dropout": 0.0,
     "activation_dropout": 0.0, "use_cache": False, "pad_token_id": 1, "bos_token_id": 0,
-    "eos_token_id": 2, "decoder_start_token_id": 0, "forced_eos_token_id": None, **_EAGER,
+    "eos_token_id": 2, "decoder_start_token_id": 0, "forced_eos_token_id": None,
 }
 _BART_LAYERS = _layer_keys("encoder_layers", "decoder_layers")
 _MOE = {"num_experts_per_tok": 2, "output_router_logits": False}
 _VIT = {
     "hidden_size": HIDDEN, "num_attention_heads": HEADS, "intermediate_size": 2 * HIDDEN,
     "image_size": IMAGE, "patch_size": 8, "num_labels": CLASSES, "hidden_dropout_prob": 0.0,
-    "attention_probs_dropout_prob": 0.0, **_EAGER,
+    "attention_probs_dropout_prob": 0.0,
 }
 _CLIP_VISION = {
     "hidden_size": HIDDEN, "num_attention_heads": HEADS, "intermediate_size": 2 * HIDDEN,
@@ -158,7 +159,7 @@ def _gpt_neo_layers(n: int) -> dict[str, Any]:
     return {"num_layers": n, "attention_types": [[["global", "local"], n // 2]]}
 
 
-def _clip(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
+def _clip(batch_size: int = 8, seed: int = 0, layers: int = LAYERS, attention: str | None = None) -> Built:
     """CLIP's vision tower with its image-classification head (CLIPConfig nests two configs)."""
     torch.manual_seed(seed)
     config = transformers.CLIPConfig(
@@ -167,7 +168,7 @@ def _clip(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
                      "num_attention_heads": HEADS, "intermediate_size": 2 * HIDDEN,
                      "max_position_embeddings": SEQ, "attention_dropout": 0.0,
                      "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2},
-        projection_dim=HIDDEN, num_labels=CLASSES, **_EAGER,
+        projection_dim=HIDDEN, num_labels=CLASSES, **zoo.attention_settings(attention),
     )
     check_no_dropout(config)
     model = transformers.CLIPForImageClassification(config)
@@ -190,7 +191,7 @@ ARCHITECTURES: dict[str, Callable[..., Built]] = {
         config="DistilBertConfig", model="DistilBertForMaskedLM", task=Task.MASKED_LM,
         settings={"vocab_size": VOCAB, "dim": HIDDEN, "n_heads": HEADS, "hidden_dim": 2 * HIDDEN,
                   "max_position_embeddings": SEQ, "dropout": 0.0, "attention_dropout": 0.0,
-                  "qa_dropout": 0.0, "seq_classif_dropout": 0.0, "pad_token_id": 1, **_EAGER},
+                  "qa_dropout": 0.0, "seq_classif_dropout": 0.0, "pad_token_id": 1},
         layers=_layer_keys("n_layers")),
     "electra": Architecture(
         config="ElectraConfig", model="ElectraForMaskedLM", task=Task.MASKED_LM,
@@ -265,7 +266,7 @@ ARCHITECTURES: dict[str, Callable[..., Built]] = {
         config="SwinConfig", model="SwinForImageClassification", task=Task.IMAGE_CLASSIFICATION,
         settings={"image_size": IMAGE, "patch_size": 4, "embed_dim": HIDDEN // 2, "num_heads": [2, 4],
                   "window_size": 4, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-                  "drop_path_rate": 0.0, "num_labels": CLASSES, **_EAGER},
+                  "drop_path_rate": 0.0, "num_labels": CLASSES},
         layers=_two_stages),
     "vit": functools.partial(zoo.vit, layers=LAYERS),
 }

@@ -2,7 +2,9 @@
 
 Each factory is ``name(batch_size=8, seed=0) -> (model, inputs, loss_fn, target)`` like the
 other examples, with small sizes (2 layers, hidden 64) and every dropout at 0 so a pipelined
-run can be compared exactly with the plain model. The Hugging Face factories also take
+run can be compared exactly with the plain model. Attention is transformers' default, what a
+user who builds the model gets (SDPA where the model has it); ``attention="eager"`` (or any
+``attn_implementation``) builds another, for the sweeps' eager column. The Hugging Face factories also take
 ``layers=`` (default 2), which :mod:`examples.architectures` sets to the issue 27 sweep's 4. The loss functions take the model's
 ``ModelOutput``. :data:`ZOO` maps a name to its factory, for tests, the CLI and benchmarks.
 
@@ -42,6 +44,12 @@ IMAGE = 32
 CLASSES = 10
 
 
+def attention_settings(attention: str | None) -> dict[str, str]:
+    """Config keywords for an attention implementation: none for None, so the model gets
+    transformers' default as a user's does; ``{"attn_implementation": attention}`` otherwise."""
+    return {} if attention is None else {"attn_implementation": attention}
+
+
 def logits_ce(out: Any, target: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of ``out.logits`` (any leading dims) against integer targets."""
     logits = out.logits
@@ -57,7 +65,8 @@ def _images(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(batch_size, 3, IMAGE, IMAGE), torch.randint(0, CLASSES, (batch_size,))
 
 
-def resnet(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
+def resnet(batch_size: int = 8, seed: int = 0, layers: int = LAYERS, attention: str | None = None) -> Built:
+    """``attention`` is taken like the other factories' and unused: a ResNet has none."""
     from transformers import ResNetConfig, ResNetForImageClassification
 
     torch.manual_seed(seed)
@@ -70,42 +79,42 @@ def resnet(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     return model, {"pixel_values": x}, logits_ce, y
 
 
-def vit(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
+def vit(batch_size: int = 8, seed: int = 0, layers: int = LAYERS, attention: str | None = None) -> Built:
     from transformers import ViTConfig, ViTForImageClassification
 
     torch.manual_seed(seed)
     config = ViTConfig(
         hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
         intermediate_size=2 * HIDDEN, image_size=IMAGE, patch_size=8, num_labels=CLASSES,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager",
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **attention_settings(attention),
     )
     model = ViTForImageClassification(config)
     x, y = _images(batch_size)
     return model, {"pixel_values": x}, logits_ce, y
 
 
-def gpt2(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
+def gpt2(batch_size: int = 8, seed: int = 0, layers: int = LAYERS, attention: str | None = None) -> Built:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     config = GPT2Config(
         vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=layers, n_head=HEADS,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0, use_cache=False,
-        bos_token_id=0, eos_token_id=0, attn_implementation="eager",
+        bos_token_id=0, eos_token_id=0, **attention_settings(attention),
     )
     model = GPT2LMHeadModel(config)
     ids, target = _tokens(batch_size)
     return model, {"input_ids": ids}, logits_ce, target
 
 
-def bert(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
+def bert(batch_size: int = 8, seed: int = 0, layers: int = LAYERS, attention: str | None = None) -> Built:
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(seed)
     config = BertConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
         intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, attn_implementation="eager",
+        attention_probs_dropout_prob=0.0, **attention_settings(attention),
     )
     model = BertForMaskedLM(config)
     ids, target = _tokens(batch_size)
@@ -114,7 +123,7 @@ def bert(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
     return model, {"input_ids": ids, "attention_mask": mask}, logits_ce, target
 
 
-def llama(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
+def llama(batch_size: int = 8, seed: int = 0, layers: int = LAYERS, attention: str | None = None) -> Built:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -122,14 +131,14 @@ def llama(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
         num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=2,
         max_position_embeddings=SEQ, use_cache=False, attention_dropout=0.0,
-        attn_implementation="eager",
+        **attention_settings(attention),
     )
     model = LlamaForCausalLM(config)
     ids, target = _tokens(batch_size)
     return model, {"input_ids": ids}, logits_ce, target
 
 
-def qwen2(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
+def qwen2(batch_size: int = 8, seed: int = 0, layers: int = LAYERS, attention: str | None = None) -> Built:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -137,14 +146,14 @@ def qwen2(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
         num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=2,
         max_position_embeddings=SEQ, use_cache=False, attention_dropout=0.0,
-        attn_implementation="eager",
+        **attention_settings(attention),
     )
     model = Qwen2ForCausalLM(config)
     ids, target = _tokens(batch_size)
     return model, {"input_ids": ids}, logits_ce, target
 
 
-def t5(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
+def t5(batch_size: int = 8, seed: int = 0, layers: int = LAYERS, attention: str | None = None) -> Built:
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(seed)
@@ -152,7 +161,7 @@ def t5(batch_size: int = 8, seed: int = 0, layers: int = LAYERS) -> Built:
         vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=2 * HIDDEN,
         num_layers=layers, num_decoder_layers=layers, num_heads=HEADS, dropout_rate=0.0,
         use_cache=False, decoder_start_token_id=0, pad_token_id=0,
-        attn_implementation="eager",
+        **attention_settings(attention),
     )
     model = T5ForConditionalGeneration(config)
     src = torch.randint(1, VOCAB, (batch_size, SEQ))

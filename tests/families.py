@@ -1,6 +1,7 @@
 """Small decoder-only Hugging Face models of five families, for the meta-model and
 ``save_pretrained`` tests: configs only (random weights, nothing downloaded), every dropout at 0,
-eager attention, so a pipelined run can be compared exactly with the plain model.
+so a pipelined run can be compared exactly with the plain model, and transformers' default
+attention, as a user gets it (``attention=`` builds another).
 
 Llama, Qwen2 and GPT-2 are the zoo's (:mod:`examples.zoo`); Mistral (sliding-window attention)
 and Gemma (scaled embeddings with a non-persistent ``embed_scale``, RMSNorm around 1 + weight,
@@ -17,7 +18,7 @@ import torch
 from examples import zoo
 
 
-def mistral(batch_size: int = 8, seed: int = 0) -> zoo.Built:
+def mistral(batch_size: int = 8, seed: int = 0, attention: str | None = None) -> zoo.Built:
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(seed)
@@ -25,14 +26,14 @@ def mistral(batch_size: int = 8, seed: int = 0) -> zoo.Built:
         vocab_size=zoo.VOCAB, hidden_size=zoo.HIDDEN, intermediate_size=2 * zoo.HIDDEN,
         num_hidden_layers=zoo.LAYERS, num_attention_heads=zoo.HEADS, num_key_value_heads=2,
         max_position_embeddings=zoo.SEQ, sliding_window=8, use_cache=False, attention_dropout=0.0,
-        attn_implementation="eager",
+        **zoo.attention_settings(attention),
     )
     model = MistralForCausalLM(config)
     ids, target = zoo._tokens(batch_size)
     return model, {"input_ids": ids}, zoo.logits_ce, target
 
 
-def gemma(batch_size: int = 8, seed: int = 0) -> zoo.Built:
+def gemma(batch_size: int = 8, seed: int = 0, attention: str | None = None) -> zoo.Built:
     from transformers import GemmaConfig, GemmaForCausalLM
 
     torch.manual_seed(seed)
@@ -40,7 +41,7 @@ def gemma(batch_size: int = 8, seed: int = 0) -> zoo.Built:
         vocab_size=zoo.VOCAB, hidden_size=zoo.HIDDEN, intermediate_size=2 * zoo.HIDDEN,
         num_hidden_layers=zoo.LAYERS, num_attention_heads=zoo.HEADS, num_key_value_heads=2,
         head_dim=zoo.HIDDEN // zoo.HEADS, max_position_embeddings=zoo.SEQ, use_cache=False,
-        attention_dropout=0.0, attn_implementation="eager",
+        attention_dropout=0.0, **zoo.attention_settings(attention),
     )
     model = GemmaForCausalLM(config)
     ids, target = zoo._tokens(batch_size)
@@ -69,8 +70,8 @@ def on_meta(name: str, batch_size: int = 8, seed: int = 0) -> zoo.Built:
 
 def from_pretrained(path: str) -> torch.nn.Module:
     """The one-process reference: ``from_pretrained`` of ``path``, in training mode (as the
-    model compiled) and with the eager attention the families are built with (a loaded model
-    gets sdpa otherwise, which differs in the last bits)."""
+    model compiled), with the attention a loaded model gets by default, as the families are
+    built with."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").train()
+    return AutoModelForCausalLM.from_pretrained(path).train()

@@ -203,7 +203,7 @@ def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first:
         shard_module(program.module, {name: shard.dim for name, shard in mine.items()}, mesh,
                      replicated=_called_on_dtensors(program.module, mine, regions.inside | regions.spread))
         split = shard_regions(program.module, mine, enter=ends.enter, leave=ends.leave, whole=ends.whole, join=ends.join,
-                              arriving=arriving, sends_tokens=bool(sent))
+                              heads=ends.heads, arriving=arriving, sends_tokens=bool(sent))
         stage = plan.stages[s]
         if stage.recompute is Recompute.SELECTIVE:  # its recomputed runs, now on DTensors, as segments
             kept = {n.name for n in split.graph.nodes}  # the regions drop export's metadata checks

@@ -15,6 +15,11 @@ DTensor's own propagation does the rest, so the graph's shapes (head counts in v
 model's and the result is the plain model's whatever the split; a split a region does not
 expect (a cut between a column and its row product) costs a redistribution, never accuracy.
 
+Attention inside a region (``scaled_dot_product_attention``, the op or the function) calls
+``heads(op)`` instead of the op, where ``heads`` is given: each head's attention is
+independent, so the runtime runs it on each rank's own heads (Megatron's way) instead of through
+DTensor's propagation, which has no rule for the fused kernels torch picks.
+
 ``torch.export``'s checks of a value's dtype and device (``aten._assert_tensor_metadata``), which
 DTensor has no rule for, are dropped inside regions: DTensor keeps both of its local tensors.
 
@@ -44,13 +49,17 @@ from collections.abc import Callable, Collection, Mapping
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from pipecut.core.graph import node_parameters
 from pipecut.passes.parallel.tensor import ParameterShard
 
-__all__ = ["Regions", "region_nodes", "shard_regions"]
+__all__ = ["ATTENTION", "Regions", "region_nodes", "shard_regions"]
 
 _CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)
+ATTENTION = (torch.ops.aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
+"""Scaled dot-product attention as captured graphs call it: the ATen op (torch.export) or the
+function (symbolic_trace)."""
 
 
 def _reads(node: fx.Node, gm: fx.GraphModule, shards: Mapping[str, ParameterShard]) -> list[ParameterShard]:
@@ -106,14 +115,16 @@ def shard_regions(gm: fx.GraphModule, shards: Mapping[str, ParameterShard], *,
                   enter: Callable[[object], object], leave: Callable[[object], object],
                   whole: Callable[[object], object] | None = None,
                   join: Callable[[object], object] | None = None,
+                  heads: Callable[[Callable[..., object]], Callable[..., object]] | None = None,
                   arriving: Collection[str] = (), sends_tokens: bool = False) -> fx.GraphModule:
     """A copy of ``gm`` with ``enter``/``leave`` calls around its split regions (see the module
     docstring), and ``whole`` (default ``leave``) on the DTensors it returns. ``join`` given,
     the residual stream is split along its tokens (sequence parallelism), and ``join`` takes
     what a spread node reads that may be plain (a replicated DTensor then; a DTensor as it is);
     the placeholders named in ``arriving`` are token shards, and with ``sends_tokens`` the
-    token shards the graph returns are returned as they are. ``shards``: the split parameters
-    by their names in ``gm``."""
+    token shards the graph returns are returned as they are. ``heads`` given, attention inside a
+    region calls ``heads(op)`` with the op's arguments instead of ``op``. ``shards``: the split
+    parameters by their names in ``gm``."""
     sequence_parallel = join is not None
     regions = region_nodes(gm, shards, sequence_parallel, arriving)
     inside, closing, spread = regions.inside, regions.closing, regions.spread
@@ -161,6 +172,8 @@ def shard_regions(gm: fx.GraphModule, shards: Mapping[str, ParameterShard], *,
         if node.name in inside | spread and node.target in _CHECKS and not node.users:
             continue
         env[node] = graph.node_copy(node, functools.partial(_read_by, as_read, node))
+        if heads is not None and node.name in inside and node.target in ATTENTION:
+            env[node].target = heads(node.target)
         if node.name in closing:
             left[node] = graph.call_function(out if node in direct else leave, (env[node],))
     graph.lint()

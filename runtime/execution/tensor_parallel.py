@@ -9,7 +9,11 @@ is summed over the group in backward) and ``leave`` makes a DTensor whole and pl
 (``full_tensor``: partial sums all-reduced, shards all-gathered). With sequence parallelism
 ``leave`` cuts a region's value into token shards instead (reduce-scatter), ``enter`` gathers
 them, and ``join`` views what the token-split residual stream reads as replicated. All
-arithmetic on split values is DTensor's: the sharded matmuls, the collectives and their backward.
+arithmetic on split values is DTensor's: the sharded matmuls, the collectives and their backward;
+but for attention, which :func:`local_heads` runs on each rank's own heads (Megatron's way):
+heads are independent, so it needs no collective, and DTensor has no sharding rule for the fused
+kernel torch picks on CPU (it propagated through its decomposition for minutes per stage, then
+failed on the output's reshape).
 
 :class:`TokenWire` carries the token-split residual stream across cuts as it is: each rank
 sends its own tokens to the rank of the next stage at its place in the tensor group, which
@@ -20,6 +24,7 @@ bytes on the wire, no all-gather before a send, no rank receiving tokens it does
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -31,7 +36,7 @@ from pipecut.core.owned import own_path
 from pipecut.core.shapes import token_dim
 from pipecut.runtime.comm.wire import TensorLeaf, WireSpec
 
-__all__ = ["RegionEnds", "TokenWire", "region_ends", "shard_module", "whole"]
+__all__ = ["RegionEnds", "TokenWire", "attend_local_heads", "local_heads", "region_ends", "shard_module", "whole"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +49,8 @@ class RegionEnds:
     whole: Callable[[Any], Any]
     join: Callable[[Any], Any] | None = None
     """Sequence parallelism only (None: off)."""
+    heads: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+    """An attention op as run on each rank's own heads (:func:`local_heads`)."""
 
 
 def region_ends(mesh: DeviceMesh, sequence_parallel: bool = False) -> RegionEnds:
@@ -58,7 +65,7 @@ def region_ends(mesh: DeviceMesh, sequence_parallel: bool = False) -> RegionEnds
         return x
 
     if not sequence_parallel:
-        return RegionEnds(enter=replicated, leave=whole, whole=whole)
+        return RegionEnds(enter=replicated, leave=whole, whole=whole, heads=local_heads)
 
     def gathered(x: Any) -> Any:
         if isinstance(x, DTensor) and any(isinstance(p, Shard) for p in x.placements):
@@ -74,7 +81,68 @@ def region_ends(mesh: DeviceMesh, sequence_parallel: bool = False) -> RegionEnds
             x = x.redistribute(mesh, [Replicate()])
         return x.redistribute(mesh, [Shard(token_dim(x.ndim))])
 
-    return RegionEnds(enter=gathered, leave=token_shard, whole=whole, join=replicated)
+    return RegionEnds(enter=gathered, leave=token_shard, whole=whole, join=replicated, heads=local_heads)
+
+
+@functools.cache
+def local_heads(op: Callable[..., Any]) -> Callable[..., Any]:
+    """``op``, a scaled dot-product attention, as :func:`attend_local_heads` runs it (one
+    function per op: a graph's call target)."""
+
+    def local_heads_attention(*args: Any, **kwargs: Any) -> Any:
+        return attend_local_heads(op, *args, **kwargs)
+
+    return local_heads_attention
+
+
+def attend_local_heads(op: Callable[..., Any], query: Any, key: Any, value: Any, attn_mask: Any = None,
+                       *args: Any, **kwargs: Any) -> Any:
+    """``op(query, key, value, attn_mask, ...)``, a scaled dot-product attention, run on each
+    rank's own heads where DTensors hold them: query, key and value split alike along one batch
+    dimension (the heads of ``(batch, heads, tokens, features)``), evenly, so that grouped-query
+    attention keeps its ratio on every rank (4 query heads over 2 key/value heads at T = 2:
+    heads 0-1 with 0 on rank 0). The mask is cut alike where it has that dimension whole, else
+    read whole. Anything else (a split the region did not expect, or plain tensors) runs on
+    whole heads, replicated: correct, not faster. Differentiable: ``to_local``/``from_local``
+    carry the gradients without communication."""
+    found = [t for t in (query, key, value) if isinstance(t, DTensor)]
+    if not found:
+        return op(query, key, value, attn_mask, *args, **kwargs)
+    mesh = found[0].device_mesh
+    placement = _head_split(query, key, value, mesh.size())
+
+    def local(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        x = t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+        return x.redistribute(mesh, [placement]).to_local()
+
+    cut_mask = (isinstance(placement, Shard) and isinstance(attn_mask, torch.Tensor)
+                and attn_mask.ndim == query.ndim and attn_mask.shape[placement.dim] == query.shape[placement.dim])
+    mask = local(attn_mask) if cut_mask else _whole_local(attn_mask)
+    out = op(local(query), local(key), local(value), mask, *args, **kwargs)
+    return DTensor.from_local(out, mesh, [placement], run_check=False)
+
+
+def _head_split(query: Any, key: Any, value: Any, size: int) -> Shard | Replicate:
+    """The split :func:`local_heads` runs on: query, key and value's common ``Shard`` of a batch
+    dimension where it divides evenly, else replicated."""
+    tensors = (query, key, value)
+    if not all(isinstance(t, DTensor) and len(t.placements) == 1 for t in tensors):
+        return Replicate()
+    first = query.placements[0]
+    if (isinstance(first, Shard) and first.dim < query.ndim - 2
+            and all(t.placements[0] == first and t.ndim == query.ndim and t.shape[first.dim] % size == 0
+                    for t in tensors)):
+        return first
+    return Replicate()
+
+
+def _whole_local(x: Any) -> Any:
+    """A mask (or any value) as a whole plain tensor."""
+    if isinstance(x, DTensor):
+        return x.full_tensor()
+    return x
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,6 +69,8 @@ def _one_step(model: nn.Module, inputs: Any, loss_fn: Any, target: Any, mesh: An
             "planned_bytes": sum(n.param_bytes for n in pipe.plan.nodes),
             "token_shards": sum(getattr(n.target, "__name__", "") == "token_shard"
                                 for m in pipe.modules for n in m.graph.nodes),
+            "local_heads": sum(getattr(n.target, "__name__", "") == "local_heads_attention"
+                               for m in pipe.modules for n in m.graph.nodes),
             "wire": [(leaf.shape, w.wire_shape(w.in_spec, leaf)) for w in pipe.workers.values()
                      for leaf in w.in_spec.tensors]}
 
@@ -140,8 +142,7 @@ def mixtral(batch_size: int = BATCH, seed: int = 0) -> zoo.Built:
     config = MixtralConfig(
         vocab_size=zoo.VOCAB, hidden_size=zoo.HIDDEN, intermediate_size=zoo.HIDDEN, num_hidden_layers=2,
         num_attention_heads=zoo.HEADS, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=zoo.SEQ, use_cache=False, attention_dropout=0.0, attn_implementation="eager",
-        router_aux_loss_coef=0.0,
+        max_position_embeddings=zoo.SEQ, use_cache=False, attention_dropout=0.0, router_aux_loss_coef=0.0,
     )
     model = MixtralForCausalLM(config)
     ids, target = zoo._tokens(batch_size)
@@ -158,11 +159,21 @@ def gpt_odd(batch_size: int = BATCH, seed: int = 0) -> zoo.Built:
     return gpt.build(batch_size, seed, vocab=zoo.VOCAB, dim=zoo.HIDDEN, heads=zoo.HEADS, layers=2, seq=zoo.SEQ - 1)
 
 
-MODELS = {"llama": zoo.llama, "gpt2": zoo.gpt2, "mixtral": mixtral, "mlp": mlp, "gpt": gpt_example, "gpt-odd": gpt_odd}
+def llama_eager(batch_size: int = BATCH, seed: int = 0) -> zoo.Built:
+    """The Llama with eager attention (the zoo's is transformers' default, SDPA): attention as
+    products and a softmax on DTensors, the path every model took before local heads."""
+    return zoo.llama(batch_size, seed, attention="eager")
+
+
+MODELS = {"llama": zoo.llama, "qwen2": zoo.qwen2, "gpt2": zoo.gpt2, "mixtral": mixtral, "bert": zoo.bert,
+          "mlp": mlp, "gpt": gpt_example, "gpt-odd": gpt_odd, "llama-eager": llama_eager}
 SEQUENCE_PARALLEL = ("llama", "gpt2", "gpt-odd")  # a norm's weight read directly, through a tied vocab split, in a module
 """Run with TensorParallelOptions(sequence_parallel=True): norms and residual adds on token shards."""
-PLAIN = ("llama", "gpt2", "mixtral", "mlp", "gpt")
-"""Run without."""
+PLAIN = ("llama", "qwen2", "gpt2", "mixtral", "bert", "mlp", "gpt", "llama-eager")
+"""Run without. The transformers models (but llama-eager) with transformers' default attention,
+SDPA, which runs on each rank's own heads; BERT with a padding mask."""
+SDPA = ("llama", "qwen2", "gpt2", "mixtral", "bert")
+"""Models whose attention is ``scaled_dot_product_attention``."""
 
 
 def _pp_tp(rank: int, world: int) -> dict[str, Any]:
@@ -187,6 +198,8 @@ def test_tp2_pp2_matches_the_plain_model(pp2_tp2: list[dict[str, Any]], name: st
     _check(_reference(*MODELS[name](batch_size=BATCH)), [r[name] for r in pp2_tp2])
     assert pp2_tp2[0][name]["split"], "no parameter was split"
     assert all(r[name]["token_shards"] == 0 for r in pp2_tp2)
+    # attention ran on each rank's own heads wherever the model has it (not through DTensor's propagation)
+    assert (sum(r[name]["local_heads"] for r in pp2_tp2) > 0) == (name in SDPA), [r[name]["local_heads"] for r in pp2_tp2]
     assert all(spec == wire for r in pp2_tp2 for spec, wire in r[name]["wire"]), "cut values travel whole"
     # the plan priced one rank's share: the weights the graph splits count half
     model, inputs, loss_fn, target = MODELS[name](batch_size=BATCH)
@@ -385,7 +398,7 @@ def _three_heads() -> zoo.Built:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=zoo.VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=3, num_key_value_heads=3, max_position_embeddings=zoo.SEQ,
-                         use_cache=False, attn_implementation="eager")
+                         use_cache=False)
     ids, target = zoo._tokens(BATCH)
     return LlamaForCausalLM(config), {"input_ids": ids}, zoo.logits_ce, target
 

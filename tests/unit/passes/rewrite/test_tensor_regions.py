@@ -4,6 +4,8 @@ options that record it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.fx as fx
@@ -127,3 +129,44 @@ def test_tensor_parallel_options_normalise_and_round_trip_in_a_plan() -> None:
 
     recorded = dataclasses.replace(plan, options=dataclasses.replace(plan.options, tensor_parallel=options))
     assert Plan.from_json(recorded.to_json()).options.tensor_parallel == options  # type: ignore[union-attr]
+
+
+class Attention(nn.Module):
+    """Heads from a column product, attention, a row product; and attention on the plain input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        heads = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        plain = torch.nn.functional.scaled_dot_product_attention(x, x, x)  # outside every region
+        return self.out(heads.transpose(1, 2).reshape(b, s, 8)) + plain
+
+
+def test_attention_inside_a_region_calls_what_heads_makes_of_its_op() -> None:
+    gm = fx.symbolic_trace(Attention())
+    shards = {"qkv.weight": COLUMN, "qkv.bias": COLUMN, "out.weight": ROW}
+    seen: list[object] = []
+
+    def heads(op: Any) -> Any:
+        def on_heads(*args: Any, **kwargs: Any) -> Any:
+            seen.append(op)
+            return op(*args, **kwargs)
+        return on_heads
+
+    out = shard_regions(gm, shards, enter=lambda x: x, leave=lambda x: x, heads=heads)
+    handed = [n for n in out.graph.nodes if getattr(n.target, "__name__", "") == "on_heads"]
+    assert len(handed) == 1 and handed[0].kwargs == {"is_causal": True} and len(handed[0].args) == 3
+    # the attention on the plain input stays as it was; the input graph is untouched
+    assert sum(n.target is torch.nn.functional.scaled_dot_product_attention for n in out.graph.nodes) == 1
+    assert not any(getattr(n.target, "__name__", "") == "on_heads" for n in gm.graph.nodes)
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(out(x), gm(x))
+    assert seen == [torch.nn.functional.scaled_dot_product_attention]
+    # without ``heads`` the op stays in the graph (the runtime always gives it)
+    plain = shard_regions(gm, shards, enter=lambda x: x, leave=lambda x: x)
+    assert sum(n.target is torch.nn.functional.scaled_dot_product_attention for n in plain.graph.nodes) == 2

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from pipecut.core.kinds import LeafKind, NodeOp
 from pipecut.ir import Leaf, NodeCost
 from pipecut.runtime.comm.wire import WireSpec
-from pipecut.runtime.execution.tensor_parallel import TokenWire, region_ends, shard_module, whole
+from pipecut.runtime.execution.tensor_parallel import TokenWire, local_heads, region_ends, shard_module, whole
 
 
 @pytest.fixture
@@ -98,3 +98,40 @@ def test_token_shards_leave_as_local_tensors_and_arrive_as_the_same_shard(mesh) 
     torch.testing.assert_close(arrived[0].full_tensor(), 2 * x)
     arrived[0].full_tensor().sum().backward()  # differentiable across both ends
     torch.testing.assert_close(x.grad, torch.full((2, 4, 3), 2.0))
+
+
+@pytest.mark.parametrize("mask", ["none", "broadcast", "per head"])
+def test_local_heads_runs_attention_on_the_local_heads_and_carries_gradients(mesh, mask: str) -> None:
+    """On one rank every head is local: the result and the gradients are plain SDPA's, the output
+    keeps the heads' split, and grouped-query attention (4 query over 2 key/value heads) holds."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(2))
+    masks = {"none": None, "broadcast": torch.rand(2, 1, 5, 5) > 0.3, "per head": torch.rand(2, 4, 5, 5) > 0.3}
+    m = masks[mask]
+    if m is not None:
+        m[..., 0] = True  # no row fully masked
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    want = sdpa(q, k, v, m, enable_gqa=True)
+    want.square().sum().backward()
+    expected = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    shard = [Shard(1)]
+    dq, dk, dv = (DTensor.from_local(t, mesh, shard, run_check=False) for t in (q, k, v))
+    got = local_heads(sdpa)(dq, dk, dv, m, enable_gqa=True)
+    assert isinstance(got, DTensor) and got.placements == (Shard(1),)
+    torch.testing.assert_close(got.full_tensor(), want)
+    got.full_tensor().square().sum().backward()
+    for t, g in zip((q, k, v), expected):
+        torch.testing.assert_close(t.grad, g)
+
+
+def test_local_heads_runs_whole_heads_replicated_where_the_split_is_not_the_heads(mesh) -> None:
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    q, k, v = (torch.randn(2, 4, 5, 8) for _ in range(3))
+    tokens = DTensor.from_local(q, mesh, [Shard(2)], run_check=False)  # split along the tokens
+    got = local_heads(sdpa)(tokens, k, v)
+    assert got.placements == (Replicate(),)
+    torch.testing.assert_close(got.full_tensor(), sdpa(q, k, v))
+    torch.testing.assert_close(local_heads(sdpa)(q, k, v), sdpa(q, k, v))  # plain tensors: the op itself
