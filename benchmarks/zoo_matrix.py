@@ -17,7 +17,8 @@ stages per rank) and ZBV split 4 into 4; ``zero-bubble-1`` is ViT's case of one 
 microbatch (batch 2 in 2) under zero-bubble; the ``tp2-`` columns (not run by default) split
 each of the K stages over 2 ranks (DTensor), ``-sp-`` with sequence parallelism: 1F1B and
 GPipe with batch 4 in 2, interleaved 1F1B with batch 4 in 4; ``-selective-``: each stage
-recomputes its first block. Plans come from a fixed cost table
+recomputes its first block; ``-eager``: the models built with eager attention instead of
+transformers' default (SDPA where the model has it, as every other column). Plans come from a fixed cost table
 (``examples.pinned``: every node the same cost), so a cell gives the same answer on every run;
 ``--measured`` plans from timings instead, calibrated on the running pipeline, as a user's
 ``compile`` does (the runtime's paths after calibration: a rebuilt split, a re-costed order).
@@ -29,6 +30,7 @@ recomputes its first block. Plans come from a fixed cost table
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -65,6 +67,16 @@ class Column:
     sequence_parallel: bool = False
     recompute_first_block: bool = False
     """Each stage recomputes its first block (selective recompute: ``pinned.first_block_recomputed``)."""
+    attention: str | None = None
+    """The models' attention: None, transformers' default (what a user gets: SDPA where the
+    model has it); ``"eager"`` for the ``-eager`` columns."""
+
+    @property
+    def models(self) -> dict[str, Any]:
+        """The architectures as this column builds them."""
+        if self.attention is None:
+            return ARCHITECTURES
+        return {n: functools.partial(f, attention=self.attention) for n, f in ARCHITECTURES.items()}
 
 
 COLUMNS = (
@@ -74,7 +86,10 @@ COLUMNS = (
     Column(name="zero-bubble", schedule=ScheduleKind.ZERO_BUBBLE, batch_size=4, microbatches=2),
     Column(name="zbv", schedule=ScheduleKind.ZBV, batch_size=4, microbatches=4),
     Column(name="zero-bubble-1", schedule=ScheduleKind.ZERO_BUBBLE, batch_size=2, microbatches=2),
+    Column(name="1f1b-eager", schedule=ScheduleKind.ONE_F_ONE_B, batch_size=4, microbatches=2, attention="eager"),
     Column(name="tp2-1f1b", schedule=ScheduleKind.ONE_F_ONE_B, batch_size=4, microbatches=2, tensor_parallel=2),
+    Column(name="tp2-1f1b-eager", schedule=ScheduleKind.ONE_F_ONE_B, batch_size=4, microbatches=2, tensor_parallel=2,
+           attention="eager"),
     Column(name="tp2-sp-1f1b", schedule=ScheduleKind.ONE_F_ONE_B, batch_size=4, microbatches=2, tensor_parallel=2,
            sequence_parallel=True),
     Column(name="tp2-sp-gpipe", schedule=ScheduleKind.GPIPE, batch_size=4, microbatches=2, tensor_parallel=2,
@@ -84,7 +99,7 @@ COLUMNS = (
     Column(name="tp2-sp-selective-1f1b", schedule=ScheduleKind.ONE_F_ONE_B, batch_size=4, microbatches=2,
            tensor_parallel=2, sequence_parallel=True, recompute_first_block=True),
 )
-DEFAULT = [c.name for c in COLUMNS if c.tensor_parallel == 1]
+DEFAULT = [c.name for c in COLUMNS if c.tensor_parallel == 1 and c.attention is None]
 BY_NAME = {c.name: c for c in COLUMNS}
 
 
@@ -97,7 +112,7 @@ def _cell_on_rank(rank: int, world: int, name: str, column: Column, plan: Any, m
                                        mesh_dim_names=("pp", "tp"))
             split = TensorParallelOptions(sequence_parallel=column.sequence_parallel)
         return zoo.pipelined_step(rank, world, name, column.microbatches, batch_size=column.batch_size,
-                                  schedule=column.schedule, models=ARCHITECTURES, plan=plan,
+                                  schedule=column.schedule, models=column.models, plan=plan,
                                   measure=MeasureOptions() if measured else None, devices=devices,
                                   tensor_parallel=split)
     except Exception as e:
@@ -143,7 +158,7 @@ def run_cell(name: str, column: Column, k: int, timeout: float, plan: Any, measu
                 "detail": f"rank {r}: {out['error']}", "traceback": out["traceback"]}
     try:
         report = zoo.compare(zoo.reference_step(name, column.microbatches, batch_size=column.batch_size,
-                                                models=ARCHITECTURES), ranks, ATOL, RTOL)
+                                                models=column.models), ranks, ATOL, RTOL)
     except AssertionError as e:
         tensor, max_abs = _mismatch(e)
         return {**row, "status": "FAIL", "tensor": tensor, "max_abs": max_abs,
@@ -151,10 +166,10 @@ def run_cell(name: str, column: Column, k: int, timeout: float, plan: Any, measu
     return {**row, "status": "pass", **report}
 
 
-def _plan(name: str, column: Column, k: int, costs: dict[tuple[int, int], pinned.FixedCosts]) -> Any:
-    key = (column.batch_size, column.microbatches)
+def _plan(name: str, column: Column, k: int, costs: dict[tuple[int, int, str | None], pinned.FixedCosts]) -> Any:
+    key = (column.batch_size, column.microbatches, column.attention)
     if key not in costs:
-        costs[key] = pinned.fixed_costs(name, column.microbatches, models=ARCHITECTURES,
+        costs[key] = pinned.fixed_costs(name, column.microbatches, models=column.models,
                                         batch_size=column.batch_size)
     plan = pinned.fixed_plan(costs[key], k, column.schedule)
     return pinned.first_block_recomputed(plan) if column.recompute_first_block else plan
@@ -165,7 +180,7 @@ def sweep(names: list[str], columns: list[Column], stages: list[int], timeout: f
     """Every cell, architecture by architecture (each model's graph captured once per size)."""
     rows = []
     for name in names:
-        costs: dict[tuple[int, int], pinned.FixedCosts] = {}
+        costs: dict[tuple[int, int, str | None], pinned.FixedCosts] = {}
         for k, column in [(k, c) for k in stages for c in columns]:
             try:
                 plan = None if measured else _plan(name, column, k, costs)

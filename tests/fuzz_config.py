@@ -22,6 +22,9 @@ that other tests pin, so drawing it would spend the budget on one known PlanErro
 - a frozen parameter that is not trainable (tests/fuzz_spec.py names each model's candidates),
   or in a run without the three steps frozen → unfrozen needs.
 
+A transformers model's attention is drawn too: transformers' default (what a user who builds
+the model gets: SDPA where the model has it) or eager (``Config.attention``).
+
 Everything else is drawn, including combinations pipecut may refuse (a microbatch count the
 schedule cannot run, a last batch the plan does not accept, a parameter frozen under FSDP):
 a PipecutError is a pass where the run meets something for the first time (see
@@ -57,6 +60,8 @@ LAST = ("same", "fewer_rows", "one_row", "shorter_seq")
 DATA_PARALLEL = ("none", "ddp", "fsdp")
 CHOOSE = ("", "microbatches", "both")
 DTYPES = ("float32", "float64", "bfloat16")
+ATTENTION = ("default", "eager")
+"""A transformers model's attention implementation: what a user gets, and the eager one."""
 DTYPE_WEIGHTS = ("float32",) * 4 + ("float64",) * 2 + ("bfloat16",) * 2
 """Half the draws train float32 parameters (every other dimension is about them); the rest are
 float64 (half of those built under a float64 default dtype) and bfloat16."""
@@ -96,6 +101,10 @@ class Config:
     """The parameters' dtype (the model is cast after it is built; float inputs follow)."""
     default_dtype: str = "float32"
     """``torch.set_default_dtype`` while the model is built and every process runs."""
+    attention: str = "default"
+    """A transformers model's attention: ``"default"`` builds it as a user does (transformers'
+    default, SDPA where the model has it), ``"eager"`` with ``attn_implementation="eager"``.
+    Other models: ``"default"``."""
     freeze: str = ""
     """A parameter that ``requires_grad_(False)`` makes frozen after ``compile``, for optimizer
     step 1, and ``requires_grad_(True)`` trainable again for step 2 (the plain model does the
@@ -171,6 +180,8 @@ def problems(cfg: Config) -> list[str]:
     if cfg.stages_per_rank > 1 and cfg.microbatches % cfg.ranks:
         out.append("several stages per rank refuse M not a multiple of K")
     out += _dtype_problems(cfg)
+    if cfg.attention not in ATTENTION or (cfg.attention != "default" and not spec.real):
+        out.append(f"attention is one of {ATTENTION}, and only a transformers model's is drawn")
     if cfg.freeze and (cfg.freeze not in spec.freezable or cfg.steps != 3):
         out.append("freeze one of the model's freezable parameters, in a run of 3 steps")
     return out
@@ -232,6 +243,7 @@ def configs(draw: Any, *, no_sync: bool = False, plans: tuple[str, ...] = PLANS,
         rows=draw(st.sampled_from((2, 3) if spec.batchnorm else (1, 2, 3))), dtype=dtype,
         default_dtype=draw(st.sampled_from(("float32", "float64"))) if dtype == "float64" else "float32",
         freeze=freeze, seed=draw(st.integers(0, 3)),
+        attention=draw(st.sampled_from(ATTENTION)) if spec.real else "default",
     )
     assert not problems(cfg), (cfg, problems(cfg))
     return cfg
@@ -251,7 +263,7 @@ def _plan_sources(spec: ModelSpec, dp: str, schedule: str, stages: int, plans: t
 
 SIMPLER: dict[str, tuple[Any, ...]] = {
     "data_parallel": ("none",), "plan": ("pinned", "split", "auto"), "autocast": ("off",), "accumulation": (1, 2),
-    "no_sync": (False,), "freeze": ("",), "default_dtype": ("float32",), "dtype": ("float32",), "steps": (2,), "eval_between": (False,), "last": ("same",), "recompute": ("none",),
+    "no_sync": (False,), "freeze": ("",), "default_dtype": ("float32",), "dtype": ("float32",), "attention": ("default",), "steps": (2,), "eval_between": (False,), "last": ("same",), "recompute": ("none",),
     "chunk_heavy": (False,), "choose": ("",), "schedule": ("gpipe", "1f1b"), "stages_per_rank": (1,), "reduction": ("mean",),
     "clip": (None,), "ranks": (2, 3), "microbatches": (1, 2), "rows": (2,), "seed": (0,),
 }
@@ -313,7 +325,7 @@ def draw(count: int, seed: int | None = None, **kw: Any) -> list[Config]:
 
 FEATURES = ("model", "schedule", "choose", "autocast", "data_parallel", "plan", "recompute", "accumulation",
             "no_sync", "last", "eval_between", "reduction", "ranks", "stages_per_rank", "rows", "dtype",
-            "default_dtype", "freezes")
+            "default_dtype", "freezes", "attention")
 
 
 def spread(candidates: list[Config], count: int, chosen_before: Sequence[Config] = ()) -> list[Config]:

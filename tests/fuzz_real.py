@@ -61,8 +61,8 @@ def _data(arch: str, tokens: bool) -> Any:
 
 
 def _model(arch: str) -> Any:
-    def build(seed: int) -> nn.Module:
-        return ARCHITECTURES[arch](batch_size=1, seed=seed, layers=LAYERS)[0]
+    def build(seed: int, attention: str | None = None) -> nn.Module:
+        return ARCHITECTURES[arch](batch_size=1, seed=seed, layers=LAYERS, attention=attention)[0]
 
     return build
 

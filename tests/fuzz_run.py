@@ -70,7 +70,7 @@ def default_dtype(cfg: Config) -> Any:
 def build(cfg: Config) -> nn.Module:
     """The model of ``cfg`` with its parameters (and float buffers) in the drawn dtype; call
     under :func:`default_dtype`."""
-    model = MODELS[cfg.model].build(cfg.seed).to(DTYPES[cfg.dtype])
+    model = MODELS[cfg.model].build(cfg.seed, cfg.attention).to(DTYPES[cfg.dtype])
     if cfg.dtype == "float64":
         _eager_experts(model)
     return model

@@ -46,7 +46,11 @@ class ModelSpec:
     real: bool = False
     """A transformers architecture (captured by torch.export; slower to compile)."""
 
-    def build(self, seed: int) -> nn.Module:
+    def build(self, seed: int, attention: str = "default") -> nn.Module:
+        """The model for ``seed``; a transformers one with ``attention`` (``"default"``: as a
+        user builds it)."""
+        if self.real:
+            return self.model(seed, None if attention == "default" else attention)
         return self.model(seed)
 
 
