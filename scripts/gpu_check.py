@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pipecut
+from pipecut.core.torch_private import pytree
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -99,7 +100,7 @@ PER_MICROBATCH = {"resnet"}  # BatchNorm: the reference runs microbatch by micro
 
 
 def _to(value: Any, device: Any) -> Any:
-    return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, value)
+    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, value)
 
 
 def _call(model: torch.nn.Module, inputs: Any) -> Any:

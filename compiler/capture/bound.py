@@ -33,6 +33,13 @@ from typing import Any
 
 import torch
 
+from pipecut.core.torch_private import (
+    dispatch_mode_depth,
+    function_mode_depth,
+    functorch_transforms_active,
+    fx_tracing,
+    in_tracing_context,
+)
 from pipecut.errors import CaptureError
 
 __all__ = ["Bound", "Expired", "can_bound", "check_unchanged", "time_bound", "torch_state"]
@@ -157,11 +164,11 @@ def torch_state() -> dict[str, Any]:
         "Module.__call__": module.__call__,
         "Module.__getattr__": module.__getattr__,
         "Module.__setattr__": module.__setattr__,
-        "torch dispatch modes": torch._C._len_torch_dispatch_stack(),
-        "torch function modes": torch._C._len_torch_function_stack(),
-        "functorch transforms": torch._C._are_functorch_transforms_active(),
-        "fx tracing": torch.fx._symbolic_trace._is_fx_tracing_flag,
-        "tracing context": torch._guards.TracingContext.try_get() is not None,
+        "torch dispatch modes": dispatch_mode_depth(),
+        "torch function modes": function_mode_depth(),
+        "functorch transforms": functorch_transforms_active(),
+        "fx tracing": fx_tracing(),
+        "tracing context": in_tracing_context(),
         "grad enabled": torch.is_grad_enabled(),
     }
 

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipecut.core.graph import mutates_first_arg
 from pipecut.core.meta import META, to_meta
+from pipecut.core.torch_private import FakeTensorMode, TorchDispatchMode
 from pipecut.errors import CaptureError
 
 __all__: list[str] = []
@@ -208,8 +208,6 @@ def _first_write(gm: fx.GraphModule, names: Sequence[str], values: Sequence[Any]
         return _swapped_run(gm, names, values, to_meta, _OnMeta())
     except Exception:  # not the model's error: the fake-tensor run decides
         pass
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         return _swapped_run(gm, names, values, mode.from_tensor, mode)

@@ -22,14 +22,13 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.utils.stateless import _reparametrize_module
 
 from pipecut.capture import as_planned, capture, fingerprint
 from pipecut.core.cut_values import describe
 from pipecut.core.graph import attr_tensor, module_path, node_parameters, target_name
 from pipecut.core.kinds import NodeOp
 from pipecut.core.program import Captured, Inputs, StageProgram
+from pipecut.core.torch_private import FakeTensorMode, reparametrize_module
 from pipecut.errors import InputError
 from pipecut.ir import NodeCost, Plan
 from pipecut.passes.rewrite.eval_graph import map_stages
@@ -119,7 +118,7 @@ def describe_graph(captured: Captured, flat_inputs: Sequence[Any]) -> tuple[Node
         fake_state: dict[str, torch.Tensor] = {k: mode.from_tensor(v) for k, v in state.items()}
         fake_inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
     recorder = _Recorder(gm)
-    with mode, torch.enable_grad(), _reparametrize_module(gm, fake_state):
+    with mode, torch.enable_grad(), reparametrize_module(gm, fake_state):
         recorder.run(*fake_inputs)
     params = {id(p): n for n, p in reversed(list(gm.named_parameters(remove_duplicate=False)))}
     rows = []

@@ -10,18 +10,18 @@ to rebuild the model's output structure.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
 import logging
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from pipecut.capture.bound import Expired, check_unchanged, time_bound, torch_state
 from pipecut.capture.frozen import honour_no_grad, record_grad_mode
@@ -33,6 +33,7 @@ from pipecut.core.kinds import CaptureMethod
 from pipecut.core.meta import has_meta, input_device, relocate_meta, to_meta
 from pipecut.core.names import model_names
 from pipecut.core.program import NO_DEFAULT, Captured, Inputs, Shapes, split_args
+from pipecut.core.torch_private import pytree
 from pipecut.errors import CaptureError, InputError
 from pipecut.options import AUTO, EXPORT_TIME_LIMIT, CaptureOptions, leaf_name
 
@@ -156,7 +157,8 @@ def _capture(
             if on_meta:
                 args, kwargs = to_meta((args, kwargs))
             exported: list[tuple[torch.export.ExportedProgram, Shapes]] = []
-            gm, _ = _untouched(model, lambda: _export(model, args, kwargs, shapes, exported))
+            with _without_kv_cache(model):
+                gm, _ = _untouched(model, lambda: _export(model, args, kwargs, shapes, exported))
             ep, kept = exported[0]
             if on_meta:
                 relocate_meta(gm, input_device(example_inputs))
@@ -178,10 +180,32 @@ def _capture(
         f"could not capture {type(model).__name__} as a graph.\n  "
         + "\n  ".join(attempts)
         + "\nWhat you can do: pass leaf_modules=(TheFailingModule,) so symbolic_trace keeps it "
-        "opaque; for Hugging Face models pass use_cache=False / return_dict in the config and "
+        "opaque; for Hugging Face models pass return_dict in the config and "
         "give every input the model needs as a keyword tensor; make data-dependent control "
         "flow depend on shapes or config values instead of tensor values."
     )
+
+
+@contextlib.contextmanager
+def _without_kv_cache(model: torch.nn.Module) -> Iterator[None]:
+    """A transformers model whose config asks for a key/value cache (``use_cache=True``, the
+    default of its causal LMs, which a user who builds one from a config gets) is exported
+    without it: a training step never reads the cache, and its ``DynamicCache`` output is no
+    tensor tree torch.export can return. The config is put back on the way out, so the user's
+    model is as it was; the graph returns what the model returns with ``use_cache=False``
+    (``past_key_values`` None). An input that passes ``use_cache`` itself decides."""
+    configs: dict[int, Any] = {}
+    for m in model.modules():  # an encoder-decoder's decoder holds a config of its own
+        config = getattr(m, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            configs[id(config)] = config
+    for config in configs.values():
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.use_cache = True
 
 
 def _export(

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from pipecut.core.torch_private import pytree
 from pipecut.errors import InputError
 
 __all__ = ["batch_size", "check_inputs", "first_microbatch", "split_by_sizes", "split_microbatches"]

@@ -4,9 +4,9 @@ On the CPU, ``time.perf_counter`` around each call. On CUDA, work is asynchronou
 clock would measure kernel launches, not kernels, so each call is bracketed by two CUDA events
 on the current stream and timed by ``Event.elapsed_time`` once the end event has completed (the
 GPU's own clock, every kernel the call queued included). Before the start event the GPU is given
-a busy-wait (``torch.cuda._sleep``) a little longer than the host took to queue the call last
-time, so that every kernel is queued before the start event fires: the events then bracket the
-kernels, not the host's dispatch between them. Without it a small node's time on an H200 was
+a busy-wait (``torch.cuda._sleep``: :func:`pipecut.core.torch_private.cuda_sleep`) a little
+longer than the host took to queue the call last time, so that every kernel is queued before the
+start event fires: the events then bracket the kernels, not the host's dispatch between them. Without it a small node's time on an H200 was
 mostly the interpreter's and autograd's host work (a 4-layer Llama's node times summed to 59 ms,
 2.6 times its 22.5 ms step; benchmarks/gpu_costs.py); a stage that is bound by the host in a
 real step is corrected by calibration (whole stages timed). The median, not the mean, so that a
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pipecut.core.torch_private import cuda_sleep
 
 __all__ = ["MIN_SAMPLES", "Timer", "median_ms"]
 
@@ -92,22 +94,22 @@ COVER_MARGIN_MS = 0.05
 
 def _busy_wait(device: torch.device, ms: float) -> None:
     """Queue about ``ms`` of GPU busy-waiting on ``device``'s current stream (nothing where this
-    torch has no ``torch.cuda._sleep``)."""
-    sleep = getattr(torch.cuda, "_sleep", None)
+    torch has no busy-wait kernel)."""
+    sleep = cuda_sleep()
     if sleep is not None:
-        sleep(int(ms * _cycles_per_ms(torch.device(device).index or 0)))
+        sleep(int(ms * _cycles_per_ms(sleep, torch.device(device).index or 0)))
 
 
 @functools.cache
-def _cycles_per_ms(index: int) -> float:
-    """Cycles of ``torch.cuda._sleep`` per millisecond on GPU ``index``, timed once by events
+def _cycles_per_ms(sleep: Callable[[int], None], index: int) -> float:
+    """Cycles of the busy-wait ``sleep`` per millisecond on GPU ``index``, timed once by events
     (a cache of the hardware's clock, not state)."""
     with torch.cuda.device(index):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         cycles = 10_000_000
-        torch.cuda._sleep(cycles // 10)  # the first call loads the kernel
+        sleep(cycles // 10)  # the first call loads the kernel
         start.record()
-        torch.cuda._sleep(cycles)
+        sleep(cycles)
         end.record()
         end.synchronize()
         return cycles / max(start.elapsed_time(end), 1e-3)

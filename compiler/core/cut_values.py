@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from pipecut.core.kinds import LeafKind
+from pipecut.core.torch_private import pytree
 from pipecut.ir import Leaf
 
 __all__ = [

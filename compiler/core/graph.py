@@ -6,7 +6,8 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.fx.node import _get_qualified_name
+
+from pipecut.core.torch_private import qualified_name
 
 __all__ = ["attr_tensor", "canonical_names", "module_path", "mutates_first_arg", "node_parameters", "target_name"]
 
@@ -21,7 +22,7 @@ def target_name(node: fx.Node) -> str:
     """A stable, readable name for a node's target."""
     if node.op == "call_function":
         try:
-            return _get_qualified_name(node.target)  # type: ignore[arg-type]
+            return qualified_name(node.target)  # type: ignore[arg-type]
         except Exception:
             return getattr(node.target, "__name__", repr(node.target))
     return str(node.target)

@@ -26,7 +26,8 @@ from typing import Any, cast
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
+
+from pipecut.core.torch_private import pytree
 
 __all__: list[str] = []
 

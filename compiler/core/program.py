@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from pipecut.core.batching import check_inputs
 from pipecut.core.kinds import CaptureMethod
 from pipecut.core.names import ModelNames
+from pipecut.core.torch_private import pytree
 from pipecut.errors import InputError
 
 __all__ = ["NO_DEFAULT", "Captured", "Inputs", "Shapes", "StageProgram", "split_args"]

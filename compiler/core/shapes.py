@@ -17,10 +17,10 @@ from fractions import Fraction
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from pipecut.core.cut_values import dtype_name, encode_constant
 from pipecut.core.kinds import LeafKind, ScheduleKind
+from pipecut.core.torch_private import pytree
 from pipecut.errors import InputError
 from pipecut.ir import InputShape, Plan
 

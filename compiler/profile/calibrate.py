@@ -17,11 +17,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from pipecut.core.clock import Timer
 from pipecut.core.meta import input_device
 from pipecut.core.program import Captured, StageProgram
+from pipecut.core.torch_private import pytree
 from pipecut.ir import NodeCost, Plan
 from pipecut.passes.rewrite.split import split
 from pipecut.profile.running import LossFn, preserved_state

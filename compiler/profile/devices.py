@@ -26,13 +26,13 @@ from importlib import resources
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from pipecut.capture import capture_as
 from pipecut.cluster import LINK_LATENCY_MS, Link
 from pipecut.core.batching import batch_size, split_microbatches
 from pipecut.core.kinds import CostSource
 from pipecut.core.program import Captured, Inputs
+from pipecut.core.torch_private import pytree
 from pipecut.errors import InputError
 from pipecut.ir import DeviceSpec, NodeCost
 from pipecut.options import CaptureOptions

@@ -29,17 +29,17 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-)
 
 from pipecut.core.graph import canonical_names, mutates_first_arg, target_name
 from pipecut.core.kinds import NodeOp
 from pipecut.core.meta import input_device, module_tensors, rebind
 from pipecut.core.program import Captured
+from pipecut.core.torch_private import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    pytree,
+)
 from pipecut.errors import InputError
 from pipecut.ir import NodeCost
 from pipecut.profile.flops import NodeWork, loss_work, node_work

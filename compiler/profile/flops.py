@@ -25,13 +25,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from pipecut.core.graph import mutates_first_arg, node_parameters
 from pipecut.core.meta import input_device, read_by, scratch, substitute
 from pipecut.core.program import Captured
+from pipecut.core.torch_private import TorchDispatchMode, pytree
 from pipecut.profile.running import (
     LossFn,
     NodeRunner,

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from pipecut.capture.frozen import inside_no_grad
 from pipecut.core.clock import Timer
@@ -33,6 +32,7 @@ from pipecut.core.graph import (
 from pipecut.core.kinds import NodeOp
 from pipecut.core.meta import elsewhere, input_device, read_by, scratch, substitute, to_meta
 from pipecut.core.program import Captured
+from pipecut.core.torch_private import pytree
 from pipecut.ir import NodeCost
 from pipecut.profile.flops import NodeWork
 from pipecut.profile.oversized import estimate_oversized, is_out_of_memory, meta_work, stand_in

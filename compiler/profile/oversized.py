@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from pipecut.core.kinds import CostSource
 from pipecut.core.meta import META, read_by, real_like, scratch, substitute, to_meta
+from pipecut.core.torch_private import pytree
 from pipecut.ir import NodeCost
 from pipecut.profile.flops import NodeWork, node_work
 from pipecut.profile.running import NodeRunner

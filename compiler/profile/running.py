@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
+from pipecut.core.torch_private import pytree
 from pipecut.errors import InputError
 
 __all__ = ["LossFn", "NodeRunner", "check_loss", "cut", "detached_leaves", "preserved_state"]

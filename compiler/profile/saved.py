@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensor
+
+from pipecut.core.torch_private import FakeTensor, pytree
 
 __all__ = ["SavedBytes", "storage_key"]
 

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
+
+from pipecut.core.torch_private import pytree
 
 __all__ = ["cost_key"]
 

@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipecut.core.cut_values import describe, dtype_from_name, dtype_name
 from pipecut.core.kinds import CaptureMethod
 from pipecut.core.shapes import AutocastState
+from pipecut.core.torch_private import FAKE_TENSOR_LOGGER, FakeTensorMode
 from pipecut.ir import InputShape, NodeCost, Plan
 
 __all__ = ["PropagationError", "accepted_shapes", "cut_values", "propagate"]
@@ -112,7 +112,7 @@ def propagate(
 def _quiet() -> Iterator[None]:
     """FakeTensorMode logs a traceback for every op that fails; a failure here is an answer
     (this shape does not fit), raised as PropagationError, so keep it off the user's log."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
     level = logger.level
     logger.setLevel(logging.CRITICAL)
     try:

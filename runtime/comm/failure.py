@@ -15,6 +15,7 @@ import logging
 
 import torch.distributed as dist
 
+from pipecut.core.torch_private import default_store
 from pipecut.errors import PipelineRuntimeError
 
 __all__ = ["FAILURE_KEY", "abort", "first_failure"]
@@ -24,10 +25,7 @@ log = logging.getLogger("pipecut")
 
 
 def _store() -> dist.Store | None:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # private API; without it errors still name the peer rank
-        return None
+    return default_store()  # None without one: errors still name the peer rank
 
 
 def first_failure(store: dist.Store | None) -> str | None:

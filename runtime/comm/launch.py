@@ -32,7 +32,7 @@ def local_device() -> torch.device:
     is out of range, e.g. one visible GPU per process)."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None) if dist.is_initialized() else None
+    bound = getattr(dist.group.WORLD, "bound_device_id", None) if dist.is_initialized() else None
     if bound is not None and bound.type == "cuda":
         index = bound.index if bound.index is not None else torch.cuda.current_device()
     elif torch.cuda.is_initialized() and torch.cuda.current_device() != 0:

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from pipecut.core.cut_values import decode_constant, dtype_from_name, encode_constant, flatten
 from pipecut.core.kinds import LeafKind
+from pipecut.core.torch_private import pytree
 from pipecut.errors import PipelineRuntimeError
 from pipecut.ir import NodeCost
 from pipecut.runtime.comm.p2p import Direction, Transfer

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from pipecut.core.torch_private import inductor_backend, inductor_cache_hits
 from pipecut.errors import PlanError
 from pipecut.ir import Plan
 
@@ -63,14 +64,13 @@ class _CountingBackend:
 
     def __init__(self, stats: CompileStats) -> None:
         self.stats = stats
-        self.inductor: Callable[..., Any] = torch._dynamo.lookup_backend("inductor")
+        self.inductor: Callable[..., Any] = inductor_backend()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        counters = torch._dynamo.utils.counters["inductor"]
-        hits = counters["fxgraph_cache_hit"]
+        hits = inductor_cache_hits()
         compiled = self.inductor(gm, example_inputs)
         self.stats.graphs += 1
-        self.stats.cache_hits += counters["fxgraph_cache_hit"] - hits
+        self.stats.cache_hits += inductor_cache_hits() - hits
         self.stats.shapes.append(", ".join(
             str(tuple(t.shape)) for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() > 0
         ) or "()")

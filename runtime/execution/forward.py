@@ -17,8 +17,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.utils._pytree as pytree
 
+from pipecut.core.torch_private import pytree
 from pipecut.errors import PipelineRuntimeError
 from pipecut.runtime.comm.wire import WireSpec
 

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from pipecut.core.kinds import Recompute
 from pipecut.core.program import StageProgram
 from pipecut.core.segment import Segment
+from pipecut.core.torch_private import pytree
 from pipecut.errors import PipelineRuntimeError
 from pipecut.ir import NodeCost, Plan
 from pipecut.runtime.comm.p2p import Direction, Op, Transfer

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
+from pipecut.core.torch_private import foreach_norm
 from pipecut.errors import InputError, PipelineRuntimeError
 from pipecut.ir import Plan
 from pipecut.options import LossReduction
@@ -224,7 +225,7 @@ def total_grad_norm(
         elif foreach is False:
             norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
         else:
-            norms = list(torch._foreach_norm(grads, norm_type))
+            norms = foreach_norm(grads, norm_type)
         index = torch.tensor([i for i, _ in mine], device=device)
         exchange[index] = torch.stack([x.to(device, torch.float64) for x in norms])
         codes = [float(_DTYPES.index(g.dtype) + 1) if g.dtype in _DTYPES else 3.0 for g in grads]

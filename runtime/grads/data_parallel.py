@@ -58,6 +58,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from pipecut.core.kinds import DataParallelKind, Recompute
+from pipecut.core.torch_private import replicate_with_fsdp
 from pipecut.errors import PipelineRuntimeError, PlanError
 from pipecut.ir import Plan
 from pipecut.runtime.comm.sync import wait_for
@@ -181,19 +182,9 @@ def fsdp2_engine(kind: DataParallelKind, tensor_parallel: bool) -> bool:
     return kind is DataParallelKind.FSDP or tensor_parallel
 
 
-def _replicate_fsdp2() -> Any:
-    """torch's DDP built on FSDP2 (``replicate`` from ``replicate_with_fsdp``); None where this
-    torch has none."""
-    try:
-        from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_fsdp2
-    except ImportError:
-        return None
-    return replicate_fsdp2
-
-
 def can_replicate_dtensors() -> bool:
     """Whether this torch can run DDP over tensor-parallel stages (see :func:`fsdp2_engine`)."""
-    return _replicate_fsdp2() is not None
+    return replicate_with_fsdp() is not None
 
 
 class _FsdpStage:
@@ -208,7 +199,9 @@ class _FsdpStage:
         if shard:
             module = fully_shard(worker.program.module, mesh=mesh, reshard_after_forward=False)
         else:
-            module = _replicate_fsdp2()(worker.program.module, mesh=mesh)
+            replicate = replicate_with_fsdp()
+            assert replicate is not None  # refused before: check_composable
+            module = replicate(worker.program.module, mesh=mesh)
         assert isinstance(module, FSDPModule)
         self.module = module
         self.worker = worker

@@ -76,3 +76,21 @@ def test_fingerprint_is_stable_and_model_specific() -> None:
     c, _, _, _ = mlp.build(depth=3)
     assert fingerprint(capture(a, inputs).gm) == fingerprint(capture(b, inputs).gm)
     assert fingerprint(capture(a, inputs).gm) != fingerprint(capture(c, inputs).gm)
+
+
+def test_a_transformers_model_with_its_default_kv_cache_is_captured_and_left_as_it_was() -> None:
+    """``LlamaForCausalLM(config)`` asks for a key/value cache by default (``use_cache=True``),
+    whose ``DynamicCache`` output torch.export cannot return: capture exports without it and puts
+    the config back. The graph's logits are the model's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8)
+    model = transformers.LlamaForCausalLM(config)
+    assert model.config.use_cache is True  # the library's default, which this test keeps
+    ids = torch.randint(0, 32, (2, 8))
+    captured = capture(model, {"input_ids": ids})
+    assert captured.method is CaptureMethod.EXPORT and model.config.use_cache is True
+    out = captured.gm(input_ids=ids)
+    assert out.past_key_values is None  # captured as with use_cache=False
+    torch.testing.assert_close(out.logits, model(input_ids=ids).logits, rtol=0, atol=0)

@@ -12,7 +12,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from pipecut.core.kinds import LeafKind, NodeOp
 from pipecut.ir import Leaf, NodeCost
 from pipecut.runtime.comm.wire import WireSpec
-from pipecut.runtime.execution.tensor_parallel import TokenWire, local_heads, region_ends, shard_module, whole
+from pipecut.runtime.execution.tensor_parallel import (
+    TokenWire,
+    local_heads,
+    region_ends,
+    shard_module,
+    whole,
+)
 
 
 @pytest.fixture

@@ -1,0 +1,250 @@
+"""Every private torch name pipecut uses, in one place, each behind a check where it can be.
+
+torch renames and removes ``_``-prefixed names without notice: torch 2.14 dropped
+``torch.fx._symbolic_trace._is_fx_tracing_flag`` (now a thread-local), and every capture
+failed with an AttributeError deep inside :func:`pipecut.capture.bound.torch_state`. So no other
+module of the package touches a private torch name (``tests/unit/core/test_torch_private.py``
+walks their syntax trees to keep it so): they import what they need from here, where each name
+has a public replacement, a feature check with a fallback that keeps pipecut's behaviour, or
+(where nothing can stand in) one import that fails with the torch version and the range pipecut
+supports instead of an AttributeError somewhere in the middle of a run.
+
+``torch.ops.aten._xxx`` op overloads (``aten._scaled_dot_product_flash_attention_for_cpu``,
+``aten._assert_tensor_metadata``) are not here: they are op names of the graph IR, matched like
+any other node target, not Python API.
+
+Each name, what pipecut uses it for, and what stands in where it is missing. All were checked on
+torch 2.13.0 and 2.14.1 (present in both, but for the fx tracing flag).
+
+Imported once, no fallback (an ImportError naming the torch version if any is missing):
+
+- ``torch.utils._pytree`` (:data:`pytree`): flattening inputs, outputs and cut values and
+  (de)serialising the output's tree spec. Its ``TreeSpec`` format is in every plan.
+- ``torch._subclasses.fake_tensor``: :data:`FakeTensorMode` and :data:`FakeTensor` (profiling and
+  shape propagation without memory), :data:`DataDependentOutputException` and
+  :data:`DynamicOutputShapeException` (an op that fake tensors cannot run), and the name of its
+  logger, :data:`FAKE_TENSOR_LOGGER` (silenced while a failed shape is an answer).
+- ``torch.utils._python_dispatch.TorchDispatchMode`` (:data:`TorchDispatchMode`): counting flops
+  and catching writes to inputs, op by op.
+- ``torch.nn.utils.stateless._reparametrize_module`` (:data:`reparametrize_module`): running a
+  graph on fake copies of its parameters (``torch.func.functional_call`` does the same only
+  around one call of ``forward``, not around an fx interpreter's run).
+
+Behind a check, with a fallback:
+
+- ``torch.fx._symbolic_trace.is_fx_tracing`` (public function, private module;
+  :func:`fx_tracing`): whether an fx trace is under way (2.13 keeps a module global
+  ``_is_fx_tracing_flag``, 2.14 a thread-local). Missing: False.
+- ``torch._C._len_torch_dispatch_stack``, ``torch._C._len_torch_function_stack``
+  (:func:`dispatch_mode_depth`, :func:`function_mode_depth`), ``torch._C._are_functorch_transforms_active``
+  (:func:`functorch_transforms_active`), ``torch._guards.TracingContext.try_get``
+  (:func:`in_tracing_context`): the state a trace sets and puts back, compared before and after
+  an interrupted capture. Missing: a constant (0, False), so the comparison stays equal.
+- ``torch.fx.node._get_qualified_name`` (:func:`qualified_name`): stable names of node targets.
+  Missing: the builtin's name, ``torch.Tensor.name`` or ``module.name``, as torch spells them.
+- ``torch._foreach_norm`` (:func:`foreach_norm`): all gradient norms of a stage in one kernel
+  launch. Missing: ``torch.linalg.vector_norm`` per tensor.
+- ``torch.cuda._sleep`` (:func:`cuda_sleep`): a GPU busy-wait covering the host's dispatch
+  while timing. Missing: None (no busy-wait).
+- ``torch._dynamo.utils.counters`` (:func:`inductor_cache_hits`): inductor's FX graph cache hits
+  when compiling stages. Missing: 0.
+- ``torch.distributed._composable.replicate_with_fsdp.replicate`` (:func:`replicate_with_fsdp`):
+  DDP over tensor-parallel stages. Missing: None (callers refuse with a message).
+- ``torch.distributed.distributed_c10d._get_default_store`` (:func:`default_store`): the
+  store where the first failing rank writes its error. Missing: None (errors still name the
+  peer rank).
+- ``torch._dynamo.lookup_backend`` (:func:`inductor_backend`): the inductor backend that
+  pipecut's counting backend wraps. Missing: an ImportError telling to run stages eagerly.
+
+Not here: private *attributes of torch objects* (``Module._parameters``, ``Tensor._version``,
+``Module._compiled_call_impl`` …), used in place where the object is at hand.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "FAKE_TENSOR_LOGGER",
+    "SUPPORTED_TORCH",
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "FakeTensor",
+    "FakeTensorMode",
+    "TorchDispatchMode",
+    "cuda_sleep",
+    "default_store",
+    "dispatch_mode_depth",
+    "foreach_norm",
+    "function_mode_depth",
+    "functorch_transforms_active",
+    "fx_tracing",
+    "in_tracing_context",
+    "inductor_backend",
+    "inductor_cache_hits",
+    "pytree",
+    "qualified_name",
+    "reparametrize_module",
+    "replicate_with_fsdp",
+]
+
+SUPPORTED_TORCH = ">=2.13,<2.15"
+"""The torch versions pipecut supports: its requirement in ``pyproject.toml`` (a test keeps the
+two equal)."""
+
+
+def _unsupported(what: str) -> ImportError:
+    """The error for a private torch name this torch lacks and pipecut cannot do without."""
+    return ImportError(
+        f"pipecut needs {what}, which torch {torch.__version__} lacks; pipecut supports torch"
+        f"{SUPPORTED_TORCH} (checked on 2.13.0 and 2.14.1): install a torch in that range"
+    )
+
+
+try:
+    import torch.utils._pytree as pytree
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensor,
+        FakeTensorMode,
+    )
+    from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
+    from torch.utils._python_dispatch import TorchDispatchMode
+except ImportError as e:  # pragma: no cover - only on a torch outside the supported range
+    raise _unsupported(f"{e.name or 'a private module'} ({e})") from e
+
+FAKE_TENSOR_LOGGER: str = FakeTensorMode.__module__
+"""The logger fake tensors report failed ops on (their module's ``__name__``, which follows the
+module if torch moves it)."""
+
+
+@contextlib.contextmanager
+def _silenced(logger_name: str) -> Iterator[None]:
+    """Keep a logger's warnings off the user's log for one call."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def fx_tracing() -> bool:
+    """Whether an fx trace (symbolic_trace or torch.export) is under way in this thread. torch
+    logs a warning at the first call of ``is_fx_tracing`` (use ``is_fx_symbolic_tracing`` or
+    ``is_compiling`` instead: neither tells a flag left set by an interrupted export), kept
+    off the user's log here."""
+    try:
+        from torch.fx._symbolic_trace import is_fx_tracing
+    except ImportError:
+        return False
+    with _silenced(is_fx_tracing.__module__):
+        return bool(is_fx_tracing())
+
+
+def dispatch_mode_depth() -> int:
+    """How many ``TorchDispatchMode``s are active (0 where this torch cannot tell)."""
+    depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    return int(depth()) if depth is not None else 0
+
+
+def function_mode_depth() -> int:
+    """How many ``TorchFunctionMode``s are active (0 where this torch cannot tell)."""
+    depth = getattr(torch._C, "_len_torch_function_stack", None)
+    return int(depth()) if depth is not None else 0
+
+
+def functorch_transforms_active() -> bool:
+    """Whether a functorch transform (vmap, grad, functionalize) is active (False where this
+    torch cannot tell)."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active()) if active is not None else False
+
+
+def in_tracing_context() -> bool:
+    """Whether a Dynamo/export ``TracingContext`` is set (False where this torch cannot tell)."""
+    try:
+        from torch._guards import TracingContext
+    except ImportError:
+        return False
+    try_get = getattr(TracingContext, "try_get", None)
+    return try_get is not None and try_get() is not None
+
+
+def qualified_name(target: Callable[..., Any]) -> str:
+    """torch's name for a ``call_function`` target (``torch.ops.aten.mm.default``,
+    ``_operator.add``); raises where the target has no name (a lambda, say)."""
+    try:
+        from torch.fx.node import _get_qualified_name
+    except ImportError:
+        name = target.__name__
+        if getattr(builtins, name, None) is target:
+            return name
+        if getattr(torch.Tensor, name, None) is target:
+            return f"torch.Tensor.{name}"
+        return f"{target.__module__.replace('torch._ops', 'torch.ops')}.{name}"
+    return _get_qualified_name(target)
+
+
+def foreach_norm(tensors: Sequence[torch.Tensor], ord: float) -> list[torch.Tensor]:
+    """The ``ord``-norm of each tensor: one fused launch where torch has ``_foreach_norm``, one
+    ``vector_norm`` per tensor otherwise (the same values)."""
+    fused = getattr(torch, "_foreach_norm", None)
+    if fused is None:
+        return [torch.linalg.vector_norm(t, ord) for t in tensors]
+    return list(fused(list(tensors), ord))
+
+
+def cuda_sleep() -> Callable[[int], None] | None:
+    """torch's GPU busy-wait kernel (its argument: clock cycles), None where torch has none."""
+    return getattr(torch.cuda, "_sleep", None)
+
+
+def inductor_backend() -> Callable[..., Any]:
+    """The ``torch.compile`` backend ``"inductor"`` as a callable, for a backend that wraps it."""
+    try:
+        from torch._dynamo import lookup_backend
+    except ImportError as e:
+        raise ImportError(
+            f"{_unsupported('torch._dynamo.lookup_backend to compile stages')}; or run the "
+            f"stages eagerly: RuntimeOptions(compile_stages=False)"
+        ) from e
+    return lookup_backend("inductor")
+
+
+def inductor_cache_hits() -> int:
+    """Inductor's FX graph cache hits so far in this process (0 where torch does not count)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["inductor"]["fxgraph_cache_hit"])
+
+
+def replicate_with_fsdp() -> Callable[..., Any] | None:
+    """torch's DDP built on FSDP2 (``replicate``), None where this torch has none."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+    except ImportError:
+        return None
+    return replicate
+
+
+def default_store() -> dist.Store | None:
+    """The default process group's store, None where there is none or this torch does not give
+    it."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:
+        return None
