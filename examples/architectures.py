@@ -1,7 +1,7 @@
 """About forty Hugging Face architectures, each from a tiny config with random weights.
 
 The issue 27 sweep: every architecture at the issue's sizes (4 layers where the config has
-layers, hidden 64, every dropout 0, no KV cache; transformers' default attention, or the one
+layers, hidden 64, every dropout 0; transformers' default attention, or the one
 named by ``attention=``), built the same way as
 :mod:`examples.zoo` (nothing downloaded). :data:`ARCHITECTURES` maps a stable lowercase name
 to a factory ``factory(batch_size=8, seed=0, layers=4, attention=None) -> (model, inputs, loss_fn, target)``.
@@ -121,7 +121,7 @@ def _inputs(task: Task, batch_size: int) -> tuple[Any, Callable[[Any, Any], torc
 _DECODER = {  # Llama-style decoders: GQA with 2 key/value heads, no cache
     "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN,
     "num_attention_heads": HEADS, "num_key_value_heads": 2, "max_position_embeddings": SEQ,
-    "use_cache": False, "attention_dropout": 0.0, "pad_token_id": 0, "bos_token_id": 0,
+    "attention_dropout": 0.0, "pad_token_id": 0, "bos_token_id": 0,
     "eos_token_id": 0,
 }
 _ENCODER = {  # BERT-style encoders
@@ -133,7 +133,7 @@ _BART = {  # BART-style encoder-decoders
     "vocab_size": VOCAB, "d_model": HIDDEN, "encoder_attention_heads": HEADS,
     "decoder_attention_heads": HEADS, "encoder_ffn_dim": 2 * HIDDEN, "decoder_ffn_dim": 2 * HIDDEN,
     "max_position_embeddings": SEQ, "dropout": 0.0, "attention_dropout": 0.0,
-    "activation_dropout": 0.0, "use_cache": False, "pad_token_id": 1, "bos_token_id": 0,
+    "activation_dropout": 0.0, "pad_token_id": 1, "bos_token_id": 0,
     "eos_token_id": 2, "decoder_start_token_id": 0, "forced_eos_token_id": None,
 }
 _BART_LAYERS = _layer_keys("encoder_layers", "decoder_layers")

@@ -4,7 +4,8 @@ Each factory is ``name(batch_size=8, seed=0) -> (model, inputs, loss_fn, target)
 other examples, with small sizes (2 layers, hidden 64) and every dropout at 0 so a pipelined
 run can be compared exactly with the plain model. Attention is transformers' default, what a
 user who builds the model gets (SDPA where the model has it); ``attention="eager"`` (or any
-``attn_implementation``) builds another, for the sweeps' eager column. The Hugging Face factories also take
+``attn_implementation``) builds another, for the sweeps' eager column. The key/value cache is
+the config's default too (on for the causal LMs: capture exports without it). The Hugging Face factories also take
 ``layers=`` (default 2), which :mod:`examples.architectures` sets to the issue 27 sweep's 4. The loss functions take the model's
 ``ModelOutput``. :data:`ZOO` maps a name to its factory, for tests, the CLI and benchmarks.
 
@@ -99,7 +100,7 @@ def gpt2(batch_size: int = 8, seed: int = 0, layers: int = LAYERS, attention: st
     torch.manual_seed(seed)
     config = GPT2Config(
         vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=layers, n_head=HEADS,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
         bos_token_id=0, eos_token_id=0, **attention_settings(attention),
     )
     model = GPT2LMHeadModel(config)
@@ -130,7 +131,7 @@ def llama(batch_size: int = 8, seed: int = 0, layers: int = LAYERS, attention: s
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
         num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=2,
-        max_position_embeddings=SEQ, use_cache=False, attention_dropout=0.0,
+        max_position_embeddings=SEQ, attention_dropout=0.0,
         **attention_settings(attention),
     )
     model = LlamaForCausalLM(config)
@@ -145,7 +146,7 @@ def qwen2(batch_size: int = 8, seed: int = 0, layers: int = LAYERS, attention: s
     config = Qwen2Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
         num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=2,
-        max_position_embeddings=SEQ, use_cache=False, attention_dropout=0.0,
+        max_position_embeddings=SEQ, attention_dropout=0.0,
         **attention_settings(attention),
     )
     model = Qwen2ForCausalLM(config)
@@ -160,7 +161,7 @@ def t5(batch_size: int = 8, seed: int = 0, layers: int = LAYERS, attention: str 
     config = T5Config(
         vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=2 * HIDDEN,
         num_layers=layers, num_decoder_layers=layers, num_heads=HEADS, dropout_rate=0.0,
-        use_cache=False, decoder_start_token_id=0, pad_token_id=0,
+        decoder_start_token_id=0, pad_token_id=0,
         **attention_settings(attention),
     )
     model = T5ForConditionalGeneration(config)

@@ -25,7 +25,7 @@ def mistral(batch_size: int = 8, seed: int = 0, attention: str | None = None) ->
     config = MistralConfig(
         vocab_size=zoo.VOCAB, hidden_size=zoo.HIDDEN, intermediate_size=2 * zoo.HIDDEN,
         num_hidden_layers=zoo.LAYERS, num_attention_heads=zoo.HEADS, num_key_value_heads=2,
-        max_position_embeddings=zoo.SEQ, sliding_window=8, use_cache=False, attention_dropout=0.0,
+        max_position_embeddings=zoo.SEQ, sliding_window=8, attention_dropout=0.0,
         **zoo.attention_settings(attention),
     )
     model = MistralForCausalLM(config)
@@ -40,7 +40,7 @@ def gemma(batch_size: int = 8, seed: int = 0, attention: str | None = None) -> z
     config = GemmaConfig(
         vocab_size=zoo.VOCAB, hidden_size=zoo.HIDDEN, intermediate_size=2 * zoo.HIDDEN,
         num_hidden_layers=zoo.LAYERS, num_attention_heads=zoo.HEADS, num_key_value_heads=2,
-        head_dim=zoo.HIDDEN // zoo.HEADS, max_position_embeddings=zoo.SEQ, use_cache=False,
+        head_dim=zoo.HIDDEN // zoo.HEADS, max_position_embeddings=zoo.SEQ,
         attention_dropout=0.0, **zoo.attention_settings(attention),
     )
     model = GemmaForCausalLM(config)

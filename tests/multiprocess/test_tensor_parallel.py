@@ -142,7 +142,7 @@ def mixtral(batch_size: int = BATCH, seed: int = 0) -> zoo.Built:
     config = MixtralConfig(
         vocab_size=zoo.VOCAB, hidden_size=zoo.HIDDEN, intermediate_size=zoo.HIDDEN, num_hidden_layers=2,
         num_attention_heads=zoo.HEADS, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=zoo.SEQ, use_cache=False, attention_dropout=0.0, router_aux_loss_coef=0.0,
+        max_position_embeddings=zoo.SEQ, attention_dropout=0.0, router_aux_loss_coef=0.0,
     )
     model = MixtralForCausalLM(config)
     ids, target = zoo._tokens(batch_size)
@@ -397,8 +397,7 @@ def _three_heads() -> zoo.Built:
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=zoo.VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=3, num_key_value_heads=3, max_position_embeddings=zoo.SEQ,
-                         use_cache=False)
+                         num_attention_heads=3, num_key_value_heads=3, max_position_embeddings=zoo.SEQ)
     ids, target = zoo._tokens(BATCH)
     return LlamaForCausalLM(config), {"input_ids": ids}, zoo.logits_ce, target
 
