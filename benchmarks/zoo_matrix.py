@@ -157,13 +157,27 @@ def run_cell(name: str, column: Column, k: int, timeout: float, plan: Any, measu
         return {**row, "status": "refused" if out["refused"] else "error", "kind": out["kind"],
                 "detail": f"rank {r}: {out['error']}", "traceback": out["traceback"]}
     try:
-        report = zoo.compare(zoo.reference_step(name, column.microbatches, batch_size=column.batch_size,
-                                                models=column.models), ranks, ATOL, RTOL)
+        report = zoo.compare(_reference(name, column, timeout), ranks, ATOL, RTOL)
     except AssertionError as e:
         tensor, max_abs = _mismatch(e)
         return {**row, "status": "FAIL", "tensor": tensor, "max_abs": max_abs,
                 "detail": f"{str(e).splitlines()[0][:300]} (max abs err {max_abs})"}
     return {**row, "status": "pass", **report}
+
+
+def _reference(name: str, column: Column, timeout: float) -> Any:
+    """The plain model's step, in a forked process of its own: a backward in this process would
+    start autograd's device threads, after which torch 2.14's CUDA build refuses every backward
+    in the ranks forked for the next cell ("Unable to handle autograd's threading in
+    combination with fork-based multiprocessing")."""
+    def step(rank: int, world: int) -> Any:
+        loss, model = zoo.reference_step(name, column.microbatches, batch_size=column.batch_size, models=column.models)
+        return loss, model, {n: p.grad for n, p in model.named_parameters()}  # a saved module keeps no .grad
+
+    loss, model, grads = run_ranks(step, 1, timeout=timeout)[0]
+    for n, p in model.named_parameters():
+        p.grad = grads[n]
+    return loss, model
 
 
 def _plan(name: str, column: Column, k: int, costs: dict[tuple[int, int, str | None], pinned.FixedCosts]) -> Any:
