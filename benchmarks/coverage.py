@@ -108,7 +108,7 @@ def section(rows: list[dict[str, Any]], microbatches: int, title: str = "## Cove
     passed = sum(r["parity"] == "pass" for r in rows)
     if title != "## Coverage":
         return (
-            f"{title}\n\n`.venv-vision/bin/python {shlex.join(sys.argv)}` (torch {torch.__version__}): the same check as "
+            f"{title}\n\n`.venv-newest/bin/python {shlex.join(sys.argv)}` (torch {torch.__version__}): the same check as "
             f"above. {passed}/{len(rows)} scenarios pass.\n\n{table(rows)}\n"
         )
     return (

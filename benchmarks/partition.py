@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/partition.py [--quick] [--out benchmarks/partition.json]
     .venv/bin/python benchmarks/partition.py --heavy [--out benchmarks/heavy.json]
 
-(``.venv-vision/bin/python`` adds the torchvision models.) Every model is captured and profiled
+(``.venv-newest/bin/python`` after ``make vision`` adds the torchvision models.) Every model is captured and profiled
 once; each K then re-partitions the same cost table, so all methods are scored on identical
 numbers by one cost model (compute / speed + communication of cut tensors, memory with the
 schedule's inflight microbatches). Prints two markdown tables: the slowest stage per method
