@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pipecut
+from benchmarks.tensor_parallel import _steps as timed_steps
 from examples import zoo
 from tests.harness import run_ranks
 
@@ -51,15 +52,6 @@ def _compile(attention: str | None, mesh: Any) -> tuple[Any, Any, Any, float]:
     return pipe, inputs, target, time.perf_counter() - start
 
 
-def _timed(pipe: Any, inputs: Any, target: Any, steps: int) -> float:
-    torch.distributed.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        pipe.step(inputs, target)
-    torch.distributed.barrier()
-    return (time.perf_counter() - start) / steps * 1e3
-
-
 def _rank(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     built = {name: _compile(attention, mesh) for name, attention in (("sdpa", None), ("eager", "eager"))}
@@ -67,7 +59,7 @@ def _rank(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
     for r in range(rounds):
         for name in (list(built) if r % 2 == 0 else list(reversed(built))):
             pipe, inputs, target, _ = built[name]
-            times[name].append(_timed(pipe, inputs, target, steps))
+            times[name].append(timed_steps(pipe, inputs, target, steps))
     return {"compile_s": {n: b[3] for n, b in built.items()}, "step_ms": times}
 
 

@@ -91,6 +91,7 @@ __all__ = [
     "inductor_cache_hits",
     "pytree",
     "qualified_name",
+    "quiet_fake_tensors",
     "reparametrize_module",
     "replicate_with_fsdp",
 ]
@@ -127,15 +128,21 @@ module if torch moves it)."""
 
 
 @contextlib.contextmanager
-def _silenced(logger_name: str) -> Iterator[None]:
-    """Keep a logger's warnings off the user's log for one call."""
+def _silenced(logger_name: str, level: int = logging.ERROR) -> Iterator[None]:
+    """Keep a logger's records below ``level`` off the user's log for one call."""
     logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    before = logger.level
+    logger.setLevel(level)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.setLevel(before)
+
+
+def quiet_fake_tensors() -> contextlib.AbstractContextManager[None]:
+    """Fake tensors log a traceback for every op that fails; where a failure is an answer (this
+    shape does not fit), keep it off the user's log."""
+    return _silenced(FAKE_TENSOR_LOGGER, logging.CRITICAL)
 
 
 def fx_tracing() -> bool:

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ import torch.fx as fx
 from pipecut.core.cut_values import describe, dtype_from_name, dtype_name
 from pipecut.core.kinds import CaptureMethod
 from pipecut.core.shapes import AutocastState
-from pipecut.core.torch_private import FAKE_TENSOR_LOGGER, FakeTensorMode
+from pipecut.core.torch_private import FakeTensorMode, quiet_fake_tensors
 from pipecut.ir import InputShape, NodeCost, Plan
 
 __all__ = ["PropagationError", "accepted_shapes", "cut_values", "propagate"]
@@ -99,26 +98,13 @@ def propagate(
         state = {name: _fake_like(t, device) for name, t in _state(gm)}
     # Grad mode on, as in training and profiling: requires_grad of a cut value is part of its spec.
     try:
-        with mode, amp, torch.enable_grad(), _quiet():
+        with mode, amp, torch.enable_grad(), quiet_fake_tensors():
             values: dict[str, Any] = torch.func.functional_call(
                 _Run(gm), state, tuple(args), strict=False, tie_weights=True
             )
     except PropagationError as e:  # fx appends "While executing ..." lines: keep the first
         raise PropagationError(str(e).splitlines()[0]) from e.__cause__
     return values
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """FakeTensorMode logs a traceback for every op that fails; a failure here is an answer
-    (this shape does not fit), raised as PropagationError, so keep it off the user's log."""
-    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _state(gm: fx.GraphModule) -> Iterable[tuple[str, torch.Tensor]]:
