@@ -57,12 +57,12 @@ FAMILIES: dict[str, Callable[..., zoo.Built]] = {
 }
 
 
-def on_meta(name: str, batch_size: int = 8, seed: int = 0) -> zoo.Built:
+def on_meta(name: str, batch_size: int = 8, seed: int = 0, attention: str | None = None) -> zoo.Built:
     """docs/big-models.md's recipe: ``AutoModelForCausalLM.from_config`` on meta, with the family's
-    example batch and loss."""
+    example batch and loss (and its config's attention)."""
     from transformers import AutoModelForCausalLM
 
-    plain, inputs, loss_fn, target = FAMILIES[name](batch_size=batch_size, seed=seed)
+    plain, inputs, loss_fn, target = FAMILIES[name](batch_size=batch_size, seed=seed, attention=attention)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(plain.config)
     return model, inputs, loss_fn, target

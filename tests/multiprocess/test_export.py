@@ -54,7 +54,9 @@ def _trained(pipe: Any, inputs: Any, target: Any) -> dict[str, torch.Tensor]:
 def _two_stages(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in ("gpt2", "llama"):
-        model, inputs, loss_fn, target = families.FAMILIES[name](batch_size=8, seed=0)
+        # Eager attention, not transformers' default: the meta model below replays the real
+        # model's plan, and under SDPA a meta capture is not the CPU one (docs/big-models.md).
+        model, inputs, loss_fn, target = families.FAMILIES[name](batch_size=8, seed=0, attention="eager")
         pipe = pipecut.compile(
             model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
             runtime=pipecut.RuntimeOptions(timeout=60),
@@ -63,7 +65,7 @@ def _two_stages(rank: int, world: int, root: str) -> dict[str, Any]:
         state = _trained(pipe, inputs, target)
         # config.json: from the model compiled; the model given adds its class as architectures.
         written = pipe.save_pretrained(f"{root}/{name}", model if name == "gpt2" else None)
-        meta, *_ = families.on_meta(name)
+        meta, *_ = families.on_meta(name, attention="eager")
         again = pipecut.compile(
             meta, inputs, world, loss_fn=loss_fn, target=target, microbatches=M,
             weights=f"{root}/{name}", plan=pipe.plan, runtime=pipecut.RuntimeOptions(timeout=60),
