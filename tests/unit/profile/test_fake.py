@@ -93,7 +93,9 @@ def test_fake_count_equals_the_real_count(name: str) -> None:
 def test_estimate_costs_of_a_meta_llama_equals_the_real_llamas_reference() -> None:
     """A Llama built on meta, counted on fake tensors, gives the cost table that the same Llama
     with real weights gives when every node runs for real."""
-    plain, inputs, loss_fn, target = zoo.llama(batch_size=4)
+    # eager attention: under SDPA (transformers' default) a meta capture has one layout copy per
+    # layer that the CPU capture has not (docs/big-models.md), so their tables cannot be equal
+    plain, inputs, loss_fn, target = zoo.llama(batch_size=4, attention="eager")
     with torch.device("meta"):
         meta = type(plain)(plain.config)
     kw: dict[str, Any] = dict(microbatches=2, loss_fn=loss_fn, target=target,
