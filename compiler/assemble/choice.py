@@ -123,5 +123,5 @@ def runnable_schedule(plan: Plan, place: Place) -> Schedule:
     validate(sched, plan.microbatches, plan.schedule.placement)
     check_nccl(sched, wiring(plan))
     if place.replication is not None:
-        check_supported(plan, place.replication.resolved_kind)
+        check_supported(plan, place.replication.resolved_kind, place.tensor_parallel)
     return sched

@@ -50,6 +50,11 @@ Behind a check, with a fallback:
   when compiling stages. Missing: 0.
 - ``torch.distributed._composable.replicate_with_fsdp.replicate`` (:func:`replicate_with_fsdp`):
   DDP over tensor-parallel stages. Missing: None (callers refuse with a message).
+- ``torch.distributed._composable_state._get_module_state`` with FSDP2's ``FSDPState``
+  (``_state_ctx.all_states``, ``_fsdp_param_groups``, ``FSDPParamGroup.post_backward``,
+  ``_root_post_backward_final_callback``) (:func:`fsdp_post_backward`): FSDP2's gradient
+  reduction after a split backward's last weight pass, which no autograd hook of FSDP2 sees.
+  Missing: None (zero-bubble schedules with FSDP2 are refused with a message).
 - ``torch.distributed.distributed_c10d._get_default_store`` (:func:`default_store`): the
   store where the first failing rank writes its error. Missing: None (errors still name the
   peer rank).
@@ -83,6 +88,7 @@ __all__ = [
     "default_store",
     "dispatch_mode_depth",
     "foreach_norm",
+    "fsdp_post_backward",
     "function_mode_depth",
     "functorch_transforms_active",
     "fx_tracing",
@@ -244,6 +250,34 @@ def replicate_with_fsdp() -> Callable[..., Any] | None:
     except ImportError:
         return None
     return replicate
+
+
+def fsdp_post_backward() -> Callable[[torch.nn.Module], None] | None:
+    """FSDP2's end-of-backward work run by hand on a module ``fully_shard`` or FSDP2's
+    ``replicate`` wrapped: every parameter group's ``post_backward`` (reduce-scatter, or
+    all-reduce, of the gradients accumulated unsharded, then reshard), then the root's final
+    callback (wait for those reductions). A split backward's weight pass writes the gradients
+    after the autograd call whose hooks would have done this, so it is called after the step's
+    last weight pass, as ``torch.distributed.pipelining`` does (``perform_reduce_grad``). None
+    where this torch lacks the pieces (callers refuse with a message)."""
+    try:
+        from torch.distributed._composable_state import _get_module_state
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:
+        return None
+    if not callable(getattr(FSDPState, "_root_post_backward_final_callback", None)):
+        return None
+
+    def run(module: torch.nn.Module) -> None:
+        state = _get_module_state(module)
+        if not isinstance(state, FSDPState):
+            raise TypeError(f"{type(module).__name__} is not wrapped by FSDP2 (its state: {type(state).__name__})")
+        for each in state._state_ctx.all_states:
+            for group in getattr(each, "_fsdp_param_groups", None) or [g for g in [each._fsdp_param_group] if g]:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+
+    return run
 
 
 def default_store() -> dist.Store | None:

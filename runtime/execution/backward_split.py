@@ -19,10 +19,10 @@ where such an edge's child has another parent, autograd could still reach it the
 the node's backward function is called directly instead (it recomputes that node's input-side
 gradients too: cheap for the nodes where this happens, an add or a norm, and always correct).
 
-The gradients written into ``p.grad`` are fresh tensors in the parameter's layout, as
-``AccumulateGrad`` makes them: autograd may hand two parameters the same tensor (``x + pos``
-with one sample gives ``x`` and ``pos`` one gradient), and adding the next microbatch in place
-must not write into another parameter's gradient or into a gradient already sent.
+The weight pass ends in the parameters' own ``AccumulateGrad`` nodes (one
+``torch.autograd.backward`` with ``inputs=``), so ``p.grad`` is made as in any backward (a fresh
+tensor in the parameter's layout where autograd hands two parameters one tensor, as ``x + pos``
+with one sample does), and hooks on the accumulators (DDP's reducer) fire as they would.
 """
 
 from __future__ import annotations
@@ -73,20 +73,6 @@ class _Reaches:
         self.memo.clear()
 
 
-def _params_below(node: Node, accumulators: dict[Node, torch.Tensor], out: dict[int, torch.Tensor]) -> None:
-    stack = [node]
-    seen: set[Node] = set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n in accumulators:
-            p = accumulators[n]
-            out[id(p)] = p
-        stack += [child for child, _ in n.next_functions if child is not None]
-
-
 def split_backward(
     outputs: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -104,7 +90,7 @@ def split_backward(
 
     def weight_pass() -> None:
         seeds = _parameter_side_gradients(captured, reaches_input, reaches_param, _parents(outputs))
-        _accumulate(seeds, roots, accumulators, params)
+        _accumulate(seeds, roots, params)
         # Drop every reference to the graph now, so its saved tensors go with this microbatch.
         captured.clear()
         roots.clear()
@@ -244,31 +230,16 @@ def _as_expected(grad: torch.Tensor, meta: Any) -> torch.Tensor:
     return grad.to(meta.dtype) if grad.dtype != meta.dtype else grad
 
 
-def _accumulate(seeds: dict[_Edge, torch.Tensor], roots: list[_Root],
-                accumulators: dict[Node, torch.Tensor], params: Sequence[torch.Tensor]) -> None:
-    """Run the parameter-only part of the graph from the seeded edges and the roots at once, and
-    add the gradients into the parameters' ``.grad``."""
-    found: dict[int, torch.Tensor] = {}
-    outs: list[Any] = []
-    outs_grads: list[torch.Tensor] = []
-    for (child, nr), g in seeds.items():
-        if child in accumulators:  # a parameter used directly by a frontier node
-            p = accumulators[child]
-            found[id(p)] = g if id(p) not in found else found[id(p)] + g
-        else:
-            outs.append(GradientEdge(child, nr))
-            outs_grads.append(g)
+def _accumulate(seeds: dict[_Edge, torch.Tensor], roots: list[_Root], params: Sequence[torch.Tensor]) -> None:
+    """Run the parameter-only part of the graph from the seeded edges and the roots in one
+    ``torch.autograd.backward`` towards ``params``: the parameters' ``AccumulateGrad`` nodes add
+    into ``.grad`` and fire their hooks, so the gradient reductions of DDP (armed before a step's
+    last weight pass, :mod:`pipecut.runtime.grads.data_parallel`) start bucket by bucket while
+    this pass still runs, as they do in an ordinary backward. A seeded edge whose child is a
+    parameter's accumulator (a parameter used directly by a frontier node) is a root of its own."""
+    outs: list[Any] = [GradientEdge(child, nr) for child, nr in seeds]
+    outs_grads = list(seeds.values())
     outs += [out for _, out, _ in roots]
     outs_grads += [g for _, _, g in roots]
     if outs:
-        for p, got in zip(params, torch.autograd.grad(outs, list(params), outs_grads, allow_unused=True)):
-            if got is not None:
-                found[id(p)] = got if id(p) not in found else found[id(p)] + got
-    for p in params:
-        total = found.get(id(p))
-        if total is None:
-            continue
-        if p.grad is None:  # a tensor of its own, in the parameter's layout (as AccumulateGrad)
-            p.grad = torch.empty_like(p, memory_format=torch.preserve_format).copy_(total)
-        else:
-            p.grad.add_(total)
+        torch.autograd.backward(outs, outs_grads, inputs=list(params))

@@ -16,7 +16,7 @@ import datetime
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,13 +35,34 @@ from pipecut.runtime.execution.compiled import CompileStats, compile_stage, unco
 from pipecut.runtime.execution.forward import check_grad_flags
 from pipecut.runtime.execution.recompute_state import StateReplay
 from pipecut.runtime.memory.activations import ActivationMeter, storage_of
+from pipecut.schedules.format import ActionKind
 
 if TYPE_CHECKING:
     from pipecut.runtime.execution.tensor_parallel import TokenWire
 
-__all__ = ["LossFn", "StageWorker", "tree_to"]
+__all__ = ["GradSync", "LossFn", "StageWorker", "tree_to"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class GradSync(Protocol):
+    """A data-parallel wrapper's part in each backward pass of its stage: ``kind`` is the pass
+    (``BACKWARD`` whole, or a split backward's ``INPUT`` and ``WEIGHT`` parts), ``mb`` its
+    microbatch. See :mod:`pipecut.runtime.grads.data_parallel`."""
+
+    def before(self, kind: ActionKind, mb: int) -> None: ...
+
+    def after(self, kind: ActionKind, mb: int) -> None: ...
+
+
+class _NoSync:
+    """A stage without replicas: nothing to reduce."""
+
+    def before(self, kind: ActionKind, mb: int) -> None:
+        pass
+
+    def after(self, kind: ActionKind, mb: int) -> None:
+        pass
 
 
 @dataclass
@@ -114,8 +135,8 @@ class StageWorker:
         """With ``compile_stages``: what compiling the stage module cost (see
         :mod:`pipecut.runtime.execution.compiled`); None when it runs eagerly."""
         """What a forward calls: the stage module, or its data-parallel wrapper."""
-        self.before_backward: Callable[[int], None] = lambda mb: None
-        """Data parallelism: tells the wrapper whether a microbatch's backward is the last."""
+        self.grad_sync: GradSync = _NoSync()
+        """Data parallelism: the wrapper, told of each backward pass (it reduces in the last)."""
         self.reduce_grads = True
         """Whether this step's gradients are reduced across ranks (False under ``no_sync``):
         the data-parallel wrappers read it before the last backward."""
@@ -272,7 +293,8 @@ class StageWorker:
         """The microbatch's backward; with ``weights_later`` only its input-gradient part, the
         weight gradients being left to :meth:`backward_weight` (zero-bubble schedules)."""
         state = self.state[mb]
-        self.before_backward(mb)
+        kind = ActionKind.INPUT if weights_later else ActionKind.BACKWARD
+        self.grad_sync.before(kind, mb)
         if self.program.is_last:
             assert state.loss is not None
             root = self.scale_loss(state.loss) if self.scale_loss is not None else state.loss
@@ -291,6 +313,7 @@ class StageWorker:
                     torch.autograd.backward(outputs, grads)
             input_grads = [t.grad for t in inputs]
             self.meter.release(mb)
+        self.grad_sync.after(kind, mb)
         if state.loss is not None:
             state.loss = state.loss.detach()
         if self.prev is not None:
@@ -304,8 +327,10 @@ class StageWorker:
         state = self.state[mb]
         if state.weight_pass is None:
             raise PipelineRuntimeError(f"stage {self.stage}: {mb}W runs before {mb}I")
+        self.grad_sync.before(ActionKind.WEIGHT, mb)
         state.weight_pass()
         state.weight_pass = None
+        self.grad_sync.after(ActionKind.WEIGHT, mb)
         self.meter.release(mb)
 
     def _send(self, tensors: list[torch.Tensor], mb: int, direction: Direction) -> None:

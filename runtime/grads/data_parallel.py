@@ -47,8 +47,9 @@ tied sum must follow the replica average because only then are the gradients com
 from __future__ import annotations
 
 import datetime
+import functools
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -57,8 +58,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from pipecut.core.kinds import DataParallelKind, Recompute
-from pipecut.core.torch_private import replicate_with_fsdp
+from pipecut.core.kinds import DataParallelKind
+from pipecut.core.torch_private import SUPPORTED_TORCH, fsdp_post_backward, replicate_with_fsdp
 from pipecut.errors import PipelineRuntimeError, PlanError
 from pipecut.ir import Plan
 from pipecut.runtime.comm.sync import wait_for
@@ -84,19 +85,13 @@ def last_backwards(actions: Sequence[Action]) -> dict[int, int]:
     return last
 
 
-def check_supported(plan: Plan, kind: DataParallelKind) -> None:
-    """Refuse what the wrappers cannot do yet, before anything is wrapped."""
-    if plan.schedule.splits_backward:
+def check_supported(plan: Plan, kind: DataParallelKind, tensor_parallel: bool = False) -> None:
+    """Refuse what the wrappers cannot do on this torch, before anything is wrapped."""
+    if plan.schedule.splits_backward and fsdp2_engine(kind, tensor_parallel) and fsdp_post_backward() is None:
         raise PlanError(
-            f"data_parallel={kind.value!r} cannot run the {plan.schedule.value} schedule: its weight pass "
-            f"writes .grad with torch.autograd.grad, which neither DDP's nor FSDP's gradient "
-            f"hooks see; use schedule='1f1b' or 'gpipe'"
-        )
-    recomputing = [s.index for s in plan.stages if s.recompute is not Recompute.NONE]
-    if recomputing:
-        raise PlanError(
-            f"data_parallel={kind.value!r} with recompute (stages {recomputing}) is untested and "
-            f"refused; plan without recompute (PartitionOptions(recompute='none')) or without a memory limit"
+            f"data_parallel={kind.value!r} with the {plan.schedule.value} schedule needs FSDP2's "
+            f"post-backward to be run by hand after the last weight pass, which torch "
+            f"{torch.__version__} does not expose; use schedule='1f1b', or a torch in {SUPPORTED_TORCH}"
         )
 
 
@@ -133,7 +128,7 @@ class _DdpStage:
         self.last_mb = last_mb
         self.trainable = _trainable(worker.program.module)
         self.ddp = self._wrap(init_sync=True)
-        worker.before_backward = self.before_backward
+        worker.grad_sync = self
 
     def _wrap(self, init_sync: bool) -> DistributedDataParallel | None:
         module = self.worker.program.module
@@ -155,9 +150,15 @@ class _DdpStage:
         self.worker.call = NoSyncForward(ddp)
         return ddp
 
-    def before_backward(self, mb: int) -> None:
-        if self.ddp is not None and mb == self.last_mb and self.worker.reduce_grads:
+    def before(self, kind: ActionKind, mb: int) -> None:
+        # A split backward's input pass writes no parameter gradient (it never reaches an
+        # accumulator, so the reducer's hooks do not fire in it): the reducer is armed before
+        # the last pass that does, a whole backward or a weight pass.
+        if kind is not ActionKind.INPUT and self.ddp is not None and mb == self.last_mb and self.worker.reduce_grads:
             self.ddp.reducer.prepare_for_backward([])
+
+    def after(self, kind: ActionKind, mb: int) -> None:
+        pass
 
     def settle(self) -> None:
         pass
@@ -188,38 +189,101 @@ def can_replicate_dtensors() -> bool:
 
 
 class _FsdpStage:
-    """One stage module under FSDP2 (or, ``shard=False``, FSDP2's replicate-only DDP, for
-    tensor-parallel stages: gradients all-reduced over the replicas, DTensors and all). A change
-    of the trainable set needs nothing more: FSDP2 reduces only the gradients a backward
-    produced, and copies ``requires_grad`` from each sharded parameter to its gathered copy
-    whenever it gathers, which every training step does since :meth:`settle` leaves the module
-    sharded between steps."""
+    """This rank's stage modules that share parameters (one module, or the stages of a tied
+    weight that one rank holds, as ZBV's V places a model's first and last stages) under FSDP2,
+    as one unit (or, ``shard=False``, FSDP2's replicate-only DDP, for tensor-parallel stages:
+    gradients all-reduced over the replicas, DTensors and all). Wrapped one by one, such stages
+    would each shard a copy of the shared parameter of their own, and the copies would get
+    different gradients. The unit reduces once, at the end of its stages' last backward pass
+    in the rank's schedule (``last``: that stage and microbatch). A change of the trainable
+    set needs nothing more: FSDP2 reduces only the gradients a backward produced, and copies
+    ``requires_grad`` from each sharded parameter to its gathered copy whenever it gathers,
+    which every training step does since :meth:`settle` leaves the module sharded between
+    steps."""
 
-    def __init__(self, worker: StageWorker, mesh: DeviceMesh, last_mb: int, *, shard: bool = True) -> None:
+    def __init__(self, workers: Sequence[StageWorker], mesh: DeviceMesh, last: tuple[int, int], *,
+                 shard: bool = True) -> None:
+        one = len(workers) == 1
+        root = workers[0].program.module if one else _Stages([w.program.module for w in workers])
         if shard:
-            module = fully_shard(worker.program.module, mesh=mesh, reshard_after_forward=False)
+            module = fully_shard(root, mesh=mesh, reshard_after_forward=False)
         else:
             replicate = replicate_with_fsdp()
             assert replicate is not None  # refused before: check_composable
-            module = replicate(worker.program.module, mesh=mesh)
+            module = replicate(root, mesh=mesh)
         assert isinstance(module, FSDPModule)
         self.module = module
-        self.worker = worker
-        self.last_mb = last_mb
-        worker.before_backward = self.before_backward
-        worker.call = _without_cast_cache(worker.program.module, worker.device)
+        self.workers = tuple(workers)
+        self.last = last
+        for i, worker in enumerate(workers):
+            worker.grad_sync = _StageSync(self, worker.stage)
+            worker.call = _without_cast_cache(root if one else functools.partial(root, i), worker.device)
 
-    def before_backward(self, mb: int) -> None:
-        last = mb == self.last_mb and self.worker.reduce_grads
+    def _ends(self, stage: int, mb: int) -> bool:
+        return (stage, mb) == self.last and self.workers[0].reduce_grads
+
+    def _last(self, last: bool) -> None:
+        """Tell the unit whether the backward pass about to end is the one that ends its step,
+        at which it reduces the gradients and reshards."""
         self.module.set_requires_gradient_sync(last)
         self.module.set_is_last_backward(last)
         self.module.set_reshard_after_backward(last)
+
+    def before(self, stage: int, kind: ActionKind, mb: int) -> None:
+        # FSDP2's hooks run at the end of the autograd call that reaches the stage's inputs:
+        # a whole backward, or a split backward's input pass, after which the weight pass has
+        # still to write the gradients. Only a whole backward may end the step there.
+        self._last(kind is ActionKind.BACKWARD and self._ends(stage, mb))
+
+    def after(self, stage: int, kind: ActionKind, mb: int) -> None:
+        if kind is ActionKind.WEIGHT and self._ends(stage, mb):
+            self._last(True)
+            run = fsdp_post_backward()
+            assert run is not None  # refused before: check_supported
+            run(self.module)
 
     def refresh(self) -> None:
         pass
 
     def settle(self) -> None:
         self.module.reshard()  # local: frees the gathered copies; a no-op where already sharded
+
+
+class _Stages(torch.nn.Module):
+    """Stage modules under one FSDP2 root: FSDP2 wants a single root module per unit, and runs
+    its hooks around the root's forward, so each stage is called through it (``index``: which)."""
+
+    def __init__(self, stages: Sequence[torch.nn.Module]) -> None:
+        super().__init__()
+        self.stages = torch.nn.ModuleList(stages)
+
+    def forward(self, index: int, *args: Any) -> Any:
+        return self.stages[index](*args)
+
+
+class _StageSync:
+    """One stage's view of the FSDP2 unit that holds it."""
+
+    def __init__(self, unit: _FsdpStage, stage: int) -> None:
+        self.unit = unit
+        self.stage = stage
+
+    def before(self, kind: ActionKind, mb: int) -> None:
+        self.unit.before(self.stage, kind, mb)
+
+    def after(self, kind: ActionKind, mb: int) -> None:
+        self.unit.after(self.stage, kind, mb)
+
+
+def _sharing(workers: Mapping[int, StageWorker]) -> list[list[int]]:
+    """This rank's stages, grouped where they hold one parameter object (transitively)."""
+    groups: list[tuple[set[int], list[int]]] = []
+    for stage, worker in sorted(workers.items()):
+        ids = {id(p) for p in worker.program.module.parameters()}
+        joined = [g for g in groups if g[0] & ids]
+        merged = (ids.union(*(g[0] for g in joined)), sorted([stage, *(s for g in joined for s in g[1])]))
+        groups = [g for g in groups if not g[0] & ids] + [merged]
+    return sorted(stages for _, stages in groups)
 
 
 class _Stage(Protocol):
@@ -252,7 +316,7 @@ class Replication:
             stage.refresh()
 
 
-def _without_cast_cache(module: torch.nn.Module, device: torch.device) -> Any:
+def _without_cast_cache(module: Callable[..., Any], device: torch.device) -> Any:
     """Call ``module`` under the caller's autocast but with autocast's weight-cast cache off.
 
     Autocast caches the low-precision copy of each parameter until the outermost autocast
@@ -283,15 +347,21 @@ def replicate(
     mesh of ``group``), with gradient reduction overlapped with the stage's last backward.
     ``tensor_parallel``: the stages hold DTensor parameters split over a "tp" dimension."""
     last = last_backwards(actions)
-    stages: list[_Stage] = []
-    for stage, worker in workers.items():
-        if stage not in last:
-            raise PlanError(f"stage {stage} has no backward in this rank's schedule {actions}")
-        if not fsdp2_engine(kind, tensor_parallel):
-            stages.append(_DdpStage(worker, group, last[stage]))
-        else:
-            stages.append(_FsdpStage(worker, mesh, last[stage], shard=kind is DataParallelKind.FSDP))
-    return Replication(stages)
+    missing = sorted(set(workers) - set(last))
+    if missing:
+        raise PlanError(f"stages {missing} have no backward in this rank's schedule {actions}")
+    if not fsdp2_engine(kind, tensor_parallel):
+        return Replication([_DdpStage(worker, group, last[stage]) for stage, worker in workers.items()])
+    order = {(a.stage, a.microbatch): i for i, a in enumerate(actions) if a.kind in _WRITES_GRADS}
+    return Replication([
+        _FsdpStage([workers[s] for s in unit], mesh, max(((s, last[s]) for s in unit), key=order.__getitem__),
+                   shard=kind is DataParallelKind.FSDP)
+        for unit in _sharing(workers)
+    ])
+
+
+_WRITES_GRADS = (ActionKind.BACKWARD, ActionKind.WEIGHT)
+"""The backward passes that write parameter gradients (a split backward's input pass does not)."""
 
 
 def trainable_disagreement(

@@ -77,7 +77,9 @@ def _full_grads(alias: dict[str, str], pipe: Any) -> dict[str, torch.Tensor]:
 
 
 HYBRID = [("ddp", "1f1b"), ("ddp", "gpipe"), ("fsdp", "1f1b"), ("fsdp", "gpipe"),
-          ("ddp", "interleaved-1f1b"), ("fsdp", "interleaved-1f1b")]  # two wrappers per rank
+          ("ddp", "interleaved-1f1b"), ("fsdp", "interleaved-1f1b"),  # two wrappers per rank
+          ("ddp", "zero-bubble"), ("fsdp", "zero-bubble"), ("ddp", "zbv"), ("fsdp", "zbv")]
+VIRTUAL = {"interleaved-1f1b": 2, "zbv": 2}  # stages per rank
 LR = 0.1
 
 
@@ -91,7 +93,7 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
         model, inputs, loss_fn, target = EXAMPLES["gpt"]()
         local_inputs, local_target = (inputs[0][half],), target[half]
         alias = _aliases(model)
-        virtual = 2 if schedule == "interleaved-1f1b" else 1
+        virtual = VIRTUAL.get(schedule, 1)
         plan = plans.get((schedule, virtual))  # rank 0 profiles once per layout; then replay
         pipe = pipecut.compile(
             model, local_inputs, mesh, loss_fn=loss_fn, target=local_target,
@@ -101,9 +103,9 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
         )
         plans[(schedule, virtual)] = pipe.plan
         if virtual == 1:
-            for other in ("1f1b", "gpipe"):
+            for other in ("1f1b", "gpipe", "zero-bubble"):
                 plans.setdefault((other, 1), dataclasses.replace(pipe.plan, schedule=ScheduleKind(other)))
-        fired: list[int] = []  # microbatches whose backward was running when DDP reduced
+        fired: list[str] = []  # the backward passes running when DDP reduced
         if kind == "ddp":
             _watch_reductions(pipe, fired)
         opt = torch.optim.SGD(pipe.parameters(), lr=LR)
@@ -132,8 +134,7 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
     model, inputs, loss_fn, target = EXAMPLES["gpt"]()
     for devices, kwargs in [(world, {"data_parallel": "fsdp"}),
                             (mesh, {"data_parallel": "zero"}),
-                            (mesh, {"data_parallel": pipecut.DataParallelOptions(kind="ddp", replicas=4)}),
-                            (mesh, {"plan": dataclasses.replace(plans[("1f1b", 1)], schedule=ScheduleKind.ZERO_BUBBLE)})]:
+                            (mesh, {"data_parallel": pipecut.DataParallelOptions(kind="ddp", replicas=4)})]:
         try:
             pipecut.compile(
                 model, (inputs[0][half],), devices, loss_fn=loss_fn,
@@ -146,21 +147,26 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def _watch_reductions(pipe: Any, fired: list[int]) -> None:
-    """Record, each time DDP launches a bucket's all-reduce, which microbatch's backward runs."""
+def _watch_reductions(pipe: Any, fired: list[str]) -> None:
+    """Record, each time DDP launches a bucket's all-reduce, which backward pass runs (as the
+    schedules print it: "3B", "3W")."""
     for worker in pipe.workers.values():
-        current = [-1]
-        before = worker.before_backward
+        current: list[Any] = [None]
+        sync = worker.grad_sync
 
-        def watch(mb: int, before: Any = before, current: list[int] = current) -> None:
-            current[0] = mb
-            before(mb)
+        class Watch:
+            def before(self, kind: Any, mb: int, sync: Any = sync, current: list[Any] = current) -> None:
+                current[0] = f"{mb}{kind.value}"
+                sync.before(kind, mb)
+
+            def after(self, kind: Any, mb: int, sync: Any = sync) -> None:
+                sync.after(kind, mb)
 
         def hook(state, bucket, current=current):  # DDP checks annotations: leave them off
             fired.append(current[0])
             return allreduce_hook(state, bucket)
 
-        worker.before_backward = watch
+        worker.grad_sync = Watch()
         worker.call.ddp.register_comm_hook(worker.call.ddp.process_group, hook)
 
 
@@ -171,7 +177,8 @@ def test_ddp_and_fsdp_two_stages_times_two_replicas_match_the_whole_batch() -> N
     plain = _plain_two_steps(LR)
     for i, (kind, schedule) in enumerate(HYBRID):
         runs = [r["runs"][i] for r in results]
-        held = [(0,), (0,), (1,), (1,)] if schedule != "interleaved-1f1b" else [(0, 2), (0, 2), (1, 3), (1, 3)]
+        held = {"interleaved-1f1b": [(0, 2), (0, 2), (1, 3), (1, 3)],
+                "zbv": [(0, 3), (0, 3), (1, 2), (1, 2)]}.get(schedule, [(0,), (0,), (1,), (1,)])
         assert sorted(run["stages"] for run in runs) == held
         for step, (ref_loss, ref_grads) in enumerate(plain):
             # The reference is the unsplit model on all 16 samples; after step 0 both have taken
@@ -182,9 +189,10 @@ def test_ddp_and_fsdp_two_stages_times_two_replicas_match_the_whole_batch() -> N
             except AssertionError as e:
                 raise AssertionError(f"{kind} {schedule} step {step}: {e}") from e
         if kind == "ddp":
-            # DDP reduces only in each stage's last backward: microbatch 0 for GPipe (backwards
-            # in reverse), 3 for 1F1B and interleaved 1F1B.
-            last = 0 if schedule == "gpipe" else 3
+            # DDP reduces only in each stage's last backward pass: microbatch 0 for GPipe
+            # (backwards in reverse), 3 for 1F1B and interleaved 1F1B, and under zero-bubble and
+            # ZBV the weight pass of microbatch 3 (never an input pass, which writes no gradient).
+            last = {"gpipe": "0B", "zero-bubble": "3W", "zbv": "3W"}.get(schedule, "3B")
             for run in runs:
                 assert run["fired"] and set(run["fired"]) == {last}, (kind, schedule, run["fired"])
         else:  # FSDP: every parameter with an even first dimension is split in two halves
@@ -195,8 +203,7 @@ def test_ddp_and_fsdp_two_stages_times_two_replicas_match_the_whole_batch() -> N
     for i in range(2):  # the second pipeline, then the first
         assert_parity(plain[0][0], plain[0][1], [r["twice"][i] for r in results])
     for r in results:
-        no_dp, unknown, replicas, zero_bubble = r["errors"]
+        no_dp, unknown, replicas = r["errors"]
         assert "InputError: DataParallelOptions(replicas=4) but the devices give 2 replica(s)" in replicas
         assert "InputError: data_parallel='fsdp' needs replicas" in no_dp
         assert "InputError: unknown data_parallel 'zero'; choose one of ['ddp', 'fsdp', 'auto']" in unknown
-        assert "PlanError: data_parallel='ddp' cannot run the zero-bubble schedule" in zero_bubble
