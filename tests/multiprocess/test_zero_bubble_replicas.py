@@ -1,0 +1,159 @@
+"""Zero-bubble and ZBV with DDP and FSDP2 replicas, on the transformers Llama and GPT-2.
+
+DP 2 x PP 2 (4 ranks), each replica on its half of the batch, against the plain model on the
+whole batch, through a user's loop of three SGD steps:
+
+1. a step with its gradients clipped (``pipe.clip_grad_norm_``): loss, norm and every gradient;
+2. gradient accumulation: one step under ``pipe.no_sync()``, then a reducing step; the
+   gradients are both steps' sum, averaged over the replicas once;
+3. a step with one parameter frozen on the ranks that hold it: it gets no gradient.
+
+GPT-2 ties its input embedding to its head: under ZBV's V the first and the last stage sit on
+one rank and share that parameter, so FSDP2 wraps both as one unit
+(``pipecut.runtime.grads.data_parallel``). The weight pass's gradients reach the wrappers'
+reductions (DDP: the reducer armed before the step's last weight pass; FSDP2: its post-backward
+after it); a reduction missed or done early shows as gradients off by the other replica's half.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import pipecut
+from examples import zoo
+from tests.harness import run_ranks
+from tests.reference import ATOL, COUNTED, RTOL
+
+pytestmark = pytest.mark.dist
+
+BATCH = 8
+M = 4
+LR = 0.1
+CLIP = 0.5
+FROZEN = {"llama": "model.layers.0.mlp.gate_proj.weight", "gpt2": "transformer.h.1.attn.c_attn.weight"}
+"""Per model, the parameter frozen before the third step."""
+CASES = [(model, kind, schedule) for model in ("llama", "gpt2") for schedule in ("zero-bubble", "zbv")
+         for kind in ("ddp", "fsdp")]
+
+
+def _build(name: str) -> Any:
+    return getattr(zoo, name)(batch_size=BATCH)
+
+
+def _grads(pipe: Any) -> dict[str, torch.Tensor | None]:
+    """This rank's gradients by name; FSDP shards gathered (collective over "dp")."""
+    out: dict[str, torch.Tensor | None] = {}
+    for name, p in pipe.named_parameters():
+        g = p.grad
+        out[name] = None if g is None else (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+    return out
+
+
+def _ranks(rank: int, world: int) -> list[dict[str, Any]]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica = mesh.get_local_rank("dp")
+    share = slice(BATCH // 2 * replica, BATCH // 2 * (replica + 1))
+    plans: dict[tuple[str, str], Any] = {}
+    out = []
+    for name, kind, schedule in CASES:
+        model, inputs, loss_fn, target = _build(name)
+        local, local_target = {"input_ids": inputs["input_ids"][share]}, target[share]
+        pipe = pipecut.compile(
+            model, local, mesh, loss_fn=loss_fn, target=local_target, microbatches=M,
+            schedule=schedule, data_parallel=kind, plan=plans.get((name, schedule)), measure=COUNTED,
+            scheduling=pipecut.ScheduleOptions(stages_per_rank=2 if schedule == "zbv" else 1),
+            runtime=pipecut.RuntimeOptions(timeout=90),
+        )
+        plans[(name, schedule)] = pipe.plan
+        opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+        steps: list[dict[str, Any]] = []
+        loss = pipe.step(local, local_target)
+        norm = pipe.clip_grad_norm_(CLIP)
+        steps.append({"loss": loss, "norm": norm, "grads": _grads(pipe)})
+        opt.step()
+        opt.zero_grad()
+        with pipe.no_sync():
+            first = pipe.step(local, local_target)
+        second = pipe.step(local, local_target)
+        steps.append({"loss": torch.stack([first, second]), "grads": _grads(pipe)})
+        opt.step()
+        opt.zero_grad()
+        params = dict(pipe.named_parameters())
+        if FROZEN[name] in params:
+            params[FROZEN[name]].requires_grad_(False)
+        steps.append({"loss": pipe.step(local, local_target), "grads": _grads(pipe)})
+        out.append({"steps": steps, "stages": pipe.stages})
+    return out
+
+
+def _plain(name: str) -> list[dict[str, Any]]:
+    """The unsplit model on the whole batch, through the same three steps."""
+    model, inputs, loss_fn, target = _build(name)
+    params = dict(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def grads() -> dict[str, torch.Tensor | None]:
+        return {n: None if p.grad is None else p.grad.clone() for n, p in params.items()}
+
+    loss = loss_fn(model(**inputs), target)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    steps: list[dict[str, Any]] = [{"loss": loss.detach(), "norm": norm, "grads": grads()}]
+    opt.step()
+    opt.zero_grad()
+    losses = []
+    for _ in range(2):  # accumulated: the same batch twice at the same weights
+        loss = loss_fn(model(**inputs), target)
+        loss.backward()
+        losses.append(loss.detach())
+    steps.append({"loss": torch.stack(losses), "grads": grads()})
+    opt.step()
+    opt.zero_grad()
+    params[FROZEN[name]].requires_grad_(False)
+    loss = loss_fn(model(**inputs), target)
+    loss.backward()
+    steps.append({"loss": loss.detach(), "grads": grads()})
+    return steps
+
+
+@pytest.mark.timeout(600)
+def test_zero_bubble_and_zbv_with_ddp_and_fsdp_match_the_plain_model() -> None:
+    results = run_ranks(_ranks, 4, timeout=580, collective_timeout=90)
+    plain = {name: _plain(name) for name in FROZEN}
+    for i, (name, kind, schedule) in enumerate(CASES):
+        at = f"{name} {kind} {schedule}"
+        runs = [r[i] for r in results]
+        held = [(0, 3), (0, 3), (1, 2), (1, 2)] if schedule == "zbv" else [(0,), (0,), (1,), (1,)]
+        assert sorted(run["stages"] for run in runs) == held, at
+        for step, ref in enumerate(plain[name]):
+            merged: dict[str, torch.Tensor | None] = {}
+            for r, run in enumerate(runs):
+                got = run["steps"][step]
+                # fp32; the whole batch against two replicas of four microbatches: only the order
+                # of additions differs (tests/reference.py explains the tolerances).
+                torch.testing.assert_close(got["loss"], ref["loss"], rtol=RTOL, atol=ATOL,
+                                           msg=lambda m, r=r, s=step: f"{at} step {s} rank {r} loss: {m}")
+                if "norm" in ref:
+                    torch.testing.assert_close(got["norm"], ref["norm"], rtol=RTOL, atol=ATOL,
+                                               msg=lambda m, r=r: f"{at} rank {r} clipped norm: {m}")
+                for n, g in got["grads"].items():
+                    if n in merged:  # the other replica, or a tied weight's other stage
+                        other = merged[n]
+                        assert (g is None) == (other is None), (at, step, n)
+                        if g is not None:
+                            torch.testing.assert_close(g, other, rtol=RTOL, atol=ATOL)
+                    merged[n] = g
+            assert merged.keys() == ref["grads"].keys(), (at, step, sorted(merged.keys() ^ ref["grads"].keys()))
+            for n, want in ref["grads"].items():
+                have = merged[n]
+                if want is None:  # frozen: as in the plain model, no gradient at all
+                    assert have is None, f"{at} step {step}: frozen {n} has a gradient"
+                    continue
+                assert have is not None, f"{at} step {step}: {n} has no gradient"
+                torch.testing.assert_close(have, want, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m, n=n, s=step: f"{at} step {s} {n}: {m}")
