@@ -18,7 +18,6 @@ from pipecut.assemble.replay import Settings
 from pipecut.capture import as_planned, capture_as, fingerprint
 from pipecut.capture.agree import capture_for_plan
 from pipecut.core.batching import first_microbatch
-from pipecut.core.kinds import Recompute
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import PlanError
 from pipecut.ir import Plan
@@ -112,13 +111,7 @@ def check_fingerprint(loaded: Plan, expected: str) -> None:
 
 def runnable_schedule(plan: Plan, place: Place) -> Schedule:
     """The plan's per-rank schedule, refused before anything runs where the runtime cannot run
-    it: split backward with recompute, an order that would hang NCCL, an engine the stages
-    cannot use."""
-    if plan.schedule.splits_backward and any(s.recompute is not Recompute.NONE for s in plan.stages):
-        raise PlanError(
-            f"the {plan.schedule.value} schedule cannot yet run stages that recompute; use "
-            f"schedule='1f1b' or plan without recompute"
-        )
+    it: an order that would hang NCCL, a data-parallel engine this torch cannot drive."""
     sched = plan_schedule(plan)
     validate(sched, plan.microbatches, plan.schedule.placement)
     check_nccl(sched, wiring(plan))

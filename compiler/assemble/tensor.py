@@ -114,11 +114,6 @@ def check_composable(plan: Plan, place: Place, shards: Mapping[str, ParameterSha
                      options: Any) -> None:
     """Refuse, before anything is split, what tensor parallelism does not run (yet)."""
     t = place.layout.tensor_parallel
-    if plan.schedule.splits_backward:
-        raise PlanError(
-            f"the {plan.schedule.value} schedule splits each backward into an input and a weight pass "
-            f"(torch.autograd.grad on the stage's parameters), which tensor-parallel stages (DTensor "
-            f"parameters) do not run yet; use schedule='1f1b', 'gpipe' or 'interleaved-1f1b'")
     if options.runtime.compile_stages is not False:
         raise PlanError("RuntimeOptions(compile_stages=...) with tensor parallelism is not supported yet "
                         "(torch.compile of stages holding DTensors is untested); use compile_stages=False")

@@ -10,6 +10,7 @@ walked twice), and a deep copy of the stage points its segments at the copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,6 +18,10 @@ import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["Segment"]
+
+
+def _checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
+    return checkpoint(fn, *args, use_reentrant=False)
 
 
 class Segment(torch.nn.Module):
@@ -32,6 +37,9 @@ class Segment(torch.nn.Module):
         object.__setattr__(self, "_run", type(code).forward)  # plain attributes: not submodules
         object.__setattr__(self, "_owner", owner)
         object.__setattr__(self, "_graph", graph)
+        self.recompute: Callable[..., Any] = _checkpoint
+        """How the run keeps its tensors for backward: torch's checkpoint, or a runtime's own
+        (``pipecut.runtime.execution.held_recompute`` under a split backward)."""
 
     def interpretable(self) -> fx.GraphModule:
         """The run as a module of its own nodes, reading the stage's tensors (to walk it node
@@ -39,7 +47,7 @@ class Segment(torch.nn.Module):
         return fx.GraphModule(self._owner, self._graph, "Segment")
 
     def forward(self, *args: Any) -> Any:
-        return checkpoint(self._run, self._owner, *args, use_reentrant=False)
+        return self.recompute(self._run, self._owner, *args)
 
     def extra_repr(self) -> str:
         return f"{len(self.nodes)} nodes: {self.nodes[0]} .. {self.nodes[-1]}"

@@ -406,10 +406,6 @@ def _run_prediction(
     t = best.placement.tensor_parallel
     if t > 1:
         notes += (tensor_note(t, cluster, sequence_parallel),)
-    if best.schedule.splits_backward and best.placement.replicas > 1:
-        notes += (f"pipecut's own runtime refuses data parallelism with {best.schedule.value} (its W "
-                  f"pass writes .grad outside DDP/FSDP hooks): this predicts a run by an engine "
-                  f"that supports it, such as torch.distributed.pipelining's",)
     mixed = mixed_links_note(cluster, best)
     return RunPrediction(
         step_ms=best.step_ms, bubble_fraction=best.bubble_fraction,

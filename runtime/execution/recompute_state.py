@@ -52,9 +52,10 @@ class StateReplay:
         self._saved[mb] = {key: old for key, old in before.items() if not _same(old, buffers[key])}
 
     @contextlib.contextmanager
-    def replaying(self, mb: int) -> Iterator[None]:
-        """Inside: the buffers ``mb``'s forward wrote hold their values from before it."""
-        saved = self._saved.pop(mb, {})
+    def replaying(self, mb: int, keep: bool = False) -> Iterator[None]:
+        """Inside: the buffers ``mb``'s forward wrote hold their values from before it.
+        ``keep``: for a later part of the same backward too (a split backward's input pass)."""
+        saved = self._saved.get(mb, {}) if keep else self._saved.pop(mb, {})
         swapped = []
         for m, name in self._slots:
             b = m._buffers[name]

@@ -33,6 +33,7 @@ from pipecut.runtime.comm.wire import Peer, TensorLeaf, WireSpec, pack, unpack
 from pipecut.runtime.execution.backward_split import split_backward
 from pipecut.runtime.execution.compiled import CompileStats, compile_stage, uncompile_stage
 from pipecut.runtime.execution.forward import check_grad_flags
+from pipecut.runtime.execution.held_recompute import held_checkpoint
 from pipecut.runtime.execution.recompute_state import StateReplay
 from pipecut.runtime.memory.activations import ActivationMeter, storage_of
 from pipecut.schedules.format import ActionKind
@@ -41,6 +42,10 @@ if TYPE_CHECKING:
     from pipecut.runtime.execution.tensor_parallel import TokenWire
 
 __all__ = ["GradSync", "LossFn", "StageWorker", "tree_to"]
+
+
+def _checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
+    return checkpoint(fn, *args, use_reentrant=False)
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -107,6 +112,13 @@ class StageWorker:
         self.recompute = stage.recompute is Recompute.FULL
         self.recomputes = stage.recompute is not Recompute.NONE
         """The whole stage or some of its blocks run their forward again in backward."""
+        self.checkpoint: Callable[..., Any] = _checkpoint
+        """How a recomputing run keeps its tensors: torch's checkpoint, or under a split
+        backward one that recomputes once for both passes (:mod:`pipecut.runtime.execution.held_recompute`)."""
+        if plan.schedule.splits_backward:
+            self.checkpoint = held_checkpoint
+            for segment in (m for m in program.module.modules() if isinstance(m, Segment)):
+                segment.recompute = held_checkpoint
         self.in_spec = WireSpec(tuple(plan.node(n) for n in stage.inputs))
         self.out_spec = WireSpec(tuple(plan.node(n) for n in stage.outputs))
         self.specs: list[tuple[WireSpec, WireSpec]] = []
@@ -259,10 +271,8 @@ class StageWorker:
         kept = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)] if self.recompute else []
         replay = self.replay.forward(mb) if self.recomputes and torch.is_grad_enabled() else contextlib.nullcontext()
         with self.meter.forward(mb, kept), replay:
-            if self.recompute:  # keep only the inputs; the forward runs again inside backward
-                out = checkpoint(self.call, *args, use_reentrant=False)
-            else:
-                out = self.call(*args)
+            # recompute: keep only the inputs; the forward runs again inside backward
+            out = self.checkpoint(self.call, *args) if self.recompute else self.call(*args)
             if self.program.is_last:
                 loss = self._loss(out, target)
                 if self.loss_divisor is not None:  # a sum over the batch, divided by a normaliser
@@ -306,7 +316,8 @@ class StageWorker:
         inputs = [t for t in state.received if t.requires_grad]
         if weights_later:
             params = list(self.program.module.parameters())
-            input_grads, state.weight_pass = split_backward(outputs, grads, inputs, params)
+            with self.replay.replaying(mb, keep=True):  # the weight pass may recompute too
+                input_grads, state.weight_pass = split_backward(outputs, grads, inputs, params)
         else:
             if outputs:
                 with self.replay.replaying(mb):  # a recompute must not write module state again
@@ -328,7 +339,8 @@ class StageWorker:
         if state.weight_pass is None:
             raise PipelineRuntimeError(f"stage {self.stage}: {mb}W runs before {mb}I")
         self.grad_sync.before(ActionKind.WEIGHT, mb)
-        state.weight_pass()
+        with self.replay.replaying(mb):
+            state.weight_pass()
         state.weight_pass = None
         self.grad_sync.after(ActionKind.WEIGHT, mb)
         self.meter.release(mb)

@@ -27,7 +27,7 @@ import pipecut
 from examples import gpt, resnet, zoo
 from pipecut.core.batching import split_microbatches
 from pipecut.core.graph import canonical_names
-from pipecut.core.kinds import Recompute
+from pipecut.core.kinds import Recompute, ScheduleKind
 from pipecut.ir import DeviceSpec, Plan
 from tests.harness import run_ranks
 from tests.reference import ATOL, COUNTED, RTOL, assert_parity, pipeline_grads, reference
@@ -58,25 +58,36 @@ def _whole(plan: Plan) -> Plan:
     return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=Recompute.FULL) for s in plan.stages))
 
 
-def _run(build: Any, world: int, how: Any = None, devices: Any = None, base: Plan | None = None) -> dict[str, Any]:
+def _run(build: Any, world: int, how: Any = None, devices: Any = None, base: Plan | None = None,
+         schedule: str | None = None) -> dict[str, Any]:
     """One training step and one eval step of ``build``'s model; ``how`` rewrites the plan
-    (``base``, or a fresh one) before compiling with it."""
+    (``base``, or a fresh one; under ``schedule`` where given) before compiling with it."""
     model, inputs, loss_fn, target = build()
-    kw = dict(example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
-              runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED)
+    kw: dict[str, Any] = dict(example_inputs=inputs, loss_fn=loss_fn, target=target, microbatches=M,
+                              runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED)
+    if schedule is not None:
+        kw.update(schedule=schedule, scheduling=pipecut.ScheduleOptions(stages_per_rank=2 if schedule == "zbv" else 1))
+        base = base and dataclasses.replace(base, schedule=ScheduleKind(schedule))
     plan = None
     if how is not None:
         plan = how(base if base is not None else pipecut.compile(model, devices=world, **kw).plan)
         model, inputs, loss_fn, target = build()
     pipe = pipecut.compile(model, devices=devices or world, plan=plan, **kw)
+    calls: dict[str, int] = {}  # forward calls of each module the stages call, in the training step
+    hooks = [m.register_forward_hook(lambda *_, n=n: calls.__setitem__(n, calls.get(n, 0) + 1))
+             for w in pipe.workers.values() for n, m in w.program.module.named_modules()
+             if n and not list(m.children()) and type(m).__name__ != "Segment"]
     loss = pipe.step(inputs, target)
+    for h in hooks:
+        h.remove()
     grads, buffers = pipeline_grads(model, pipe), {n: b.clone() for n, b in pipe.named_buffers()}
-    pipe.module.zero_grad(set_to_none=True)
+    for p in pipe.parameters():
+        p.grad = None
     eval_loss = pipe.eval().step(inputs, target)  # eval mode, with gradients (frozen statistics)
     return {
         "loss": loss, "grads": grads, "buffers": buffers,
         "eval": {"loss": eval_loss, "grads": pipeline_grads(model, pipe)},
-        "peak": pipe.peak_activation_bytes, "plan": pipe.plan.to_json(),
+        "peak": pipe.peak_activation_bytes, "plan": pipe.plan.to_json(), "calls": calls,
         "segments": sum(type(m).__name__ == "Segment" for w in pipe.workers.values()
                         for m in w.program.module.modules()),
     }
@@ -94,6 +105,10 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         "resnet_whole": _run(resnet.build, world, _whole),
         "resnet_blocks": _run(resnet.build, world, lambda p: _blocks(p, "layers", 2)),
         "zoo_resnet_blocks": _run(zoo.resnet, world, lambda p: _blocks(p, "resnet.encoder.stages", 1)),
+        # zero-bubble and ZBV: the input and the weight pass share one recompute
+        "gpt_blocks_zb": _run(gpt.build, world, lambda p: _blocks(p, "blocks", 1), base=split, schedule="zero-bubble"),
+        "gpt_whole_zbv": _run(gpt.build, world, _whole, schedule="zbv"),
+        "resnet_blocks_zb": _run(resnet.build, world, lambda p: _blocks(p, "layers", 2), schedule="zero-bubble"),
     }
     # The planner chooses blocks by itself when a memory limit asks for less than the plain split.
     plain = Plan.from_json(out["gpt_plain"]["plan"])
@@ -151,8 +166,24 @@ def test_gpt_recomputes_single_blocks_or_whole_stages_with_plain_gradients(ranks
         assert r["gpt_whole"]["peak"] < r["gpt_blocks"]["peak"] < r["gpt_plain"]["peak"]
 
 
+def test_zero_bubble_and_zbv_recompute_once_for_both_passes(ranks: list[dict[str, Any]]) -> None:
+    """Under a split backward a recomputing run's forward runs once more per microbatch, not
+    once per autograd call of its input and weight passes (torch's checkpoint would), and the
+    gradients are the plain model's."""
+    ref_loss, ref_grads = reference(gpt.build, M, per_microbatch=False)
+    for key in ("gpt_blocks_zb", "gpt_whole_zbv"):
+        assert_parity(ref_loss, ref_grads, [r[key] for r in ranks])
+        calls = [c for r in ranks for c in r[key]["calls"].values()]
+        assert calls and max(calls) == 2 * M, (key, sorted(set(calls)))  # forward + one recompute
+    assert all(set(r["gpt_whole_zbv"]["calls"].values()) == {2 * M} for r in ranks)
+    assert {M, 2 * M} == {c for r in ranks for c in r["gpt_blocks_zb"]["calls"].values()}
+    for r in ranks:
+        assert {s.recompute for s in Plan.from_json(r["gpt_whole_zbv"]["plan"]).stages} == {Recompute.FULL}
+        assert Plan.from_json(r["gpt_whole_zbv"]["plan"]).schedule is ScheduleKind.ZBV
+
+
 @pytest.mark.parametrize("key, build", [("resnet_whole", resnet.build), ("resnet_blocks", resnet.build),
-                                        ("zoo_resnet_blocks", zoo.resnet)])
+                                        ("zoo_resnet_blocks", zoo.resnet), ("resnet_blocks_zb", resnet.build)])
 def test_batchnorm_statistics_are_written_once_per_microbatch_under_recompute(
     ranks: list[dict[str, Any]], key: str, build: Any
 ) -> None:

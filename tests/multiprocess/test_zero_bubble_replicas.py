@@ -137,10 +137,10 @@ def test_zero_bubble_and_zbv_with_ddp_and_fsdp_match_the_plain_model() -> None:
                 # fp32; the whole batch against two replicas of four microbatches: only the order
                 # of additions differs (tests/reference.py explains the tolerances).
                 torch.testing.assert_close(got["loss"], ref["loss"], rtol=RTOL, atol=ATOL,
-                                           msg=lambda m, r=r, s=step: f"{at} step {s} rank {r} loss: {m}")
+                                           msg=lambda m, r=r, s=step, at=at: f"{at} step {s} rank {r} loss: {m}")
                 if "norm" in ref:
                     torch.testing.assert_close(got["norm"], ref["norm"], rtol=RTOL, atol=ATOL,
-                                               msg=lambda m, r=r: f"{at} rank {r} clipped norm: {m}")
+                                               msg=lambda m, r=r, at=at: f"{at} rank {r} clipped norm: {m}")
                 for n, g in got["grads"].items():
                     if n in merged:  # the other replica, or a tied weight's other stage
                         other = merged[n]
@@ -156,4 +156,4 @@ def test_zero_bubble_and_zbv_with_ddp_and_fsdp_match_the_plain_model() -> None:
                     continue
                 assert have is not None, f"{at} step {step}: {n} has no gradient"
                 torch.testing.assert_close(have, want, rtol=RTOL, atol=ATOL,
-                                           msg=lambda m, n=n, s=step: f"{at} step {s} {n}: {m}")
+                                           msg=lambda m, n=n, s=step, at=at: f"{at} step {s} {n}: {m}")

@@ -145,9 +145,12 @@ def test_two_stages_on_a_rank_must_fit_its_memory_together() -> None:
     ).num_stages == 4
 
 
-def test_data_parallel_refuses_the_split_backward() -> None:
+def test_data_parallel_runs_the_split_backward() -> None:
+    """DDP and FSDP2 reduce after the last weight pass (tests/multiprocess/test_zero_bubble_replicas.py):
+    nothing is refused on a torch in the supported range."""
     from pipecut.core.kinds import DataParallelKind
     from pipecut.runtime.grads.data_parallel import check_supported
 
-    with pytest.raises(PlanError, match="data_parallel='ddp' cannot run the zbv schedule"):
-        check_supported(mlp_plan(2, 4, "zbv"), DataParallelKind.DDP)
+    for kind in (DataParallelKind.DDP, DataParallelKind.FSDP):
+        for tensor_parallel in (False, True):
+            check_supported(mlp_plan(2, 4, "zbv"), kind, tensor_parallel)
