@@ -98,6 +98,9 @@ COLUMNS = (
            tensor_parallel=2, sequence_parallel=True),
     Column(name="tp2-sp-selective-1f1b", schedule=ScheduleKind.ONE_F_ONE_B, batch_size=4, microbatches=2,
            tensor_parallel=2, sequence_parallel=True, recompute_first_block=True),
+    Column(name="tp2-zero-bubble", schedule=ScheduleKind.ZERO_BUBBLE, batch_size=4, microbatches=2, tensor_parallel=2),
+    Column(name="tp2-sp-zbv", schedule=ScheduleKind.ZBV, batch_size=4, microbatches=4, tensor_parallel=2,
+           sequence_parallel=True),
 )
 DEFAULT = [c.name for c in COLUMNS if c.tensor_parallel == 1 and c.attention is None]
 BY_NAME = {c.name: c for c in COLUMNS}

@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import itertools
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from pipecut.runtime.grads.collective import (
     LossReduction,
     clip_grad_norm_,
     loss_divisor,
+    replica_share,
     scale_loss_fn,
     sharded_grad_scaler,
     share_loss,
@@ -270,18 +272,14 @@ class Pipeline:
 
     def _microbatches(
         self, inputs: Inputs
-    ) -> tuple[list[dict[str, Any]], tuple[int, ...], list[Mapping[str, NodeCost] | None]]:
-        """Microbatches, their sizes, and each one's wire specs. Everything here depends only
-        on the batch and the autocast state, so it is the same on every rank, and any refusal
-        (an InputError) happens on every rank before anything is sent."""
+    ) -> tuple[list[dict[str, Any]], tuple[Fraction, ...], tuple[int, ...], list[Mapping[str, NodeCost] | None]]:
+        """Microbatches, the factor of each one's loss, their sizes, and each one's wire specs.
+        Everything here depends only on the batch (and, with replicas, the other replicas'
+        batch sizes) and the autocast state, so it is the same on every rank of a pipeline,
+        and any refusal (an InputError) happens on every rank before anything is sent."""
         flat = self.captured.flatten_inputs(inputs, "step")
         size = batch_size(flat)
-        if self.dp_group is not None and size != self.plan.batch_size:
-            raise InputError(
-                f"step got a batch of {size}, the plan was made for {self.plan.batch_size}: with "
-                f"data parallelism every replica must pass the planned batch size (replicas are "
-                f"averaged equally); drop the last, smaller batch (drop_last=True)"
-            )
+        share = replica_share(size, self.dp_group, self._device, self.timeout) if self.dp_group is not None else 1
         sizes = microbatch_sizes(size, self.plan)
         mbs = split_by_sizes(flat, sizes)
         names = self.captured.input_names
@@ -290,7 +288,8 @@ class Pipeline:
         for mb in mbs:
             check_microbatch(self.plan, names, mb)
             wire.append(self._resolve(signature(mb, autocast), mb))
-        return [dict(zip(names, tree_to(mb, self._device))) for mb in mbs], sizes, wire
+        weights = tuple(w * share for w in loss_weights(sizes))
+        return [dict(zip(names, tree_to(mb, self._device))) for mb in mbs], weights, sizes, wire
 
     def _resolve(self, sig: Signature, mb: Sequence[Any]) -> Mapping[str, NodeCost] | None:
         # the mode's own graph names its cut values itself (an export graph's other mode)
@@ -420,7 +419,7 @@ class Pipeline:
         self, inputs: Inputs, target: Any, record: bool, training: bool, return_outputs: bool,
         all_ranks: bool, compute_loss: bool,
     ) -> Any:
-        mb_inputs, sizes, wire = self._microbatches(inputs)
+        mb_inputs, weights, sizes, wire = self._microbatches(inputs)
         m = len(sizes)
         targets = (
             [tree_to(t, self._device) for t in split_by_sizes(target, sizes, "target")]
@@ -438,10 +437,11 @@ class Pipeline:
         workers = self._active()
         program = self._program(schedule, workers, training, m)
         last = workers.get(self.plan.num_stages - 1)
-        weights = loss_weights(sizes)
         for w in workers.values():
             w.prepare(wire, weights)
             w.reduce_grads = self._reduce
+        if training and self.replication is not None:
+            self.replication.follow(schedule[self.rank])
         if training:
             self.tied.begin(self._canonical_parameters())
         if record:

@@ -190,13 +190,15 @@ def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first:
     cuts = token_cuts(captured.gm, plan, shards, public) if sequence_parallel else {}
     out: dict[int, StageWorker] = {}
     failure: BaseException | None = None
+    dtensors: dict[int, torch.nn.Parameter] = {}  # one per parameter, whichever of the rank's stages hold it
     for s, worker in sorted(workers.items()):
         program = worker.program
         mine = _stage_shards(program.module, shards, public)
         arriving, sent = cuts.get(s, (frozenset(), frozenset()))
         regions = region_nodes(program.module, mine, sequence_parallel, arriving)
         shard_module(program.module, {name: shard.dim for name, shard in mine.items()}, mesh,
-                     replicated=_called_on_dtensors(program.module, mine, regions.inside | regions.spread))
+                     replicated=_called_on_dtensors(program.module, mine, regions.inside | regions.spread),
+                     made=dtensors)
         split = shard_regions(program.module, mine, enter=ends.enter, leave=ends.leave, whole=ends.whole, join=ends.join,
                               heads=ends.heads, arriving=arriving, sends_tokens=bool(sent))
         stage = plan.stages[s]

@@ -207,15 +207,17 @@ def whole(x: Any) -> Any:
 
 
 def shard_module(module: torch.nn.Module, dims: Mapping[str, int], mesh: DeviceMesh,
-                 replicated: Collection[str] = ()) -> None:
+                 replicated: Collection[str] = (), made: dict[int, torch.nn.Parameter] | None = None) -> None:
     """Replace each parameter of ``module`` named in ``dims`` by a DTensor parameter sharded
     along that dimension on ``mesh``, from the whole tensor every rank of the group holds (the
     same on all of them: rank 0's, set by compile's weight sync). A parameter held under two
     names (a tied weight) becomes one DTensor parameter under both. ``replicated``: parameters
     to hold as DTensors replicated over the group, whole on every rank (the bias of a module
     whose weight is split: the module's own forward mixes them, and DTensor mixes no plain tensor
-    into a product)."""
-    made: dict[int, torch.nn.Parameter] = {}
+    into a product). ``made``: the DTensor parameter already made for each parameter (by id),
+    shared by the calls for one rank's stages, so that a parameter two of its stages hold (a
+    tied weight whose stages ZBV's V puts on one rank) stays one parameter."""
+    made = {} if made is None else made
     owners: dict[str, torch.nn.Module] = {}
     owned: set[int] = set()
     for fqn, p in list(module.named_parameters(remove_duplicate=False)):

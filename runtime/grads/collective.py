@@ -22,9 +22,11 @@ is split, and each is easy to get silently wrong:
 
 from __future__ import annotations
 
+import datetime
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -36,6 +38,7 @@ from pipecut.core.torch_private import foreach_norm
 from pipecut.errors import InputError, PipelineRuntimeError
 from pipecut.ir import Plan
 from pipecut.options import LossReduction
+from pipecut.runtime.comm.sync import wait_for
 
 __all__ = [
     "clip_grad_norm_",
@@ -132,6 +135,28 @@ def share_loss(
         dist.all_reduce(value, group=dp_group)
         value /= dist.get_world_size(dp_group)
     return value[0].to(_DTYPES[code - 1])
+
+
+def replica_share(size: int, dp_group: dist.ProcessGroup, device: torch.device,
+                  timeout: datetime.timedelta) -> Fraction:
+    """This replica's weight in a step's average over the replicas: D · n / N for its ``size``
+    n of the N samples all D replicas pass. DDP and FSDP average the replicas' gradients (and
+    :func:`share_loss` their losses) equally, which is the whole batch's mean only where every
+    replica has the same share: a last, smaller batch split unevenly (7 and 6 of 13) is
+    weighted by scaling each replica's losses by this factor (exactly 1 where the shares are
+    equal). Collective over ``dp_group`` (one all-gather of a count), every step; refuses, on
+    every rank alike, a step where some replica has no sample."""
+    sizes = torch.zeros(dist.get_world_size(dp_group), dtype=torch.int64, device=device)
+    mine = torch.tensor([size], dtype=torch.int64, device=device)
+    gathered = list(sizes.chunk(len(sizes)))
+    wait_for([dist.all_gather(gathered, mine, group=dp_group, async_op=True)], "sharing the replicas' batch sizes", timeout)
+    counts = [int(t.item()) for t in gathered]
+    if min(counts) < 1:
+        raise InputError(
+            f"step got batches of {counts} samples on the {len(counts)} data-parallel replicas (in replica "
+            f"order): every replica needs at least one sample; split the last batch so that each gets "
+            f"some, or drop it (drop_last=True)")
+    return Fraction(len(counts) * size, sum(counts))
 
 
 # --- loss scaling ---------------------------------------------------------------------------

@@ -163,6 +163,9 @@ class _DdpStage:
     def settle(self) -> None:
         pass
 
+    def follow(self, actions: Sequence[Action]) -> None:
+        self.last_mb = _last_pass(actions, [self.worker.stage])[1]
+
     def refresh(self) -> None:
         """Wrap the module again if its trainable parameters changed since it was wrapped.
         Gradients accumulated so far are kept: the new reducer copies them into its buckets."""
@@ -245,6 +248,9 @@ class _FsdpStage:
     def refresh(self) -> None:
         pass
 
+    def follow(self, actions: Sequence[Action]) -> None:
+        self.last = _last_pass(actions, [w.stage for w in self.workers])
+
     def settle(self) -> None:
         self.module.reshard()  # local: frees the gathered copies; a no-op where already sharded
 
@@ -289,6 +295,7 @@ def _sharing(workers: Mapping[int, StageWorker]) -> list[list[int]]:
 class _Stage(Protocol):
     def refresh(self) -> None: ...
     def settle(self) -> None: ...
+    def follow(self, actions: Sequence[Action]) -> None: ...
 
 
 class Replication:
@@ -307,6 +314,13 @@ class Replication:
         are kept; the next step gathers again."""
         for stage in self.stages:
             stage.settle()
+
+    def follow(self, actions: Sequence[Action]) -> None:
+        """Before a training step: the rank's actions in it, whose last backward pass per
+        wrapper reduces (a smaller last batch runs fewer microbatches than planned, and then
+        another schedule)."""
+        for stage in self.stages:
+            stage.follow(actions)
 
     def refresh(self) -> None:
         """Follow changes of ``requires_grad`` since the wrappers were made. Call it only once
@@ -346,22 +360,25 @@ def replicate(
     """Wrap each of this rank's stage modules over its replica group (``mesh``: the 1-D "dp"
     mesh of ``group``), with gradient reduction overlapped with the stage's last backward.
     ``tensor_parallel``: the stages hold DTensor parameters split over a "tp" dimension."""
-    last = last_backwards(actions)
-    missing = sorted(set(workers) - set(last))
+    missing = sorted(set(workers) - set(last_backwards(actions)))
     if missing:
         raise PlanError(f"stages {missing} have no backward in this rank's schedule {actions}")
     if not fsdp2_engine(kind, tensor_parallel):
-        return Replication([_DdpStage(worker, group, last[stage]) for stage, worker in workers.items()])
-    order = {(a.stage, a.microbatch): i for i, a in enumerate(actions) if a.kind in _WRITES_GRADS}
+        return Replication([_DdpStage(worker, group, _last_pass(actions, [stage])[1])
+                            for stage, worker in workers.items()])
     return Replication([
-        _FsdpStage([workers[s] for s in unit], mesh, max(((s, last[s]) for s in unit), key=order.__getitem__),
-                   shard=kind is DataParallelKind.FSDP)
+        _FsdpStage([workers[s] for s in unit], mesh, _last_pass(actions, unit), shard=kind is DataParallelKind.FSDP)
         for unit in _sharing(workers)
     ])
 
 
-_WRITES_GRADS = (ActionKind.BACKWARD, ActionKind.WEIGHT)
-"""The backward passes that write parameter gradients (a split backward's input pass does not)."""
+def _last_pass(actions: Sequence[Action], stages: Sequence[int]) -> tuple[int, int]:
+    """The stage and microbatch of the last backward pass among ``stages`` that writes
+    parameter gradients: a whole backward or a weight pass (a split backward's input pass
+    writes none)."""
+    last = [(a.stage, a.microbatch) for a in actions
+            if a.stage in stages and a.kind in (ActionKind.BACKWARD, ActionKind.WEIGHT)]
+    return last[-1]
 
 
 def trainable_disagreement(

@@ -6,7 +6,10 @@ whole batch, through a user's loop of three SGD steps:
 1. a step with its gradients clipped (``pipe.clip_grad_norm_``): loss, norm and every gradient;
 2. gradient accumulation: one step under ``pipe.no_sync()``, then a reducing step; the
    gradients are both steps' sum, averaged over the replicas once;
-3. a step with one parameter frozen on the ranks that hold it: it gets no gradient.
+3. a step with one parameter frozen on the ranks that hold it: it gets no gradient;
+4. a last, smaller batch of 7, split 4 and 3: the replicas' gradients are weighted by their
+   shares, so they are the whole batch's mean (a batch leaving a replica no sample is refused,
+   on every rank alike).
 
 GPT-2 ties its input embedding to its head: under ZBV's V the first and the last stage sit on
 one rank and share that parameter, so FSDP2 wraps both as one unit
@@ -26,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 import pipecut
 from examples import zoo
+from pipecut.errors import InputError
 from tests.harness import run_ranks
 from tests.reference import ATOL, COUNTED, RTOL
 
@@ -35,6 +39,8 @@ BATCH = 8
 M = 4
 LR = 0.1
 CLIP = 0.5
+LAST = 7
+"""The last batch: 7 of the 8 samples, 4 on one replica and 3 on the other."""
 FROZEN = {"llama": "model.layers.0.mlp.gate_proj.weight", "gpt2": "transformer.h.1.attn.c_attn.weight"}
 """Per model, the parameter frozen before the third step."""
 CASES = [(model, kind, schedule) for model in ("llama", "gpt2") for schedule in ("zero-bubble", "zbv")
@@ -87,7 +93,18 @@ def _ranks(rank: int, world: int) -> list[dict[str, Any]]:
         if FROZEN[name] in params:
             params[FROZEN[name]].requires_grad_(False)
         steps.append({"loss": pipe.step(local, local_target), "grads": _grads(pipe)})
-        out.append({"steps": steps, "stages": pipe.stages})
+        opt.zero_grad()
+        # a last, smaller batch of 7, split 4 and 3 over the replicas
+        rows = slice(4 * replica, min(4 * replica + 4, LAST))
+        steps.append({"loss": pipe.step({"input_ids": inputs["input_ids"][rows]}, target[rows]), "grads": _grads(pipe)})
+        empty = None
+        if (name, kind, schedule) == CASES[0]:  # a batch that leaves replica 1 no sample: refused on every rank
+            rows = slice(0, 2) if replica == 0 else slice(0, 0)
+            try:
+                pipe.step({"input_ids": inputs["input_ids"][rows]}, target[rows])
+            except InputError as e:
+                empty = str(e)
+        out.append({"steps": steps, "stages": pipe.stages, "empty": empty})
     return out
 
 
@@ -118,6 +135,10 @@ def _plain(name: str) -> list[dict[str, Any]]:
     loss = loss_fn(model(**inputs), target)
     loss.backward()
     steps.append({"loss": loss.detach(), "grads": grads()})
+    opt.zero_grad()
+    loss = loss_fn(model(input_ids=inputs["input_ids"][:LAST]), target[:LAST])
+    loss.backward()
+    steps.append({"loss": loss.detach(), "grads": grads()})
     return steps
 
 
@@ -130,6 +151,9 @@ def test_zero_bubble_and_zbv_with_ddp_and_fsdp_match_the_plain_model() -> None:
         runs = [r[i] for r in results]
         held = [(0, 3), (0, 3), (1, 2), (1, 2)] if schedule == "zbv" else [(0,), (0,), (1,), (1,)]
         assert sorted(run["stages"] for run in runs) == held, at
+        if i == 0:
+            for run in runs:
+                assert run["empty"] and "step got batches of [2, 0] samples on the 2 data-parallel replicas" in run["empty"], run
         for step, ref in enumerate(plain[name]):
             merged: dict[str, torch.Tensor | None] = {}
             for r, run in enumerate(runs):
