@@ -29,13 +29,12 @@ from pipecut.capture.modes import describe_graph
 from pipecut.core.batching import batch_size, first_microbatch, split_microbatches
 from pipecut.core.kinds import CaptureMethod, ScheduleKind
 from pipecut.core.program import Captured, Shapes
-from pipecut.errors import InputError, PartitionError, PipecutError, PlanError, ScheduleError
+from pipecut.errors import InputError, PartitionError, PipecutError, ScheduleError
 from pipecut.ir import Candidate, NodeCost, Plan
 from pipecut.options import AUTO
 from pipecut.passes.costs.microbatching import candidate_microbatches, costs_at, with_structure
 from pipecut.passes.partition.solve import as_schedule, partition_costs
 from pipecut.planning.request import Request, capture_at, profile_at
-from pipecut.runtime.grads.data_parallel import check_supported
 
 __all__ = ["Measurements", "accepts", "choose_microbatches_and_schedule", "measurements", "plan_auto"]
 
@@ -232,11 +231,8 @@ def _candidate(
         planned = partition(costs, m, kind)
     except (PartitionError, ScheduleError, InputError) as e:
         return Candidate(microbatches=m, schedule=kind, step_ms=None, note=str(e)[:200])
-    if planned.data_parallel is not None and planned.data_parallel.resolved_replicas > 1:
-        try:  # what the replicas' wrappers cannot run on this torch: the runtime's own check
-            check_supported(planned, planned.data_parallel.resolved_kind)
-        except PlanError as e:
-            return Candidate(microbatches=m, schedule=kind, step_ms=None, note=str(e)[:200])
+    # Every schedule runs with replicas and recompute (on the torch versions pipecut supports:
+    # pipecut.runtime.grads.data_parallel.check_supported), so none is ruled out for them here.
     return Candidate(microbatches=m, schedule=kind, step_ms=planned.predicted.step_ms)
 
 

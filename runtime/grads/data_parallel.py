@@ -216,6 +216,8 @@ class _FsdpStage:
             module = replicate(root, mesh=mesh)
         assert isinstance(module, FSDPModule)
         self.module = module
+        self.root = root
+        """The same object as ``module``, typed as the ``nn.Module`` it is."""
         self.workers = tuple(workers)
         self.last = last
         for i, worker in enumerate(workers):
@@ -243,7 +245,7 @@ class _FsdpStage:
             self._last(True)
             run = fsdp_post_backward()
             assert run is not None  # refused before: check_supported
-            run(self.module)
+            run(self.root)
 
     def refresh(self) -> None:
         pass

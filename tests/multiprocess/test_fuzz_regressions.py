@@ -174,8 +174,8 @@ def test_interleaved_with_one_stage_per_rank_runs_any_microbatch_count(outcomes:
 
 
 def test_an_automatic_schedule_with_data_parallelism_is_one_it_can_run(outcomes: dict[Config, Outcome]) -> None:
-    """Fixed (compiler/planning/autoplan.py rules the split-backward schedules out when the plan has
-    replicas): ``compile(mesh, microbatches="auto", schedule="auto", data_parallel="ddp")``
+    """Fixed first by ruling the split-backward schedules out with replicas, then (issue 42) by
+    running them: ``compile(mesh, microbatches="auto", schedule="auto", data_parallel="ddp")``
     chose ZBV, which it then refused:
 
         PlanError: data_parallel='ddp' cannot run the zbv schedule: its weight pass writes .grad
