@@ -27,6 +27,20 @@ last is microbatch 0. :func:`last_backwards` reads it off the rank's action list
   ``torch.distributed._composable.replicate_with_fsdp``), driven exactly as FSDP2 above: whole
   parameters on every replica, gradients all-reduced in the last backward.
 
+**Zero-bubble and ZBV** split each backward into an input pass (autograd towards the stage's
+inputs only: no parameter gradient, no accumulator runs) and a weight pass later
+(:mod:`pipecut.runtime.execution.backward_split`, ending in one ``torch.autograd.backward`` into
+the parameters' accumulators). The step's last pass is then a weight pass: DDP's reducer is
+armed before it (never before an input pass) and its accumulator hooks reduce bucket by bucket
+inside it, overlapped as in an ordinary backward. FSDP2's hooks sit on the stage's inputs and
+outputs, which a weight pass never reaches: every input pass runs with reduction off, and after
+the step's last weight pass FSDP2's post-backward (reduce-scatter or all-reduce, then reshard)
+is run by hand (:func:`pipecut.core.torch_private.fsdp_post_backward`), not overlapped.
+Stages of one rank that hold one parameter (a tied weight whose first and last stages ZBV's V
+puts on one rank) are one FSDP2 unit, reducing after the last pass of either stage. The last
+pass follows each step's own schedule (:meth:`Replication.follow`): a smaller last batch runs
+fewer microbatches.
+
 Under ``pipe.no_sync()`` (gradient accumulation) no backward of the step is the last one:
 gradients accumulate locally, and the next step outside it reduces everything at once, as
 DDP's own ``no_sync`` does.
@@ -72,17 +86,15 @@ _HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(DistributedDataP
 
 
 def last_backwards(actions: Sequence[Action]) -> dict[int, int]:
-    """Per stage in ``actions``, the microbatch of its last backward action.
+    """Per stage in ``actions``, the microbatch of its last backward pass that writes parameter
+    gradients (:func:`_last_pass`).
 
-    >>> from pipecut.schedules.format import gpipe, one_f_one_b
+    >>> from pipecut.schedules.standard import gpipe, one_f_one_b
     >>> last_backwards(gpipe(2, 4)[0]), last_backwards(one_f_one_b(2, 4)[0])
     ({0: 0}, {0: 3})
     """
-    last: dict[int, int] = {}
-    for a in actions:
-        if a.kind in (ActionKind.BACKWARD, ActionKind.INPUT, ActionKind.WEIGHT):
-            last[a.stage] = a.microbatch
-    return last
+    stages = dict.fromkeys(a.stage for a in actions if a.kind in _WRITES_GRADS)
+    return {s: _last_pass(actions, [s])[1] for s in stages}
 
 
 def check_supported(plan: Plan, kind: DataParallelKind, tensor_parallel: bool = False) -> None:
@@ -374,13 +386,14 @@ def replicate(
     ])
 
 
+_WRITES_GRADS = (ActionKind.BACKWARD, ActionKind.WEIGHT)
+"""The backward passes that write parameter gradients (a split backward's input pass writes none)."""
+
+
 def _last_pass(actions: Sequence[Action], stages: Sequence[int]) -> tuple[int, int]:
     """The stage and microbatch of the last backward pass among ``stages`` that writes
-    parameter gradients: a whole backward or a weight pass (a split backward's input pass
-    writes none)."""
-    last = [(a.stage, a.microbatch) for a in actions
-            if a.stage in stages and a.kind in (ActionKind.BACKWARD, ActionKind.WEIGHT)]
-    return last[-1]
+    parameter gradients, where the wrappers of those stages reduce."""
+    return [(a.stage, a.microbatch) for a in actions if a.stage in stages and a.kind in _WRITES_GRADS][-1]
 
 
 def trainable_disagreement(
