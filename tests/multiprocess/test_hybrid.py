@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 import pipecut
 from examples import EXAMPLES
 from pipecut.core.graph import canonical_names
-from pipecut.core.kinds import ScheduleKind
+from pipecut.core.kinds import Recompute, ScheduleKind
 from pipecut.errors import InputError, PlanError
 from tests.harness import run_ranks
 from tests.reference import COUNTED, assert_parity, pipeline_grads, reference
@@ -78,7 +78,8 @@ def _full_grads(alias: dict[str, str], pipe: Any) -> dict[str, torch.Tensor]:
 
 HYBRID = [("ddp", "1f1b"), ("ddp", "gpipe"), ("fsdp", "1f1b"), ("fsdp", "gpipe"),
           ("ddp", "interleaved-1f1b"), ("fsdp", "interleaved-1f1b"),  # two wrappers per rank
-          ("ddp", "zero-bubble"), ("fsdp", "zero-bubble"), ("ddp", "zbv"), ("fsdp", "zbv")]
+          ("ddp", "zero-bubble"), ("fsdp", "zero-bubble"), ("ddp", "zbv"), ("fsdp", "zbv"),
+          ("ddp", "1f1b+full"), ("fsdp", "zero-bubble+full")]  # +full: every stage recomputes
 VIRTUAL = {"interleaved-1f1b": 2, "zbv": 2}  # stages per rank
 LR = 0.1
 
@@ -89,19 +90,23 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
     half = slice(8 * replica, 8 * replica + 8)  # each replica trains on its own half of 16
     out: dict[str, Any] = {"replica": replica, "runs": [], "errors": []}
     plans: dict[tuple[str, int], Any] = {}
-    for kind, schedule in HYBRID:
+    for kind, spec in HYBRID:
+        schedule, _, full = spec.partition("+")
         model, inputs, loss_fn, target = EXAMPLES["gpt"]()
         local_inputs, local_target = (inputs[0][half],), target[half]
         alias = _aliases(model)
         virtual = VIRTUAL.get(schedule, 1)
         plan = plans.get((schedule, virtual))  # rank 0 profiles once per layout; then replay
+        if full:  # the same split, every stage recomputing its whole forward in backward
+            plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=Recompute.FULL)
+                                                          for s in plan.stages))
         pipe = pipecut.compile(
             model, local_inputs, mesh, loss_fn=loss_fn, target=local_target,
             microbatches=4, schedule=schedule, plan=plan, data_parallel=kind,
             scheduling=pipecut.ScheduleOptions(stages_per_rank=virtual),
             runtime=pipecut.RuntimeOptions(timeout=60), measure=COUNTED,
         )
-        plans[(schedule, virtual)] = pipe.plan
+        plans.setdefault((schedule, virtual), pipe.plan)
         if virtual == 1:
             for other in ("1f1b", "gpipe", "zero-bubble"):
                 plans.setdefault((other, 1), dataclasses.replace(pipe.plan, schedule=ScheduleKind(other)))
@@ -118,6 +123,7 @@ def _hybrid(rank: int, world: int) -> dict[str, Any]:
         sharded = [p.to_local().shape[0] * 2 == p.shape[0] for p in pipe.parameters()
                    if isinstance(p, DTensor) and p.shape[0] % 2 == 0]
         out["runs"].append({"steps": steps, "stages": pipe.stages, "fired": fired,
+                            "recompute": {st.recompute for st in pipe.plan.stages},
                             "sharded": sharded})
     # One model compiled twice under FSDP: each pipeline shards its own copies of the modules,
     # so the first still trains after the second is made, and the model keeps its plain tensors
@@ -175,8 +181,11 @@ def test_ddp_and_fsdp_two_stages_times_two_replicas_match_the_whole_batch() -> N
     results = run_ranks(_hybrid, 4, timeout=280)
     assert sorted(r["replica"] for r in results) == [0, 0, 1, 1]
     plain = _plain_two_steps(LR)
-    for i, (kind, schedule) in enumerate(HYBRID):
+    for i, (kind, spec) in enumerate(HYBRID):
+        schedule = spec.partition("+")[0]
         runs = [r["runs"][i] for r in results]
+        want = {Recompute.FULL} if spec.endswith("+full") else {Recompute.NONE}
+        assert all(run["recompute"] == want for run in runs), (spec, [run["recompute"] for run in runs])
         held = {"interleaved-1f1b": [(0, 2), (0, 2), (1, 3), (1, 3)],
                 "zbv": [(0, 3), (0, 3), (1, 2), (1, 2)]}.get(schedule, [(0,), (0,), (1,), (1,)])
         assert sorted(run["stages"] for run in runs) == held
@@ -187,7 +196,7 @@ def test_ddp_and_fsdp_two_stages_times_two_replicas_match_the_whole_batch() -> N
             try:
                 assert_parity(ref_loss, ref_grads, [run["steps"][step] for run in runs])
             except AssertionError as e:
-                raise AssertionError(f"{kind} {schedule} step {step}: {e}") from e
+                raise AssertionError(f"{kind} {spec} step {step}: {e}") from e
         if kind == "ddp":
             # DDP reduces only in each stage's last backward pass: microbatch 0 for GPipe
             # (backwards in reverse), 3 for 1F1B and interleaved 1F1B, and under zero-bubble and
