@@ -78,3 +78,39 @@ def assert_parity(
     assert not missing, f"no rank returned gradients for {missing}"
     for name, ref in ref_grads.items():
         torch.testing.assert_close(merged[name], ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def named_grads(pipe: Any) -> dict[str, torch.Tensor | None]:
+    """This rank's gradients under the model's names, None where a parameter has none; FSDP's
+    shards gathered whole (collective over "dp": every rank calls it at the same point)."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor | None] = {}
+    for name, p in pipe.named_parameters():
+        g = p.grad
+        out[name] = None if g is None else (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+    return out
+
+
+def assert_named_grads(want: dict[str, torch.Tensor | None], ranks: list[dict[str, torch.Tensor | None]],
+                       at: str, rtol: float = RTOL, atol: float = ATOL) -> None:
+    """Every rank's :func:`named_grads` against the plain model's: the copies of one parameter
+    (replicas, a tied weight's stages) agree, every parameter is on some rank, a frozen one
+    (None in ``want``) has no gradient anywhere, and every other matches."""
+    merged: dict[str, torch.Tensor | None] = {}
+    for grads in ranks:
+        for name, g in grads.items():
+            if name in merged:
+                other = merged[name]
+                assert (g is None) == (other is None), f"{at}: {name} has a gradient on some of its ranks only"
+                if g is not None:
+                    torch.testing.assert_close(g, other, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{at} {n} copies: {m}")
+            merged[name] = g
+    assert merged.keys() == want.keys(), (at, sorted(merged.keys() ^ want.keys()))
+    for name, ref in want.items():
+        have = merged[name]
+        if ref is None:  # frozen: as in the plain model, no gradient at all
+            assert have is None, f"{at}: frozen {name} has a gradient"
+            continue
+        assert have is not None, f"{at}: {name} has no gradient"
+        torch.testing.assert_close(have, ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{at} {n}: {m}")

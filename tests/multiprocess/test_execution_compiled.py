@@ -181,14 +181,14 @@ def inductor_cache(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
         yield path
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)  # cold inductor compiles: 554 s in a fresh clone beside a zoo sweep (2 cores)
 def test_compiled_stages_match_plain_model(inductor_cache: Path) -> None:
     plans: dict[str, str] = {}
     for name, (build, schedule, per_rank, rewrite, _) in SCENARIOS.items():
         plan = _plan(build, 2, schedule, per_rank)
         plans[name] = (rewrite(plan) if rewrite is not None else plan).to_json()
     plans["zero-bubble"] = _plan(_gpt, 2, "zero-bubble", 1).to_json()
-    per_rank = run_ranks(_ranks, 2, plans, timeout=580, collective_timeout=300)
+    per_rank = run_ranks(_ranks, 2, plans, timeout=880, collective_timeout=300)
 
     for name, (build, _, _, _, steps) in SCENARIOS.items():
         for i, step in enumerate(steps):

@@ -25,13 +25,12 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 import pipecut
 from examples import zoo
 from pipecut.errors import InputError, PipelineRuntimeError
 from tests.harness import run_ranks
-from tests.reference import ATOL, RTOL
+from tests.reference import ATOL, RTOL, assert_named_grads, named_grads
 
 pytestmark = pytest.mark.dist
 
@@ -67,15 +66,6 @@ def _plain() -> list[dict[str, Any]]:
     return steps
 
 
-def _grads(pipe: Any) -> dict[str, torch.Tensor | None]:
-    """This rank's gradients by name; FSDP shards gathered (collective over "dp")."""
-    out: dict[str, torch.Tensor | None] = {}
-    for name, p in pipe.named_parameters():
-        g = p.grad
-        out[name] = None if g is None else (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
-    return out
-
-
 def _ranks(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     replica = mesh.get_local_rank("dp")
@@ -104,7 +94,7 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
         for frozen in TRAINABLE:
             _set_frozen(params, frozen)
             loss = pipe.step(local, local_target)
-            steps.append({"loss": loss, "grads": _grads(pipe)})
+            steps.append({"loss": loss, "grads": named_grads(pipe)})
             opt.step()
             opt.zero_grad()
             # A forward-only step leaves FSDP's parameters gathered (reshard_after_forward=False)
@@ -130,29 +120,12 @@ def test_freeze_and_unfreeze_between_steps_under_ddp_and_fsdp_match_the_plain_mo
         runs = [r["runs"][kind] for r in results]
         assert sorted(run["stage"] for run in runs) == [0, 0, 1, 1]
         for step, ref in enumerate(plain):
-            merged: dict[str, torch.Tensor | None] = {}
             for r, run in enumerate(runs):
-                got = run["steps"][step]
                 # fp32, the full batch against two replicas of two microbatches each: only the
                 # order of additions differs (see tests/reference.py for the tolerances).
-                torch.testing.assert_close(got["loss"], ref["loss"], rtol=RTOL, atol=ATOL,
+                torch.testing.assert_close(run["steps"][step]["loss"], ref["loss"], rtol=RTOL, atol=ATOL,
                                            msg=lambda m, r=r, at=f"{kind} step {step}": f"{at} rank {r} loss: {m}")
-                for name, g in got["grads"].items():
-                    if name in merged:  # the other replica: the same averaged gradient
-                        other = merged[name]
-                        assert (g is None) == (other is None), (kind, step, name)
-                        if g is not None:
-                            torch.testing.assert_close(g, other, rtol=RTOL, atol=ATOL)
-                    merged[name] = g
-            assert merged.keys() == ref["grads"].keys()
-            for name, want in ref["grads"].items():
-                have = merged[name]
-                if want is None:  # frozen: as in the plain model, no gradient at all
-                    assert have is None, f"{kind} step {step}: frozen {name} has a gradient"
-                    continue
-                assert have is not None, f"{kind} step {step}: {name} has no gradient"
-                torch.testing.assert_close(have, want, rtol=RTOL, atol=ATOL,
-                                           msg=lambda m, n=name, at=f"{kind} step {step}": f"{at} {n}: {m}")
+            assert_named_grads(ref["grads"], [run["steps"][step]["grads"] for run in runs], f"{kind} step {step}")
         for r, result in enumerate(results):
             assert result["wrong inputs"] is not None and result["wrong inputs"].startswith(
                 "step got 1 positional input (tensor[4, 16]); the plan was captured with 1 keyword input "

@@ -25,13 +25,12 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 import pipecut
 from examples import zoo
 from pipecut.errors import InputError
 from tests.harness import run_ranks
-from tests.reference import ATOL, COUNTED, RTOL
+from tests.reference import ATOL, COUNTED, RTOL, assert_named_grads, named_grads
 
 pytestmark = pytest.mark.dist
 
@@ -49,15 +48,6 @@ CASES = [(model, kind, schedule) for model in ("llama", "gpt2") for schedule in 
 
 def _build(name: str) -> Any:
     return getattr(zoo, name)(batch_size=BATCH)
-
-
-def _grads(pipe: Any) -> dict[str, torch.Tensor | None]:
-    """This rank's gradients by name; FSDP shards gathered (collective over "dp")."""
-    out: dict[str, torch.Tensor | None] = {}
-    for name, p in pipe.named_parameters():
-        g = p.grad
-        out[name] = None if g is None else (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
-    return out
 
 
 def _ranks(rank: int, world: int) -> list[dict[str, Any]]:
@@ -80,23 +70,23 @@ def _ranks(rank: int, world: int) -> list[dict[str, Any]]:
         steps: list[dict[str, Any]] = []
         loss = pipe.step(local, local_target)
         norm = pipe.clip_grad_norm_(CLIP)
-        steps.append({"loss": loss, "norm": norm, "grads": _grads(pipe)})
+        steps.append({"loss": loss, "norm": norm, "grads": named_grads(pipe)})
         opt.step()
         opt.zero_grad()
         with pipe.no_sync():
             first = pipe.step(local, local_target)
         second = pipe.step(local, local_target)
-        steps.append({"loss": torch.stack([first, second]), "grads": _grads(pipe)})
+        steps.append({"loss": torch.stack([first, second]), "grads": named_grads(pipe)})
         opt.step()
         opt.zero_grad()
         params = dict(pipe.named_parameters())
         if FROZEN[name] in params:
             params[FROZEN[name]].requires_grad_(False)
-        steps.append({"loss": pipe.step(local, local_target), "grads": _grads(pipe)})
+        steps.append({"loss": pipe.step(local, local_target), "grads": named_grads(pipe)})
         opt.zero_grad()
         # a last, smaller batch of 7, split 4 and 3 over the replicas
         rows = slice(4 * replica, min(4 * replica + 4, LAST))
-        steps.append({"loss": pipe.step({"input_ids": inputs["input_ids"][rows]}, target[rows]), "grads": _grads(pipe)})
+        steps.append({"loss": pipe.step({"input_ids": inputs["input_ids"][rows]}, target[rows]), "grads": named_grads(pipe)})
         empty = None
         if (name, kind, schedule) == CASES[0]:  # a batch that leaves replica 1 no sample: refused on every rank
             rows = slice(0, 2) if replica == 0 else slice(0, 0)
@@ -155,7 +145,6 @@ def test_zero_bubble_and_zbv_with_ddp_and_fsdp_match_the_plain_model() -> None:
             for run in runs:
                 assert run["empty"] and "step got batches of [2, 0] samples on the 2 data-parallel replicas" in run["empty"], run
         for step, ref in enumerate(plain[name]):
-            merged: dict[str, torch.Tensor | None] = {}
             for r, run in enumerate(runs):
                 got = run["steps"][step]
                 # fp32; the whole batch against two replicas of four microbatches: only the order
@@ -165,19 +154,4 @@ def test_zero_bubble_and_zbv_with_ddp_and_fsdp_match_the_plain_model() -> None:
                 if "norm" in ref:
                     torch.testing.assert_close(got["norm"], ref["norm"], rtol=RTOL, atol=ATOL,
                                                msg=lambda m, r=r, at=at: f"{at} rank {r} clipped norm: {m}")
-                for n, g in got["grads"].items():
-                    if n in merged:  # the other replica, or a tied weight's other stage
-                        other = merged[n]
-                        assert (g is None) == (other is None), (at, step, n)
-                        if g is not None:
-                            torch.testing.assert_close(g, other, rtol=RTOL, atol=ATOL)
-                    merged[n] = g
-            assert merged.keys() == ref["grads"].keys(), (at, step, sorted(merged.keys() ^ ref["grads"].keys()))
-            for n, want in ref["grads"].items():
-                have = merged[n]
-                if want is None:  # frozen: as in the plain model, no gradient at all
-                    assert have is None, f"{at} step {step}: frozen {n} has a gradient"
-                    continue
-                assert have is not None, f"{at} step {step}: {n} has no gradient"
-                torch.testing.assert_close(have, want, rtol=RTOL, atol=ATOL,
-                                           msg=lambda m, n=n, s=step, at=at: f"{at} step {s} {n}: {m}")
+            assert_named_grads(ref["grads"], [run["steps"][step]["grads"] for run in runs], f"{at} step {step}")
