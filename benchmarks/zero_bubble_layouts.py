@@ -37,6 +37,8 @@ from pipecut.ir import DeviceSpec
 from tests.harness import run_ranks
 
 BATCH, M = 16, 4
+MEASURE = pipecut.MeasureOptions(calibration_steps=0, repeats=1, warmup=0)
+"""Profiled once per node (no calibration steps): the predictions are this CPU's timings."""
 
 
 def _time(pipes: dict[str, Any], batch: Any, target: Any, rounds: int, steps: int) -> dict[str, list[float]]:
@@ -64,7 +66,7 @@ def _replicas(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
         pipes[schedule] = pipecut.compile(
             model, batch, mesh, loss_fn=loss_fn, target=target, microbatches=M, schedule=schedule,
             data_parallel="ddp", scheduling=pipecut.ScheduleOptions(stages_per_rank=2 if schedule == "zbv" else 1),
-            runtime=pipecut.RuntimeOptions(timeout=300))
+            measure=MEASURE, runtime=pipecut.RuntimeOptions(timeout=300))
     times = _time(pipes, batch, target, rounds, steps)
     return {name: {"ms": times[name], "predicted_ms": pipe.plan.predicted.step_ms,
                    "recompute": sorted({s.recompute.value for s in pipe.plan.stages})}
@@ -74,14 +76,17 @@ def _replicas(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
 def _recompute(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     model, inputs, loss_fn, target = gpt.build_demo(BATCH)
-    plain = pipecut.plan(model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M, schedule="1f1b")
-    cap = int(max(s.peak_memory_bytes for s in plain.stages) * 0.8)
+    plain = pipecut.plan(model, inputs, world, loss_fn=loss_fn, target=target, microbatches=M, schedule="1f1b",
+                         measure=MEASURE)
+    box = [int(max(s.peak_memory_bytes for s in plain.stages) * 0.8)]
+    torch.distributed.broadcast_object_list(box, src=0)  # rank 0's: the ranks' timings differ
+    cap = box[0]
     pipes = {}
     for schedule in ("1f1b", "zero-bubble"):
         model, inputs, loss_fn, target = gpt.build_demo(BATCH)
         pipes[schedule] = pipecut.compile(
             model, inputs, [DeviceSpec(name=f"cpu{r}", memory_bytes=cap) for r in range(world)],
-            loss_fn=loss_fn, target=target, microbatches=M, schedule=schedule,
+            loss_fn=loss_fn, target=target, microbatches=M, schedule=schedule, measure=MEASURE,
             runtime=pipecut.RuntimeOptions(timeout=300))
     times = _time(pipes, inputs, target, rounds, steps)
     return {name: {"ms": times[name], "predicted_ms": pipe.plan.predicted.step_ms,

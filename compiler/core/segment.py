@@ -17,10 +17,11 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["Segment"]
+__all__ = ["Segment", "torch_checkpoint"]
 
 
-def _checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
+def torch_checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` under torch's non-reentrant checkpoint: the default way a run recomputes."""
     return checkpoint(fn, *args, use_reentrant=False)
 
 
@@ -37,7 +38,7 @@ class Segment(torch.nn.Module):
         object.__setattr__(self, "_run", type(code).forward)  # plain attributes: not submodules
         object.__setattr__(self, "_owner", owner)
         object.__setattr__(self, "_graph", graph)
-        self.recompute: Callable[..., Any] = _checkpoint
+        self.recompute: Callable[..., Any] = torch_checkpoint
         """How the run keeps its tensors for backward: torch's checkpoint, or a runtime's own
         (``pipecut.runtime.execution.held_recompute`` under a split backward)."""
 

@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 
 from pipecut.core.kinds import Recompute
 from pipecut.core.program import StageProgram
-from pipecut.core.segment import Segment
+from pipecut.core.segment import Segment, torch_checkpoint
 from pipecut.core.torch_private import pytree
 from pipecut.errors import PipelineRuntimeError
 from pipecut.ir import NodeCost, Plan
@@ -42,10 +41,6 @@ if TYPE_CHECKING:
     from pipecut.runtime.execution.tensor_parallel import TokenWire
 
 __all__ = ["GradSync", "LossFn", "StageWorker", "tree_to"]
-
-
-def _checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
-    return checkpoint(fn, *args, use_reentrant=False)
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -112,7 +107,7 @@ class StageWorker:
         self.recompute = stage.recompute is Recompute.FULL
         self.recomputes = stage.recompute is not Recompute.NONE
         """The whole stage or some of its blocks run their forward again in backward."""
-        self.checkpoint: Callable[..., Any] = _checkpoint
+        self.checkpoint: Callable[..., Any] = torch_checkpoint
         """How a recomputing run keeps its tensors: torch's checkpoint, or under a split
         backward one that recomputes once for both passes (:mod:`pipecut.runtime.execution.held_recompute`)."""
         if plan.schedule.splits_backward:

@@ -44,6 +44,7 @@ __all__ = [
     "clip_grad_norm_",
     "loss_divisor",
     "parse_loss_reduction",
+    "replica_share",
     "scale_loss_fn",
     "sharded_grad_scaler",
     "share_loss",
