@@ -358,4 +358,4 @@ def _own(tensors: list[torch.Tensor], state: set[int]) -> list[torch.Tensor]:
     """Clone sent tensors that are module state (a buffer updated in place, ``self.calls += 1``
     under torch.export): the send is asynchronous and the next microbatch writes the buffer
     again, so the message must not share its memory."""
-    return [t.clone() if t.untyped_storage().data_ptr() in state else t for t in tensors]
+    return [t.clone() if storage_of(t).data_ptr() in state else t for t in tensors]
