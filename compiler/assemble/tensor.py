@@ -48,7 +48,7 @@ from pipecut.passes.rewrite.tensor_regions import region_nodes, shard_regions
 from pipecut.planning.tensor_parallel import head_counts
 from pipecut.runtime.comm.teardown import close_at_exit
 from pipecut.runtime.execution.stage import StageWorker
-from pipecut.runtime.execution.tensor_parallel import TokenWire, region_ends, shard_module
+from pipecut.runtime.execution.tensor_parallel import AttentionSplitError, TokenWire, region_ends, shard_module
 from pipecut.runtime.grads.data_parallel import can_replicate_dtensors
 from pipecut.runtime.state.materialize import raise_together
 
@@ -277,11 +277,15 @@ def _probe_values(worker: StageWorker, fill: str) -> list[Any]:
 _DTENSOR_CODE = str(pathlib.Path(torch.distributed.tensor.__file__).parent)
 
 
-def _dtensor_failure(e: BaseException) -> bool:
-    """Whether ``e`` is DTensor's own refusal to run an op on split values (no sharding rule, a
-    redistribution it cannot make: raised by DTensor's code), not a kernel's error on the probe's
-    made-up values (an index out of range on a received index tensor of zeros: raised by the
-    op DTensor called, even when DTensor called it)."""
+def _split_failure(e: BaseException) -> bool:
+    """Whether ``e`` comes from running the stage split, which the probe refuses by node: DTensor's
+    own refusal to run an op on split values (no sharding rule, a redistribution it cannot make:
+    raised by DTensor's code), or attention on tokens the split made disagree
+    (:class:`~pipecut.runtime.execution.tensor_parallel.AttentionSplitError`). Not a kernel's
+    error on the probe's made-up values (an index out of range on a received index tensor of
+    zeros: raised by the op DTensor called, even when DTensor called it)."""
+    if isinstance(e, AttentionSplitError):
+        return True
     tb, innermost = e.__traceback__, None
     while tb is not None:
         innermost, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
@@ -323,10 +327,10 @@ def _run_once(module: fx.GraphModule, worker: StageWorker, inputs: Mapping[str, 
         torch.utils.deterministic.fill_uninitialized_memory = deterministic[2]  # type: ignore[attr-defined]
     assert failure is not None
     error, at = failure
-    if not _dtensor_failure(error):
+    if not _split_failure(error):
         return
     where = f"node {at.name} ({at.format_node()})" if at is not None else "its graph"
-    tokens = at is not None and at.name in spread
+    tokens = isinstance(error, AttentionSplitError) or (at is not None and at.name in spread)
     if tokens:
         where += ", on the residual stream's token shards (sequence parallelism),"
     fix = ("leave TensorParallelOptions(sequence_parallel=False), keep" if tokens else "Keep")

@@ -36,7 +36,14 @@ from pipecut.core.owned import own_path
 from pipecut.core.shapes import token_dim
 from pipecut.runtime.comm.wire import TensorLeaf, WireSpec
 
-__all__ = ["RegionEnds", "TokenWire", "attend_local_heads", "local_heads", "region_ends", "shard_module", "whole"]
+__all__ = ["AttentionSplitError", "RegionEnds", "TokenWire", "attend_local_heads", "local_heads", "region_ends",
+           "shard_module", "whole"]
+
+
+class AttentionSplitError(RuntimeError):
+    """An attention whose query, key and mask disagree on their tokens once split: a token shard
+    of the residual stream reached it as if whole (sequence parallelism), which no kernel can
+    attend correctly. Raised before the kernel, so that the build's probe refuses it by node."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +112,7 @@ def attend_local_heads(op: Callable[..., Any], query: Any, key: Any, value: Any,
     read whole. Anything else (a split the region did not expect, or plain tensors) runs on
     whole heads, replicated: correct, not faster. Differentiable: ``to_local``/``from_local``
     carry the gradients without communication."""
+    _check_tokens(query, key, attn_mask)
     found = [t for t in (query, key, value) if isinstance(t, DTensor)]
     if not found:
         return op(query, key, value, attn_mask, *args, **kwargs)
@@ -122,6 +130,21 @@ def attend_local_heads(op: Callable[..., Any], query: Any, key: Any, value: Any,
     mask = local(attn_mask) if cut_mask else _whole_local(attn_mask)
     out = op(local(query), local(key), local(value), mask, *args, **kwargs)
     return DTensor.from_local(out, mesh, [placement], run_check=False)
+
+
+def _check_tokens(query: Any, key: Any, attn_mask: Any) -> None:
+    """Refuse a mask that does not cover the query's and the key's tokens as this rank holds them
+    (DeepSeek-V3's MLA under sequence parallelism: a query of one token shard, 8 of 16 tokens,
+    against the whole sequence's causal mask)."""
+    if not isinstance(attn_mask, torch.Tensor) or attn_mask.ndim < 2:
+        return
+    held = tuple(t.to_local().shape[-2] if isinstance(t, DTensor) else t.shape[-2] for t in (query, key))
+    mask = tuple(attn_mask.shape[-2:])
+    if all(m in (1, n) for m, n in zip(mask, held)):
+        return
+    raise AttentionSplitError(
+        f"attention's mask covers {mask[0]} queries x {mask[1]} keys, but this rank holds {held[0]} queries "
+        f"and {held[1]} keys: a token shard reached the attention as if whole")
 
 
 def _head_split(query: Any, key: Any, value: Any, size: int) -> Shard | Replicate:

@@ -55,12 +55,14 @@ def test_a_hugging_face_config_plan_is_read_under_the_base_models_prefix() -> No
 
 
 def test_the_build_probe_refuses_dtensors_own_failures_and_leaves_a_kernels_to_the_step(one_rank_mesh: Any) -> None:
-    """What DTensor's code raises (no sharding rule for an op) is refused at build; what a kernel
+    """What DTensor's code raises (no sharding rule for an op) is refused at build, and so is an
+    attention whose mask does not cover the tokens a rank holds; what a kernel
     raises on the probe's made-up values (an index out of range), even called by DTensor, is not
     DTensor's, and neither is the model's own error, whatever its type or words."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from pipecut.assemble.tensor import _dtensor_failure
+    from pipecut.assemble.tensor import _split_failure
+    from pipecut.runtime.execution.tensor_parallel import local_heads
 
     def models_own() -> None:
         raise NotImplementedError("this DTensor placement is not handled by the model")
@@ -68,13 +70,16 @@ def test_the_build_probe_refuses_dtensors_own_failures_and_leaves_a_kernels_to_t
     x = DTensor.from_local(torch.randn(4, 3), one_rank_mesh, [Shard(0)], run_check=False)
     index = DTensor.from_local(torch.tensor([9]), one_rank_mesh, [Replicate()], run_check=False)
     failures = []
+    q = torch.randn(1, 2, 8, 4)
+    whole_mask = torch.ones(1, 1, 16, 16, dtype=torch.bool)
     for run in (lambda: torch.renorm(x, 2, 0, 1.0),
+                lambda: local_heads(torch.nn.functional.scaled_dot_product_attention)(q, q, q, whole_mask),
                 lambda: torch.index_select(x.redistribute(one_rank_mesh, [Replicate()]), 0, index),
                 lambda: int("nine"), models_own):
         with pytest.raises(Exception) as caught:
             run()
-        failures.append(_dtensor_failure(caught.value))
-    assert failures == [True, False, False, False]
+        failures.append(_split_failure(caught.value))
+    assert failures == [True, True, False, False, False]
 
 
 

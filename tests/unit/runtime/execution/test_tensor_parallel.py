@@ -141,3 +141,21 @@ def test_local_heads_runs_whole_heads_replicated_where_the_split_is_not_the_head
     assert got.placements == (Replicate(),)
     torch.testing.assert_close(got.full_tensor(), sdpa(q, k, v))
     torch.testing.assert_close(local_heads(sdpa)(q, k, v), sdpa(q, k, v))  # plain tensors: the op itself
+
+
+@pytest.mark.parametrize("split", ["dtensor", "plain"])
+def test_local_heads_refuses_a_mask_that_does_not_cover_the_tokens_it_holds(mesh, split: str) -> None:
+    """A query of 8 tokens (a token shard taken for the whole) against the whole sequence's mask
+    of 16: refused in words before the kernel (which raised 'The expanded size of the tensor (8)
+    must match the existing size (16)'), as the build's probe needs to name the node."""
+    from pipecut.runtime.execution.tensor_parallel import AttentionSplitError
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    q = torch.randn(2, 4, 8, 8)
+    k, v = (torch.randn(2, 4, 16, 8) for _ in range(2))
+    mask = torch.ones(2, 1, 16, 16, dtype=torch.bool).tril()
+    if split == "dtensor":
+        q, k, v = (DTensor.from_local(t, mesh, [Shard(1)], run_check=False) for t in (q, k, v))
+    with pytest.raises(AttentionSplitError, match=r"covers 16 queries x 16 keys, but this rank holds 8 queries"):
+        local_heads(sdpa)(q, k, v, mask)
+    local_heads(sdpa)(q, k, v, mask[..., :1, :])  # a mask broadcast over the queries covers any count
