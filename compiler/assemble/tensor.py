@@ -48,7 +48,12 @@ from pipecut.passes.rewrite.tensor_regions import region_nodes, shard_regions
 from pipecut.planning.tensor_parallel import head_counts
 from pipecut.runtime.comm.teardown import close_at_exit
 from pipecut.runtime.execution.stage import StageWorker
-from pipecut.runtime.execution.tensor_parallel import AttentionSplitError, TokenWire, region_ends, shard_module
+from pipecut.runtime.execution.tensor_parallel import (
+    AttentionSplitError,
+    TokenWire,
+    region_ends,
+    shard_module,
+)
 from pipecut.runtime.grads.data_parallel import can_replicate_dtensors
 from pipecut.runtime.state.materialize import raise_together
 
