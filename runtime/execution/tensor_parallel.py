@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from pipecut.core.owned import own_path
 from pipecut.core.shapes import token_dim
+from pipecut.core.torch_private import pytree
 from pipecut.runtime.comm.wire import TensorLeaf, WireSpec
 
 __all__ = ["AttentionSplitError", "RegionEnds", "TokenWire", "attend_local_heads", "local_heads", "region_ends",
@@ -224,9 +225,10 @@ class TokenWire:
 
 
 def whole(x: Any) -> Any:
-    """A DTensor as the plain tensor of its whole value (collective over its mesh); anything
-    else as it is."""
-    return x.full_tensor() if isinstance(x, DTensor) else x
+    """A DTensor as the plain tensor of its whole value (collective over its mesh), and so each
+    DTensor inside a tuple or list (a split region's ``chunk`` that a stage returns: Phi-3's
+    halves under ZBV, which reached the send as DTensors); anything else as it is."""
+    return pytree.tree_map(lambda t: t.full_tensor() if isinstance(t, DTensor) else t, x)
 
 
 def shard_module(module: torch.nn.Module, dims: Mapping[str, int], mesh: DeviceMesh,

@@ -159,3 +159,14 @@ def test_local_heads_refuses_a_mask_that_does_not_cover_the_tokens_it_holds(mesh
     with pytest.raises(AttentionSplitError, match=r"covers 16 queries x 16 keys, but this rank holds 8 queries"):
         local_heads(sdpa)(q, k, v, mask)
     local_heads(sdpa)(q, k, v, mask[..., :1, :])  # a mask broadcast over the queries covers any count
+
+
+def test_whole_makes_every_dtensor_of_a_returned_tuple_plain(mesh) -> None:
+    """A stage that returns a split region's ``chunk`` returns a tuple of DTensors (Phi-3 under
+    ZBV): each is made whole, else it reached the send as a DTensor."""
+    x = torch.randn(2, 4, 6)
+    halves = DTensor.from_local(x, mesh, [Replicate()], run_check=False).chunk(2, dim=-1)
+    got = whole([halves, 3])
+    assert not any(isinstance(t, DTensor) for t in (*got[0], got[1]))
+    torch.testing.assert_close(torch.cat(got[0], dim=-1), x)
+    assert got[1] == 3
