@@ -9,7 +9,9 @@ parallelism. Each step lives in the module that owns it (:mod:`pipecut.assemble`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,7 +40,7 @@ from pipecut.assemble.workers import (
     tied_groups,
     worker_factory,
 )
-from pipecut.capture.modes import Modes, derive_other_mode
+from pipecut.capture.modes import Adapt, Modes, derive_other_mode
 from pipecut.core.kinds import DataParallelKind, ScheduleKind
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import CaptureError, InputError, PipecutError, PlanError
@@ -63,7 +65,7 @@ from pipecut.profile.compiled import check_auto, measure_and_choose
 from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn
 from pipecut.runtime.comm.launch import ready_for_p2p
-from pipecut.runtime.execution.compiled import check_compilable
+from pipecut.runtime.execution.stage import StageWorker
 from pipecut.runtime.grads.data_parallel import replicate
 from pipecut.runtime.pipeline import Pipeline
 from pipecut.runtime.state.materialize import check_unexpected
@@ -189,8 +191,6 @@ def _build(request: Request) -> tuple[Pipeline, Place]:
     place = connect(request, settings)
     chosen = capture_and_broadcast_plan(request, place, settings)
     sched = runnable_schedule(chosen.plan, place)
-    if request.options.runtime.compile_stages:
-        check_compilable(chosen.plan, data_parallel=place.replication is not None)
     derived = other_mode(request.model, chosen.first, chosen.captured, chosen.plan, request.options.capture.leaf_modules)
     make = worker_factory(request, place)
     shards = None
@@ -203,22 +203,19 @@ def _build(request: Request) -> tuple[Pipeline, Place]:
         workers = split_over_tensor_group(place, chosen.plan, captured, chosen.first, workers, shards, make,
                                           request.options.tensor_parallel.sequence_parallel)
     ready_for_p2p(place.group, place.device)
+
     pipe = Pipeline(
         plan=chosen.plan, captured=captured, workers=workers, schedule=sched, rank=place.rank,
         ranks=list(place.ranks), group=place.group, tied_groups=tied_groups(chosen.plan, place.layout, request),
         dp_group=place.layout.dp_group, loss_reduction=request.options.runtime.loss_reduction,
         tp_group=place.layout.tp_mesh.get_group() if place.layout.tp_mesh is not None else None,
-        modes=_modes(request, place, workers, derived, make), wire=WireSpecs(captured.gm, chosen.plan, place.device),
+        modes=_modes(request, place, workers, derived, make, None if shards is None else functools.partial(
+            _split_other_mode, place, chosen.first, shards, make, request.options.tensor_parallel.sequence_parallel)),
+        wire=WireSpecs(captured.gm, chosen.plan, place.device),
         schedule_for=schedules(chosen.plan), predicted=predicted_timeline(chosen.plan), timeout=request.wait,
     )
     if shards is not None:  # checkpoints of split stages are written by every rank of the copy
         pipe.state_group = copy_group(place.layout, request.wait)
-    if shards is not None and pipe.modes is not None:
-        mode = "eval" if pipe.training else "train"
-        pipe.modes.refuse_separate_mode(PlanError(
-            f"{mode} mode with tensor parallelism is not supported for a model captured by torch.export "
-            f"(its {mode}-mode graph is a second program, which is not split over the tensor group): run "
-            f"{mode} steps outside the pipeline (pipe.state_dict() gives the full weights)"))
     return pipe, place
 
 
@@ -370,8 +367,15 @@ def _weight_source(request: Request) -> WeightSource | None:
     return source
 
 
-def _modes(request: Request, place: Place, workers: Any, derived: Any, make: WorkerFactory) -> Modes:
-    return Modes(model=request.model, workers=workers, derived=derived, make_worker=make, device=place.device,
+def _split_other_mode(place: Place, first: Inputs, shards: Mapping[str, Any], make: WorkerFactory, sequence_parallel: bool,
+                      other: Captured, plan: Plan, built: Mapping[int, StageWorker]) -> dict[int, StageWorker]:
+    """The other train/eval mode's stages (an export graph fixes its mode) split over the tensor
+    group as the compiled mode's are; their parameters are that mode's DTensors already."""
+    return split_over_tensor_group(place, plan, other, first, built, shards, make, sequence_parallel)
+
+
+def _modes(request: Request, place: Place, workers: Any, derived: Any, make: WorkerFactory, adapt: Adapt | None) -> Modes:
+    return Modes(model=request.model, workers=workers, derived=derived, make_worker=make, device=place.device, adapt=adapt,
                  make_wire=lambda captured, plan: WireSpecs(captured.gm, plan, place.device))
 
 

@@ -284,7 +284,8 @@ class DataParallelOptions:
 
     Args:
         kind: ``"ddp"``, ``"fsdp"`` (a :class:`~pipecut.core.kinds.DataParallelKind`), "auto",
-            or None (no replicas; DDP over a mesh's "dp" dimension).
+            or None (no replicas; over a mesh's "dp" dimension DDP, or FSDP2 beside a "tp"
+            dimension; none for a "dp" dimension of one replica).
         replicas: ``plan``: D replicas to plan for; None: not given.
 
     Raises:
@@ -293,7 +294,7 @@ class DataParallelOptions:
 
     kind: DataParallelKind | Literal["auto"] | None = None
     """``ddp``/``fsdp`` over a mesh's "dp" dimension, "auto" (choose D × K), None (no replicas,
-    or DDP where the mesh has a "dp" dimension)."""
+    or the default engine where the mesh has a "dp" dimension of more than one replica)."""
     replicas: int | None = None
     """``plan``: D replicas to plan for (``compile`` reads D from the mesh)."""
 

@@ -82,13 +82,18 @@ def layout_of(devices: Any) -> RankGroups:
 
 def replication_of(layout: RankGroups, data_parallel: str | DataParallelKind | None) -> DataParallelOptions | None:
     """The data-parallel engine and replica count; by default where there is a "dp" dimension,
-    DDP, or FSDP2 beside a "tp" one (DDP does not reduce the DTensor gradients of split stages)."""
+    DDP, or FSDP2 beside a "tp" one (DDP does not reduce the DTensor gradients of split stages).
+    A "dp" dimension of one replica has nothing to keep in step: no engine unless one is asked
+    for (as torchtitan applies FSDP only where its data-parallel size exceeds one), so that
+    nothing is refused for a default the user never chose."""
     if layout.dp_group is None:
         if data_parallel is not None:
             raise InputError(
                 f"data_parallel={getattr(data_parallel, 'value', data_parallel)!r} needs replicas: pass a DeviceMesh with "
                 f"dimensions ('dp', 'pp') as devices, or leave data_parallel=None"
             )
+        return None
+    if data_parallel is None and dist.get_world_size(layout.dp_group) == 1:
         return None
     default = DataParallelKind.FSDP if layout.tp_mesh is not None else DataParallelKind.DDP
     kind = data_parallel if data_parallel is not None else default

@@ -120,8 +120,12 @@ def check_composable(plan: Plan, place: Place, shards: Mapping[str, ParameterSha
     """Refuse, before anything is split, what tensor parallelism does not run (yet)."""
     t = place.layout.tensor_parallel
     if options.runtime.compile_stages is not False:
-        raise PlanError("RuntimeOptions(compile_stages=...) with tensor parallelism is not supported yet "
-                        "(torch.compile of stages holding DTensors is untested); use compile_stages=False")
+        raise PlanError(
+            "RuntimeOptions(compile_stages=...) with tensor parallelism does not run on torch "
+            f"{torch.__version__}: torch.compile of stages holding DTensors failed here three ways (a "
+            "vocabulary-split embedding's masked partial sum under fake tensors; guards on DTensor specs "
+            "across a graph break; as_strided on DTensor activations in the compiled runs); use "
+            "compile_stages=False with a 'tp' dimension")
     if (place.replication is not None and place.replication.resolved_kind is DataParallelKind.DDP
             and not can_replicate_dtensors()):
         raise PlanError(f"data_parallel='ddp' with tensor parallelism needs torch's FSDP2-based replicate "

@@ -38,6 +38,9 @@ from pipecut.runtime.execution.stage import StageWorker
 __all__: list[str] = []
 
 MakeWorker = Callable[[StageProgram, Plan, Callable[[Any], Any]], StageWorker]
+Adapt = Callable[[Captured, Plan, Mapping[int, StageWorker]], Mapping[int, StageWorker]]
+"""What the build does to the captured mode's workers after making them (tensor parallelism
+splits them over the tensor group), done to the other mode's: ``(graph, plan, workers) -> workers``."""
 
 
 def module_modes(model: torch.nn.Module) -> tuple[tuple[str, bool], ...]:
@@ -203,6 +206,7 @@ class Modes:
         make_worker: MakeWorker,
         device: torch.device,
         make_wire: Callable[[Captured, Plan], Any] | None = None,
+        adapt: Adapt | None = None,
     ) -> None:
         self._model = model
         self.captured_training = model.training
@@ -230,7 +234,7 @@ class Modes:
                 share_state(program.module, workers[stage].program.module)
                 program.module.training = other  # not recursive: the submodules are the model's
                 built[stage] = make_worker(program, plan, captured.unflatten_output)
-            self._workers[other] = built
+            self._workers[other] = dict(adapt(captured, plan, built)) if adapt is not None else built
             if make_wire is not None:
                 self._wires[other] = make_wire(captured, plan)
 

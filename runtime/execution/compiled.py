@@ -20,9 +20,17 @@ system's temporary directory) is shared by every process of a host: a stage whos
 graph is the same as another's (the middle blocks of a transformer at K = 4) is compiled once
 and read from the cache by the other ranks, and a second run starts warm.
 
-Zero-bubble schedules are refused: their split backward (:mod:`pipecut.runtime.execution.backward_split`)
-walks the stage's autograd graph to run input and weight gradients apart, and a compiled stage's
-backward is one fused autograd node.
+Zero-bubble and ZBV split each backward into an input pass and a weight pass
+(:mod:`pipecut.runtime.execution.backward_split`), which find each weight's gradient at the
+autograd node of the op that reads the weight. A stage compiled whole has one fused autograd node
+for everything: its weight pass would run the whole compiled backward again. Under those
+schedules :func:`compile_apart` compiles the stage apart instead: each run of the graph's nodes
+that reads no parameter (norms' arithmetic, activations, attention, residual adds, reshapes) is
+one compiled function, and the ops that read a parameter (the products, the norms' scales, a
+recomputed segment) run eagerly between them. The compiled runs' backwards are input gradients
+only, which the input pass needs anyway; each weight's product keeps its own autograd node, which
+the weight pass runs later, as Megatron's zero-bubble defers only the weight GEMMs. What inductor
+fuses is then the elementwise work between the products, not the products with their epilogues.
 """
 
 from __future__ import annotations
@@ -33,12 +41,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx as fx
 
+from pipecut.core.graph import node_parameters
 from pipecut.core.torch_private import inductor_backend, inductor_cache_hits
-from pipecut.errors import PlanError
-from pipecut.ir import Plan
 
-__all__ = ["CompileStats", "check_compilable", "compile_stage", "uncompile_stage"]
+__all__ = ["CompileStats", "compile_apart", "compile_stage", "uncompile_stage", "weightless_runs"]
 
 
 @dataclass
@@ -77,23 +85,6 @@ class _CountingBackend:
         return compiled
 
 
-def check_compilable(plan: Plan, *, data_parallel: bool = False) -> None:
-    """Refuse, before anything is built, a plan whose stages cannot run compiled."""
-    if data_parallel:
-        raise PlanError(
-            "compile_stages with data parallelism (DDP or FSDP over pipeline replicas) is not "
-            "supported yet: the wrappers' gradient hooks around a compiled stage are untested "
-            "here; drop the 'dp' dimension or compile_stages"
-        )
-    if plan.schedule.splits_backward:
-        raise PlanError(
-            f"compile_stages cannot run the {plan.schedule.value} schedule: its split backward "
-            f"walks each stage's autograd graph to run the input gradients (I) and the weight "
-            f"gradients (W) apart, and a compiled stage's backward is one fused node; use "
-            f"schedule='1f1b' or 'interleaved-1f1b' with compile_stages, or compile_stages=False"
-        )
-
-
 def compile_stage(module: torch.nn.Module, stage: int, *, dynamic: bool | None = None) -> CompileStats:
     """Make calls of ``module`` run through ``torch.compile`` (inductor), in place; the
     compile itself happens at the first call. Returns the stats that call and later ones fill."""
@@ -113,8 +104,94 @@ def compile_stage(module: torch.nn.Module, stage: int, *, dynamic: bool | None =
     return stats
 
 
-def uncompile_stage(module: torch.nn.Module) -> None:
+def uncompile_stage(module: torch.nn.Module, graph: fx.Graph | None = None) -> None:
     """Undo :func:`compile_stage`: calls of ``module`` run eagerly again. ``nn.Module.compile``
     keeps the compiled callable in ``_compiled_call_impl``, which ``__call__`` prefers when set;
-    torch has no public inverse."""
+    torch has no public inverse. ``graph``: undo :func:`compile_apart`, whose stage graph it was."""
     module._compiled_call_impl = None
+    if graph is not None:
+        assert isinstance(module, fx.GraphModule)
+        module.graph = graph
+        module.recompile()
+
+
+MIN_RUN = 2
+"""Runs of fewer weightless nodes stay eager: a lone reshape gains nothing from a compiled call."""
+
+
+def weightless_runs(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    """The maximal runs of consecutive ``call_function``/``call_method`` nodes of ``gm`` that read
+    no parameter, in graph order (placeholders and ``get_attr`` nodes between them do not end a
+    run: they only name values; a ``call_module`` does: a module or a recomputed segment runs
+    eagerly). Runs of fewer than :data:`MIN_RUN` nodes are left out."""
+    params = {n for n in gm.graph.nodes if n.op == "get_attr" and node_parameters(n, gm)}
+    runs: list[list[fx.Node]] = [[]]
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            continue
+        if node.op in ("call_function", "call_method") and not params.intersection(node.all_input_nodes):
+            runs[-1].append(node)
+        elif runs[-1]:
+            runs.append([])
+    return [run for run in runs if len(run) >= MIN_RUN]
+
+
+def compile_apart(module: fx.GraphModule, stage: int, *, dynamic: bool | None = None) -> tuple[CompileStats, fx.Graph]:
+    """Make ``module`` (a stage program) call each of its :func:`weightless_runs` through
+    ``torch.compile`` (inductor), its ops that read parameters eagerly, in place: its graph is
+    swapped for one that calls a compiled function per run (see the module docstring). Returns
+    the stats its compiles fill and the graph it had (for :func:`uncompile_stage`)."""
+    stats = CompileStats(stage=stage)
+    backend = _CountingBackend(stats)
+    original = module.graph
+    graph = fx.Graph()
+    graph._codegen = original._codegen
+    env: dict[fx.Node, fx.Node] = {}
+    last = {run[-1]: run for run in weightless_runs(module)}
+    inside = {n for run in last.values() for n in run}
+    for node in original.nodes:
+        if node in last:
+            run = last[node]
+            sub, inputs, outputs = _extract(run)
+            call = graph.call_function(_timed(torch.compile(sub, backend=backend, dynamic=dynamic), stats),
+                                       tuple(env[a] for a in inputs))
+            for i, out in enumerate(outputs):
+                env[out] = graph.call_function(_item, (call, i))
+        elif node not in inside:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.lint()
+    module.graph = graph
+    module.recompile()
+    return stats, original
+
+
+def _timed(compiled: Callable[..., Any], stats: CompileStats) -> Callable[..., Any]:
+    """A compiled run as a graph's call target (which needs a name), adding the seconds of the
+    calls that compiled to ``stats``."""
+
+    def compiled_run(*args: Any) -> Any:
+        graphs, start = stats.graphs, time.perf_counter()
+        out = compiled(*args)
+        if stats.graphs != graphs:
+            stats.seconds += time.perf_counter() - start
+        return out
+
+    return compiled_run
+
+
+def _item(values: tuple[Any, ...], i: int) -> Any:
+    return values[i]
+
+
+def _extract(run: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+    """The run as a graph of its own: the values it reads from outside as placeholders, the
+    values read after it as outputs."""
+    members = set(run)
+    inputs = list(dict.fromkeys(a for n in run for a in n.all_input_nodes if a not in members))
+    outputs = [n for n in run if any(u not in members for u in n.users)]
+    graph = fx.Graph()
+    env = {a: graph.placeholder(a.name) for a in inputs}
+    for n in run:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(tuple(env[o] for o in outputs))
+    return fx.GraphModule(torch.nn.Module(), graph), inputs, outputs

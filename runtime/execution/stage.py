@@ -30,7 +30,12 @@ from pipecut.ir import NodeCost, Plan
 from pipecut.runtime.comm.p2p import Direction, Op, Transfer
 from pipecut.runtime.comm.wire import Peer, TensorLeaf, WireSpec, pack, unpack
 from pipecut.runtime.execution.backward_split import split_backward
-from pipecut.runtime.execution.compiled import CompileStats, compile_stage, uncompile_stage
+from pipecut.runtime.execution.compiled import (
+    CompileStats,
+    compile_apart,
+    compile_stage,
+    uncompile_stage,
+)
 from pipecut.runtime.execution.forward import check_grad_flags
 from pipecut.runtime.execution.held_recompute import held_checkpoint
 from pipecut.runtime.execution.recompute_state import StateReplay
@@ -138,10 +143,12 @@ class StageWorker:
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
         """A GradScaler's ``scale``: backward starts from the scaled loss (set per step)."""
         self.call: Callable[..., Any] = program.module
+        """What a forward calls: the stage module, or its data-parallel wrapper."""
         self.compiled: CompileStats | None = None
         """With ``compile_stages``: what compiling the stage module cost (see
         :mod:`pipecut.runtime.execution.compiled`); None when it runs eagerly."""
-        """What a forward calls: the stage module, or its data-parallel wrapper."""
+        self._eager_graph: torch.fx.Graph | None = None
+        """The stage graph before :func:`compile_apart` swapped it (None: not compiled apart)."""
         self.grad_sync: GradSync = _NoSync()
         """Data parallelism: the wrapper, told of each backward pass (it reduces in the last)."""
         self.reduce_grads = True
@@ -161,9 +168,15 @@ class StageWorker:
 
     def compile(self) -> None:
         """Run the stage module through ``torch.compile`` from its next call on (see
-        :mod:`pipecut.runtime.execution.compiled`). The segments' inputs are then among the compiled
-        graph's saved tensors, which the meter counts already: their hooks go (a hook inside
-        the compiled region would also break its graph)."""
+        :mod:`pipecut.runtime.execution.compiled`): whole, or under a split backward apart from
+        the ops that read parameters, whose autograd nodes the weight pass needs. Compiled
+        whole, the segments' inputs are among the compiled graph's saved tensors, which the
+        meter counts already: their hooks go (a hook inside the compiled region would also
+        break its graph); compiled apart, the segments run eagerly and keep them."""
+        if self.plan.schedule.splits_backward:
+            assert isinstance(self.program.module, torch.fx.GraphModule)
+            self.compiled, self._eager_graph = compile_apart(self.program.module, self.stage)
+            return
         for hook in self._segment_hooks:
             hook.remove()
         self._segment_hooks = []
@@ -172,8 +185,10 @@ class StageWorker:
     def uncompile(self) -> None:
         """Back to eager calls of the stage module (``compile_stages="auto"`` chose eager)."""
         if self.compiled is not None:
-            uncompile_stage(self.program.module)
-            self.compiled = None
+            uncompile_stage(self.program.module, self._eager_graph)
+            self.compiled, self._eager_graph = None, None
+            for hook in self._segment_hooks:
+                hook.remove()
             self._segment_hooks = self._hook_segments()
 
     def prepare(self, wire: Sequence[Mapping[str, NodeCost] | None], weights: Sequence[Fraction]) -> None:

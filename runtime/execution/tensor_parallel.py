@@ -241,12 +241,16 @@ def shard_module(module: torch.nn.Module, dims: Mapping[str, int], mesh: DeviceM
     whose weight is split: the module's own forward mixes them, and DTensor mixes no plain tensor
     into a product). ``made``: the DTensor parameter already made for each parameter (by id),
     shared by the calls for one rank's stages, so that a parameter two of its stages hold (a
-    tied weight whose stages ZBV's V puts on one rank) stays one parameter."""
+    tied weight whose stages ZBV's V puts on one rank) stays one parameter. A parameter that is
+    a DTensor already (the other train/eval mode's program, reading the split mode's parameters)
+    is kept as it is."""
     made = {} if made is None else made
     owners: dict[str, torch.nn.Module] = {}
     owned: set[int] = set()
     for fqn, p in list(module.named_parameters(remove_duplicate=False)):
         if fqn not in dims and fqn not in replicated:
+            continue
+        if isinstance(p, DTensor):
             continue
         if id(p) not in made:
             placement = Shard(dims[fqn]) if fqn in dims else Replicate()

@@ -1,11 +1,13 @@
 """Compiled stages (``compile_stages=True``) give the plain model's loss, gradients and buffers.
 
-One fork of 2 ranks runs every scenario: plans are made once in the parent from counted costs
+One fork of 2 ranks runs every scenario (zero-bubble and ZBV among them: stages compiled apart
+from their weight ops, see ``pipecut.runtime.execution.compiled``): plans are made once in the parent from counted costs
 (tests/reference.py: COUNTED, the same split every run) and replayed on the ranks; one pipeline per scenario
 runs several steps (a shorter sequence and a smaller batch recompile, autocast and eval are
 graphs of their own). References are the unsplit model in the parent, eager, and for the GPT
 example also compiled the same way (``torch.compile``, inductor). A second fork runs a
-transformers GPT-2 at K = 4.
+transformers GPT-2 at K = 4, a third compiled stages over replicas (DDP with recompute, FSDP2
+under zero-bubble).
 
 Inductor compiles slowly on this CPU, so the models are tiny, inductor compiles in the calling
 process (``compile_threads=1``: no worker pool forked from a forked rank), and every compile
@@ -25,9 +27,7 @@ import torch
 import pipecut
 from examples import gpt, mlp, zoo
 from pipecut.core.kinds import Recompute, ScheduleKind
-from pipecut.errors import PlanError
 from pipecut.ir import Plan
-from pipecut.runtime.execution.compiled import check_compilable
 from tests.harness import run_ranks
 from tests.multiprocess.test_amp_shapes import AMP_RTOL, Step, _amp, _cut
 from tests.multiprocess.test_parity import hf_gpt2
@@ -70,6 +70,9 @@ SCENARIOS: dict[str, tuple[Build, str, int, Callable[[Plan], Plan] | None, tuple
     "mlp_interleaved": (_mlp, "interleaved-1f1b", 2, None, (Step(),)),
     "tagger_gpipe": (zoo.tagger, "gpipe", 1, None, (Step(),)),
     "hf_gpt2": (hf_gpt2, "1f1b", 1, None, (Step(),)),
+    # split backward: compiled apart from the weight ops (pipecut.runtime.execution.compiled)
+    "gpt_zero_bubble_recompute": (_gpt, "zero-bubble", 1, _recompute, (Step(),)),
+    "gpt_zbv": (_gpt, "zbv", 2, None, (Step(),)),
 }
 
 
@@ -109,6 +112,8 @@ def _ranks(rank: int, world: int, plans: dict[str, str]) -> dict[str, Any]:
         )
         out[name] = list(_steps(pipe, model, inputs, target, steps))
         out[name + ":stats"] = [dataclasses.asdict(s) for s in pipe.compile_stats]
+        out[name + ":runs"] = {w.stage: sum(getattr(n.target, "__name__", "") == "compiled_run"
+                                            for n in w.program.module.graph.nodes) for w in pipe.workers.values()}
     # "auto": the calibration step times the stages eager, then compiled, and keeps one. The
     # split is given (the timed step decides the mode, never where the stages are cut).
     model, inputs, loss_fn, target = _mlp()
@@ -124,16 +129,6 @@ def _ranks(rank: int, world: int, plans: dict[str, str]) -> dict[str, Any]:
         "recorded": pipe.plan.options.runtime.compile_stages,  # what a replay of this plan runs
         "compiled_calls": [m._compiled_call_impl is not None for m in pipe.modules],
     }
-    model, inputs, loss_fn, target = _gpt()
-    try:
-        pipecut.compile(
-            model, inputs, world, loss_fn=loss_fn, target=target,
-            plan=plans["zero-bubble"],
-            runtime=pipecut.RuntimeOptions(timeout=120, compile_stages=True),
-        )
-        out["zero-bubble"] = "no error"
-    except PlanError as e:
-        out["zero-bubble"] = str(e)
     return out
 
 
@@ -187,7 +182,6 @@ def test_compiled_stages_match_plain_model(inductor_cache: Path) -> None:
     for name, (build, schedule, per_rank, rewrite, _) in SCENARIOS.items():
         plan = _plan(build, 2, schedule, per_rank)
         plans[name] = (rewrite(plan) if rewrite is not None else plan).to_json()
-    plans["zero-bubble"] = _plan(_gpt, 2, "zero-bubble", 1).to_json()
     per_rank = run_ranks(_ranks, 2, plans, timeout=880, collective_timeout=300)
 
     for name, (build, _, _, _, steps) in SCENARIOS.items():
@@ -212,6 +206,11 @@ def test_compiled_stages_match_plain_model(inductor_cache: Path) -> None:
         graphs = dict.fromkeys(range(Plan.from_json(plans[name]).num_stages), 0)
         for s in (s for r in per_rank for s in r[name + ":stats"]):
             graphs[s["stage"]] += s["graphs"]  # the train and the eval program of a stage
+        runs = {stage: n for r in per_rank for stage, n in r[name + ":runs"].items()}
+        if Plan.from_json(plans[name]).schedule.splits_backward:
+            # compiled apart: one graph per run of weightless nodes, each compiled once
+            assert all(n >= 1 for n in runs.values()) and graphs == runs, (name, graphs, runs)
+            continue
         # Every stage compiled: one graph per shape family (static, then dynamic, and a
         # microbatch of one sample: rows=6 in 4 are 2, 2, 1, 1), autocast state and mode, and
         # no more, so recompiles stay bounded by the kinds of steps.
@@ -229,18 +228,6 @@ def test_compiled_stages_match_plain_model(inductor_cache: Path) -> None:
 
     ref_loss, ref_grads = _compiled_reference(_gpt)
     assert_parity(ref_loss, ref_grads, [r["gpt"][0] for r in per_rank], rtol=RTOL, atol=ATOL)
-    assert per_rank[0]["zero-bubble"].startswith("compile_stages cannot run the zero-bubble schedule")
-    assert "split backward" in per_rank[0]["zero-bubble"]
-
-
-def test_refuses_split_backward_and_data_parallel() -> None:
-    """Refused before anything is built; the zero-bubble refusal is also seen on the ranks above."""
-    for schedule in ("zero-bubble", "zbv"):
-        plan = _plan(_mlp, 2, schedule, 2 if schedule == "zbv" else 1)
-        with pytest.raises(PlanError, match=f"cannot run the {schedule} schedule: its split backward"):
-            check_compilable(plan)
-    with pytest.raises(PlanError, match=r"compile_stages with data parallelism \(DDP or FSDP over pipeline replicas\) is not supported yet"):
-        check_compilable(_plan(_mlp, 2, "1f1b", 1), data_parallel=True)
 
 
 def _gpt4() -> Any:
@@ -281,3 +268,58 @@ def test_four_compiled_stages_and_the_shared_cache(inductor_cache: Path) -> None
         assert [[s["graphs"] for s in r[name]["stats"]] for r in results] == [[1]] * 4  # train only
     stage2 = results[2]["gpt"]["stats"][0]
     assert stage2["stage"] == 2 and stage2["cache_hits"] >= 1, stage2
+
+
+# name -> (mesh dimensions, compile's keyword arguments, stage 0 recomputes whole)
+LAYOUTS: dict[str, tuple[tuple[str, ...], dict[str, Any], bool]] = {
+    "ddp-1f1b-recompute": (("dp", "pp"), {"data_parallel": "ddp", "schedule": "1f1b"}, True),
+    "fsdp-zero-bubble": (("dp", "pp"), {"data_parallel": "fsdp", "schedule": "zero-bubble"}, False),
+}
+
+
+def _layouts(rank: int, world: int) -> dict[str, Any]:
+    """Compiled stages over replicas, each on its half of the batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.reference import named_grads
+
+    out: dict[str, Any] = {}
+    for name, (dims, kwargs, recompute) in LAYOUTS.items():
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=dims)
+        model, inputs, loss_fn, target = _gpt()
+        rows = slice(4 * mesh.get_local_rank("dp"), 4 * mesh.get_local_rank("dp") + 4)
+        inputs, target = tuple(x[rows] for x in inputs), target[rows]
+        plan = None
+        if recompute:  # the split planned for one replica, stage 0 recomputing whole
+            planned = pipecut.plan(model, inputs, 2, loss_fn=loss_fn, target=target, microbatches=M,
+                                   schedule=kwargs["schedule"], measure=COUNTED)
+            first, *rest = planned.stages
+            plan = dataclasses.replace(planned, stages=(dataclasses.replace(first, recompute=Recompute.FULL), *rest))
+        pipe = pipecut.compile(model, inputs, mesh, loss_fn=loss_fn, target=target, microbatches=M, plan=plan,
+                               measure=COUNTED, runtime=pipecut.RuntimeOptions(timeout=120, compile_stages=True),
+                               **kwargs)
+        loss = pipe.step(inputs, target)
+        out[name] = {"loss": loss, "grads": named_grads(pipe), "graphs": sum(s.graphs for s in pipe.compile_stats),
+                     "recompute": [s.recompute for s in pipe.plan.stages]}
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_compiled_stages_with_replicas_and_recompute(inductor_cache: Path) -> None:
+    """DDP with whole-stage recompute and FSDP2 under zero-bubble, with compiled stages,
+    against the plain model on the whole batch (the replicas' average is its mean)."""
+    from tests.reference import assert_named_grads
+
+    ranks = run_ranks(_layouts, 4, timeout=880, collective_timeout=300)
+    model, inputs, loss_fn, target = _gpt()
+    loss = loss_fn(model(*inputs), target)
+    loss.backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    for name in LAYOUTS:
+        got = [r[name] for r in ranks]
+        assert all(r["graphs"] >= 1 for r in got), name  # every rank compiled
+        for r, g in enumerate(got):
+            torch.testing.assert_close(g["loss"], loss.detach(), rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, n=name, r=r: f"{n} rank {r}: {m}")
+        assert_named_grads(want, [g["grads"] for g in got], name, rtol=RTOL, atol=ATOL)
+    assert ranks[0]["ddp-1f1b-recompute"]["recompute"][0] is Recompute.FULL

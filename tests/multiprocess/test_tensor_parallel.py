@@ -338,6 +338,69 @@ def _compositions(rank: int, world: int, directory: str) -> dict[str, Any]:
     return out
 
 
+def gpt2_with_dropout(batch_size: int = BATCH, seed: int = 0) -> zoo.Built:
+    """GPT-2 as a user builds it: transformers' default dropouts (0.1), so torch.export captures
+    a train-mode graph and an eval-mode graph that differ, two programs per stage."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=zoo.VOCAB, n_positions=zoo.SEQ, n_embd=zoo.HIDDEN, n_layer=zoo.LAYERS,
+                        n_head=zoo.HEADS, bos_token_id=0, eos_token_id=0)
+    ids, target = zoo._tokens(batch_size)
+    return GPT2LMHeadModel(config), {"input_ids": ids}, zoo.logits_ce, target
+
+
+def _eval_of_export_models(rank: int, world: int) -> dict[str, Any]:
+    """Eval of an export-captured model over tensor-parallel stages, with and without sequence
+    parallelism: before any step, and after a train step (dropout on) and an AdamW step, which
+    the eval program must read (it holds the train program's DTensor parameters)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    out: dict[str, Any] = {}
+    for sp in (False, True):
+        model, inputs, loss_fn, target = gpt2_with_dropout()
+        names = canonical_names(model)
+        alias = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+        pipe = pipecut.compile(model, inputs, mesh, loss_fn=loss_fn, target=target, microbatches=MICROBATCHES,
+                               measure=COUNTED, runtime=pipecut.RuntimeOptions(timeout=60),
+                               tensor_parallel=pipecut.TensorParallelOptions(sequence_parallel=sp))
+        pipe.eval()
+        with torch.no_grad():
+            loss, outputs = pipe.step(inputs, target, return_outputs=True, all_ranks=True)
+        pipe.train()
+        pipe.step(inputs, target)
+        torch.optim.AdamW(pipe.parameters(), lr=LR).step()
+        pipe.eval()
+        with torch.no_grad():
+            after = pipe.step(inputs, target)
+        out[f"sp={sp}"] = {"before": (loss, outputs["logits"]), "after": after,
+                           "params": {alias[n]: zoo.whole_copy(p) for n, p in pipe.named_parameters()}}
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_eval_of_an_export_model_runs_split_over_the_tensor_group() -> None:
+    """Its eval-mode graph, a second program, is split as the train graph is (it was refused)."""
+    ranks = run_ranks(_eval_of_export_models, 4, timeout=560, collective_timeout=120)
+    model, inputs, loss_fn, target = gpt2_with_dropout()
+    names = canonical_names(model)
+    with torch.no_grad():
+        logits = model.eval()(**inputs).logits
+        before = loss_fn(model(**inputs), target)
+    for case in ranks[0]:
+        stepped = {name: p for got in ranks for name, p in got[case]["params"].items()}
+        with torch.no_grad():  # the plain model at the pipeline's weights after its step
+            for p in model.parameters():
+                p.copy_(stepped[names[id(p)]])
+            want = loss_fn(model(**inputs), target)
+        assert not torch.equal(want, before)  # the step moved the weights the eval reads
+        for r, got in enumerate(ranks):
+            loss, outputs = got[case]["before"]
+            torch.testing.assert_close(loss, before, atol=ATOL, rtol=RTOL, msg=lambda m, r=r, case=case: f"rank {r} {case}: {m}")
+            torch.testing.assert_close(outputs, logits, atol=ATOL, rtol=RTOL, msg=lambda m, r=r, case=case: f"rank {r} {case}: {m}")
+            torch.testing.assert_close(got[case]["after"], want, atol=ATOL, rtol=RTOL,
+                                       msg=lambda m, r=r, case=case: f"rank {r} {case} after a step: {m}")
+
+
 def _normwise(got: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> None:
     err = (got.double() - want.double()).abs().max().item()
     assert err <= rel * max(want.double().abs().max().item(), 1e-6), f"{what}: max error {err:.3g}"
@@ -466,7 +529,7 @@ def _refusals(rank: int, world: int, directory: str) -> dict[str, Any]:
     pipe.eval()  # symbolic_trace: one program for both modes, split alike
     with torch.no_grad():
         out["eval"] = pipe.step(inputs, target)
-    flat = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "pp", "tp"))  # one replica: FSDP2 by default
+    flat = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "pp", "tp"))  # one replica: no engine by default
     model, inputs, loss_fn, target = mlp()  # a model of its own: FSDP2 shards the modules it calls
     # zero-bubble, which this layout once refused naming FSDP, a default the user never asked for
     one = pipecut.compile(model, inputs, flat, loss_fn=loss_fn, target=target, microbatches=MICROBATCHES,
@@ -493,7 +556,7 @@ def test_what_cannot_be_split_is_refused_by_name_before_any_step(tmp_path: Any) 
                          r"node grouped_mm\w* \(.*\), on the residual stream's token shards \(sequence parallelism\),"
                          r" failed on DTensors: .* leave TensorParallelOptions\(sequence_parallel=False\)", r["sequence"]), \
             r["sequence"]
-    assert "PlanError: RuntimeOptions(compile_stages=...) with tensor parallelism" in got["compiled"]
+    assert "PlanError: RuntimeOptions(compile_stages=...) with tensor parallelism does not run on torch" in got["compiled"]
     assert "InputError: the DeviceMesh needs a 'pp' dimension and maybe 'dp' and 'tp' ones" in got["mesh"]
     split = {n.rpartition(".")[0] for r in ranks for n in r["user plan"]}
     assert split == {"blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2"}, split  # embed and head stay whole
@@ -502,7 +565,7 @@ def test_what_cannot_be_split_is_refused_by_name_before_any_step(tmp_path: Any) 
     model, inputs, loss_fn, target = mlp()
     for r in ranks:
         torch.testing.assert_close(r["dp1"][0], loss_fn(model(*inputs), target), atol=ATOL, rtol=RTOL)
-        assert r["dp1"][1] == pipecut.DataParallelOptions(kind="fsdp", replicas=1)
+        assert r["dp1"][1] == pipecut.DataParallelOptions()  # nothing to keep in step, so no engine
     with torch.no_grad():
         want = loss_fn(model.eval()(*inputs), target)
     for r in ranks:

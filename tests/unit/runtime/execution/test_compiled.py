@@ -1,0 +1,74 @@
+"""Compiling a stage apart from its weight ops (zero-bubble's split backward): the runs that
+read no parameter become compiled calls, the ops that read one stay eager, and the split
+backward then finds every weight gradient at its own op. The backend here runs the captured
+graph as it is (inductor is exercised by tests/multiprocess/test_execution_compiled.py, where
+its compile time is paid once per fork)."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from pipecut.runtime.execution import compiled
+from pipecut.runtime.execution.backward_split import split_backward
+from pipecut.runtime.execution.compiled import compile_apart, uncompile_stage, weightless_runs
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block: a norm's scale, two products, the arithmetic between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(16, 32) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(32, 16) * 0.1)
+        self.g = nn.Parameter(torch.ones(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.layer_norm(x, (16,)) * self.g
+        h = h @ self.w1
+        h = F.gelu(h) * torch.sigmoid(h) + 1.0
+        return (x + h @ self.w2).tanh() * 2
+
+
+@pytest.fixture
+def plain_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiled, "inductor_backend", lambda: (lambda gm, example_inputs: gm.forward))
+
+
+def test_the_runs_are_the_nodes_between_the_weight_ops() -> None:
+    gm = fx.symbolic_trace(Block())
+    assert [[n.name for n in run] for run in weightless_runs(gm)] == [["gelu", "sigmoid", "mul_1", "add"],
+                                                                      ["add_1", "tanh", "mul_2"]]
+
+
+def test_a_stage_compiled_apart_splits_its_backward_at_each_weight(plain_backend: None) -> None:
+    torch.manual_seed(0)
+    gm = fx.symbolic_trace(Block())
+    x = torch.randn(4, 16, requires_grad=True)
+    gm(x).square().sum().backward()
+    want = {n: p.grad.clone() for n, p in gm.named_parameters()}
+    want_x = x.grad.clone()
+    gm.zero_grad(set_to_none=True)
+    eager_code = gm.code
+
+    stats, graph = compile_apart(gm, 3)
+    calls = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "compiled_run"]
+    assert len(calls) == 2
+    eager = [n.name for n in gm.graph.nodes if n.target in (operator.matmul, operator.mul)]
+    assert eager == ["mul", "matmul", "matmul_1"]  # the weight ops (the norm's scale, the products) stay eager
+    loss = gm(x).square().sum()
+    assert (stats.stage, stats.graphs) == (3, 2)
+    (grad_x,), weight_pass = split_backward([loss], [torch.ones(())], [x], list(gm.parameters()))
+    assert all(p.grad is None for p in gm.parameters())  # the input pass wrote no weight gradient
+    torch.testing.assert_close(grad_x, want_x)
+    weight_pass()
+    for name, p in gm.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], msg=name)
+
+    uncompile_stage(gm, graph)
+    assert gm.code == eager_code
