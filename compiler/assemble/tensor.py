@@ -44,7 +44,7 @@ from pipecut.options import TensorParallelOptions
 from pipecut.passes.parallel.tensor import ParameterShard, parameter_shards, tensor_sizes
 from pipecut.passes.rewrite.segments import checkpoint_segments
 from pipecut.passes.rewrite.split import split_stage
-from pipecut.passes.rewrite.tensor_regions import region_nodes, shard_regions
+from pipecut.passes.rewrite.tensor_regions import ATTENTION, region_nodes, shard_regions
 from pipecut.planning.tensor_parallel import head_counts
 from pipecut.runtime.comm.teardown import close_at_exit
 from pipecut.runtime.execution.stage import StageWorker
@@ -205,6 +205,7 @@ def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first:
         mine = _stage_shards(program.module, shards, public)
         arriving, sent = cuts.get(s, (frozenset(), frozenset()))
         regions = region_nodes(program.module, mine, sequence_parallel, arriving)
+        refused = _attention_on_tokens(program.module, regions.spread, s)
         shard_module(program.module, {name: shard.dim for name, shard in mine.items()}, mesh,
                      replicated=_called_on_dtensors(program.module, mine, regions.inside | regions.spread),
                      made=dtensors)
@@ -219,12 +220,30 @@ def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first:
         if arriving or sent:
             made.tokens = TokenWire(mesh, arriving | sent)
         try:
+            if refused is not None:
+                raise refused
             _run_once(program.module, made, inputs, s, regions.spread)
         except PlanError as e:
             failure = failure or e
         out[s] = made
     raise_together(failure, "split its stage over its tensor-parallel group")
     return out
+
+
+def _attention_on_tokens(module: fx.GraphModule, spread: Collection[str], stage: int) -> PlanError | None:
+    """Attention outside every split region on the residual stream's token shards (its query,
+    key and value projections left whole, as DeepSeek-V3's MLA under the model's tp_plan): it
+    would attend within each rank's tokens only, or fail on a mask of the whole sequence.
+    Refused by node before any step (a token-mixing op cannot run on a token shard)."""
+    node = next((n for n in module.graph.nodes if n.name in spread and n.target in ATTENTION), None)
+    if node is None:
+        return None
+    return PlanError(
+        f"stage {stage} (rank {dist.get_rank()}) cannot run split over its tensor-parallel group: node {node.name} "
+        f"({node.format_node()}), an attention outside every split region, would read the residual stream's token "
+        f"shards (sequence parallelism) as whole sequences: its query, key and value projections are not split. "
+        f"Leave TensorParallelOptions(sequence_parallel=False), or split those projections with "
+        f"TensorParallelOptions(plan=...)")
 
 
 def _stage_shards(module: torch.nn.Module, shards: Mapping[str, ParameterShard],

@@ -3,7 +3,7 @@
 :func:`parse_cluster` reads ``nodes x gpus_per_node x device_profile`` into a
 :class:`~pipecut.cluster.Cluster` (NVLink inside a node from the profile, the platform's
 per-GPU network port between nodes). :func:`plan_cluster` estimates the model's cost table for
-the device (:func:`pipecut.profile.devices.estimate_costs`, the model may be on meta), weighs every
+the device (:func:`pipecut.profile.devices.estimate_captured`, the model may be on meta), weighs every
 D replicas × K stages in both layouts, for the schedule asked for (or, with ``"auto"``, every
 schedule: GPipe, 1F1B, interleaved 1F1B, zero bubble, ZBV) as it runs, on the training-run model of
 :mod:`pipecut.passes.parallel.training` (FSDP2, bf16 with fp32 AdamW state, activation checkpointing,
@@ -33,7 +33,7 @@ from pipecut.cluster import Cluster, Layout, Link, MemoryPart, RunPrediction, St
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.choices import enum_choice
 from pipecut.core.kinds import AttentionKernel, DataParallelKind, Recompute, ScheduleKind
-from pipecut.core.program import Inputs
+from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError, PartitionError
 from pipecut.ir import Candidate, NodeCost, Plan, ReplicaCandidate
 from pipecut.passes.costs.workload import Workload, workload
@@ -56,7 +56,7 @@ from pipecut.profile.devices import (
     DeviceProfile,
     Precision,
     device_profile,
-    estimate_costs,
+    estimate_captured,
 )
 from pipecut.profile.hardware import (
     FigureEnd,
@@ -291,16 +291,17 @@ def plan_cluster(
 
     priced = _Recording(family_model(profile))
 
-    def costs(inputs: Inputs, tgt: Any) -> tuple[NodeCost, ...]:
-        rows = estimate_costs(model, inputs, profile, precision=Precision.BF16,
-                              microbatches=microbatches, loss_fn=loss_fn, target=tgt,
-                              compute_efficiency=efficiency, cost_model=priced if priced.model is not None else None)
+    def costs(inputs: Inputs, tgt: Any) -> tuple[Captured, tuple[NodeCost, ...]]:
+        captured, rows = estimate_captured(model, inputs, profile, precision=Precision.BF16,
+                                           microbatches=microbatches, loss_fn=loss_fn, target=tgt,
+                                           compute_efficiency=efficiency,
+                                           cost_model=priced if priced.model is not None else None)
         # Weighed against the slowest link a cut may cross (the network between nodes where
         # there are several): where sending costs less, on NVLink, both are a fraction of a ms,
         # while a mask sent between nodes costs 1.5 ms per microbatch at 8k tokens.
-        return mark_rebuilt(rows, c.inter if c.nodes > 1 else c.intra)
+        return captured, mark_rebuilt(rows, c.inter if c.nodes > 1 else c.intra)
 
-    nodes = costs(example_inputs, target)
+    _, nodes = costs(example_inputs, target)
     counted = priced.seen[:1]
     sizes = tensor_parallel_sizes(tensor_parallel, nodes, c, head_counts(model))
     sharded = sharded_tables(nodes, sizes, c, sequence_parallel=sequence_parallel, model=priced.model,
@@ -316,11 +317,11 @@ def plan_cluster(
     d, t = best.placement.replicas, best.placement.tensor_parallel
     share = split_microbatches(example_inputs, d, size, "example_inputs")[0]
     share_target = split_microbatches(target, d, size, "target")[0] if target is not None else None
-    share_rows = costs(share, share_target)
+    captured, share_rows = costs(share, share_target)  # the graph a replica captures: the plan replays on it
     if t > 1:  # the plan's table is one GPU's share, as the run's
         share_rows = sharded_tables(share_rows, (t,), c, sequence_parallel=sequence_parallel, model=priced.model,
                                     counted=priced.seen[-1] if priced.model is not None else None)[t].nodes
-    planned = plan_of_run(share_rows, sharded[t].nodes if t > 1 else nodes, best, cluster=c,
+    planned = plan_of_run(share_rows, sharded[t].nodes if t > 1 else nodes, best, cluster=c, captured=captured,
                           microbatches=microbatches, batch_size=size // d, recompute=rec, sharding=shard)
     run = _run_prediction(best, c, rec, shard, efficiency, source, has_config=bool(layers),
                           sequence_parallel=sequence_parallel and t > 1)

@@ -24,8 +24,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from pipecut.capture import fingerprint
 from pipecut.cluster import Cluster, Link
-from pipecut.core.kinds import CaptureMethod, DataParallelKind, Partitioner, Recompute
+from pipecut.core.kinds import DataParallelKind, Partitioner, Recompute
+from pipecut.core.program import Captured
 from pipecut.errors import PartitionError
 from pipecut.ir import DeviceSpec, NodeCost, Plan, Solver, Stage
 from pipecut.options import DataParallelOptions
@@ -38,11 +40,13 @@ __all__ = ["mixed_links_note", "plan_of_run"]
 
 
 def plan_of_run(
-    nodes: Sequence[NodeCost], whole: Sequence[NodeCost], run: RunCandidate, *, cluster: Cluster,
+    nodes: Sequence[NodeCost], whole: Sequence[NodeCost], run: RunCandidate, *, cluster: Cluster, captured: Captured,
     microbatches: int, batch_size: int, recompute: Recompute, sharding: DataParallelKind,
 ) -> Plan:
     """One replica's plan of ``run``: ``nodes`` is the cost table at the replica's share (batch
-    ``batch_size``), ``whole`` the table ``run`` was priced on (the whole batch)."""
+    ``batch_size``), ``whole`` the table ``run`` was priced on (the whole batch), ``captured``
+    the graph ``nodes`` were counted on, which the plan names (its fingerprint, capture method
+    and inputs), so that ``compile(plan=...)`` replays it on the model."""
     live = liveness(nodes)
     at = _aligned(nodes, live.units, whole)
     bounds = [*(at(b) for b in run.bounds[:-1]), len(live.units)]
@@ -75,8 +79,8 @@ def plan_of_run(
         f"the cluster run's split: min-bottleneck over module boundaries at one of {d} replicas' share "
         f"(pipecut.passes.parallel.training), {run.schedule.value} on {run.stages_per_rank} stage(s) per rank"))
     return Plan(
-        fingerprint="", capture=CaptureMethod.SYMBOLIC_TRACE, schedule=run.schedule,
-        microbatches=microbatches, batch_size=batch_size, inputs=(), nodes=tuple(nodes), stages=stages,
+        fingerprint=fingerprint(captured.gm), capture=captured.method, schedule=run.schedule,
+        microbatches=microbatches, batch_size=batch_size, inputs=captured.input_names, nodes=tuple(nodes), stages=stages,
         edges=facts.edges, devices=devices, link=link, predicted=predicted, solver=solver, tied=facts.tied,
         stages_per_rank=run.stages_per_rank, data_parallel=dp, pipecut_version=__version__,
         torch_version=torch.__version__,

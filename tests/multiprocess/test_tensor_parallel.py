@@ -494,6 +494,8 @@ def _three_heads() -> zoo.Built:
 
 
 USER_PLAN = {"blocks.*.0": "column", "blocks.*.2": "row"}
+MLP_ONLY = {"model.layers.*.mlp.gate_proj": "column", "model.layers.*.mlp.up_proj": "column",
+            "model.layers.*.mlp.down_proj": "row"}
 
 
 def _refusals(rank: int, world: int, directory: str) -> dict[str, Any]:
@@ -506,6 +508,10 @@ def _refusals(rank: int, world: int, directory: str) -> dict[str, Any]:
         # the experts' grouped product (a transformers op DTensor has no rule for) on token shards
         "sequence": (mixtral(), mesh, {"tensor_parallel": pipecut.TensorParallelOptions(sequence_parallel=True)}),
         "compiled": (mlp(), mesh, {"runtime": pipecut.RuntimeOptions(timeout=60, compile_stages=True)}),
+        # only the MLPs split: attention stays outside every region, on the token shards (the
+        # way DeepSeek-V3's MLA attention met sequence parallelism under its own tp_plan)
+        "attention": (zoo.llama(batch_size=BATCH), mesh, {"tensor_parallel": pipecut.TensorParallelOptions(
+            plan=MLP_ONLY, sequence_parallel=True)}),
         "mesh": (mlp(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "xx")), {}),
     }
     out: dict[str, Any] = {}
@@ -543,7 +549,7 @@ def test_what_cannot_be_split_is_refused_by_name_before_any_step(tmp_path: Any) 
     ranks = run_ranks(_refusals, 4, str(tmp_path), timeout=560, collective_timeout=120)
     got = ranks[0]
     assert all(r[k] == got[k] for r in ranks for k in got
-               if k not in ("user plan", "replayed", "op", "sequence", "eval", "dp1"))
+               if k not in ("user plan", "replayed", "op", "sequence", "attention", "eval", "dp1"))
     assert "InputError: tensor_parallel=2 (the mesh's 'tp' dimension) must divide the attention heads (3) and " \
            "the KV heads (3)" in got["heads"] and "group sizes that run: 1, 3" in got["heads"]
     assert "InputError: tensor_parallel=2 must divide every split dimension: proj.bias (dimension 0 of size 63), " \
@@ -557,6 +563,11 @@ def test_what_cannot_be_split_is_refused_by_name_before_any_step(tmp_path: Any) 
                          r" failed on DTensors: .* leave TensorParallelOptions\(sequence_parallel=False\)", r["sequence"]), \
             r["sequence"]
     assert "PlanError: RuntimeOptions(compile_stages=...) with tensor parallelism does not run on torch" in got["compiled"]
+    for r in ranks:  # refused from the graph, before the probe runs anything
+        assert re.search(r"stage [01] \(rank [0-3]\) cannot run split over its tensor-parallel group: node "
+                         r"scaled_dot_product_attention\w* .*an attention outside every split region", r["attention"]), \
+            r["attention"]
+        assert "sequence_parallel=False" in r["attention"]
     assert "InputError: the DeviceMesh needs a 'pp' dimension and maybe 'dp' and 'tp' ones" in got["mesh"]
     split = {n.rpartition(".")[0] for r in ranks for n in r["user plan"]}
     assert split == {"blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2"}, split  # embed and head stay whole
@@ -565,7 +576,7 @@ def test_what_cannot_be_split_is_refused_by_name_before_any_step(tmp_path: Any) 
     model, inputs, loss_fn, target = mlp()
     for r in ranks:
         torch.testing.assert_close(r["dp1"][0], loss_fn(model(*inputs), target), atol=ATOL, rtol=RTOL)
-        assert r["dp1"][1] == pipecut.DataParallelOptions()  # nothing to keep in step, so no engine
+        assert r["dp1"][1] is None  # nothing to keep in step, so no engine
     with torch.no_grad():
         want = loss_fn(model.eval()(*inputs), target)
     for r in ranks:

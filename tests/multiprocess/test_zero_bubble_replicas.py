@@ -155,3 +155,37 @@ def test_zero_bubble_and_zbv_with_ddp_and_fsdp_match_the_plain_model() -> None:
                     torch.testing.assert_close(got["norm"], ref["norm"], rtol=RTOL, atol=ATOL,
                                                msg=lambda m, r=r, at=at: f"{at} rank {r} clipped norm: {m}")
             assert_named_grads(ref["grads"], [run["steps"][step]["grads"] for run in runs], f"{at} step {step}")
+
+
+def _cluster_plan_on_cpu(rank: int, world: int, plan: str) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica = mesh.get_local_rank("dp")
+    share = slice(BATCH // 2 * replica, BATCH // 2 * (replica + 1))
+    model, inputs, loss_fn, target = _build("llama")
+    pipe = pipecut.compile(model, {"input_ids": inputs["input_ids"][share]}, mesh, loss_fn=loss_fn,
+                           target=target[share], plan=plan, runtime=pipecut.RuntimeOptions(timeout=90))
+    loss = pipe.step({"input_ids": inputs["input_ids"][share]}, target[share])
+    return {"loss": loss, "grads": named_grads(pipe), "schedule": pipe.plan.schedule.value,
+            "data_parallel": pipe.plan.data_parallel}
+
+
+@pytest.mark.timeout(600)
+def test_a_cluster_plan_where_zero_bubble_with_replicas_wins_runs_at_parity() -> None:
+    """The cluster planner weighs every schedule and D x K for two nodes of two H100s and picks
+    zero-bubble over two FSDP replicas of two stages; that very plan, replayed on 4 CPU ranks,
+    steps at parity with the plain model (it was a run pipecut's runtime refused)."""
+    from pipecut.planning.clusters import plan_cluster
+
+    model, inputs, loss_fn, target = _build("llama")
+    plan = plan_cluster(model, inputs, "2x2xH100-SXM", microbatches=M, schedule="auto", tensor_parallel=1,
+                        recompute="none", loss_fn=loss_fn, target=target)
+    assert plan.schedule is pipecut.ScheduleKind.ZERO_BUBBLE and plan.placement is not None
+    assert (plan.placement.replicas, plan.num_stages) == (2, 2)
+    assert plan.data_parallel == pipecut.DataParallelOptions(kind="fsdp", replicas=2)
+    ranks = run_ranks(_cluster_plan_on_cpu, 4, plan.to_json(), timeout=580, collective_timeout=90)
+    loss = loss_fn(model(**inputs), target)
+    loss.backward()
+    for r, got in enumerate(ranks):
+        assert (got["schedule"], got["data_parallel"]) == ("zero-bubble", plan.data_parallel)
+        torch.testing.assert_close(got["loss"], loss.detach(), rtol=RTOL, atol=ATOL, msg=lambda m, r=r: f"rank {r}: {m}")
+    assert_named_grads({n: p.grad for n, p in model.named_parameters()}, [g["grads"] for g in ranks], "cluster plan")
