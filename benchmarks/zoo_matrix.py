@@ -8,8 +8,9 @@ A cell reads
 
 - ``pass``: loss, every gradient and every buffer match;
 - ``FAIL(tensor, max abs err)``: a silent difference, the first tensor off and by how much;
-- ``refused(Class)``: a pipecut error (``pipecut.errors``): match or refuse, it refused;
-- ``error(Class)``: any other exception (not a pipecut error: itself a bug to fix);
+- ``refused(Class)``: a pipecut error (``pipecut.errors``) before any step: match or refuse, it refused;
+- ``error(Class)``: any other exception, or a rank's failure inside a step
+  (``PipelineRuntimeError``): itself a bug to fix;
 - ``timeout``: the ranks ran past ``--timeout`` seconds and were killed.
 
 Columns: GPipe, 1F1B and zero-bubble split batch 4 into 2 microbatches; interleaved 1F1B (2
@@ -18,7 +19,9 @@ microbatch (batch 2 in 2) under zero-bubble; the ``tp2-`` columns (not run by de
 each of the K stages over 2 ranks (DTensor), ``-sp-`` with sequence parallelism: 1F1B and
 GPipe with batch 4 in 2, interleaved 1F1B with batch 4 in 4; ``-selective-``: each stage
 recomputes its first block; ``-eager``: the models built with eager attention instead of
-transformers' default (SDPA where the model has it, as every other column). Plans come from a fixed cost table
+transformers' default (SDPA where the model has it, as every other column); the ``dp2-``
+columns run two replicas of the pipeline (DDP under zero-bubble, FSDP2 under ZBV), each on
+half of a batch of 8, against the plain model on the whole batch. Plans come from a fixed cost table
 (``examples.pinned``: every node the same cost), so a cell gives the same answer on every run;
 ``--measured`` plans from timings instead, calibrated on the running pipeline, as a user's
 ``compile`` does (the runtime's paths after calibration: a rebuilt split, a re-costed order).
@@ -50,7 +53,7 @@ from benchmarks.coverage import ATOL, RTOL, write_section  # noqa: E402
 from examples import pinned, zoo  # noqa: E402
 from examples.architectures import ARCHITECTURES  # noqa: E402
 from pipecut import MeasureOptions, ScheduleKind, TensorParallelOptions  # noqa: E402
-from pipecut.errors import PipecutError  # noqa: E402
+from pipecut.errors import PipecutError, PipelineRuntimeError  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 
 
@@ -70,13 +73,39 @@ class Column:
     attention: str | None = None
     """The models' attention: None, transformers' default (what a user gets: SDPA where the
     model has it); ``"eager"`` for the ``-eager`` columns."""
+    replicas: str | None = None
+    """Two replicas of the pipeline kept in step by this engine ("ddp", "fsdp"; a ("dp", "pp")
+    or ("dp", "pp", "tp") mesh), each on half the batch; None: one pipeline."""
+    compiled: bool = False
+    """The stages run through torch.compile (``compile_stages=True``)."""
+    registry: Any = None
+    """The factories by name (None: the architectures)."""
 
     @property
     def models(self) -> dict[str, Any]:
         """The architectures as this column builds them."""
+        registry = ARCHITECTURES if self.registry is None else self.registry
         if self.attention is None:
-            return ARCHITECTURES
-        return {n: functools.partial(f, attention=self.attention) for n, f in ARCHITECTURES.items()}
+            return registry
+        return {n: functools.partial(f, attention=self.attention) for n, f in registry.items()}
+
+    @property
+    def replica_count(self) -> int:
+        return 1 if self.replicas is None else 2
+
+    def ranks(self, k: int) -> int:
+        """The ranks a cell at K stages runs on: D x K x T."""
+        return self.replica_count * k * self.tensor_parallel
+
+    def mesh(self, world: int) -> Any:
+        """The DeviceMesh of a cell (None: plain ranks)."""
+        dims = [("dp", self.replica_count)] if self.replicas else []
+        dims.append(("pp", world // (self.replica_count * self.tensor_parallel)))
+        if self.tensor_parallel > 1:
+            dims.append(("tp", self.tensor_parallel))
+        if len(dims) == 1:
+            return None
+        return init_device_mesh("cpu", tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims))
 
 
 COLUMNS = (
@@ -101,6 +130,8 @@ COLUMNS = (
     Column(name="tp2-zero-bubble", schedule=ScheduleKind.ZERO_BUBBLE, batch_size=4, microbatches=2, tensor_parallel=2),
     Column(name="tp2-sp-zbv", schedule=ScheduleKind.ZBV, batch_size=4, microbatches=4, tensor_parallel=2,
            sequence_parallel=True),
+    Column(name="dp2-ddp-zero-bubble", schedule=ScheduleKind.ZERO_BUBBLE, batch_size=8, microbatches=2, replicas="ddp"),
+    Column(name="dp2-fsdp-zbv", schedule=ScheduleKind.ZBV, batch_size=8, microbatches=4, replicas="fsdp"),
 )
 DEFAULT = [c.name for c in COLUMNS if c.tensor_parallel == 1 and c.attention is None]
 BY_NAME = {c.name: c for c in COLUMNS}
@@ -109,18 +140,22 @@ BY_NAME = {c.name: c for c in COLUMNS}
 def _cell_on_rank(rank: int, world: int, name: str, column: Column, plan: Any, measured: bool) -> dict[str, Any]:
     """One rank's step, or its error as data (so that the other rank's result still comes back)."""
     try:
-        devices, split = None, None
-        if column.tensor_parallel > 1:
-            devices = init_device_mesh("cpu", (world // column.tensor_parallel, column.tensor_parallel),
-                                       mesh_dim_names=("pp", "tp"))
-            split = TensorParallelOptions(sequence_parallel=column.sequence_parallel)
+        devices = column.mesh(world)
+        split = TensorParallelOptions(sequence_parallel=column.sequence_parallel) if column.tensor_parallel > 1 else None
         return zoo.pipelined_step(rank, world, name, column.microbatches, batch_size=column.batch_size,
                                   schedule=column.schedule, models=column.models, plan=plan,
                                   measure=MeasureOptions() if measured else None, devices=devices,
-                                  tensor_parallel=split)
+                                  tensor_parallel=split, data_parallel=column.replicas,
+                                  compile_stages=column.compiled)
     except Exception as e:
-        return {"error": _error_line(e), "refused": isinstance(e, PipecutError),
+        return {"error": _error_line(e), "refused": _refusal(e),
                 "kind": type(e).__name__, "traceback": traceback.format_exc()}
+
+
+def _refusal(e: BaseException) -> bool:
+    """A pipecut error raised before any step (a plan or input refused), not a rank's failure
+    inside a step, which pipecut reports as a ``PipelineRuntimeError``."""
+    return isinstance(e, PipecutError) and not isinstance(e, PipelineRuntimeError)
 
 
 def _error_line(e: BaseException) -> str:
@@ -146,7 +181,7 @@ def run_cell(name: str, column: Column, k: int, timeout: float, plan: Any, measu
     row = _row(name, column, k)
     start = time.perf_counter()
     try:
-        ranks = run_ranks(_cell_on_rank, k * column.tensor_parallel, name, column, plan, measured, timeout=timeout)
+        ranks = run_ranks(_cell_on_rank, column.ranks(k), name, column, plan, measured, timeout=timeout)
     except TimeoutError as e:
         return {**row, "status": "timeout", "detail": str(e).splitlines()[0],
                 "seconds": round(time.perf_counter() - start, 1)}
@@ -173,8 +208,9 @@ def _reference(name: str, column: Column, timeout: float) -> Any:
     start autograd's device threads, after which torch 2.14's CUDA build refuses every backward
     in the ranks forked for the next cell ("Unable to handle autograd's threading in
     combination with fork-based multiprocessing")."""
-    def step(rank: int, world: int) -> Any:
-        loss, model = zoo.reference_step(name, column.microbatches, batch_size=column.batch_size, models=column.models)
+    def step(rank: int, world: int) -> Any:  # replicas: the same microbatches, the whole batch's mean
+        loss, model = zoo.reference_step(name, column.microbatches * column.replica_count, batch_size=column.batch_size,
+                                         models=column.models)
         return loss, model, {n: p.grad for n, p in model.named_parameters()}  # a saved module keeps no .grad
 
     loss, model, grads = run_ranks(step, 1, timeout=timeout)[0]
@@ -184,10 +220,10 @@ def _reference(name: str, column: Column, timeout: float) -> Any:
 
 
 def _plan(name: str, column: Column, k: int, costs: dict[tuple[int, int, str | None], pinned.FixedCosts]) -> Any:
-    key = (column.batch_size, column.microbatches, column.attention)
+    share = column.batch_size // column.replica_count  # a replica's plan is at its share of the batch
+    key = (share, column.microbatches, column.attention)
     if key not in costs:
-        costs[key] = pinned.fixed_costs(name, column.microbatches, models=column.models,
-                                        batch_size=column.batch_size)
+        costs[key] = pinned.fixed_costs(name, column.microbatches, models=column.models, batch_size=share)
     plan = pinned.fixed_plan(costs[key], k, column.schedule)
     return pinned.first_block_recomputed(plan) if column.recompute_first_block else plan
 
@@ -203,7 +239,7 @@ def sweep(names: list[str], columns: list[Column], stages: list[int], timeout: f
                 plan = None if measured else _plan(name, column, k, costs)
             except Exception as e:  # capture or partition refused before any rank ran
                 rows.append({**_row(name, column, k), "seconds": 0.0, "kind": type(e).__name__,
-                             "status": "refused" if isinstance(e, PipecutError) else "error",
+                             "status": "refused" if _refusal(e) else "error",
                              "detail": f"planning: {_error_line(e)}", "traceback": traceback.format_exc()})
             else:
                 rows.append(run_cell(name, column, k, timeout, plan, measured))

@@ -181,7 +181,7 @@ def compile(
             gc.collect()
             request = dataclasses.replace(request, given=back, remeasure=False, options=replay)
             pipe, place = _build(request)
-    return _replicated(pipe, place)
+    return _replicated(pipe, place, asked=request.options.data_parallel.kind is not None)
 
 
 def _build(request: Request) -> tuple[Pipeline, Place]:
@@ -290,9 +290,10 @@ def _sizes(plan: Plan) -> str:
     return "/".join(str(len(s.nodes)) for s in plan.stages)
 
 
-def _replicated(pipe: Pipeline, place: Place) -> Pipeline:
+def _replicated(pipe: Pipeline, place: Place, asked: bool) -> Pipeline:
     """Data parallelism over the replicas, after Pipeline has read the parameter names FSDP
-    may change."""
+    may change. ``asked``: the engine was the user's choice (a refusal says so when it was
+    the default)."""
     if place.replication is not None:
         assert place.layout.dp_group is not None  # replication_of gives None without a "dp" dimension
         kind, tensor_parallel = place.replication.resolved_kind, place.tensor_parallel
@@ -303,8 +304,9 @@ def _replicated(pipe: Pipeline, place: Place) -> Pipeline:
             # programs (an export graph fixes its mode) would run the tensors of compile time,
             # silently (found by the fuzzer, issue 27).
             mode = "eval" if pipe.training else "train"
+            default = "" if asked else " (the default for replicas of tensor-parallel stages)"
             pipe.modes.refuse_separate_mode(PlanError(
-                f"{mode} mode under data_parallel='{kind.value}'{' with tensor parallelism' if tensor_parallel else ''} "
+                f"{mode} mode under data_parallel='{kind.value}'{default}{' with tensor parallelism' if tensor_parallel else ''} "
                 f"is not supported for a model captured by torch.export (its {mode}-mode graph is a second "
                 f"program, which FSDP2 does not wrap): use data_parallel='ddp' without tensor parallelism, "
                 f"or run {mode} steps outside the pipeline (pipe.state_dict() gives the full weights)"))

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipecut
+from pipecut.core.batching import split_microbatches
 
 Built = tuple[nn.Module, Any, Callable[[Any, Any], torch.Tensor], torch.Tensor]
 
@@ -291,7 +292,8 @@ def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_si
                    seed: int = 0, timeout: float = 60.0, schedule: str | pipecut.ScheduleKind = "gpipe",
                    *, models: Factories | None = None, plan: Any = None,
                    measure: pipecut.MeasureOptions | None = None, devices: Any = None,
-                   tensor_parallel: pipecut.TensorParallelOptions | None = None) -> dict[str, Any]:
+                   tensor_parallel: pipecut.TensorParallelOptions | None = None,
+                   data_parallel: str | None = None, compile_stages: bool = False) -> dict[str, Any]:
     """On one rank: compile model ``name`` of ``models`` over ``world`` ranks, run one step.
 
     ``schedule``: any :class:`pipecut.ScheduleKind` or its name (interleaved 1F1B and ZBV with
@@ -301,17 +303,23 @@ def pipelined_step(rank: int, world: int, name: str, microbatches: int, batch_si
     and no calibration, so the split, and with it the order in which gradients are summed, is
     the same on every run; ``MeasureOptions()`` plans as a user's ``compile`` does, from
     timings, calibrated on the running pipeline). ``devices``: instead of ``world`` ranks, a
-    DeviceMesh (a "tp" dimension splits the stages; ``tensor_parallel`` how). Returns what the
-    parity check compares: the loss, this rank's gradients (whole: a split one gathered over its
-    group) and buffers under the model's names, and how the model was captured.
+    DeviceMesh (a "tp" dimension splits the stages; ``tensor_parallel`` how; a "dp" dimension
+    holds replicas, each stepping its share of the batch, kept in step by ``data_parallel``,
+    "ddp" or "fsdp"). ``compile_stages``: the stages run through torch.compile. Returns what
+    the parity check compares: the loss, this rank's gradients (whole: a split or sharded one
+    gathered over its group) and buffers under the model's names, and how the model was captured.
     """
     kind = pipecut.ScheduleKind(schedule)
     model, inputs, loss_fn, target = factory(name, models)(batch_size=batch_size, seed=seed)
+    if devices is not None and "dp" in (devices.mesh_dim_names or ()):
+        replicas, replica = devices["dp"].size(), devices.get_local_rank("dp")
+        inputs = split_microbatches(inputs, replicas, batch_size)[replica]
+        target = split_microbatches(target, replicas, batch_size, "target")[replica]
     pipe = pipecut.compile(
         model, inputs, world if devices is None else devices, loss_fn=loss_fn, target=target, plan=plan,
-        microbatches=microbatches, schedule=kind, tensor_parallel=tensor_parallel,
+        microbatches=microbatches, schedule=kind, tensor_parallel=tensor_parallel, data_parallel=data_parallel,
         scheduling=pipecut.ScheduleOptions(stages_per_rank=stages_per_rank_of(kind)),
-        runtime=pipecut.RuntimeOptions(timeout=timeout),
+        runtime=pipecut.RuntimeOptions(timeout=timeout, compile_stages=compile_stages),
         measure=measure if measure is not None else pipecut.MeasureOptions(estimate="A100-80GB"),
     )
     loss = pipe.step(inputs, target)

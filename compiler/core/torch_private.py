@@ -60,6 +60,11 @@ Behind a check, with a fallback:
   peer rank).
 - ``torch._dynamo.lookup_backend`` (:func:`inductor_backend`): the inductor backend that
   pipecut's counting backend wraps. Missing: an ImportError telling to run stages eagerly.
+- ``torch._functorch.config.donated_buffer`` (:func:`kept_saved_tensors`): off while a stage
+  compiled apart compiles and while its split backward runs (AOTAutograd reads it at both), so
+  that its backward may run with ``retain_graph=True`` (the input pass keeps the graph for the
+  weight pass; a donated buffer refuses that).
+  Missing: nothing to turn off (torch before donated buffers never donated them).
 
 Not here: private *attributes of torch objects* (``Module._parameters``, ``Tensor._version``,
 ``Module._compiled_call_impl`` …), used in place where the object is at hand.
@@ -95,6 +100,7 @@ __all__ = [
     "in_tracing_context",
     "inductor_backend",
     "inductor_cache_hits",
+    "kept_saved_tensors",
     "pytree",
     "qualified_name",
     "quiet_fake_tensors",
@@ -241,6 +247,18 @@ def inductor_cache_hits() -> int:
     except ImportError:
         return 0
     return int(counters["inductor"]["fxgraph_cache_hit"])
+
+
+def kept_saved_tensors() -> contextlib.AbstractContextManager[Any]:
+    """A context in which AOTAutograd compiles backwards that keep their saved tensors
+    (``donated_buffer`` off), so they can run with ``retain_graph=True``."""
+    try:
+        from torch._functorch import config
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(config, "donated_buffer"):
+        return contextlib.nullcontext()
+    return config.patch(donated_buffer=False)
 
 
 def replicate_with_fsdp() -> Callable[..., Any] | None:

@@ -168,7 +168,8 @@ def _stage(
         recomputed=recomputed,
         forward_ms=fwd_ms,
         backward_ms=bwd_ms,
-        weight_ms=wgt_ms if recompute is Recompute.NONE else 0.0,  # ZB: no recompute
+        # a split backward recomputes once, in the input pass (held_recompute): W is the weights' share
+        weight_ms=wgt_ms,
         comm_ms=cut.cut_ms[a] + cut.cut_ms[e],
         param_bytes=pbytes,
         activation_bytes=act,

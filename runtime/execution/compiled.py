@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 
 from pipecut.core.graph import node_parameters
-from pipecut.core.torch_private import inductor_backend, inductor_cache_hits
+from pipecut.core.torch_private import inductor_backend, inductor_cache_hits, kept_saved_tensors
 
 __all__ = ["CompileStats", "compile_apart", "compile_stage", "uncompile_stage", "weightless_runs"]
 
@@ -171,7 +171,8 @@ def _timed(compiled: Callable[..., Any], stats: CompileStats) -> Callable[..., A
 
     def compiled_run(*args: Any) -> Any:
         graphs, start = stats.graphs, time.perf_counter()
-        out = compiled(*args)
+        with kept_saved_tensors():  # compiled without donated buffers: the input pass retains the graph
+            out = compiled(*args)
         if stats.graphs != graphs:
             stats.seconds += time.perf_counter() - start
         return out

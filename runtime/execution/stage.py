@@ -24,7 +24,7 @@ import torch.distributed as dist
 from pipecut.core.kinds import Recompute
 from pipecut.core.program import StageProgram
 from pipecut.core.segment import Segment, torch_checkpoint
-from pipecut.core.torch_private import pytree
+from pipecut.core.torch_private import kept_saved_tensors, pytree
 from pipecut.errors import PipelineRuntimeError
 from pipecut.ir import NodeCost, Plan
 from pipecut.runtime.comm.p2p import Direction, Op, Transfer
@@ -326,7 +326,7 @@ class StageWorker:
         inputs = [t for t in state.received if t.requires_grad]
         if weights_later:
             params = list(self.program.module.parameters())
-            with self.replay.replaying(mb, keep=True):  # the weight pass may recompute too
+            with self.replay.replaying(mb, keep=True), self._retaining():  # the weight pass may recompute too
                 input_grads, state.weight_pass = split_backward(outputs, grads, inputs, params)
         else:
             if outputs:
@@ -343,13 +343,19 @@ class StageWorker:
         state.received = []
         state.sent = []
 
+    def _retaining(self) -> contextlib.AbstractContextManager[Any]:
+        """Around a split backward's passes: the input pass keeps the graph for the weight pass,
+        which a compiled run's backward allows only with donated buffers off (also when it runs:
+        AOTAutograd checks the flag then)."""
+        return kept_saved_tensors() if self._eager_graph is not None else contextlib.nullcontext()
+
     def backward_weight(self, mb: int) -> None:
         """The weight-gradient part of a backward whose input part has run."""
         state = self.state[mb]
         if state.weight_pass is None:
             raise PipelineRuntimeError(f"stage {self.stage}: {mb}W runs before {mb}I")
         self.grad_sync.before(ActionKind.WEIGHT, mb)
-        with self.replay.replaying(mb):
+        with self.replay.replaying(mb), self._retaining():
             state.weight_pass()
         state.weight_pass = None
         self.grad_sync.after(ActionKind.WEIGHT, mb)

@@ -102,9 +102,16 @@ def _steps(pipe: Any, model: torch.nn.Module, inputs: Any, target: Any, steps: t
                "buffers": {n: b.clone() for n, b in pipe.named_buffers()}}
 
 
+GROUPS = {"gpt": ("gpt", "gpt_recompute"), "others": ("mlp_interleaved", "tagger_gpipe", "hf_gpt2"),
+          "split backward": ("gpt_zero_bubble_recompute", "gpt_zbv")}
+"""The scenarios by fork: each group's cold inductor compiles fit its test's limit on a loaded
+machine (all in one fork ran past 900 s beside a zoo sweep and other tests, load 12 on 2 cores)."""
+
+
 def _ranks(rank: int, world: int, plans: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, (build, _, _, _, steps) in SCENARIOS.items():
+    for name in plans:
+        build, _, _, _, steps = SCENARIOS[name]
         model, inputs, loss_fn, target = build()
         pipe = pipecut.compile(
             model, inputs, world, loss_fn=loss_fn, target=target, plan=plans[name],
@@ -114,6 +121,8 @@ def _ranks(rank: int, world: int, plans: dict[str, str]) -> dict[str, Any]:
         out[name + ":stats"] = [dataclasses.asdict(s) for s in pipe.compile_stats]
         out[name + ":runs"] = {w.stage: sum(getattr(n.target, "__name__", "") == "compiled_run"
                                             for n in w.program.module.graph.nodes) for w in pipe.workers.values()}
+    if "gpt" not in plans:
+        return out
     # "auto": the calibration step times the stages eager, then compiled, and keeps one. The
     # split is given (the timed step decides the mode, never where the stages are cut).
     model, inputs, loss_fn, target = _mlp()
@@ -176,15 +185,18 @@ def inductor_cache(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
         yield path
 
 
-@pytest.mark.timeout(900)  # cold inductor compiles: 554 s in a fresh clone beside a zoo sweep (2 cores)
-def test_compiled_stages_match_plain_model(inductor_cache: Path) -> None:
+@pytest.mark.timeout(900)  # cold inductor compiles: all groups in one fork took 554 s (run A), then past 900 s at load 12
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_compiled_stages_match_plain_model(inductor_cache: Path, group: str) -> None:
     plans: dict[str, str] = {}
-    for name, (build, schedule, per_rank, rewrite, _) in SCENARIOS.items():
+    for name in GROUPS[group]:
+        build, schedule, per_rank, rewrite, _ = SCENARIOS[name]
         plan = _plan(build, 2, schedule, per_rank)
         plans[name] = (rewrite(plan) if rewrite is not None else plan).to_json()
     per_rank = run_ranks(_ranks, 2, plans, timeout=880, collective_timeout=300)
 
-    for name, (build, _, _, _, steps) in SCENARIOS.items():
+    for name in GROUPS[group]:
+        build, _, _, _, steps = SCENARIOS[name]
         for i, step in enumerate(steps):
             results = [r[name][i] for r in per_rank]
             if step is EVAL:
@@ -208,14 +220,19 @@ def test_compiled_stages_match_plain_model(inductor_cache: Path) -> None:
             graphs[s["stage"]] += s["graphs"]  # the train and the eval program of a stage
         runs = {stage: n for r in per_rank for stage, n in r[name + ":runs"].items()}
         if Plan.from_json(plans[name]).schedule.splits_backward:
-            # compiled apart: one graph per run of weightless nodes, each compiled once
-            assert all(n >= 1 for n in runs.values()) and graphs == runs, (name, graphs, runs)
+            # compiled apart: at most one graph per run of weightless nodes (two runs of the same
+            # code share one), none where a stage has no run (its weightless nodes all inside a
+            # recomputed segment, which runs eagerly)
+            assert sum(runs.values()) >= 1, (name, runs)
+            assert all(min(runs[s], 1) <= graphs[s] <= runs[s] for s in runs), (name, graphs, runs)
             continue
         # Every stage compiled: one graph per shape family (static, then dynamic, and a
         # microbatch of one sample: rows=6 in 4 are 2, 2, 1, 1), autocast state and mode, and
         # no more, so recompiles stay bounded by the kinds of steps.
         assert all(1 <= g <= len(steps) + 1 for g in graphs.values()), (name, graphs)
 
+    if group != "gpt":
+        return
     ref_loss, ref_grads = reference(_mlp, M, per_microbatch=False)
     auto = [r["auto"] for r in per_rank]
     assert_parity(ref_loss, ref_grads, auto, rtol=RTOL, atol=ATOL)
@@ -323,3 +340,7 @@ def test_compiled_stages_with_replicas_and_recompute(inductor_cache: Path) -> No
                                        msg=lambda m, n=name, r=r: f"{n} rank {r}: {m}")
         assert_named_grads(want, [g["grads"] for g in got], name, rtol=RTOL, atol=ATOL)
     assert ranks[0]["ddp-1f1b-recompute"]["recompute"][0] is Recompute.FULL
+
+
+def test_every_scenario_runs_in_one_group() -> None:
+    assert sorted(n for names in GROUPS.values() for n in names) == sorted(SCENARIOS)

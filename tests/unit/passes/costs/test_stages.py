@@ -93,3 +93,24 @@ def test_a_stage_no_gradient_leaves_does_all_its_backward_as_weight_work():
     first, *later = plan.stages
     assert first.weight_ms == pytest.approx(first.backward_ms)
     assert all(0 < s.weight_ms < s.backward_ms for s in later)
+
+
+def test_a_recomputing_stage_under_a_split_backward_prices_its_weight_pass():
+    # The split backward recomputes once, in the input pass, and keeps what the weight pass
+    # reads (pipecut.runtime.execution.held_recompute): W is the weights' share of the
+    # backward, I the rest plus the recomputed forward (it was priced as W = 0, all in I).
+    from pipecut.core.kinds import Recompute
+    from pipecut.passes.costs.stages import build_stages
+    from pipecut.passes.partition.chain import liveness
+
+    plan = mlp_plan(schedule="zero-bubble")
+    live = liveness(plan.nodes)
+    bounds = [live.index[s.nodes[0]] for s in plan.stages] + [len(live.units)]
+
+    def stages(recompute: Recompute) -> tuple:
+        return build_stages(plan.nodes, live, bounds, devices=plan.devices, link=plan.link, schedule=plan.schedule,
+                            microbatches=plan.microbatches, recompute=[recompute] * len(plan.stages)).stages
+
+    for plain, full in zip(stages(Recompute.NONE)[1:], stages(Recompute.FULL)[1:]):
+        assert full.weight_ms == pytest.approx(plain.weight_ms) and 0 < full.weight_ms < full.backward_ms
+        assert full.backward_ms == pytest.approx(plain.backward_ms + plain.forward_ms)
