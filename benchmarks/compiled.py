@@ -1,8 +1,10 @@
 """Compiled against eager stages, timed in alternation on one pair of ranks (issue 22).
 
-    .venv/bin/python benchmarks/compiled.py [--models hf_gpt2,gpt] [--rounds 5] [--steps 2]
+    .venv/bin/python benchmarks/compiled.py [--models hf_gpt2,gpt] [--rounds 5] [--steps 2] [--schedule 1f1b]
 
-Two forked CPU ranks on gloo, one thread each; batch 16 in 8 microbatches, 1F1B (the models of
+Two forked CPU ranks on gloo, one thread each; batch 16 in 8 microbatches, 1F1B or
+``--schedule`` (under zero-bubble and ZBV the stages compile apart from their weight ops; the
+models of
 ``benchmarks/runtime.py``). In one fork: pipecut with eager stages and pipecut with
 ``compile_stages=True`` (each planned and calibrated on the running ranks as ``compile`` does,
 so each prediction is of the stages it runs), and on rank 0 the plain model eager and compiled
@@ -37,10 +39,10 @@ from benchmarks.runtime import MICROBATCHES, MODELS, WORLD, _call, _timed, _time
 from tests.harness import run_ranks
 
 
-def _rank(rank: int, world: int, name: str, rounds: int, steps: int) -> dict[str, Any]:
+def _rank(rank: int, world: int, name: str, rounds: int, steps: int, schedule: str) -> dict[str, Any]:
     model, inputs, loss_fn, target = MODELS[name]()
     kw: dict[str, Any] = dict(example_inputs=inputs, loss_fn=loss_fn, target=target,
-                              microbatches=MICROBATCHES, schedule="1f1b")
+                              microbatches=MICROBATCHES, schedule=schedule)
     eager = pipecut.compile(model, devices=world, runtime=pipecut.RuntimeOptions(timeout=600), **kw)
     start = time.perf_counter()
     compiled = pipecut.compile(
@@ -93,11 +95,11 @@ def _rank(rank: int, world: int, name: str, rounds: int, steps: int) -> dict[str
     }
 
 
-def run(name: str, rounds: int, steps: int) -> dict[str, Any]:
-    res = run_ranks(_rank, WORLD, name, rounds, steps, timeout=3000, collective_timeout=1200)
+def run(name: str, rounds: int, steps: int, schedule: str = "1f1b") -> dict[str, Any]:
+    res = run_ranks(_rank, WORLD, name, rounds, steps, schedule, timeout=3000, collective_timeout=1200)
     ms, predicted = res[0]["ms"], res[0]["predicted_ms"]
     row = {
-        "model": name, "ms": ms, "predicted_ms": predicted,
+        "model": name, "schedule": schedule, "ms": ms, "predicted_ms": predicted,
         "prediction_error": {k: (predicted[k] - ms[k]) / ms[k] for k in predicted},
         "compiled_over_eager_pipecut": ms["pipecut eager"] / ms["pipecut compiled"],
         "compiled_pipecut_over_one_compiled_process": ms["one process compiled"] / ms["pipecut compiled"],
@@ -127,11 +129,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--models", default="hf_gpt2,gpt")
+    parser.add_argument("--schedule", default="1f1b", choices=[k.value for k in pipecut.ScheduleKind])
     parser.add_argument("--out", default=str(Path(__file__).with_name("compiled.json")))
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="pipecut-inductor-")
-    rows = [run(name, args.rounds, args.steps) for name in args.models.split(",")]
+    rows = [run(name, args.rounds, args.steps, args.schedule) for name in args.models.split(",")]
     Path(args.out).write_text(json.dumps({"batch": 16, "microbatches": MICROBATCHES, "ranks": WORLD,
                                           "torch": torch.__version__, "rows": rows}, indent=1))
     print(f"wrote {args.out}")

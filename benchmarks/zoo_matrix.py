@@ -146,7 +146,9 @@ def _cell_on_rank(rank: int, world: int, name: str, column: Column, plan: Any, m
                                   schedule=column.schedule, models=column.models, plan=plan,
                                   measure=MeasureOptions() if measured else None, devices=devices,
                                   tensor_parallel=split, data_parallel=column.replicas,
-                                  compile_stages=column.compiled)
+                                  compile_stages=column.compiled,
+                                  # a cold compile on a loaded machine keeps a peer waiting past 60 s
+                                  timeout=300.0 if column.compiled else 60.0)
     except Exception as e:
         return {"error": _error_line(e), "refused": _refusal(e),
                 "kind": type(e).__name__, "traceback": traceback.format_exc()}

@@ -35,6 +35,7 @@ fuses is then the elementwise work between the products, not the products with t
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -156,7 +157,7 @@ def compile_apart(module: fx.GraphModule, stage: int, *, dynamic: bool | None = 
             call = graph.call_function(_timed(torch.compile(sub, backend=backend, dynamic=dynamic), stats),
                                        tuple(env[a] for a in inputs))
             for i, out in enumerate(outputs):
-                env[out] = graph.call_function(_item, (call, i))
+                env[out] = graph.call_function(operator.getitem, (call, i))
         elif node not in inside:
             env[node] = graph.node_copy(node, lambda a: env[a])
     graph.lint()
@@ -178,10 +179,6 @@ def _timed(compiled: Callable[..., Any], stats: CompileStats) -> Callable[..., A
         return out
 
     return compiled_run
-
-
-def _item(values: tuple[Any, ...], i: int) -> Any:
-    return values[i]
 
 
 def _extract(run: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:

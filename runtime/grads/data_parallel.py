@@ -170,7 +170,20 @@ class _DdpStage:
             self.ddp.reducer.prepare_for_backward([])
 
     def after(self, kind: ActionKind, mb: int) -> None:
-        pass
+        """After the reducing pass: a parameter the reducer waits for that got no gradient in
+        the whole step (computed, but not on the loss's path: CLIP's ``post_layernorm`` under
+        its classification head) leaves its bucket unreduced, and DDP says nothing until the
+        next step. Refused here instead of training on gradients that differ per replica."""
+        if kind is ActionKind.INPUT or self.ddp is None or mb != self.last_mb or not self.worker.reduce_grads:
+            return
+        unused = [n for n, p in self.worker.program.module.named_parameters() if p.requires_grad and p.grad is None]
+        if unused:
+            raise PipelineRuntimeError(
+                f"stage {self.worker.stage}: data_parallel='ddp' cannot average this stage's gradients: "
+                f"{', '.join(unused[:4])}{' …' if len(unused) > 4 else ''} got no gradient in the step (not on "
+                f"the loss's path), so DDP's reducer never completes their buckets and the replicas' "
+                f"gradients differ. Freeze them (requires_grad_(False) on pipe.named_parameters()), or use "
+                f"data_parallel='fsdp'")
 
     def settle(self) -> None:
         pass

@@ -189,3 +189,52 @@ def test_a_cluster_plan_where_zero_bubble_with_replicas_wins_runs_at_parity() ->
         assert (got["schedule"], got["data_parallel"]) == ("zero-bubble", plan.data_parallel)
         torch.testing.assert_close(got["loss"], loss.detach(), rtol=RTOL, atol=ATOL, msg=lambda m, r=r: f"rank {r}: {m}")
     assert_named_grads({n: p.grad for n, p in model.named_parameters()}, [g["grads"] for g in ranks], "cluster plan")
+
+
+def _unused_under_ddp(rank: int, world: int) -> dict[str, Any]:
+    from examples.architectures import ARCHITECTURES
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica = mesh.get_local_rank("dp")
+    out: dict[str, Any] = {}
+    for frozen in (True, False):  # the refused step tears the process group down: last
+        model, inputs, loss_fn, target = ARCHITECTURES["clip"](batch_size=BATCH)
+        share = slice(BATCH // 2 * replica, BATCH // 2 * (replica + 1))
+        x, y = {k: v[share] for k, v in inputs.items()}, target[share]
+        pipe = pipecut.compile(model, x, mesh, loss_fn=loss_fn, target=y, microbatches=2, data_parallel="ddp",
+                               measure=COUNTED, runtime=pipecut.RuntimeOptions(timeout=60))
+        if frozen:  # what the refusal asks for
+            for name, p in pipe.named_parameters():
+                if "post_layernorm" in name:
+                    p.requires_grad_(False)
+        try:
+            out[f"frozen={frozen}"] = {"loss": pipe.step(x, y), "grads": named_grads(pipe)}
+        except pipecut.PipecutError as e:
+            out[f"frozen={frozen}"] = str(e)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_ddp_refuses_a_parameter_off_the_loss_path_and_runs_with_it_frozen() -> None:
+    """CLIP's image classifier computes its vision tower's post_layernorm but never uses it:
+    DDP's reducer waited for those gradients and left their bucket unreduced, silently (the
+    replicas' gradients differed by 3e-2, found by the zoo's DDP column). The step is refused
+    naming them; frozen, it matches the plain model with them frozen."""
+    from examples.architectures import ARCHITECTURES
+
+    ranks = run_ranks(_unused_under_ddp, 4, timeout=580, collective_timeout=90)
+    holders = [r["frozen=False"] for r in ranks if "post_layernorm" in str(r["frozen=False"])]
+    assert holders and all("data_parallel='ddp' cannot average this stage's gradients: "
+                           "vision_model.post_layernorm.weight" in h and "requires_grad_(False)" in h for h in holders)
+    model, inputs, loss_fn, target = ARCHITECTURES["clip"](batch_size=BATCH)
+    for name, p in model.named_parameters():
+        if "post_layernorm" in name:
+            p.requires_grad_(False)
+    losses = [loss_fn(model(**{k: v[rows] for k, v in inputs.items()}), target[rows]) / 4
+              for rows in (slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8))]  # the replicas' microbatches
+    sum(losses).backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    for r, got in enumerate(ranks):
+        torch.testing.assert_close(got["frozen=True"]["loss"], sum(losses).detach(), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, r=r: f"rank {r}: {m}")
+    assert_named_grads(want, [g["frozen=True"]["grads"] for g in ranks], "clip frozen")
