@@ -203,7 +203,6 @@ def _build(request: Request) -> tuple[Pipeline, Place]:
         workers = split_over_tensor_group(place, chosen.plan, captured, chosen.first, workers, shards, make,
                                           request.options.tensor_parallel.sequence_parallel)
     ready_for_p2p(place.group, place.device)
-
     pipe = Pipeline(
         plan=chosen.plan, captured=captured, workers=workers, schedule=sched, rank=place.rank,
         ranks=list(place.ranks), group=place.group, tied_groups=tied_groups(chosen.plan, place.layout, request),
