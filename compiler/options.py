@@ -283,7 +283,7 @@ class DataParallelOptions:
     (``plan.data_parallel``), resolved: kind and replicas fixed (:meth:`resolved`).
 
     Args:
-        kind: ``"ddp"``, ``"fsdp"`` (a :class:`~pipecut.core.kinds.DataParallelKind`), "auto",
+        kind: ``"ddp"``, ``"zero1"``, ``"fsdp"`` (a :class:`~pipecut.core.kinds.DataParallelKind`), "auto",
             or None (no replicas; over a mesh's "dp" dimension DDP, or FSDP2 beside a "tp"
             dimension; none for a "dp" dimension of one replica).
         replicas: ``plan``: D replicas to plan for; None: not given.
@@ -293,7 +293,7 @@ class DataParallelOptions:
     """
 
     kind: DataParallelKind | Literal["auto"] | None = None
-    """``ddp``/``fsdp`` over a mesh's "dp" dimension, "auto" (choose D × K), None (no replicas,
+    """``ddp``/``zero1``/``fsdp`` over a mesh's "dp" dimension, "auto" (choose D × K), None (no replicas,
     or the default engine where the mesh has a "dp" dimension of more than one replica)."""
     replicas: int | None = None
     """``plan``: D replicas to plan for (``compile`` reads D from the mesh)."""
@@ -303,8 +303,8 @@ class DataParallelOptions:
             try:
                 _set(self, "kind", enum_choice(DataParallelKind, self.kind, "data_parallel"))
             except InputError:
-                raise InputError(f"unknown data_parallel {self.kind!r}; choose one of ['ddp', 'fsdp', "
-                                 f"'auto'] or None") from None
+                raise InputError(f"unknown data_parallel {self.kind!r}; choose one of "
+                                 f"{[k.value for k in DataParallelKind] + [AUTO]} or None") from None
         if self.replicas is not None and (isinstance(self.replicas, bool) or self.replicas < 1):
             raise InputError(f"DataParallelOptions(replicas={self.replicas}): at least 1")
 
@@ -313,7 +313,8 @@ class DataParallelOptions:
         """The options with both fields fixed, as a plan records them (``plan.data_parallel``):
         the engine and the replica count; InputError for "auto" or an unknown kind."""
         if kind == AUTO:
-            raise InputError("data parallelism resolved needs a kind, 'ddp' or 'fsdp', not 'auto'")
+            raise InputError(f"data parallelism resolved needs a kind, one of {[k.value for k in DataParallelKind]}, "
+                             f"not 'auto'")
         return cls(kind=kind, replicas=replicas)  # type: ignore[arg-type]  # checked in __post_init__
 
     @property
@@ -325,7 +326,8 @@ class DataParallelOptions:
     def resolved_kind(self) -> DataParallelKind:
         """The engine of resolved options (a plan's); InputError where it is not fixed."""
         if not isinstance(self.kind, DataParallelKind):
-            raise InputError(f"DataParallelOptions(kind={self.kind!r}) is not resolved to 'ddp' or 'fsdp'")
+            raise InputError(f"DataParallelOptions(kind={self.kind!r}) is not resolved to one of "
+                             f"{[k.value for k in DataParallelKind]}")
         return self.kind
 
     @property

@@ -45,6 +45,7 @@ from pipecut.runtime.grads.collective import (
     share_loss,
 )
 from pipecut.runtime.grads.data_parallel import Replication, trainable_disagreement
+from pipecut.runtime.grads.sharded_optimizer import make_optimizer
 from pipecut.runtime.grads.tied import TiedGrads
 from pipecut.runtime.state.export import export
 from pipecut.schedules.format import Action, Schedule, forward_only
@@ -203,6 +204,21 @@ class Pipeline:
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         return (p for _, p in self.named_parameters())
+
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any = None,
+                  **defaults: Any) -> torch.optim.Optimizer:
+        """This rank's optimizer: ``optimizer_class(params, **defaults)`` over
+        :meth:`parameters` (or ``params``: tensors or param groups of them), except under
+        ``data_parallel="zero1"``, where its state is sharded over the replicas (torch's
+        ``ZeroRedundancyOptimizer``, :mod:`pipecut.runtime.grads.sharded_optimizer`); there an
+        optimizer built by hand would hold the whole state on every replica.
+
+        >>> opt = pipe.optimizer(torch.optim.AdamW, lr=3e-4)  # doctest: +SKIP
+        """
+        dp = self.plan.data_parallel
+        kind = dp.resolved_kind if dp is not None and dp.is_resolved else None
+        return make_optimizer(self.parameters() if params is None else params, optimizer_class, kind,
+                              self.dp_group, **defaults)
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's buffers that the model has, under the model's names, each once (constants

@@ -126,9 +126,9 @@ def check_composable(plan: Plan, place: Place, shards: Mapping[str, ParameterSha
             "vocabulary-split embedding's masked partial sum under fake tensors; guards on DTensor specs "
             "across a graph break; as_strided on DTensor activations in the compiled runs); use "
             "compile_stages=False with a 'tp' dimension")
-    if (place.replication is not None and place.replication.resolved_kind is DataParallelKind.DDP
+    if (place.replication is not None and place.replication.resolved_kind is not DataParallelKind.FSDP
             and not can_replicate_dtensors()):
-        raise PlanError(f"data_parallel='ddp' with tensor parallelism needs torch's FSDP2-based replicate "
+        raise PlanError(f"data_parallel={place.replication.resolved_kind.value!r} with tensor parallelism needs torch's FSDP2-based replicate "
                         f"(torch.distributed._composable.replicate_with_fsdp), which torch {torch.__version__} "
                         f"lacks (DistributedDataParallel does not reduce DTensor gradients); use "
                         f"data_parallel='fsdp', or a newer torch")

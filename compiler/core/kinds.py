@@ -101,6 +101,10 @@ class DataParallelKind(enum.Enum):
 
     DDP = "ddp"
     """DistributedDataParallel on each stage: every replica holds all of its stage's state."""
+    ZERO1 = "zero1"
+    """ZeRO-1: the optimizer state sharded over the replicas (torch's ``ZeroRedundancyOptimizer``),
+    parameters and gradients whole; gradients all-reduced by DDP as under :attr:`DDP`, and each
+    replica's updated parameters broadcast after the optimizer step."""
     FSDP = "fsdp"
     """FSDP2 ``fully_shard`` on each stage: parameters, gradients and optimizer state sharded."""
 

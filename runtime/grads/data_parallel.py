@@ -1,5 +1,8 @@
 """Pipeline × data parallelism with the engines users trust: DDP or FSDP2 on each stage module.
 
+ZeRO-1 (``data_parallel="zero1"``) wraps each stage as DDP does (over tensor-parallel stages, as
+DDP does there); only its optimizer differs (:mod:`pipecut.runtime.grads.sharded_optimizer`).
+
 Every stage module is wrapped over its replica group (the mesh's "dp" dimension): the ranks
 holding the same stage in the D pipeline replicas. Within a step a stage runs M microbatch
 forwards and backwards; gradients must be reduced once, overlapped with the backward that
@@ -134,10 +137,13 @@ class _DdpStage:
     nothing per step. The new wrapper skips DDP's init-time broadcast (``init_sync=False``):
     the replicas' parameters are already equal, and buffers stay per replica."""
 
-    def __init__(self, worker: StageWorker, group: dist.ProcessGroup, last_mb: int) -> None:
+    def __init__(self, worker: StageWorker, group: dist.ProcessGroup, last_mb: int,
+                 kind: DataParallelKind = DataParallelKind.DDP) -> None:
         self.worker = worker
         self.group = group
         self.last_mb = last_mb
+        self.kind = kind
+        """The engine asked for (DDP, or ZeRO-1, whose gradients DDP reduces), for messages."""
         self.trainable = _trainable(worker.program.module)
         self.ddp = self._wrap(init_sync=True)
         worker.grad_sync = self
@@ -179,7 +185,7 @@ class _DdpStage:
         unused = [n for n, p in self.worker.program.module.named_parameters() if p.requires_grad and p.grad is None]
         if unused:
             raise PipelineRuntimeError(
-                f"stage {self.worker.stage}: data_parallel='ddp' cannot average this stage's gradients: "
+                f"stage {self.worker.stage}: data_parallel={self.kind.value!r} cannot average this stage's gradients: "
                 f"{', '.join(unused[:4])}{' …' if len(unused) > 4 else ''} got no gradient in the step (not on "
                 f"the loss's path), so DDP's reducer never completes their buckets and the replicas' "
                 f"gradients differ. Freeze them (requires_grad_(False) on pipe.named_parameters()), or use "
@@ -391,7 +397,7 @@ def replicate(
     if missing:
         raise PlanError(f"stages {missing} have no backward in this rank's schedule {actions}")
     if not fsdp2_engine(kind, tensor_parallel):
-        return Replication([_DdpStage(worker, group, _last_pass(actions, [stage])[1])
+        return Replication([_DdpStage(worker, group, _last_pass(actions, [stage])[1], kind)
                             for stage, worker in workers.items()])
     return Replication([
         _FsdpStage([workers[s] for s in unit], mesh, _last_pass(actions, unit), shard=kind is DataParallelKind.FSDP)

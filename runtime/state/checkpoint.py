@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipecut.core.graph import mutates_first_arg
 from pipecut.errors import InputError
+from pipecut.runtime.grads.sharded_optimizer import ShardedStateOptimizer
 
 if TYPE_CHECKING:  # Pipeline calls these modules: a run-time import would be a cycle
     from pipecut.runtime.pipeline import Pipeline
@@ -145,6 +146,12 @@ def _optimizer_params(
     pipe: Pipeline, optimizer: torch.optim.Optimizer
 ) -> Iterator[tuple[str, torch.Tensor, dict[str, Any]]]:
     """(original name, parameter, its param group) for every parameter in ``optimizer``."""
+    if isinstance(optimizer, ShardedStateOptimizer):
+        raise InputError(
+            f"stage {pipe.stage} (rank {dist.get_rank()}): a checkpoint of a data_parallel='zero1' optimizer "
+            f"is not supported yet: each replica holds the state of its share of the parameters only, and "
+            f"a checkpoint written from one replica would lose the rest. Save the model without it "
+            f"(optimizer=None), or train with data_parallel='ddp' where the state must be saved")
     names = {id(t): n for n, t in stage_tensors(pipe).items()}
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -215,4 +215,4 @@ def test_ddp_and_fsdp_two_stages_times_two_replicas_match_the_whole_batch() -> N
         no_dp, unknown, replicas = r["errors"]
         assert "InputError: DataParallelOptions(replicas=4) but the devices give 2 replica(s)" in replicas
         assert "InputError: data_parallel='fsdp' needs replicas" in no_dp
-        assert "InputError: unknown data_parallel 'zero'; choose one of ['ddp', 'fsdp', 'auto']" in unknown
+        assert "InputError: unknown data_parallel 'zero'; choose one of ['ddp', 'zero1', 'fsdp', 'auto']" in unknown

@@ -106,7 +106,7 @@ def test_auto_refuses_what_it_cannot_choose_with() -> None:
     kw = {"loss_fn": loss_fn, "target": target, "data_parallel": "auto"}
     with pytest.raises(InputError, match="give microbatches and schedule as values"):
         pipecut.plan(model, inputs, 4, microbatches="auto", **kw)
-    with pytest.raises(InputError, match=r"unknown data_parallel 'zero'; choose one of \['ddp', 'fsdp', 'auto'\]"):
+    with pytest.raises(InputError, match=r"unknown data_parallel 'zero'; choose one of \['ddp', 'zero1', 'fsdp', 'auto'\]"):
         pipecut.plan(model, inputs, 4, microbatches=2, **{**kw, "data_parallel": "zero"})
     with pytest.raises(InputError, match="zbv runs 2 per device"):
         pipecut.choose_replicas(synthetic_nodes(4, micro=4), devices=CPUS, link=FAST,

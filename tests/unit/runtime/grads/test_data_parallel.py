@@ -33,7 +33,7 @@ def test_the_last_backward_is_the_schedules_not_the_last_microbatch() -> None:
 def test_data_parallel_option_parses_and_refuses_unknown_names() -> None:
     assert DataParallelOptions(kind="FSDP").kind is DataParallelKind.FSDP
     assert DataParallelOptions(kind=DataParallelKind.DDP).kind is DataParallelKind.DDP
-    with pytest.raises(InputError, match=r"unknown data_parallel 'zero2'; choose one of \['ddp', 'fsdp', 'auto'\]"):
+    with pytest.raises(InputError, match=r"unknown data_parallel 'zero2'; choose one of \['ddp', 'zero1', 'fsdp', 'auto'\]"):
         DataParallelOptions(kind="zero2")
     with pytest.raises(InputError, match=r"DataParallelOptions\(replicas=0\): at least 1"):
         DataParallelOptions(kind=DataParallelKind.DDP, replicas=0)
