@@ -17,6 +17,7 @@ from pipecut.cluster import Cluster, ClusterPlacement, Layout, Link, RunPredicti
 from pipecut.core.kinds import (
     CaptureMethod,
     CostSource,
+    DataParallelKind,
     LeafKind,
     NodeOp,
     Partitioner,
@@ -250,6 +251,9 @@ class ReplicaCandidate:
     """"chosen", or why the shape was ruled out or cannot run."""
     tensor_parallel: int = 1
     """On a cluster: T, the GPUs of one node that split each stage (D × K × T GPUs in all)."""
+    sharding: DataParallelKind | None = None
+    """The replicas' engine this prediction is for (DDP, ZeRO-1 or FSDP2); None: one replica,
+    or a plan written before the engine was weighed."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

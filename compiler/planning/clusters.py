@@ -49,6 +49,7 @@ from pipecut.passes.parallel.training import (
     merged_choices,
 )
 from pipecut.passes.partition.rebuild import mark_rebuilt
+from pipecut.planning.replicas import ENGINES
 from pipecut.planning.run_plan import mixed_links_note, plan_of_run
 from pipecut.planning.tensor_parallel import head_counts, sharded_tables, tensor_parallel_sizes
 from pipecut.profile.devices import (
@@ -218,7 +219,7 @@ def predict_run(
     if choice.best is not None:
         return choice.best, choice, works[choice.best.placement.tensor_parallel]
     need = choice.smallest_memory_bytes
-    ways = "pipeline × FSDP" + (f" × tensor parallel (T in {', '.join(map(str, works))})"
+    ways = f"pipeline × {shape.sharding.value}" + (f" × tensor parallel (T in {', '.join(map(str, works))})"
                                 if max(works) > 1 else "")
     if need is None:
         reasons = "; ".join(f"D={s.replicas} K={s.stages} T={s.tensor_parallel}: {s.reason}" for s in choice.skipped)
@@ -260,7 +261,7 @@ def plan_cluster(
     schedule: str | ScheduleKind = ScheduleKind.ONE_F_ONE_B,
     stages_per_rank: int | None = None,
     recompute: str | Recompute = Recompute.SELECTIVE,
-    sharding: str | DataParallelKind = DataParallelKind.FSDP,
+    sharding: str | DataParallelKind = "auto",
     loss_fn: LossFn | None = None,
     target: Any = None,
     tensor_parallel: str | int = "auto",
@@ -272,7 +273,9 @@ def plan_cluster(
     "auto" to weigh all of :data:`SCHEDULES` and keep the fastest run that fits.
     ``stages_per_rank``: interleaved 1F1B's V (None weighs 2 and every V that divides the
     blocks evenly). ``recompute``: the activation checkpointing the run uses (none, selective,
-    full). ``sharding``: fsdp or ddp. ``tensor_parallel``: "auto" weighs every T that divides a
+    full). ``sharding``: the replicas' engine, ddp, zero1 or fsdp, or "auto" to weigh all three
+    (:data:`~pipecut.planning.replicas.ENGINES`) and keep the fastest run that fits, DDP on a
+    tie. ``tensor_parallel``: "auto" weighs every T that divides a
     node's GPUs and the attention (and KV) heads, an int fixes T (1: none); each T-way group
     stays inside a node (:mod:`pipecut.planning.tensor_parallel`). ``sequence_parallel``: with
     T > 1, the residual stream split along the sequence too (torchtitan's default; False prices
@@ -284,7 +287,7 @@ def plan_cluster(
     c = parse_cluster(cluster)
     profile = device_profile(c.device)
     efficiency, source = family_efficiency(profile)
-    kinds, rec, shard = _choices(schedule, recompute, sharding, data_parallel)
+    kinds, rec, engines = _choices(schedule, recompute, sharding, data_parallel)
     size, first = first_microbatch(example_inputs, microbatches)
     seq = _sequence_length(first)
     layers, hidden = _attention_dims(model)
@@ -310,10 +313,11 @@ def plan_cluster(
     flops = model_flops_per_token(nodes, layers=layers, hidden=hidden, seq=seq, param_dtype_bytes=width)
     shape = RunShape(batch_size=size, microbatches=microbatches, tokens_per_sample=seq,
                      model_flops_per_token=flops, schedule=kinds[0], stages_per_rank=stages_per_rank,
-                     recompute=rec, sharding=shard, param_dtype_bytes=width, sequence_parallel=sequence_parallel,
+                     recompute=rec, sharding=engines[0], param_dtype_bytes=width, sequence_parallel=sequence_parallel,
                      **_overheads())
-    best, choice, _ = predict_run(nodes, c, shape, schedules=kinds, tensor_parallel=sizes, sharded=sharded,
-                                  replicas=None if data_parallel == "auto" else int(data_parallel))
+    best, choice, shard = _fastest_engine(nodes, c, shape, engines, schedules=kinds, tensor_parallel=sizes,
+                                          sharded=sharded, replicas=None if data_parallel == "auto" else int(data_parallel))
+    shape = dataclasses.replace(shape, sharding=shard)
     d, t = best.placement.replicas, best.placement.tensor_parallel
     share = split_microbatches(example_inputs, d, size, "example_inputs")[0]
     share_target = split_microbatches(target, d, size, "target")[0] if target is not None else None
@@ -383,15 +387,38 @@ def _step_at(bound: FigureEnd, counted: tuple[tuple[NodeCost, ...], Any], nodes:
     return best.step_ms if isinstance(again, Skipped) else again.step_ms
 
 
+def _fastest_engine(nodes: Sequence[NodeCost], cluster: Cluster, shape: RunShape,
+                    engines: tuple[DataParallelKind, ...], **kwargs: Any,
+                    ) -> tuple[RunCandidate, RunChoice, DataParallelKind]:
+    """:func:`predict_run` under each of the replicas' ``engines``: the fastest run that fits
+    (the earliest engine on a tie), with its engine; PartitionError naming each engine's
+    reason where none fits."""
+    found: list[tuple[RunCandidate, RunChoice, DataParallelKind]] = []
+    errors: list[PartitionError] = []
+    for kind in engines:
+        try:
+            best, choice, _ = predict_run(nodes, cluster, dataclasses.replace(shape, sharding=kind), **kwargs)
+        except PartitionError as e:
+            errors.append(e)
+            continue
+        found.append((best, choice, kind))
+    if found:
+        return min(found, key=lambda f: f[0].step_ms)  # min keeps the first of equal steps
+    if len(errors) == 1:
+        raise errors[0]
+    raise PartitionError("under no engine of the replicas: " + "; ".join(
+        f"sharding={k.value!r}: {e}" for k, e in zip(engines, errors)))
+
+
 def _choices(
     schedule: str | ScheduleKind, recompute: str | Recompute, sharding: str | DataParallelKind,
     data_parallel: str | int,
-) -> tuple[tuple[ScheduleKind, ...], Recompute, DataParallelKind]:
+) -> tuple[tuple[ScheduleKind, ...], Recompute, tuple[DataParallelKind, ...]]:
     """:func:`plan_cluster`'s options as enums (the schedules to weigh: one, or all for
-    "auto"); InputError for one that is not."""
+    "auto"; the replicas' engines: one, or all for "auto"); InputError for one that is not."""
     kinds = SCHEDULES if schedule == "auto" else (enum_choice(ScheduleKind, schedule, "schedule"),)
     rec = enum_choice(Recompute, recompute, "recompute")
-    shard = enum_choice(DataParallelKind, sharding, "sharding")
+    shard = ENGINES if sharding == "auto" else (enum_choice(DataParallelKind, sharding, "sharding"),)
     if data_parallel != "auto" and not isinstance(data_parallel, int):
         raise InputError(f"data_parallel={data_parallel!r}: give 'auto' or a replica count")
     return kinds, rec, shard
@@ -444,6 +471,9 @@ def _memory_term(name: str, shard: DataParallelKind, replicas: int, tp: int = 1)
     if shard is DataParallelKind.FSDP:
         return (f"parameters, gradients and AdamW state (fsdp: sharded over {replicas}, the stage's working "
                 f"copies gathered{split})")
+    if shard is DataParallelKind.ZERO1:
+        return (f"parameters, gradients and AdamW state (zero1: weights and gradients whole, AdamW's moments "
+                f"sharded over {replicas}{split})")
     return f"parameters, gradients and AdamW state (ddp: whole on each of {replicas} replicas{split})"
 
 

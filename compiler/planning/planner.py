@@ -329,7 +329,7 @@ def _for_cluster(request: Request, cluster: str | Cluster, tensor_parallel: int 
         microbatches=options.microbatches or 1, schedule=options.schedule or ScheduleKind.ONE_F_ONE_B,
         stages_per_rank=request.stages_per_rank if request.stages_per_rank > 1 else None,
         recompute=_cluster_recompute(request.options.partition.recompute),
-        sharding=fixed.resolved_kind if fixed else DataParallelKind.FSDP, loss_fn=request.loss_fn, target=request.target,
+        sharding=fixed.resolved_kind if fixed else AUTO, loss_fn=request.loss_fn, target=request.target,
         tensor_parallel=tensor_parallel,
     ), request)
 

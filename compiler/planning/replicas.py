@@ -3,8 +3,11 @@
 Every factorisation N = D × K is weighed by the D × K planner (:func:`pipecut.passes.parallel.hybrid.
 plan_hybrid`) on the profiled cost table: D replicas each run the M microbatches on a D-th of
 the batch, the K stages are the exact min-bottleneck split, the pipeline is simulated, and each
-stage's ring all-reduce over its D replicas is added after its last backward. The shortest
-predicted step wins. PipeDream-style uneven replica counts per stage
+stage's collectives over its D replicas are added after its last backward. Each shape is
+weighed under each engine of :data:`ENGINES` (DDP, ZeRO-1, FSDP2), with its memory and its
+collectives; the shortest predicted step that fits wins, DDP on a tie. ZeRO-1 shards the
+optimizer state, so it is chosen where DDP does not fit: such a plan wants the optimizer built
+by ``pipe.optimizer(...)``. PipeDream-style uneven replica counts per stage
 (:mod:`pipecut.passes.parallel.replication`) are weighed on the same model and listed when they would be
 faster, as a prediction only: the runtime replicates every stage equally, so such a row is never
 chosen.
@@ -34,7 +37,10 @@ from pipecut.passes.partition.solve import as_schedule
 from pipecut.planning.autoplan import measurements
 from pipecut.planning.request import Request
 
-__all__ = ["ReplicaChoice", "choose_replicas", "plan_replicas", "plan_replicated"]
+__all__ = ["ENGINES", "ReplicaChoice", "choose_replicas", "plan_replicas", "plan_replicated"]
+
+ENGINES = (DataParallelKind.DDP, DataParallelKind.ZERO1, DataParallelKind.FSDP)
+"""The replicas' engines ``data_parallel="auto"`` weighs, in the order a tie is broken."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,6 +49,8 @@ class ReplicaChoice:
     stages: int
     step_ms: float
     """Predicted step of the whole batch with the chosen shape."""
+    sharding: DataParallelKind
+    """The replicas' engine of the chosen shape (DDP for one replica)."""
     candidates: tuple[ReplicaCandidate, ...]
     """Every shape weighed, the chosen one first, then the others by predicted step."""
 
@@ -57,12 +65,14 @@ def choose_replicas(
     link: Link,
     allreduce: Link | None = None,
     per_stage: bool = True,
+    shardings: Sequence[DataParallelKind] = ENGINES,
 ) -> ReplicaChoice:
     """Choose D replicas × K stages for ``devices`` (N equal devices) by predicted step.
 
     ``nodes`` is the cost table at microbatch size ``batch_size / microbatches``;
     ``allreduce`` is the link of the gradient all-reduce (default ``link``). ``per_stage``:
-    also weigh uneven replica counts per stage (listed, never chosen). Raises PartitionError
+    also weigh uneven replica counts per stage (listed, never chosen); ``shardings``: the
+    engines to weigh for each shape, in tie order. Raises PartitionError
     when no shape fits (memory, a microbatch that does not split over D replicas), naming each
     shape's reason and the fix.
     """
@@ -89,10 +99,11 @@ def choose_replicas(
         schedule=kind, link=link, allreduce=allreduce or link,
         memory_bytes=devices[0].memory_bytes,
         replication=ReplicationKind.PER_STAGE if per_stage else ReplicationKind.UNIFORM,
+        shardings=shardings,
     )
     best = hybrid.best
     return ReplicaChoice(
-        replicas=best.replicas, stages=best.stages, step_ms=best.step_ms,
+        replicas=best.replicas, stages=best.stages, step_ms=best.step_ms, sharding=best.sharding,
         candidates=_candidates(hybrid),
     )
 
@@ -100,7 +111,7 @@ def choose_replicas(
 def _candidates(hybrid: HybridPlan) -> tuple[ReplicaCandidate, ...]:
     rows = [
         ReplicaCandidate(replicas=c.replicas, stages=c.stages, step_ms=c.step_ms,
-                         note="chosen" if i == 0 else "")
+                         sharding=c.sharding if c.replicas > 1 else None, note="chosen" if i == 0 else "")
         for i, c in enumerate(hybrid.candidates)
     ]
     rows += [
@@ -143,7 +154,7 @@ def plan_replicas(
     d = choice.replicas
     share = split_microbatches(example_inputs, d, size, "example_inputs")[0]
     share_target = split_microbatches(target, d, size, "target")[0] if target is not None else None
-    replicated = DataParallelOptions.resolved(DataParallelKind.DDP, d)
+    replicated = DataParallelOptions.resolved(choice.sharding, d)
     chosen = plan_share(share, share_target, choice.stages, replicated)
     return dataclasses.replace(chosen, replica_candidates=choice.candidates)
 

@@ -38,6 +38,7 @@ __all__ = [
     "plan_schedule",
     "predict",
     "predicted_timeline",
+    "replica_sync_ms",
     "ring_allreduce_ms",
     "stage_costs",
     "stage_params",
@@ -50,16 +51,34 @@ OPTIMIZER_STATE_FACTOR = 2
 def state_bytes(param_bytes: int, data_parallel: DataParallelOptions | None = None) -> int:
     """Peak bytes of parameters, gradients and optimizer state for ``param_bytes`` of parameters.
 
-    Replicated (one pipeline, or DDP): all of it on every replica. FSDP shards a stage as one
-    ``fully_shard`` unit gathered for the whole step, so at the step's peak a replica holds the
-    gathered parameters and the unsharded gradients they accumulate over the microbatches, plus
-    its 1/D shard of parameters, gradients and optimizer state, which is all it keeps between
-    steps. (FSDP's transient reduce-scatter buffer is not counted.)
+    Replicated (one pipeline, or DDP): all of it on every replica. ZeRO-1: parameters and
+    gradients whole, the optimizer state a D-th (rounded up: torch's ZeroRedundancyOptimizer
+    partitions whole tensors, largest first, so a replica can hold a little more). FSDP shards
+    a stage as one ``fully_shard`` unit gathered for the whole step, so at the step's peak a
+    replica holds the gathered parameters and the unsharded gradients they accumulate over the
+    microbatches, plus its 1/D shard of parameters, gradients and optimizer state, which is all
+    it keeps between steps. (FSDP's transient reduce-scatter buffer is not counted.) Under
+    pipelining ZeRO-1's peak is the lower of the two sharded kinds: FSDP's working copies are
+    whole during the step too.
     """
-    if data_parallel is None or data_parallel.kind is DataParallelKind.DDP:
+    kind = data_parallel.kind if data_parallel is not None else None
+    if kind is None or kind is DataParallelKind.DDP:
         return param_bytes * (2 + OPTIMIZER_STATE_FACTOR)
-    shard = -(-param_bytes * (2 + OPTIMIZER_STATE_FACTOR) // data_parallel.resolved_replicas)
+    d = data_parallel.resolved_replicas if data_parallel is not None else 1
+    if kind is DataParallelKind.ZERO1:
+        return 2 * param_bytes + -(-param_bytes * OPTIMIZER_STATE_FACTOR // d)
+    shard = -(-param_bytes * (2 + OPTIMIZER_STATE_FACTOR) // d)
     return 2 * param_bytes + shard
+
+
+def replica_sync_ms(nbytes: float, replicas: int, link: Link, kind: DataParallelKind = DataParallelKind.DDP) -> float:
+    """A stage's collectives over its replicas once per step, as pipecut's runtime runs them:
+    DDP all-reduces the gradients; FSDP2 gathers the parameters once and reduce-scatters the
+    gradients once (the same ring traffic); ZeRO-1 all-reduces as DDP does and then each
+    replica broadcasts the parameters it updated, one all-gather's worth more (half an
+    all-reduce): 1.5 times DDP's."""
+    reduce = ring_allreduce_ms(nbytes, replicas, link)
+    return 1.5 * reduce if kind is DataParallelKind.ZERO1 else reduce
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -304,8 +323,9 @@ def predict(
     data_parallel: DataParallelOptions | None = None,
 ) -> Predicted:
     """Step time of the schedule, simulated action by action on the per-stage costs; with
-    data parallelism, each rank then all-reduces its stages' gradients over its replicas (a ring
-    over ``link``, after the rank's last action, as DDP's last bucket does)."""
+    data parallelism, each rank then runs its stages' collectives over its replicas
+    (:func:`replica_sync_ms`: a ring over ``link``, after the rank's last action, as DDP's last
+    bucket does)."""
     k = len(stages)
     ranks = k // stages_per_rank
     costs = stage_costs(stages, nodes, link, ranks, schedule.placement)
@@ -313,9 +333,10 @@ def predict(
     ends = rank_end_ms(sched, costs.forward, costs.backward, costs.forward_link, costs.backward_link,
                        costs.weight)
     replicas = data_parallel.resolved_replicas if data_parallel is not None else 1
+    kind = data_parallel.resolved_kind if data_parallel is not None else DataParallelKind.DDP
     held = [sum(st.param_bytes for st in stages if rank_of(st.index, ranks, schedule.placement) == r)
             for r in range(ranks)]
-    step = max((end + ring_allreduce_ms(b, replicas, link) for end, b in zip(ends, held)), default=0.0)
+    step = max((end + replica_sync_ms(b, replicas, link, kind) for end, b in zip(ends, held)), default=0.0)
     busy = microbatches * sum(f + b for f, b in zip(costs.forward, costs.backward))
     stage_ms = tuple(s.time_ms for s in stages)
     return Predicted(

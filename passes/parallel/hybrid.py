@@ -24,6 +24,13 @@ Pure numbers, no torch. The model, kept simple on purpose:
 
       step = max over stages s of (end of stage s's last action + all-reduce of stage s).
 
+* **The engine of the replicas** (``shardings``): DDP, ZeRO-1 or FSDP2, each with its memory
+  (:func:`pipecut.passes.costs.stages.state_bytes`) and its collectives once per step
+  (:func:`pipecut.passes.costs.stages.replica_sync_ms`: ZeRO-1 broadcasts the updated
+  parameters after the all-reduce, 1.5 times its traffic). Each D × K takes the fastest
+  engine that fits, the earlier in ``shardings`` on a tie (DDP before the sharded kinds: the
+  same step with fewer moving parts).
+
 * Efficiency is ``single / (N · step)`` where ``single = M · Σ (forward + backward)`` is the
   whole batch on one device (memory ignored for that reference).
 
@@ -38,11 +45,13 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pipecut.cluster import Link
-from pipecut.core.kinds import ScheduleKind
+from pipecut.core.kinds import DataParallelKind, ScheduleKind
 from pipecut.errors import PartitionError
-from pipecut.passes.costs.stages import inflight_microbatches, state_bytes
+from pipecut.options import DataParallelOptions
+from pipecut.passes.costs.stages import inflight_microbatches, replica_sync_ms, state_bytes
 from pipecut.passes.costs.stages import ring_allreduce_ms as ring_allreduce_ms
 from pipecut.passes.costs.workload import Workload as Workload
 from pipecut.passes.costs.workload import workload as workload
@@ -62,6 +71,7 @@ __all__ = [
     "Workload",
     "balanced_split",
     "evaluate",
+    "evaluate_engines",
     "lower_bound_ms",
     "plan_hybrid",
     "ring_allreduce_ms",
@@ -85,7 +95,7 @@ class Candidate:
     """Per stage, one microbatch of B / (D·M) samples."""
     backward_ms: tuple[float, ...]
     allreduce_ms: tuple[float, ...]
-    """Per stage: ring all-reduce of its gradients over its D replicas."""
+    """Per stage: its collectives over its D replicas once per step (``sharding``'s)."""
     pipeline_ms: float
     """Simulated step of one pipeline, without the all-reduce."""
     step_ms: float
@@ -93,6 +103,8 @@ class Candidate:
     """Single-device step / (N · step): 1.0 is perfect scaling."""
     peak_memory_bytes: float
     """Largest per-device memory: parameters, gradients, optimizer state, in-flight activations."""
+    sharding: DataParallelKind = DataParallelKind.DDP
+    """The replicas' engine this prediction is for."""
 
     @property
     def devices(self) -> int:
@@ -141,7 +153,7 @@ class HybridPlan:
 
 def _problem(
     work: Workload, replicas: int, stages: int, *, link: Link, memory_bytes: int | None,
-    inflight: Sequence[int],
+    inflight: Sequence[int], sharding: DataParallelKind = DataParallelKind.DDP,
 ) -> Problem:
     n, d = work.units, replicas
     fwd = work.cut_forward_bytes or (0,) * (n + 1)
@@ -149,12 +161,13 @@ def _problem(
     ok = work.crossable or (True,) * (n + 1)
     # The planner's cost rules at one replica's share: each cut moves 1/D of the bytes.
     boundary = boundary_ms([math.ceil(x / d) for x in fwd], [math.ceil(x / d) for x in bwd], ok, link)
+    engine = DataParallelOptions.resolved(sharding, d) if d > 1 else None
     return Problem(
         compute_ms=tuple((f + b) / d for f, b in zip(work.forward_ms, work.backward_ms)),
         forward_ms=tuple(f / d for f in work.forward_ms),
         boundary_ms=tuple(boundary),
         input_bytes=tuple(x // d for x in fwd),
-        fixed_bytes=tuple(state_bytes(p) for p in work.param_bytes),  # DDP: all on every replica
+        fixed_bytes=tuple(state_bytes(p, engine) for p in work.param_bytes),
         activation_bytes=tuple(a // d for a in (work.activation_bytes or (0,) * n)),
         speeds=(1.0,) * stages,
         capacities=(memory_bytes,) * stages,
@@ -166,12 +179,13 @@ def _problem(
 def balanced_split(
     work: Workload, replicas: int, stages: int, *, microbatches: int, schedule: ScheduleKind,
     link: Link, memory_bytes: int | None = None, refine: bool = True,
+    sharding: DataParallelKind = DataParallelKind.DDP,
 ) -> tuple[tuple[int, ...], float] | Skipped:
     """The min-bottleneck split of ``work`` into ``stages`` at one of ``replicas`` replicas'
     share (its K + 1 unit bounds and the largest stage memory), or why there is none."""
     d, k = replicas, stages
     inflight = inflight_microbatches(schedule, k, microbatches)
-    problem = _problem(work, d, k, link=link, memory_bytes=memory_bytes, inflight=inflight)
+    problem = _problem(work, d, k, link=link, memory_bytes=memory_bytes, inflight=inflight, sharding=sharding)
     cuts = problem.allowed_cuts()
     if len(cuts) < k - 1:
         return Skipped(
@@ -197,7 +211,8 @@ def balanced_split(
     if split is None or not split.fits:
         return Skipped(
             replicas=d, stages=k,
-            reason=f"no split into {k} stages fits in {_gb(memory_bytes)} per device",
+            reason=f"no split into {k} stages fits in {_gb(memory_bytes)} per device"
+                   + (f" under {sharding.value}" if d > 1 else ""),
         )
     return split.bounds, max(s.memory_bytes for s in split.stages)
 
@@ -214,15 +229,17 @@ def evaluate(
     allreduce: Link,
     memory_bytes: int | None = None,
     refine: bool = True,
+    sharding: DataParallelKind = DataParallelKind.DDP,
 ) -> Candidate | Skipped:
-    """Split ``work`` into ``stages`` stages for ``replicas`` replicas and predict its step."""
+    """Split ``work`` into ``stages`` stages for ``replicas`` replicas under the engine
+    ``sharding`` and predict its step."""
     d, k, m = replicas, stages, microbatches
     unsplit = unsplittable(batch_size, m, d, k)
     if unsplit is not None:
         return unsplit
     split = balanced_split(
         work, d, k, microbatches=m, schedule=schedule, link=link, memory_bytes=memory_bytes,
-        refine=refine,
+        refine=refine, sharding=sharding,
     )
     if isinstance(split, Skipped):
         return split
@@ -235,7 +252,7 @@ def evaluate(
     b_link = [link.transfer_ms(math.ceil(bwd[c] / d)) for c in b[1:-1]]
     ends = rank_end_ms(build(schedule, k, m), f_ms, b_ms, f_link, b_link)
     reduce_ms = tuple(
-        ring_allreduce_ms(sum(work.param_bytes[b[s]:b[s + 1]]), d, allreduce) for s in range(k)
+        replica_sync_ms(sum(work.param_bytes[b[s]:b[s + 1]]), d, allreduce, sharding) for s in range(k)
     )
     step = max(end + r for end, r in zip(ends, reduce_ms))
     single = m * work.compute_ms
@@ -250,7 +267,26 @@ def evaluate(
         step_ms=step,
         efficiency=single / (d * k * step) if step > 0 else 1.0,
         peak_memory_bytes=peak,
+        sharding=sharding if d > 1 else DataParallelKind.DDP,
     )
+
+
+def evaluate_engines(work: Workload, replicas: int, stages: int, *, shardings: Sequence[DataParallelKind],
+                     **kwargs: Any) -> Candidate | Skipped:
+    """:func:`evaluate` under each engine of ``shardings`` (one replica: the first only, there
+    is nothing to shard); the fastest that fits, the earliest on a tie, or the first's reason."""
+    found: list[Candidate] = []
+    first: Skipped | None = None
+    for kind in shardings[:1] if replicas == 1 else shardings:
+        got = evaluate(work, replicas, stages, sharding=kind, **kwargs)
+        if isinstance(got, Candidate):
+            found.append(got)
+        elif first is None:
+            first = got
+    if found:
+        return min(found, key=lambda c: c.step_ms)  # min keeps the first of equal steps
+    assert first is not None
+    return first
 
 
 def unsplittable(batch_size: int, microbatches: int, replicas: int, stages: int) -> Skipped | None:
@@ -285,6 +321,7 @@ def plan_hybrid(
     prune: bool = True,
     refine: bool = True,
     replication: ReplicationKind = ReplicationKind.UNIFORM,
+    shardings: Sequence[DataParallelKind] = (DataParallelKind.DDP,),
 ) -> HybridPlan:
     """Every factorisation ``devices = D × K``, ranked by predicted step (best first).
 
@@ -294,12 +331,13 @@ def plan_hybrid(
 
     ``link``: point-to-point link between consecutive stages; ``allreduce``: the per-device
     link of the ring all-reduce inside a stage's replica group (bandwidth in bytes/ms, latency
-    per ring step); ``memory_bytes``: capacity of every device, None for unlimited.
+    per ring step); ``memory_bytes``: capacity of every device, None for unlimited; ``shardings``:
+    the replicas' engines to weigh for each D × K (:func:`evaluate_engines`).
     """
     _check_request(devices, microbatches, batch_size)
     found, skipped = _search(work, devices, microbatches, prune, functools.partial(
-        evaluate, work, microbatches=microbatches, batch_size=batch_size, schedule=schedule,
-        link=link, allreduce=allreduce, memory_bytes=memory_bytes, refine=refine,
+        evaluate_engines, work, shardings=tuple(shardings), microbatches=microbatches, batch_size=batch_size,
+        schedule=schedule, link=link, allreduce=allreduce, memory_bytes=memory_bytes, refine=refine,
     ))
     per_stage, why = None, ""
     if replication is ReplicationKind.PER_STAGE:

@@ -18,6 +18,7 @@ from pipecut.core.kinds import DataParallelKind, Recompute
 from pipecut.passes.costs.workload import Workload
 
 __all__ = [
+    "OPTIMIZER_BYTES_PER_PARAM",
     "REDUCE_BYTES_PER_PARAM",
     "STATE_BYTES_PER_PARAM",
     "StageWork",
@@ -31,6 +32,8 @@ __all__ = [
 
 STATE_BYTES_PER_PARAM = 16
 """fp32 master weight + fp32 gradient + AdamW's two fp32 moments."""
+OPTIMIZER_BYTES_PER_PARAM = 8
+"""AdamW's two fp32 moments: the part of :data:`STATE_BYTES_PER_PARAM` ZeRO-1 shards."""
 REDUCE_BYTES_PER_PARAM = 4
 """FSDP reduce-scatters gradients in fp32 (``reduce_dtype=torch.float32``)."""
 
@@ -124,6 +127,8 @@ def state_memory(stage: StageWork, *, replicas: int, ranks: int, sharding: DataP
     params = sum(stage.param_bytes) / param_dtype_bytes
     if sharding is DataParallelKind.DDP:
         return STATE_BYTES_PER_PARAM * params
+    if sharding is DataParallelKind.ZERO1:  # weights and gradients whole, the moments a D-th
+        return (STATE_BYTES_PER_PARAM - OPTIMIZER_BYTES_PER_PARAM) * params + OPTIMIZER_BYTES_PER_PARAM * params / replicas
     shard = STATE_BYTES_PER_PARAM * params / replicas
     per_param = 1 + REDUCE_BYTES_PER_PARAM / param_dtype_bytes  # bf16 weight + fp32 grad
     if ranks == 1:  # two blocks gathered at once (prefetch), and the root
@@ -143,6 +148,9 @@ def fsdp_exposed(st: StageWork, d: int, link: Link, ranks: int, kind: DataParall
         return 0.0, 0.0
     if kind is DataParallelKind.DDP:  # all-reduce = reduce-scatter + all-gather
         return 0.0, 2 * ring_ms(sum(st.param_bytes), d, link)
+    if kind is DataParallelKind.ZERO1:  # DDP's all-reduce, then each owner broadcasts its fp32 weights
+        weights = sum(st.param_bytes) * REDUCE_BYTES_PER_PARAM / 2
+        return 0.0, 2 * ring_ms(sum(st.param_bytes), d, link) + ring_ms(weights, d, link)
     gather = [ring_ms(p, d, link) for p in st.param_bytes]
     scatter = [ring_ms(p * REDUCE_BYTES_PER_PARAM / 2, d, link) for p in st.param_bytes]
     back = [b + r for b, r in zip(st.backward_ms, st.recompute_ms)][::-1]

@@ -28,6 +28,12 @@ configure, and what this model assumes of it:
   unsharded gradient in ``reduce_dtype`` (``FSDPParam.to_accumulated_grad_if_needed``).
 * **DDP** keeps all 16 bytes per parameter on every replica and all-reduces the stage's
   gradients (bf16) after its last backward, not overlapped (conservative).
+* **ZeRO-1** (``DataParallelKind.ZERO1``, as pipecut runs it: DDP's reduction and torch's
+  ``ZeroRedundancyOptimizer``) keeps the fp32 weight and gradient whole (8 bytes) and a D-th of
+  AdamW's two moments (8 / D), all-reduces as DDP does, and after the optimizer step each
+  replica broadcasts the fp32 weights it updated: one all-gather of 4 bytes per parameter,
+  not overlapped. (Megatron-LM's distributed optimizer reduce-scatters the gradients instead
+  and shards the fp32 master weights too, 6 + 12 / D bytes; that is another engine's run.)
 * **Activation checkpointing**: ``Recompute.NONE`` keeps every saved activation; ``FULL`` keeps
   each block's input only and runs its forward again in backward (one block's activations live
   while it is recomputed); ``SELECTIVE`` does that for every second block (torchtitan's
@@ -65,8 +71,7 @@ configure, and what this model assumes of it:
   step's parts show the tensor group's link time apart from compute.
 
 Not modelled: context or expert parallelism; async tensor parallelism (its collectives
-overlapped with the products); ZeRO-1 (optimizer state sharded, parameters and gradients whole),
-which is neither of pipecut's data-parallel kinds; compute/communication contention on the SMs.
+overlapped with the products); compute/communication contention on the SMs.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -106,7 +108,8 @@ def test_pipecut_plan_with_a_cluster_is_plan_cluster() -> None:
         data_parallel=DataParallelOptions(kind=DataParallelKind.FSDP, replicas=2),
         partition=pipecut.PartitionOptions(recompute="full"),
     )
-    direct = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2, recompute="full", data_parallel=2)
+    direct = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2, recompute="full", data_parallel=2,
+                          sharding="fsdp")
     assert via_plan.run == direct.run and via_plan.placement == direct.placement
     assert via_plan.placement is not None and via_plan.placement.replicas == 2
     with pytest.raises(InputError, match="needs microbatches as a value"):
@@ -187,3 +190,41 @@ def test_peak_memory_counts_the_state_of_its_kind_the_context_nccl_and_the_alloc
     assert "sharded over 4" in state["fsdp"].name and "whole on each of 4" in state["ddp"].name
     assert state["ddp"].nbytes > state["fsdp"].nbytes
     assert any("ZeRO-1" in n for n in fsdp.run.notes if fsdp.run is not None)
+
+
+def test_zero1_is_priced_between_ddp_and_fsdp_and_weighed_by_default() -> None:
+    """4 blocks of 1.5e9 bf16 parameters on 2 H100 at one replica each (D = 2, K = 1): DDP's 16
+    bytes per parameter (96 GB) do not fit in 80 GB; ZeRO-1's 8 + 8 / 2 (72 GB) do, FSDP2's
+    16 / 2 plus two gathered blocks too. Each engine's state term is the one documented, and its
+    traffic: ZeRO-1 adds the broadcast of the fp32 weights to DDP's all-reduce."""
+    from pipecut.planning.clusters import _fastest_engine
+
+    rows = _heavy_rows(4, 3 * 10**9)
+    cluster = parse_cluster("1x2xH100-SXM")
+    shape = RunShape(batch_size=2, microbatches=1, tokens_per_sample=1, model_flops_per_token=1.0)
+    runs = {}
+    for kind in (DataParallelKind.ZERO1, DataParallelKind.FSDP):
+        best, _, _ = predict_run(rows, cluster, dataclasses.replace(shape, sharding=kind), replicas=2)
+        runs[kind] = best
+    state = {k: dict(b.memory_parts)["state"] for k, b in runs.items()}
+    params = 4 * 1.5e9
+    assert state[DataParallelKind.ZERO1] == pytest.approx(params * (8 + 8 / 2), rel=1e-6)
+    with pytest.raises(PartitionError, match="pipeline × ddp"):
+        predict_run(rows, cluster, dataclasses.replace(shape, sharding=DataParallelKind.DDP), replicas=2)
+    best, _, kind = _fastest_engine(rows, cluster, shape, (DataParallelKind.DDP, DataParallelKind.ZERO1,
+                                                           DataParallelKind.FSDP), replicas=2)
+    assert kind in (DataParallelKind.ZERO1, DataParallelKind.FSDP)
+    assert best.step_ms == min(r.step_ms for r in runs.values())
+    with pytest.raises(PartitionError, match="under no engine of the replicas: sharding='ddp': .*sharding='zero1'"):
+        _fastest_engine(rows, parse_cluster("1x1xH100-SXM"), shape, (DataParallelKind.DDP, DataParallelKind.ZERO1))
+
+
+def test_plan_cluster_weighs_every_engine_unless_one_is_asked() -> None:
+    model, batch = tiny_llama()
+    auto = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2, data_parallel=2)
+    assert auto.run is not None and auto.run.sharding in ("ddp", "zero1", "fsdp")
+    for kind in ("ddp", "zero1", "fsdp"):
+        one = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2, data_parallel=2, sharding=kind)
+        assert one.run is not None and one.run.sharding == kind
+        assert one.data_parallel == DataParallelOptions(kind=kind, replicas=2)
+        assert auto.run.step_ms <= one.run.step_ms

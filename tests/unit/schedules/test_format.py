@@ -61,7 +61,7 @@ def test_simulated_fill_drain_time() -> None:
 # tests/golden/<name>.txt holds format_schedule(...) of each case below. After an intended change
 # to a generator, regenerate them and review the diff:
 #
-#     PIPECUT_REGEN_GOLDEN=1 .venv/bin/pytest -q tests/unit/test_schedule.py -k golden_file
+#     PIPECUT_REGEN_GOLDEN=1 .venv/bin/pytest -q tests/unit/schedules/test_format.py -k golden_file
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 SKEWED = StageCosts(  # three stages, the middle one slow, links not free: zero bubble reorders

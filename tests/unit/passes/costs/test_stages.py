@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pipecut.cluster import Link
 from pipecut.core.kinds import DataParallelKind, NodeOp, ScheduleKind
 from pipecut.errors import ScheduleError
 from pipecut.ir import NodeCost
@@ -14,6 +15,8 @@ from pipecut.passes.costs.stages import (
     plan_schedule,
     predict,
     predicted_timeline,
+    replica_sync_ms,
+    ring_allreduce_ms,
     stage_costs,
     stage_params,
     state_bytes,
@@ -27,6 +30,26 @@ def test_state_bytes_replicated_and_sharded():
     assert state_bytes(100, DataParallelOptions(kind=DataParallelKind.DDP, replicas=4)) == state_bytes(100)
     fsdp = DataParallelOptions(kind=DataParallelKind.FSDP, replicas=4)
     assert state_bytes(100, fsdp) == 200 + 100 * (2 + OPTIMIZER_STATE_FACTOR) // 4
+
+
+def test_zero1_shards_only_the_optimizer_state():
+    """Parameters and gradients whole, AdamW's moments a D-th (rounded up): less than DDP, and
+    under pipelining less than FSDP too, whose gathered copies are whole for the whole step."""
+    zero = DataParallelOptions(kind=DataParallelKind.ZERO1, replicas=3)
+    assert state_bytes(100, zero) == 200 + 67  # ceil(200 / 3)
+    fsdp = DataParallelOptions(kind=DataParallelKind.FSDP, replicas=3)
+    assert state_bytes(100, zero) < state_bytes(100, fsdp) < state_bytes(100)
+
+
+def test_replica_sync_of_each_engine():
+    """DDP's all-reduce, FSDP's gather and reduce-scatter (the same ring traffic), and ZeRO-1's
+    all-reduce plus the broadcast of the updated parameters (half an all-reduce more)."""
+    link = Link(bandwidth_bytes_per_ms=10.0, latency_ms=0.5)
+    ddp = ring_allreduce_ms(400, 4, link)
+    assert ddp == pytest.approx(6 * 0.5 + 6 / 4 * 40)
+    assert replica_sync_ms(400, 4, link) == replica_sync_ms(400, 4, link, DataParallelKind.FSDP) == ddp
+    assert replica_sync_ms(400, 4, link, DataParallelKind.ZERO1) == pytest.approx(1.5 * ddp)
+    assert replica_sync_ms(400, 1, link, DataParallelKind.ZERO1) == 0.0
 
 
 def test_inflight_microbatches_per_schedule():
@@ -69,7 +92,6 @@ def test_stage_costs_and_the_zero_bubble_constraint():
 
 
 def test_data_parallel_adds_each_ranks_gradient_all_reduce():
-    from pipecut.core.kinds import DataParallelKind
     from pipecut.options import DataParallelOptions
     from pipecut.passes.costs.stages import ring_allreduce_ms
 

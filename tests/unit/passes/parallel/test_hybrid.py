@@ -132,3 +132,25 @@ def test_never_worse_than_pure_data_or_pure_pipeline(units, devices, m, p2p, rin
         assert isinstance(ref, Candidate)
         assert plan.best.step_ms <= ref.step_ms + 1e-9
         assert ref.step_ms >= max(ref.pipeline_ms, 0.0)
+
+
+def test_each_shape_takes_the_fastest_engine_that_fits():
+    """8 units of 10 bytes; at 2 x 2 a stage holds 40 bytes of parameters, so DDP 160 bytes of
+    state, ZeRO-1 80 + 80/2 = 120 and FSDP 80 + 160/2 = 160 (no activations here). With room
+    DDP's all-reduce, the cheapest, wins; at 130 bytes only ZeRO-1 fits."""
+    from pipecut.core.kinds import DataParallelKind
+    from pipecut.passes.parallel.hybrid import evaluate_engines
+
+    work = uniform(10)
+    every = (DataParallelKind.DDP, DataParallelKind.ZERO1, DataParallelKind.FSDP)
+    args = {"microbatches": 4, "batch_size": 16, "link": INSTANT, "allreduce": ONE_BYTE_PER_MS}
+    roomy = evaluate_engines(work, 2, 2, shardings=every, memory_bytes=2**31, **args)
+    assert isinstance(roomy, Candidate) and roomy.sharding is DataParallelKind.DDP
+    tight = evaluate_engines(work, 2, 2, shardings=every, memory_bytes=130, **args)
+    assert isinstance(tight, Candidate) and tight.sharding is DataParallelKind.ZERO1
+    assert tight.peak_memory_bytes == 4 * (20 + 10)
+    assert tight.allreduce_ms == (1.5 * 40, 1.5 * 40)  # ZeRO-1: 1.5 x the all-reduce of 40 bytes
+    ddp_only = evaluate_engines(work, 2, 2, shardings=(DataParallelKind.DDP,), memory_bytes=130, **args)
+    assert isinstance(ddp_only, Skipped) and "under ddp" in ddp_only.reason
+    alone = evaluate_engines(work, 1, 4, shardings=every, memory_bytes=2**31, **args)
+    assert isinstance(alone, Candidate) and alone.sharding is DataParallelKind.DDP  # nothing to shard

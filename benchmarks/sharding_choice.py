@@ -1,0 +1,71 @@
+"""What the replicas' engine changes in the cluster planner's choice: Llama-3.1 8B, 70B and 405B.
+
+    .venv/bin/python benchmarks/sharding_choice.py [--sizes 8b 70b 405b] [--out benchmarks/sharding_choice.json]
+
+Each model (``examples/llama_meta.py``, built on meta) is planned for its cluster with
+``plan_cluster(..., data_parallel="auto", tensor_parallel="auto", schedule="1f1b")`` twice: with
+``sharding="fsdp"`` (the planner's only sharded engine, and its default, before ZeRO-1) and
+with ``sharding="auto"`` (DDP, ZeRO-1 and FSDP2 weighed, the fastest run that fits kept). The
+table gives both choices: D × T × K, the engine, the predicted step, tokens/s per GPU, MFU and the
+peak memory per GPU. A prediction of pipecut's cost model, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # examples.llama_meta
+
+__all__ = ["CASES", "main"]
+
+CASES = {
+    "8b": {"cluster": "8x8xH100-SXM", "batch": 64, "microbatches": 1},
+    "70b": {"cluster": "32x8xH100-SXM", "batch": 256, "microbatches": 8},
+    "405b": {"cluster": "64x8xH100-SXM", "batch": 256, "microbatches": 32},
+}
+"""Per size: the cluster, the global batch (sequences of 8,192 tokens) and the microbatches."""
+
+
+def choice(size: str, sharding: str) -> dict[str, object]:  # pragma: no cover
+    from examples.llama_meta import build
+    from pipecut.planning.clusters import plan_cluster
+
+    case = CASES[size]
+    model, inputs, loss_fn, target = build(size, batch_size=int(case["batch"]))
+    start = time.perf_counter()
+    plan = plan_cluster(model, inputs, str(case["cluster"]), microbatches=int(case["microbatches"]),
+                        schedule="1f1b", sharding=sharding, loss_fn=loss_fn, target=target)
+    run, place = plan.run, plan.placement
+    assert run is not None and place is not None
+    return {"size": size, "asked": sharding, **case, "engine": run.sharding,
+            "replicas": place.replicas, "tensor_parallel": place.tensor_parallel, "stages": plan.num_stages,
+            "step_ms": round(run.step_ms, 1), "tokens_per_s_per_gpu": round(run.tokens_per_s_per_gpu, 1),
+            "mfu": round(run.mfu, 4), "peak_gib": round(run.peak_memory_bytes / 2**30, 2),
+            "plan_s": round(time.perf_counter() - start, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:  # pragma: no cover
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--out", default=str(Path(__file__).with_name("sharding_choice.json")))
+    args = ap.parse_args(argv)
+    rows = []
+    print(f"{'model':6} {'cluster':14} {'asked':6} {'engine':6} {'D x T x K':>11} {'step ms':>9} {'tok/s/GPU':>9} "
+          f"{'MFU':>6} {'GiB':>6}")
+    for size in args.sizes:
+        for sharding in ("fsdp", "auto"):
+            r = choice(size, sharding)
+            rows.append(r)
+            shape = f"{r['replicas']}x{r['tensor_parallel']}x{r['stages']}"
+            print(f"{size:6} {r['cluster']:14} {sharding:6} {r['engine']:6} {shape:>11} {r['step_ms']:9.1f} "
+                  f"{r['tokens_per_s_per_gpu']:9.1f} {r['mfu']:6.1%} {r['peak_gib']:6.1f}", flush=True)
+    Path(args.out).write_text(json.dumps({"rows": rows}, indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
