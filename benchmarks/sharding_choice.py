@@ -60,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover
         for sharding in ("fsdp", "auto"):
             r = choice(size, sharding)
             rows.append(r)
+            Path(args.out).write_text(json.dumps({"rows": rows}, indent=2, sort_keys=True) + "\n")  # kept if stopped
             shape = f"{r['replicas']}x{r['tensor_parallel']}x{r['stages']}"
             print(f"{size:6} {r['cluster']:14} {sharding:6} {r['engine']:6} {shape:>11} {r['step_ms']:9.1f} "
                   f"{r['tokens_per_s_per_gpu']:9.1f} {r['mfu']:6.1%} {r['peak_gib']:6.1f}", flush=True)
-    Path(args.out).write_text(json.dumps({"rows": rows}, indent=2, sort_keys=True) + "\n")
     return 0
 
 
