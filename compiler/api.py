@@ -64,6 +64,7 @@ from pipecut.planning.request import Request
 from pipecut.profile.compiled import check_auto, measure_and_choose
 from pipecut.profile.live import measure_stages, recalibrate
 from pipecut.profile.nodes import LossFn
+from pipecut.runtime.built import BuiltPipeline, Groups, parameter_aliases, recosted, replicated
 from pipecut.runtime.comm.launch import ready_for_p2p
 from pipecut.runtime.execution.stage import StageWorker
 from pipecut.runtime.grads.data_parallel import replicate
@@ -167,24 +168,28 @@ def compile(
     check_auto(request.options.runtime.compile_stages, calibrates=_calibrates(request))
     if request.options.data_parallel.kind == AUTO:
         request = _with_replicas(request)
-    pipe, place = _build(request)
-    moved, request, first = _time_stages_and_replan(request, pipe, place)
-    if moved is not None:  # one build alive at a time: two would double every rank's peak memory
-        del pipe
+    built, place = _build(request)
+    moved, request, first = _time_stages_and_replan(request, built, place)
+    if isinstance(moved, Plan):  # one build alive at a time: two would double every rank's peak memory
+        del built
         gc.collect()
         replay = _replaying(request)
         request = dataclasses.replace(request, given=moved, remeasure=True, options=replay)
-        pipe, place = _build(request)
-        back, request, _ = _time_stages_and_replan(request, pipe, place, first)
-        if back is not None:  # the moved split measured slower: the first one, built again, untimed
-            del pipe
+        built, place = _build(request)
+        back, request, _ = _time_stages_and_replan(request, built, place, first)
+        if isinstance(back, Plan):  # the moved split measured slower: the first one, built again, untimed
+            del built
             gc.collect()
             request = dataclasses.replace(request, given=back, remeasure=False, options=replay)
-            pipe, place = _build(request)
-    return _replicated(pipe, place, asked=request.options.data_parallel.kind is not None)
+            built, place = _build(request)
+        else:
+            built = back
+    else:
+        built = moved
+    return Pipeline(_replicated(built, place, asked=request.options.data_parallel.kind is not None))
 
 
-def _build(request: Request) -> tuple[Pipeline, Place]:
+def _build(request: Request) -> tuple[BuiltPipeline, Place]:
     """This rank's pipeline: the steps from settings to the runtime object."""
     settings = settings_of(request.given, request.options, request.devices)
     source = _weight_source(request)
@@ -203,19 +208,22 @@ def _build(request: Request) -> tuple[Pipeline, Place]:
         workers = split_over_tensor_group(place, chosen.plan, captured, chosen.first, workers, shards, make,
                                           request.options.tensor_parallel.sequence_parallel)
     ready_for_p2p(place.group, place.device)
-    pipe = Pipeline(
+    groups = Groups(
+        pipeline=place.group, tied=tuple(tied_groups(chosen.plan, place.layout, request)),
+        data_parallel=place.layout.dp_group,
+        tensor=place.layout.tp_mesh.get_group() if place.layout.tp_mesh is not None else None,
+        # checkpoints of split stages are written by every rank of the copy
+        state=copy_group(place.layout, request.wait) if shards is not None else None)
+    built = BuiltPipeline(
         plan=chosen.plan, captured=captured, workers=workers, schedule=sched, rank=place.rank,
-        ranks=list(place.ranks), group=place.group, tied_groups=tied_groups(chosen.plan, place.layout, request),
-        dp_group=place.layout.dp_group, loss_reduction=request.options.runtime.loss_reduction,
-        tp_group=place.layout.tp_mesh.get_group() if place.layout.tp_mesh is not None else None,
+        ranks=tuple(place.ranks), groups=groups, aliases=parameter_aliases(captured),
+        loss_reduction=request.options.runtime.loss_reduction,
         modes=_modes(request, place, workers, derived, make, None if shards is None else functools.partial(
             _split_other_mode, place, chosen.first, shards, make, request.options.tensor_parallel.sequence_parallel)),
         wire=WireSpecs(captured.gm, chosen.plan, place.device),
-        schedule_for=schedules(chosen.plan), predicted=predicted_timeline(chosen.plan), timeout=request.wait,
+        schedule_for=schedules(chosen.plan), predicted=tuple(predicted_timeline(chosen.plan)), timeout=request.wait,
     )
-    if shards is not None:  # checkpoints of split stages are written by every rank of the copy
-        pipe.state_group = copy_group(place.layout, request.wait)
-    return pipe, place
+    return built, place
 
 
 def _calibrates(request: Request) -> bool:
@@ -240,11 +248,11 @@ class _FirstSplit:
     step_ms: float
 
 
-def _time_stages_and_replan(request: Request, pipe: Pipeline, place: Place, first: _FirstSplit | None = None,
-                            ) -> tuple[Plan | None, Request, _FirstSplit | None]:
-    """Live calibration: time the stages of the running pipeline (with compile_stages="auto",
+def _time_stages_and_replan(request: Request, built: BuiltPipeline, place: Place, first: _FirstSplit | None = None,
+                            ) -> tuple[BuiltPipeline | Plan, Request, _FirstSplit | None]:
+    """Live calibration: time the stages of the built pipeline (with compile_stages="auto",
     eager and compiled, one kept), scale the costs to them and partition again on rank 0. The
-    pipeline takes the new costs where the split stays (or is being measured again); the new
+    build with the new costs is returned where the split stays (or is being measured again); the new
     plan is returned where the split moved, to build again (its prediction then comes from its
     own stages' times, and that split is kept), with the request that builds it and, on rank 0,
     the first split measured. Measuring a moved split (``first`` given): where it stepped
@@ -252,7 +260,8 @@ def _time_stages_and_replan(request: Request, pipe: Pipeline, place: Place, firs
     returned instead, to build again: the calibrated costs predicted the move to pay, the clock
     says it did not, and the clock decides."""
     if not _calibrates(request):
-        return None, request, None
+        return built, request, None
+    pipe = Pipeline(built)  # run for timing only; the pipeline returned to the user is made afresh
     steps, choice = request.options.measure.calibration_steps, None
     if request.options.runtime.compile_stages == AUTO:
         choice, times = measure_and_choose(pipe, request.example_inputs, request.target, steps)
@@ -279,9 +288,8 @@ def _time_stages_and_replan(request: Request, pipe: Pipeline, place: Place, firs
         return Plan.from_json(again[1]), request, None
     recalibrated = Plan.from_json(again[0])
     if request.remeasure or recalibrated.runs_like(pipe.plan):  # same split: keep this build
-        pipe.recost(recalibrated, runnable_schedule(recalibrated, place), schedules(recalibrated),
-                    predicted_timeline(recalibrated))
-        return None, request, None
+        return recosted(built, recalibrated, runnable_schedule(recalibrated, place), schedules(recalibrated),
+                        predicted_timeline(recalibrated)), request, None
     return recalibrated, request, measured
 
 
@@ -289,27 +297,29 @@ def _sizes(plan: Plan) -> str:
     return "/".join(str(len(s.nodes)) for s in plan.stages)
 
 
-def _replicated(pipe: Pipeline, place: Place, asked: bool) -> Pipeline:
-    """Data parallelism over the replicas, after Pipeline has read the parameter names FSDP
+def _replicated(built: BuiltPipeline, place: Place, asked: bool) -> BuiltPipeline:
+    """Data parallelism over the replicas, after the build has read the parameter names FSDP
     may change. ``asked``: the engine was the user's choice (a refusal says so when it was
     the default)."""
-    if place.replication is not None:
-        assert place.layout.dp_group is not None  # replication_of gives None without a "dp" dimension
-        kind, tensor_parallel = place.replication.resolved_kind, place.tensor_parallel
-        pipe.replication = replicate(pipe.workers, pipe.schedule[place.rank], kind, group=place.layout.dp_group,
-                                     mesh=place.layout.dp_mesh, tensor_parallel=tensor_parallel)
-        if place.on_fsdp2 and pipe.modes is not None:
-            # FSDP2 swapped the captured mode's parameters for its own; the other mode's
-            # programs (an export graph fixes its mode) would run the tensors of compile time,
-            # silently (found by the fuzzer, issue 27).
-            mode = "eval" if pipe.training else "train"
-            default = "" if asked else " (the default for replicas of tensor-parallel stages)"
-            pipe.modes.refuse_separate_mode(PlanError(
-                f"{mode} mode under data_parallel='{kind.value}'{default}{' with tensor parallelism' if tensor_parallel else ''} "
-                f"is not supported for a model captured by torch.export (its {mode}-mode graph is a second "
-                f"program, which FSDP2 does not wrap): use data_parallel='ddp' without tensor parallelism, "
-                f"or run {mode} steps outside the pipeline (pipe.state_dict() gives the full weights)"))
-    return pipe
+    if place.replication is None:
+        return built
+    assert place.layout.dp_group is not None  # replication_of gives None without a "dp" dimension
+    kind, tensor_parallel = place.replication.resolved_kind, place.tensor_parallel
+    wrapped = replicate(built.workers, built.schedule[place.rank], kind, group=place.layout.dp_group,
+                        mesh=place.layout.dp_mesh, tensor_parallel=tensor_parallel)
+    modes = built.modes
+    if place.on_fsdp2 and modes is not None:
+        # FSDP2 swapped the captured mode's parameters for its own; the other mode's
+        # programs (an export graph fixes its mode) would run the tensors of compile time,
+        # silently (found by the fuzzer, issue 27).
+        mode = "eval" if modes.captured_training else "train"
+        default = "" if asked else " (the default for replicas of tensor-parallel stages)"
+        modes = modes.without_separate_mode(PlanError(
+            f"{mode} mode under data_parallel='{kind.value}'{default}{' with tensor parallelism' if tensor_parallel else ''} "
+            f"is not supported for a model captured by torch.export (its {mode}-mode graph is a second "
+            f"program, which FSDP2 does not wrap): use data_parallel='ddp' without tensor parallelism, "
+            f"or run {mode} steps outside the pipeline (pipe.state_dict() gives the full weights)"))
+    return replicated(built, wrapped, modes)
 
 
 def _with_replicas(request: Request) -> Request:

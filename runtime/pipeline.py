@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from pipecut.core.batching import batch_size, split_by_sizes
-from pipecut.core.graph import canonical_names
 from pipecut.core.program import Captured, Inputs
 from pipecut.core.shapes import (
     AutocastState,
@@ -27,6 +26,7 @@ from pipecut.core.shapes import (
 )
 from pipecut.errors import InputError, PipecutError, PipelineRuntimeError
 from pipecut.ir import NodeCost, Plan
+from pipecut.runtime.built import BuiltPipeline, Timeline
 from pipecut.runtime.comm.failure import abort
 from pipecut.runtime.comm.nccl import check_nccl
 from pipecut.runtime.comm.p2p import Step, comm_program, wiring
@@ -48,14 +48,7 @@ from pipecut.runtime.grads.data_parallel import Replication, trainable_disagreem
 from pipecut.runtime.grads.sharded_optimizer import make_optimizer
 from pipecut.runtime.grads.tied import TiedGrads
 from pipecut.runtime.state.export import export
-from pipecut.schedules.format import Action, Schedule, forward_only
-
-WireResolver = Callable[[Signature, Sequence[Any]], Mapping[str, NodeCost] | None]
-"""Signature of a microbatch (and its flat inputs) -> every cut value's spec for it; None
-where the plan's own apply. Deterministic, so every rank derives the same specs without
-exchanging them."""
-ScheduleResolver = Callable[[int], Schedule]
-"""Number of microbatches -> the schedule (a smaller last batch may have fewer than planned)."""
+from pipecut.schedules.format import Schedule, forward_only
 
 __all__ = ["Pipeline"]
 
@@ -67,67 +60,91 @@ class Pipeline:
     (a ``("dp", "pp")`` DeviceMesh), the ranks of each replica pass that replica's own share.
     """
 
-    def __init__(
-        self,
-        *,
-        plan: Plan,
-        captured: Captured,
-        workers: Mapping[int, StageWorker],
-        schedule: Schedule,
-        rank: int,
-        ranks: Sequence[int],
-        group: dist.ProcessGroup | None,
-        tied_groups: Sequence[tuple[str, dist.ProcessGroup | None]],
-        dp_group: dist.ProcessGroup | None = None,
-        tp_group: dist.ProcessGroup | None = None,
-        loss_reduction: LossReduction = LossReduction.MEAN,
-        modes: ModeSwitch | None = None,
-        wire: WireResolver | None = None,
-        schedule_for: ScheduleResolver | None = None,
-        predicted: Sequence[tuple[Action, float, float]] = (),
-        timeout: datetime.timedelta = datetime.timedelta(seconds=300),
-    ) -> None:
-        self.plan = plan
-        self.captured = captured
-        self.workers = dict(workers)
-        self.schedule = schedule
-        self.rank = rank
-        """This rank's index in the pipeline group."""
-        self.ranks = tuple(ranks)
-        self.group = group
-        self.tied = TiedGrads(tied_groups)
+    def __init__(self, built: BuiltPipeline) -> None:
+        self.built = built
+        """What the build made: stages, wiring, schedule, groups, replication (frozen)."""
+        self.tied = TiedGrads(built.groups.tied)
         """Tied weights' gradients, summed over their stages once per contribution."""
         self._reduce = True
         """Whether steps reduce gradients across ranks (False inside :meth:`no_sync`)."""
-        self.dp_group = dp_group
-        self.tp_group = tp_group
-        """The ranks that split this rank's stages between them (a "tp" dimension), or None."""
-        self.state_group: dist.ProcessGroup | None = None
-        """With tensor parallelism: the ranks holding one copy of the model (every stage, every
-        shard), over which checkpoints are written and read; None: the pipeline group."""
-        self.replication: Replication | None = None
-        """The data-parallel wrappers of this rank's stages (set by compile once it wraps them)."""
-        self.timeout = timeout
-        self._copies = dp_group is not None or any(len({plan.rank_of(s) for s in t.stages}) > 1 for t in plan.tied)
+        self._copies = self.dp_group is not None or any(
+            len({self.plan.rank_of(s) for s in t.stages}) > 1 for t in self.plan.tied)
         """Whether some parameter has copies on several ranks (replicas, tied weights), which
         must agree on ``requires_grad`` before every training step; the same on every rank."""
-        self.loss_reduction = loss_reduction
-        self._wire = wire
-        self._schedule_for = schedule_for
-        self.predicted = tuple(predicted)
-        """The plan's predicted (action, start ms, end ms), shown beside a measured trace."""
         self.events: list[Event] = []
-        # By name, not object: FSDP later swaps parameters for sharded ones, on modules shared
-        # with captured.gm, so the tie between two names is only visible now.
-        first = canonical_names(captured.gm)
-        self._alias = {name: first[id(p)] for name, p in captured.gm.named_parameters(remove_duplicate=False)}
         self._programs: dict[tuple[bool, bool, int], tuple[Step, ...]] = {}
         """This rank's sends, receives and actions in order, per (mode, backward or not,
         microbatches): checked under NCCL's rules when first built (see :meth:`_program`)."""
         self._device = next(iter(self.workers.values())).device
-        self._modes = modes
-        self.training = modes.captured_training if modes is not None else True
+        self._modes = built.modes
+        self.training = built.modes.captured_training if built.modes is not None else True
         """The mode :meth:`step` runs in (the model's mode at compile until changed)."""
+
+    # What the build made, read-only: a changed pipeline is a new one (pipecut.runtime.built).
+    @property
+    def plan(self) -> Plan:
+        return self.built.plan
+
+    @property
+    def captured(self) -> Captured:
+        return self.built.captured
+
+    @property
+    def workers(self) -> Mapping[int, StageWorker]:
+        """This rank's stages in the captured mode, by stage index."""
+        return self.built.workers
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.built.schedule
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the pipeline group."""
+        return self.built.rank
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The pipeline group's global ranks, by pipeline rank."""
+        return self.built.ranks
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self.built.groups.pipeline
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding this rank's stages in the other replicas, or None."""
+        return self.built.groups.data_parallel
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """The ranks that split this rank's stages between them (a "tp" dimension), or None."""
+        return self.built.groups.tensor
+
+    @property
+    def state_group(self) -> dist.ProcessGroup | None:
+        """With tensor parallelism: the ranks holding one copy of the model, over which
+        checkpoints are written and read; None: the pipeline group."""
+        return self.built.groups.state
+
+    @property
+    def replication(self) -> Replication | None:
+        """The data-parallel wrappers of this rank's stages, or None."""
+        return self.built.replication
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return self.built.timeout
+
+    @property
+    def loss_reduction(self) -> LossReduction:
+        return self.built.loss_reduction
+
+    @property
+    def predicted(self) -> Timeline:
+        """The plan's predicted (action, start ms, end ms), shown beside a measured trace."""
+        return self.built.predicted
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -162,21 +179,6 @@ class Pipeline:
             with contextlib.suppress(PipecutError):  # a mode this model cannot run has none
                 workers.update({id(w): w for w in self._modes.workers(mode).values()})  # type: ignore[union-attr]
         return list(workers.values())
-
-    def recost(self, plan: Plan, schedule: Schedule, schedule_for: ScheduleResolver,
-               predicted: Sequence[tuple[Action, float, float]]) -> None:
-        """Take ``plan``, this pipeline's stages with other costs (live calibration), and the
-        schedule built on them. A zero-bubble order is list scheduled on the costs, so it can
-        move with them; the pipeline runs the order its plan replays, or a resumed run would
-        sum gradients in another order than the run it resumes."""
-        if not plan.runs_like(self.plan):
-            raise PipelineRuntimeError(
-                f"rank {self.rank}: a plan of other stages cannot replace this pipeline's "
-                f"(stages {self.stages}); build it with pipecut.compile (a pipecut bug if compile got here)"
-            )
-        self.plan, self.schedule, self._schedule_for = plan, schedule, schedule_for
-        self.predicted = tuple(predicted)
-        self._programs.clear()
 
     @property
     def module(self) -> torch.nn.Module:
@@ -309,7 +311,7 @@ class Pipeline:
 
     def _resolve(self, sig: Signature, mb: Sequence[Any]) -> Mapping[str, NodeCost] | None:
         # the mode's own graph names its cut values itself (an export graph's other mode)
-        wire = (self._modes.wire(self.training) if self._modes is not None else None) or self._wire
+        wire = (self._modes.wire(self.training) if self._modes is not None else None) or self.built.wire
         if wire is not None:
             return wire(sig, mb)  # type: ignore[no-any-return]
         planned = planned_signature(self.plan)
@@ -444,12 +446,12 @@ class Pipeline:
         )
         schedule = self.schedule
         if m != self.plan.microbatches:
-            if self._schedule_for is None:
+            if self.built.schedule_for is None:
                 raise InputError(
                     f"a batch of {sum(sizes)} needs {m} microbatches; this pipeline runs only the "
                     f"planned {self.plan.microbatches}: build it with pipecut.compile"
                 )
-            schedule = self._schedule_for(m)
+            schedule = self.built.schedule_for(m)
         workers = self._active()
         program = self._program(schedule, workers, training, m)
         last = workers.get(self.plan.num_stages - 1)
@@ -505,7 +507,7 @@ class Pipeline:
         seen: dict[int, tuple[str, torch.nn.Parameter]] = {}
         for m in self.modules:
             for name, p in m.named_parameters(remove_duplicate=False):
-                seen.setdefault(id(p), (self._alias.get(name, name), p))
+                seen.setdefault(id(p), (self.built.aliases.get(name, name), p))
         return list(seen.values())
 
     @contextlib.contextmanager
@@ -570,7 +572,7 @@ class Pipeline:
                 f"are not reduced across ranks yet; run the window's last step outside "
                 f"no_sync() first, then clip"
             )
-        named = [(self._alias.get(n, n), p) for n, p in self.named_parameters()]
+        named = [(self.built.aliases.get(n, n), p) for n, p in self.named_parameters()]
         return clip_grad_norm_(named, self.plan, self.rank, self.group, self._device, max_norm,
                                norm_type, error_if_nonfinite, foreach)
 

@@ -16,6 +16,7 @@ in the compiled mode is unaffected.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -238,16 +239,19 @@ class Modes:
             if make_wire is not None:
                 self._wires[other] = make_wire(captured, plan)
 
-    def refuse_separate_mode(self, error: Exception) -> None:
-        """Keep ``error`` for the mode whose stage programs are separate from the captured
-        mode's (an export graph's other mode), and drop those programs: they can no longer
-        run the captured mode's parameters (FSDP replaced them). Nothing where both modes run
-        the same programs."""
+    def without_separate_mode(self, error: Exception) -> Modes:
+        """These modes with ``error`` kept for the mode whose stage programs are separate from
+        the captured mode's (an export graph's other mode), and those programs dropped: they
+        can no longer run the captured mode's parameters (FSDP replaced them). The same modes
+        where both run the same programs."""
         other = not self.captured_training
-        if other in self._workers and self._workers[other] is not self._workers[self.captured_training]:
-            del self._workers[other]
-            self._wires.pop(other, None)
-            self._error = error
+        if other not in self._workers or self._workers[other] is self._workers[self.captured_training]:
+            return self
+        kept = copy.copy(self)
+        kept._workers = {mode: w for mode, w in self._workers.items() if mode != other}
+        kept._wires = {mode: w for mode, w in self._wires.items() if mode != other}
+        kept._error = error
+        return kept
 
     def wire(self, training: bool) -> Any:
         """The mode's own wire resolver where its graph is not the captured one; None: the

@@ -46,8 +46,9 @@ class ModeSwitch(Protocol):
         """Raise if the model's modules are not in the modes the mode's graph was captured in."""
         ...
 
-    def refuse_separate_mode(self, error: Exception) -> None:
-        """Raise ``error`` when the mode whose stage programs are not the captured ones is asked for."""
+    def without_separate_mode(self, error: Exception) -> ModeSwitch:
+        """These modes, where the mode whose stage programs are not the captured ones raises
+        ``error`` when asked for (a new value; this one is unchanged)."""
         ...
 
     def wire(self, training: bool) -> Any:

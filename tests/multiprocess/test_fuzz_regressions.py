@@ -213,7 +213,7 @@ def test_eval_of_an_export_model_under_fsdp_is_refused(outcomes: dict[Config, Ou
     (``share_state``); ``runtime/data_parallel.replicate`` then wraps only ``pipe.workers``
     with ``fully_shard``, which swaps those modules' parameters for sharded DTensors, so the
     eval programs kept the replaced, never-updated tensors. ``pipe.eval()`` is now refused
-    under FSDP where the other mode is a program of its own (``Modes.refuse_separate_mode``)."""
+    under FSDP where the other mode is a program of its own (``Modes.without_separate_mode``)."""
     expect(outcomes[FSDP_EVAL_STALE], refused("PlanError", r"eval mode under data_parallel='fsdp' is not supported"))
 
 
