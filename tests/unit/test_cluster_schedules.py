@@ -9,11 +9,13 @@ fixes them) and on the Llama-3.1-8B example of the issue (meta device, estimated
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 
 import pipecut
+from benchmarks import activation_closed_form as acf
 from pipecut import Plan, summary
 from pipecut.cluster import Cluster, Layout, Link
 from pipecut.core.kinds import Recompute, ScheduleKind
@@ -258,3 +260,87 @@ def test_a_plan_whose_cuts_cross_both_links_says_which_one_it_draws() -> None:
     assert plan.run is not None and plan.cluster is not None and plan.num_stages == 4
     assert plan.link.bandwidth_bytes_per_ms == plan.cluster.inter.bandwidth_bytes_per_ms
     assert any("1 of the 3 cuts cross nodes" in n for n in plan.run.notes)
+
+
+# Activation memory against Korthikanti et al. 2022's closed form (docs/clusters.md, "Activation
+# memory against the closed form"; benchmarks/activation_closed_form.py runs the 8B grid). At these
+# shapes a·s/h = 8, as at 8B's width with s = 1024; the closed form's terms scale with s·b·h and a·s/h.
+
+ACF_SEQ, ACF_BATCH = 512, 2
+ACF_PAPER = acf.Layer(arch=acf.Arch.PAPER, hidden=512, heads=8)
+ACF_LLAMA = acf.Layer(arch=acf.Arch.LLAMA, hidden=512, heads=8, kv_heads=2, ffn=1792, vocab=1000)
+
+
+@functools.cache
+def _acf_rows(layer: acf.Layer) -> tuple:
+    return acf.cost_rows(layer, ACF_SEQ, ACF_BATCH)
+
+
+@pytest.mark.parametrize("layer", [ACF_PAPER, ACF_LLAMA], ids=["paper", "llama"])
+@pytest.mark.parametrize(("t", "sp"), [(1, False), (2, False), (4, False), (2, True), (4, True)])
+def test_activation_bytes_per_layer_are_the_closed_form_with_its_named_differences(
+        layer: acf.Layer, t: int, sp: bool) -> None:
+    """Each figure is the closed form with the differences the docs name, to within
+    ``acf.slack``: the norms' per-token statistics (at most 8 bytes a token each, about 1/h of a
+    layer: the closed form leaves them out) and a byte of rounding a node. Full recompute keeps
+    the layer's input: exactly the closed form."""
+    rows = _acf_rows(layer)
+    for rec in Recompute:
+        got = acf.layer_bytes(rows, t, sp, rec)
+        assert abs(got - acf.explained(layer, ACF_SEQ, ACF_BATCH, t, sp, rec)) <= acf.slack(ACF_SEQ, ACF_BATCH), rec
+    assert acf.layer_bytes(rows, t, sp, Recompute.FULL) == acf.closed_form(
+        layer, ACF_SEQ, ACF_BATCH, t, sp, Recompute.FULL)
+
+
+def test_the_differences_by_design_are_the_documented_numbers() -> None:
+    """The differences as numbers, bytes / (s·b·h) at a·s/h = 8, so that the figure and the
+    closed form cannot move apart unnoticed (tolerance: the norms' statistics, 16/h)."""
+    sbh, tol = ACF_SEQ * ACF_BATCH * 512, 16 / 512
+
+    def per(layer: acf.Layer, t: int, sp: bool, rec: Recompute) -> float:
+        return acf.layer_bytes(_acf_rows(layer), t, sp, rec) / sbh
+
+    def paper(t: int, sp: bool, rec: Recompute) -> float:
+        return acf.closed_form(ACF_PAPER, ACF_SEQ, ACF_BATCH, t, sp, rec) / sbh
+
+    none, sel = Recompute.NONE, Recompute.SELECTIVE
+    # the paper's layer: 34 + 5as/h = 74; the CPU's dropout keeps bf16 masks, not bool: 36 + 6as/h
+    assert (paper(1, False, none), per(ACF_PAPER, 1, False, none)) == (74, pytest.approx(84, abs=tol))
+    # T = 4 with SP: 74 / 4 = 18.5, the masks 10 / 4, and the norms' gathered outputs 4 (1 − 1/4)
+    assert (paper(4, True, none), per(ACF_PAPER, 4, True, none)) == (18.5, pytest.approx(24, abs=tol))
+    # selective: pipecut recomputes every second layer whole, the paper the attention core
+    assert (paper(1, False, sel), per(ACF_PAPER, 1, False, sel)) == (34, pytest.approx((84 + 2) / 2, abs=tol))
+    # Llama (flash SDPA, no dropout): norms 16, q k v and output 8, SwiGLU 8·3.5 = 28, the bf16
+    # mask SDPA makes of the bool one 2s/h = 2, the fp32 log-sum-exp 4a/h: 54.06 against 74
+    assert per(ACF_LLAMA, 1, False, none) == pytest.approx(16 + 8 + 28 + 2 + 4 * 8 / 512, abs=tol)
+    assert per(ACF_LLAMA, 4, True, none) == pytest.approx(2 * (6 / 4 + 2) + (8 + 2 + 28 + 4 * 8 / 512) / 4, abs=tol)
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_in_flight_microbatches_are_the_closed_forms_first_stage(k: int) -> None:
+    """Rank r of 1F1B keeps K − r microbatches (the first stage K: its L/K layers K times, L
+    layers' worth); interleaving's first rank V·K + K − 1 stage-microbatches, the closed form's
+    1 + (K − 1)/(K·V) times L layers. Where the closed form assumes more microbatches than there
+    are: with M < K, 1F1B keeps M; with M = K, interleaving runs all V·K forwards first."""
+    one, inter = ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED_1F1B
+    assert acf.in_flight(one, k, 4 * k) == tuple(range(k, 0, -1)) and acf.closed_in_flight(k) == k
+    assert acf.in_flight(one, k, k // 2)[0] == k // 2
+    for v in (2, 4):
+        assert acf.in_flight(inter, k, 4 * k, v)[0] == acf.closed_in_flight(k, v) == v * k + k - 1
+        assert acf.in_flight(inter, k, k, v)[0] == v * k
+
+
+def test_the_first_rank_holds_its_layers_in_flight_and_one_rebuilt_layer() -> None:
+    """The planner's walk (``evaluate_run``) on rank 0 of the 4-layer Llama: its layers × the
+    microbatches in flight, and per microbatch what the embedding side keeps (the rotary tables
+    and the tokens: under 1% of the layers here); with full recompute the layers' inputs in
+    place of the layers, and one layer rebuilt in backward, which the closed form leaves out."""
+    rows = _acf_rows(ACF_LLAMA)
+    whole, inputs = (acf.layer_bytes(rows, 1, False, r) for r in (Recompute.NONE, Recompute.FULL))
+    for k, v in ((2, 1), (4, 1), (2, 2)):
+        kind = ScheduleKind.INTERLEAVED_1F1B if v > 1 else ScheduleKind.ONE_F_ONE_B
+        layers = 4 * acf.in_flight(kind, k, 8, v)[0] / (k * v)  # layer-microbatches on rank 0
+        extra = acf.first_rank(rows, k, 8, v, Recompute.NONE, ACF_SEQ) - layers * whole
+        assert 0 < extra < 0.01 * layers * whole
+        assert acf.first_rank(rows, k, 8, v, Recompute.FULL, ACF_SEQ) == pytest.approx(
+            layers * inputs + whole + extra, abs=acf.slack(ACF_SEQ, ACF_BATCH))
