@@ -88,8 +88,8 @@ INTER_NODE_LATENCY_MS = 0.02
 
 NOT_MODELLED = (
     "context and expert parallelism are not planned",
-    "ZeRO-1 (optimizer state sharded, parameters and gradients whole) is not one of pipecut's "
-    "data-parallel kinds (ddp, fsdp): not planned",
+    "ZeRO-2 (gradients reduce-scattered as well as the optimizer state sharded, parameters whole) is "
+    f"not one of pipecut's data-parallel kinds ({', '.join(k.value for k in DataParallelKind)}): not planned",
 )
 
 SCHEDULES = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED_1F1B,

@@ -102,6 +102,21 @@ def test_the_options_page_runs() -> None:
     exec(code("docs/options.md", "heavy_pieces=False"), {})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("name", [*Options.GROUPS, "weights"])
+def test_the_options_page_lists_every_field_of_every_group(name: str) -> None:
+    """The table of docs/options.md is written by hand; a new field missing from it fails here
+    (found by adding one on a branch: nothing else would have said so)."""
+    from pathlib import Path
+
+    cls = type(getattr(Options(), name)) if name != "weights" else WeightOptions
+    rows = [line for line in (Path(__file__).resolve().parents[2] / "docs/options.md").read_text().splitlines()
+            if line.startswith(f"| `{cls.__name__}` |")]
+    assert len(rows) == 1, f"docs/options.md has no row (or several) for {cls.__name__}"
+    fields_cell = rows[0].split(" | ")[2]
+    missing = [f.name for f in dataclasses.fields(cls) if f"`{f.name}`" not in fields_cell]
+    assert not missing, f"docs/options.md's {cls.__name__} row does not name {missing}"
+
+
 def test_auto_is_one_value_for_every_choice_the_planner_can_make() -> None:
     assert CaptureOptions().method == PartitionOptions().partitioner == "auto"
     assert CaptureOptions(method="EXPORT").method is CaptureMethod.EXPORT
