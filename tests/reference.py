@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,8 @@ import torch
 import pipecut
 from pipecut.core.batching import split_microbatches
 from pipecut.core.graph import canonical_names
+from pipecut.core.kinds import Recompute
+from pipecut.ir import Plan
 
 # fp32 tolerances: the pipeline runs the same kernels on the same microbatches; what differs is
 # the order in which per-microbatch gradients (and, against a full-batch reference, the
@@ -114,3 +117,25 @@ def assert_named_grads(want: dict[str, torch.Tensor | None], ranks: list[dict[st
             continue
         assert have is not None, f"{at}: {name} has no gradient"
         torch.testing.assert_close(have, ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{at} {n}: {m}")
+
+
+def recompute_blocks(plan: Plan, prefix: str, count: int) -> Plan:
+    """``plan`` with each stage recomputing its first ``count`` blocks ``prefix``.N (all of
+    their nodes, including the modules inside them)."""
+    depth = prefix.count(".") + 2
+
+    def block(name: str) -> str | None:
+        module = plan.node(name).module
+        return ".".join(module.split(".")[:depth]) if module.startswith(prefix + ".") else None
+
+    stages = []
+    for s in plan.stages:
+        chosen = set(list(dict.fromkeys(b for n in s.nodes if (b := block(n)) is not None))[:count])
+        names = tuple(n for n in s.nodes if block(n) in chosen)
+        stages.append(dataclasses.replace(s, recompute=Recompute.SELECTIVE, recomputed=names) if names else s)
+    return dataclasses.replace(plan, stages=tuple(stages))
+
+
+def recompute_whole(plan: Plan) -> Plan:
+    """``plan`` with every stage recomputing all of its forward in backward."""
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=Recompute.FULL) for s in plan.stages))

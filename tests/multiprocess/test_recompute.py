@@ -30,32 +30,20 @@ from pipecut.core.graph import canonical_names
 from pipecut.core.kinds import Recompute, ScheduleKind
 from pipecut.ir import DeviceSpec, Plan
 from tests.harness import run_ranks
-from tests.reference import ATOL, COUNTED, RTOL, assert_parity, pipeline_grads, reference
+from tests.reference import (
+    ATOL,
+    COUNTED,
+    RTOL,
+    assert_parity,
+    pipeline_grads,
+    recompute_blocks,
+    recompute_whole,
+    reference,
+)
 
 pytestmark = pytest.mark.dist
 
 M = 4
-
-
-def _blocks(plan: Plan, prefix: str, count: int) -> Plan:
-    """``plan`` with each stage recomputing its first ``count`` blocks ``prefix``.N (all of
-    their nodes, including the modules inside them)."""
-    depth = prefix.count(".") + 2
-
-    def block(name: str) -> str | None:
-        module = plan.node(name).module
-        return ".".join(module.split(".")[:depth]) if module.startswith(prefix + ".") else None
-
-    stages = []
-    for s in plan.stages:
-        chosen = set(list(dict.fromkeys(b for n in s.nodes if (b := block(n)) is not None))[:count])
-        names = tuple(n for n in s.nodes if block(n) in chosen)
-        stages.append(dataclasses.replace(s, recompute=Recompute.SELECTIVE, recomputed=names) if names else s)
-    return dataclasses.replace(plan, stages=tuple(stages))
-
-
-def _whole(plan: Plan) -> Plan:
-    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=Recompute.FULL) for s in plan.stages))
 
 
 def _run(build: Any, world: int, how: Any = None, devices: Any = None, base: Plan | None = None,
@@ -100,15 +88,15 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     split = Plan.from_json(plain["plan"])
     out = {
         "gpt_plain": plain,
-        "gpt_blocks": _run(gpt.build, world, lambda p: _blocks(p, "blocks", 1), base=split),
-        "gpt_whole": _run(gpt.build, world, _whole, base=split),
-        "resnet_whole": _run(resnet.build, world, _whole),
-        "resnet_blocks": _run(resnet.build, world, lambda p: _blocks(p, "layers", 2)),
-        "zoo_resnet_blocks": _run(zoo.resnet, world, lambda p: _blocks(p, "resnet.encoder.stages", 1)),
+        "gpt_blocks": _run(gpt.build, world, lambda p: recompute_blocks(p, "blocks", 1), base=split),
+        "gpt_whole": _run(gpt.build, world, recompute_whole, base=split),
+        "resnet_whole": _run(resnet.build, world, recompute_whole),
+        "resnet_blocks": _run(resnet.build, world, lambda p: recompute_blocks(p, "layers", 2)),
+        "zoo_resnet_blocks": _run(zoo.resnet, world, lambda p: recompute_blocks(p, "resnet.encoder.stages", 1)),
         # zero-bubble and ZBV: the input and the weight pass share one recompute
-        "gpt_blocks_zb": _run(gpt.build, world, lambda p: _blocks(p, "blocks", 1), base=split, schedule="zero-bubble"),
-        "gpt_whole_zbv": _run(gpt.build, world, _whole, schedule="zbv"),
-        "resnet_blocks_zb": _run(resnet.build, world, lambda p: _blocks(p, "layers", 2), schedule="zero-bubble"),
+        "gpt_blocks_zb": _run(gpt.build, world, lambda p: recompute_blocks(p, "blocks", 1), base=split, schedule="zero-bubble"),
+        "gpt_whole_zbv": _run(gpt.build, world, recompute_whole, schedule="zbv"),
+        "resnet_blocks_zb": _run(resnet.build, world, lambda p: recompute_blocks(p, "layers", 2), schedule="zero-bubble"),
     }
     # The planner chooses blocks by itself when a memory limit asks for less than the plain split.
     plain = Plan.from_json(out["gpt_plain"]["plan"])
