@@ -164,8 +164,9 @@ def compile(
                 "tensor_parallel": _tensor_group(
                     tensor_parallel or (_split_of(carried.tensor_parallel) if carried else None), devices)})
     request = Request(model=model, devices=devices, example_inputs=example_inputs, loss_fn=loss_fn,
-                      target=target, options=options_of(groups), weights=groups["weights"], given=given)
-    check_auto(request.options.runtime.compile_stages, calibrates=_calibrates(request))
+                      target=target, options=options_of(groups), weights=groups["weights"], given=given,
+                      unasked=_carried(carried, capture=capture, runtime=runtime, tensor_parallel=tensor_parallel))
+    check_auto(request.options.runtime.compile_stages, calibrates=_calibrates(request), origin=request.whence("runtime"))
     if request.options.data_parallel.kind == AUTO:
         request = _with_replicas(request)
     built, place = _build(request)
@@ -201,12 +202,13 @@ def _build(request: Request) -> tuple[BuiltPipeline, Place]:
     shards = None
     if place.tensor_parallel:  # refused before any tensor is made
         shards = tensor_shards(request.model, chosen.plan, request.options.tensor_parallel)
-        check_composable(chosen.plan, place, shards, request.model, request.options)
+        check_composable(chosen.plan, place, shards, request.model, request)
     captured, workers = build_workers(request, place, chosen.captured, chosen.plan, source, make)
     sync_weights(request, place, captured, chosen.plan, workers)
     if shards is not None:
         workers = split_over_tensor_group(place, chosen.plan, captured, chosen.first, workers, shards, make,
-                                          request.options.tensor_parallel.sequence_parallel)
+                                          request.options.tensor_parallel.sequence_parallel,
+                                          request.whence("tensor_parallel"))
     ready_for_p2p(place.group, place.device)
     groups = Groups(
         pipeline=place.group, tied=tuple(tied_groups(chosen.plan, place.layout, request)),
@@ -219,7 +221,8 @@ def _build(request: Request) -> tuple[BuiltPipeline, Place]:
         ranks=tuple(place.ranks), groups=groups, aliases=parameter_aliases(captured),
         loss_reduction=request.options.runtime.loss_reduction,
         modes=_modes(request, place, workers, derived, make, None if shards is None else functools.partial(
-            _split_other_mode, place, chosen.first, shards, make, request.options.tensor_parallel.sequence_parallel)),
+            _split_other_mode, place, chosen.first, shards, make, request.options.tensor_parallel.sequence_parallel,
+            request.whence("tensor_parallel"))),
         wire=WireSpecs(captured.gm, chosen.plan, place.device),
         schedule_for=schedules(chosen.plan), predicted=tuple(predicted_timeline(chosen.plan)), timeout=request.wait,
     )
@@ -330,7 +333,8 @@ def _with_replicas(request: Request) -> Request:
         data_parallel=DataParallelOptions(kind=None if chosen.mesh is None else chosen.kind))
     return dataclasses.replace(
         request, devices=chosen.mesh if chosen.mesh is not None else chosen.plan.num_ranks,
-        example_inputs=share, target=share_target, given=chosen.plan, options=options)
+        example_inputs=share, target=share_target, given=chosen.plan, options=options,
+        unasked=(*request.unasked, ("data_parallel", f"chosen by data_parallel={AUTO!r}")))
 
 
 def _replaying(request: Request) -> Any:
@@ -352,6 +356,17 @@ def _tensor_group(options: TensorParallelOptions | None, devices: Any) -> Tensor
     if options.plan and size is None:
         raise InputError("TensorParallelOptions(plan=...) needs a DeviceMesh with a 'tp' dimension as devices")
     return dataclasses.replace(options, size=size)
+
+
+def _carried(carried: Any, **given: Any) -> tuple[tuple[str, str], ...]:
+    """The option groups left out of this call that a replayed plan's options fill (``carried``:
+    ``plan.options``, or None), as :attr:`Request.unasked` names them."""
+    if carried is None:
+        return ()
+    recorded = {"capture": carried.capture, "runtime": carried.runtime,
+                "tensor_parallel": _split_of(carried.tensor_parallel)}
+    return tuple((name, "recorded in the replayed plan's options") for name, value in given.items()
+                 if value is None and recorded[name] is not None)
 
 
 def _split_of(recorded: TensorParallelOptions) -> TensorParallelOptions | None:
@@ -379,10 +394,10 @@ def _weight_source(request: Request) -> WeightSource | None:
 
 
 def _split_other_mode(place: Place, first: Inputs, shards: Mapping[str, Any], make: WorkerFactory, sequence_parallel: bool,
-                      other: Captured, plan: Plan, built: Mapping[int, StageWorker]) -> dict[int, StageWorker]:
+                      origin: str, other: Captured, plan: Plan, built: Mapping[int, StageWorker]) -> dict[int, StageWorker]:
     """The other train/eval mode's stages (an export graph fixes its mode) split over the tensor
     group as the compiled mode's are; their parameters are that mode's DTensors already."""
-    return split_over_tensor_group(place, plan, other, first, built, shards, make, sequence_parallel)
+    return split_over_tensor_group(place, plan, other, first, built, shards, make, sequence_parallel, origin)
 
 
 def _modes(request: Request, place: Place, workers: Any, derived: Any, make: WorkerFactory, adapt: Adapt | None) -> Modes:

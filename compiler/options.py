@@ -60,6 +60,7 @@ __all__ = [
     "leaf_name",
     "options_of",
     "requested",
+    "schedule_origin",
 ]
 
 AUTO: Literal["auto"] = "auto"
@@ -499,3 +500,25 @@ def options_of(groups: Mapping[str, Any]) -> Options:
     """The recorded part of :func:`requested`'s groups (all but the weights)."""
     return Options(microbatches=groups["microbatches"], schedule=groups["schedule"],
                    **{g: groups[g] for g in Options.GROUPS})
+
+
+def schedule_origin(options: Options | None) -> str:
+    """How a refusal names a plan's schedule that was not asked for by name, from what the plan
+    records as asked (``plan.options``): " (chosen by schedule='auto')", or the default that
+    stood for a schedule left out; empty where one was asked (or nothing is recorded), so that
+    a refusal names what the user asked for, not a default they never saw.
+
+    >>> schedule_origin(Options(schedule="1f1b")), schedule_origin(Options(schedule=AUTO))
+    ('', " (chosen by schedule='auto')")
+    >>> schedule_origin(Options(microbatches=4))
+    ' (the default beside microbatches=4)'
+    """
+    if options is None or isinstance(options.schedule, ScheduleKind):
+        return ""
+    if options.schedule == AUTO:
+        return f" (chosen by schedule={AUTO!r})"
+    if options.data_parallel.kind == AUTO:  # compile's replicas chosen beside GPipe
+        return f" (the default beside data_parallel={AUTO!r})"
+    if isinstance(options.microbatches, int):
+        return f" (the default beside microbatches={options.microbatches})"
+    return f" (chosen by schedule={AUTO!r}, the default)"

@@ -21,7 +21,7 @@ from pipecut.core.batching import first_microbatch
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import PlanError
 from pipecut.ir import Plan
-from pipecut.options import DataParallelOptions, RuntimeOptions, ScheduleOptions
+from pipecut.options import AUTO, DataParallelOptions, RuntimeOptions, ScheduleOptions
 from pipecut.passes.costs.stages import plan_schedule
 from pipecut.planning.planner import plan_asked
 from pipecut.planning.request import Request, warn_if_sequential
@@ -93,9 +93,11 @@ def refuse_tensor_parallel(plan: Plan) -> None:
     "tp" dimension (:mod:`pipecut.assemble.tensor`)."""
     t = plan.placement.tensor_parallel if plan.placement is not None else 1
     if t > 1:
+        asked = plan.options is None or plan.options.tensor_parallel.size is not None
+        chosen = "" if asked else f", chosen by tensor_parallel={AUTO!r}, plan()'s default"
         raise PlanError(
             f"this cluster plan splits its stages over tensor-parallel groups of {t} GPUs "
-            f"(placement.tensor_parallel={t}), which pipecut.compile does not replay; re-plan with "
+            f"(placement.tensor_parallel={t}{chosen}), which pipecut.compile does not replay; re-plan with "
             f"tensor_parallel=1 (CLI --tensor-parallel 1), or compile the model over a DeviceMesh with "
             f"dimensions ('dp', 'pp', 'tp') and tp={t}, which splits each stage as DTensors"
         )
@@ -116,5 +118,5 @@ def runnable_schedule(plan: Plan, place: Place) -> Schedule:
     validate(sched, plan.microbatches, plan.schedule.placement)
     check_nccl(sched, wiring(plan))
     if place.replication is not None:
-        check_supported(plan, place.replication.resolved_kind, place.tensor_parallel)
+        check_supported(plan, place.replication.resolved_kind, place.tensor_parallel, engine_origin=place.engine_origin)
     return sched

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecut.assemble.layout import RankGroups, layout_of, replication_of
+from pipecut.assemble.layout import RankGroups, engine_origin, layout_of, replication_of
 from pipecut.assemble.replay import Settings
 from pipecut.cluster import Link
 from pipecut.errors import InputError
@@ -47,6 +47,10 @@ class Place:
     specs: tuple[DeviceSpec, ...]
     link: Link
     replication: DataParallelOptions | None
+    engine_origin: str = ""
+    """Where the replicas' engine came from when the user did not name it, as a refusal says
+    after ``data_parallel='fsdp'``: "the default for a mesh with a 'dp' dimension", "chosen by
+    data_parallel='auto'"; empty where it was asked."""
 
     @property
     def group(self) -> Any:
@@ -78,6 +82,7 @@ def connect(request: Request, settings: Settings) -> Place:
                       "MALLOC_MMAP_THRESHOLD_ or PIPECUT_KEEP_MALLOC=1 set)", stacklevel=3)
     layout = layout_of(request.devices)
     replication = replication_of(layout, request.options.data_parallel.kind)
+    engine = request.whence("data_parallel") or engine_origin(layout, request.options.data_parallel.kind)
     asked = request.options.data_parallel.replicas
     if asked is not None and (replication.replicas if replication else 1) != asked:
         raise InputError(
@@ -100,4 +105,4 @@ def connect(request: Request, settings: Settings) -> Place:
     if request.given is None:  # planned here: the link given or estimated, else measured (the same on every rank)
         link = request.options.measure.fixed_link or measure_link(list(ranks), rank, group, device) or settings.link
     return Place(device=device, layout=layout, rank=rank, ranks=ranks, specs=tuple(specs), link=link,
-                 replication=replication)
+                 replication=replication, engine_origin=engine if replication is not None else "")

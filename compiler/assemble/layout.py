@@ -30,7 +30,7 @@ from pipecut.runtime.comm.launch import local_device
 from pipecut.runtime.comm.linkprobe import measure_link
 from pipecut.runtime.comm.teardown import close_at_exit, open_default_group
 
-__all__ = ["Auto", "RankGroups", "auto_layout", "layout_of", "plan_from_rank0", "replication_of"]
+__all__ = ["Auto", "RankGroups", "auto_layout", "engine_origin", "layout_of", "plan_from_rank0", "replication_of"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,15 @@ def replication_of(layout: RankGroups, data_parallel: str | DataParallelKind | N
     default = DataParallelKind.FSDP if layout.tp_mesh is not None else DataParallelKind.DDP
     kind = data_parallel if data_parallel is not None else default
     return DataParallelOptions.resolved(kind, dist.get_world_size(layout.dp_group))
+
+
+def engine_origin(layout: RankGroups, data_parallel: str | DataParallelKind | None) -> str:
+    """How a refusal names the engine :func:`replication_of` chose where ``data_parallel`` was
+    left out ("the default for a mesh with a 'dp' dimension[ and tensor parallelism]"); empty
+    where one was asked."""
+    if data_parallel is not None or layout.dp_group is None:
+        return ""
+    return f"the default for a mesh with a 'dp' dimension{' and tensor parallelism' if layout.tp_mesh is not None else ''}"
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import torch.fx as fx
 from pipecut.core.shapes import Signature, accepted, describe_accepted, planned_signature
 from pipecut.errors import InputError, ScheduleError
 from pipecut.ir import NodeCost, Plan
+from pipecut.options import schedule_origin
 from pipecut.passes.costs.stages import plan_costs
 from pipecut.passes.rewrite.propagate import PropagationError, cut_values
 from pipecut.schedules.format import Schedule, validate
@@ -79,7 +80,7 @@ def schedules(plan: Plan) -> Any:
         except (ScheduleError, ValueError) as e:
             raise InputError(
                 f"a batch that splits into {microbatches} microbatches cannot run the "
-                f"{plan.schedule.value} schedule: {e}; pass a batch of at least "
+                f"{plan.schedule.value} schedule{schedule_origin(plan.options)}: {e}; pass a batch of at least "
                 f"{plan.microbatches} samples or drop the last batch"
             ) from e
         return sched

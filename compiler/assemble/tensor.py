@@ -45,6 +45,7 @@ from pipecut.passes.parallel.tensor import ParameterShard, parameter_shards, ten
 from pipecut.passes.rewrite.segments import checkpoint_segments
 from pipecut.passes.rewrite.split import split_stage
 from pipecut.passes.rewrite.tensor_regions import ATTENTION, region_nodes, shard_regions
+from pipecut.planning.request import Request
 from pipecut.planning.tensor_parallel import head_counts
 from pipecut.runtime.comm.teardown import close_at_exit
 from pipecut.runtime.execution.stage import StageWorker
@@ -116,16 +117,20 @@ def tensor_shards(model: torch.nn.Module, plan: Plan, options: TensorParallelOpt
 
 
 def check_composable(plan: Plan, place: Place, shards: Mapping[str, ParameterShard], model: torch.nn.Module,
-                     options: Any) -> None:
+                     request: Request) -> None:
     """Refuse, before anything is split, what tensor parallelism does not run (yet)."""
     t = place.layout.tensor_parallel
-    if options.runtime.compile_stages is not False:
+    compiled = request.options.runtime.compile_stages
+    if compiled is not False:
+        origin = request.whence("runtime")
         raise PlanError(
             "RuntimeOptions(compile_stages=...) with tensor parallelism does not run on torch "
             f"{torch.__version__}: torch.compile of stages holding DTensors failed here three ways (a "
             "vocabulary-split embedding's masked partial sum under fake tensors; guards on DTensor specs "
             "across a graph break; as_strided on DTensor activations in the compiled runs); use "
-            "compile_stages=False with a 'tp' dimension")
+            "compile_stages=False with a 'tp' dimension" + (
+                f" (compile_stages={compiled!r} here is {origin}: pass runtime=RuntimeOptions(compile_stages=False))"
+                if origin else ""))
     if (place.replication is not None and place.replication.resolved_kind is not DataParallelKind.FSDP
             and not can_replicate_dtensors()):
         raise PlanError(f"data_parallel={place.replication.resolved_kind.value!r} with tensor parallelism needs torch's FSDP2-based replicate "
@@ -184,13 +189,14 @@ class _Tracing(fx.Interpreter):
 
 def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first: Inputs,
                             workers: Mapping[int, StageWorker], shards: Mapping[str, ParameterShard],
-                            make: Any, sequence_parallel: bool = False) -> dict[int, StageWorker]:
+                            make: Any, sequence_parallel: bool = False, origin: str = "") -> dict[int, StageWorker]:
     """This rank's stages with their split parameters as DTensors and their graphs in regions
     (:func:`pipecut.passes.rewrite.tensor_regions.shard_regions`; ``sequence_parallel``: the
     residual stream between them split along its tokens, and across cuts in token shards:
     :func:`token_cuts`), a stage planned with selective recompute then segmented (it comes
     flat from ``build_workers``), each run once on zeros (or random values); new workers over
-    them.
+    them. ``origin``: where ``sequence_parallel`` came from when this call did not pass it
+    ("recorded in the replayed plan's options"), for a refusal's fix.
     Collective over every rank: one that cannot split its stage fails all."""
     mesh = place.layout.tp_mesh
     ends = region_ends(mesh, sequence_parallel)
@@ -205,7 +211,7 @@ def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first:
         mine = _stage_shards(program.module, shards, public)
         arriving, sent = cuts.get(s, (frozenset(), frozenset()))
         regions = region_nodes(program.module, mine, sequence_parallel, arriving)
-        refused = _attention_on_tokens(program.module, regions.spread, s)
+        refused = _attention_on_tokens(program.module, regions.spread, s, origin)
         shard_module(program.module, {name: shard.dim for name, shard in mine.items()}, mesh,
                      replicated=_called_on_dtensors(program.module, mine, regions.inside | regions.spread),
                      made=dtensors)
@@ -222,7 +228,7 @@ def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first:
         try:
             if refused is not None:
                 raise refused
-            _run_once(program.module, made, inputs, s, regions.spread)
+            _run_once(program.module, made, inputs, s, regions.spread, origin)
         except PlanError as e:
             failure = failure or e
         out[s] = made
@@ -230,7 +236,19 @@ def split_over_tensor_group(place: Place, plan: Plan, captured: Captured, first:
     return out
 
 
-def _attention_on_tokens(module: fx.GraphModule, spread: Collection[str], stage: int) -> PlanError | None:
+def _whole_tokens(origin: str, first: bool = False) -> str:
+    """The fix that turns sequence parallelism off (``first``: to begin a sentence): leaving it
+    out turns it off, unless a replayed plan's options carry it (``origin``)."""
+    if not origin:
+        fix = "leave TensorParallelOptions(sequence_parallel=False)"
+    else:
+        fix = (f"pass tensor_parallel=TensorParallelOptions(sequence_parallel=False) (sequence parallelism here "
+               f"is {origin}; give its plan= too, if it records one)")
+    return fix[0].upper() + fix[1:] if first else fix
+
+
+def _attention_on_tokens(module: fx.GraphModule, spread: Collection[str], stage: int,
+                         origin: str = "") -> PlanError | None:
     """Attention outside every split region on the residual stream's token shards (its query,
     key and value projections left whole, as DeepSeek-V3's MLA under the model's tp_plan): it
     would attend within each rank's tokens only, or fail on a mask of the whole sequence.
@@ -242,8 +260,7 @@ def _attention_on_tokens(module: fx.GraphModule, spread: Collection[str], stage:
         f"stage {stage} (rank {dist.get_rank()}) cannot run split over its tensor-parallel group: node {node.name} "
         f"({node.format_node()}), an attention outside every split region, would read the residual stream's token "
         f"shards (sequence parallelism) as whole sequences: its query, key and value projections are not split. "
-        f"Leave TensorParallelOptions(sequence_parallel=False), or split those projections with "
-        f"TensorParallelOptions(plan=...)")
+        f"{_whole_tokens(origin, first=True)}, or split those projections with TensorParallelOptions(plan=...)")
 
 
 def _stage_shards(module: torch.nn.Module, shards: Mapping[str, ParameterShard],
@@ -321,7 +338,7 @@ def _split_failure(e: BaseException) -> bool:
 
 
 def _run_once(module: fx.GraphModule, worker: StageWorker, inputs: Mapping[str, Any], stage: int,
-              spread: Collection[str]) -> None:
+              spread: Collection[str], origin: str = "") -> None:
     """One forward of the split stage on made-up values of its planned inputs (no gradients, no
     state kept): DTensor refuses an op it cannot propagate here, as it would in the first step.
     Zeros first, then random values where zeros fail: a model that routes or indexes on the
@@ -330,7 +347,8 @@ def _run_once(module: fx.GraphModule, worker: StageWorker, inputs: Mapping[str, 
     same values on the ranks of the group, so they fail alike instead of parting ways in a
     collective). A failure that is not DTensor's (an index out of range on values no step
     sends) leaves the check to the first step. ``spread``: the nodes that run on token shards
-    (sequence parallelism), named as such."""
+    (sequence parallelism), named as such; ``origin``: where sequence parallelism came from (see
+    :func:`split_over_tensor_group`)."""
     kept = [(b, b.clone()) for b in module.buffers()]
     failure: tuple[Exception, fx.Node | None] | None = None
     deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -361,7 +379,7 @@ def _run_once(module: fx.GraphModule, worker: StageWorker, inputs: Mapping[str, 
     tokens = isinstance(error, AttentionSplitError) or (at is not None and at.name in spread)
     if tokens:
         where += ", on the residual stream's token shards (sequence parallelism),"
-    fix = ("leave TensorParallelOptions(sequence_parallel=False), keep" if tokens else "Keep")
+    fix = f"{_whole_tokens(origin)}, keep" if tokens else "Keep"
     raise PlanError(
         f"stage {stage} (rank {dist.get_rank()}) cannot run split over its tensor-parallel group: {where} "
         f"failed on DTensors: {type(error).__name__}: {str(error).splitlines()[0].rstrip('.') if str(error) else ''}. {fix} the "

@@ -163,13 +163,20 @@ def plan_replicated(request: Request, plan_at: Callable[[Request], Plan]) -> Pla
     """``plan(..., data_parallel="auto")``: :func:`plan_replicas` with the request's options;
     ``plan_at`` plans one replica's share on K devices."""
     options = request.options
-    if (not isinstance(options.microbatches, int) or options.schedule in (None, AUTO)
-            or request.stages_per_rank != 1 or request.options.partition.split is not None):
+    wrong = [f"{name} was left out (None)" if value is None else f"{name}={value!r}"
+             for name, value in (("microbatches", options.microbatches), ("schedule", options.schedule))
+             if value is None or value == AUTO]
+    if request.stages_per_rank != 1:
+        wrong.append(f"stages_per_rank={request.stages_per_rank}")
+    if options.partition.split is not None:
+        wrong.append("a split")
+    if wrong:
         raise InputError(
-            "data_parallel='auto' chooses replicas and stages for a given microbatch count "
-            "and schedule: give microbatches and schedule as values (not 'auto'), with "
-            "stages_per_rank=1 and no split"
+            f"data_parallel='auto' chooses replicas and stages for a given microbatch count "
+            f"and schedule, but {', '.join(wrong)}: give microbatches and schedule as values (not 'auto'), "
+            f"with stages_per_rank=1 and no split"
         )
+    assert isinstance(options.microbatches, int) and isinstance(options.schedule, ScheduleKind)  # none was wrong
 
     def plan_share(share: Any, share_target: Any, k: int, replicated: DataParallelOptions) -> Plan:
         return plan_at(dataclasses.replace(request.with_options(data_parallel=replicated), example_inputs=share,

@@ -60,10 +60,21 @@ class Request:
     remeasure: bool = False
     """A rebuild after live calibration moved the split: time it again, keep its split."""
     progress: Callable[[int, int], None] | None = None
+    unasked: tuple[tuple[str, str], ...] = ()
+    """Option groups this call did not pass, each with where its value came from instead
+    (``("runtime", "recorded in the replayed plan's options")``, ``("data_parallel", "chosen by
+    data_parallel='auto'")``): a refusal names what the user asked for, not a value they never
+    saw (:meth:`whence`)."""
 
     def with_options(self, **groups: Any) -> Request:
         """This request with some options replaced (``microbatches=4``, ``measure=...``)."""
         return dataclasses.replace(self, options=dataclasses.replace(self.options, **groups))
+
+    def whence(self, group: str) -> str:
+        """Where an option group of :attr:`unasked` got its value ("recorded in the replayed plan's
+        options"), for a refusal to say after the value; empty for one this call passed (or left
+        at its default)."""
+        return next((why for name, why in self.unasked if name == group), "")
 
     @property
     def wait(self) -> datetime.timedelta:

@@ -100,11 +100,13 @@ def compiled_stage_times(
     return times, sum(s.seconds for s in stats)
 
 
-def check_auto(value: bool | str, *, calibrates: bool) -> None:
-    """``compile_stages="auto"`` needs the live calibration steps to choose on."""
+def check_auto(value: bool | str, *, calibrates: bool, origin: str = "") -> None:
+    """``compile_stages="auto"`` needs the live calibration steps to choose on. ``origin``:
+    where the value came from when this call did not pass it ("recorded in the replayed plan's
+    options"); empty where it did."""
     if value == AUTO and not calibrates:
         raise PlanError(
-            "compile_stages='auto' chooses on the live calibration steps, which a given plan=, "
-            "calibration_steps=0 or estimated costs (MeasureOptions(estimate=...)) skip; pass "
-            "compile_stages=True or False"
+            f"compile_stages='auto'{f' ({origin})' if origin else ''} chooses on the live calibration steps, which a given plan=, "
+            f"calibration_steps=0 or estimated costs (MeasureOptions(estimate=...)) skip; pass "
+            f"{'runtime=RuntimeOptions(compile_stages=...) with ' if origin else ''}compile_stages=True or False"
         )

@@ -79,6 +79,7 @@ from pipecut.core.kinds import DataParallelKind
 from pipecut.core.torch_private import SUPPORTED_TORCH, fsdp_post_backward, replicate_with_fsdp
 from pipecut.errors import PipelineRuntimeError, PlanError
 from pipecut.ir import Plan
+from pipecut.options import schedule_origin
 from pipecut.runtime.comm.sync import wait_for
 from pipecut.runtime.execution.stage import StageWorker
 from pipecut.schedules.format import Action, ActionKind
@@ -100,13 +101,18 @@ def last_backwards(actions: Sequence[Action]) -> dict[int, int]:
     return {s: _last_pass(actions, [s])[1] for s in stages}
 
 
-def check_supported(plan: Plan, kind: DataParallelKind, tensor_parallel: bool = False) -> None:
-    """Refuse what the wrappers cannot do on this torch, before anything is wrapped."""
+def check_supported(plan: Plan, kind: DataParallelKind, tensor_parallel: bool = False, *,
+                    engine_origin: str = "") -> None:
+    """Refuse what the wrappers cannot do on this torch, before anything is wrapped.
+    ``engine_origin``: where ``kind`` came from when the user did not name it ("the default for
+    ..."), said after it; the schedule's is read from what the plan records as asked."""
     if plan.schedule.splits_backward and fsdp2_engine(kind, tensor_parallel) and fsdp_post_backward() is None:
+        ddp = "" if tensor_parallel else ", or data_parallel='ddp'"  # DDP over split stages is FSDP2's too
         raise PlanError(
-            f"data_parallel={kind.value!r} with the {plan.schedule.value} schedule needs FSDP2's "
-            f"post-backward to be run by hand after the last weight pass, which torch "
-            f"{torch.__version__} does not expose; use schedule='1f1b', or a torch in {SUPPORTED_TORCH}"
+            f"data_parallel={kind.value!r}{f' ({engine_origin})' if engine_origin else ''} with the {plan.schedule.value} schedule"
+            f"{schedule_origin(plan.options)} needs FSDP2's post-backward to be run by hand after the last "
+            f"weight pass, which torch {torch.__version__} does not expose; use schedule='1f1b'{ddp}, or a "
+            f"torch in {SUPPORTED_TORCH}"
         )
 
 

@@ -31,8 +31,6 @@ PACKAGES = {"compiler": "pipecut", "passes": "pipecut.passes", "runtime": "pipec
 EXEMPT: dict[str, tuple[str, str]] = {
     "pipecut.api": (
         "tests/multiprocess/test_parity.py", "compile() builds a pipeline across processes; every tests/multiprocess file runs it"),
-    "pipecut.assemble.choice": (
-        "tests/multiprocess/test_parity.py", "compile()'s capture/plan/check step: needs a process group"),
     "pipecut.assemble.context": (
         "tests/multiprocess/test_parity.py", "compile()'s connect step: needs a process group"),
     "pipecut.assemble.workers": (

@@ -22,6 +22,7 @@ from pipecut.options import (
     PartitionOptions,
     ScheduleOptions,
     WeightOptions,
+    schedule_origin,
 )
 from pipecut.passes.partition.solve import partition_costs
 from tests.unit.tiny import mlp_plan
@@ -135,3 +136,16 @@ def test_recompute_is_a_level_or_auto() -> None:
     with pytest.raises(InputError, match=r"recompute='selective'\) fixes the level of a cluster plan"):
         partition_costs(mlp_plan().nodes, devices=2, microbatches=2, batch_size=8,
                         partition=PartitionOptions(recompute="selective"))
+
+
+def test_a_schedule_not_asked_by_name_is_named_by_where_it_came_from() -> None:
+    """A refusal says after a plan's schedule how it was arrived at when the plan records that it
+    was not asked for by name (issue 42: a refusal names what the user asked for)."""
+    assert schedule_origin(Options(schedule="zero-bubble")) == ""  # asked
+    assert schedule_origin(None) == ""  # nothing recorded: named as it is
+    assert schedule_origin(Options(schedule="auto")) == " (chosen by schedule='auto')"
+    assert schedule_origin(Options()) == " (chosen by schedule='auto', the default)"
+    assert schedule_origin(Options(microbatches="auto")) == " (chosen by schedule='auto', the default)"
+    assert schedule_origin(Options(microbatches=4)) == " (the default beside microbatches=4)"
+    assert schedule_origin(Options(microbatches=4, data_parallel=DataParallelOptions(kind="auto"))) == \
+        " (the default beside data_parallel='auto')"

@@ -58,3 +58,15 @@ def test_schedules_per_microbatch_count():
     with pytest.raises(InputError, match=r"a batch that splits into 3 microbatches cannot run the interleaved-1f1b "
                                          "schedule: .*; pass a batch of at least 4 samples or drop the last batch"):
         schedules(interleaved)(3)
+
+
+def test_a_schedule_the_planner_chose_is_named_as_its_choice() -> None:
+    """The schedule named in a refusal is said to be "auto"'s choice where the plan records that
+    it was not asked for by name (the asked case is above)."""
+    plan = mlp_plan(4)
+    assert plan.options is not None
+    interleaved = dataclasses.replace(plan, schedule=ScheduleKind.INTERLEAVED_1F1B, stages_per_rank=2,
+                                      options=dataclasses.replace(plan.options, schedule="auto"))
+    with pytest.raises(InputError, match=r"cannot run the interleaved-1f1b schedule \(chosen by schedule='auto'\): .*; "
+                                         "pass a batch of at least 4 samples"):
+        schedules(interleaved)(3)

@@ -4,6 +4,7 @@ run time and its numbers against the plain model are in tests/multiprocess/test_
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -114,3 +115,91 @@ def test_the_probe_names_the_node_inside_a_recomputed_run_that_fails() -> None:
     with pytest.raises(NotImplementedError), torch.no_grad():
         run.run(torch.randn(2, 3))
     assert run.at is not None and run.at.name == "refused"
+
+
+def _tp_request(**carried: str) -> Any:
+    from pipecut.options import Options, RuntimeOptions
+    from pipecut.planning.request import Request
+
+    return Request(model=torch.nn.Linear(2, 2), example_inputs=(torch.ones(2, 2),), target=None, loss_fn=None,
+                   devices=None, options=Options(runtime=RuntimeOptions(compile_stages=True)),
+                   unasked=tuple(carried.items()))
+
+
+def test_compiled_stages_carried_by_a_replayed_plan_are_refused_as_the_plans() -> None:
+    """compile_stages=True with a "tp" dimension: refused as asked, or, where a replayed plan's
+    recorded runtime options brought it, named as the plan's with what to pass instead."""
+    from types import SimpleNamespace
+
+    from pipecut.assemble.context import Place
+    from pipecut.assemble.layout import RankGroups
+    from pipecut.assemble.tensor import check_composable
+    from pipecut.errors import PlanError
+    from pipecut.passes.partition.solve import DEFAULT_LINK
+
+    tp = SimpleNamespace(size=lambda: 2)  # a "tp" mesh of two ranks, as far as the check reads it
+    place = Place(device=torch.device("cpu"), layout=RankGroups(None, None, None, ((0,),), 1, tp_mesh=tp), rank=0,
+                  ranks=(0,), specs=(), link=DEFAULT_LINK, replication=None)
+    model, _, _, _ = _mlp()
+    with pytest.raises(PlanError, match=r"RuntimeOptions\(compile_stages=...\) with tensor parallelism does not run on "
+                                        r"torch .*; use compile_stages=False with a 'tp' dimension$"):
+        check_composable(mlp_plan(2), place, {}, model, _tp_request())
+    with pytest.raises(PlanError, match=r"use compile_stages=False with a 'tp' dimension \(compile_stages=True here is "
+                                        r"recorded in the replayed plan's options: pass "
+                                        r"runtime=RuntimeOptions\(compile_stages=False\)\)$"):
+        check_composable(mlp_plan(2), place, {}, model, _tp_request(runtime="recorded in the replayed plan's options"))
+
+
+class _Attends(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(x, x, x)
+
+
+def attention_split(x: torch.Tensor) -> torch.Tensor:
+    """Attention on a token shard, as the split stage's attention refuses it: a leaf of the trace."""
+    from pipecut.runtime.execution.tensor_parallel import AttentionSplitError
+
+    raise AttentionSplitError("the mask covers 16 tokens, the query 8")
+
+
+torch.fx.wrap("attention_split")
+
+
+class _SplitAttends(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return attention_split(x) + 1
+
+
+RECORDED = "recorded in the replayed plan's options"
+
+
+def test_sequence_parallelism_carried_by_a_replayed_plan_is_refused_as_the_plans(one_rank_mesh: Any) -> None:
+    """An attention on token shards (sequence parallelism): the fix is to leave sequence
+    parallelism off where this call asked for it; where a replayed plan's options brought it,
+    leaving it out would carry it again, so the fix names what to pass instead. Both refusals:
+    from the graph (an attention outside every split region) and from the build's probe."""
+    from types import SimpleNamespace
+
+    from pipecut.assemble.tensor import _attention_on_tokens, _run_once
+    from pipecut.errors import PlanError
+
+    gm = torch.fx.symbolic_trace(_Attends())
+    asked = _attention_on_tokens(gm, {"scaled_dot_product_attention"}, 1)
+    carried = _attention_on_tokens(gm, {"scaled_dot_product_attention"}, 1, RECORDED)
+    assert asked is not None and carried is not None
+    assert re.search(r"^stage 1 \(rank 0\) cannot run split .* are not split\. Leave "
+                     r"TensorParallelOptions\(sequence_parallel=False\), or split those projections", str(asked))
+    assert re.search(r"are not split\. Pass tensor_parallel=TensorParallelOptions\(sequence_parallel=False\) \(sequence "
+                     r"parallelism here is recorded in the replayed plan's options; give its plan= too, if it records "
+                     r"one\), or split those projections", str(carried))
+    probe = torch.fx.symbolic_trace(_SplitAttends())
+    worker: Any = SimpleNamespace(prev=None, program=SimpleNamespace(model_inputs=["x"]))
+    with pytest.raises(PlanError, match=r"node attention_split .*, on the residual stream's token shards \(sequence "
+                                        r"parallelism\), failed on DTensors: AttentionSplitError: .*\. leave "
+                                        r"TensorParallelOptions\(sequence_parallel=False\), keep the parameters"):
+        _run_once(probe, worker, {"x": torch.ones(1, 2, 4, 4)}, 0, {"attention_split"})
+    with pytest.raises(PlanError, match=r"failed on DTensors: AttentionSplitError: .*\. pass "
+                                        r"tensor_parallel=TensorParallelOptions\(sequence_parallel=False\) \(sequence "
+                                        r"parallelism here is recorded in the replayed plan's options; .*\), keep the "
+                                        r"parameters it reads whole"):
+        _run_once(probe, worker, {"x": torch.ones(1, 2, 4, 4)}, 0, {"attention_split"}, RECORDED)

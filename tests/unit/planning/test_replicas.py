@@ -104,8 +104,15 @@ def test_auto_plan_round_trips_and_is_summarised(auto_plans: dict[str, Plan]) ->
 def test_auto_refuses_what_it_cannot_choose_with() -> None:
     model, inputs, loss_fn, target = mlp.build(batch_size=16, width=16, depth=2)
     kw = {"loss_fn": loss_fn, "target": target, "data_parallel": "auto"}
-    with pytest.raises(InputError, match="give microbatches and schedule as values"):
+    with pytest.raises(InputError, match=r"but microbatches='auto', schedule was left out \(None\): give microbatches "
+                                         r"and schedule as values"):
         pipecut.plan(model, inputs, 4, microbatches="auto", **kw)
+    # a schedule left out is named as left out, not as an "auto" the user never wrote
+    with pytest.raises(InputError, match=r"and schedule, but schedule was left out \(None\): give"):
+        pipecut.plan(model, inputs, 4, microbatches=2, **kw)
+    with pytest.raises(InputError, match=r"and schedule, but schedule='auto', stages_per_rank=2: give"):
+        pipecut.plan(model, inputs, 4, microbatches=2, schedule="auto",
+                     scheduling=pipecut.ScheduleOptions(stages_per_rank=2), **kw)
     with pytest.raises(InputError, match=r"unknown data_parallel 'zero'; choose one of \['ddp', 'zero1', 'fsdp', 'auto'\]"):
         pipecut.plan(model, inputs, 4, microbatches=2, **{**kw, "data_parallel": "zero"})
     with pytest.raises(InputError, match="zbv runs 2 per device"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pipecut.ir import DeviceSpec
@@ -33,3 +35,10 @@ def test_the_first_microbatch_of_inputs_and_target() -> None:
 def test_nodes_are_measured_where_asked_else_where_the_inputs_are() -> None:
     assert _request().measure_on == torch.device("cpu")
     assert _request(measure=MeasureOptions(device="meta")).measure_on == torch.device("meta")
+
+
+def test_an_option_this_call_did_not_pass_says_where_its_value_came_from() -> None:
+    carried = dataclasses.replace(_request(), unasked=(("runtime", "recorded in the replayed plan's options"),))
+    assert carried.whence("runtime") == "recorded in the replayed plan's options"
+    assert carried.whence("capture") == "" and _request().whence("runtime") == ""
+    assert carried.with_options(microbatches=2).whence("runtime") == "recorded in the replayed plan's options"

@@ -43,8 +43,33 @@ def test_compile_stages_values() -> None:
     assert RuntimeOptions(compile_stages="auto").compile_stages == "auto"
     with pytest.raises(InputError, match=r"RuntimeOptions\(compile_stages='yes'\): use True, False or 'auto'"):
         RuntimeOptions(compile_stages="yes")
-    with pytest.raises(PlanError, match=r"compile_stages='auto' chooses on the live calibration steps"):
+    with pytest.raises(PlanError, match=r"compile_stages='auto' chooses on the live calibration steps.*; pass "
+                                        r"compile_stages=True or False$"):
         check_auto("auto", calibrates=False)
+
+
+def test_compile_stages_auto_carried_by_a_replayed_plan_is_named_as_the_plans() -> None:
+    """compile(plan=...) without runtime= runs with the plan's recorded runtime options: a
+    compile_stages="auto" there is refused as the plan's, with what to pass (the asked case
+    names no origin)."""
+    import dataclasses
+
+    import pipecut
+    from tests.unit.tiny import _mlp as tiny_mlp
+    from tests.unit.tiny import mlp_plan
+
+    plan = mlp_plan(2)
+    assert plan.options is not None
+    auto = dataclasses.replace(plan, options=dataclasses.replace(plan.options, runtime=RuntimeOptions(compile_stages="auto")))
+    model, inputs, loss_fn, target = tiny_mlp()
+    with pytest.raises(PlanError, match=r"compile_stages='auto' \(recorded in the replayed plan's options\) chooses on "
+                                        r"the live calibration steps.*; pass runtime=RuntimeOptions\(compile_stages=...\) "
+                                        r"with compile_stages=True or False"):
+        pipecut.compile(model, inputs, 2, loss_fn=loss_fn, target=target, plan=auto)
+    with pytest.raises(PlanError, match=r"compile_stages='auto' chooses on the live calibration steps.*; pass "
+                                        r"compile_stages=True or False$"):
+        pipecut.compile(model, inputs, 2, loss_fn=loss_fn, target=target, plan=plan,
+                        runtime=RuntimeOptions(compile_stages="auto"))
 
 
 def _mlp() -> Any:

@@ -106,3 +106,26 @@ def test_a_memory_limit_that_only_fsdp_meets() -> None:
     assert all(s.peak_memory_bytes <= cap for s in plan(DataParallelKind.FSDP).stages)
     with pytest.raises(PartitionError):
         plan(DataParallelKind.DDP)
+
+
+def test_a_split_backward_refused_for_fsdp2_names_a_default_engine_and_schedule_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a torch without FSDP2's post-backward (faked here: the supported range has it), the
+    refusal names the engine and the schedule as asked, or says where each came from: the engine
+    given as a default (``engine_origin``), the schedule read from what the plan records; and
+    what to pass instead (DDP is FSDP2's replicate over tensor-parallel stages: not offered there)."""
+    from pipecut.runtime.grads import data_parallel
+    from tests.unit.tiny import mlp_plan
+
+    monkeypatch.setattr(data_parallel, "fsdp_post_backward", lambda: None)
+    asked = mlp_plan(2, 4, "zero-bubble")
+    assert asked.options is not None and asked.options.schedule is ScheduleKind.ZERO_BUBBLE
+    with pytest.raises(PlanError, match=r"^data_parallel='fsdp' with the zero-bubble schedule needs FSDP2's post-backward"
+                                        r".*; use schedule='1f1b', or data_parallel='ddp', or a torch in"):
+        data_parallel.check_supported(asked, DataParallelKind.FSDP)
+    chosen = dataclasses.replace(asked, options=dataclasses.replace(asked.options, schedule="auto"))
+    with pytest.raises(PlanError, match=r"^data_parallel='fsdp' \(the default for a mesh with a 'dp' dimension and tensor "
+                                        r"parallelism\) with the zero-bubble schedule \(chosen by schedule='auto'\) needs "
+                                        r".*; use schedule='1f1b', or a torch in"):
+        data_parallel.check_supported(chosen, DataParallelKind.FSDP, True,
+                                      engine_origin="the default for a mesh with a 'dp' dimension and tensor parallelism")
+    data_parallel.check_supported(asked, DataParallelKind.DDP)  # DDP's reducer runs in the weight pass
