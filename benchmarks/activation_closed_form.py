@@ -11,7 +11,7 @@ flash-attention figure), ``2sbh`` with full recompute (``/T`` with sequence para
 1F1B's first stage holds K microbatches of its L/K layers (interleaving over V chunks: times
 ``1 + (K − 1)/(KV)``).
 
-pipecut's figures come from its own functions, on the path :func:`pipecut.planning.clusters.plan_cluster`
+pipecut's figures come from its own functions, on the path :func:`pipecut.planning.cluster.plan.plan_cluster`
 takes: the cost table counted on fake tensors (``estimate_captured``: what autograd saves) with
 its rebuilt values marked, one GPU's share of it for T > 1 (``sharded_tables``), its workload and
 blocks, and ``stage_work``'s kept bytes of block 1 of a 4-layer model (selective: blocks 1 and 2,
@@ -48,12 +48,12 @@ from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.ir import NodeCost
 from pipecut.passes.costs.workload import Workload, workload
 from pipecut.passes.parallel.hybrid import Skipped
-from pipecut.passes.parallel.run_costs import stage_work, state_memory
-from pipecut.passes.parallel.run_schedule import peak_activations
-from pipecut.passes.parallel.training import RunShape, block_of, evaluate_run
 from pipecut.passes.partition.rebuild import mark_rebuilt
-from pipecut.planning.clusters import parse_cluster
-from pipecut.planning.tensor_parallel import sharded_tables
+from pipecut.planning.cluster.figures import parse_cluster
+from pipecut.planning.cluster.run import RunShape, block_of, evaluate_run
+from pipecut.planning.cluster.schedule import peak_activations
+from pipecut.planning.cluster.stage import stage_work, state_memory
+from pipecut.planning.cluster.tables import sharded_tables
 from pipecut.profile.devices import Precision, estimate_captured
 from pipecut.schedules.format import rank_of
 from pipecut.schedules.standard import build

@@ -13,8 +13,8 @@ the targets of issue 29 on its unfitted rows. ``--fit`` bisects each family's re
 names. ``--published``: the older check below.
 
 Each run of :data:`published.RUNS` (torchtitan's FSDP Llama runs on H100 and A100) is predicted
-by :func:`pipecut.planning.clusters.predict_run` with one compute efficiency per device family
-(:data:`pipecut.planning.clusters.FAMILY_EFFICIENCY`, each fitted on the run marked "fit"); the GPipe
+by :func:`pipecut.planning.cluster.choose.predict_run` with one compute efficiency per device family
+(:data:`pipecut.planning.cluster.plan.FAMILY_EFFICIENCY`, each fitted on the run marked "fit"); the GPipe
 row is the predicted throughput ratio of 8 stages over 2. The model is priced by
 :func:`pipecut.estimate_costs` on a meta Llama (fake tensors, without the loss: about 15 s a run
 here); ``--rows standin`` uses the hand-written table of :func:`published.llama_rows`
@@ -110,7 +110,7 @@ def fit(run: published.PublishedRun, dims: published.LlamaDims, lo: float = 0.1,
 def schedules(cluster: str, batch: int, microbatches: int, recompute: str = "selective") -> int:  # pragma: no cover
     """Each schedule's fastest fitting run of Llama-3.1-8B (8192 tokens a sample) on ``cluster``."""
     from examples.llama_meta import build_8b
-    from pipecut.planning.clusters import plan_cluster
+    from pipecut.planning.cluster.plan import plan_cluster
 
     model, inputs, loss_fn, target = build_8b(batch_size=batch)
     plan = plan_cluster(model, inputs, cluster, microbatches=microbatches, schedule="auto",
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         rows = published.estimated_rows(run, dims) if args.rows == "estimate" else None
         if rows is None:
-            from pipecut.planning.clusters import family_efficiency, parse_cluster
+            from pipecut.planning.cluster.figures import family_efficiency, parse_cluster
             from pipecut.profile.devices import device_profile
 
             c = parse_cluster(run.cluster)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from pipecut.capture import capture
-from pipecut.planning.clusters import family_model
+from pipecut.planning.cluster.figures import family_model
 from pipecut.profile.devices import Precision, count_costs, device_profile
 from pipecut.profile.hardware import kernel_kind
 from pipecut.profile.nodes import profile

@@ -9,7 +9,7 @@ the per-op model of :mod:`pipecut.profile.hardware` (its residuals 0.666 / 0.441
 bandwidth and latency per link, and the CUDA context, NCCL buffers and the allocator's reserve
 in the memory and its fit check. Everything else is today's planner in both columns (every
 schedule priced as it runs, cut values rebuilt where cheaper): the table isolates the costs.
-The old costs are put back by patching three functions of :mod:`pipecut.planning.clusters`
+The old costs are put back by patching three functions of :mod:`pipecut.planning.cluster.plan`
 for the duration of one plan (:func:`old_costs`), nothing else.
 
 Cases: the examples of ``docs/clusters.md`` and issue 29 (Llama-3.1-8B on meta, captured and
@@ -37,7 +37,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # examples.llam
 import validation
 
 OLD_EFFICIENCY = {"ampere": 0.957, "hopper": 0.512}
-"""fb07911:compiler/planning/clusters.py's FAMILY_EFFICIENCY."""
+"""fb07911:compiler/planning/cluster/plan.py's FAMILY_EFFICIENCY."""
 
 EXAMPLES = (
     # (name, cluster, global batch, microbatches, schedule, recompute)
@@ -51,16 +51,16 @@ EXAMPLES = (
 @contextlib.contextmanager
 def old_costs() -> Iterator[None]:
     """plan_cluster and parse_cluster with the old costs (see the module docstring)."""
-    from pipecut.planning import clusters
+    from pipecut.planning.cluster import figures, plan
     from pipecut.profile.devices import COMPUTE_EFFICIENCY
 
     def efficiency(profile: Any) -> tuple[float, str]:
         value = OLD_EFFICIENCY.get(profile.family, COMPUTE_EFFICIENCY)
         return value, f"old costs: roofline at {value} of dense peak"
 
-    with mock.patch.object(clusters, "_has_figures", lambda profile: False), \
-            mock.patch.object(clusters, "family_efficiency", efficiency), \
-            mock.patch.object(clusters, "_overheads", lambda: {}):
+    with mock.patch.object(figures, "_has_figures", lambda profile: False), \
+            mock.patch.object(figures, "family_efficiency", efficiency), \
+            mock.patch.object(plan, "_overheads", lambda: {}):
         yield
 
 
@@ -74,7 +74,7 @@ def _choice(plan: Any) -> dict[str, Any]:
 
 def examples() -> list[dict[str, Any]]:  # pragma: no cover
     from examples.llama_meta import build_8b
-    from pipecut.planning.clusters import plan_cluster
+    from pipecut.planning.cluster.plan import plan_cluster
 
     out = []
     for name, cluster, batch, m, schedule, recompute in EXAMPLES:
@@ -95,15 +95,10 @@ def _published_choice(run: dict[str, Any], model: dict[str, Any], schedule: str,
     from pipecut.cluster import Link
     from pipecut.core.kinds import AttentionKernel, DataParallelKind, Recompute, ScheduleKind
     from pipecut.errors import PartitionError
-    from pipecut.passes.parallel.training import RunShape
-    from pipecut.planning.clusters import (
-        SCHEDULES,
-        _overheads,
-        family_model,
-        model_flops_per_token,
-        parse_cluster,
-        predict_run,
-    )
+    from pipecut.planning.cluster.choose import predict_run
+    from pipecut.planning.cluster.figures import family_model, parse_cluster
+    from pipecut.planning.cluster.plan import SCHEDULES, _overheads, model_flops_per_token
+    from pipecut.planning.cluster.run import RunShape
     from pipecut.profile.devices import LINK_LATENCY_MS, Precision, device_profile, estimate_rows
 
     cluster = parse_cluster(run["cluster"])
@@ -159,7 +154,7 @@ def published(quick: bool) -> list[dict[str, Any]]:  # pragma: no cover
 
 
 def data_shape(run: dict[str, Any]) -> str:
-    from pipecut.planning.clusters import parse_cluster
+    from pipecut.planning.cluster.figures import parse_cluster
 
     return f"{parse_cluster(run['cluster']).gpus // run['pp']}×{run['pp']}"
 

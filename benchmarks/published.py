@@ -2,7 +2,7 @@
 
 ``RUNS`` are data: each run's configuration and its published figure, with the source. The
 benchmark (``benchmarks/cluster.py``) and the unit test (``tests/unit/test_published_runs.py``)
-predict each with :func:`pipecut.planning.clusters.predict_run`.
+predict each with :func:`pipecut.planning.cluster.choose.predict_run`.
 
 Runs are priced with :func:`estimated_rows`: :func:`pipecut.estimate_costs` on a meta Llama
 (fake tensors, about 15 s for 8B at 16 x 8192 tokens). ``llama_rows`` writes the same kind of
@@ -89,7 +89,7 @@ def estimated_rows(run: PublishedRun, dims: LlamaDims, *, efficiency: float | No
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pipecut import estimate_costs
-    from pipecut.planning.clusters import family_efficiency, family_model, parse_cluster
+    from pipecut.planning.cluster.figures import family_efficiency, family_model, parse_cluster
     from pipecut.profile.devices import device_profile
 
     cluster = parse_cluster(run.cluster)
@@ -164,7 +164,7 @@ def llama_rows(dims: LlamaDims, *, samples: int, seq: int, device: str,
     # cross-entropy on fp32 logits (torchtitan: pred.float()): the fp32 copy and its log-softmax
     add("loss", "", "cross_entropy", out=4, saved=2 * 4 * x * dims.vocab, moved=3 * 4 * x * dims.vocab)
     rows.append(NodeCost(name="output", op=NodeOp.OUTPUT, target="output", inputs=(prev,)))
-    from pipecut.planning.clusters import family_model
+    from pipecut.planning.cluster.figures import family_model
 
     return estimate_rows(tuple(rows), work, device_profile(device), Precision.BF16,
                          compute_efficiency=compute_efficiency,
@@ -186,12 +186,10 @@ def predict(run: PublishedRun, *, rows: tuple[NodeCost, ...] | None = None) -> P
     """pipecut's prediction of ``run`` (FSDP, one microbatch per step as torchtitan runs it).
     ``rows``: the cost table at the global batch; default :func:`estimated_rows`."""
     from pipecut.core.kinds import Recompute
-    from pipecut.passes.parallel.training import RunShape
-    from pipecut.planning.clusters import (
-        model_flops_per_token,
-        parse_cluster,
-        predict_run,
-    )
+    from pipecut.planning.cluster.choose import predict_run
+    from pipecut.planning.cluster.figures import parse_cluster
+    from pipecut.planning.cluster.plan import model_flops_per_token
+    from pipecut.planning.cluster.run import RunShape
 
     cluster = parse_cluster(run.cluster)
     dims = LLAMA[run.model]
@@ -217,13 +215,10 @@ the speedup is a ratio of bubble-bound steps, insensitive to the width)."""
 def gpipe_speedup(*, microbatches: int = 32, seq: int = 1024) -> float:
     """Throughput of K = 8 over K = 2 pipeline stages (one replica, GPipe schedule, M = 32)."""
     from pipecut.core.kinds import Recompute, ScheduleKind
-    from pipecut.passes.parallel.training import RunShape
-    from pipecut.planning.clusters import (
-        family_efficiency,
-        model_flops_per_token,
-        parse_cluster,
-        predict_run,
-    )
+    from pipecut.planning.cluster.choose import predict_run
+    from pipecut.planning.cluster.figures import family_efficiency, parse_cluster
+    from pipecut.planning.cluster.plan import model_flops_per_token
+    from pipecut.planning.cluster.run import RunShape
 
     out = []
     for k in (2, 8):

@@ -32,7 +32,7 @@ CASES = {
 
 def choice(size: str, sharding: str) -> dict[str, object]:  # pragma: no cover
     from examples.llama_meta import build
-    from pipecut.planning.clusters import plan_cluster
+    from pipecut.planning.cluster.plan import plan_cluster
 
     case = CASES[size]
     model, inputs, loss_fn, target = build(size, batch_size=int(case["batch"]))

@@ -4,7 +4,7 @@
 Each run's model is written as a cost table from its shapes (:func:`transformer_rows`: every
 product, attention kernel, norm, dropout and loss with its FLOPs, bytes and saved bytes; no
 capture, a few ms a run), priced by the per-op model of :mod:`pipecut.profile.hardware` at the
-run's attention kernel, and run through :func:`pipecut.planning.clusters.predict_run` with the
+run's attention kernel, and run through :func:`pipecut.planning.cluster.choose.predict_run` with the
 run's own data parallelism, pipeline depth, schedule, microbatches and checkpointing. The
 prediction carries a range: the same run priced with every hardware figure at the fast and at
 the slow end of its sources' spread. Memory is compared as the source counts it
@@ -28,7 +28,7 @@ from typing import Any
 
 from pipecut.core.kinds import AttentionKernel, LeafKind, NodeOp
 from pipecut.ir import Leaf, NodeCost
-from pipecut.passes.parallel.foreign_runtime import RuntimeTerm
+from pipecut.planning.cluster.foreign import RuntimeTerm
 from pipecut.profile.flops import NodeWork
 from pipecut.profile.hardware import FigureEnd
 
@@ -58,7 +58,7 @@ RUNTIMES = {
 """What each source's runtime holds beyond pipecut's own (``RunShape.runtime_terms``): torchtitan
 runs its loss under ``loss_parallel()`` and its pipeline on torch.distributed.pipelining, which
 keeps the last stage's outputs and a receive buffer per microbatch
-(:mod:`pipecut.passes.parallel.foreign_runtime`; each term is 0 without tensor parallelism or
+(:mod:`pipecut.planning.cluster.foreign`; each term is 0 without tensor parallelism or
 without a pipeline, as on the 8B and 70B FSDP rows). Megatron-LM, the Zero Bubble code and
 LLM Foundry: none is counted."""
 
@@ -209,15 +209,11 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
     batch, microbatches, schedule and checkpointing (every D and every T the heads allow)."""
     from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
     from pipecut.passes.parallel.tensor import tensor_sizes
-    from pipecut.passes.parallel.training import RunShape
-    from pipecut.planning.clusters import (
-        cluster_at,
-        family_model,
-        model_flops_per_token,
-        parse_cluster,
-        predict_run,
-    )
-    from pipecut.planning.tensor_parallel import sharded_tables
+    from pipecut.planning.cluster.choose import predict_run
+    from pipecut.planning.cluster.figures import cluster_at, family_model, parse_cluster
+    from pipecut.planning.cluster.plan import model_flops_per_token
+    from pipecut.planning.cluster.run import RunShape
+    from pipecut.planning.cluster.tables import sharded_tables
     from pipecut.profile.devices import device_profile
     from pipecut.profile.hardware import family_figures, memory_overheads
 
@@ -266,7 +262,7 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
 
 def _dominant(best: Any) -> str:
     """Which assumption dominates the step: the largest of its parts on the GPU that ends it
-    (:func:`pipecut.passes.parallel.training.step_parts`): compute, recompute, the bubble or a link."""
+    (:func:`pipecut.planning.cluster.run.step_parts`): compute, recompute, the bubble or a link."""
     return best.parts[0][0] if best.parts else "compute"
 
 
@@ -301,7 +297,7 @@ class Choice:
 
 
 def planner_choice(run: dict[str, Any], models: dict[str, Any]) -> Choice:
-    """What :func:`pipecut.planning.clusters.predict_run` chooses for ``run`` when D and T are
+    """What :func:`pipecut.planning.cluster.choose.predict_run` chooses for ``run`` when D and T are
     left to it (the schedule, microbatches and checkpointing kept)."""
     best, mem = _one(run, models[run["model"]], bound=FigureEnd.VALUE, residual=None, planner=True)
     return Choice(name=run["name"], replicas=best.placement.replicas, tensor_parallel=best.placement.tensor_parallel,

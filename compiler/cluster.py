@@ -1,8 +1,8 @@
 """A cluster as plan data: nodes × GPUs per node of one device, and the two links between GPUs.
 
 Sits with the plan data (the plan records the cluster it was made for and where each stage of
-each replica runs), below the passes that price it (:mod:`pipecut.passes.parallel.training`). Parsing
-``"8x8xH100-SXM"`` needs the device profiles and lives in :mod:`pipecut.planning.clusters`.
+each replica runs), below the passes that price it (:mod:`pipecut.planning.cluster.run`). Parsing
+``"8x8xH100-SXM"`` needs the device profiles and lives in :mod:`pipecut.planning.cluster.plan`.
 
 GPU ``g`` sits on node ``g // gpus_per_node``. Two GPUs of one node talk over ``intra`` (NVLink);
 GPUs of different nodes over ``inter`` (InfiniBand or RoCE: the bandwidth of one GPU's own
@@ -75,7 +75,7 @@ class Cluster:
 
     @property
     def spec(self) -> str:
-        """``"8x8xH100-SXM"``: what :func:`pipecut.planning.clusters.parse_cluster` reads back."""
+        """``"8x8xH100-SXM"``: what :func:`pipecut.planning.cluster.figures.parse_cluster` reads back."""
         return f"{self.nodes}x{self.gpus_per_node}x{self.device}"
 
     def node_of(self, gpu: int) -> int:

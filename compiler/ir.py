@@ -325,7 +325,7 @@ class Plan:
     :func:`pipecut.passes.rewrite.chunk_rows.chunk_rows` with these to the graph it captures (after
     checking ``fingerprint`` against it) before splitting it into stages."""
     cluster: Cluster | None = None
-    """The cluster planned for (``pipecut.planning.clusters.plan_cluster``); None for other plans."""
+    """The cluster planned for (``pipecut.planning.cluster.plan.plan_cluster``); None for other plans."""
     placement: ClusterPlacement | None = None
     """On ``cluster``: which GPU holds which stage of which replica."""
     run: RunPrediction | None = None

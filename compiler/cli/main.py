@@ -194,7 +194,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     log.info("planning %s on %d devices, %s microbatches, %s", args.factory, args.devices,
              args.microbatches, args.schedule)
     if args.cluster is not None:
-        from pipecut.planning.clusters import plan_cluster
+        from pipecut.planning.cluster.plan import plan_cluster
 
         plan = plan_cluster(
             example.model, example.inputs, args.cluster, data_parallel="auto",
@@ -239,7 +239,7 @@ def _check_plan_args(args: argparse.Namespace) -> None:
                          f"--cluster (e.g. 8x8xH100-SXM); without one the plan is the pipeline's, and compile "
                          f"splits each stage over its DeviceMesh's 'tp' dimension")
     if args.cluster is not None:
-        from pipecut.planning.clusters import parse_cluster
+        from pipecut.planning.cluster.figures import parse_cluster
 
         if args.device_profile is not None or args.microbatches == "auto":
             raise InputError("--cluster names the device and weighs D x K itself: drop "

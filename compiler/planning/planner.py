@@ -2,7 +2,7 @@
 
 Planning runs in one process and needs no torch.distributed. :func:`plan` reads as its steps:
 resolve the options into a :class:`~pipecut.planning.request.Request`, then plan for a cluster
-(:mod:`~pipecut.planning.clusters`), or (:func:`plan_asked`, where ``compile``'s rank 0 hands
+(:mod:`~pipecut.planning.cluster.plan`), or (:func:`plan_asked`, where ``compile``'s rank 0 hands
 its own request) for replicas (:mod:`~pipecut.planning.replicas`), with the
 microbatches and schedule chosen (:mod:`~pipecut.planning.autoplan`), or at fixed ones
 (:func:`plan_fixed`: capture → measure → partition → calibrate → heavy nodes in pieces →
@@ -39,6 +39,7 @@ from pipecut.options import (
     options_of,
     requested,
 )
+from pipecut.passes.parallel.tensor import rank_share
 from pipecut.passes.partition.chain import is_unit
 from pipecut.passes.partition.solve import Devices, as_devices, as_schedule, partition_costs
 from pipecut.passes.rewrite.propagate import accepted_shapes
@@ -53,7 +54,6 @@ from pipecut.planning.request import (
     profile_at,
     warn_if_sequential,
 )
-from pipecut.planning.tensor_parallel import rank_share
 from pipecut.profile.calibrate import calibrate as calibrate_costs
 from pipecut.profile.calibrate import stage_times
 from pipecut.profile.compiled import AMORTIZED_STEPS, CompileChoice, compiled_stage_times
@@ -114,7 +114,7 @@ def plan(
             stages compiled while calibrating, "auto" times both and keeps the cheaper.
         cluster: ``"8x8xH100-SXM"`` or a :class:`~pipecut.cluster.Cluster`: plan a whole run on
             a cluster that is not here from estimated costs (see
-            :func:`pipecut.planning.clusters.plan_cluster`).
+            :func:`pipecut.planning.cluster.plan.plan_cluster`).
         tensor_parallel: A :class:`~pipecut.options.TensorParallelOptions`, or its size alone. With
             ``cluster``: "auto" (or no size) weighs every T that divides a node's GPUs and the
             attention heads (each T-way group inside one node, Megatron's column/row split,
@@ -308,10 +308,10 @@ def _recorded(p: Plan, request: Request) -> Plan:
 
 
 def _for_cluster(request: Request, cluster: str | Cluster, tensor_parallel: int | str = "auto") -> Plan:
-    """:func:`~pipecut.planning.clusters.plan_cluster` with the request's options (left out:
+    """:func:`~pipecut.planning.cluster.plan.plan_cluster` with the request's options (left out:
     one microbatch, 1F1B; schedule "auto" weighs every schedule; ``recompute`` "auto":
     selective)."""
-    from pipecut.planning.clusters import plan_cluster
+    from pipecut.planning.cluster.plan import plan_cluster
 
     options = request.options
     if options.microbatches == AUTO:

@@ -88,7 +88,7 @@ class DeviceProfile:
     datasheet: str
     family: str = ""
     """Architecture ("ampere", "hopper", "blackwell", "cdna3"): devices of one family share a
-    fitted compute efficiency (see :mod:`pipecut.planning.clusters`)."""
+    fitted compute efficiency (see :mod:`pipecut.planning.cluster.plan`)."""
     network_bytes_per_s: float = 0.0
     """Inter-node bandwidth of one GPU's network port per direction, as the platform's reference
     design ships it (0: not given); the default of a cluster of these devices."""

@@ -40,6 +40,7 @@ __all__ = [
     "predicted_timeline",
     "replica_sync_ms",
     "ring_allreduce_ms",
+    "ring_ms",
     "stage_costs",
     "stage_params",
 ]
@@ -353,6 +354,13 @@ def predicted_timeline(plan: Plan) -> list[tuple[Action, float, float]]:
     costs = plan_costs(plan)
     return timeline(plan_schedule(plan), costs.forward, costs.backward, costs.forward_link,
                     costs.backward_link, costs.weight)
+
+
+def ring_ms(nbytes: float, members: int, link: Link) -> float:
+    """All-gather or reduce-scatter of ``nbytes`` (the whole buffer) over a ring of ``members``."""
+    if members <= 1 or nbytes <= 0:
+        return 0.0
+    return (members - 1) * link.latency_ms + (members - 1) / members * nbytes / link.bandwidth_bytes_per_ms
 
 
 @overload

@@ -42,7 +42,7 @@ from pipecut.core.kinds import LeafKind, NodeOp, TensorShard
 from pipecut.core.shapes import token_dim
 from pipecut.errors import InputError
 from pipecut.ir import NodeCost
-from pipecut.passes.parallel.run_costs import ring_ms
+from pipecut.passes.costs.stages import ring_ms
 
 __all__ = [
     "ParameterShard",
@@ -51,6 +51,7 @@ __all__ = [
     "collectives",
     "gathered_inputs",
     "parameter_shards",
+    "rank_share",
     "residual_stream",
     "shard_kinds",
     "shard_table",
@@ -239,7 +240,7 @@ def collectives(nodes: Sequence[NodeCost], kinds: Mapping[str, TensorShard], tp:
     (a ring of ``tp`` GPUs, the full buffer's bytes from the unsharded table): ``g`` after each
     ROW and VOCAB node; ``f`` on each replicated value that COLUMN nodes read, once however many
     read it (q, k and v share one), charged to the first of them. All-reduce = reduce-scatter +
-    all-gather: twice :func:`~pipecut.passes.parallel.run_costs.ring_ms`."""
+    all-gather: twice :func:`~pipecut.planning.cluster.stage.ring_ms`."""
     if tp <= 1:
         return {}
     by_name = {n.name: n for n in nodes}
@@ -393,3 +394,21 @@ def check_tensor_parallel(tp: int, gpus_per_node: int, counts: Mapping[str, int]
             f"tensor-parallel group stays inside one node and splits whole heads; sizes that run: "
             f"{', '.join(map(str, fits))} (or 'auto')"
         )
+
+
+def rank_share(nodes: Sequence[NodeCost], tp: int, link: Link, sequence_parallel: bool = False) -> tuple[NodeCost, ...]:
+    """``nodes`` (measured on one device, whole) as one rank of a ``tp``-way group runs them
+    under ``compile``: the times of :func:`shard_table` (the
+    divided nodes at 1/T, the group's collectives over ``link`` added), the divided weights and
+    kept activations at 1/T. Shapes stay whole: the wiring reads them. So do the bytes a split
+    region's values send (its regions end inside the stage); with ``sequence_parallel`` the
+    residual stream's values cross a cut as token shards, a T-th of their bytes. The regions are
+    the graph's (Megatron's pairs); a split given by the model's ``tp_plan`` or the user's may
+    differ, which the calibration on the running pipeline corrects for the times."""
+    if tp <= 1:
+        return tuple(nodes)
+    table = shard_table(nodes, tp, link, sequence_parallel=sequence_parallel)
+    tokens = residual_stream(nodes, table.kinds) if sequence_parallel else frozenset()
+    return tuple(replace(n, forward_ms=s.forward_ms, backward_ms=s.backward_ms, param_bytes=s.param_bytes,
+                                     saved_bytes=s.saved_bytes, output_bytes=s.output_bytes if n.name in tokens else n.output_bytes)
+                 for n, s in zip(nodes, table.nodes, strict=True))

@@ -18,7 +18,7 @@ is the one optimizer-state sharder torch ships. Its traffic, one all-reduce of t
 (DDP's) and one broadcast of each parameter from its owner, is 1.5 times DDP's all-reduce;
 Megatron's distributed optimizer moves the same bytes as DDP (a reduce-scatter of the gradients
 and an all-gather of the parameters). The planner prices what this module runs
-(:func:`pipecut.passes.parallel.run_costs.fsdp_exposed`).
+(:func:`pipecut.planning.cluster.stage.fsdp_exposed`).
 
 **Tensor-parallel stages** hold DTensor parameters, and ZeroRedundancyOptimizer's broadcast is
 a c10d op DTensor has no rule for ("c10d.broadcast_.default does not have a sharding strategy

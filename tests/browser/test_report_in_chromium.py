@@ -108,7 +108,7 @@ def test_cluster_grid_shows_every_gpu_with_its_replica_and_stage(browser, tmp_pa
     import dataclasses
 
     from pipecut.cluster import ClusterPlacement, Layout, RunPrediction
-    from pipecut.planning.clusters import parse_cluster
+    from pipecut.planning.cluster.figures import parse_cluster
 
     plan = synthetic_plan(layers=6, stages=2)
     placement = ClusterPlacement(layout=Layout.STAGES_INSIDE_NODES, replicas=4, stages=2)

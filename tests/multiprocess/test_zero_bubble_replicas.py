@@ -174,7 +174,7 @@ def test_a_cluster_plan_where_zero_bubble_with_replicas_wins_runs_at_parity() ->
     """The cluster planner weighs every schedule and D x K for two nodes of two H100s and picks
     zero-bubble over two FSDP replicas of two stages; that very plan, replayed on 4 CPU ranks,
     steps at parity with the plain model (it was a run pipecut's runtime refused)."""
-    from pipecut.planning.clusters import plan_cluster
+    from pipecut.planning.cluster.plan import plan_cluster
 
     model, inputs, loss_fn, target = _build("llama")
     plan = plan_cluster(model, inputs, "2x2xH100-SXM", microbatches=M, schedule="auto", tensor_parallel=1,

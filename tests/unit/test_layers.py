@@ -123,3 +123,22 @@ def test_planning_runs_in_one_process_below_the_build() -> None:
     assert {m for m in known if m.startswith("pipecut.planning.")} >= {
         "pipecut.planning.planner", "pipecut.planning.autoplan"}
     assert not wrong, "\n".join(wrong)
+
+
+PURE_NUMBERS = ("pipecut.planning.cluster.run", "pipecut.planning.cluster.stage",
+                "pipecut.planning.cluster.schedule", "pipecut.planning.cluster.foreign")
+"""The cluster planner's run model: pure numbers over a workload, kept in the planner's package
+(read top to bottom there) but held to the passes' rule."""
+
+
+@pytest.mark.parametrize("module", PURE_NUMBERS)
+def test_the_cluster_run_model_is_pure_numbers(module: str) -> None:
+    """No torch and nothing above the passes: the run model prices a workload of numbers, so it
+    runs (and is tested) without capturing anything; only data, passes and its own package."""
+    known = modules()
+    wrong = sorted(i for i in imports(known[module])
+                   if i.split(".")[0] == "torch" or (i in known and layer(i) not in ("data", "passes")
+                                                     and not i.startswith("pipecut.planning.cluster.")))
+    assert not wrong, f"{module} imports {wrong}"
+    own = {i for i in imports(known[module]) if i.startswith("pipecut.planning.cluster.") and i in known}
+    assert own <= set(PURE_NUMBERS), f"{module} imports {own - set(PURE_NUMBERS)} of the front"

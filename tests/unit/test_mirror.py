@@ -35,12 +35,10 @@ EXEMPT: dict[str, tuple[str, str]] = {
         "tests/multiprocess/test_parity.py", "compile()'s connect step: needs a process group"),
     "pipecut.assemble.workers": (
         "tests/multiprocess/test_parity.py", "compile()'s build/materialise/sync steps: need a process group"),
-    "pipecut.passes.parallel.run_costs": (
-        "tests/unit/test_cluster_schedules.py", "a cluster run's per-stage costs: checked through the runs they price"),
-    "pipecut.passes.parallel.run_schedule": (
-        "tests/unit/test_cluster_schedules.py", "a cluster run's schedule, weight pass and memory walk, by hand-worked values"),
-    "pipecut.planning.run_plan": (
-        "tests/unit/test_cluster_schedules.py", "the plan of the chosen cluster run: its stages agree with the run line"),
+    "pipecut.planning.cluster.stage": (
+        "tests/unit/planning/cluster/test_schedule.py", "a cluster run's per-stage costs: checked through the runs they price"),
+    "pipecut.planning.cluster.run_plan": (
+        "tests/unit/planning/cluster/test_schedule.py", "the plan of the chosen cluster run: its stages agree with the run line"),
     "pipecut.runtime.pipeline": (
         "tests/multiprocess/test_training_loop.py", "the Pipeline object only runs across processes: the README's loop"),
 }

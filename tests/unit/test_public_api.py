@@ -83,3 +83,16 @@ def test_packaging_facts() -> None:
     assert "jsonschema" not in deps and "networkx" not in deps
     handlers = logging.getLogger("pipecut").handlers
     assert any(isinstance(h, logging.NullHandler) for h in handlers)
+
+
+def test_every_package_folder_is_listed_for_setuptools() -> None:
+    """``pyproject.toml`` lists the packages by name; a folder missing from the list is left out
+    of the wheel and out of an editable install (``pipecut.planning.cluster`` once was, found when
+    its tests stopped importing after a reinstall)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    roots = {"compiler": "pipecut", "passes": "pipecut.passes", "runtime": "pipecut.runtime"}
+    on_disk = {".".join((package, *init.parent.relative_to(ROOT / folder).parts))
+               for folder, package in roots.items() for init in (ROOT / folder).rglob("__init__.py")}
+    assert on_disk - listed == set(), f"packages not in pyproject.toml: {sorted(on_disk - listed)}"

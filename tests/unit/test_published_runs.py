@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import published
-from pipecut.planning.clusters import family_efficiency, parse_cluster
+from pipecut.planning.cluster.figures import family_efficiency, parse_cluster
 from pipecut.profile.devices import device_profile
 
 

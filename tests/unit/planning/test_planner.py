@@ -108,7 +108,7 @@ def test_plan_without_microbatches_or_schedule_chooses_them_and_says_so(caplog: 
 
 
 def test_tensor_parallel_is_threaded_to_the_cluster_planner_and_refused_without_a_cluster(monkeypatch):
-    import pipecut.planning.clusters as clusters
+    import pipecut.planning.cluster.plan as clusters
 
     model, inputs, _, _ = mlp.build(batch_size=8, width=32, depth=2)
     with pytest.raises(InputError, match=r"tensor_parallel=2 without a cluster: .*DeviceMesh's 'tp' dimension"):

@@ -9,7 +9,7 @@ from pipecut.cluster import Link
 from pipecut.core.kinds import NodeOp, TensorShard
 from pipecut.errors import InputError
 from pipecut.ir import NodeCost
-from pipecut.passes.parallel.run_costs import ring_ms
+from pipecut.passes.costs.stages import ring_ms
 from pipecut.passes.parallel.tensor import (
     check_tensor_parallel,
     collectives,

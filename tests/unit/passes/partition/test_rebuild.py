@@ -109,7 +109,7 @@ def test_a_cluster_plan_across_nodes_sends_the_hidden_state_and_not_the_mask() -
     of bool) and the rotary tables are rebuilt on stage 1: only activations (values a gradient
     flows back through) cross."""
     from examples import llama_meta
-    from pipecut.planning.clusters import plan_cluster
+    from pipecut.planning.cluster.plan import plan_cluster
 
     model, inputs, loss_fn, target = llama_meta.build(batch_size=4, num_hidden_layers=4)
     plan = plan_cluster(model, inputs, "2x2xH100-SXM", data_parallel=2, microbatches=2, loss_fn=loss_fn,

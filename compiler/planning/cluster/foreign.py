@@ -18,7 +18,7 @@ import dataclasses
 import enum
 
 from pipecut.passes.costs.workload import Workload
-from pipecut.passes.parallel.run_costs import StageWork
+from pipecut.planning.cluster.stage import StageWork
 
 __all__ = [
     "LOGIT_BYTES",

@@ -10,16 +10,16 @@ import pytest
 from pipecut.cluster import Cluster, Layout, Link
 from pipecut.core.kinds import Recompute
 from pipecut.passes.costs.workload import Workload
-from pipecut.passes.parallel.foreign_runtime import (
+from pipecut.planning.cluster.foreign import (
     RuntimeTerm,
     kept_output_bytes,
     loss_workspace_bytes,
     receive_buffer_bytes,
     with_runtime,
 )
-from pipecut.passes.parallel.run_costs import stage_work
-from pipecut.passes.parallel.run_schedule import peak_activations
-from pipecut.passes.parallel.training import RunCandidate, RunShape, block_of, evaluate_run
+from pipecut.planning.cluster.run import RunCandidate, RunShape, block_of, evaluate_run
+from pipecut.planning.cluster.schedule import peak_activations
+from pipecut.planning.cluster.stage import stage_work
 from pipecut.schedules.format import parse_schedule
 
 LOGITS = 1000

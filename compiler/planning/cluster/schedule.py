@@ -1,6 +1,6 @@
 """A cluster run's pipeline as its schedule runs it: virtual stages, the weight pass, live memory.
 
-The training-run model (:mod:`pipecut.passes.parallel.training`) prices every schedule with the
+The training-run model (:mod:`pipecut.planning.cluster.run`) prices every schedule with the
 generators and the simulator that the runtime's plans use (:func:`pipecut.schedules.standard.build`,
 :func:`pipecut.schedules.simulate.rank_end_ms`), so a schedule has one model for both. This module
 holds the three things the run model needs around them, each read off the schedule, not a formula:

@@ -21,15 +21,15 @@ from pipecut.cluster import Cluster, Layout, Link
 from pipecut.core.kinds import Recompute, ScheduleKind
 from pipecut.errors import InputError
 from pipecut.passes.costs.workload import Workload
-from pipecut.passes.parallel.run_schedule import chunk_options, peak_activations, weight_ms
-from pipecut.passes.parallel.training import (
+from pipecut.planning.cluster.plan import plan_cluster
+from pipecut.planning.cluster.run import (
     RunCandidate,
     RunShape,
     block_of,
     choose_run,
     evaluate_run,
 )
-from pipecut.planning.clusters import plan_cluster
+from pipecut.planning.cluster.schedule import chunk_options, peak_activations, weight_ms
 from pipecut.report.gantt import predicted_spans
 from pipecut.report.text import human_bytes
 from pipecut.schedules.format import parse_schedule

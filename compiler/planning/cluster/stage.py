@@ -1,7 +1,7 @@
 """One stage of a cluster run at one replica's share: FSDP units, checkpointing, state, collectives.
 
 Pure numbers, no torch; the assumptions (bf16 with fp32 AdamW state, FSDP2 units and prefetch,
-activation checkpointing per block) are listed in :mod:`pipecut.passes.parallel.training`, which
+activation checkpointing per block) are listed in :mod:`pipecut.planning.cluster.run`, which
 prices a whole run from these pieces. A stage is seen as its FSDP units in execution order:
 each transformer block (module path ``....<int>``) is one, everything outside the blocks is the
 root unit (-1).
@@ -15,6 +15,7 @@ from typing import Any
 
 from pipecut.cluster import Link
 from pipecut.core.kinds import DataParallelKind, Recompute
+from pipecut.passes.costs.stages import ring_ms
 from pipecut.passes.costs.workload import Workload
 
 __all__ = [
@@ -25,7 +26,6 @@ __all__ = [
     "exposed_ms",
     "fsdp_exposed",
     "merged",
-    "ring_ms",
     "stage_work",
     "state_memory",
 ]
@@ -36,13 +36,6 @@ OPTIMIZER_BYTES_PER_PARAM = 8
 """AdamW's two fp32 moments: the part of :data:`STATE_BYTES_PER_PARAM` ZeRO-1 shards."""
 REDUCE_BYTES_PER_PARAM = 4
 """FSDP reduce-scatters gradients in fp32 (``reduce_dtype=torch.float32``)."""
-
-
-def ring_ms(nbytes: float, members: int, link: Link) -> float:
-    """All-gather or reduce-scatter of ``nbytes`` (the whole buffer) over a ring of ``members``."""
-    if members <= 1 or nbytes <= 0:
-        return 0.0
-    return (members - 1) * link.latency_ms + (members - 1) / members * nbytes / link.bandwidth_bytes_per_ms
 
 
 def exposed_ms(comm: Sequence[float], compute: Sequence[float]) -> float:
@@ -74,7 +67,7 @@ class StageWork:
     """Workload units whose forward runs again in backward."""
     held_bytes: float = 0.0
     """Bytes each microbatch's forward adds that stay until the step ends: none in pipecut's
-    runtime; a published run's runtime may hold some (:mod:`pipecut.passes.parallel.foreign_runtime`)."""
+    runtime; a published run's runtime may hold some (:mod:`pipecut.planning.cluster.foreign`)."""
     left_bytes: float = 0.0
     """Bytes each microbatch's backward leaves until the step ends (likewise)."""
     standing_bytes: float = 0.0

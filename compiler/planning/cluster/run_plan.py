@@ -1,10 +1,10 @@
 """The per-stage plan of a chosen cluster run: one prediction, shown once.
 
-:func:`pipecut.planning.clusters.plan_cluster` chooses a run (D replicas × K ranks, layout,
-schedule, stages per rank) on the training-run model of :mod:`pipecut.passes.parallel.training`,
+:func:`pipecut.planning.cluster.plan.plan_cluster` chooses a run (D replicas × K ranks, layout,
+schedule, stages per rank) on the training-run model of :mod:`pipecut.planning.cluster.run`,
 with the run's recompute and sharding. The plan it returns is one replica's stages of **that**
 run: cut where the run is cut, recomputing what the run recomputes, on the run's schedule, and
-each stage's times and memory are the run's (:class:`~pipecut.passes.parallel.training.RunStage`),
+each stage's times and memory are the run's (:class:`~pipecut.planning.cluster.run.RunStage`),
 so the stage table, the memory bars and the Gantt chart show the run the summary's run line
 describes, not a second plan priced by other rules.
 
@@ -32,8 +32,8 @@ from pipecut.errors import PartitionError
 from pipecut.ir import DeviceSpec, NodeCost, Plan, Solver, Stage
 from pipecut.options import DataParallelOptions
 from pipecut.passes.costs.stages import build_stages
-from pipecut.passes.parallel.training import RunCandidate, RunStage
 from pipecut.passes.partition.chain import liveness
+from pipecut.planning.cluster.run import RunCandidate, RunStage
 from pipecut.version import __version__
 
 __all__ = ["mixed_links_note", "plan_of_run"]
@@ -77,7 +77,7 @@ def plan_of_run(
     )
     solver = Solver(method=Partitioner.DP, optimal=False, detail=(
         f"the cluster run's split: min-bottleneck over module boundaries at one of {d} replicas' share "
-        f"(pipecut.passes.parallel.training), {run.schedule.value} on {run.stages_per_rank} stage(s) per rank"))
+        f"(pipecut.planning.cluster.run), {run.schedule.value} on {run.stages_per_rank} stage(s) per rank"))
     return Plan(
         fingerprint=fingerprint(captured.gm), capture=captured.method, schedule=run.schedule,
         microbatches=microbatches, batch_size=batch_size, inputs=captured.input_names, nodes=tuple(nodes), stages=stages,

@@ -41,7 +41,7 @@ configure, and what this model assumes of it:
   on the A100 8B run).
 * **Pipeline**: the schedule asked for is built by the runtime's own generators and simulated
   action by action (:func:`pipecut.schedules.standard.build`,
-  :func:`pipecut.schedules.simulate.rank_end_ms`), as it runs (:mod:`pipecut.passes.parallel.run_schedule`):
+  :func:`pipecut.schedules.simulate.rank_end_ms`), as it runs (:mod:`pipecut.planning.cluster.schedule`):
   interleaved 1F1B on V·K virtual stages (V − 1 more cuts per microbatch and per rank), zero
   bubble and ZBV with the backward split into an input and a weight pass, ZBV on 2K stages laid
   as a V. A cut moves ``bytes / D`` over NVLink when the two GPUs share a node, else inter-node
@@ -55,14 +55,14 @@ configure, and what this model assumes of it:
 * **Another runtime**: ``RunShape.runtime_terms`` prices a published run with what its runtime
   holds beyond pipecut's (torchtitan's loss-parallel cross entropy, torch.distributed.pipelining
   keeping the last stage's outputs and a receive buffer per microbatch:
-  :mod:`pipecut.passes.parallel.foreign_runtime`); by default
+  :mod:`pipecut.planning.cluster.foreign`); by default
   none, the run is pipecut's own.
 
 * **Memory beyond tensors**: ``RunShape.fixed_memory_bytes`` per GPU (the CUDA context and
   NCCL's buffers, outside the caching allocator) and ``RunShape.reserve_fraction`` of the tensors
   (the allocator's reserve and fragmentation) are added to every GPU's peak and so to the fit
   check; both 0 by default (the tensors alone), set from the figures by
-  :func:`pipecut.planning.clusters.plan_cluster`.
+  :func:`pipecut.planning.cluster.plan.plan_cluster`.
 
 * **Tensor parallelism** (``RunShape.tensor_parallel`` T): each (replica, stage) runs on T GPUs of
   one node (:class:`~pipecut.cluster.ClusterPlacement`), and the workload is one GPU's share of
@@ -86,16 +86,16 @@ from pipecut.cluster import Cluster, ClusterPlacement, Layout, Link
 from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.errors import InputError
 from pipecut.passes.costs.workload import Workload
-from pipecut.passes.parallel.foreign_runtime import RuntimeTerm, with_runtime
 from pipecut.passes.parallel.hybrid import Skipped, balanced_split, unsplittable
-from pipecut.passes.parallel.run_costs import (
+from pipecut.planning.cluster.foreign import RuntimeTerm, with_runtime
+from pipecut.planning.cluster.schedule import chunk_options, peak_activations, weight_ms
+from pipecut.planning.cluster.stage import (
     StageWork,
     fsdp_exposed,
     merged,
     stage_work,
     state_memory,
 )
-from pipecut.passes.parallel.run_schedule import chunk_options, peak_activations, weight_ms
 from pipecut.schedules.format import Schedule, rank_of
 from pipecut.schedules.simulate import StageCosts, rank_end_ms
 from pipecut.schedules.standard import build
@@ -149,7 +149,7 @@ class RunShape:
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     stages_per_rank: int | None = None
     """Stages per pipeline rank V. None: :func:`choose_run` weighs the schedule's options
-    (:func:`~pipecut.passes.parallel.run_schedule.chunk_options`) and :func:`evaluate_run` runs
+    (:func:`~pipecut.planning.cluster.schedule.chunk_options`) and :func:`evaluate_run` runs
     the smallest (interleaved 1F1B 2, ZBV its fixed 2, the others 1); a number fixes it."""
     recompute: Recompute = Recompute.NONE
     sharding: DataParallelKind = DataParallelKind.FSDP
@@ -167,7 +167,7 @@ class RunShape:
     in place of all-reduce)."""
     runtime_terms: tuple[RuntimeTerm, ...] = ()
     """What the run's runtime holds beyond pipecut's own (none: pipecut's runtime). Set to
-    price a published run as its runtime ran it (:mod:`pipecut.passes.parallel.foreign_runtime`)."""
+    price a published run as its runtime ran it (:mod:`pipecut.planning.cluster.foreign`)."""
 
     def __post_init__(self) -> None:
         if self.fixed_memory_bytes < 0 or not 0 <= self.reserve_fraction < 1:
@@ -490,7 +490,7 @@ def choose_run(
     / (T · ``replicas``) only), in
     ``layouts``, for each of ``schedules`` (default ``shape.schedule``) with each of its stages
     per rank (``shape.stages_per_rank``, or where None its
-    :func:`~pipecut.passes.parallel.run_schedule.chunk_options`), ranked by predicted step;
+    :func:`~pipecut.planning.cluster.schedule.chunk_options`), ranked by predicted step;
     over-memory runs are skipped with their need. (Memory does not depend on the layout: one
     layout answers "does anything fit".)"""
     t = shape.tensor_parallel

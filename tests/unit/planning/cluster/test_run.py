@@ -9,18 +9,18 @@ import pytest
 from pipecut.cluster import Cluster, Layout, Link
 from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.passes.costs.workload import Workload
-from pipecut.passes.parallel.run_costs import (
-    REDUCE_BYTES_PER_PARAM,
-    STATE_BYTES_PER_PARAM,
-    exposed_ms,
-    ring_ms,
-)
-from pipecut.passes.parallel.training import (
+from pipecut.planning.cluster.run import (
     RunCandidate,
     RunShape,
     block_of,
     choose_run,
     evaluate_run,
+)
+from pipecut.planning.cluster.stage import (
+    REDUCE_BYTES_PER_PARAM,
+    STATE_BYTES_PER_PARAM,
+    exposed_ms,
+    ring_ms,
 )
 
 NVLINK = Link(name="nvlink", bandwidth_bytes_per_ms=4e8, latency_ms=0.01)

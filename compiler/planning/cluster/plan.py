@@ -1,0 +1,345 @@
+"""Plan a real-size training run for a cluster that is not here: ``"8x8xH100-SXM"``.
+
+:func:`plan_cluster` is the planner's flow, one named step after another, each handing its
+result down:
+
+1. **resolve the figures** (:func:`~pipecut.planning.cluster.figures.figures_of`): the cluster,
+   its links and its device's per-op model, once;
+2. **price the table** (:func:`_priced_table`): the model's cost table estimated for the device
+   (:func:`pipecut.profile.devices.estimate_captured`; the model may be on meta), at one
+   microbatch of the global batch;
+3. **shard by T** (:mod:`~pipecut.planning.cluster.tables`): the sizes T the model and a node
+   allow, and each size's table at one GPU's share;
+4. **evaluate runs and choose** (:mod:`~pipecut.planning.cluster.choose`): every D × T × K ×
+   layout × schedule × engine on the training-run model of :mod:`~pipecut.planning.cluster.run`
+   (bf16 with fp32 AdamW state, activation checkpointing, the link each cut and ring crosses),
+   the fastest that fits;
+5. **make the plan** (:mod:`~pipecut.planning.cluster.run_plan`): one replica of the chosen run,
+   its stages the run's, with the cluster, the placement and the run's prediction (step at the
+   figures' value and at both ends of their spread, bubble, tokens/s per GPU, MFU, memory).
+
+Costs: the per-op model of :mod:`pipecut.profile.hardware` (matrix products by shape, attention by
+kernel, memory-bound ops, launch overhead, NCCL bus bandwidth and latency per link), each figure
+with its source; one residual per device family, fitted on one named published run
+(``benchmarks/validation_runs.json``'s split); every other published run is a check
+(``benchmarks/cluster.py``, ``tests/unit/test_validation_runs.py``). Families without hardware
+figures fall back to the roofline at :data:`pipecut.profile.devices.COMPUTE_EFFICIENCY`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pipecut.cluster import Cluster, MemoryPart, RunPrediction, StepPart
+from pipecut.core.batching import first_microbatch, split_microbatches
+from pipecut.core.choices import enum_choice
+from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
+from pipecut.core.program import Captured, Inputs
+from pipecut.errors import InputError
+from pipecut.ir import Candidate, NodeCost, Plan, ReplicaCandidate
+from pipecut.passes.costs.workload import workload
+from pipecut.passes.parallel.hybrid import Skipped
+from pipecut.passes.partition.rebuild import mark_rebuilt
+from pipecut.planning.cluster.choose import fastest_engine
+from pipecut.planning.cluster.figures import Figures, figures_of
+from pipecut.planning.cluster.run import RunCandidate, RunChoice, RunShape, block_of, evaluate_run
+from pipecut.planning.cluster.run_plan import mixed_links_note, plan_of_run
+from pipecut.planning.cluster.tables import sharded_tables, tensor_parallel_sizes
+from pipecut.planning.replicas import ENGINES
+from pipecut.planning.tensor_parallel import head_counts
+from pipecut.profile.devices import Precision, estimate_captured
+from pipecut.profile.hardware import FigureEnd, HardwareModel, memory_overheads
+from pipecut.profile.nodes import LossFn
+
+__all__ = ["NOT_MODELLED", "SCHEDULES", "model_flops_per_token", "plan_cluster", "tensor_note"]
+
+NOT_MODELLED = (
+    "context and expert parallelism are not planned",
+    "ZeRO-2 (gradients reduce-scattered as well as the optimizer state sharded, parameters whole) is "
+    f"not one of pipecut's data-parallel kinds ({', '.join(k.value for k in DataParallelKind)}): not planned",
+)
+
+SCHEDULES = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED_1F1B,
+             ScheduleKind.ZERO_BUBBLE, ScheduleKind.ZBV)
+"""What ``schedule="auto"`` weighs for a cluster (interleaved 1F1B with each of its stages per rank)."""
+
+
+
+def model_flops_per_token(nodes: Sequence[NodeCost], *, layers: int = 0, hidden: int = 0,
+                          seq: int = 0, param_dtype_bytes: int = 2) -> float:
+    """``6·params + 12·layers·hidden·seq`` (torchtitan's count): params without the input
+    embedding (a lookup, no product), attention scores and values for every token pair."""
+    lookups = {i for n in nodes if "embedding" in n.target for i in n.inputs}
+    params = sum(n.param_bytes for n in nodes
+                 if n.name not in lookups and "embedding" not in n.target) / param_dtype_bytes
+    return 6 * params + 12 * layers * hidden * seq
+
+
+def _attention_dims(model: torch.nn.Module) -> tuple[int, int]:
+    """(layers, hidden) from a Hugging Face config, else (0, 0): attention not counted."""
+    cfg = getattr(model, "config", None)
+    return int(getattr(cfg, "num_hidden_layers", 0) or 0), int(getattr(cfg, "hidden_size", 0) or 0)
+
+
+def plan_cluster(
+    model: torch.nn.Module,
+    example_inputs: Inputs,
+    cluster: str | Cluster,
+    *,
+    data_parallel: str | int = "auto",
+    microbatches: int = 1,
+    schedule: str | ScheduleKind = ScheduleKind.ONE_F_ONE_B,
+    stages_per_rank: int | None = None,
+    recompute: str | Recompute = Recompute.SELECTIVE,
+    sharding: str | DataParallelKind = "auto",
+    loss_fn: LossFn | None = None,
+    target: Any = None,
+    tensor_parallel: str | int = "auto",
+    sequence_parallel: bool = True,
+) -> Plan:
+    """Plan ``model`` (on meta is fine) for ``cluster`` with one global batch ``example_inputs``.
+
+    ``data_parallel``: "auto" weighs every D × K, an int fixes D. ``schedule``: one schedule, or
+    "auto" to weigh all of :data:`SCHEDULES` and keep the fastest run that fits.
+    ``stages_per_rank``: interleaved 1F1B's V (None weighs 2 and every V that divides the
+    blocks evenly). ``recompute``: the activation checkpointing the run uses (none, selective,
+    full). ``sharding``: the replicas' engine, ddp, zero1 or fsdp, or "auto" to weigh all three
+    (:data:`~pipecut.planning.replicas.ENGINES`) and keep the fastest run that fits, DDP on a
+    tie. ``tensor_parallel``: "auto" weighs every T that divides a
+    node's GPUs and the attention (and KV) heads, an int fixes T (1: none); each T-way group
+    stays inside a node (:mod:`pipecut.planning.tensor_parallel`). ``sequence_parallel``: with
+    T > 1, the residual stream split along the sequence too (torchtitan's default; False prices
+    Megatron's all-reduces). The returned plan is one replica of the chosen run at its
+    share of the batch, its stages priced as the run is (:mod:`pipecut.planning.cluster.run_plan`);
+    ``plan.run`` is the whole run's prediction, ``plan.placement`` where each pipeline rank of
+    each replica sits, ``plan.replica_candidates`` every shape weighed for the chosen schedule and,
+    with "auto", ``plan.candidates`` the best run of every schedule."""
+    figures = figures_of(cluster)
+    kinds, rec, engines = _choices(schedule, recompute, sharding, data_parallel)
+    size, first = first_microbatch(example_inputs, microbatches)
+    whole = _priced_table(model, example_inputs, target, figures, microbatches, loss_fn)
+    sizes = tensor_parallel_sizes(tensor_parallel, whole.nodes, figures.cluster, head_counts(model))
+    sharded = sharded_tables(whole.nodes, sizes, figures.cluster, sequence_parallel=sequence_parallel,
+                             model=figures.model, counted=whole.counted)
+    shape = _run_shape(model, whole.nodes, first, size, microbatches, schedule=kinds[0],
+                       stages_per_rank=stages_per_rank, recompute=rec, sequence_parallel=sequence_parallel)
+    best, choice, shard = fastest_engine(whole.nodes, figures.cluster, shape, engines, schedules=kinds,
+                                         tensor_parallel=sizes, sharded=sharded,
+                                         replicas=None if data_parallel == "auto" else int(data_parallel))
+    shape = dataclasses.replace(shape, sharding=shard)
+    d, t = best.placement.replicas, best.placement.tensor_parallel
+    share = _priced_table(model, split_microbatches(example_inputs, d, size, "example_inputs")[0],
+                          split_microbatches(target, d, size, "target")[0] if target is not None else None,
+                          figures, microbatches, loss_fn)  # the graph a replica captures: the plan replays on it
+    share_rows = share.nodes
+    if t > 1:  # the plan's table is one GPU's share, as the run's
+        share_rows = sharded_tables(share_rows, (t,), figures.cluster, sequence_parallel=sequence_parallel,
+                                    model=figures.model, counted=share.counted)[t].nodes
+    planned = plan_of_run(share_rows, sharded[t].nodes if t > 1 else whole.nodes, best, cluster=figures.cluster,
+                          captured=share.captured, microbatches=microbatches, batch_size=size // d, recompute=rec,
+                          sharding=shard)
+    run = _run_prediction(best, figures, rec, shard, has_config=bool(_attention_dims(model)[0]),
+                          sequence_parallel=sequence_parallel and t > 1)
+    if whole.counted is not None:  # the same run at both ends of the figures' spread
+        low, high = (_step_at(figures.at(end), whole, best, shape) for end in (FigureEnd.FAST, FigureEnd.SLOW))
+        run = dataclasses.replace(run, step_low_ms=min(low, best.step_ms), step_high_ms=max(high, best.step_ms))
+    return dataclasses.replace(planned, cluster=figures.cluster, placement=best.placement, run=run,
+                               replica_candidates=_candidates(choice, best),
+                               candidates=_schedule_candidates(choice, best, kinds, microbatches))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Table:
+    """A cost table priced for the cluster's device, with the graph it was captured from."""
+
+    captured: Captured
+    nodes: tuple[NodeCost, ...]
+    counted: tuple[tuple[NodeCost, ...], Any] | None
+    """The rows and work the per-op model priced (None: a family priced by the roofline), so the
+    chosen run can be priced again at either end of the figures without capturing again."""
+
+
+@dataclasses.dataclass
+class _Recording:
+    """A per-op model that keeps the rows and work it prices."""
+
+    model: HardwareModel
+    seen: list[tuple[tuple[NodeCost, ...], Any]] = dataclasses.field(default_factory=list)
+
+    def price(self, rows: tuple[NodeCost, ...], work: Any) -> tuple[NodeCost, ...]:
+        self.seen.append((rows, work))
+        return self.model.price(rows, work)
+
+
+def _priced_table(model: torch.nn.Module, inputs: Inputs, target: Any, figures: Figures, microbatches: int,
+                  loss_fn: LossFn | None) -> _Table:
+    """The cost table of ``model`` at one microbatch of ``inputs``, priced on ``figures``."""
+    recording = _Recording(figures.model) if figures.model is not None else None
+    captured, rows = estimate_captured(model, inputs, figures.profile, precision=Precision.BF16,
+                                       microbatches=microbatches, loss_fn=loss_fn, target=target,
+                                       compute_efficiency=figures.efficiency, cost_model=recording)
+    c = figures.cluster
+    # Weighed against the slowest link a cut may cross (the network between nodes where
+    # there are several): where sending costs less, on NVLink, both are a fraction of a ms,
+    # while a mask sent between nodes costs 1.5 ms per microbatch at 8k tokens.
+    nodes = mark_rebuilt(rows, c.inter if c.nodes > 1 else c.intra)
+    return _Table(captured=captured, nodes=nodes, counted=recording.seen[0] if recording and recording.seen else None)
+
+
+def _run_shape(model: torch.nn.Module, nodes: Sequence[NodeCost], first: Inputs, size: int, microbatches: int, *,
+               schedule: ScheduleKind, stages_per_rank: int | None, recompute: Recompute,
+               sequence_parallel: bool) -> RunShape:
+    """What every run weighed shares: the batch, its tokens, the model's FLOPs per token (for
+    MFU), the parameters' width, the memory beyond the tensors."""
+    seq = _sequence_length(first)
+    layers, hidden = _attention_dims(model)
+    width = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
+    flops = model_flops_per_token(nodes, layers=layers, hidden=hidden, seq=seq, param_dtype_bytes=width)
+    return RunShape(batch_size=size, microbatches=microbatches, tokens_per_sample=seq, model_flops_per_token=flops,
+                    schedule=schedule, stages_per_rank=stages_per_rank, recompute=recompute,
+                    param_dtype_bytes=width, sequence_parallel=sequence_parallel, **_overheads())
+
+
+def _overheads() -> dict[str, Any]:
+    """The memory a GPU holds beyond its tensors, from the figures (``memory_overheads``): the
+    CUDA context and NCCL's buffers in bytes, the allocator's reserve as a fraction."""
+    per = memory_overheads(1.0)  # the reserve of one byte of tensors: the fraction
+    return {"fixed_memory_bytes": math.ceil(per["context"] + per["nccl"]), "reserve_fraction": per["fragmentation"]}
+
+
+def _step_at(figures: Figures, table: _Table, best: RunCandidate, shape: RunShape) -> float:
+    """The step of ``best`` (its split, layout, schedule and stages per rank) on ``figures`` (one
+    end of their range): the cost table priced again, the links at that end."""
+    assert figures.model is not None and table.counted is not None
+    rebuilt = {n.name: n.rebuilt for n in table.nodes}
+    rows = tuple(dataclasses.replace(r, rebuilt=rebuilt.get(r.name, r.rebuilt)) for r in figures.model.price(*table.counted))
+    on = figures.cluster
+    d, k, v, t = best.placement.replicas, best.placement.stages, best.stages_per_rank, best.placement.tensor_parallel
+    tables = sharded_tables(rows, (t,), on, sequence_parallel=shape.sequence_parallel, model=figures.model,
+                            counted=table.counted)
+    work = workload(tables[t].nodes, tables[t].collectives) if t > 1 else workload(rows)
+    run = dataclasses.replace(shape, schedule=best.schedule, stages_per_rank=v, tensor_parallel=t)
+    again = evaluate_run(work, block_of(work.modules or ("",) * work.units), run, on,
+                         replicas=d, stages=k, layout=best.placement.layout, splits={(d, v * k): best.bounds})
+    return best.step_ms if isinstance(again, Skipped) else again.step_ms
+
+
+def _choices(
+    schedule: str | ScheduleKind, recompute: str | Recompute, sharding: str | DataParallelKind,
+    data_parallel: str | int,
+) -> tuple[tuple[ScheduleKind, ...], Recompute, tuple[DataParallelKind, ...]]:
+    """:func:`plan_cluster`'s options as enums (the schedules to weigh: one, or all for
+    "auto"; the replicas' engines: one, or all for "auto"); InputError for one that is not."""
+    kinds = SCHEDULES if schedule == "auto" else (enum_choice(ScheduleKind, schedule, "schedule"),)
+    rec = enum_choice(Recompute, recompute, "recompute")
+    shard = ENGINES if sharding == "auto" else (enum_choice(DataParallelKind, sharding, "sharding"),)
+    if data_parallel != "auto" and not isinstance(data_parallel, int):
+        raise InputError(f"data_parallel={data_parallel!r}: give 'auto' or a replica count")
+    return kinds, rec, shard
+
+
+def _run_prediction(
+    best: RunCandidate, figures: Figures, rec: Recompute, shard: DataParallelKind, *, has_config: bool,
+    sequence_parallel: bool = False,
+) -> RunPrediction:
+    """The whole run's prediction for the chosen candidate, with what it does not model."""
+    notes = (figures.source, *NOT_MODELLED) + (() if has_config else (
+        "attention FLOPs not counted in MFU: the model has no Hugging Face config",))
+    t = best.placement.tensor_parallel
+    if t > 1:
+        notes += (tensor_note(t, figures.cluster, sequence_parallel),)
+    mixed = mixed_links_note(figures.cluster, best)
+    return RunPrediction(
+        step_ms=best.step_ms, bubble_fraction=best.bubble_fraction,
+        tokens_per_s_per_gpu=best.tokens_per_s_per_gpu, mfu=best.mfu,
+        peak_memory_bytes=best.peak_memory_bytes, compute_ms=best.compute_ms,
+        exposed_comm_ms=best.exposed_comm_ms, recompute=rec.value, sharding=shard.value,
+        sequence_parallel=sequence_parallel,
+        compute_efficiency=figures.efficiency, notes=notes + ((mixed,) if mixed else ()),
+        parts=tuple(StepPart(name=n, ms=ms) for n, ms in best.parts),
+        memory_parts=tuple(MemoryPart(name=_memory_term(n, shard, best.placement.replicas, t), nbytes=b)
+                           for n, b in best.memory_parts),
+    )
+
+
+def tensor_note(t: int, cluster: Cluster, sequence_parallel: bool) -> str:
+    """What the plan assumes of its T-way tensor parallelism, and that compile does not replay it."""
+    how = ("reduce-scatter and all-gather (sequence parallel: norms and residuals split too)"
+           if sequence_parallel else "all-reduce")
+    return (f"tensor parallel {t} inside each node (Megatron's pairing: q/k/v, gate/up and the LM head "
+            f"column-wise, o and down row-wise, the embedding by vocabulary): two collectives forward "
+            f"and two backward per block, {how}, on {cluster.intra.name}, exposed (not hidden by async "
+            f"tensor parallelism: a run that uses it is faster); pipecut.compile does not run this cluster plan: it predicts a "
+            f"run by torchtitan or Megatron-LM, or by pipecut.compile over a ('dp', 'pp', 'tp') DeviceMesh")
+
+
+def _memory_term(name: str, shard: DataParallelKind, replicas: int, tp: int = 1) -> str:
+    """A memory part of the run model named for the reader: the state says how it is held."""
+    split = f"; the split layers' 1/{tp} on each GPU of a tensor group" if tp > 1 else ""
+    if name == "activations" and tp > 1:
+        return f"activations (the split values' 1/{tp})"
+    if name != "state":
+        return name
+    if replicas < 2:
+        return f"parameters, gradients and AdamW state (one replica: no data-parallel sharding{split})"
+    if shard is DataParallelKind.FSDP:
+        return (f"parameters, gradients and AdamW state (fsdp: sharded over {replicas}, the stage's working "
+                f"copies gathered{split})")
+    if shard is DataParallelKind.ZERO1:
+        return (f"parameters, gradients and AdamW state (zero1: weights and gradients whole, AdamW's moments "
+                f"sharded over {replicas}{split})")
+    return f"parameters, gradients and AdamW state (ddp: whole on each of {replicas} replicas{split})"
+
+
+def _candidates(choice: RunChoice, best: RunCandidate) -> tuple[ReplicaCandidate, ...]:
+    """Every D × K × layout weighed for the chosen schedule and stages per rank."""
+    def same(c: Any) -> bool:
+        return c.schedule is best.schedule and c.stages_per_rank == best.stages_per_rank
+
+    rows = [ReplicaCandidate(replicas=c.placement.replicas, stages=c.placement.stages,
+                             step_ms=c.step_ms, layout=c.placement.layout,
+                             tensor_parallel=c.placement.tensor_parallel, note="chosen" if c is best else "")
+            for c in choice.candidates if same(c)]
+    rows += [ReplicaCandidate(replicas=s.replicas, stages=s.stages, step_ms=None, note=s.reason,
+                              tensor_parallel=s.tensor_parallel)
+             for s in choice.skipped if same(s)]
+    return tuple(rows)
+
+
+def _schedule_candidates(choice: RunChoice, best: RunCandidate, kinds: tuple[ScheduleKind, ...],
+                         microbatches: int) -> tuple[Candidate, ...]:
+    """With several schedules weighed: the fastest run of each schedule (its shape, stages per
+    rank and memory in the note), or why none fits, the chosen one marked; nothing with one
+    schedule."""
+    if len(kinds) < 2:
+        return ()
+    rows: list[Candidate] = []
+    for kind in kinds:
+        fastest = next((c for c in choice.candidates if c.schedule is kind), None)  # fastest first
+        if fastest is None:
+            reasons = [s.reason for s in choice.skipped if s.schedule is kind]
+            why = next((r for r in reasons if "GiB per GPU" in r), reasons[0] if reasons else "no shape runs it")
+            rows.append(Candidate(microbatches=microbatches, schedule=kind, step_ms=None,
+                                  note=f"nothing fits or runs, e.g. {why}"))
+            continue
+        shape = f"{fastest.placement.replicas} x {fastest.placement.stages}" + (
+            f" x TP {fastest.placement.tensor_parallel}" if fastest.placement.tensor_parallel > 1 else "") + (
+            f" on {fastest.stages_per_rank} stages per rank" if fastest.stages_per_rank > 1 else "")
+        rows.append(Candidate(microbatches=microbatches, schedule=kind, step_ms=fastest.step_ms,
+                              note="chosen" if fastest is best else
+                              f"{shape}, peak {fastest.peak_memory_bytes / 2**30:.1f} GiB per GPU"))
+    return tuple(rows)
+
+
+def _sequence_length(inputs: Inputs) -> int:
+    """Tokens per sample: the second dimension of the first 2-D (or more) input tensor, else 1."""
+    values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.dim() >= 2:
+            return int(v.shape[1])
+    return 1
