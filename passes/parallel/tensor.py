@@ -84,8 +84,30 @@ def _what(node: NodeCost, classes: Mapping[str, str]) -> str:
 def _is_product(node: NodeCost, classes: Mapping[str, str]) -> bool:
     t = _what(node, classes)
     if node.op is NodeOp.CALL_MODULE:
-        return not any(x in t or x in node.module.lower() for x in _NOT_PRODUCTS)
+        return not any(x in t or x in node.module.lower() for x in _NOT_PRODUCTS) and not _holds_vectors(node)
     return any(p in t for p in _PRODUCTS)
+
+
+def _is_lookup(node: NodeCost, classes: Mapping[str, str], by_name: Mapping[str, NodeCost]) -> bool:
+    """An embedding lookup: by its target or class, or a module call whose inputs (its own
+    parameters aside) are all integers (token ids), whatever the module's name (``tok_emb``)."""
+    if "embedding" in _what(node, classes):
+        return True
+    if node.op is not NodeOp.CALL_MODULE:
+        return False
+    read = [by_name[i] for i in node.inputs if by_name[i].op is not NodeOp.GET_ATTR]
+    return bool(read) and all((r.dtype or "").startswith(("int", "uint")) for r in read)
+
+
+def _holds_vectors(node: NodeCost) -> bool:
+    """A module call whose parameters are at most two vectors as wide as its output: a norm's
+    weight and bias, whatever the module's name (``ln1``, ``ln_f``; the table names a module
+    call by its path, and its class is known only where ``classes`` is given). A product's
+    weight is a matrix: ``nn.Linear(i, o)`` holds ``(i + 1)·o`` elements, more than two
+    vectors of ``o`` at up to four bytes an element for any ``i > 3`` (eight for float64)."""
+    width = node.shape[-1] if node.shape else 0
+    element = 8 if node.dtype and "64" in node.dtype else 4  # the widest a parameter may be beside its output
+    return 0 < node.param_bytes <= 2 * width * element
 
 
 def shard_kinds(nodes: Sequence[NodeCost], classes: Mapping[str, str] | None = None) -> dict[str, TensorShard]:
@@ -115,7 +137,7 @@ def shard_kinds(nodes: Sequence[NodeCost], classes: Mapping[str, str] | None = N
             continue
         weights = _weights(n, by_name)
         reads_sharded = any(i in sharded for i in n.inputs if i not in weights)
-        if weights and "embedding" in _what(n, classes) and not reads_sharded:
+        if weights and _is_lookup(n, classes, by_name) and not reads_sharded:
             kind = TensorShard.VOCAB
         elif weights and _is_product(n, classes):
             kind = TensorShard.ROW if reads_sharded else TensorShard.COLUMN

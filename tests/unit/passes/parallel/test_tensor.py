@@ -13,6 +13,7 @@ from pipecut.passes.costs.stages import ring_ms
 from pipecut.passes.parallel.tensor import (
     check_tensor_parallel,
     collectives,
+    parameter_shards,
     shard_kinds,
     shard_table,
     sharded_widths,
@@ -158,3 +159,37 @@ def test_async_tensor_parallelism_hides_each_collective_under_its_product() -> N
     o = next(n for n in table.nodes if n.name == "o")
     assert table.collectives["o"] == pytest.approx((one - 0.5, 0.0))
     assert (o.forward_ms, o.backward_ms) == pytest.approx((one, 1.0))
+
+
+def test_module_calls_are_told_apart_without_their_classes() -> None:
+    """A symbolic_trace table names a module call by its path only: ``ln1`` and ``tok_emb`` say
+    nothing of a norm or an embedding. Found by checking the cluster planner's activation
+    memory against Korthikanti et al.'s closed form: without the classes (the cluster planner
+    and compile's planner pass none), ``ln1`` was a column product and the pairing of the whole
+    block shifted. A norm holds at most two vectors of its output width; a lookup reads integers."""
+    def call(name: str, *inputs: str, param_bytes: int = 0, shape: tuple[int, ...] = (2, 8)) -> NodeCost:
+        return NodeCost(name=name, op=NodeOp.CALL_MODULE, target=name, module=name, inputs=inputs,
+                        param_bytes=param_bytes, shape=shape, dtype="float32")
+
+    rows = [NodeCost(name="idx", op=NodeOp.PLACEHOLDER, target="idx", shape=(2,), dtype="int64"),
+            call("tok_emb", "idx", param_bytes=100 * 8 * 4), call("ln1", "tok_emb", param_bytes=2 * 8 * 4),
+            call("up", "ln1", param_bytes=(8 * 32 + 32) * 4, shape=(2, 32)),
+            call("down", "up", param_bytes=(32 * 8 + 8) * 4), call("ln_f", "down", param_bytes=2 * 8 * 4)]
+    kinds = {n: k.value for n, k in shard_kinds(rows).items()}
+    assert kinds == {"idx": "replicated", "tok_emb": "vocab", "ln1": "replicated", "up": "column",
+                     "down": "row", "ln_f": "replicated"}
+    classes = {"tok_emb": "Embedding", "ln1": "LayerNorm", "up": "Linear", "down": "Linear", "ln_f": "LayerNorm"}
+    assert shard_kinds(rows, classes) == shard_kinds(rows)
+
+
+def test_the_example_gpt_is_split_alike_with_and_without_module_classes() -> None:
+    import pipecut
+    from examples import gpt
+    from tests.reference import COUNTED
+
+    model, inputs, loss_fn, target = gpt.build()
+    plan = pipecut.plan(model, inputs, 1, loss_fn=loss_fn, target=target, microbatches=1, measure=COUNTED)
+    classes = {n: type(m).__name__ for n, m in model.named_modules()}
+    assert shard_kinds(plan.nodes) == shard_kinds(plan.nodes, classes)
+    assert parameter_shards(plan.nodes) == parameter_shards(plan.nodes, classes)
+    assert any(k is TensorShard.VOCAB for k in shard_kinds(plan.nodes).values())
