@@ -403,6 +403,15 @@ class Plan:
     def node(self, name: str) -> NodeCost:
         return self.nodes[self._index[name]]
 
+    @property
+    def memory_headroom_bytes(self) -> int | None:
+        """A cluster plan's room left on its fullest GPU: the device's memory less the run's
+        predicted peak (negative: it does not fit, which the planner only returns for a run it
+        was told to price as asked); None for a plan without a cluster."""
+        if self.cluster is None or self.run is None:
+            return None
+        return self.cluster.memory_bytes - self.run.peak_memory_bytes
+
     def runs_like(self, other: Plan) -> bool:
         """True if ``other`` runs exactly as this plan does: the same nodes, parameters and
         recompute on every stage, the same schedule, microbatches and layout; only costs and

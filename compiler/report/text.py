@@ -148,6 +148,13 @@ def tensor_groups(place: ClusterPlacement, shown: int = 8) -> str:
     return f"GPUs {text}" + (f", … ({len(groups)} groups)" if len(groups) > shown else "")
 
 
+def _headroom(left: int, capacity: int) -> str:
+    """The room a run leaves on its fullest GPU, or how far it is over."""
+    if left < 0:
+        return f"over by {human_bytes(-left)}: does not fit"
+    return f"headroom {human_bytes(left)}, {left / capacity:.0%}"
+
+
 def step_range(r: RunPrediction) -> str:
     """`` (5100.2–6001.0 ms)``: the step with the figures at either end of their range, or ""."""
     return f" ({r.step_low_ms:.1f}–{r.step_high_ms:.1f} ms)" if r.has_range else ""
@@ -170,7 +177,8 @@ def _cluster_lines(plan: Plan) -> list[str]:
         f"run ({r.sharding}, recompute {r.recompute}, {plan.schedule.value}{chunks}): step {r.step_ms:.1f} ms"
         f"{step_range(r)}{dominated_by(r)}, bubble "
         f"{r.bubble_fraction:.1%}, {r.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {r.mfu:.1%}, "
-        f"peak memory {human_bytes(r.peak_memory_bytes)} per GPU of {human_bytes(c.memory_bytes)}; "
+        f"peak memory {human_bytes(r.peak_memory_bytes)} per GPU of {human_bytes(c.memory_bytes)} "
+        f"({_headroom(c.memory_bytes - r.peak_memory_bytes, c.memory_bytes)}); "
         f"exposed collectives {r.exposed_comm_ms:.1f} ms",
     ]
     if place is not None and place.tensor_parallel > 1:

@@ -80,6 +80,10 @@ def test_summary_lists_every_stage(plan: Plan) -> None:
     assert "predicted step" in text
 
 
+def test_a_plan_without_a_cluster_has_no_headroom_figure(plan: Plan) -> None:
+    assert plan.cluster is None and plan.memory_headroom_bytes is None
+
+
 def test_runs_like_ignores_costs_but_not_the_split(plan: Plan) -> None:
     import dataclasses
 

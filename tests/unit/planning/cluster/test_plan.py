@@ -113,6 +113,7 @@ def test_a_plan_written_before_ranges_still_reads() -> None:
 
 def test_peak_memory_counts_the_state_of_its_kind_the_context_nccl_and_the_allocator() -> None:
     from pipecut.profile.hardware import memory_overheads
+    from pipecut.report.text import human_bytes
 
     model, batch = tiny_llama()
     fsdp = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=2, data_parallel=4, sharding="fsdp")
@@ -128,6 +129,8 @@ def test_peak_memory_counts_the_state_of_its_kind_the_context_nccl_and_the_alloc
         assert parts["allocator reserve"] == pytest.approx(tensors * fixed["fragmentation"], abs=2)
         assert plan.stages[0].peak_memory_bytes == r.peak_memory_bytes  # the stage table shows the same
         assert "peak memory counts: parameters, gradients and AdamW state" in summary(plan)
+        assert plan.cluster is not None and plan.memory_headroom_bytes == plan.cluster.memory_bytes - r.peak_memory_bytes > 0
+        assert f"headroom {human_bytes(plan.memory_headroom_bytes)}" in summary(plan)
     state = {kind: next(p for p in plan.run.memory_parts if p.name.startswith("parameters"))
              for kind, plan in (("fsdp", fsdp), ("ddp", ddp)) if plan.run is not None}
     assert "sharded over 4" in state["fsdp"].name and "whole on each of 4" in state["ddp"].name
