@@ -354,25 +354,36 @@ class TensorParallelOptions:
         sequence_parallel: Split the norms and residual stream along the tokens between split
             regions (Megatron's sequence parallelism: each region closes with a reduce-scatter
             and opens with an all-gather instead of an all-reduce; stage boundaries stay whole).
+            None (not given): off under ``compile``, on in a cluster plan (torchtitan's
+            default), see :meth:`splits_sequence`.
         size: The group size T. ``compile`` takes it from the DeviceMesh's "tp" dimension and
             records it (None: no "tp" dimension); ``plan(cluster=...)`` weighs every size the
             heads and a node allow where it is None, else plans that size.
 
     Raises:
-        InputError: An unknown kind, or a size below 1.
+        InputError: An unknown kind, a size below 1, or a sequence_parallel not a bool or None.
     """
 
     plan: tuple[tuple[str, TensorShard], ...] = ()
     """(module pattern, kind) pairs, sorted by pattern; a mapping given is stored so."""
-    sequence_parallel: bool = False
+    sequence_parallel: bool | None = None
     size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
+            raise InputError(f"TensorParallelOptions(sequence_parallel={self.sequence_parallel!r}): True, False "
+                             f"or None (not given)")
         given = self.plan.items() if isinstance(self.plan, Mapping) else self.plan
         _set(self, "plan", tuple(sorted((str(m), enum_choice(TensorShard, k, f"tensor-parallel kind of {m!r}"))
                                         for m, k in given)))
         if self.size is not None and (isinstance(self.size, bool) or self.size < 1):
             raise InputError(f"TensorParallelOptions(size={self.size}): at least 1")
+
+    def splits_sequence(self, *, cluster: bool = False) -> bool:
+        """Whether the residual stream is split along the tokens: as given, else (None) off
+        under ``compile`` and on in a cluster plan (``cluster``), where it prices torchtitan's
+        default run."""
+        return cluster if self.sequence_parallel is None else self.sequence_parallel
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

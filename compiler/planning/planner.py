@@ -284,7 +284,7 @@ def _partitioned(request: Request, captured: Captured, graph_fingerprint: str, b
     options = request.options
     assert isinstance(options.microbatches, int) and options.schedule not in (None, AUTO)
     share = rank_share(costs, options.tensor_parallel.size or 1, request.link,  # one rank's, under TP
-                       options.tensor_parallel.sequence_parallel)
+                       options.tensor_parallel.splits_sequence())
     planned = partition_costs(
         share, devices=request.specs, microbatches=options.microbatches, batch_size=batch_size,
         schedule=as_schedule(options.schedule), link=request.link, partition=request.options.partition,
@@ -330,7 +330,7 @@ def _for_cluster(request: Request, cluster: str | Cluster, tensor_parallel: int 
         stages_per_rank=request.stages_per_rank if request.stages_per_rank > 1 else None,
         recompute=_cluster_recompute(request.options.partition.recompute),
         sharding=fixed.resolved_kind if fixed else AUTO, loss_fn=request.loss_fn, target=request.target,
-        tensor_parallel=tensor_parallel,
+        tensor_parallel=tensor_parallel, sequence_parallel=options.tensor_parallel.splits_sequence(cluster=True),
     ), request)
 
 

@@ -153,3 +153,25 @@ def test_compile_plans_one_ranks_share_and_prices_what_crosses_a_cut_as_it_trave
     assert stream and all(tokens[n.name].output_bytes == -(-n.output_bytes // 8) for n in stream)
     assert all(tokens[n.name].output_bytes == n.output_bytes for n in split)
     assert all((tokens[n.name].shape, tokens[n.name].leaves) == (n.shape, n.leaves) for n in nodes)
+
+
+def test_plan_with_a_cluster_takes_sequence_parallel_from_the_options() -> None:
+    """``plan(cluster=...)`` read only the size of ``TensorParallelOptions`` and priced sequence
+    parallelism whatever was asked; not given (None) it is on, as in ``plan_cluster``."""
+    import pipecut
+
+    model, batch = tiny_llama(heads=4, kv_heads=2, batch=4, seq=32, vocab=128)
+    runs = {}
+    for asked in (None, False, True):
+        options = pipecut.TensorParallelOptions(size=2, sequence_parallel=asked)
+        plan = pipecut.plan(model, batch, cluster="1x4xH100-SXM", microbatches=2, tensor_parallel=options,
+                            data_parallel=pipecut.DataParallelOptions(kind="fsdp", replicas=1))
+        assert plan.run is not None and plan.placement is not None and plan.placement.tensor_parallel == 2
+        assert plan.options is not None and plan.options.tensor_parallel.sequence_parallel is asked
+        runs[asked] = plan.run
+    assert runs[None].sequence_parallel and runs[True].sequence_parallel and not runs[False].sequence_parallel
+    assert runs[None].step_ms == runs[True].step_ms != runs[False].step_ms
+    assert pipecut.TensorParallelOptions().splits_sequence() is False
+    assert pipecut.TensorParallelOptions().splits_sequence(cluster=True) is True
+    with pytest.raises(InputError, match="sequence_parallel='yes'"):
+        pipecut.TensorParallelOptions(sequence_parallel="yes")  # type: ignore[arg-type]
