@@ -451,3 +451,83 @@ def test_plan_for_a_cluster_with_tensor_parallelism(in_repo, tmp_path, capsys):
 def test_cluster_flag_errors(in_repo, argv, message, capsys):
     assert main(["plan", "examples.mlp:build", "-m", "2", *argv, "-q"]) == 1
     assert message in capsys.readouterr().err
+
+
+# Every flag of `pipecut plan` that sets an option of `pipecut.plan`: the option's dotted path on
+# `pipecut.options.Options`, a value to pass, and what the option must then hold. The other flags
+# say what they are instead. A new flag must be put in one table or the other (checked below),
+# and a renamed option field fails the path check.
+FLAG_OPTIONS = {
+    "--microbatches": ("microbatches", ["2"], 2),
+    "--schedule": ("schedule", ["gpipe"], "gpipe"),
+    "--split": ("partition.split", ["fc2"], None),  # the parsed split, compared below
+    "--data-parallel": ("data_parallel.kind", ["auto"], "auto"),
+    "--stages-per-rank": ("scheduling.stages_per_rank", ["2", "--schedule", "interleaved-1f1b"], 2),
+    "--recompute": ("partition.recompute", ["full"], "full"),
+    "--measure-on": ("measure.device", ["cpu"], "cpu"),
+    "--link": ("measure.link", ["25GB,0.01"], None),
+    "--no-calibrate": ("measure.calibrate", [], False),
+    "--no-chunk-heavy": ("partition.heavy_pieces", [], False),
+    "--solver": ("partition.solver", ["cbc"], "cbc"),
+    "--compile-stages": ("runtime.compile_stages", ["on"], True),
+}
+NOT_OPTIONS = {
+    "factory": "the model's factory", "--devices": "plan's devices (K)", "--memory-limit": "each DeviceSpec's memory",
+    "--tensor-parallel": "with --cluster only: plan_cluster's T", "--cluster": "plan_cluster instead of plan",
+    "--device-profile": "estimated costs and partition_costs instead of plan", "--batch-size": "the factory's argument",
+    "--seed": "the factory's argument", "--out": "an output file", "--html": "an output file", "--dot": "an output file",
+    "--verbose": "logging", "--quiet": "logging", "--help": "argparse",
+}
+
+
+def _plan_flags() -> set[str]:
+    """Each argument of ``pipecut plan`` by its long name (a positional by its name)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    names = set()
+    for action in sub.choices["plan"]._actions:
+        long = [o for o in action.option_strings if o.startswith("--")]
+        names.add(long[0] if long else action.option_strings[0] if action.option_strings else action.dest)
+    return names
+
+
+def test_every_plan_flag_is_an_option_or_says_what_it_is() -> None:
+    flags = _plan_flags()
+    assert flags == set(FLAG_OPTIONS) | set(NOT_OPTIONS), (
+        f"unclassified: {sorted(flags - set(FLAG_OPTIONS) - set(NOT_OPTIONS))}; "
+        f"gone: {sorted((set(FLAG_OPTIONS) | set(NOT_OPTIONS)) - flags)}")
+
+
+@pytest.mark.parametrize("flag", sorted(FLAG_OPTIONS))
+def test_a_plan_flag_reaches_the_option_it_names(flag: str, in_repo, monkeypatch) -> None:
+    """The flag, parsed and handed to ``pipecut.plan`` (replaced here: nothing is measured), is
+    the named field of the options that call resolves to."""
+    import dataclasses
+
+    from pipecut.cli.main import parse_link
+    from pipecut.options import Options, options_of, requested
+
+    path, value, want = FLAG_OPTIONS[flag]
+    seen: list[Options] = []
+
+    class Stop(Exception):
+        pass
+
+    def plan(model, inputs, devices, **kw):  # noqa: ANN001, ANN003
+        groups = requested(microbatches=kw.get("microbatches"), schedule=kw.get("schedule"),
+                           data_parallel=kw.get("data_parallel"),
+                           groups={g: kw.get(g) for g in Options.GROUPS if g != "data_parallel"})
+        seen.append(options_of(groups))
+        raise Stop
+
+    monkeypatch.setattr(pipecut, "plan", plan)
+    with pytest.raises(Stop):
+        main(["plan", "examples.mlp:build", "--batch-size", "8", flag, *value])
+    got: object = seen[0]
+    for part in path.split("."):
+        assert part in {f.name for f in dataclasses.fields(got)}, f"{flag}: no option field {path}"  # type: ignore[arg-type]
+        got = getattr(got, part)
+    from pipecut.options import PartitionOptions
+
+    expected = {"--split": lambda: PartitionOptions(split=parse_split("fc2")).split,
+                "--link": lambda: parse_link("25GB,0.01")}.get(flag, lambda: want)()
+    assert got == expected or getattr(got, "value", None) == expected, (flag, got, expected)
