@@ -512,7 +512,7 @@ def test_a_plan_flag_reaches_the_option_it_names(flag: str, in_repo, monkeypatch
     class Stop(Exception):
         pass
 
-    def plan(model, inputs, devices, **kw):  # noqa: ANN001, ANN003
+    def plan(model, inputs, devices, **kw):
         groups = requested(microbatches=kw.get("microbatches"), schedule=kw.get("schedule"),
                            data_parallel=kw.get("data_parallel"),
                            groups={g: kw.get(g) for g in Options.GROUPS if g != "data_parallel"})
