@@ -183,10 +183,9 @@ def explained(layer: Layer, seq: int, batch: int, t: int, sp: bool, recompute: R
     tokens = t if sp else 1  # what sequence parallelism splits (norms, residual stream, their dropouts)
     if recompute is Recompute.FULL:  # the layer's input, on the residual stream
         return 2 * sbh / tokens
-    if layer.arch is Arch.PAPER:
-        masks = 2 * sbh / tokens + layer.heads * bss / t  # CPU dropout keeps its mask in bf16, not bool
+    if layer.arch is Arch.PAPER:  # its dropouts keep a bool mask each, as the closed form counts
         gathered = 4 * sbh * (1 - 1 / t) if sp else 0.0  # the norms' outputs, all-gathered, kept whole
-        return closed_form(layer, seq, batch, t, sp, recompute) + masks + gathered
+        return closed_form(layer, seq, batch, t, sp, recompute) + gathered
     norms = 2 * (6 * sbh / tokens + 2 * sbh)  # fp32 input and bf16 normalised copies; output whole
     attention = (8 * sbh + 4 * asb + 2 * bss) / t  # q, k, v at all heads, output; fp32 LSE; the bf16 mask
     return norms + attention + 8 * seq * batch * layer.ffn / t  # SwiGLU: gate, its SiLU, up, product

@@ -6,7 +6,10 @@ measurements. A node's estimated time is the roofline
     time = max(flops / (peak_flops · compute_efficiency), bytes / (bandwidth · memory_efficiency))
 
 with FLOPs and bytes counted per node by :mod:`pipecut.profile.flops`. The rows of the cost table are
-marked ``CostSource.ESTIMATED`` so a plan says which times were measured and which were not::
+marked ``CostSource.ESTIMATED`` so a plan says which times were measured and which were not.
+Every profile is a GPU's (NVIDIA's and AMD's, whose PyTorch builds take CUDA's kernels): the saved
+bytes counted here are those a GPU keeps, not those of the CPU that counts them
+(:class:`~pipecut.profile.saved.GpuDropout`)::
 
     nodes = pipecut.estimate_costs(model, (x,), device="A100-80GB", microbatches=8,
                                    loss_fn=loss_fn, target=y)
@@ -16,6 +19,7 @@ marked ``CostSource.ESTIMATED`` so a plan says which times were measured and whi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -39,6 +43,7 @@ from pipecut.options import CaptureOptions
 from pipecut.profile.fake import fake_work
 from pipecut.profile.flops import NodeWork, count_work
 from pipecut.profile.nodes import LossFn, profile
+from pipecut.profile.saved import GpuDropout
 
 __all__ = [
     "COMPUTE_EFFICIENCY",
@@ -198,19 +203,22 @@ def _own(x: Any) -> Any:
 
 def count_costs(
     captured: Captured, inputs: Sequence[Any], *, loss_fn: LossFn | None = None, target: Any = None,
-    real: bool = False,
+    real: bool = False, gpu: bool = False,
 ) -> tuple[tuple[NodeCost, ...], dict[str, NodeWork]]:
     """Rows (shapes, output, parameter and saved bytes; times not estimated yet) and the FLOPs and
     bytes of every node on flat placeholder ``inputs`` of one microbatch: on fake tensors
     (:func:`~pipecut.profile.fake.fake_work`), or with ``real`` by running every node for real
     (:func:`~pipecut.profile.nodes.profile` once and
-    :func:`~pipecut.profile.flops.count_work`: the reference the fake count must equal)."""
+    :func:`~pipecut.profile.flops.count_work`: the reference the fake count must equal).
+    ``gpu``: the saved bytes a GPU keeps where its kernels keep other tensors than the CPU's
+    (:class:`~pipecut.profile.saved.GpuDropout`), on either path."""
     if not real:
-        return fake_work(captured, inputs, loss_fn=loss_fn, target=target)
+        return fake_work(captured, inputs, loss_fn=loss_fn, target=target, gpu=gpu)
     # each microbatch in a storage of its own, as a stage gets it (not a view of the batch)
     inputs, target = pytree.tree_map(_own, (list(inputs), target))
-    rows = profile(captured, inputs, loss_fn=loss_fn, target=target, repeats=1, warmup=0)
-    return rows, count_work(captured, inputs, loss_fn=loss_fn, target=target)
+    with GpuDropout() if gpu else contextlib.nullcontext():
+        rows = profile(captured, inputs, loss_fn=loss_fn, target=target, repeats=1, warmup=0)
+        return rows, count_work(captured, inputs, loss_fn=loss_fn, target=target)
 
 
 def estimate_table(
@@ -219,8 +227,9 @@ def estimate_table(
 ) -> tuple[NodeCost, ...]:
     """``captured``'s cost table on flat placeholder ``inputs`` of one microbatch with every time
     estimated for ``device`` (counted on fake tensors: no arithmetic, no clock), at the precision
-    of the graph's parameters: what ``MeasureOptions(estimate=...)`` plans with."""
-    rows, work = count_costs(captured, inputs, loss_fn=loss_fn, target=target)
+    of the graph's parameters: what ``MeasureOptions(estimate=...)`` plans with. Every profile is
+    a GPU's: the saved bytes are those it keeps (``count_costs(gpu=True)``)."""
+    rows, work = count_costs(captured, inputs, loss_fn=loss_fn, target=target, gpu=True)
     return estimate_rows(rows, work, device_profile(device), _precision(captured.gm))
 
 
@@ -300,7 +309,7 @@ def estimate_captured(
     )
     captured = capture_as(model, first_inputs, capture or CaptureOptions())
     flat = captured.flatten_inputs(first_inputs)
-    rows, work = count_costs(captured, flat, loss_fn=loss_fn, target=first_target, real=real)
+    rows, work = count_costs(captured, flat, loss_fn=loss_fn, target=first_target, real=real, gpu=True)
     return captured, estimate_rows(
         rows, work, prof, prec, compute_efficiency=compute_efficiency,
         memory_efficiency=memory_efficiency, cost_model=cost_model,

@@ -16,6 +16,12 @@ dtype, strides and storage sharing (views) the real one would have. Each distinc
 transformer reuse the first block's FLOPs and bytes node by node, which is exact, since both
 depend only on what the key holds (``reuse=False`` counts every node, for the tests).
 
+The count runs where the inputs are (the CPU for meta inputs), whose kernels keep what it keeps. ``gpu=True``
+counts what a GPU keeps where the two differ (:class:`~pipecut.profile.saved.GpuDropout`:
+dropout's one-byte mask, where the CPU keeps a noise tensor of the input's dtype), for a plan for
+a GPU: an H100 estimate of a GPT layer with dropout 0.1 at s 8192 kept 420 sbh on the CPU's
+count, where the GPU keeps 354 (docs/clusters.md, "Activation memory against the closed form").
+
     >>> rows, work = fake_work(captured, flat_inputs, loss_fn=loss_fn, target=target)
 """
 
@@ -45,7 +51,7 @@ from pipecut.ir import NodeCost
 from pipecut.profile.flops import NodeWork, loss_work, node_work
 from pipecut.profile.nodes import node_row
 from pipecut.profile.running import LossFn, NodeRunner, preserved_state
-from pipecut.profile.saved import SavedBytes
+from pipecut.profile.saved import GpuDropout, SavedBytes
 from pipecut.profile.signature import cost_key
 
 __all__ = ["fake_work"]
@@ -100,11 +106,13 @@ def fake_work(
     loss_fn: LossFn | None = None,
     target: Any = None,
     reuse: bool = True,
+    gpu: bool = False,
 ) -> tuple[tuple[NodeCost, ...], dict[str, NodeWork]]:
     """Rows (no times; shapes, output, parameter and saved bytes) and the FLOPs and bytes of
     every node of ``captured`` on flat placeholder ``inputs`` (real or meta: only their shapes
     are read), as :func:`~pipecut.profile.nodes.profile` and
-    :func:`~pipecut.profile.flops.count_work` give them on real tensors."""
+    :func:`~pipecut.profile.flops.count_work` give them on real tensors. ``gpu``: what a GPU
+    keeps for backward (:class:`~pipecut.profile.saved.GpuDropout`), not the CPU."""
     gm = captured.gm
     device = input_device(inputs)  # where a real run would be (CPU for meta inputs)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -119,7 +127,8 @@ def fake_work(
     rows: list[NodeCost] = []
     work: dict[str, NodeWork] = {}
     counted: dict[Hashable, NodeWork] = {}
-    with _faked_state(gm, mode, device), preserved_state(gm), mode, torch.enable_grad():
+    kernels = GpuDropout() if gpu else contextlib.nullcontext()
+    with _faked_state(gm, mode, device), preserved_state(gm), mode, torch.enable_grad(), kernels:
         canonical = canonical_names(gm)
         saved = SavedBytes([*gm.parameters(), *gm.buffers()])
         for i, node in enumerate(nodes):

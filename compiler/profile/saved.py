@@ -9,6 +9,9 @@ are no stage's units; the stage that keeps one holds it per microbatch). Each st
 counted once, for one owner; parameters, buffers and tensor constants are not activations. This is what the planner should count per microbatch in flight,
 rather than every node's whole output: a node whose output nobody saves costs nothing.
 
+What a kernel keeps depends on the device it runs on. Estimation for a GPU counts on the CPU
+(fake tensors), so where the two differ, :class:`GpuDropout` runs the op as the GPU would.
+
     >>> saved = SavedBytes(model_state)
     >>> value = saved.run("linear_1", (args, kwargs), lambda: runner.call(node, args, kwargs))
     >>> saved.bytes_of("linear_1")
@@ -20,10 +23,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from pipecut.core.torch_private import FakeTensor, pytree
 
-__all__ = ["SavedBytes", "storage_key"]
+__all__ = ["GpuDropout", "SavedBytes", "storage_key"]
 
 
 def storage_key(t: torch.Tensor) -> int | None:
@@ -92,3 +97,44 @@ class SavedBytes:
 
     def bytes_of(self, name: str) -> int:
         return sum(self._charged.get(name, {}).values())
+
+
+def _functional(input: torch.Tensor, p: float = 0.5, training: bool = True,
+                inplace: bool = False) -> tuple[torch.Tensor, float, bool]:
+    return input, p, training and not inplace
+
+
+def _aten(input: torch.Tensor, p: float, train: bool) -> tuple[torch.Tensor, float, bool]:
+    return input, p, train
+
+
+_DROPOUTS: tuple[tuple[Any, Callable[..., tuple[torch.Tensor, float, bool]]], ...] = (
+    (F.dropout, _functional), (torch.dropout, _aten), (torch.ops.aten.dropout.default, _aten),
+)
+"""Each dropout a graph may call (``nn.Dropout`` calls ``F.dropout``; a ``torch.export`` graph
+holds ``aten.dropout``) and its arguments as (input, p, training and out of place)."""
+
+
+class GpuDropout(TorchFunctionMode):
+    """Inside, dropout runs as on a GPU wherever its tensors are: as ``aten.native_dropout``,
+    which keeps a one-byte mask for backward, where the CPU's kernel multiplies by a noise
+    tensor of the input's dtype and keeps that (``bernoulli_``, ``div_``, ``mul``: 2 bytes an
+    element in bf16, 4 in fp32).
+
+    ``torch.dropout`` takes the fused ``native_dropout`` on CUDA devices (ROCm's too) in
+    training for 0 < p < 1 and a non-empty input, and the composite kernel elsewhere: the same
+    test here. In-place dropout and the feature and alpha variants take the composite kernel on
+    a GPU too, and are left as they are. The output has the same shape and dtype either way.
+
+        >>> with GpuDropout():
+        ...     y = F.dropout(x, 0.1)  # keeps a bool mask of x's shape
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        arguments = next((parse for op, parse in _DROPOUTS if op is func), None)  # by identity: not every func hashes
+        if arguments is not None:
+            x, p, train = arguments(*args, **kwargs)
+            if train and 0 < p < 1 and x.numel() > 0:
+                return torch.ops.aten.native_dropout.default(x, p, True)[0]
+        return func(*args, **kwargs)

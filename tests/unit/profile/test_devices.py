@@ -78,3 +78,24 @@ def test_bad_precision_is_refused_before_running():
         pipecut.estimate_costs(torch.nn.Linear(2, 2), (torch.randn(2, 2),), precision="fp8")
     with pytest.raises(InputError, match="T4 has no bf16"):
         pipecut.estimate_costs(torch.nn.Linear(2, 2), (torch.randn(2, 2),), "T4", precision="bf16")
+
+
+def test_an_estimate_for_a_gpu_counts_dropouts_mask_at_a_byte_and_a_cpu_plan_what_the_cpu_keeps():
+    """Linear(8, 16) -> Dropout(0.1) -> Linear(16, 4) in bf16 on 4 rows. The dropout node keeps its
+    output (the second Linear's input: 4 x 16 x 2 = 128 bytes) and its mask: on a GPU a bool,
+    4 x 16 x 1 = 64 bytes, so 192; on the CPU the plan runs on, noise of the input's dtype,
+    4 x 16 x 2 = 128 bytes, so 256."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 4))
+    model = model.to(torch.bfloat16)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+
+    def dropout_saved(nodes):
+        (node,) = [n for n in nodes if n.target == "1"]  # the Sequential's second module
+        return node.saved_bytes
+
+    assert dropout_saved(pipecut.estimate_costs(model, (x,), "H100-SXM")) == 128 + 64
+    estimated = pipecut.plan(model, (x,), 1, microbatches=1, measure=pipecut.MeasureOptions(estimate="H100-SXM"))
+    measured = pipecut.plan(model, (x,), 1, microbatches=1, measure=pipecut.MeasureOptions(repeats=1, warmup=0))
+    assert dropout_saved(estimated.nodes) == 128 + 64
+    assert dropout_saved(measured.nodes) == 128 + 128

@@ -199,3 +199,33 @@ def test_the_model_keeps_its_own_tensors_and_values() -> None:
     for name, (tensor, value) in before.items():
         assert after[name] is tensor and not isinstance(after[name], FakeTensor)
         torch.testing.assert_close(after[name], value, rtol=0, atol=0)  # untouched: bit for bit
+
+
+class Dropouts(torch.nn.Module):
+    """Dropout as a module and as a function: 8 x 16 elements each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(self.fc2(self.drop(self.fc1(x))), 0.2, self.training)
+
+
+@pytest.mark.parametrize("method", ["symbolic_trace", "export"])
+def test_a_count_for_a_gpu_keeps_its_dropout_masks_at_a_byte_an_element(method: str) -> None:
+    """``gpu=True``: the fake count equals the real one under the same kernels, and each dropout
+    keeps 8 x 16 x (4 - 1) = 384 bytes fewer than on the CPU (fp32 noise there, a bool mask on a
+    GPU); every other row and all work are the CPU's."""
+    model, x = Dropouts(), torch.randn(8, 8)
+    captured = capture(model, (x,), method=method, time_limit=None)
+    flat = captured.flatten_inputs((x,))
+    cpu_rows, cpu_work = fake_work(captured, flat)
+    gpu_rows, gpu_work = fake_work(captured, flat, gpu=True)
+    real_rows, real_work = count_costs(captured, flat, real=True, gpu=True)
+    assert _untimed(gpu_rows) == _untimed(real_rows) and gpu_work == real_work == cpu_work
+    fewer = {c.name: (c.saved_bytes or 0) - (g.saved_bytes or 0) for c, g in zip(cpu_rows, gpu_rows, strict=True)}
+    dropouts = [n for n, d in fewer.items() if d]
+    assert len(dropouts) == 2 and all(fewer[n] == 8 * 16 * 3 for n in dropouts), fewer
+    # what each keeps on a GPU: its mask, 128 bytes, and, for the first, its output (fc2's input)
+    assert sorted(r.saved_bytes for r in gpu_rows if r.name in dropouts) == [8 * 16, 8 * 16 * (4 + 1)]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 import pipecut
 from examples import gpt
 from pipecut.core.batching import split_microbatches
-from pipecut.profile.saved import SavedBytes
+from pipecut.profile.saved import GpuDropout, SavedBytes
 
 
 def test_a_saved_input_is_charged_to_its_producer_and_own_tensors_to_the_node() -> None:
@@ -58,3 +60,47 @@ def test_profiling_records_what_is_kept_and_the_planner_counts_it() -> None:
         loss_fn(model(*x), y)
     charged = sum(n.saved_bytes or 0 for n in plan.nodes)  # the loss's and the inputs' too
     assert charged == sum(seen.values())
+
+
+DROPOUTS = {
+    "F.dropout": lambda x: F.dropout(x, 0.1),
+    "nn.Dropout": lambda x: torch.nn.Dropout(0.1)(x),
+    "torch.dropout": lambda x: torch.dropout(x, 0.1, True),
+    "aten.dropout": lambda x: torch.ops.aten.dropout.default(x, 0.1, True),  # a torch.export graph's
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(DROPOUTS))
+def test_a_gpus_dropout_keeps_a_one_byte_mask_where_the_cpus_keeps_noise_of_the_inputs_dtype(spelling: str) -> None:
+    """The CPU's dropout multiplies by a noise tensor of the input's dtype and keeps it; CUDA's
+    fused native_dropout keeps a bool mask. 4 x 16 elements: 128 bytes of bf16 noise, 64 of mask."""
+    dropout = DROPOUTS[spelling]
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    cpu, gpu = SavedBytes([]), SavedBytes([])
+    cpu.run("dropout", (x,), lambda: dropout(x))
+    with GpuDropout():
+        y = gpu.run("dropout", (x,), lambda: dropout(x))
+    assert cpu.bytes_of("dropout") == 4 * 16 * 2
+    assert gpu.bytes_of("dropout") == 4 * 16 * 1
+    # still dropout: zeros and x / (1 - p), bf16, and the gradient through the mask
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    kept = y != 0
+    torch.testing.assert_close(y[kept], (x / 0.9).to(torch.bfloat16)[kept])
+    y.float().sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, (kept / 0.9).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(("case", "dropout"), [
+    ("in place (the composite kernel on a GPU too)", lambda x: F.dropout(x * 1, 0.1, inplace=True)),
+    ("p = 0", lambda x: F.dropout(x * 1, 0.0)),
+    ("eval", lambda x: F.dropout(x * 1, 0.1, training=False)),
+    ("p = 1", lambda x: F.dropout(x * 1, 1.0)),
+])
+def test_what_a_gpu_runs_as_the_cpu_does_is_left_as_it_is(case: str, dropout) -> None:
+    x = torch.randn(4, 16, requires_grad=True)
+    cpu, gpu = SavedBytes([]), SavedBytes([])
+    cpu.run("dropout", (x,), lambda: dropout(x))
+    with GpuDropout():
+        gpu.run("dropout", (x,), lambda: dropout(x))
+    assert gpu.bytes_of("dropout") == cpu.bytes_of("dropout"), case
