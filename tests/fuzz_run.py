@@ -197,9 +197,9 @@ def _make_plan(cfg: Config, folder: Path) -> Plan | str:
 def _recompute(plan: Plan, how: str, prefix: str) -> Plan:
     """Every stage recomputing its whole forward (full), or its first block ``prefix``.N
     (selective; stages without such a block keep all activations)."""
-    from tests.multiprocess.test_recompute import _blocks, _whole
+    from tests.reference import recompute_blocks, recompute_whole
 
-    return {"none": plan, "full": _whole(plan), "selective": _blocks(plan, prefix, 1)}[how]
+    return {"none": plan, "full": recompute_whole(plan), "selective": recompute_blocks(plan, prefix, 1)}[how]
 
 
 def _heavy_plan(cfg: Config, model: torch.nn.Module, inputs: Any) -> Plan:
