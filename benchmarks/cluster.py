@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+import pipecut
+
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # examples.llama_meta
 import published
@@ -114,7 +116,7 @@ def schedules(cluster: str, batch: int, microbatches: int, recompute: str = "sel
 
     model, inputs, loss_fn, target = build_8b(batch_size=batch)
     plan = plan_cluster(model, inputs, cluster, microbatches=microbatches, schedule="auto",
-                        recompute=recompute, loss_fn=loss_fn, target=target)
+                        partition=pipecut.PartitionOptions(recompute=recompute), loss_fn=loss_fn, target=target)
     print(f"Llama-3.1-8B, batch {batch} x 8192, {microbatches} microbatches, recompute {recompute}, {cluster}")
     base = next((c.step_ms for c in plan.candidates if c.schedule.value == "1f1b" and c.step_ms), None)
     for c in sorted(plan.candidates, key=lambda c: c.step_ms or float("inf")):

@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import pipecut
+
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # examples.llama_meta
 import validation
@@ -84,7 +86,7 @@ def examples() -> list[dict[str, Any]]:  # pragma: no cover
             t = time.perf_counter()
             with ctx:
                 plan = plan_cluster(model, inputs, cluster, microbatches=m, schedule=schedule,
-                                    recompute=recompute, loss_fn=loss_fn, target=target)
+                                    partition=pipecut.PartitionOptions(recompute=recompute), loss_fn=loss_fn, target=target)
             row[label] = _choice(plan)
             print(f"  {name} [{label}] {row[label]} ({time.perf_counter() - t:.0f} s)", file=sys.stderr)
         out.append(row)

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/sharding_choice.py [--sizes 8b 70b 405b] [--out benchmarks/sharding_choice.json]
 
 Each model (``examples/llama_meta.py``, built on meta) is planned for its cluster with
-``plan_cluster(..., data_parallel="auto", tensor_parallel="auto", schedule="1f1b")`` twice: with
+``plan_cluster(..., tensor_parallel="auto", schedule="1f1b")`` twice: with
 ``sharding="fsdp"`` (the planner's only sharded engine, and its default, before ZeRO-1) and
 with ``sharding="auto"`` (DDP, ZeRO-1 and FSDP2 weighed, the fastest run that fits kept). The
 table gives both choices: D × T × K, the engine, the predicted step, tokens/s per GPU, MFU and the
@@ -17,6 +17,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+import pipecut
 
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # examples.llama_meta
 
@@ -38,7 +40,8 @@ def choice(size: str, sharding: str) -> dict[str, object]:  # pragma: no cover
     model, inputs, loss_fn, target = build(size, batch_size=int(case["batch"]))
     start = time.perf_counter()
     plan = plan_cluster(model, inputs, str(case["cluster"]), microbatches=int(case["microbatches"]),
-                        schedule="1f1b", sharding=sharding, loss_fn=loss_fn, target=target)
+                        schedule="1f1b",
+                        data_parallel=pipecut.DataParallelOptions(kind=sharding), loss_fn=loss_fn, target=target)
     run, place = plan.run, plan.placement
     assert run is not None and place is not None
     return {"size": size, "asked": sharding, **case, "engine": run.sharding,

@@ -207,7 +207,7 @@ def _build(request: Request) -> tuple[BuiltPipeline, Place]:
     sync_weights(request, place, captured, chosen.plan, workers)
     if shards is not None:
         workers = split_over_tensor_group(place, chosen.plan, captured, chosen.first, workers, shards, make,
-                                          request.options.tensor_parallel.splits_sequence(),
+                                          settings.sequence_parallel,
                                           request.whence("tensor_parallel"))
     ready_for_p2p(place.group, place.device)
     groups = Groups(
@@ -221,7 +221,7 @@ def _build(request: Request) -> tuple[BuiltPipeline, Place]:
         ranks=tuple(place.ranks), groups=groups, aliases=parameter_aliases(captured),
         loss_reduction=request.options.runtime.loss_reduction,
         modes=_modes(request, place, workers, derived, make, None if shards is None else functools.partial(
-            _split_other_mode, place, chosen.first, shards, make, request.options.tensor_parallel.splits_sequence(),
+            _split_other_mode, place, chosen.first, shards, make, settings.sequence_parallel,
             request.whence("tensor_parallel"))),
         wire=WireSpecs(captured.gm, chosen.plan, place.device),
         schedule_for=schedules(chosen.plan), predicted=tuple(predicted_timeline(chosen.plan)), timeout=request.wait,

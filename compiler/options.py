@@ -310,6 +310,11 @@ class DataParallelOptions:
             raise InputError(f"DataParallelOptions(replicas={self.replicas}): at least 1")
 
     @classmethod
+    def of(cls, given: DataParallelOptions | DataParallelKind | str | None) -> DataParallelOptions:
+        """``data_parallel=`` as options: a kind's name (or None) alone is ``DataParallelOptions(kind=...)``."""
+        return given if isinstance(given, DataParallelOptions) else cls(kind=given)  # type: ignore[arg-type]
+
+    @classmethod
     def resolved(cls, kind: DataParallelKind | str, replicas: int) -> DataParallelOptions:
         """The options with both fields fixed, as a plan records them (``plan.data_parallel``):
         the engine and the replica count; InputError for "auto" or an unknown kind."""
@@ -355,7 +360,7 @@ class TensorParallelOptions:
             regions (Megatron's sequence parallelism: each region closes with a reduce-scatter
             and opens with an all-gather instead of an all-reduce; stage boundaries stay whole).
             None (not given): off under ``compile``, on in a cluster plan (torchtitan's
-            default), see :meth:`splits_sequence`.
+            default); see :data:`pipecut.planning.asked.DEFAULTS`.
         size: The group size T. ``compile`` takes it from the DeviceMesh's "tp" dimension and
             records it (None: no "tp" dimension); ``plan(cluster=...)`` weighs every size the
             heads and a node allow where it is None, else plans that size.
@@ -379,11 +384,17 @@ class TensorParallelOptions:
         if self.size is not None and (isinstance(self.size, bool) or self.size < 1):
             raise InputError(f"TensorParallelOptions(size={self.size}): at least 1")
 
-    def splits_sequence(self, *, cluster: bool = False) -> bool:
-        """Whether the residual stream is split along the tokens: as given, else (None) off
-        under ``compile`` and on in a cluster plan (``cluster``), where it prices torchtitan's
-        default run."""
-        return cluster if self.sequence_parallel is None else self.sequence_parallel
+    @classmethod
+    def of(cls, given: TensorParallelOptions | int | str) -> TensorParallelOptions:
+        """``tensor_parallel=`` as options: a size alone (an int, or "auto" for none fixed) is
+        ``TensorParallelOptions(size=...)``."""
+        if isinstance(given, TensorParallelOptions):
+            return given
+        if given == AUTO:
+            return cls()
+        if isinstance(given, bool) or not isinstance(given, int):
+            raise InputError(f"tensor_parallel={given!r}: TensorParallelOptions, a group size (an int) or 'auto'")
+        return cls(size=given)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -501,8 +512,7 @@ def requested(
                 "scheduling": ScheduleOptions(), "runtime": RuntimeOptions(), "weights": WeightOptions(),
                 "tensor_parallel": TensorParallelOptions()}
     out: dict[str, Any] = {k: groups.get(k) or v for k, v in defaults.items()}
-    out["data_parallel"] = (data_parallel if isinstance(data_parallel, DataParallelOptions)
-                            else DataParallelOptions(kind=data_parallel))  # type: ignore[arg-type]
+    out["data_parallel"] = DataParallelOptions.of(data_parallel)
     out["microbatches"], out["schedule"] = microbatches, schedule
     return out
 

@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from pipecut.assemble.context import Place
 from pipecut.assemble.layout import plan_from_rank0
-from pipecut.assemble.replay import Settings
 from pipecut.capture import as_planned, capture_as, fingerprint
 from pipecut.capture.agree import capture_for_plan
 from pipecut.core.batching import first_microbatch
@@ -23,6 +22,7 @@ from pipecut.errors import PlanError
 from pipecut.ir import Plan
 from pipecut.options import AUTO, DataParallelOptions, RuntimeOptions, ScheduleOptions
 from pipecut.passes.costs.stages import plan_schedule
+from pipecut.planning.asked import Resolved
 from pipecut.planning.planner import plan_asked
 from pipecut.planning.request import Request, warn_if_sequential
 from pipecut.runtime.comm.nccl import check_nccl
@@ -42,7 +42,7 @@ class Chosen:
     first: Inputs
 
 
-def capture_and_broadcast_plan(request: Request, place: Place, settings: Settings) -> Chosen:
+def capture_and_broadcast_plan(request: Request, place: Place, settings: Resolved) -> Chosen:
     """Capture the model on every rank; replay the given plan or take rank 0's, checked."""
     chosen = _on_rank0(request, place, settings, None) if settings.auto else request.given
     if chosen is not None and request.given is not None and dist.get_rank() == 0:
@@ -72,12 +72,13 @@ def capture_and_broadcast_plan(request: Request, place: Place, settings: Setting
     return Chosen(plan=chosen, captured=as_planned(captured, chosen.chunked), first=first)
 
 
-def _on_rank0(request: Request, place: Place, settings: Settings, captured: Captured | None) -> Plan:
+def _on_rank0(request: Request, place: Place, settings: Resolved, captured: Captured | None) -> Plan:
     """Global rank 0 plans the request on this pipeline's devices, with its link, at the
     settings' scheduling; every rank of every replica gets the same plan, which records what
     ``compile`` was asked (its runtime options included)."""
     measure = dataclasses.replace(  # by default measured where rank 0's stage will run, not where the model was left
         request.options.measure, link=place.link, device=request.options.measure.device or str(place.device))
+    assert settings.stages_per_rank != AUTO  # compile resolves a count (only a cluster plan weighs V)
     planning = dataclasses.replace(request.with_options(
         microbatches=settings.microbatches, schedule=settings.schedule, measure=measure,
         scheduling=ScheduleOptions(stages_per_rank=settings.stages_per_rank),

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecut.assemble.layout import RankGroups, engine_origin, layout_of, replication_of
-from pipecut.assemble.replay import Settings
+from pipecut.assemble.layout import RankGroups, layout_of, replication_of
 from pipecut.cluster import Link
 from pipecut.errors import InputError
 from pipecut.ir import DeviceSpec
 from pipecut.options import DataParallelOptions
 from pipecut.passes.partition.solve import as_devices
+from pipecut.planning.asked import Resolved
 from pipecut.planning.request import Request
 from pipecut.runtime.comm.launch import local_device
 from pipecut.runtime.comm.linkprobe import measure_link
@@ -72,7 +72,7 @@ class Place:
         return self.replication is not None and fsdp2_engine(self.replication.resolved_kind, self.tensor_parallel)
 
 
-def connect(request: Request, settings: Settings) -> Place:
+def connect(request: Request, settings: Resolved) -> Place:
     """Join the process group on this rank's device and read where this rank sits. Collective:
     every rank calls it (NCCL needs the device chosen before any collective)."""
     device = local_device()
@@ -81,8 +81,8 @@ def connect(request: Request, settings: Settings) -> Place:
         warnings.warn("lean_host_memory: the allocator was left as it is (not glibc, or "
                       "MALLOC_MMAP_THRESHOLD_ or PIPECUT_KEEP_MALLOC=1 set)", stacklevel=3)
     layout = layout_of(request.devices)
-    replication = replication_of(layout, request.options.data_parallel.kind)
-    engine = request.whence("data_parallel") or engine_origin(layout, request.options.data_parallel.kind)
+    replication = replication_of(layout, settings.data_parallel)
+    engine = request.whence("data_parallel") or settings.origin("data_parallel")
     asked = request.options.data_parallel.replicas
     if asked is not None and (replication.replicas if replication else 1) != asked:
         raise InputError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -24,13 +24,14 @@ from pipecut.errors import InputError, PipelineRuntimeError, PlanError
 from pipecut.ir import Plan
 from pipecut.options import AUTO, DataParallelOptions, RuntimeOptions, ScheduleOptions
 from pipecut.passes.partition.solve import DEFAULT_LINK, as_devices
+from pipecut.planning.asked import NO_REPLICAS
 from pipecut.planning.planner import plan_asked
 from pipecut.planning.request import Request
 from pipecut.runtime.comm.launch import local_device
 from pipecut.runtime.comm.linkprobe import measure_link
 from pipecut.runtime.comm.teardown import close_at_exit, open_default_group
 
-__all__ = ["Auto", "RankGroups", "auto_layout", "engine_origin", "layout_of", "plan_from_rank0", "replication_of"]
+__all__ = ["Auto", "RankGroups", "auto_layout", "layout_of", "plan_from_rank0", "replication_of"]
 
 
 @dataclass(frozen=True)
@@ -80,33 +81,14 @@ def layout_of(devices: Any) -> RankGroups:
     return RankGroups(pp, dp, dp_mesh, replicas, dist.get_world_size(pp), tp_mesh, copies)
 
 
-def replication_of(layout: RankGroups, data_parallel: str | DataParallelKind | None) -> DataParallelOptions | None:
-    """The data-parallel engine and replica count; by default where there is a "dp" dimension,
-    DDP, or FSDP2 beside a "tp" one (DDP does not reduce the DTensor gradients of split stages).
-    A "dp" dimension of one replica has nothing to keep in step: no engine unless one is asked
-    for (as torchtitan applies FSDP only where its data-parallel size exceeds one), so that
-    nothing is refused for a default the user never chose."""
-    if layout.dp_group is None:
-        if data_parallel is not None:
-            raise InputError(
-                f"data_parallel={getattr(data_parallel, 'value', data_parallel)!r} needs replicas: pass a DeviceMesh with "
-                f"dimensions ('dp', 'pp') as devices, or leave data_parallel=None"
-            )
+def replication_of(layout: RankGroups, kind: DataParallelKind | Literal["auto", "none"]) -> DataParallelOptions | None:
+    """The replicas' engine, as :func:`pipecut.planning.asked.resolve` resolved it from what was
+    asked and the mesh, with their count from the mesh's "dp" group; None for
+    :data:`~pipecut.planning.asked.NO_REPLICAS`."""
+    if kind == NO_REPLICAS:
         return None
-    if data_parallel is None and dist.get_world_size(layout.dp_group) == 1:
-        return None
-    default = DataParallelKind.FSDP if layout.tp_mesh is not None else DataParallelKind.DDP
-    kind = data_parallel if data_parallel is not None else default
+    assert layout.dp_group is not None and kind != AUTO, "resolve refuses replicas without a 'dp' dimension"
     return DataParallelOptions.resolved(kind, dist.get_world_size(layout.dp_group))
-
-
-def engine_origin(layout: RankGroups, data_parallel: str | DataParallelKind | None) -> str:
-    """How a refusal names the engine :func:`replication_of` chose where ``data_parallel`` was
-    left out ("the default for a mesh with a 'dp' dimension[ and tensor parallelism]"); empty
-    where one was asked."""
-    if data_parallel is not None or layout.dp_group is None:
-        return ""
-    return f"the default for a mesh with a 'dp' dimension{' and tensor parallelism' if layout.tp_mesh is not None else ''}"
 
 
 @dataclass(frozen=True)

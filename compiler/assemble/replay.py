@@ -2,60 +2,33 @@
 
 ``compile(plan=...)`` runs the plan's own schedule, microbatches, stage layout and capture
 method; an argument that says otherwise would be silently ignored, so it is an error instead.
-:func:`settings_of` resolves a call's scheduling once into :class:`Settings`: arguments left
-out take the plan's value or, without a plan, the defaults (the planner chooses what is left
-"auto").
+:func:`settings_of` checks a call against the plan it replays, then resolves it once
+(:func:`pipecut.planning.asked.resolve`): arguments left out take the plan's value or, without a
+plan, the defaults (the planner chooses what is left "auto").
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from pipecut.cluster import Link
 from pipecut.core.kinds import CaptureMethod, ScheduleKind
 from pipecut.errors import PlanError
 from pipecut.ir import Plan
 from pipecut.options import AUTO, Options
-from pipecut.passes.partition.solve import DEFAULT_LINK, as_devices, as_schedule
-from pipecut.planning.request import default_choices
+from pipecut.passes.partition.solve import as_devices, as_schedule
+from pipecut.planning.asked import Context, Resolved, resolve
 
-__all__ = ["Settings", "settings_of"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Settings:
-    """What a ``compile`` call runs with, every argument resolved; the microbatches or the
-    schedule are "auto" where the planner chooses them (no plan replayed)."""
-
-    microbatches: int | Literal["auto"]
-    """The microbatch count, or "auto"."""
-    schedule: ScheduleKind | Literal["auto"]
-    """The schedule, or "auto"."""
-    stages_per_rank: int
-    link: Link
-    capture_method: CaptureMethod | Literal["auto"]
-    """"auto": symbolic_trace, then torch.export."""
-
-    @property
-    def auto(self) -> bool:
-        """The planner chooses the microbatches or the schedule (before capture, at its count)."""
-        return AUTO in (self.microbatches, self.schedule)
+__all__ = ["settings_of"]
 
 
-def settings_of(given: Plan | None, options: Options, devices: Any) -> Settings:
-    """Resolve a ``compile`` call's scheduling (``options``, ``devices``) against the plan it
-    replays (``given``), or the defaults: left out without a plan, the planner chooses
-    ("auto"); PlanError naming every argument that contradicts ``given``."""
+def settings_of(given: Plan | None, options: Options, devices: Any) -> Resolved:
+    """A ``compile`` call's options (``options``, ``devices``) resolved against the plan it
+    replays (``given``), or without one (:func:`~pipecut.planning.asked.resolve`: the planner
+    chooses what is left "auto"); PlanError naming every argument that contradicts ``given``."""
     s = options.scheduling
     if given is None:
-        m, kind = default_choices(options.microbatches, options.schedule)
-        return Settings(
-            microbatches=m, schedule=kind if kind == AUTO else as_schedule(kind),
-            stages_per_rank=1 if s.stages_per_rank is None else s.stages_per_rank,
-            link=options.measure.link or DEFAULT_LINK, capture_method=options.capture.method,
-        )
+        return resolve(options, Context.COMPILE, devices=devices)
     if AUTO in (options.microbatches, options.schedule):
         raise PlanError(
             "microbatches/schedule='auto' ask the planner to choose, but plan= fixes them; drop "
@@ -81,10 +54,7 @@ def settings_of(given: Plan | None, options: Options, devices: Any) -> Settings:
             f"these arguments out (None) to replay the plan as it is, or re-plan with them "
             f"(compile without plan=, or pipecut.plan(...))"
         )
-    return Settings(
-        microbatches=given.microbatches, schedule=given.schedule,
-        stages_per_rank=given.stages_per_rank, link=given.link, capture_method=given.capture,
-    )
+    return resolve(options, Context.REPLAY, plan=given, devices=devices)
 
 
 def _device_conflicts(plan: Plan, devices: Any) -> list[str]:

@@ -194,13 +194,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     log.info("planning %s on %d devices, %s microbatches, %s", args.factory, args.devices,
              args.microbatches, args.schedule)
     if args.cluster is not None:
+        from pipecut.options import ScheduleOptions
         from pipecut.planning.cluster.plan import plan_cluster
 
-        plan = plan_cluster(
-            example.model, example.inputs, args.cluster, data_parallel="auto",
-            microbatches=args.microbatches, schedule=args.schedule,
-            recompute="selective" if args.recompute == "auto" else args.recompute,
-            stages_per_rank=args.stages_per_rank if args.stages_per_rank > 1 else None,
+        plan = plan_cluster(  # the flag's default of 1 stage per rank is "not given": a cluster plan weighs V
+            example.model, example.inputs, args.cluster, microbatches=args.microbatches, schedule=args.schedule,
+            partition=partition_options(args),
+            scheduling=ScheduleOptions(stages_per_rank=args.stages_per_rank if args.stages_per_rank > 1 else None),
             loss_fn=example.loss_fn, target=example.target, tensor_parallel=args.tensor_parallel,
         )
     elif args.device_profile is not None:

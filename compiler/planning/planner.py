@@ -22,7 +22,7 @@ import torch
 
 from pipecut.capture import fingerprint
 from pipecut.cluster import Cluster
-from pipecut.core.kinds import CostSource, DataParallelKind, NodeOp, Recompute, ScheduleKind
+from pipecut.core.kinds import CostSource, DataParallelKind, NodeOp, ScheduleKind
 from pipecut.core.meta import has_meta
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError, PartitionError
@@ -43,6 +43,7 @@ from pipecut.passes.parallel.tensor import rank_share
 from pipecut.passes.partition.chain import is_unit
 from pipecut.passes.partition.solve import Devices, as_devices, as_schedule, partition_costs
 from pipecut.passes.rewrite.propagate import accepted_shapes
+from pipecut.planning.asked import Context, resolve
 from pipecut.planning.autoplan import plan_auto
 from pipecut.planning.heavy import try_pieces
 from pipecut.planning.replicas import plan_replicated
@@ -50,7 +51,6 @@ from pipecut.planning.request import (
     FirstBatch,
     Request,
     capture_at,
-    default_choices,
     profile_at,
     warn_if_sequential,
 )
@@ -134,7 +134,7 @@ def plan(
         CaptureError: The model cannot be captured.
         PartitionError: No split fits (memory) or the graph has nothing to partition.
     """
-    tp = _tensor_options(tensor_parallel)
+    tp = TensorParallelOptions.of(tensor_parallel)
     if cluster is None and tp.size not in (None, 1):
         raise InputError(f"tensor_parallel={tp.size!r} without a cluster: the plan here is the pipeline's K stages, "
                          f"and compile splits each stage over its DeviceMesh's 'tp' dimension (pass a mesh with "
@@ -146,33 +146,21 @@ def plan(
                       devices=devices, specs=() if cluster is not None else as_devices(devices),
                       options=options_of(groups), progress=progress)
     if cluster is not None:
-        return _for_cluster(request, cluster, AUTO if tp.size is None else tp.size)
+        return _for_cluster(request, cluster)
     return plan_asked(request, captured)
-
-
-def _tensor_options(given: TensorParallelOptions | int | str) -> TensorParallelOptions:
-    """``tensor_parallel=`` as options: a size alone (an int, or "auto" for none fixed) is
-    ``TensorParallelOptions(size=...)``."""
-    if isinstance(given, TensorParallelOptions):
-        return given
-    if given == AUTO:
-        return TensorParallelOptions()
-    if isinstance(given, bool) or not isinstance(given, int):
-        raise InputError(f"tensor_parallel={given!r}: TensorParallelOptions, a group size (an int) or 'auto'")
-    return TensorParallelOptions(size=given)
 
 
 def plan_asked(request: Request, captured: Captured | None = None) -> Plan:
     """The plan of ``request`` on its resolved devices (``request.specs``), with what was asked
     recorded in ``plan.options``: D replicas x K stages chosen where data parallelism is
     "auto", else the microbatches and schedule left out defaulted (see
-    :func:`~pipecut.planning.request.default_choices`) and planned. ``pipecut.plan`` and
+    :func:`~pipecut.planning.asked.resolve`) and planned. ``pipecut.plan`` and
     ``compile``'s rank 0 both plan here; ``captured``: the graph, captured already at the first
     microbatch."""
     if request.options.data_parallel.kind == AUTO:
         return _recorded(plan_replicated(request, plan_request), request)
-    m, kind = default_choices(request.options.microbatches, request.options.schedule)
-    request = request.with_options(microbatches=m, schedule=kind)
+    asked = resolve(request.options, Context.PLAN)
+    request = request.with_options(microbatches=asked.microbatches, schedule=asked.schedule)
     return _recorded(plan_request(request, captured), request)
 
 
@@ -284,7 +272,7 @@ def _partitioned(request: Request, captured: Captured, graph_fingerprint: str, b
     options = request.options
     assert isinstance(options.microbatches, int) and options.schedule not in (None, AUTO)
     share = rank_share(costs, options.tensor_parallel.size or 1, request.link,  # one rank's, under TP
-                       options.tensor_parallel.splits_sequence())
+                       resolve(options, Context.PLAN).sequence_parallel)
     planned = partition_costs(
         share, devices=request.specs, microbatches=options.microbatches, batch_size=batch_size,
         schedule=as_schedule(options.schedule), link=request.link, partition=request.options.partition,
@@ -307,33 +295,13 @@ def _recorded(p: Plan, request: Request) -> Plan:
     return dataclasses.replace(p, options=request.options)
 
 
-def _for_cluster(request: Request, cluster: str | Cluster, tensor_parallel: int | str = "auto") -> Plan:
-    """:func:`~pipecut.planning.cluster.plan.plan_cluster` with the request's options (left out:
-    one microbatch, 1F1B; schedule "auto" weighs every schedule; ``recompute`` "auto":
-    selective)."""
-    from pipecut.planning.cluster.plan import plan_cluster
+def _for_cluster(request: Request, cluster: str | Cluster) -> Plan:
+    """:func:`~pipecut.planning.cluster.plan.plan_cluster` with the request's options, resolved
+    as a cluster plan resolves them (:data:`~pipecut.planning.asked.DEFAULTS`)."""
+    from pipecut.planning.cluster.plan import plan_asked_cluster
 
-    options = request.options
-    if options.microbatches == AUTO:
-        raise InputError("plan(cluster=...) needs microbatches as a value, not 'auto'")
     if request.options.runtime.compile_stages:
         raise InputError("plan(cluster=...) estimates costs from a device profile: it cannot price "
                          "compiled stages; drop runtime=RuntimeOptions(compile_stages=...)")
-    dp = request.options.data_parallel
-    if dp.kind is not None and dp.kind != AUTO and not dp.is_resolved:
-        raise InputError(f"plan(cluster=...): data_parallel must be 'auto', None or "
-                         f"DataParallelOptions(kind=..., replicas=...), got {dp.kind!r}")
-    fixed = request.replication
-    return _recorded(plan_cluster(
-        request.model, request.example_inputs, cluster, data_parallel=fixed.resolved_replicas if fixed else AUTO,
-        microbatches=options.microbatches or 1, schedule=options.schedule or ScheduleKind.ONE_F_ONE_B,
-        stages_per_rank=request.stages_per_rank if request.stages_per_rank > 1 else None,
-        recompute=_cluster_recompute(request.options.partition.recompute),
-        sharding=fixed.resolved_kind if fixed else AUTO, loss_fn=request.loss_fn, target=request.target,
-        tensor_parallel=tensor_parallel, sequence_parallel=options.tensor_parallel.splits_sequence(cluster=True),
-    ), request)
-
-
-def _cluster_recompute(recompute: Recompute | str) -> Recompute:
-    """A cluster plan assumes one level for every stage: selective checkpointing for "auto"."""
-    return Recompute.SELECTIVE if recompute == AUTO else recompute  # type: ignore[return-value]
+    return _recorded(plan_asked_cluster(request.model, request.example_inputs, cluster, request.options,
+                                        loss_fn=request.loss_fn, target=request.target), request)

@@ -14,23 +14,22 @@ import datetime
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from pipecut.capture import capture_as
 from pipecut.core.batching import first_microbatch, split_microbatches
-from pipecut.core.kinds import ScheduleKind
 from pipecut.core.meta import input_device
 from pipecut.core.program import Captured, Inputs
 from pipecut.ir import DeviceSpec, NodeCost, Plan
-from pipecut.options import AUTO, DataParallelOptions, Options, WeightOptions
+from pipecut.options import DataParallelOptions, Options, WeightOptions
 from pipecut.passes.partition.solve import DEFAULT_LINK
 from pipecut.profile.devices import estimate_table
 from pipecut.profile.nodes import LossFn, profile
 from pipecut.report.text import sequential_note
 
-__all__ = ["FirstBatch", "Request", "capture_at", "default_choices", "profile_at", "warn_if_sequential"]
+__all__ = ["FirstBatch", "Request", "capture_at", "profile_at", "warn_if_sequential"]
 
 log = logging.getLogger(__name__)
 
@@ -148,19 +147,6 @@ def profile_at(request: Request, captured: Captured, inputs: Inputs, target: Any
     return profile(captured, captured.flatten_inputs(inputs), loss_fn=request.loss_fn, target=target,
                    repeats=measure.repeats, warmup=measure.warmup, progress=progress,
                    device=request.measure_on, only=only)
-
-
-def default_choices(microbatches: int | Literal["auto"] | None, schedule: Any) -> tuple[int | Literal["auto"], Any]:
-    """What ``microbatches`` and ``schedule`` left out (None) mean: the planner chooses
-    microbatches ("auto"), and the schedule with them unless one is given; a schedule left out
-    beside a given count is GPipe.
-
-    >>> default_choices(None, None), default_choices(None, "1f1b"), default_choices(4, None)
-    (('auto', 'auto'), ('auto', '1f1b'), (4, <ScheduleKind.GPIPE: 'gpipe'>))
-    """
-    if microbatches is None:
-        return AUTO, AUTO if schedule is None else schedule
-    return microbatches, ScheduleKind.GPIPE if schedule is None else schedule
 
 
 def warn_if_sequential(p: Plan) -> Plan:

@@ -11,6 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from pipecut.assemble.layout import layout_of, plan_from_rank0, replication_of
 from pipecut.core.kinds import DataParallelKind
 from pipecut.errors import InputError, PipelineRuntimeError
+from pipecut.options import DataParallelOptions, Options
+from pipecut.planning.asked import NO_REPLICAS, Context, resolve
 from tests.harness import run_ranks
 from tests.unit.tiny import mlp_plan
 
@@ -20,14 +22,14 @@ pytestmark = pytest.mark.dist
 def _scenarios(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     flat = layout_of(None)  # one stage per rank of the default group
-    out["flat"] = (flat.replicas, flat.devices, flat.pp_group is None, replication_of(flat, None))
+    out["flat"] = (flat.replicas, flat.devices, flat.pp_group is None, replication_of(flat, NO_REPLICAS))
     try:
-        replication_of(flat, "ddp")
+        resolve(Options(data_parallel=DataParallelOptions(kind="ddp")), Context.COMPILE, devices=None)
     except InputError as e:
         out["ddp_without_replicas"] = str(e)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     grid = layout_of(mesh)
-    dp = replication_of(grid, "fsdp")
+    dp = replication_of(grid, DataParallelKind.FSDP)
     out["mesh"] = (grid.replicas, grid.devices, dp.kind, dp.replicas,
                    dist.get_world_size(grid.pp_group), dist.get_world_size(grid.dp_group))
     plan = mlp_plan()  # profiled on each rank: rank 0's is the one every rank must get

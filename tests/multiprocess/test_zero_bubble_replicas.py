@@ -178,7 +178,7 @@ def test_a_cluster_plan_where_zero_bubble_with_replicas_wins_runs_at_parity() ->
 
     model, inputs, loss_fn, target = _build("llama")
     plan = plan_cluster(model, inputs, "2x2xH100-SXM", microbatches=M, schedule="auto", tensor_parallel=1,
-                        recompute="none", loss_fn=loss_fn, target=target)
+                        partition=pipecut.PartitionOptions(recompute="none"), loss_fn=loss_fn, target=target)
     assert plan.schedule is pipecut.ScheduleKind.ZERO_BUBBLE and plan.placement is not None
     assert (plan.placement.replicas, plan.num_stages) == (2, 2)
     assert plan.data_parallel == pipecut.DataParallelOptions(kind="fsdp", replicas=2)

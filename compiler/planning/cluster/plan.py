@@ -42,9 +42,18 @@ from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError
 from pipecut.ir import Candidate, NodeCost, Plan, ReplicaCandidate
+from pipecut.options import (
+    AUTO,
+    DataParallelOptions,
+    Options,
+    PartitionOptions,
+    ScheduleOptions,
+    TensorParallelOptions,
+)
 from pipecut.passes.costs.workload import workload
 from pipecut.passes.parallel.hybrid import Skipped
 from pipecut.passes.partition.rebuild import mark_rebuilt
+from pipecut.planning.asked import NO_REPLICAS, Context, resolve
 from pipecut.planning.cluster.choose import fastest_engine
 from pipecut.planning.cluster.figures import Figures, figures_of
 from pipecut.planning.cluster.run import RunCandidate, RunChoice, RunShape, block_of, evaluate_run
@@ -56,7 +65,7 @@ from pipecut.profile.devices import Precision, estimate_captured
 from pipecut.profile.hardware import FigureEnd, HardwareModel, memory_overheads
 from pipecut.profile.nodes import LossFn
 
-__all__ = ["NOT_MODELLED", "SCHEDULES", "model_flops_per_token", "plan_cluster", "tensor_note"]
+__all__ = ["NOT_MODELLED", "SCHEDULES", "model_flops_per_token", "plan_asked_cluster", "plan_cluster", "tensor_note"]
 
 NOT_MODELLED = (
     "context and expert parallelism are not planned",
@@ -91,36 +100,55 @@ def plan_cluster(
     example_inputs: Inputs,
     cluster: str | Cluster,
     *,
-    data_parallel: str | int = "auto",
-    microbatches: int = 1,
-    schedule: str | ScheduleKind = ScheduleKind.ONE_F_ONE_B,
-    stages_per_rank: int | None = None,
-    recompute: str | Recompute = Recompute.SELECTIVE,
-    sharding: str | DataParallelKind = "auto",
     loss_fn: LossFn | None = None,
     target: Any = None,
-    tensor_parallel: str | int = "auto",
-    sequence_parallel: bool = True,
+    microbatches: int | None = None,
+    schedule: str | ScheduleKind | None = None,
+    partition: PartitionOptions | None = None,
+    scheduling: ScheduleOptions | None = None,
+    data_parallel: DataParallelOptions | DataParallelKind | str | None = None,
+    tensor_parallel: TensorParallelOptions | int | str = AUTO,
 ) -> Plan:
-    """Plan ``model`` (on meta is fine) for ``cluster`` with one global batch ``example_inputs``.
+    """Plan ``model`` (on meta is fine) for ``cluster`` with one global batch ``example_inputs``,
+    from the option objects ``pipecut.plan`` takes, resolved as a cluster plan resolves them
+    (:data:`~pipecut.planning.asked.DEFAULTS`; ``plan(cluster=...)`` comes here with its own).
 
-    ``data_parallel``: "auto" weighs every D × K, an int fixes D. ``schedule``: one schedule, or
-    "auto" to weigh all of :data:`SCHEDULES` and keep the fastest run that fits.
-    ``stages_per_rank``: interleaved 1F1B's V (None weighs 2 and every V that divides the
-    blocks evenly). ``recompute``: the activation checkpointing the run uses (none, selective,
-    full). ``sharding``: the replicas' engine, ddp, zero1 or fsdp, or "auto" to weigh all three
-    (:data:`~pipecut.planning.replicas.ENGINES`) and keep the fastest run that fits, DDP on a
-    tie. ``tensor_parallel``: "auto" weighs every T that divides a
-    node's GPUs and the attention (and KV) heads, an int fixes T (1: none); each T-way group
-    stays inside a node (:mod:`pipecut.planning.tensor_parallel`). ``sequence_parallel``: with
-    T > 1, the residual stream split along the sequence too (torchtitan's default; False prices
-    Megatron's all-reduces). The returned plan is one replica of the chosen run at its
-    share of the batch, its stages priced as the run is (:mod:`pipecut.planning.cluster.run_plan`);
-    ``plan.run`` is the whole run's prediction, ``plan.placement`` where each pipeline rank of
-    each replica sits, ``plan.replica_candidates`` every shape weighed for the chosen schedule and,
-    with "auto", ``plan.candidates`` the best run of every schedule."""
+    ``microbatches``: the count (None: 1). ``schedule``: one schedule (None: 1F1B), or "auto"
+    to weigh all of :data:`SCHEDULES` and keep the fastest run that fits.
+    ``scheduling.stages_per_rank``: interleaved 1F1B's V (None weighs 2 and every V that
+    divides the blocks evenly). ``partition.recompute``: the activation checkpointing every
+    stage uses (none, selective, full; "auto": selective). ``data_parallel``: the replicas'
+    engine (``ddp``, ``zero1``, ``fsdp``; None or "auto" weighs all of
+    :data:`~pipecut.planning.replicas.ENGINES` and keeps the fastest run that fits, DDP on a
+    tie) and their count D (``DataParallelOptions(replicas=D)``; None weighs every D × K).
+    ``tensor_parallel``: a size T (1: none), "auto" (every T that divides a node's GPUs and the
+    attention and KV heads; each T-way group stays inside a node,
+    :mod:`pipecut.planning.tensor_parallel`) or :class:`~pipecut.options.TensorParallelOptions`,
+    whose ``sequence_parallel`` splits the residual stream along the sequence with T > 1 (None:
+    on, torchtitan's default; False prices Megatron's all-reduces). The returned plan is one
+    replica of the chosen run at its share of the batch, its stages priced as the run is
+    (:mod:`pipecut.planning.cluster.run_plan`); ``plan.run`` is the whole run's prediction,
+    ``plan.placement`` where each pipeline rank of each replica sits, ``plan.replica_candidates``
+    every shape weighed for the chosen schedule and, with "auto", ``plan.candidates`` the best
+    run of every schedule."""
+    options = Options(microbatches=microbatches, schedule=schedule,  # type: ignore[arg-type]  # a name, normalised
+                      partition=partition or PartitionOptions(),
+                      scheduling=scheduling or ScheduleOptions(), data_parallel=DataParallelOptions.of(data_parallel),
+                      tensor_parallel=TensorParallelOptions.of(tensor_parallel))
+    return plan_asked_cluster(model, example_inputs, cluster, options, loss_fn=loss_fn, target=target)
+
+
+def plan_asked_cluster(model: torch.nn.Module, example_inputs: Inputs, cluster: str | Cluster, options: Options, *,
+                       loss_fn: LossFn | None = None, target: Any = None) -> Plan:
+    """:func:`plan_cluster` of ``options`` as given (``plan(cluster=...)``'s)."""
+    asked = resolve(options, Context.CLUSTER)
+    microbatches, schedule, recompute = asked.microbatches, asked.schedule, asked.recompute
+    sequence_parallel = asked.sequence_parallel
+    stages_per_rank = None if asked.stages_per_rank == AUTO else asked.stages_per_rank
+    assert isinstance(microbatches, int) and recompute != AUTO  # resolve: a cluster plan fixes both
+    tensor_parallel = options.tensor_parallel.size or AUTO
     figures = figures_of(cluster)
-    kinds, rec, engines = _choices(schedule, recompute, sharding, data_parallel)
+    kinds, rec, engines = _choices(schedule, recompute, asked.data_parallel)
     size, first = first_microbatch(example_inputs, microbatches)
     whole = _priced_table(model, example_inputs, target, figures, microbatches, loss_fn)
     sizes = tensor_parallel_sizes(tensor_parallel, whole.nodes, figures.cluster, head_counts(model))
@@ -130,7 +158,7 @@ def plan_cluster(
                        stages_per_rank=stages_per_rank, recompute=rec, sequence_parallel=sequence_parallel)
     best, choice, shard = fastest_engine(whole.nodes, figures.cluster, shape, engines, schedules=kinds,
                                          tensor_parallel=sizes, sharded=sharded,
-                                         replicas=None if data_parallel == "auto" else int(data_parallel))
+                                         replicas=options.data_parallel.replicas)
     shape = dataclasses.replace(shape, sharding=shard)
     d, t = best.placement.replicas, best.placement.tensor_parallel
     share = _priced_table(model, split_microbatches(example_inputs, d, size, "example_inputs")[0],
@@ -230,17 +258,15 @@ def _step_at(figures: Figures, table: _Table, best: RunCandidate, shape: RunShap
 
 
 def _choices(
-    schedule: str | ScheduleKind, recompute: str | Recompute, sharding: str | DataParallelKind,
-    data_parallel: str | int,
+    schedule: ScheduleKind | str, recompute: Recompute, sharding: DataParallelKind | str,
 ) -> tuple[tuple[ScheduleKind, ...], Recompute, tuple[DataParallelKind, ...]]:
-    """:func:`plan_cluster`'s options as enums (the schedules to weigh: one, or all for
-    "auto"; the replicas' engines: one, or all for "auto"); InputError for one that is not."""
-    kinds = SCHEDULES if schedule == "auto" else (enum_choice(ScheduleKind, schedule, "schedule"),)
-    rec = enum_choice(Recompute, recompute, "recompute")
-    shard = ENGINES if sharding == "auto" else (enum_choice(DataParallelKind, sharding, "sharding"),)
-    if data_parallel != "auto" and not isinstance(data_parallel, int):
-        raise InputError(f"data_parallel={data_parallel!r}: give 'auto' or a replica count")
-    return kinds, rec, shard
+    """The resolved options as what is weighed: the schedules (one, or all for "auto") and the
+    replicas' engines (one, or all for "auto")."""
+    kinds = SCHEDULES if schedule == AUTO else (enum_choice(ScheduleKind, schedule, "schedule"),)
+    if sharding == NO_REPLICAS:  # a cluster plan resolves left-out replicas to "auto"
+        raise InputError("plan_cluster weighs the replicas' engine: give one or 'auto'")
+    shard = ENGINES if sharding == AUTO else (enum_choice(DataParallelKind, sharding, "data_parallel"),)
+    return kinds, recompute, shard
 
 
 def _run_prediction(

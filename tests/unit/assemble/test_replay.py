@@ -8,7 +8,7 @@ import torch
 
 import pipecut
 from examples import gpt, mlp
-from pipecut.assemble.replay import Settings, settings_of
+from pipecut.assemble.replay import settings_of
 from pipecut.capture import capture
 from pipecut.cluster import Link
 from pipecut.core.kinds import CaptureMethod, ScheduleKind
@@ -37,8 +37,9 @@ def test_none_means_the_plans_value_or_the_default(plan: pipecut.Plan) -> None:
 
 
 def test_without_a_plan_what_is_left_out_is_auto_or_the_default() -> None:
-    assert settings_of(None, Options(), None) == Settings(
-        microbatches="auto", schedule="auto", stages_per_rank=1, link=DEFAULT_LINK, capture_method="auto")
+    run = settings_of(None, Options(), None)
+    assert (run.microbatches, run.schedule, run.stages_per_rank, run.link, run.capture_method) == (
+        "auto", "auto", 1, DEFAULT_LINK, "auto")
     run = settings_of(None, Options(microbatches=4), 3)
     assert (run.microbatches, run.schedule, run.auto) == (4, ScheduleKind.GPIPE, False)
     assert settings_of(None, Options(microbatches=4, schedule="auto"), None).auto

@@ -117,11 +117,11 @@ def test_tensor_parallel_is_threaded_to_the_cluster_planner_and_refused_without_
         pipecut.plan(model, inputs, 2, tensor_parallel="two", microbatches=2, schedule="1f1b")
     asked: dict[str, Any] = {}
 
-    def fake(*args: Any, **kwargs: Any) -> Any:
-        asked.update(kwargs)
+    def fake(model: Any, inputs: Any, cluster: Any, options: pipecut.Options, **kwargs: Any) -> Any:
+        asked["tensor_parallel"] = options.tensor_parallel.size or "auto"
         return mlp_plan()
 
-    monkeypatch.setattr(clusters, "plan_cluster", fake)
+    monkeypatch.setattr(clusters, "plan_asked_cluster", fake)
     pipecut.plan(model, inputs, cluster="1x8xH100-SXM", tensor_parallel=4, microbatches=2)
     assert asked["tensor_parallel"] == 4
     pipecut.plan(model, inputs, cluster="1x8xH100-SXM", microbatches=2)

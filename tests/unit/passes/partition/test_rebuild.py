@@ -112,7 +112,8 @@ def test_a_cluster_plan_across_nodes_sends_the_hidden_state_and_not_the_mask() -
     from pipecut.planning.cluster.plan import plan_cluster
 
     model, inputs, loss_fn, target = llama_meta.build(batch_size=4, num_hidden_layers=4)
-    plan = plan_cluster(model, inputs, "2x2xH100-SXM", data_parallel=2, microbatches=2, loss_fn=loss_fn,
+    plan = plan_cluster(model, inputs, "2x2xH100-SXM",
+                        data_parallel=pipecut.DataParallelOptions(replicas=2), microbatches=2, loss_fn=loss_fn,
                         target=target, tensor_parallel=1)  # the pipeline's cut, not a tensor group
     assert plan.num_stages == 2
     crossing = [leaf for name in plan.stages[1].inputs for leaf in plan.node(name).leaves

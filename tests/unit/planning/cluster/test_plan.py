@@ -51,8 +51,9 @@ def test_pipecut_plan_with_a_cluster_is_plan_cluster() -> None:
         data_parallel=DataParallelOptions(kind=DataParallelKind.FSDP, replicas=2),
         partition=pipecut.PartitionOptions(recompute="full"),
     )
-    direct = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2, recompute="full", data_parallel=2,
-                          sharding="fsdp")
+    direct = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2,
+                          partition=pipecut.PartitionOptions(recompute="full"),
+                          data_parallel=pipecut.DataParallelOptions(kind="fsdp", replicas=2))
     assert via_plan.run == direct.run and via_plan.placement == direct.placement
     assert via_plan.placement is not None and via_plan.placement.replicas == 2
     with pytest.raises(InputError, match="needs microbatches as a value"):
@@ -63,7 +64,7 @@ def test_parameters_are_counted_in_the_models_own_dtype() -> None:
     model, batch = tiny_llama()
     params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
     for dtype in (torch.bfloat16, torch.float32):
-        plan = plan_cluster(model.to(dtype), batch, "1x1xH100-SXM", recompute="none")
+        plan = plan_cluster(model.to(dtype), batch, "1x1xH100-SXM", partition=pipecut.PartitionOptions(recompute="none"))
         assert plan.run is not None
         tokens = plan.run.tokens_per_s_per_gpu
         flops = plan.run.mfu * plan.cluster.peak_flops / tokens  # per token
@@ -93,9 +94,13 @@ def test_the_run_carries_its_range_and_the_parts_of_its_step_into_text_html_and_
 def test_the_dominant_assumption_is_computed_from_the_step() -> None:
     model, batch = tiny_llama()
     # one microbatch through 4 stages: three quarters of the step is waiting
-    deep = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=1, data_parallel=1, recompute="none")
+    deep = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=1,
+                        data_parallel=pipecut.DataParallelOptions(replicas=1),
+                        partition=pipecut.PartitionOptions(recompute="none"))
     # four replicas of one stage: no bubble at all
-    wide = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=1, data_parallel=4, recompute="none")
+    wide = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=1,
+                        data_parallel=pipecut.DataParallelOptions(replicas=4),
+                        partition=pipecut.PartitionOptions(recompute="none"))
     assert deep.run is not None and wide.run is not None
     assert deep.run.dominant == "bubble"
     assert wide.run.dominant != "bubble" and "bubble" not in {p.name for p in wide.run.parts}
@@ -116,8 +121,10 @@ def test_peak_memory_counts_the_state_of_its_kind_the_context_nccl_and_the_alloc
     from pipecut.report.text import human_bytes
 
     model, batch = tiny_llama()
-    fsdp = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=2, data_parallel=4, sharding="fsdp")
-    ddp = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=2, data_parallel=4, sharding="ddp")
+    fsdp = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=2,
+                        data_parallel=pipecut.DataParallelOptions(kind="fsdp", replicas=4))
+    ddp = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=2,
+                       data_parallel=pipecut.DataParallelOptions(kind="ddp", replicas=4))
     for plan in (fsdp, ddp):
         r = plan.run
         assert r is not None
@@ -140,10 +147,11 @@ def test_peak_memory_counts_the_state_of_its_kind_the_context_nccl_and_the_alloc
 
 def test_plan_cluster_weighs_every_engine_unless_one_is_asked() -> None:
     model, batch = tiny_llama()
-    auto = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2, data_parallel=2)
+    auto = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2, data_parallel=pipecut.DataParallelOptions(replicas=2))
     assert auto.run is not None and auto.run.sharding in ("ddp", "zero1", "fsdp")
     for kind in ("ddp", "zero1", "fsdp"):
-        one = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2, data_parallel=2, sharding=kind)
+        one = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2,
+                           data_parallel=pipecut.DataParallelOptions(kind=kind, replicas=2))
         assert one.run is not None and one.run.sharding == kind
         assert one.data_parallel == DataParallelOptions(kind=kind, replicas=2)
         assert auto.run.step_ms <= one.run.step_ms

@@ -209,7 +209,8 @@ def _tiny_llama(layers: int = 4) -> tuple[torch.nn.Module, dict[str, torch.Tenso
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
 def test_a_cluster_plan_with_virtual_stages_is_the_runs(schedule: str) -> None:
     model, batch = _tiny_llama()
-    plan = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=4, schedule=schedule, data_parallel=1)
+    plan = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=4, schedule=schedule,
+                        data_parallel=pipecut.DataParallelOptions(replicas=1))
     assert plan.run is not None and plan.placement is not None
     assert plan.schedule.value == schedule and plan.stages_per_rank == 2 and plan.num_ranks == 4
     per_gpu = [sum(plan.stages[s].peak_memory_bytes for s in plan.stages_on(r)) for r in range(4)]
@@ -238,8 +239,8 @@ def test_the_stage_table_is_the_run_line_on_llama_8b() -> None:
     from examples.llama_meta import build_8b
 
     model, inputs, loss_fn, target = build_8b(batch_size=64)
-    plan = plan_cluster(model, inputs, "2x8xH100-SXM", data_parallel="auto", microbatches=8,
-                        recompute="selective", loss_fn=loss_fn, target=target)
+    plan = plan_cluster(model, inputs, "2x8xH100-SXM", microbatches=8,
+                        partition=pipecut.PartitionOptions(recompute="selective"), loss_fn=loss_fn, target=target)
     assert plan.run is not None and plan.cluster is not None and plan.run.recompute == "selective"
     capacity = plan.cluster.memory_bytes
     assert plan.run.peak_memory_bytes <= capacity
@@ -256,7 +257,7 @@ def test_the_stage_table_is_the_run_line_on_llama_8b() -> None:
 
 def test_a_plan_whose_cuts_cross_both_links_says_which_one_it_draws() -> None:
     model, batch = _tiny_llama()
-    plan = plan_cluster(model, batch, "2x2xH100-SXM", microbatches=4, data_parallel=1)
+    plan = plan_cluster(model, batch, "2x2xH100-SXM", microbatches=4, data_parallel=pipecut.DataParallelOptions(replicas=1))
     assert plan.run is not None and plan.cluster is not None and plan.num_stages == 4
     assert plan.link.bandwidth_bytes_per_ms == plan.cluster.inter.bandwidth_bytes_per_ms
     assert any("1 of the 3 cuts cross nodes" in n for n in plan.run.notes)

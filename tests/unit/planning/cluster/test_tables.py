@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+import pipecut
 from benchmarks import validation
 from pipecut import Plan, summary
 from pipecut.assemble.choice import refuse_tensor_parallel
@@ -102,7 +103,8 @@ def test_the_refusal_names_tensor_parallelism_as_a_fix() -> None:
 
 def test_a_tp_plan_records_t_and_its_groups_and_round_trips() -> None:
     model, batch = tiny_llama(heads=4, kv_heads=2, batch=4, seq=32, vocab=128)
-    plan = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=2, tensor_parallel=2, data_parallel=1)
+    plan = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=2, tensor_parallel=2,
+                        data_parallel=pipecut.DataParallelOptions(replicas=1))
     place = plan.placement
     assert place is not None and plan.run is not None
     assert (place.replicas, place.stages, place.tensor_parallel) == (1, 2, 2)
@@ -171,7 +173,10 @@ def test_plan_with_a_cluster_takes_sequence_parallel_from_the_options() -> None:
         runs[asked] = plan.run
     assert runs[None].sequence_parallel and runs[True].sequence_parallel and not runs[False].sequence_parallel
     assert runs[None].step_ms == runs[True].step_ms != runs[False].step_ms
-    assert pipecut.TensorParallelOptions().splits_sequence() is False
-    assert pipecut.TensorParallelOptions().splits_sequence(cluster=True) is True
+    # the same plan through plan_cluster, from the same option objects
+    direct = plan_cluster(model, batch, "1x4xH100-SXM", microbatches=2,
+                          tensor_parallel=pipecut.TensorParallelOptions(size=2),
+                          data_parallel=pipecut.DataParallelOptions(kind="fsdp", replicas=1))
+    assert direct.run == runs[None]
     with pytest.raises(InputError, match="sequence_parallel='yes'"):
         pipecut.TensorParallelOptions(sequence_parallel="yes")  # type: ignore[arg-type]
