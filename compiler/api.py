@@ -187,7 +187,7 @@ def compile(
             built = back
     else:
         built = moved
-    return Pipeline(_replicated(built, place, asked=request.options.data_parallel.kind is not None))
+    return Pipeline(_replicated(built, place))
 
 
 def _build(request: Request) -> tuple[BuiltPipeline, Place]:
@@ -300,10 +300,9 @@ def _sizes(plan: Plan) -> str:
     return "/".join(str(len(s.nodes)) for s in plan.stages)
 
 
-def _replicated(built: BuiltPipeline, place: Place, asked: bool) -> BuiltPipeline:
+def _replicated(built: BuiltPipeline, place: Place) -> BuiltPipeline:
     """Data parallelism over the replicas, after the build has read the parameter names FSDP
-    may change. ``asked``: the engine was the user's choice (a refusal says so when it was
-    the default)."""
+    may change (a refusal names the engine's origin where the user did not choose it)."""
     if place.replication is None:
         return built
     assert place.layout.dp_group is not None  # replication_of gives None without a "dp" dimension
@@ -316,7 +315,7 @@ def _replicated(built: BuiltPipeline, place: Place, asked: bool) -> BuiltPipelin
         # programs (an export graph fixes its mode) would run the tensors of compile time,
         # silently (found by the fuzzer, issue 27).
         mode = "eval" if modes.captured_training else "train"
-        default = "" if asked else " (the default for replicas of tensor-parallel stages)"
+        default = f" ({place.engine_origin})" if place.engine_origin else ""
         modes = modes.without_separate_mode(PlanError(
             f"{mode} mode under data_parallel='{kind.value}'{default}{' with tensor parallelism' if tensor_parallel else ''} "
             f"is not supported for a model captured by torch.export (its {mode}-mode graph is a second "
