@@ -47,7 +47,7 @@ from pipecut.cluster import Layout
 from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.ir import NodeCost
 from pipecut.passes.costs.workload import Workload, workload
-from pipecut.passes.parallel.hybrid import Skipped
+from pipecut.passes.parallel.hybrid import ShapeSkipped
 from pipecut.passes.partition.rebuild import mark_rebuilt
 from pipecut.planning.cluster.figures import parse_cluster
 from pipecut.planning.cluster.run import RunShape, block_of, evaluate_run
@@ -229,7 +229,7 @@ def first_rank(rows: Sequence[NodeCost], ranks: int, microbatches: int, chunks: 
                      sharding=DataParallelKind.DDP)
     run = evaluate_run(work, blocks, shape, parse_cluster(f"1x{ranks}xH100-SXM"), replicas=1, stages=ranks,
                        layout=Layout.STAGES_INSIDE_NODES, splits={(1, ranks * chunks): bounds})
-    assert not isinstance(run, Skipped), run.reason
+    assert not isinstance(run, ShapeSkipped), run.reason
     mine = [s for s in range(ranks * chunks) if rank_of(s, ranks, kind.placement) == 0]
     return sum(run.stages[s].memory_bytes - state_memory(
         stage_work(work, blocks, bounds[s], bounds[s + 1], 1, recompute), replicas=1, ranks=ranks,

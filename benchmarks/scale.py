@@ -39,7 +39,7 @@ from benchmarks.synthetic import Shape, transformer_costs
 from pipecut.cluster import Link
 from pipecut.core.kinds import ScheduleKind
 from pipecut.passes.costs.workload import Workload
-from pipecut.passes.parallel.hybrid import HybridPlan, plan_hybrid, workload
+from pipecut.passes.parallel.hybrid import ShapeChoice, plan_hybrid, workload
 from pipecut.passes.parallel.replication import ReplicationKind
 from pipecut.schedules.simulate import StageCosts, simulate
 from pipecut.schedules.standard import build
@@ -128,7 +128,7 @@ def _replicas(reps: tuple[int, ...]) -> str:
     return ", ".join(f"{r}×{n}" if n > 1 else f"{r}" for r, n in runs)
 
 
-def _compare(name: str, plan: HybridPlan, seconds: float) -> str:
+def _compare(name: str, plan: ShapeChoice, seconds: float) -> str:
     uni, per = plan.best, plan.per_stage
     if per is None:
         return (
@@ -137,7 +137,7 @@ def _compare(name: str, plan: HybridPlan, seconds: float) -> str:
         )
     return (
         f"| {name} | {plan.devices} | {uni.replicas} × {uni.stages} | {uni.step_ms:.1f} | "
-        f"{per.stages} stages: {_replicas(per.replicas)} | {per.bottleneck_ms:.2f} | {per.step_ms:.1f} | "
+        f"{per.stages} stages: {_replicas(per.per_stage)} | {per.bottleneck_ms:.2f} | {per.step_ms:.1f} | "
         f"{uni.step_ms / per.step_ms:.3f} | {per.efficiency:.2f} | {seconds:.1f} |"
     )
 

@@ -221,7 +221,7 @@ class Predicted:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Candidate:
+class ScheduleCandidate:
     """One (microbatches, schedule) pair the planner weighed when asked to choose ("auto")."""
 
     microbatches: int
@@ -309,7 +309,7 @@ class Plan:
     stages_per_rank: int = 1
     """Stages per rank: several for interleaved 1F1B (stage s on rank s mod K) and two for ZBV
     (rank r runs stages r and 2K - 1 - r); :meth:`rank_of` says which."""
-    candidates: tuple[Candidate, ...] = ()
+    candidates: tuple[ScheduleCandidate, ...] = ()
     """With microbatches="auto" or schedule="auto": every pair considered and its prediction."""
     data_parallel: DataParallelOptions | None = None
     """Replicas of every stage and their engine, resolved (kind and replicas fixed; read them

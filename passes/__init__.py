@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from pipecut.core.program import StageProgram
 from pipecut.passes.costs.workload import Workload, workload
-from pipecut.passes.parallel.hybrid import HybridPlan, plan_hybrid
+from pipecut.passes.parallel.hybrid import ShapeChoice, plan_hybrid
 from pipecut.passes.parallel.replication import ReplicationKind
 from pipecut.passes.partition.ilp import IlpSolver
 from pipecut.passes.rewrite.split import split, split_stage
 
 __all__ = [
-    "HybridPlan",
     "IlpSolver",
     "ReplicationKind",
+    "ShapeChoice",
     "StageProgram",
     "Workload",
     "plan_hybrid",

@@ -30,7 +30,7 @@ from pipecut.core.batching import batch_size, first_microbatch, split_microbatch
 from pipecut.core.kinds import CaptureMethod, ScheduleKind
 from pipecut.core.program import Captured, Shapes
 from pipecut.errors import InputError, PartitionError, PipecutError, ScheduleError
-from pipecut.ir import Candidate, NodeCost, Plan
+from pipecut.ir import NodeCost, Plan, ScheduleCandidate
 from pipecut.options import AUTO
 from pipecut.passes.costs.microbatching import candidate_microbatches, costs_at, with_structure
 from pipecut.passes.partition.solve import as_schedule, partition_costs
@@ -106,7 +106,7 @@ def choose_microbatches_and_schedule(
     stages_per_rank: int,
     profile_at: Callable[[Any, Any], Sequence[NodeCost]],
     partition: Callable[[Sequence[NodeCost], int, ScheduleKind], Plan],
-) -> tuple[int, ScheduleKind, tuple[Candidate, ...]]:
+) -> tuple[int, ScheduleKind, tuple[ScheduleCandidate, ...]]:
     """The chosen (microbatches, schedule) and every candidate with its prediction.
 
     ``profile_at(first_inputs, first_target)`` profiles one microbatch; ``partition(costs, m,
@@ -217,26 +217,26 @@ def _candidate(
     stages_per_rank: int,
     costs_of: Callable[[int], Sequence[NodeCost]],
     partition: Callable[[Sequence[NodeCost], int, ScheduleKind], Plan],
-) -> Candidate:
+) -> ScheduleCandidate:
     """``kind`` with M = m planned and predicted, or why it cannot run."""
     if kind is ScheduleKind.INTERLEAVED_1F1B and stages_per_rank > 1 and m % ranks:
-        return Candidate(  # with one stage per rank it is 1F1B: any count runs
+        return ScheduleCandidate(  # with one stage per rank it is 1F1B: any count runs
             microbatches=m, schedule=kind, step_ms=None,
             note=f"{stages_per_rank} stages per rank need a multiple of the {ranks} ranks")
     try:
         costs = costs_of(m)
     except CannotRun as e:
-        return Candidate(microbatches=m, schedule=kind, step_ms=None, note=str(e)[:200])
+        return ScheduleCandidate(microbatches=m, schedule=kind, step_ms=None, note=str(e)[:200])
     try:
         planned = partition(costs, m, kind)
     except (PartitionError, ScheduleError, InputError) as e:
-        return Candidate(microbatches=m, schedule=kind, step_ms=None, note=str(e)[:200])
+        return ScheduleCandidate(microbatches=m, schedule=kind, step_ms=None, note=str(e)[:200])
     # Every schedule runs with replicas and recompute (on the torch versions pipecut supports:
     # pipecut.runtime.grads.data_parallel.check_supported), so none is ruled out for them here.
-    return Candidate(microbatches=m, schedule=kind, step_ms=planned.predicted.step_ms)
+    return ScheduleCandidate(microbatches=m, schedule=kind, step_ms=planned.predicted.step_ms)
 
 
-def _pick(candidates: Sequence[Candidate]) -> tuple[int, ScheduleKind, tuple[Candidate, ...]]:
+def _pick(candidates: Sequence[ScheduleCandidate]) -> tuple[int, ScheduleKind, tuple[ScheduleCandidate, ...]]:
     """The fastest candidate (within a tie margin, the preferred schedule, then the fewest
     microbatches), and every candidate with the chosen one marked."""
     feasible = [c for c in candidates if c.step_ms is not None]

@@ -31,7 +31,7 @@ from pipecut.core.kinds import DataParallelKind, ScheduleKind
 from pipecut.errors import InputError
 from pipecut.ir import DeviceSpec, NodeCost, Plan, ReplicaCandidate
 from pipecut.options import AUTO, DataParallelOptions
-from pipecut.passes.parallel.hybrid import HybridPlan, plan_hybrid, workload
+from pipecut.passes.parallel.hybrid import ShapeChoice, plan_hybrid, workload
 from pipecut.passes.parallel.replication import ReplicationKind
 from pipecut.passes.partition.solve import as_schedule
 from pipecut.planning.autoplan import measurements
@@ -108,7 +108,7 @@ def choose_replicas(
     )
 
 
-def _candidates(hybrid: HybridPlan) -> tuple[ReplicaCandidate, ...]:
+def _candidates(hybrid: ShapeChoice) -> tuple[ReplicaCandidate, ...]:
     rows = [
         ReplicaCandidate(replicas=c.replicas, stages=c.stages, step_ms=c.step_ms,
                          sharding=c.sharding if c.replicas > 1 else None, note="chosen" if i == 0 else "")
@@ -119,10 +119,10 @@ def _candidates(hybrid: HybridPlan) -> tuple[ReplicaCandidate, ...]:
         for s in sorted(hybrid.skipped, key=lambda s: s.stages)
     ]
     uneven = hybrid.per_stage
-    if uneven is not None and len(set(uneven.replicas)) > 1:
+    if uneven is not None and len(set(uneven.per_stage)) > 1:
         rows.append(ReplicaCandidate(
-            replicas=max(uneven.replicas), stages=len(uneven.replicas), step_ms=uneven.step_ms,
-            per_stage=uneven.replicas,
+            replicas=max(uneven.per_stage), stages=len(uneven.per_stage), step_ms=uneven.step_ms,
+            per_stage=uneven.per_stage,
             note="uneven replicas per stage: a prediction only, the runtime replicates every "
                  "stage equally",
         ))

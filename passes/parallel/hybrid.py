@@ -55,7 +55,7 @@ from pipecut.passes.costs.stages import inflight_microbatches, replica_sync_ms, 
 from pipecut.passes.costs.stages import ring_allreduce_ms as ring_allreduce_ms
 from pipecut.passes.costs.workload import Workload as Workload
 from pipecut.passes.costs.workload import workload as workload
-from pipecut.passes.parallel.replication import ReplicatedPlan, ReplicationKind, plan_replicated
+from pipecut.passes.parallel.replication import PerStageCandidate, ReplicationKind, plan_replicated
 from pipecut.passes.partition.chain import boundary_ms
 from pipecut.passes.partition.coarsen import candidate_cuts
 from pipecut.passes.partition.memory_dp import partition_bounded
@@ -65,9 +65,9 @@ from pipecut.schedules.standard import build
 
 __all__ = [
     "COARSE_ABOVE",
-    "Candidate",
-    "HybridPlan",
-    "Skipped",
+    "ShapeCandidate",
+    "ShapeChoice",
+    "ShapeSkipped",
     "Workload",
     "balanced_split",
     "evaluate",
@@ -84,7 +84,7 @@ COARSE_ABOVE = 600
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Candidate:
+class ShapeCandidate:
     """D replicas of a K-stage pipeline, and its predicted step."""
 
     replicas: int
@@ -116,35 +116,35 @@ class Candidate:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Skipped:
+class ShapeSkipped:
     replicas: int
     stages: int
     reason: str
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class HybridPlan:
+class ShapeChoice:
     devices: int
     microbatches: int
     batch_size: int
     schedule: ScheduleKind
     single_device_ms: float
     """M microbatches of B / M samples, forward and backward, on one device."""
-    candidates: tuple[Candidate, ...]
+    candidates: tuple[ShapeCandidate, ...]
     """Evaluated candidates, best (shortest predicted step) first."""
-    skipped: tuple[Skipped, ...]
-    per_stage: ReplicatedPlan | None = None
+    skipped: tuple[ShapeSkipped, ...]
+    per_stage: PerStageCandidate | None = None
     """With ``ReplicationKind.PER_STAGE``: the best split with a replica count per stage."""
     per_stage_reason: str = ""
     """Why ``per_stage`` is None although it was asked for."""
 
     @property
-    def best(self) -> Candidate:
+    def best(self) -> ShapeCandidate:
         """The best uniform D × K candidate."""
         return self.candidates[0]
 
     @property
-    def fastest(self) -> Candidate | ReplicatedPlan:
+    def fastest(self) -> ShapeCandidate | PerStageCandidate:
         """The shorter predicted step of the best uniform candidate and the per-stage plan."""
         if self.per_stage is not None and self.per_stage.step_ms < self.best.step_ms:
             return self.per_stage
@@ -180,7 +180,7 @@ def balanced_split(
     work: Workload, replicas: int, stages: int, *, microbatches: int, schedule: ScheduleKind,
     link: Link, memory_bytes: int | None = None, refine: bool = True,
     sharding: DataParallelKind = DataParallelKind.DDP,
-) -> tuple[tuple[int, ...], float] | Skipped:
+) -> tuple[tuple[int, ...], float] | ShapeSkipped:
     """The min-bottleneck split of ``work`` into ``stages`` at one of ``replicas`` replicas'
     share (its K + 1 unit bounds and the largest stage memory), or why there is none."""
     d, k = replicas, stages
@@ -188,7 +188,7 @@ def balanced_split(
     problem = _problem(work, d, k, link=link, memory_bytes=memory_bytes, inflight=inflight, sharding=sharding)
     cuts = problem.allowed_cuts()
     if len(cuts) < k - 1:
-        return Skipped(
+        return ShapeSkipped(
             replicas=d, stages=k,
             reason=f"only {len(cuts)} places to cut, {k} stages need {k - 1}",
         )
@@ -204,12 +204,12 @@ def balanced_split(
         split = partition_bounded(problem, coarse=coarse) or split
     holders = sum(problem.holds_params)
     if split is None and 0 < holders < k:
-        return Skipped(
+        return ShapeSkipped(
             replicas=d, stages=k,
             reason=f"{holders} of the units hold parameters, fewer than the {k} stages (each must train one)",
         )
     if split is None or not split.fits:
-        return Skipped(
+        return ShapeSkipped(
             replicas=d, stages=k,
             reason=f"no split into {k} stages fits in {_gb(memory_bytes)} per device"
                    + (f" under {sharding.value}" if d > 1 else ""),
@@ -230,7 +230,7 @@ def evaluate(
     memory_bytes: int | None = None,
     refine: bool = True,
     sharding: DataParallelKind = DataParallelKind.DDP,
-) -> Candidate | Skipped:
+) -> ShapeCandidate | ShapeSkipped:
     """Split ``work`` into ``stages`` stages for ``replicas`` replicas under the engine
     ``sharding`` and predict its step."""
     d, k, m = replicas, stages, microbatches
@@ -241,7 +241,7 @@ def evaluate(
         work, d, k, microbatches=m, schedule=schedule, link=link, memory_bytes=memory_bytes,
         refine=refine, sharding=sharding,
     )
-    if isinstance(split, Skipped):
+    if isinstance(split, ShapeSkipped):
         return split
     b, peak = split
     fwd = work.cut_forward_bytes or (0,) * (work.units + 1)
@@ -256,7 +256,7 @@ def evaluate(
     )
     step = max(end + r for end, r in zip(ends, reduce_ms))
     single = m * work.compute_ms
-    return Candidate(
+    return ShapeCandidate(
         replicas=d,
         stages=k,
         bounds=b,
@@ -272,14 +272,14 @@ def evaluate(
 
 
 def evaluate_engines(work: Workload, replicas: int, stages: int, *, shardings: Sequence[DataParallelKind],
-                     **kwargs: Any) -> Candidate | Skipped:
+                     **kwargs: Any) -> ShapeCandidate | ShapeSkipped:
     """:func:`evaluate` under each engine of ``shardings`` (one replica: the first only, there
     is nothing to shard); the fastest that fits, the earliest on a tie, or the first's reason."""
-    found: list[Candidate] = []
-    first: Skipped | None = None
+    found: list[ShapeCandidate] = []
+    first: ShapeSkipped | None = None
     for kind in shardings[:1] if replicas == 1 else shardings:
         got = evaluate(work, replicas, stages, sharding=kind, **kwargs)
-        if isinstance(got, Candidate):
+        if isinstance(got, ShapeCandidate):
             found.append(got)
         elif first is None:
             first = got
@@ -289,11 +289,11 @@ def evaluate_engines(work: Workload, replicas: int, stages: int, *, shardings: S
     return first
 
 
-def unsplittable(batch_size: int, microbatches: int, replicas: int, stages: int) -> Skipped | None:
+def unsplittable(batch_size: int, microbatches: int, replicas: int, stages: int) -> ShapeSkipped | None:
     """Why ``replicas`` × ``stages`` cannot run a batch in ``microbatches`` (each microbatch is
     shared out over the replicas), or None if it can."""
     if batch_size % microbatches or (batch_size // microbatches) % replicas:
-        return Skipped(replicas=replicas, stages=stages, reason=(
+        return ShapeSkipped(replicas=replicas, stages=stages, reason=(
             f"a microbatch of {batch_size / microbatches:g} samples does not split over {replicas} replicas"))
     return None
 
@@ -322,12 +322,12 @@ def plan_hybrid(
     refine: bool = True,
     replication: ReplicationKind = ReplicationKind.UNIFORM,
     shardings: Sequence[DataParallelKind] = (DataParallelKind.DDP,),
-) -> HybridPlan:
+) -> ShapeChoice:
     """Every factorisation ``devices = D × K``, ranked by predicted step (best first).
 
     ``replication=ReplicationKind.PER_STAGE`` also runs the per-stage replication DP
     (:func:`pipecut.passes.parallel.replication.plan_replicated`) on the same cost model; the result is
-    ``per_stage`` and :attr:`HybridPlan.fastest` picks between it and the best uniform one.
+    ``per_stage`` and :attr:`ShapeChoice.fastest` picks between it and the best uniform one.
 
     ``link``: point-to-point link between consecutive stages; ``allreduce``: the per-device
     link of the ring all-reduce inside a stage's replica group (bandwidth in bytes/ms, latency
@@ -348,7 +348,7 @@ def plan_hybrid(
             )
         except PartitionError as error:  # uniform candidates exist: report, do not fail
             why = str(error)
-    return HybridPlan(
+    return ShapeChoice(
         devices=devices,
         microbatches=microbatches,
         batch_size=batch_size,
@@ -376,25 +376,25 @@ def _search(
     devices: int,
     microbatches: int,
     prune: bool,
-    evaluate_at: Callable[[int, int], Candidate | Skipped],
-) -> tuple[list[Candidate], list[Skipped]]:
+    evaluate_at: Callable[[int, int], ShapeCandidate | ShapeSkipped],
+) -> tuple[list[ShapeCandidate], list[ShapeSkipped]]:
     """Every ``D × K = devices`` by ``evaluate_at(D, K)``, most promising lower bound first,
     the candidates best first; with ``prune``, a shape whose bound cannot beat the best found
     is skipped. PartitionError if none runs."""
     shapes = [(devices // k, k) for k in range(1, devices + 1) if devices % k == 0]
     shapes.sort(key=lambda dk: (lower_bound_ms(work, dk[0], dk[1], microbatches), dk[1]))
-    found: list[Candidate] = []
-    skipped: list[Skipped] = []
+    found: list[ShapeCandidate] = []
+    skipped: list[ShapeSkipped] = []
     for d, k in shapes:
         bound = lower_bound_ms(work, d, k, microbatches)
         if prune and found and bound >= min(c.step_ms for c in found):
-            skipped.append(Skipped(
+            skipped.append(ShapeSkipped(
                 replicas=d, stages=k,
                 reason=f"pruned: lower bound {bound:.4g} ms ≥ best step {found[0].step_ms:.4g} ms",
             ))
             continue
         result = evaluate_at(d, k)
-        if isinstance(result, Skipped):
+        if isinstance(result, ShapeSkipped):
             skipped.append(result)
         else:
             found.append(result)

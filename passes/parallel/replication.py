@@ -6,7 +6,7 @@ light one a single device. Pure numbers, no torch. The model of one stage over u
 with ``r`` replicas, per microbatch of ``b = B / M`` samples:
 
 * each replica runs ``b / r`` samples of every microbatch (``r`` must divide ``b``: a sample is
-  not split; other ``r`` are never considered, see ``ReplicatedPlan.replica_choices``), so
+  not split; other ``r`` are never considered, see ``PerStageCandidate.replica_choices``), so
   compute and activation bytes scale by ``1 / r``;
 * it receives its input cut and sends its output cut (activations forward, gradients backward),
   each replica its ``1 / r`` share, over its own point-to-point link;
@@ -53,7 +53,7 @@ from pipecut.schedules.simulate import rank_end_ms
 from pipecut.schedules.standard import build
 
 __all__ = [
-    "ReplicatedPlan",
+    "PerStageCandidate",
     "ReplicationKind",
     "inflight",
     "plan_replicated",
@@ -70,15 +70,16 @@ class ReplicationKind(enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ReplicatedPlan:
-    """K stages, stage s holding units [bounds[s], bounds[s+1]) on replicas[s] devices."""
+class PerStageCandidate:
+    """K stages, stage s holding units [bounds[s], bounds[s+1]) on per_stage[s] devices."""
 
     devices: int
     microbatches: int
     batch_size: int
     schedule: ScheduleKind
     bounds: tuple[int, ...]
-    replicas: tuple[int, ...]
+    per_stage: tuple[int, ...]
+    """Replicas of each stage, in stage order."""
     forward_ms: tuple[float, ...]
     """Per stage and microbatch, on one replica (its b / r samples)."""
     backward_ms: tuple[float, ...]
@@ -104,7 +105,7 @@ class ReplicatedPlan:
 
     @property
     def stages(self) -> int:
-        return len(self.replicas)
+        return len(self.per_stage)
 
     @property
     def speedup(self) -> float:
@@ -213,7 +214,7 @@ def plan_replicated(
     allreduce: Link,
     memory_bytes: int | None = None,
     max_positions: int = 240,
-) -> ReplicatedPlan:
+) -> PerStageCandidate:
     """Stage boundaries and per-stage replica counts over exactly ``devices`` devices.
 
     Links and memory as in :func:`pipecut.passes.parallel.hybrid.plan_hybrid`; ``max_positions``: above
@@ -256,7 +257,7 @@ def _describe(
     work: Workload, split: list[tuple[int, int, int]], choices: tuple[int, ...], *, devices: int,
     microbatches: int, batch_size: int, schedule: ScheduleKind, link: Link, allreduce: Link,
     positions: int,
-) -> ReplicatedPlan:
+) -> PerStageCandidate:
     m = microbatches
     reps = tuple(r for _, _, r in split)
     fwd = tuple(sum(work.forward_ms[i:j]) / r for i, j, r in split)
@@ -280,9 +281,9 @@ def _describe(
         stage_memory_bytes(work, i, j, r, inflight(schedule, m, devices, int(u)))
         for (i, j, r), u in zip(split, used)
     )
-    return ReplicatedPlan(
+    return PerStageCandidate(
         devices=devices, microbatches=m, batch_size=batch_size, schedule=schedule,
-        bounds=(*(i for i, _, _ in split), split[-1][1]), replicas=reps,
+        bounds=(*(i for i, _, _ in split), split[-1][1]), per_stage=reps,
         forward_ms=fwd, backward_ms=bwd, stage_ms=times, allreduce_ms=reduce_ms,
         bottleneck_ms=max(times), pipeline_ms=max(ends), step_ms=step,
         efficiency=single / (devices * step) if step > 0 else 1.0, single_device_ms=single,

@@ -41,7 +41,7 @@ from pipecut.core.choices import enum_choice
 from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError
-from pipecut.ir import Candidate, NodeCost, Plan, ReplicaCandidate
+from pipecut.ir import NodeCost, Plan, ReplicaCandidate, ScheduleCandidate
 from pipecut.options import (
     AUTO,
     DataParallelOptions,
@@ -51,7 +51,7 @@ from pipecut.options import (
     TensorParallelOptions,
 )
 from pipecut.passes.costs.workload import workload
-from pipecut.passes.parallel.hybrid import Skipped
+from pipecut.passes.parallel.hybrid import ShapeSkipped
 from pipecut.passes.partition.rebuild import mark_rebuilt
 from pipecut.planning.asked import NO_REPLICAS, Context, resolve
 from pipecut.planning.cluster.choose import fastest_engine
@@ -254,7 +254,7 @@ def _step_at(figures: Figures, table: _Table, best: RunCandidate, shape: RunShap
     run = dataclasses.replace(shape, schedule=best.schedule, stages_per_rank=v, tensor_parallel=t)
     again = evaluate_run(work, block_of(work.modules or ("",) * work.units), run, on,
                          replicas=d, stages=k, layout=best.placement.layout, splits={(d, v * k): best.bounds})
-    return best.step_ms if isinstance(again, Skipped) else again.step_ms
+    return best.step_ms if isinstance(again, ShapeSkipped) else again.step_ms
 
 
 def _choices(
@@ -338,25 +338,25 @@ def _candidates(choice: RunChoice, best: RunCandidate) -> tuple[ReplicaCandidate
 
 
 def _schedule_candidates(choice: RunChoice, best: RunCandidate, kinds: tuple[ScheduleKind, ...],
-                         microbatches: int) -> tuple[Candidate, ...]:
+                         microbatches: int) -> tuple[ScheduleCandidate, ...]:
     """With several schedules weighed: the fastest run of each schedule (its shape, stages per
     rank and memory in the note), or why none fits, the chosen one marked; nothing with one
     schedule."""
     if len(kinds) < 2:
         return ()
-    rows: list[Candidate] = []
+    rows: list[ScheduleCandidate] = []
     for kind in kinds:
         fastest = next((c for c in choice.candidates if c.schedule is kind), None)  # fastest first
         if fastest is None:
             reasons = [s.reason for s in choice.skipped if s.schedule is kind]
             why = next((r for r in reasons if "GiB per GPU" in r), reasons[0] if reasons else "no shape runs it")
-            rows.append(Candidate(microbatches=microbatches, schedule=kind, step_ms=None,
+            rows.append(ScheduleCandidate(microbatches=microbatches, schedule=kind, step_ms=None,
                                   note=f"nothing fits or runs, e.g. {why}"))
             continue
         shape = f"{fastest.placement.replicas} x {fastest.placement.stages}" + (
             f" x TP {fastest.placement.tensor_parallel}" if fastest.placement.tensor_parallel > 1 else "") + (
             f" on {fastest.stages_per_rank} stages per rank" if fastest.stages_per_rank > 1 else "")
-        rows.append(Candidate(microbatches=microbatches, schedule=kind, step_ms=fastest.step_ms,
+        rows.append(ScheduleCandidate(microbatches=microbatches, schedule=kind, step_ms=fastest.step_ms,
                               note="chosen" if fastest is best else
                               f"{shape}, peak {fastest.peak_memory_bytes / 2**30:.1f} GiB per GPU"))
     return tuple(rows)

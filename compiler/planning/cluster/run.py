@@ -86,7 +86,7 @@ from pipecut.cluster import Cluster, ClusterPlacement, Layout, Link
 from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.errors import InputError
 from pipecut.passes.costs.workload import Workload
-from pipecut.passes.parallel.hybrid import Skipped, balanced_split, unsplittable
+from pipecut.passes.parallel.hybrid import ShapeSkipped, balanced_split, unsplittable
 from pipecut.planning.cluster.foreign import RuntimeTerm, with_runtime
 from pipecut.planning.cluster.schedule import chunk_options, peak_activations, weight_ms
 from pipecut.planning.cluster.stage import (
@@ -269,14 +269,14 @@ class RunSkipped:
     tensor_parallel: int = 1
 
 
-Splits = dict[tuple[int, int], "tuple[int, ...] | Skipped"]
+Splits = dict[tuple[int, int], "tuple[int, ...] | ShapeSkipped"]
 """Min-bottleneck splits by (replicas, stages): the same for every schedule and layout."""
 
 
 def evaluate_run(
     work: Workload, blocks: tuple[int, ...], shape: RunShape, cluster: Cluster, *,
     replicas: int, stages: int, layout: Layout, splits: Splits | None = None,
-) -> RunCandidate | Skipped:
+) -> RunCandidate | ShapeSkipped:
     """Predict one step of ``replicas`` × ``stages`` pipeline ranks laid out by ``layout`` on
     ``cluster``, running ``shape.schedule`` on ``shape.chunks`` stages per rank. ``splits``
     caches the splits between calls."""
@@ -288,13 +288,13 @@ def evaluate_run(
     if splits is None or key not in splits:
         split = balanced_split(work, d, v * k, microbatches=shape.microbatches, schedule=shape.schedule,
                                link=cluster.intra, refine=False)
-        found = split if isinstance(split, Skipped) else split[0]
+        found = split if isinstance(split, ShapeSkipped) else split[0]
         if splits is not None:
             splits[key] = found
     else:
         found = splits[key]
-    if isinstance(found, Skipped):  # no memory limit here: a stage without parameters, or a value that cannot cross
-        return Skipped(replicas=d, stages=k, reason=found.reason if found.reason.startswith("only ") else (
+    if isinstance(found, ShapeSkipped):  # no memory limit here: a stage without parameters, or a value that cannot cross
+        return ShapeSkipped(replicas=d, stages=k, reason=found.reason if found.reason.startswith("only ") else (
             f"no split into {v * k} stages gives every stage parameters to train: too many stages for this model"))
     sts = [with_runtime(stage_work(work, blocks, found[s], found[s + 1], d, shape.recompute), work, found[s],
                         found[s + 1], replicas=d, ranks=k, tensor_parallel=t, microbatches=shape.microbatches,
@@ -304,19 +304,19 @@ def evaluate_run(
                    ClusterPlacement(layout=layout, replicas=d, stages=k, tensor_parallel=t))
 
 
-def _refused(shape: RunShape, cluster: Cluster, d: int, k: int) -> Skipped | None:
+def _refused(shape: RunShape, cluster: Cluster, d: int, k: int) -> ShapeSkipped | None:
     """Why ``d`` × ``k`` cannot run ``shape`` at all, or None."""
     kind, v, m, t = shape.schedule, shape.chunks, shape.microbatches, shape.tensor_parallel
     if d * k * t != cluster.gpus:
         shown = f"{d} × {k}" + (f" × {t}" if t > 1 else "")
-        return Skipped(replicas=d, stages=k, reason=f"{shown} is not the cluster's {cluster.gpus} GPUs")
+        return ShapeSkipped(replicas=d, stages=k, reason=f"{shown} is not the cluster's {cluster.gpus} GPUs")
     if cluster.gpus_per_node % t:
-        return Skipped(replicas=d, stages=k, reason=(
+        return ShapeSkipped(replicas=d, stages=k, reason=(
             f"tensor parallelism {t} does not divide the {cluster.gpus_per_node} GPUs of a node"))
     if v > 1 and k == 1:
-        return Skipped(replicas=d, stages=k, reason=f"{kind.value} on {v} stages per rank needs 2 ranks or more")
+        return ShapeSkipped(replicas=d, stages=k, reason=f"{kind.value} on {v} stages per rank needs 2 ranks or more")
     if kind is ScheduleKind.INTERLEAVED_1F1B and v > 1 and m % k:
-        return Skipped(replicas=d, stages=k, reason=(
+        return ShapeSkipped(replicas=d, stages=k, reason=(
             f"interleaved 1F1B needs the microbatches ({m}) to be a multiple of the {k} ranks"))
     return unsplittable(shape.batch_size, m, d, k)
 
@@ -509,7 +509,7 @@ def choose_run(
                 for layout in layouts[:1] if d == 1 or k == 1 else layouts:
                     c = evaluate_run(work, blocks, run, cluster, replicas=d, stages=k, layout=layout,
                                      splits=splits)
-                    if isinstance(c, Skipped):
+                    if isinstance(c, ShapeSkipped):
                         skipped.append(RunSkipped(replicas=d, stages=k, reason=c.reason, schedule=kind,
                                                   stages_per_rank=v, tensor_parallel=t))
                         break  # the other layout has the same reason

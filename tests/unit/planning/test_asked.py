@@ -16,7 +16,13 @@ import pytest
 import pipecut
 from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.errors import InputError
-from pipecut.options import AUTO, DataParallelOptions, Options, PartitionOptions, TensorParallelOptions
+from pipecut.options import (
+    AUTO,
+    DataParallelOptions,
+    Options,
+    PartitionOptions,
+    TensorParallelOptions,
+)
 from pipecut.passes.partition.solve import DEFAULT_LINK
 from pipecut.planning import asked
 from pipecut.planning.asked import DEFAULTS, FIELDS, NO_REPLICAS, Context, defaults_table, resolve

@@ -11,8 +11,8 @@ from pipecut.cluster import Link
 from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import PartitionError
 from pipecut.passes.parallel.hybrid import (
-    Candidate,
-    Skipped,
+    ShapeCandidate,
+    ShapeSkipped,
     Workload,
     evaluate,
     plan_hybrid,
@@ -127,9 +127,9 @@ def test_never_worse_than_pure_data_or_pure_pipeline(units, devices, m, p2p, rin
     for d, k in ((devices, 1), (1, devices)):
         ref = evaluate(work, d, k, **kw)
         if 0 < sum(u[2] > 0 for u in units) < k:  # each stage must train one (found by hypothesis)
-            assert isinstance(ref, Skipped) and "of the units hold parameters" in ref.reason, ref
+            assert isinstance(ref, ShapeSkipped) and "of the units hold parameters" in ref.reason, ref
             continue
-        assert isinstance(ref, Candidate)
+        assert isinstance(ref, ShapeCandidate)
         assert plan.best.step_ms <= ref.step_ms + 1e-9
         assert ref.step_ms >= max(ref.pipeline_ms, 0.0)
 
@@ -145,12 +145,12 @@ def test_each_shape_takes_the_fastest_engine_that_fits():
     every = (DataParallelKind.DDP, DataParallelKind.ZERO1, DataParallelKind.FSDP)
     args = {"microbatches": 4, "batch_size": 16, "link": INSTANT, "allreduce": ONE_BYTE_PER_MS}
     roomy = evaluate_engines(work, 2, 2, shardings=every, memory_bytes=2**31, **args)
-    assert isinstance(roomy, Candidate) and roomy.sharding is DataParallelKind.DDP
+    assert isinstance(roomy, ShapeCandidate) and roomy.sharding is DataParallelKind.DDP
     tight = evaluate_engines(work, 2, 2, shardings=every, memory_bytes=130, **args)
-    assert isinstance(tight, Candidate) and tight.sharding is DataParallelKind.ZERO1
+    assert isinstance(tight, ShapeCandidate) and tight.sharding is DataParallelKind.ZERO1
     assert tight.peak_memory_bytes == 4 * (20 + 10)
     assert tight.allreduce_ms == (1.5 * 40, 1.5 * 40)  # ZeRO-1: 1.5 x the all-reduce of 40 bytes
     ddp_only = evaluate_engines(work, 2, 2, shardings=(DataParallelKind.DDP,), memory_bytes=130, **args)
-    assert isinstance(ddp_only, Skipped) and "under ddp" in ddp_only.reason
+    assert isinstance(ddp_only, ShapeSkipped) and "under ddp" in ddp_only.reason
     alone = evaluate_engines(work, 1, 4, shardings=every, memory_bytes=2**31, **args)
-    assert isinstance(alone, Candidate) and alone.sharding is DataParallelKind.DDP  # nothing to shard
+    assert isinstance(alone, ShapeCandidate) and alone.sharding is DataParallelKind.DDP  # nothing to shard

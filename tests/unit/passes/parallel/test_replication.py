@@ -13,7 +13,7 @@ from pipecut.cluster import Link
 from pipecut.core.kinds import ScheduleKind
 from pipecut.errors import PartitionError
 from pipecut.passes.costs.workload import Workload
-from pipecut.passes.parallel.hybrid import Candidate, plan_hybrid
+from pipecut.passes.parallel.hybrid import ShapeCandidate, plan_hybrid
 from pipecut.passes.parallel.replication import (
     ReplicationKind,
     inflight,
@@ -38,7 +38,7 @@ def test_heavy_layer_gets_three_replicas():
     #   A×2, B×2: 9/2 + (1·3)/4 = 5.25,  3/2 + (1·12)/4 = 4.5   -> 5.25 (uniform D=2, K=2)
     #   AB×4:     12/4 + (1.5·15)/4 = 8.625                     -> 8.625 (uniform D=4, K=1)
     plan = plan_replicated(HEAVY_LIGHT, devices=4, **GPIPE)
-    assert plan.bounds == (0, 1, 2) and plan.replicas == (3, 1)
+    assert plan.bounds == (0, 1, 2) and plan.per_stage == (3, 1)
     assert plan.stage_ms == pytest.approx((4.0, 3.0)) and plan.bottleneck_ms == pytest.approx(4.0)
     assert plan.replica_choices == (1, 2, 3, 4)
     # GPipe, stages of 1 + 2 ms: stage 0 ends its last backward at (4 + 2 - 1) · 3 = 15 ms, then
@@ -55,7 +55,7 @@ def test_plan_hybrid_compares_with_uniform():
                        **GPIPE)
     assert {(c.replicas, c.stages): c.step_ms for c in plan.candidates} == {
         (2, 2): pytest.approx(22.5), (4, 1): pytest.approx(34.5)}
-    assert plan.per_stage is not None and plan.per_stage.replicas == (3, 1)
+    assert plan.per_stage is not None and plan.per_stage.per_stage == (3, 1)
     assert plan.fastest is plan.per_stage
     assert plan_hybrid(HEAVY_LIGHT, devices=4, **GPIPE).per_stage is None
 
@@ -65,7 +65,7 @@ def test_replica_counts_must_divide_the_microbatch():
     # stages; with 2 units that is A×2, B×2.
     kw = {**GPIPE, "batch_size": 8}
     plan = plan_replicated(HEAVY_LIGHT, devices=4, **kw)
-    assert plan.replica_choices == (1, 2) and plan.replicas == (2, 2)
+    assert plan.replica_choices == (1, 2) and plan.per_stage == (2, 2)
     with pytest.raises(PartitionError, match=r"replica counts \(1, 2\) \(divisors of the microbatch size 2"):
         plan_replicated(HEAVY_LIGHT, devices=5, **kw)
 
@@ -148,8 +148,8 @@ def test_equals_brute_force(us, devices, size, m, p2p, ring, memory, schedule, c
     plan = plan_replicated(work, devices=devices, batch_size=m * size, schedule=schedule,
                            memory_bytes=memory, **kw)
     assert plan.bottleneck_ms == pytest.approx(expected, rel=1e-9, abs=1e-9)
-    assert sum(plan.replicas) == devices and plan.bounds[0] == 0 and plan.bounds[-1] == n
-    assert all(size % r == 0 for r in plan.replicas)
+    assert sum(plan.per_stage) == devices and plan.bounds[0] == 0 and plan.bounds[-1] == n
+    assert all(size % r == 0 for r in plan.per_stage)
     if memory is not None:
         assert plan.peak_memory_bytes <= memory
     # never worse than any uniform D × K split under the same stage_ms
@@ -173,7 +173,7 @@ def test_fastest_never_worse_than_best_uniform(us, devices, schedule):
                            replication=ReplicationKind.PER_STAGE)
     except PartitionError:
         return
-    assert isinstance(plan.best, Candidate) and plan.per_stage is not None
+    assert isinstance(plan.best, ShapeCandidate) and plan.per_stage is not None
     assert plan.fastest.step_ms <= plan.best.step_ms
 
 
@@ -186,6 +186,6 @@ def test_one_f_one_b_memory_counts_devices_after_the_stage():
     kw = dict(devices=2, microbatches=4, batch_size=8, link=INSTANT, allreduce=INSTANT)
     assert plan_replicated(work, memory_bytes=20, **kw).peak_memory_bytes == 20
     plan = plan_replicated(work, memory_bytes=12, **kw)
-    assert plan.replicas == (2,) and plan.peak_memory_bytes == 10
+    assert plan.per_stage == (2,) and plan.peak_memory_bytes == 10
     with pytest.raises(PartitionError, match="no split of 2 units over exactly 2 devices"):
         plan_replicated(work, memory_bytes=9, **kw)
