@@ -508,10 +508,9 @@ def requested(
     """The options of one ``plan``/``compile`` call, name → value (``weights`` too where
     given): the groups given (None: the defaults), the microbatches and the schedule (None: not
     given), and the data parallelism (a kind's name alone: its options)."""
-    defaults = {"capture": CaptureOptions(), "measure": MeasureOptions(), "partition": PartitionOptions(),
-                "scheduling": ScheduleOptions(), "runtime": RuntimeOptions(), "weights": WeightOptions(),
-                "tensor_parallel": TensorParallelOptions()}
-    out: dict[str, Any] = {k: groups.get(k) or v for k, v in defaults.items()}
+    empty = Options()  # each group's defaults, from its field: GROUPS is the one list of groups
+    out: dict[str, Any] = {g: groups.get(g) or getattr(empty, g) for g in Options.GROUPS if g != "data_parallel"}
+    out["weights"] = groups.get("weights") or WeightOptions()
     out["data_parallel"] = DataParallelOptions.of(data_parallel)
     out["microbatches"], out["schedule"] = microbatches, schedule
     return out
