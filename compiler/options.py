@@ -164,7 +164,8 @@ class MeasureOptions:
         warmup: Untimed runs per node first.
         calibrate: ``plan``: time whole stages and scale node costs to them.
         calibration_steps: ``compile``: timed steps of the built pipeline; 0 skips them.
-        link: The link between neighbouring stages; None: measured or defaulted.
+        link: The link between neighbouring stages; None: not given (measured, or the
+            context's default).
         estimate: A device profile's name: costs estimated from counted FLOPs and bytes,
             nothing timed.
 
@@ -263,14 +264,15 @@ class ScheduleOptions:
     are ``plan``'s and ``compile``'s own ``microbatches=`` and ``schedule=``.
 
     Args:
-        stages_per_rank: Virtual stages per rank (interleaved 1F1B); None: 1, or the plan's.
+        stages_per_rank: Virtual stages per rank (interleaved 1F1B); None: not given (1; the
+            plan's in a replay; a cluster plan weighs V: the table of ``docs/options.md``).
 
     Raises:
         InputError: ``stages_per_rank`` is not a positive int.
     """
 
     stages_per_rank: int | None = None
-    """Virtual stages per rank (interleaved 1F1B); None: 1, or the plan's."""
+    """Virtual stages per rank (interleaved 1F1B); None: not given (see :data:`pipecut.planning.asked.DEFAULTS`)."""
 
     def __post_init__(self) -> None:
         n = self.stages_per_rank
@@ -285,8 +287,9 @@ class DataParallelOptions:
 
     Args:
         kind: ``"ddp"``, ``"zero1"``, ``"fsdp"`` (a :class:`~pipecut.core.kinds.DataParallelKind`), "auto",
-            or None (no replicas; over a mesh's "dp" dimension DDP, or FSDP2 beside a "tp"
-            dimension; none for a "dp" dimension of one replica).
+            or None (not given: no replicas for ``plan``; over a mesh's "dp" dimension of more
+            than one replica DDP, or FSDP2 beside a "tp" dimension; every engine weighed for a
+            cluster plan: :data:`pipecut.planning.asked.DEFAULTS`).
         replicas: ``plan``: D replicas to plan for; None: not given.
 
     Raises:
@@ -294,8 +297,8 @@ class DataParallelOptions:
     """
 
     kind: DataParallelKind | Literal["auto"] | None = None
-    """``ddp``/``zero1``/``fsdp`` over a mesh's "dp" dimension, "auto" (choose D × K), None (no replicas,
-    or the default engine where the mesh has a "dp" dimension of more than one replica)."""
+    """``ddp``/``zero1``/``fsdp`` over a mesh's "dp" dimension, "auto" (choose D × K), None (not given:
+    the context's default, :data:`pipecut.planning.asked.DEFAULTS`)."""
     replicas: int | None = None
     """``plan``: D replicas to plan for (``compile`` reads D from the mesh)."""
 
