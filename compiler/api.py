@@ -60,6 +60,7 @@ from pipecut.options import (
 )
 from pipecut.passes.costs.stages import predicted_timeline
 from pipecut.passes.partition.solve import Devices
+from pipecut.planning.asked import replay_groups
 from pipecut.planning.request import Request
 from pipecut.profile.compiled import check_auto, measure_and_choose
 from pipecut.profile.live import measure_stages, recalibrate
@@ -155,17 +156,15 @@ def compile(
     given = None if plan is None else plan if isinstance(plan, Plan) else Plan.from_json(plan)
     if given is not None:
         refuse_tensor_parallel(given)
-    carried = given.options if given is not None and given.options is not None else None
+    carried, unasked = replay_groups(given, capture=capture, runtime=runtime, tensor_parallel=tensor_parallel)
     groups = requested(  # a replayed plan carries how it was captured and run
         microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
-        groups={"capture": capture or (carried and carried.capture), "measure": measure,
-                "partition": partition, "scheduling": scheduling,
-                "runtime": runtime or (carried and carried.runtime), "weights": _weight_options(weights),
-                "tensor_parallel": _tensor_group(
-                    tensor_parallel or (_split_of(carried.tensor_parallel) if carried else None), devices)})
+        groups={"capture": carried["capture"], "measure": measure, "partition": partition, "scheduling": scheduling,
+                "runtime": carried["runtime"], "weights": _weight_options(weights),
+                "tensor_parallel": _tensor_group(carried["tensor_parallel"], devices)})
     request = Request(model=model, devices=devices, example_inputs=example_inputs, loss_fn=loss_fn,
                       target=target, options=options_of(groups), weights=groups["weights"], given=given,
-                      unasked=_carried(carried, capture=capture, runtime=runtime, tensor_parallel=tensor_parallel))
+                      unasked=unasked)
     check_auto(request.options.runtime.compile_stages, calibrates=_calibrates(request), origin=request.whence("runtime"))
     if request.options.data_parallel.kind == AUTO:
         request = _with_replicas(request)
@@ -355,25 +354,6 @@ def _tensor_group(options: TensorParallelOptions | None, devices: Any) -> Tensor
     if options.plan and size is None:
         raise InputError("TensorParallelOptions(plan=...) needs a DeviceMesh with a 'tp' dimension as devices")
     return dataclasses.replace(options, size=size)
-
-
-def _carried(carried: Any, **given: Any) -> tuple[tuple[str, str], ...]:
-    """The option groups left out of this call that a replayed plan's options fill (``carried``:
-    ``plan.options``, or None), as :attr:`Request.unasked` names them."""
-    if carried is None:
-        return ()
-    recorded = {"capture": carried.capture, "runtime": carried.runtime,
-                "tensor_parallel": _split_of(carried.tensor_parallel)}
-    return tuple((name, "recorded in the replayed plan's options") for name, value in given.items()
-                 if value is None and recorded[name] is not None)
-
-
-def _split_of(recorded: TensorParallelOptions) -> TensorParallelOptions | None:
-    """What a replayed plan's options carry of the tensor split: the split asked (the size is
-    the mesh's of this run)."""
-    if not recorded.plan and not recorded.sequence_parallel:  # None or False: off, nothing to carry
-        return None
-    return TensorParallelOptions(plan=recorded.plan, sequence_parallel=recorded.sequence_parallel)
 
 
 def _weight_options(weights: Any) -> WeightOptions | None:

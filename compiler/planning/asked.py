@@ -9,6 +9,9 @@ which nothing is "not given". Each value is either the one asked or the default 
 (:meth:`Resolved.origin`), so that a refusal names what the user asked for, not a default they
 never saw.
 
+A replayed plan also fills the option groups a ``compile(plan=...)`` call left out from what
+the plan records as asked (:func:`replay_groups`).
+
 :data:`DEFAULTS` is the only table of defaults. Each row is a rule and the sentence that
 documents it. ``docs/options.md`` prints the table (:func:`defaults_table`), and a test keeps the
 two equal. Another test fails when an options field that may be left out has no row.
@@ -26,11 +29,11 @@ from pipecut.cluster import Link
 from pipecut.core.kinds import CaptureMethod, DataParallelKind, Recompute, ScheduleKind
 from pipecut.errors import InputError
 from pipecut.ir import Plan
-from pipecut.options import AUTO, Options
+from pipecut.options import AUTO, Options, TensorParallelOptions
 from pipecut.passes.partition.solve import DEFAULT_LINK, as_schedule
 
 __all__ = ["DEFAULTS", "FIELDS", "NO_REPLICAS", "Context", "Default", "Resolved", "defaults_table", "mesh_sizes",
-           "resolve"]
+           "replay_groups", "resolve"]
 
 NO_REPLICAS: Literal["none"] = "none"
 """A resolved ``data_parallel``: one replica, no engine to keep replicas in step."""
@@ -241,6 +244,26 @@ def resolve(options: Options, context: Context, *, plan: Plan | None = None, dev
     if values["schedule"] != AUTO:
         values["schedule"] = as_schedule(values["schedule"])
     return Resolved(context=context, defaulted=defaulted, **values)
+
+
+def replay_groups(plan: Plan | None, **given: Any) -> tuple[dict[str, Any], tuple[tuple[str, str], ...]]:
+    """``compile(plan=...)``'s option groups (``capture``, ``runtime``, ``tensor_parallel``, as
+    given; None: not given), each left out filled from what the plan records as asked: how it
+    was captured and run, and the tensor split (its size is this run's mesh's). Returns the
+    groups and, for each one filled, where it came from (``Request.unasked``), so a refusal names
+    the replayed plan rather than an option the user never passed."""
+    recorded = plan.options if plan is not None else None
+    if recorded is None:
+        return dict(given), ()
+    split = recorded.tensor_parallel
+    carried = {"capture": recorded.capture, "runtime": recorded.runtime,
+               # None or False: off, nothing to carry
+               "tensor_parallel": TensorParallelOptions(plan=split.plan, sequence_parallel=split.sequence_parallel)
+               if split.plan or split.sequence_parallel else None}
+    out = {name: carried[name] if value is None else value for name, value in given.items()}
+    whence = tuple((name, "recorded in the replayed plan's options") for name, value in given.items()
+                   if value is None and carried[name] is not None)
+    return out, whence
 
 
 def defaults_table() -> str:

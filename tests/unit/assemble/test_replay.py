@@ -97,14 +97,17 @@ def test_lifted_constants_have_no_model_name() -> None:
     assert cap.names.public("fc.weight") == "fc.weight"
 
 
-
-
-
 def test_a_replayed_plan_carries_the_tensor_split_asked_and_sequence_parallelism() -> None:
-    from pipecut.api import _split_of
+    from types import SimpleNamespace
+
+    from pipecut.planning.asked import replay_groups
+
+    def carried(recorded: pipecut.TensorParallelOptions) -> pipecut.TensorParallelOptions | None:
+        plan = SimpleNamespace(options=Options(tensor_parallel=recorded))  # what replay_groups reads of a plan
+        return replay_groups(plan, tensor_parallel=None)[0]["tensor_parallel"]  # type: ignore[arg-type]
 
     tokens = pipecut.TensorParallelOptions(sequence_parallel=True, size=2)
-    assert _split_of(tokens) == pipecut.TensorParallelOptions(sequence_parallel=True)  # the size is the mesh's
+    assert carried(tokens) == pipecut.TensorParallelOptions(sequence_parallel=True)  # the size is the mesh's
     given = pipecut.TensorParallelOptions(plan={"blocks.*.0": "column"}, size=2)
-    assert _split_of(given) == pipecut.TensorParallelOptions(plan={"blocks.*.0": "column"})
-    assert _split_of(pipecut.TensorParallelOptions(size=2)) is None  # nothing asked: the model's or graph's split
+    assert carried(given) == pipecut.TensorParallelOptions(plan={"blocks.*.0": "column"})
+    assert carried(pipecut.TensorParallelOptions(size=2)) is None  # nothing asked: the model's or graph's split

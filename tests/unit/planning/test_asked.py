@@ -119,6 +119,17 @@ def test_a_replay_takes_the_plans_values(plan: pipecut.Plan) -> None:
         resolve(Options(), Context.REPLAY)
 
 
+def test_a_replay_fills_the_groups_left_out_from_the_plan(plan: pipecut.Plan) -> None:
+    capture = pipecut.CaptureOptions(method="export")
+    groups, whence = asked.replay_groups(plan, capture=capture, runtime=None, tensor_parallel=None)
+    assert plan.options is not None
+    assert groups["capture"] is capture and groups["runtime"] == plan.options.runtime
+    assert groups["tensor_parallel"] == TensorParallelOptions(sequence_parallel=True)  # the size is the mesh's
+    assert whence == (("runtime", "recorded in the replayed plan's options"),
+                      ("tensor_parallel", "recorded in the replayed plan's options"))
+    assert asked.replay_groups(None, capture=None, runtime=None) == ({"capture": None, "runtime": None}, ())
+
+
 def test_the_meshs_engine_and_where_a_refusal_says_it_came_from() -> None:
     """Over a "dp" dimension DDP, FSDP2 beside a "tp" one, none for one replica; an engine asked
     for has no origin; replicas asked of devices without a "dp" dimension are refused."""
