@@ -201,11 +201,6 @@ class Resolved:
         """The planner chooses the microbatches or the schedule (before capture, at its count)."""
         return AUTO in (self.microbatches, self.schedule)
 
-    @property
-    def replicated(self) -> DataParallelKind | None:
-        """The replicas' engine, or None for one replica (or "auto", chosen later)."""
-        return self.data_parallel if isinstance(self.data_parallel, DataParallelKind) else None
-
     def origin(self, name: str) -> str:
         """Where a defaulted value came from ("the default for a mesh with a 'dp' dimension"),
         for a refusal to say after the value; empty for a value the call passed."""
