@@ -40,7 +40,6 @@ from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.choices import enum_choice
 from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.core.program import Captured, Inputs
-from pipecut.errors import InputError
 from pipecut.ir import NodeCost, Plan, ReplicaCandidate, ScheduleCandidate
 from pipecut.options import (
     AUTO,
@@ -263,8 +262,7 @@ def _choices(
     """The resolved options as what is weighed: the schedules (one, or all for "auto") and the
     replicas' engines (one, or all for "auto")."""
     kinds = SCHEDULES if schedule == AUTO else (enum_choice(ScheduleKind, schedule, "schedule"),)
-    if sharding == NO_REPLICAS:  # a cluster plan resolves left-out replicas to "auto"
-        raise InputError("plan_cluster weighs the replicas' engine: give one or 'auto'")
+    assert sharding != NO_REPLICAS, "a cluster plan resolves left-out replicas to 'auto'"
     shard = ENGINES if sharding == AUTO else (enum_choice(DataParallelKind, sharding, "data_parallel"),)
     return kinds, recompute, shard
 
