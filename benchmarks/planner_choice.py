@@ -56,7 +56,7 @@ def old_costs() -> Iterator[None]:
     from pipecut.planning.cluster import figures, plan
     from pipecut.profile.devices import COMPUTE_EFFICIENCY
 
-    def efficiency(profile: Any) -> tuple[float, str]:
+    def efficiency(profile: Any, framework_kind: Any = None) -> tuple[float, str]:
         value = OLD_EFFICIENCY.get(profile.family, COMPUTE_EFFICIENCY)
         return value, f"old costs: roofline at {value} of dense peak"
 

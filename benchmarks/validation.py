@@ -7,11 +7,12 @@ capture, a few ms a run), priced by the per-op model of :mod:`pipecut.profile.ha
 run's attention kernel, and run through :func:`pipecut.planning.cluster.choose.predict_run` with the
 run's own data parallelism, pipeline depth, schedule, microbatches and checkpointing. The
 prediction carries a range: the same run priced with every hardware figure at the fast and at
-the slow end of its sources' spread. Memory is compared as the source counts it
-(:data:`COUNTS`). A run that names its ``kernels`` (``compiled-float8``: torch.compile with
-Float8 linears) is priced with that family's residual for them, fitted on the split's run for
-those kernels; one with ``async_tp`` hides each tensor-parallel collective under its product
-(``shard_table(..., overlapped=True)``).
+the slow end of its sources' spread. Each run names the framework that ran it
+(``compiler/frameworks.json``, :mod:`pipecut.planning.cluster.frameworks`): its products are priced at
+that framework's kernels' figure for the family (fitted on the split's run for those kernels), its
+runtime's own memory is added (torchtitan's loss parallelism and pipeline buffers), and its
+memory is compared as the framework's figure counts it. A run with ``async_tp`` hides each
+tensor-parallel collective under its product (``shard_table(..., overlapped=True)``).
 
     from benchmarks import validation
     for row in validation.table(): print(row)
@@ -28,40 +29,14 @@ from typing import Any
 
 from pipecut.core.kinds import AttentionKernel, LeafKind, NodeOp
 from pipecut.ir import Leaf, NodeCost
-from pipecut.planning.cluster.foreign import RuntimeTerm
+from pipecut.planning.cluster.frameworks import Overlap, framework
 from pipecut.profile.flops import NodeWork
 from pipecut.profile.hardware import FigureEnd
 
-__all__ = ["COUNTS", "RUNTIMES", "Choice", "Prediction", "load", "planner_choice", "predict", "table", "transformer_rows"]
+__all__ = ["Choice", "Prediction", "load", "planner_choice", "predict", "refusals", "table", "transformer_rows"]
 
 DATA = Path(__file__).with_name("validation_runs.json")
 _TENSOR = '[1, {"type": null, "context": null, "children_spec": []}]'
-
-COUNTS = {
-    "torchtitan-h100": ("fragmentation",),
-    "torchtitan-h100-3d": ("fragmentation",),
-    "torchtitan-a100": ("fragmentation",),
-    "zb": ("fragmentation",),
-    "llm-foundry": ("fragmentation",),
-}
-"""What each source's memory figure counts beyond tensors (see the runs' ``memory_counts``):
-torch's max reserved, i.e. the caching allocator's segments: the tensors and the allocator's
-reserve, not the CUDA context or NCCL's buffers (``pipecut.profile.hardware.memory_overheads``).
-The Zero Bubble paper does not say; read as Megatron's reserved figure, like the others."""
-
-_TORCHTITAN = (RuntimeTerm.LOSS_PARALLEL, RuntimeTerm.PIPELINE_KEEPS_OUTPUTS, RuntimeTerm.PIPELINE_BUFFERS)
-RUNTIMES = {
-    "torchtitan-h100": _TORCHTITAN,
-    "torchtitan-h100-3d": _TORCHTITAN,
-    "torchtitan-a100": _TORCHTITAN,
-}
-"""What each source's runtime holds beyond pipecut's own (``RunShape.runtime_terms``): torchtitan
-runs its loss under ``loss_parallel()`` and its pipeline on torch.distributed.pipelining, which
-keeps the last stage's outputs and a receive buffer per microbatch
-(:mod:`pipecut.planning.cluster.foreign`; each term is 0 without tensor parallelism or
-without a pipeline, as on the 8B and 70B FSDP rows). Megatron-LM, the Zero Bubble code and
-LLM Foundry: none is counted."""
-
 
 def load() -> dict[str, Any]:
     return json.loads(DATA.read_text())  # type: ignore[no-any-return]
@@ -191,10 +166,16 @@ class Prediction:
 def _published_tokens(run: dict[str, Any], model: dict[str, Any]) -> float:
     """Tokens/s per GPU as published, or from samples/s, or from Megatron's teraFLOP/s per GPU
     with its own count: ``F = 96 B s l h² (1 + s/6h + V/16lh)`` per iteration of B sequences
-    (Narayanan et al. 2021, the recomputed forward included), so a token costs F / (B s)."""
+    (Narayanan et al. 2021, the recomputed forward included), so a token costs F / (B s); or
+    from Megatron-Core's model teraFLOP/s, ``72 B s l h² (1 + s/6h + V/12lh)`` (nothing
+    recomputed counted)."""
     p = run["published"]
     if "tokens_per_s_per_gpu" in p:
         return float(p["tokens_per_s_per_gpu"])
+    if "model_tflops_per_gpu" in p:  # Megatron-Core's count, without the recomputed forward
+        s, layers, h, v = run["seq"], model["layers"], model["hidden"], model["vocab"]
+        per_token = 72 * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+        return float(p["model_tflops_per_gpu"]) * 1e12 / per_token
     if "tflops_per_gpu" in p:
         s, layers, h, v = run["seq"], model["layers"], model["hidden"], model["vocab"]
         per_token = 96 * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
@@ -215,7 +196,7 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
     from pipecut.planning.cluster.run import RunShape
     from pipecut.planning.cluster.tables import sharded_tables
     from pipecut.profile.devices import device_profile
-    from pipecut.profile.hardware import family_figures, memory_overheads
+    from pipecut.profile.hardware import memory_overheads
 
     cluster = parse_cluster(run["cluster"])
     profile = device_profile(cluster.device)
@@ -227,10 +208,12 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
     rows, work = transformer_rows(model, samples=samples, seq=run["seq"], attention=run["attention"],
                                   dropout=run["framework"] == "megatron", loss_fp32=run["loss_fp32"],
                                   head_params=not model["tied"] or run["pp"] > 1)
-    if residual is None and run.get("kernels"):  # its kernels' own residual, fitted on the split's run
-        residual = family_figures(profile.family)[f"residual_{run['kernels'].replace('-', '_')}"].value
+    ran = framework(run["framework"])  # its kernels' figure (fitted on the split's run), its runtime, its memory counts
+    ran.check_overlaps(tuple(o for o, asked in ((Overlap.TENSOR_PARALLEL, run.get("async_tp", False)),
+                                                (Overlap.DATA_PARALLEL, run.get("overlapped_reduction", False))) if asked),
+                       run["name"])
     hw = family_model(profile, attention=AttentionKernel.FLASH if run["attention"] == "flash" else AttentionKernel.EFFICIENT, bound=bound,
-                      residual=residual)
+                      residual=residual, framework_kind=ran.kind)
     assert hw is not None, f"no hardware figures for {profile.name}"
     nodes = hw.price(rows, work)
     flops = model_flops_per_token(nodes, layers=model["layers"], hidden=model["hidden"], seq=run["seq"])
@@ -242,8 +225,9 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
                      tokens_per_sample=run["seq"], model_flops_per_token=flops,
                      schedule=ScheduleKind(run["schedule"]), stages_per_rank=run["stages_per_rank"],
                      recompute=Recompute(run["recompute"]),
-                     sharding=DataParallelKind.FSDP if run["dp"] == "fsdp" else DataParallelKind.DDP,
-                     sequence_parallel=sp, fixed_memory_bytes=fixed, runtime_terms=RUNTIMES.get(run["source"], ()),
+                     sharding=DataParallelKind.DDP if run["dp"] == "none" else DataParallelKind(run["dp"]),
+                     sequence_parallel=sp, fixed_memory_bytes=fixed, runtime_terms=ran.runtime_terms,
+                     overlapped_reduction=run.get("overlapped_reduction", False),
                      reserve_fraction=over["fragmentation"] if planner else 0.0)
     sizes = tensor_sizes(cluster.gpus_per_node, (model["heads"], model.get("kv_heads", model["heads"]))) \
         if planner else (tp,)
@@ -251,7 +235,7 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
                              overlapped=run.get("async_tp", False))
     best, _, _ = predict_run(nodes, cluster, shape, replicas=None if planner else replicas, schedules=(shape.schedule,),
                              tensor_parallel=sizes, sharded=sharded)
-    counted = COUNTS.get(run["source"], ())
+    counted = ran.memory_counts
     if planner:  # its peak holds every overhead: keep those the source counts
         parts = dict(best.memory_parts)
         kept = ("state", "activations", *(("allocator reserve",) if "fragmentation" in counted else ()))
@@ -305,8 +289,27 @@ def planner_choice(run: dict[str, Any], models: dict[str, Any]) -> Choice:
 
 
 def table() -> list[Prediction]:
+    """Every run priced, but those pipecut refuses as not fitting (:func:`refusals`)."""
     data = load()
-    return [predict(r, data["models"]) for r in data["runs"]]
+    return [predict(r, data["models"]) for r in data["runs"] if not r.get("refused_by_pipecut")]
+
+
+def refusals() -> dict[str, str]:
+    """The runs that trained but pipecut's model refuses (``refused_by_pipecut``): name → the
+    refusal (a wrong fit / out-of-memory outcome, each explained in its row)."""
+    from pipecut.errors import PartitionError
+
+    data = load()
+    out = {}
+    for r in data["runs"]:
+        if r.get("refused_by_pipecut"):
+            try:
+                predict(r, data["models"])
+            except PartitionError as e:
+                out[r["name"]] = str(e)
+            else:
+                out[r["name"]] = ""
+    return out
 
 
 def fit(run_name: str, lo: float = 0.3, hi: float = 0.95, steps: int = 14) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pipecut.core.kinds import FrameworkKind
 from pipecut.errors import InputError
 
 __all__ = ["Cluster", "ClusterPlacement", "Layout", "Link", "MemoryPart", "RunPrediction", "StepPart"]
@@ -202,7 +203,11 @@ class RunPrediction:
     sequence_parallel: bool = False
     """With tensor parallelism: the residual stream split along the sequence as well."""
     compute_efficiency: float = 0.0
-    """Fraction of peak FLOP/s a matrix product reaches, for the device family (fitted once)."""
+    """Fraction of peak FLOP/s a matrix product reaches in a run of :attr:`framework`'s kernels on
+    the device family (fitted once per kernels and family)."""
+    framework: FrameworkKind = FrameworkKind.PIPECUT
+    """The framework whose run this prices (``compiler/frameworks.json``): its kernels, what its runtime
+    holds. A plan written before frameworks were named reads as pipecut's own."""
     notes: tuple[str, ...] = ()
     """What the model assumes or cannot express (tensor parallelism, ...)."""
     step_low_ms: float = 0.0

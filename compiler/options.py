@@ -36,6 +36,7 @@ from pipecut.core.choices import enum_choice
 from pipecut.core.kinds import (
     CaptureMethod,
     DataParallelKind,
+    FrameworkKind,
     Partitioner,
     Recompute,
     ScheduleKind,
@@ -168,10 +169,12 @@ class MeasureOptions:
             context's default).
         estimate: A device profile's name: costs estimated from counted FLOPs and bytes,
             nothing timed.
+        framework: The training framework whose run a cluster plan prices; None: not given
+            (pipecut's own).
 
     Raises:
         InputError: ``repeats`` < 1, ``warmup`` or ``calibration_steps`` < 0, or an unknown
-            device profile.
+            device profile or framework.
     """
 
     device: str | None = None
@@ -196,10 +199,16 @@ class MeasureOptions:
     plans to reproduce, and tests whose numbers depend on the split (the order in which
     gradients are summed). ``plan`` calibrates nothing, ``compile`` runs no calibration steps;
     ``device``, ``repeats``, ``warmup``, ``calibrate`` and ``calibration_steps`` go unused."""
+    framework: FrameworkKind | None = None
+    """The training framework whose run a cluster plan (``plan(cluster=...)``) prices: its kernels' fitted
+    fraction of peak, what its runtime holds and what its memory figure counts
+    (``compiler/frameworks.json``). None: not given; see the table of defaults."""
 
     def __post_init__(self) -> None:
         if self.device is not None:
             _set(self, "device", str(self.device))
+        if self.framework is not None:
+            _set(self, "framework", enum_choice(FrameworkKind, self.framework, "framework"))
         if self.repeats < 1 or self.warmup < 0 or self.calibration_steps < 0:
             raise InputError(f"MeasureOptions: repeats must be >= 1 and warmup, calibration_steps "
                              f">= 0, got {self.repeats}, {self.warmup}, {self.calibration_steps}")

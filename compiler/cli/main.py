@@ -28,7 +28,7 @@ from typing import Any, TypeAlias
 from pipecut.cli import logs
 from pipecut.cli.factory import SHIPPED, call_factory, load_factory
 from pipecut.cluster import Link
-from pipecut.core.kinds import ScheduleKind
+from pipecut.core.kinds import FrameworkKind, ScheduleKind
 from pipecut.errors import InputError, PipecutError
 from pipecut.ir import DeviceSpec, Plan
 from pipecut.report.text import summary
@@ -194,7 +194,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     log.info("planning %s on %d devices, %s microbatches, %s", args.factory, args.devices,
              args.microbatches, args.schedule)
     if args.cluster is not None:
-        from pipecut.options import ScheduleOptions
+        from pipecut.options import MeasureOptions, ScheduleOptions
         from pipecut.planning.cluster.plan import plan_cluster
 
         plan = plan_cluster(  # the flag's default of 1 stage per rank is "not given": a cluster plan weighs V
@@ -202,6 +202,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             partition=partition_options(args),
             scheduling=ScheduleOptions(stages_per_rank=args.stages_per_rank if args.stages_per_rank > 1 else None),
             loss_fn=example.loss_fn, target=example.target, tensor_parallel=args.tensor_parallel,
+            measure=MeasureOptions(framework=args.framework),
         )
     elif args.device_profile is not None:
         plan = _plan_estimated(args, example, args.link)
@@ -238,6 +239,9 @@ def _check_plan_args(args: argparse.Namespace) -> None:
         raise InputError(f"--tensor-parallel {args.tensor_parallel} plans tensor parallelism for a cluster: add "
                          f"--cluster (e.g. 8x8xH100-SXM); without one the plan is the pipeline's, and compile "
                          f"splits each stage over its DeviceMesh's 'tp' dimension")
+    if args.cluster is None and args.framework is not None:
+        raise InputError(f"--framework {args.framework} prices a cluster plan as that framework runs it: add "
+                         f"--cluster (e.g. 8x8xH100-SXM); a local plan times or estimates pipecut's own runtime")
     if args.cluster is not None:
         from pipecut.planning.cluster.figures import parse_cluster
 
@@ -448,6 +452,9 @@ def _plan_cost_arguments(p: argparse.ArgumentParser) -> None:
                    help="plan a training run for N nodes of G GPUs of a device profile, e.g. "
                    "8x8xH100-SXM: costs estimated, D replicas x K stages and their placement on "
                    "nodes chosen by predicted step (FSDP, bf16 with fp32 AdamW); see docs/clusters.md")
+    p.add_argument("--framework", choices=[f.value for f in FrameworkKind], default=None,
+                   help="with --cluster: the training framework whose run is priced (MeasureOptions.framework; "
+                   "default: pipecut's own runtime); see compiler/frameworks.json")
     p.add_argument("--recompute", choices=["auto", "none", "selective", "full"], default="auto",
                    help="how much a stage may recompute in backward (PartitionOptions.recompute): "
                    "with --cluster the run's activation checkpointing ('auto': selective); else "

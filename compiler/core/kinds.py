@@ -16,7 +16,9 @@ __all__ = [
     "CaptureMethod",
     "CostSource",
     "DataParallelKind",
+    "FrameworkKind",
     "KernelKind",
+    "KernelsKind",
     "LeafKind",
     "NodeOp",
     "Partitioner",
@@ -126,6 +128,35 @@ class AttentionKernel(enum.Enum):
     FLASH = "flash"
     EFFICIENT = "efficient"
     """xFormers' memory-efficient kernel (PyTorch's ``_efficient_attention``)."""
+
+
+class FrameworkKind(enum.Enum):
+    """Whose training runtime a cluster prediction prices (``compiler/frameworks.json``): the
+    kernels it runs and what it holds beyond pipecut's own runtime."""
+
+    PIPECUT = "pipecut"
+    """pipecut's own runtime: eager ATen kernels, torch's DDP / ZeroRedundancyOptimizer / FSDP2."""
+    TORCHTITAN = "torchtitan"
+    """torchtitan in eager mode, bf16, its pipeline on torch.distributed.pipelining."""
+    TORCHTITAN_COMPILE_FLOAT8 = "torchtitan-compile-float8"
+    """torchtitan with torch.compile and Float8 linears (torchao)."""
+    LLM_FOUNDRY = "llm-foundry"
+    """MosaicML's LLM Foundry on Composer: FSDP, eager kernels."""
+    MEGATRON = "megatron"
+    """Megatron-LM and Megatron-Core (and code built on it, as the Zero Bubble paper's): fused
+    kernels, its own pipeline and distributed optimizer."""
+
+
+class KernelsKind(enum.Enum):
+    """The kernels a framework's products run on: one in-run fraction of dense peak per device
+    family, shared by every framework that runs the same kernels."""
+
+    EAGER = "eager"
+    """torch's eager ATen kernels (cuBLAS products, SDPA), no fusion across ops."""
+    COMPILED_FLOAT8 = "compiled-float8"
+    """Inductor-compiled graphs with Float8 linears (priced against the bf16 peak)."""
+    MEGATRON = "megatron"
+    """Megatron's fused kernels (fused norms, bias-activation, softmax; Transformer Engine on Hopper)."""
 
 
 class TensorShard(enum.Enum):

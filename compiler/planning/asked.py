@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pipecut.cluster import Link
-from pipecut.core.kinds import CaptureMethod, DataParallelKind, Recompute, ScheduleKind
+from pipecut.core.kinds import (
+    CaptureMethod,
+    DataParallelKind,
+    FrameworkKind,
+    Recompute,
+    ScheduleKind,
+)
 from pipecut.errors import InputError
 from pipecut.ir import Plan
 from pipecut.options import AUTO, Options, TensorParallelOptions
@@ -61,6 +67,7 @@ FIELDS: Mapping[str, tuple[str, ...]] = {
     "data_parallel": ("data_parallel", "kind"),
     "link": ("measure", "link"),
     "capture_method": ("capture", "method"),
+    "framework": ("measure", "framework"),
 }
 """Each resolved name → where :class:`~pipecut.options.Options` holds it (group, field)."""
 
@@ -176,6 +183,10 @@ DEFAULTS: tuple[Default, ...] = (
     *_rows("capture_method",
            ((*_BOTH, Context.CLUSTER), '"auto": symbolic_trace, then torch.export', _const(AUTO, "the default")),
            ((Context.REPLAY,), "the plan's", _planned("capture"))),
+    *_rows("framework",
+           ((*_BOTH, Context.REPLAY), "pipecut's own (the value goes unused: a local plan times or estimates "
+            "pipecut's runtime)", _const(FrameworkKind.PIPECUT, "the default")),
+           ((Context.CLUSTER,), "pipecut's own runtime's run", _const(FrameworkKind.PIPECUT, "the default"))),
 )
 
 
@@ -193,6 +204,8 @@ class Resolved:
     """The replicas' engine; :data:`NO_REPLICAS` for one replica."""
     link: Link
     capture_method: CaptureMethod | Literal["auto"]
+    framework: FrameworkKind
+    """The training framework whose run a cluster plan prices."""
     defaulted: Mapping[str, str] = field(default_factory=dict, compare=False)
     """Each name that took its context's default → where from (see :meth:`origin`)."""
 

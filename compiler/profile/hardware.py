@@ -4,7 +4,8 @@ The figures live in ``hardware_figures.json`` beside the device profiles, per de
 as ``{value, low, high, source}``. A node's time is priced by what kind of kernel it is:
 
 * **Matrix products** (linear, matmul, bmm, conv): ``flops / (peak · efficiency)`` with an
-  efficiency by shape: the family's residual (what a large, aligned product reaches in a real run)
+  efficiency by shape: the residual (what a large, aligned product reaches in a real run; the
+  training framework's kernels' figure, given by the caller from ``frameworks.json``)
   times the *tile quantization* (the output padded to whole ``tile_m × tile_n`` tiles) times the
   *wave quantization* (the tiles padded to whole waves over the SMs), bounded below by the
   roofline's memory time; a 2-byte product whose inner or output size is not a multiple of 8
@@ -23,7 +24,8 @@ the CUDA context, NCCL's buffers and the caching allocator's reserve.
 
 ``bound`` (a :class:`FigureEnd`) picks the figures: ``VALUE`` (the prediction), ``FAST`` (each
 figure at the end of its range that makes the step shorter) or ``SLOW`` (the other end); the
-residual stays at its fitted value in all three. A prediction's range is the fast and slow steps.
+residual stays at its fitted value in all three. ``gemm_alone`` (what one large product reaches
+alone, the hardware's side of the residual) is a reference no price reads. A prediction's range is the fast and slow steps.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class FigureEnd(enum.Enum):
     """The other end."""
 
 _FASTER_WHEN_HIGH = {
-    "residual", "attention_flash_forward", "attention_flash_backward", "attention_efficient_forward",
+    "residual", "gemm_alone", "attention_flash_forward", "attention_flash_backward", "attention_efficient_forward",
     "attention_efficient_backward", "memory_bandwidth_fraction", "nvlink_bus_fraction",
     "network_bus_fraction", "tile_m", "sm_count", "tile_n", "gemm_misaligned",
 }
@@ -233,13 +235,15 @@ def _gemm_dims(row: NodeCost, w: NodeWork) -> tuple[int, int, int]:
     return math.prod(shape[:-2]), shape[-2], shape[-1]
 
 
-def hardware_model(peak_flops: float, memory_bandwidth: float, family: str, *, residual: float | None = None,
+def hardware_model(peak_flops: float, memory_bandwidth: float, family: str, *, residual: float,
                    attention: AttentionKernel = AttentionKernel.FLASH, bound: FigureEnd = FigureEnd.VALUE,
                    causal: bool = True) -> HardwareModel:
     """The model of a device (its dense peak at the run's precision and its HBM bandwidth) with its
-    family's figures at ``bound``; ``residual`` replaces the fitted one (for fitting)."""
+    family's figures at ``bound``, its products at ``residual`` of the peak: the fraction a large
+    product reaches inside a run, which is the training framework's kernels' figure
+    (:mod:`pipecut.planning.cluster.frameworks`), not the hardware's."""
     figs = {k: f.at(bound, k in _FASTER_WHEN_HIGH) for k, f in family_figures(family).items()}
-    figs["residual"] = residual if residual is not None else family_figures(family)["residual"].value
+    figs["residual"] = residual
     return HardwareModel(peak_flops=peak_flops, memory_bandwidth=memory_bandwidth, figures=figs,
                          attention=attention, causal=causal)
 

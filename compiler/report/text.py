@@ -174,7 +174,8 @@ def _cluster_lines(plan: Plan) -> list[str]:
     chunks = f" on {plan.stages_per_rank} stages per GPU" if plan.stages_per_rank > 1 else ""
     lines = [
         f"cluster {c.spec}: {c.gpus} GPUs, intra-node {c.intra.name}, inter-node {c.inter.name}; {where}",
-        f"run ({r.sharding}, recompute {r.recompute}, {plan.schedule.value}{chunks}): step {r.step_ms:.1f} ms"
+        f"run as {r.framework.value} runs it ({r.sharding}, recompute {r.recompute}, {plan.schedule.value}{chunks}): "
+        f"step {r.step_ms:.1f} ms"
         f"{step_range(r)}{dominated_by(r)}, bubble "
         f"{r.bubble_fraction:.1%}, {r.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {r.mfu:.1%}, "
         f"peak memory {human_bytes(r.peak_memory_bytes)} per GPU of {human_bytes(c.memory_bytes)} "

@@ -14,6 +14,7 @@ import statistics
 import pytest
 
 from benchmarks import validation
+from pipecut.planning.cluster.frameworks import framework
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +30,10 @@ def test_the_data_meets_the_issues_shape() -> None:
     assert {r["cluster"].split("x")[2].split("-")[0] for r in runs} >= {"A100", "H100"}
     assert len([r for r in runs if r["dp"] == "none" and r["pp"] > 1]) >= 3
     fitted = [r["name"] for r in runs if r["fitted"]]
-    assert sorted(fitted) == sorted(data["split"][f] for f in ("ampere", "hopper", "hopper compiled-float8"))
+    assert sorted(fitted) == sorted(name for key, name in data["split"].items() if not key.startswith("declared"))
     for r in runs:
         assert r["source"] in data["sources"] and r["where"], r["name"]
+        assert framework(r["framework"]), r["name"]  # every run names the framework that ran it
 
 
 def test_unfitted_rows_within_the_issues_tolerance(table: dict[str, validation.Prediction]) -> None:
@@ -50,7 +52,8 @@ def test_tensor_parallel_rows_within_the_tolerance_and_every_miss_beyond_15_perc
     price the 3D runs' kernels) are checks, not fits: each within issue 29's tolerance (±20%
     throughput, ±15% memory), and a throughput miss beyond 15% said."""
     rows = [p for p in table.values() if p.issue == 28 and not p.fitted]
-    assert len([p for p in rows if p.tensor_parallel == 8]) >= 10
+    # 10 before Megatron's kernels had a figure of their own, fitted on one of them (2026-12-02)
+    assert len([p for p in rows if p.tensor_parallel == 8]) >= 9
     for p in rows:
         assert abs(p.error) <= 0.20, (p.name, p.error)
         assert p.memory_error is None or abs(p.memory_error) <= 0.15, (p.name, p.memory_error)
@@ -90,3 +93,20 @@ def test_every_prediction_carries_a_range_around_it(table: dict[str, validation.
         assert p.tokens_low <= p.tokens <= p.tokens_high
         assert p.memory_low_gib <= p.memory_gib <= p.memory_high_gib
         assert p.dominant in {"compute", "bubble", "recompute"} or p.dominant.startswith("link ")
+
+
+def test_megatron_core_h100_rows_are_priced_with_megatron_s_kernels_and_each_miss_is_explained(
+        table: dict[str, validation.Prediction]) -> None:
+    """Issue 43's Megatron-Core rows (the Megatron-LM README's H100 weak scaling): one fitted,
+    the others checks. Not yet at issue 43's targets: every miss beyond 10% says why, and the
+    two rows pipecut refuses are refused for memory (the distributed optimizer, not priced)."""
+    runs = {r["name"]: r for r in validation.load()["runs"] if r["source"] == "megatron-core-h100"}
+    assert len(runs) == 9 and all(r["framework"] == "megatron" and r["overlapped_reduction"] for r in runs.values())
+    priced = [table[n] for n in runs if n in table]
+    assert len(priced) == 7 and sum(p.fitted for p in priced) == 1
+    for p in priced:
+        assert abs(p.error) <= 0.10 or "distributed optimizer" in p.explained or "not traced" in p.explained, p.name
+    refused = validation.refusals()
+    assert {n for n in refused if n in runs} == {n for n in runs if n not in table}
+    for name in (n for n in refused if n in runs):
+        assert "does not fit" in refused[name] and "distributed optimizer" in runs[name]["explained"], name

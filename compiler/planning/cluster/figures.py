@@ -6,8 +6,10 @@ model, at one end of the figures' range.
 per-GPU network port between nodes, NCCL's bus bandwidth and latency on each from the family's
 figures). :func:`figures_of` resolves the cluster with its device into :class:`Figures`: what a
 GPU and each link cost, at the value or at either end of the figures' spread
-(:class:`~pipecut.profile.hardware.FigureEnd`). Every step of the planner below takes that
-record; nothing below works the links or the per-op model out again.
+(:class:`~pipecut.profile.hardware.FigureEnd`), for one framework
+(:mod:`~pipecut.planning.cluster.frameworks`): its kernels' fitted fraction of peak prices the
+products. Every step of the planner below takes that record; nothing below works the links, the
+per-op model or the framework out again.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import dataclasses
 import re
 
 from pipecut.cluster import Cluster, Link
-from pipecut.core.kinds import AttentionKernel
+from pipecut.core.kinds import AttentionKernel, FrameworkKind
 from pipecut.errors import InputError
+from pipecut.planning.cluster.frameworks import Framework, framework, kernels_figure
 from pipecut.profile.devices import LINK_LATENCY_MS, DeviceProfile, Precision, device_profile
 from pipecut.profile.hardware import (
     FigureEnd,
@@ -56,26 +59,28 @@ class Figures:
     """The device's per-op model at bf16 at :attr:`end` (None: a family without hardware
     figures, priced by the roofline at :attr:`efficiency`)."""
     efficiency: float
-    """The family's residual (the fraction of dense peak a large product reaches in a run)."""
+    """The framework's kernels' fraction of dense peak a large product reaches in a run."""
     source: str
-    """Where :attr:`efficiency` comes from, for the plan's notes."""
+    """Where :attr:`efficiency` comes from and which framework it prices, for the plan's notes."""
+    framework: Framework
     end: FigureEnd = FigureEnd.VALUE
 
     def at(self, end: FigureEnd) -> Figures:
-        """The same cluster and device with every figure at ``end`` (the line rates kept)."""
+        """The same cluster, device and framework with every figure at ``end`` (the line rates kept)."""
         if end is self.end:
             return self
-        model = family_model(self.profile, bound=end)
+        model = family_model(self.profile, bound=end, framework_kind=self.framework.kind)
         return dataclasses.replace(self, cluster=cluster_at(self.cluster, self.profile, end), model=model, end=end)
 
 
-def figures_of(cluster: str | Cluster) -> Figures:
+def figures_of(cluster: str | Cluster, framework_kind: FrameworkKind = FrameworkKind.PIPECUT) -> Figures:
     """``cluster`` (text or a :class:`~pipecut.cluster.Cluster`) with its device resolved, at the
-    figures' values."""
+    figures' values, priced as ``framework_kind`` runs."""
     c = parse_cluster(cluster)
     profile = device_profile(c.device)
-    efficiency, source = family_efficiency(profile)
-    return Figures(cluster=c, profile=profile, model=family_model(profile), efficiency=efficiency, source=source)
+    efficiency, source = family_efficiency(profile, framework_kind)
+    return Figures(cluster=c, profile=profile, model=family_model(profile, framework_kind=framework_kind),
+                   efficiency=efficiency, source=source, framework=framework(framework_kind))
 
 
 def parse_cluster(
@@ -134,27 +139,33 @@ def _profile_names() -> list[str]:
     return [p.name for p in device_profiles()]
 
 
-def family_efficiency(profile: DeviceProfile) -> tuple[float, str]:
-    """(the family's residual: the fraction of dense peak a large product reaches in a run, and
-    where it was fitted), or the roofline's default for a family without hardware figures."""
+def family_efficiency(profile: DeviceProfile, framework_kind: FrameworkKind = FrameworkKind.PIPECUT) -> tuple[float, str]:
+    """(the fraction of dense peak a large product reaches in a run of ``framework_kind`` on the
+    device's family, and where it was fitted, naming the framework), or the roofline's default for a
+    family without hardware figures."""
     from pipecut.profile.devices import COMPUTE_EFFICIENCY
 
+    priced = framework(framework_kind)
     if _has_figures(profile):
-        fig = family_figures(profile.family)["residual"]
-        return fig.value, (f"per-op costs from the {profile.family} family's hardware figures; residual "
-                           f"{fig.value:g} of dense peak, {fig.source}")
+        fig, fitted_on = kernels_figure(priced.kernels, profile.family, framework_kind=priced.kind)
+        return fig.value, (f"priced as {priced.kind.value} runs ({priced.kernels.value} kernels); per-op costs from the "
+                           f"{profile.family} family's hardware figures; its products at {fig.value:g} of dense peak, "
+                           f"fitted on {fitted_on}: {fig.source}")
     return COMPUTE_EFFICIENCY, (
-        f"compute efficiency {COMPUTE_EFFICIENCY:g}: no published run fitted for the "
-        f"{profile.family or profile.name} family"
+        f"priced as {priced.kind.value} runs; compute efficiency {COMPUTE_EFFICIENCY:g}: no hardware figures and "
+        f"no published run fitted for the {profile.family or profile.name} family"
     )
 
 
 def family_model(profile: DeviceProfile, *, attention: AttentionKernel = AttentionKernel.FLASH,
-                 bound: FigureEnd = FigureEnd.VALUE,
-                 residual: float | None = None) -> HardwareModel | None:
-    """The per-op model of a device at bf16 (None for a family without hardware figures)."""
+                 bound: FigureEnd = FigureEnd.VALUE, residual: float | None = None,
+                 framework_kind: FrameworkKind = FrameworkKind.PIPECUT) -> HardwareModel | None:
+    """The per-op model of a device at bf16, its products at ``framework_kind``'s kernels' fraction
+    of peak (``residual`` replaces it, for fitting); None for a family without hardware figures."""
     if not _has_figures(profile):
         return None
+    if residual is None:
+        residual = family_efficiency(profile, framework_kind)[0]
     return hardware_model(profile.peak_flops(Precision.BF16), profile.memory_bandwidth_bytes_per_s,
                           profile.family, residual=residual, attention=attention, bound=bound)
 

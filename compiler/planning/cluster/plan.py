@@ -44,6 +44,7 @@ from pipecut.ir import NodeCost, Plan, ReplicaCandidate, ScheduleCandidate
 from pipecut.options import (
     AUTO,
     DataParallelOptions,
+    MeasureOptions,
     Options,
     PartitionOptions,
     ScheduleOptions,
@@ -107,6 +108,7 @@ def plan_cluster(
     scheduling: ScheduleOptions | None = None,
     data_parallel: DataParallelOptions | DataParallelKind | str | None = None,
     tensor_parallel: TensorParallelOptions | int | str = AUTO,
+    measure: MeasureOptions | None = None,
 ) -> Plan:
     """Plan ``model`` (on meta is fine) for ``cluster`` with one global batch ``example_inputs``,
     from the option objects ``pipecut.plan`` takes, resolved as a cluster plan resolves them
@@ -124,7 +126,9 @@ def plan_cluster(
     attention and KV heads; each T-way group stays inside a node,
     :mod:`pipecut.planning.tensor_parallel`) or :class:`~pipecut.options.TensorParallelOptions`,
     whose ``sequence_parallel`` splits the residual stream along the sequence with T > 1 (None:
-    on, torchtitan's default; False prices Megatron's all-reduces). The returned plan is one
+    on, torchtitan's default; False prices Megatron's all-reduces). ``measure.framework``: the
+    training framework whose run is priced (None: pipecut's own;
+    :mod:`pipecut.planning.cluster.frameworks`), named in ``plan.run.framework``; the rest of ``measure`` goes unused. The returned plan is one
     replica of the chosen run at its share of the batch, its stages priced as the run is
     (:mod:`pipecut.planning.cluster.run_plan`); ``plan.run`` is the whole run's prediction,
     ``plan.placement`` where each pipeline rank of each replica sits, ``plan.replica_candidates``
@@ -133,7 +137,8 @@ def plan_cluster(
     options = Options(microbatches=microbatches, schedule=schedule,  # type: ignore[arg-type]  # a name, normalised
                       partition=partition or PartitionOptions(),
                       scheduling=scheduling or ScheduleOptions(), data_parallel=DataParallelOptions.of(data_parallel),
-                      tensor_parallel=TensorParallelOptions.of(tensor_parallel))
+                      tensor_parallel=TensorParallelOptions.of(tensor_parallel),
+                      measure=measure or MeasureOptions())
     return plan_asked_cluster(model, example_inputs, cluster, options, loss_fn=loss_fn, target=target)
 
 
@@ -146,7 +151,7 @@ def plan_asked_cluster(model: torch.nn.Module, example_inputs: Inputs, cluster: 
     stages_per_rank = None if asked.stages_per_rank == AUTO else asked.stages_per_rank
     assert isinstance(microbatches, int) and recompute != AUTO  # resolve: a cluster plan fixes both
     tensor_parallel = options.tensor_parallel.size or AUTO
-    figures = figures_of(cluster)
+    figures = figures_of(cluster, asked.framework)
     kinds, rec, engines = _choices(schedule, recompute, asked.data_parallel)
     size, first = first_microbatch(example_inputs, microbatches)
     whole = _priced_table(model, example_inputs, target, figures, microbatches, loss_fn)
@@ -284,7 +289,8 @@ def _run_prediction(
         peak_memory_bytes=best.peak_memory_bytes, compute_ms=best.compute_ms,
         exposed_comm_ms=best.exposed_comm_ms, recompute=rec.value, sharding=shard.value,
         sequence_parallel=sequence_parallel,
-        compute_efficiency=figures.efficiency, notes=notes + ((mixed,) if mixed else ()),
+        compute_efficiency=figures.efficiency, framework=figures.framework.kind,
+        notes=notes + ((mixed,) if mixed else ()),
         parts=tuple(StepPart(name=n, ms=ms) for n, ms in best.parts),
         memory_parts=tuple(MemoryPart(name=_memory_term(n, shard, best.placement.replicas, t), nbytes=b)
                            for n, b in best.memory_parts),

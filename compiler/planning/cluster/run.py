@@ -27,7 +27,9 @@ configure, and what this model assumes of it:
   the last backward (``PipelineStage.backward_maybe_with_nosync``) and FSDP2 then keeps the
   unsharded gradient in ``reduce_dtype`` (``FSDPParam.to_accumulated_grad_if_needed``).
 * **DDP** keeps all 16 bytes per parameter on every replica and all-reduces the stage's
-  gradients (bf16) after its last backward, not overlapped (conservative).
+  gradients (bf16) after its last backward, not overlapped (conservative); with
+  ``RunShape.overlapped_reduction`` (another framework's run), each unit's reduction runs under
+  the next unit's backward of the last microbatch.
 * **ZeRO-1** (``DataParallelKind.ZERO1``, as pipecut runs it: DDP's reduction and torch's
   ``ZeroRedundancyOptimizer``) keeps the fp32 weight and gradient whole (8 bytes) and a D-th of
   AdamW's two moments (8 / D), all-reduces as DDP does, and after the optimizer step each
@@ -168,6 +170,11 @@ class RunShape:
     runtime_terms: tuple[RuntimeTerm, ...] = ()
     """What the run's runtime holds beyond pipecut's own (none: pipecut's runtime). Set to
     price a published run as its runtime ran it (:mod:`pipecut.planning.cluster.foreign`)."""
+    overlapped_reduction: bool = False
+    """DDP and ZeRO-1: the replicas' gradient reduction hidden under the last microbatch's
+    backward, unit by unit, and ZeRO-1's weight gather under the forward (a framework that
+    overlaps them, as Megatron-Core's ``--overlap-grad-reduce --overlap-param-gather``); False
+    prices pipecut's runtime, which reduces after the last backward."""
 
     def __post_init__(self) -> None:
         if self.fixed_memory_bytes < 0 or not 0 <= self.reserve_fraction < 1:
@@ -348,7 +355,8 @@ def _priced(work: Workload, bounds: tuple[int, ...], sts: Sequence[StageWork], s
     rank = [rank_of(s, k, kind.placement) for s in range(n)]
     mine = [[s for s in range(n) if rank[s] == r] for r in range(k)]
     rings = tuple(cluster.ring_link(place.replica_group(r)) for r in range(k))
-    exposed = [fsdp_exposed(merged([sts[s] for s in mine[r]]), d, rings[r], k, shape.sharding)
+    exposed = [fsdp_exposed(merged([sts[s] for s in mine[r]]), d, rings[r], k, shape.sharding,
+                            shape.overlapped_reduction)
                for r in range(k)]
     half = [exposed[rank[s]][0] / 2 for s in range(n)]  # per microbatch: only with one rank
     f_ms = [sum(st.forward_ms) + half[s] for s, st in enumerate(sts)]

@@ -134,16 +134,23 @@ def state_memory(stage: StageWork, *, replicas: int, ranks: int, sharding: DataP
 
 
 def fsdp_exposed(st: StageWork, d: int, link: Link, ranks: int, kind: DataParallelKind,
-                  ) -> tuple[float, float]:
+                  overlapped: bool = False) -> tuple[float, float]:
     """Exposed collective ms of one GPU's stages (merged in execution order): (per microbatch,
-    once at the end of the step)."""
+    once at the end of the step). ``overlapped`` (DDP and ZeRO-1): each unit's gradient
+    reduction runs under the next unit's backward of the last microbatch, and ZeRO-1's weights
+    gather under the forward, as Megatron-Core's ``--overlap-grad-reduce --overlap-param-gather``
+    run them; without, both wait for the last backward (pipecut's runtime, priced conservatively)."""
     if d <= 1:
         return 0.0, 0.0
-    if kind is DataParallelKind.DDP:  # all-reduce = reduce-scatter + all-gather
-        return 0.0, 2 * ring_ms(sum(st.param_bytes), d, link)
-    if kind is DataParallelKind.ZERO1:  # DDP's all-reduce, then each owner broadcasts its fp32 weights
-        weights = sum(st.param_bytes) * REDUCE_BYTES_PER_PARAM / 2
-        return 0.0, 2 * ring_ms(sum(st.param_bytes), d, link) + ring_ms(weights, d, link)
+    if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1):
+        # all-reduce = reduce-scatter + all-gather; ZeRO-1 then gathers the fp32 weights each owner updated
+        reduce = [2 * ring_ms(p, d, link) for p in st.param_bytes]
+        weights = [ring_ms(p * REDUCE_BYTES_PER_PARAM / 2, d, link) for p in st.param_bytes] \
+            if kind is DataParallelKind.ZERO1 else []
+        if not overlapped:
+            return 0.0, sum(reduce) + sum(weights)
+        back = [b + r for b, r in zip(st.backward_ms, st.recompute_ms)][::-1]
+        return 0.0, exposed_ms(reduce[::-1], back) + exposed_ms(weights, st.forward_ms)
     gather = [ring_ms(p, d, link) for p in st.param_bytes]
     scatter = [ring_ms(p * REDUCE_BYTES_PER_PARAM / 2, d, link) for p in st.param_bytes]
     back = [b + r for b, r in zip(st.backward_ms, st.recompute_ms)][::-1]

@@ -18,6 +18,7 @@ import pipecut
 from pipecut.cli import logs
 from pipecut.cli.factory import SHIPPED, call_factory, load_factory
 from pipecut.cli.main import build_parser, main, parse_bytes, parse_split
+from pipecut.core.kinds import FrameworkKind
 from pipecut.errors import InputError
 from pipecut.report.diff import diff_plans, format_diff
 from pipecut.schema import validate_plan_dict
@@ -441,9 +442,19 @@ def test_plan_for_a_cluster_with_tensor_parallelism(in_repo, tmp_path, capsys):
     assert shown["tensor_parallel"] == 2 and [0, 1] in shown["tensor_groups"] and len(shown["gpus"]) == 4
 
 
+def test_plan_for_a_cluster_as_another_framework_runs_it(in_repo, tmp_path, capsys):
+    out = tmp_path / "megatron.json"
+    assert main(["plan", "examples.mlp:build", "-m", "2", "--batch-size", "8", "--cluster", "1x2xH100-SXM",
+                 "--framework", "megatron", "-o", str(out), "-q"]) == 0
+    plan = pipecut.Plan.from_json(out)
+    assert plan.run is not None and plan.run.framework is FrameworkKind.MEGATRON
+    assert "priced as megatron runs" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--tensor-parallel", "2"], "--tensor-parallel 2 plans tensor parallelism for a cluster: add --cluster"),
     (["--cluster", "8x8"], "cannot read cluster '8x8'"),
+    (["--framework", "megatron"], "--framework megatron prices a cluster plan as that framework runs it: add --cluster"),
     (["--cluster", "1x2xH100-SXM", "--device-profile", "A100-80GB"], "--cluster names the device"),
     (["-k", "4", "--device-profile", "A100-80GB", "--data-parallel", "auto"],
      "or plan the run for that hardware with --cluster 1x4xA100-80GB"),
@@ -474,6 +485,7 @@ FLAG_OPTIONS = {
 NOT_OPTIONS = {
     "factory": "the model's factory", "--devices": "plan's devices (K)", "--memory-limit": "each DeviceSpec's memory",
     "--tensor-parallel": "with --cluster only: plan_cluster's T", "--cluster": "plan_cluster instead of plan",
+    "--framework": "with --cluster only: plan_cluster's measure.framework",
     "--device-profile": "estimated costs and partition_costs instead of plan", "--batch-size": "the factory's argument",
     "--seed": "the factory's argument", "--out": "an output file", "--html": "an output file", "--dot": "an output file",
     "--verbose": "logging", "--quiet": "logging", "--help": "argparse",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pipecut.core.kinds import FrameworkKind, KernelsKind
 from pipecut.errors import InputError
 from pipecut.planning.cluster.figures import (
     Figures,
@@ -12,6 +13,7 @@ from pipecut.planning.cluster.figures import (
     figures_of,
     parse_cluster,
 )
+from pipecut.planning.cluster.frameworks import kernels_figure
 from pipecut.profile.hardware import FigureEnd, family_figures
 
 
@@ -47,17 +49,40 @@ def test_figures_resolve_the_cluster_and_its_device_once_and_move_to_either_end(
     figures = figures_of("2x8xH100-SXM")
     assert isinstance(figures, Figures) and figures.end is FigureEnd.VALUE
     assert figures.cluster == parse_cluster("2x8xH100-SXM") and figures.profile.name == "H100-SXM"
-    assert figures.model is not None and figures.efficiency == family_figures("hopper")["residual"].value
-    assert "hopper" in figures.source
+    eager, fitted_on = kernels_figure(KernelsKind.EAGER, "hopper")
+    assert figures.model is not None and figures.efficiency == eager.value  # pipecut's own: eager kernels
+    assert "hopper" in figures.source and "priced as pipecut runs" in figures.source and fitted_on in figures.source
+    assert figures.framework.kind is FrameworkKind.PIPECUT
     assert figures.at(FigureEnd.VALUE) is figures
     for end in (FigureEnd.FAST, FigureEnd.SLOW):
         moved = figures.at(end)
         # what _step_at worked out for itself before: the links and the per-op model at that end
         assert moved.cluster == cluster_at(figures.cluster, figures.profile, end) and moved.end is end
         assert moved.model == family_model(figures.profile, bound=end)
-        assert (moved.profile, moved.efficiency, moved.source) == (figures.profile, figures.efficiency, figures.source)
+        assert (moved.profile, moved.efficiency, moved.source, moved.framework) == (
+            figures.profile, figures.efficiency, figures.source, figures.framework)
     fast, slow = figures.at(FigureEnd.FAST).cluster.inter, figures.at(FigureEnd.SLOW).cluster.inter
     assert fast.bandwidth_bytes_per_ms > slow.bandwidth_bytes_per_ms
+
+
+def test_the_engine_prices_the_products_and_moves_with_the_figures() -> None:
+    ours, megatron = figures_of("1x8xA100-80GB"), figures_of("1x8xA100-80GB", FrameworkKind.MEGATRON)
+    assert megatron.efficiency == kernels_figure(KernelsKind.MEGATRON, "ampere")[0].value != ours.efficiency
+    assert megatron.model is not None and ours.model is not None
+    assert megatron.model.figures["residual"] == megatron.efficiency
+    assert "priced as megatron runs (megatron kernels)" in megatron.source
+    slow = megatron.at(FigureEnd.SLOW)
+    assert slow.framework == megatron.framework and slow.model == family_model(
+        megatron.profile, bound=FigureEnd.SLOW, framework_kind=FrameworkKind.MEGATRON)
+    # the same hardware: only the products' fraction differs
+    assert {k: v for k, v in megatron.model.figures.items() if k != "residual"} == {
+        k: v for k, v in ours.model.figures.items() if k != "residual"}
+
+
+def test_an_engine_without_a_fitted_run_on_the_family_is_refused_by_name() -> None:
+    with pytest.raises(InputError, match="framework 'torchtitan-compile-float8' runs compiled-float8 kernels, and no "
+                                         "published run on them is fitted for the ampere family"):
+        figures_of("1x8xA100-80GB", FrameworkKind.TORCHTITAN_COMPILE_FLOAT8)
 
 
 def test_a_family_without_figures_has_no_per_op_model() -> None:

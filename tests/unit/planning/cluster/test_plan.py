@@ -7,7 +7,7 @@ import torch
 
 import pipecut
 from pipecut import Plan, summary
-from pipecut.core.kinds import DataParallelKind
+from pipecut.core.kinds import DataParallelKind, FrameworkKind
 from pipecut.errors import InputError
 from pipecut.options import DataParallelOptions
 from pipecut.planning.cluster.figures import parse_cluster
@@ -155,3 +155,31 @@ def test_plan_cluster_weighs_every_engine_unless_one_is_asked() -> None:
         assert one.run is not None and one.run.sharding == kind
         assert one.data_parallel == DataParallelOptions(kind=kind, replicas=2)
         assert auto.run.step_ms <= one.run.step_ms
+
+
+def test_a_cluster_plan_names_the_framework_it_prices_and_prices_its_kernels() -> None:
+    """``measure=MeasureOptions(framework=...)``: the run priced as that framework runs it, named
+    in the prediction and its notes; left out, pipecut's own runtime. The same through
+    ``pipecut.plan(cluster=...)``, and a plan written before frameworks were named reads as
+    pipecut's own."""
+    model, batch = tiny_llama()
+    ours = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2)
+    megatron = plan_cluster(model, batch, "1x2xH100-SXM", microbatches=2,
+                            measure=pipecut.MeasureOptions(framework="megatron"))
+    assert ours.run is not None and megatron.run is not None
+    assert ours.run.framework is FrameworkKind.PIPECUT and megatron.run.framework is FrameworkKind.MEGATRON
+    assert megatron.run.compute_efficiency > ours.run.compute_efficiency  # Megatron's kernels' Hopper figure
+    assert megatron.run.compute_ms < ours.run.compute_ms
+    assert any(n.startswith("priced as megatron runs") for n in megatron.run.notes)
+    via_plan = pipecut.plan(model, batch, cluster="1x2xH100-SXM", microbatches=2,
+                            measure=pipecut.MeasureOptions(framework=FrameworkKind.MEGATRON))
+    assert via_plan.run == megatron.run
+    assert Plan.from_json(megatron.to_json()).run == megatron.run
+    data = ours.to_dict()
+    data["run"].pop("framework")
+    assert Plan.from_dict(data).run == ours.run
+    with pytest.raises(InputError, match="unknown framework 'deepspeed'"):
+        pipecut.MeasureOptions(framework="deepspeed")
+    with pytest.raises(InputError, match="framework 'torchtitan-compile-float8' runs compiled-float8 kernels"):
+        plan_cluster(model, batch, "1x2xA100-80GB", microbatches=2,
+                     measure=pipecut.MeasureOptions(framework="torchtitan-compile-float8"))

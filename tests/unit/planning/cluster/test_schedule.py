@@ -252,7 +252,7 @@ def test_the_stage_table_is_the_run_line_on_llama_8b() -> None:
     peak = human_bytes(plan.run.peak_memory_bytes)
     assert len(table) == plan.num_stages and all(row.split()[-1] == "selective" for row in table)
     assert any(f"  {peak}  " in row for row in table)
-    assert "run (fsdp, recompute selective, 1f1b)" in text and f"peak memory {peak} per GPU" in text
+    assert "run as pipecut runs it (fsdp, recompute selective, 1f1b)" in text and f"peak memory {peak} per GPU" in text
 
 
 def test_a_plan_whose_cuts_cross_both_links_says_which_one_it_draws() -> None:

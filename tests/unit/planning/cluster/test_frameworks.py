@@ -1,0 +1,60 @@
+"""pipecut.planning.cluster.frameworks: every framework as data, apart from the hardware, each kernels
+figure fitted on one named published run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipecut.core.kinds import FrameworkKind, KernelsKind
+from pipecut.errors import InputError
+from pipecut.planning.cluster.foreign import RuntimeTerm
+from pipecut.planning.cluster.frameworks import framework, frameworks, kernels_figure
+from pipecut.profile.hardware import family_figures, memory_overheads
+
+RUNS = Path(__file__).parents[4] / "benchmarks" / "validation_runs.json"
+
+
+def test_every_framework_kind_is_in_the_data_with_its_kernels_and_terms() -> None:
+    every = frameworks()
+    assert [e.kind for e in every] == list(FrameworkKind)
+    parts = set(memory_overheads(1.0))
+    for e in every:
+        assert isinstance(e.kernels, KernelsKind) and len(e.describes) > 40, e.kind
+        assert all(isinstance(t, RuntimeTerm) for t in e.runtime_terms)
+        assert set(e.memory_counts) <= parts, (e.kind, e.memory_counts)
+    ours = framework(FrameworkKind.PIPECUT)
+    assert ours.runtime_terms == () and ours.kernels is KernelsKind.EAGER and "never run on more" in ours.why_these_kernels
+    assert framework("torchtitan").runtime_terms == (RuntimeTerm.LOSS_PARALLEL, RuntimeTerm.PIPELINE_KEEPS_OUTPUTS,
+                                                  RuntimeTerm.PIPELINE_BUFFERS)
+
+
+def test_each_kernels_figure_is_fitted_on_the_run_the_validation_split_names() -> None:
+    """One constant per kernels and family, fitted on one declared run of an framework on those
+    kernels, and below what one product reaches alone on that hardware."""
+    data = json.loads(RUNS.read_text())
+    split = {name for key, name in data["split"].items() if not key.startswith("declared")}
+    runs = {r["name"]: r for r in data["runs"]}
+    seen = set()
+    for kernels in KernelsKind:
+        for family in ("ampere", "hopper"):
+            try:
+                fig, fitted_on = kernels_figure(kernels, family)
+            except InputError:
+                continue
+            seen.add(fitted_on)
+            assert fitted_on in split and runs[fitted_on]["fitted"], (kernels, family, fitted_on)
+            assert framework(runs[fitted_on]["framework"]).kernels is kernels, fitted_on
+            assert fitted_on in fig.source and fig.low == fig.value == fig.high  # fitted: no spread
+            assert 0.2 < fig.value < family_figures(family)["gemm_alone"].high, (kernels, family)
+    assert seen == split
+
+
+def test_an_unknown_engine_is_refused_with_the_engines() -> None:
+    with pytest.raises(InputError, match=r"unknown framework 'deepspeed'; frameworks: \['pipecut', 'torchtitan'"):
+        framework("deepspeed")
+    with pytest.raises(InputError, match="no framework runs megatron kernels, and no published run on them is fitted "
+                                         "for the volta family"):
+        kernels_figure(KernelsKind.MEGATRON, "volta")
