@@ -1,13 +1,18 @@
-"""What the replicas' engine changes in the cluster planner's choice: Llama-3.1 8B, 70B and 405B.
+"""What the replicas' engine and the training framework change in the cluster planner's choice:
+Llama-3.1 8B, 70B and 405B.
 
-    .venv/bin/python benchmarks/sharding_choice.py [--sizes 8b 70b 405b] [--out benchmarks/sharding_choice.json]
+    .venv/bin/python benchmarks/sharding_choice.py [--sizes 8b 70b 405b] [--shardings fsdp auto]
+        [--frameworks pipecut megatron] [--out benchmarks/sharding_choice.json]
 
 Each model (``examples/llama_meta.py``, built on meta) is planned for its cluster with
 ``plan_cluster(..., tensor_parallel="auto", schedule="1f1b")`` twice: with
 ``sharding="fsdp"`` (the planner's only sharded engine, and its default, before ZeRO-1) and
 with ``sharding="auto"`` (DDP, ZeRO-1 and FSDP2 weighed, the fastest run that fits kept). The
 table gives both choices: D × T × K, the engine, the predicted step, tokens/s per GPU, MFU and the
-peak memory per GPU. A prediction of pipecut's cost model, not a measurement.
+peak memory per GPU. ``--frameworks`` prices each run as that framework runs it
+(``MeasureOptions(framework=...)``, ``compiler/frameworks.json``: its kernels' figure, its
+ZeRO-1, the communication it overlaps); pipecut's own runtime by default. A prediction of
+pipecut's cost model, not a measurement.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ CASES = {
 """Per size: the cluster, the global batch (sequences of 8,192 tokens) and the microbatches."""
 
 
-def choice(size: str, sharding: str) -> dict[str, object]:  # pragma: no cover
+def choice(size: str, sharding: str, framework: str = "pipecut") -> dict[str, object]:  # pragma: no cover
     from examples.llama_meta import build
     from pipecut.planning.cluster.plan import plan_cluster
 
@@ -41,10 +46,11 @@ def choice(size: str, sharding: str) -> dict[str, object]:  # pragma: no cover
     start = time.perf_counter()
     plan = plan_cluster(model, inputs, str(case["cluster"]), microbatches=int(case["microbatches"]),
                         schedule="1f1b",
-                        data_parallel=pipecut.DataParallelOptions(kind=sharding), loss_fn=loss_fn, target=target)
+                        data_parallel=pipecut.DataParallelOptions(kind=sharding), loss_fn=loss_fn, target=target,
+                        measure=pipecut.MeasureOptions(framework=framework))
     run, place = plan.run, plan.placement
     assert run is not None and place is not None
-    return {"size": size, "asked": sharding, **case, "engine": run.sharding,
+    return {"size": size, "asked": sharding, "framework": run.framework.value, **case, "engine": run.sharding,
             "replicas": place.replicas, "tensor_parallel": place.tensor_parallel, "stages": plan.num_stages,
             "step_ms": round(run.step_ms, 1), "tokens_per_s_per_gpu": round(run.tokens_per_s_per_gpu, 1),
             "mfu": round(run.mfu, 4), "peak_gib": round(run.peak_memory_bytes / 2**30, 2),
@@ -54,18 +60,20 @@ def choice(size: str, sharding: str) -> dict[str, object]:  # pragma: no cover
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--shardings", nargs="+", default=["fsdp", "auto"], choices=["ddp", "zero1", "fsdp", "auto"])
+    ap.add_argument("--frameworks", nargs="+", default=["pipecut"])
     ap.add_argument("--out", default=str(Path(__file__).with_name("sharding_choice.json")))
     args = ap.parse_args(argv)
     rows = []
-    print(f"{'model':6} {'cluster':14} {'asked':6} {'engine':6} {'D x T x K':>11} {'step ms':>9} {'tok/s/GPU':>9} "
-          f"{'MFU':>6} {'GiB':>6}")
+    print(f"{'model':6} {'cluster':14} {'framework':10} {'asked':6} {'engine':6} {'D x T x K':>11} {'step ms':>9} "
+          f"{'tok/s/GPU':>9} {'MFU':>6} {'GiB':>6}")
     for size in args.sizes:
-        for sharding in ("fsdp", "auto"):
-            r = choice(size, sharding)
+        for framework, sharding in ((f, s) for f in args.frameworks for s in args.shardings):
+            r = choice(size, sharding, framework)
             rows.append(r)
             Path(args.out).write_text(json.dumps({"rows": rows}, indent=2, sort_keys=True) + "\n")  # kept if stopped
             shape = f"{r['replicas']}x{r['tensor_parallel']}x{r['stages']}"
-            print(f"{size:6} {r['cluster']:14} {sharding:6} {r['engine']:6} {shape:>11} {r['step_ms']:9.1f} "
+            print(f"{size:6} {r['cluster']:14} {framework:10} {sharding:6} {r['engine']:6} {shape:>11} {r['step_ms']:9.1f} "
                   f"{r['tokens_per_s_per_gpu']:9.1f} {r['mfu']:6.1%} {r['peak_gib']:6.1f}", flush=True)
     return 0
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipecut.core.kinds import AttentionKernel, LeafKind, NodeOp
+from pipecut.core.kinds import AttentionKernel, Fp8Recipe, LeafKind, NodeOp
 from pipecut.ir import Leaf, NodeCost
 from pipecut.planning.cluster.frameworks import Overlap, framework
 from pipecut.profile.flops import NodeWork
@@ -206,14 +206,17 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
     replicas = cluster.gpus // (run["pp"] * tp)
     samples = run["microbatch_size"] * replicas  # the cost table is at one microbatch of the global batch
     rows, work = transformer_rows(model, samples=samples, seq=run["seq"], attention=run["attention"],
-                                  dropout=run["framework"] == "megatron", loss_fp32=run["loss_fp32"],
+                                  dropout=run.get("dropout", run["framework"] == "megatron"), loss_fp32=run["loss_fp32"],
                                   head_params=not model["tied"] or run["pp"] > 1)
     ran = framework(run["framework"])  # its kernels' figure (fitted on the split's run), its runtime, its memory counts
     ran.check_overlaps(tuple(o for o, asked in ((Overlap.TENSOR_PARALLEL, run.get("async_tp", False)),
                                                 (Overlap.DATA_PARALLEL, run.get("overlapped_reduction", False))) if asked),
                        run["name"])
+    fp8 = run["precision"] == "fp8"  # the blocks' linears in FP8 (Transformer Engine's), the output layer in bf16
     hw = family_model(profile, attention=AttentionKernel.FLASH if run["attention"] == "flash" else AttentionKernel.EFFICIENT, bound=bound,
-                      residual=residual, framework_kind=ran.kind)
+                      residual=residual, framework_kind=ran.kind,
+                      fp8_rows=frozenset(r.name for r in rows if r.target == "linear" and r.name != "lm_head") if fp8 else frozenset(),
+                      fp8_recipe=Fp8Recipe(run.get("fp8_recipe", "delayed")))
     assert hw is not None, f"no hardware figures for {profile.name}"
     nodes = hw.price(rows, work)
     flops = model_flops_per_token(nodes, layers=model["layers"], hidden=model["hidden"], seq=run["seq"])
@@ -228,6 +231,7 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
                      sharding=DataParallelKind.DDP if run["dp"] == "none" else DataParallelKind(run["dp"]),
                      sequence_parallel=sp, fixed_memory_bytes=fixed, runtime_terms=ran.runtime_terms,
                      overlapped_reduction=run.get("overlapped_reduction", False),
+                     distributed_optimizer=ran.distributed_optimizer,
                      reserve_fraction=over["fragmentation"] if planner else 0.0)
     sizes = tensor_sizes(cluster.gpus_per_node, (model["heads"], model.get("kv_heads", model["heads"]))) \
         if planner else (tp,)

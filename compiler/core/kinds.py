@@ -16,6 +16,7 @@ __all__ = [
     "CaptureMethod",
     "CostSource",
     "DataParallelKind",
+    "Fp8Recipe",
     "FrameworkKind",
     "KernelKind",
     "KernelsKind",
@@ -145,6 +146,16 @@ class FrameworkKind(enum.Enum):
     MEGATRON = "megatron"
     """Megatron-LM and Megatron-Core (and code built on it, as the Zero Bubble paper's): fused
     kernels, its own pipeline and distributed optimizer."""
+
+
+class Fp8Recipe(enum.Enum):
+    """How an FP8 product's scale is found (Transformer Engine's recipes): what it costs beyond
+    the product is one read of each cast tensor (delayed) or two (current)."""
+
+    DELAYED = "delayed"
+    """The scale from the amax history of earlier steps: one read per cast."""
+    CURRENT = "current"
+    """The scale from this tensor's own amax: one read to find it, one to cast."""
 
 
 class KernelsKind(enum.Enum):

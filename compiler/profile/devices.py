@@ -76,6 +76,9 @@ class Precision(enum.Enum):
     """FP32 storage, matrix products on TF32 tensor cores."""
     BF16 = "bf16"
     FP16 = "fp16"
+    FP8 = "fp8"
+    """Dense FP8 (E4M3/E5M2) tensor-core products: priced only for a framework's FP8 linears
+    (:class:`~pipecut.profile.hardware.HardwareModel`'s ``fp8_rows``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

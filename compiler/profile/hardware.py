@@ -17,6 +17,10 @@ as ``{value, low, high, source}``. A node's time is priced by what kind of kerne
 * **Memory-bound ops**: ``bytes / (HBM bandwidth · achievable fraction)``.
 * **Launch overhead**: every kernel costs at least ``launch_us`` (one forward kernel, two
   backward ones per node that has a backward).
+* **FP8 products** (a framework's, ``fp8_rows``): at the FP8 dense peak times the product's bf16
+  efficiency times ``fp8_gemm_vs_bf16`` (what an FP8 product reaches alone against a bf16 one,
+  from a published kernel benchmark), plus the scaling recipe's casts as memory-bound work
+  (:class:`~pipecut.core.kinds.Fp8Recipe`).
 
 :func:`bus_link` turns a link's line rate into the bus bandwidth NCCL reaches on it, with the
 family's latency. :func:`memory_overheads` gives what a published peak counts beyond tensors:
@@ -39,7 +43,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
 
-from pipecut.core.kinds import AttentionKernel, CostSource, KernelKind
+from pipecut.core.kinds import AttentionKernel, CostSource, Fp8Recipe, KernelKind
 from pipecut.errors import InputError
 from pipecut.ir import NodeCost
 from pipecut.profile.flops import NodeWork
@@ -71,7 +75,7 @@ class FigureEnd(enum.Enum):
     """The other end."""
 
 _FASTER_WHEN_HIGH = {
-    "residual", "gemm_alone", "attention_flash_forward", "attention_flash_backward", "attention_efficient_forward",
+    "residual", "gemm_alone", "fp8_gemm_vs_bf16", "attention_flash_forward", "attention_flash_backward", "attention_efficient_forward",
     "attention_efficient_backward", "memory_bandwidth_fraction", "nvlink_bus_fraction",
     "network_bus_fraction", "tile_m", "sm_count", "tile_n", "gemm_misaligned",
 }
@@ -144,6 +148,12 @@ class HardwareModel:
     causal: bool = True
     """Attention is causal: the fused kernels skip the masked half of the token pairs, which
     torch's FLOP counter counts in full (``sdpa_flop_count`` ignores ``is_causal``)."""
+    fp8_rows: frozenset[str] = frozenset()
+    """The products a framework runs in FP8 (Transformer Engine's linears): each at
+    :attr:`fp8_peak_flops` times its bf16 efficiency times the family's ``fp8_gemm_vs_bf16``,
+    plus the recipe's casts (:meth:`fp8_cast_bytes`)."""
+    fp8_peak_flops: float = 0.0
+    fp8_recipe: Fp8Recipe = Fp8Recipe.DELAYED
 
     def _f(self, name: str) -> float:
         return self.figures[name]
@@ -176,15 +186,32 @@ class HardwareModel:
             batch, m, n = _gemm_dims(row, w)
             k = max(1, round(w.forward_flops / (2 * batch * m * n))) if batch * m * n else 1
             rate = self.peak_flops * (1.0 if aligned(n, k, row.dtype) else self._f("gemm_misaligned"))
+            casts = (0.0, 0.0)
+            if row.name in self.fp8_rows:  # at the FP8 peak, the bf16 alignment penalty kept
+                rate = self.fp8_peak_flops * self._f("fp8_gemm_vs_bf16") * rate / self.peak_flops
+                fwd_cast, bwd_cast = self.fp8_cast_bytes(batch * m * k, batch * m * n)
+                casts = (fwd_cast / bw * 1e3 + launch, bwd_cast / bw * 1e3 + launch)
             fwd = max(w.forward_flops / (rate * self.gemm_efficiency(m, n, batch)) * 1e3, mem_f) + launch
             half = w.backward_flops / 2
             grad = half / (rate * self.gemm_efficiency(m, k, batch)) + half / (rate * self.gemm_efficiency(k, n, batch))
             bwd = max(grad * 1e3, mem_b) + bwd_launch
-            return fwd, bwd
+            return fwd + casts[0], bwd + casts[1]
         # memory-bound (elementwise, norms, softmax, embedding lookup, loss): bytes at HBM speed
         comp = self.peak_flops * self._f("residual")
         return (max(mem_f, w.forward_flops / comp * 1e3) + launch,
                 max(mem_b, w.backward_flops / comp * 1e3) + bwd_launch)
+
+    def fp8_cast_bytes(self, inputs: int, outputs: int) -> tuple[float, float]:
+        """HBM bytes an FP8 product's casts move beyond the product (forward, backward), for a
+        product of ``inputs`` input and ``outputs`` output elements: its bf16 input cast to FP8
+        (read once under delayed scaling, twice under current: Transformer Engine's docs, 'FP8
+        Delayed Scaling') and written with its transpose for the weight gradient, and in
+        backward the same for the output's gradient. The weight's FP8 copy is made once a step
+        and kept over the microbatches (Transformer Engine's ``is_first_microbatch``): not
+        counted per microbatch."""
+        reads = 2 if self.fp8_recipe is Fp8Recipe.CURRENT else 1
+        per = 2 * reads + 2  # bf16 read(s), then the FP8 copy and its transpose written
+        return float(per * inputs), float(per * outputs)
 
     def gemm_efficiency(self, m: int, n: int, batch: int = 1) -> float:
         return gemm_efficiency(m, n, batch, residual=self._f("residual"), tile_m=int(self._f("tile_m")),
@@ -237,15 +264,21 @@ def _gemm_dims(row: NodeCost, w: NodeWork) -> tuple[int, int, int]:
 
 def hardware_model(peak_flops: float, memory_bandwidth: float, family: str, *, residual: float,
                    attention: AttentionKernel = AttentionKernel.FLASH, bound: FigureEnd = FigureEnd.VALUE,
-                   causal: bool = True) -> HardwareModel:
+                   causal: bool = True, fp8_rows: frozenset[str] = frozenset(), fp8_peak_flops: float = 0.0,
+                   fp8_recipe: Fp8Recipe = Fp8Recipe.DELAYED) -> HardwareModel:
     """The model of a device (its dense peak at the run's precision and its HBM bandwidth) with its
     family's figures at ``bound``, its products at ``residual`` of the peak: the fraction a large
     product reaches inside a run, which is the training framework's kernels' figure
     (:mod:`pipecut.planning.cluster.frameworks`), not the hardware's."""
     figs = {k: f.at(bound, k in _FASTER_WHEN_HIGH) for k, f in family_figures(family).items()}
     figs["residual"] = residual
+    if fp8_rows and ("fp8_gemm_vs_bf16" not in figs or fp8_peak_flops <= 0):
+        raise InputError(f"FP8 products on the {family} family need its fp8_gemm_vs_bf16 figure and an FP8 peak "
+                         f"in the device profile; families with it: "
+                         f"{sorted(f for f, v in _load()['families'].items() if 'fp8_gemm_vs_bf16' in v)}")
     return HardwareModel(peak_flops=peak_flops, memory_bandwidth=memory_bandwidth, figures=figs,
-                         attention=attention, causal=causal)
+                         attention=attention, causal=causal, fp8_rows=fp8_rows, fp8_peak_flops=fp8_peak_flops,
+                         fp8_recipe=fp8_recipe)
 
 
 def bus_link(line_bytes_per_s: float, family: str, *, inter: bool,

@@ -98,15 +98,36 @@ def test_every_prediction_carries_a_range_around_it(table: dict[str, validation.
 def test_megatron_core_h100_rows_are_priced_with_megatron_s_kernels_and_each_miss_is_explained(
         table: dict[str, validation.Prediction]) -> None:
     """Issue 43's Megatron-Core rows (the Megatron-LM README's H100 weak scaling): one fitted,
-    the others checks. Not yet at issue 43's targets: every miss beyond 10% says why, and the
-    two rows pipecut refuses are refused for memory (the distributed optimizer, not priced)."""
+    the others checks, priced with Megatron's distributed optimizer and overlaps. Not yet at
+    issue 43's targets: every miss beyond 10% is said, none beyond 25%, and the two rows pipecut
+    refuses are refused for memory, under the declared assumption of no recomputation."""
     runs = {r["name"]: r for r in validation.load()["runs"] if r["source"] == "megatron-core-h100"}
     assert len(runs) == 9 and all(r["framework"] == "megatron" and r["overlapped_reduction"] for r in runs.values())
     priced = [table[n] for n in runs if n in table]
     assert len(priced) == 7 and sum(p.fitted for p in priced) == 1
     for p in priced:
-        assert abs(p.error) <= 0.10 or "distributed optimizer" in p.explained or "not traced" in p.explained, p.name
+        assert abs(p.error) <= 0.10 or "not traced" in p.explained, p.name
+        assert abs(p.error) <= 0.25, (p.name, p.error)
     refused = validation.refusals()
     assert {n for n in refused if n in runs} == {n for n in runs if n not in table}
     for name in (n for n in refused if n in runs):
-        assert "does not fit" in refused[name] and "distributed optimizer" in runs[name]["explained"], name
+        assert "does not fit" in refused[name] and "recomputation" in runs[name]["explained"], name
+
+
+def test_fp8_rows_are_priced_from_the_fp8_peak_and_each_miss_is_explained(
+        table: dict[str, validation.Prediction]) -> None:
+    """Issue 43's FP8 rows (NeMo 24.07, Megatron-Bridge 25.09 / 25.11 on H100): nothing fitted on
+    them; the blocks' linears at the FP8 peak with the recipe's casts. Every priced row within
+    15%, a miss beyond 10% said; the rows refused are refused for memory under the declared
+    assumption of no recomputation."""
+    runs = {r["name"]: r for r in validation.load()["runs"] if r["precision"] == "fp8"}
+    assert len(runs) == 9 and not any(r["fitted"] for r in runs.values())
+    assert {r["fp8_recipe"] for r in runs.values()} == {"delayed", "current"}
+    priced = [table[n] for n in runs if n in table]
+    assert len(priced) == 5
+    for p in priced:
+        assert abs(p.error) <= 0.15, (p.name, p.error)
+        assert abs(p.error) <= 0.10 or p.explained, (p.name, p.error)
+    refused = validation.refusals()
+    for name in (n for n in runs if n not in table):
+        assert "does not fit" in refused[name] and "no recomputation" in runs[name]["explained"], name

@@ -18,9 +18,9 @@ import dataclasses
 import re
 
 from pipecut.cluster import Cluster, Link
-from pipecut.core.kinds import AttentionKernel, FrameworkKind
+from pipecut.core.kinds import AttentionKernel, Fp8Recipe, FrameworkKind
 from pipecut.errors import InputError
-from pipecut.planning.cluster.frameworks import Framework, framework, kernels_figure
+from pipecut.planning.cluster.frameworks import Framework, Overlap, framework, kernels_figure
 from pipecut.profile.devices import LINK_LATENCY_MS, DeviceProfile, Precision, device_profile
 from pipecut.profile.hardware import (
     FigureEnd,
@@ -64,6 +64,11 @@ class Figures:
     """Where :attr:`efficiency` comes from and which framework it prices, for the plan's notes."""
     framework: Framework
     end: FigureEnd = FigureEnd.VALUE
+
+    @property
+    def tensor_overlapped(self) -> bool:
+        """The framework hides each tensor-parallel collective under its product (async TP)."""
+        return Overlap.TENSOR_PARALLEL in self.framework.overlaps
 
     def at(self, end: FigureEnd) -> Figures:
         """The same cluster, device and framework with every figure at ``end`` (the line rates kept)."""
@@ -159,15 +164,19 @@ def family_efficiency(profile: DeviceProfile, framework_kind: FrameworkKind = Fr
 
 def family_model(profile: DeviceProfile, *, attention: AttentionKernel = AttentionKernel.FLASH,
                  bound: FigureEnd = FigureEnd.VALUE, residual: float | None = None,
-                 framework_kind: FrameworkKind = FrameworkKind.PIPECUT) -> HardwareModel | None:
+                 framework_kind: FrameworkKind = FrameworkKind.PIPECUT, fp8_rows: frozenset[str] = frozenset(),
+                 fp8_recipe: Fp8Recipe = Fp8Recipe.DELAYED) -> HardwareModel | None:
     """The per-op model of a device at bf16, its products at ``framework_kind``'s kernels' fraction
-    of peak (``residual`` replaces it, for fitting); None for a family without hardware figures."""
+    of peak (``residual`` replaces it, for fitting), ``fp8_rows`` at the FP8 peak with
+    ``fp8_recipe``'s casts; None for a family without hardware figures."""
     if not _has_figures(profile):
         return None
     if residual is None:
         residual = family_efficiency(profile, framework_kind)[0]
+    fp8_peak = profile.peak_flops(Precision.FP8) if fp8_rows else 0.0
     return hardware_model(profile.peak_flops(Precision.BF16), profile.memory_bandwidth_bytes_per_s,
-                          profile.family, residual=residual, attention=attention, bound=bound)
+                          profile.family, residual=residual, attention=attention, bound=bound,
+                          fp8_rows=fp8_rows, fp8_peak_flops=fp8_peak, fp8_recipe=fp8_recipe)
 
 
 def cluster_at(cluster: Cluster, profile: DeviceProfile, bound: FigureEnd) -> Cluster:

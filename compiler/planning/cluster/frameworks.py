@@ -56,6 +56,15 @@ class Framework:
     why_these_kernels: str = ""
     overlaps: tuple[Overlap, ...] = ()
     """What it can hide under compute; pipecut's own runtime: nothing."""
+    distributed_optimizer: bool = False
+    """Its ZeRO-1 is Megatron's distributed optimizer (``RunShape.distributed_optimizer``), not
+    torch's ``ZeroRedundancyOptimizer``."""
+
+    def run_terms(self) -> dict[str, Any]:
+        """The :class:`~pipecut.planning.cluster.run.RunShape` fields that price a run as this
+        framework runs it, with every overlap it offers."""
+        return {"runtime_terms": self.runtime_terms, "distributed_optimizer": self.distributed_optimizer,
+                "overlapped_reduction": Overlap.DATA_PARALLEL in self.overlaps}
 
     def check_overlaps(self, asked: tuple[Overlap, ...], run: str) -> None:
         """InputError naming ``run`` where it asks for an overlap this framework does not do."""
@@ -80,7 +89,8 @@ def framework(kind: FrameworkKind | str) -> Framework:
     return Framework(kind=k, kernels=KernelsKind(raw["kernels"]), describes=raw["describes"],
                   runtime_terms=tuple(RuntimeTerm(t) for t in raw["runtime_terms"]),
                   memory_counts=tuple(raw["memory_counts"]), why_these_kernels=raw.get("why_these_kernels", ""),
-                  overlaps=tuple(Overlap(o) for o in raw["overlaps"]))
+                  overlaps=tuple(Overlap(o) for o in raw["overlaps"]),
+                  distributed_optimizer=raw["zero1"] == "distributed-optimizer")
 
 
 def frameworks() -> tuple[Framework, ...]:

@@ -157,9 +157,10 @@ def plan_asked_cluster(model: torch.nn.Module, example_inputs: Inputs, cluster: 
     whole = _priced_table(model, example_inputs, target, figures, microbatches, loss_fn)
     sizes = tensor_parallel_sizes(tensor_parallel, whole.nodes, figures.cluster, head_counts(model))
     sharded = sharded_tables(whole.nodes, sizes, figures.cluster, sequence_parallel=sequence_parallel,
-                             model=figures.model, counted=whole.counted)
-    shape = _run_shape(model, whole.nodes, first, size, microbatches, schedule=kinds[0],
-                       stages_per_rank=stages_per_rank, recompute=rec, sequence_parallel=sequence_parallel)
+                             model=figures.model, counted=whole.counted, overlapped=figures.tensor_overlapped)
+    shape = dataclasses.replace(  # as the framework runs it: pipecut's own runtime changes nothing
+        _run_shape(model, whole.nodes, first, size, microbatches, schedule=kinds[0], stages_per_rank=stages_per_rank,
+                   recompute=rec, sequence_parallel=sequence_parallel), **figures.framework.run_terms())
     best, choice, shard = fastest_engine(whole.nodes, figures.cluster, shape, engines, schedules=kinds,
                                          tensor_parallel=sizes, sharded=sharded,
                                          replicas=options.data_parallel.replicas)
@@ -171,7 +172,8 @@ def plan_asked_cluster(model: torch.nn.Module, example_inputs: Inputs, cluster: 
     share_rows = share.nodes
     if t > 1:  # the plan's table is one GPU's share, as the run's
         share_rows = sharded_tables(share_rows, (t,), figures.cluster, sequence_parallel=sequence_parallel,
-                                    model=figures.model, counted=share.counted)[t].nodes
+                                    model=figures.model, counted=share.counted,
+                                    overlapped=figures.tensor_overlapped)[t].nodes
     planned = plan_of_run(share_rows, sharded[t].nodes if t > 1 else whole.nodes, best, cluster=figures.cluster,
                           captured=share.captured, microbatches=microbatches, batch_size=size // d, recompute=rec,
                           sharding=shard)
@@ -253,7 +255,7 @@ def _step_at(figures: Figures, table: _Table, best: RunCandidate, shape: RunShap
     on = figures.cluster
     d, k, v, t = best.placement.replicas, best.placement.stages, best.stages_per_rank, best.placement.tensor_parallel
     tables = sharded_tables(rows, (t,), on, sequence_parallel=shape.sequence_parallel, model=figures.model,
-                            counted=table.counted)
+                            counted=table.counted, overlapped=figures.tensor_overlapped)
     work = workload(tables[t].nodes, tables[t].collectives) if t > 1 else workload(rows)
     run = dataclasses.replace(shape, schedule=best.schedule, stages_per_rank=v, tensor_parallel=t)
     again = evaluate_run(work, block_of(work.modules or ("",) * work.units), run, on,
@@ -281,7 +283,7 @@ def _run_prediction(
         "attention FLOPs not counted in MFU: the model has no Hugging Face config",))
     t = best.placement.tensor_parallel
     if t > 1:
-        notes += (tensor_note(t, figures.cluster, sequence_parallel),)
+        notes += (tensor_note(t, figures.cluster, sequence_parallel, figures.tensor_overlapped),)
     mixed = mixed_links_note(figures.cluster, best)
     return RunPrediction(
         step_ms=best.step_ms, bubble_fraction=best.bubble_fraction,
@@ -297,14 +299,16 @@ def _run_prediction(
     )
 
 
-def tensor_note(t: int, cluster: Cluster, sequence_parallel: bool) -> str:
+def tensor_note(t: int, cluster: Cluster, sequence_parallel: bool, overlapped: bool = False) -> str:
     """What the plan assumes of its T-way tensor parallelism, and that compile does not replay it."""
     how = ("reduce-scatter and all-gather (sequence parallel: norms and residuals split too)"
            if sequence_parallel else "all-reduce")
+    hidden = ("hidden under its product (the framework's async tensor parallelism)" if overlapped else
+              "exposed (not hidden by async tensor parallelism: a run that uses it is faster)")
     return (f"tensor parallel {t} inside each node (Megatron's pairing: q/k/v, gate/up and the LM head "
             f"column-wise, o and down row-wise, the embedding by vocabulary): two collectives forward "
-            f"and two backward per block, {how}, on {cluster.intra.name}, exposed (not hidden by async "
-            f"tensor parallelism: a run that uses it is faster); pipecut.compile does not run this cluster plan: it predicts a "
+            f"and two backward per block, {how}, on {cluster.intra.name}, {hidden}; pipecut.compile does not "
+            f"run this cluster plan: it predicts a "
             f"run by torchtitan or Megatron-LM, or by pipecut.compile over a ('dp', 'pp', 'tp') DeviceMesh")
 
 

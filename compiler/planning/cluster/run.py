@@ -35,7 +35,8 @@ configure, and what this model assumes of it:
   AdamW's two moments (8 / D), all-reduces as DDP does, and after the optimizer step each
   replica broadcasts the fp32 weights it updated: one all-gather of 4 bytes per parameter,
   not overlapped. (Megatron-LM's distributed optimizer reduce-scatters the gradients instead
-  and shards the fp32 master weights too, 6 + 12 / D bytes; that is another engine's run.)
+  and shards the fp32 master weights too, 6 + 12 / D bytes: another framework's run, priced
+  with ``RunShape.distributed_optimizer``.)
 * **Activation checkpointing**: ``Recompute.NONE`` keeps every saved activation; ``FULL`` keeps
   each block's input only and runs its forward again in backward (one block's activations live
   while it is recomputed); ``SELECTIVE`` does that for every second block (torchtitan's
@@ -175,6 +176,10 @@ class RunShape:
     backward, unit by unit, and ZeRO-1's weight gather under the forward (a framework that
     overlaps them, as Megatron-Core's ``--overlap-grad-reduce --overlap-param-gather``); False
     prices pipecut's runtime, which reduces after the last backward."""
+    distributed_optimizer: bool = False
+    """ZeRO-1 as Megatron's distributed optimizer runs it (6 + 12/D bytes per parameter, the
+    gradients reduce-scattered and the weights gathered) rather than as pipecut's
+    ``ZeroRedundancyOptimizer`` (8 + 8/D, an all-reduce and an fp32 gather): a framework's run."""
 
     def __post_init__(self) -> None:
         if self.fixed_memory_bytes < 0 or not 0 <= self.reserve_fraction < 1:
@@ -356,7 +361,7 @@ def _priced(work: Workload, bounds: tuple[int, ...], sts: Sequence[StageWork], s
     mine = [[s for s in range(n) if rank[s] == r] for r in range(k)]
     rings = tuple(cluster.ring_link(place.replica_group(r)) for r in range(k))
     exposed = [fsdp_exposed(merged([sts[s] for s in mine[r]]), d, rings[r], k, shape.sharding,
-                            shape.overlapped_reduction)
+                            shape.overlapped_reduction, shape.distributed_optimizer)
                for r in range(k)]
     half = [exposed[rank[s]][0] / 2 for s in range(n)]  # per microbatch: only with one rank
     f_ms = [sum(st.forward_ms) + half[s] for s, st in enumerate(sts)]
@@ -464,7 +469,8 @@ def _memory(schedule: Schedule, sts: Sequence[StageWork], d: int, k: int,
                             [st.transient_bytes for st in sts], [st.held_bytes for st in sts],
                             [st.left_bytes for st in sts])
     state = [math.ceil(state_memory(st, replicas=d, ranks=k, sharding=shape.sharding,
-                                    param_dtype_bytes=shape.param_dtype_bytes)) for st in sts]
+                                    param_dtype_bytes=shape.param_dtype_bytes,
+                                    distributed_optimizer=shape.distributed_optimizer)) for st in sts]
     return state, [math.ceil(x + st.standing_bytes) for x, st in zip(live, sts)]
 
 

@@ -36,6 +36,12 @@ OPTIMIZER_BYTES_PER_PARAM = 8
 """AdamW's two fp32 moments: the part of :data:`STATE_BYTES_PER_PARAM` ZeRO-1 shards."""
 REDUCE_BYTES_PER_PARAM = 4
 """FSDP reduce-scatters gradients in fp32 (``reduce_dtype=torch.float32``)."""
+DISTRIBUTED_OPTIMIZER_WHOLE_BYTES = 6
+DISTRIBUTED_OPTIMIZER_SHARDED_BYTES = 12
+"""Megatron's distributed optimizer, bf16 parameters and fp32 gradients: 6 + 12/D bytes per
+parameter, the bf16 weight and the fp32 main gradient whole, the fp32 main weight and AdamW's
+two moments sharded over the D replicas (Megatron-LM ``docs/source/api-guide/dist_optimizer.md``,
+its table of bytes per parameter)."""
 
 
 def exposed_ms(comm: Sequence[float], compute: Sequence[float]) -> float:
@@ -113,13 +119,17 @@ def stage_work(work: Workload, blocks: tuple[int, ...], start: int, end: int, d:
 
 
 def state_memory(stage: StageWork, *, replicas: int, ranks: int, sharding: DataParallelKind,
-                 param_dtype_bytes: int) -> float:
+                 param_dtype_bytes: int, distributed_optimizer: bool = False) -> float:
     """One GPU's bytes for a stage's parameters: its share of the sharded state and the working
     copies it gathers (activations aside); ``param_dtype_bytes`` per parameter of the cost
-    table's ``param_bytes``."""
+    table's ``param_bytes``. ``distributed_optimizer``: ZeRO-1 as Megatron's distributed
+    optimizer holds it (:data:`DISTRIBUTED_OPTIMIZER_SHARDED_BYTES`), not as pipecut's
+    ``ZeroRedundancyOptimizer`` does."""
     params = sum(stage.param_bytes) / param_dtype_bytes
     if sharding is DataParallelKind.DDP:
         return STATE_BYTES_PER_PARAM * params
+    if sharding is DataParallelKind.ZERO1 and distributed_optimizer:
+        return DISTRIBUTED_OPTIMIZER_WHOLE_BYTES * params + DISTRIBUTED_OPTIMIZER_SHARDED_BYTES * params / replicas
     if sharding is DataParallelKind.ZERO1:  # weights and gradients whole, the moments a D-th
         return (STATE_BYTES_PER_PARAM - OPTIMIZER_BYTES_PER_PARAM) * params + OPTIMIZER_BYTES_PER_PARAM * params / replicas
     shard = STATE_BYTES_PER_PARAM * params / replicas
@@ -134,19 +144,18 @@ def state_memory(stage: StageWork, *, replicas: int, ranks: int, sharding: DataP
 
 
 def fsdp_exposed(st: StageWork, d: int, link: Link, ranks: int, kind: DataParallelKind,
-                  overlapped: bool = False) -> tuple[float, float]:
+                  overlapped: bool = False, distributed_optimizer: bool = False) -> tuple[float, float]:
     """Exposed collective ms of one GPU's stages (merged in execution order): (per microbatch,
     once at the end of the step). ``overlapped`` (DDP and ZeRO-1): each unit's gradient
     reduction runs under the next unit's backward of the last microbatch, and ZeRO-1's weights
     gather under the forward, as Megatron-Core's ``--overlap-grad-reduce --overlap-param-gather``
-    run them; without, both wait for the last backward (pipecut's runtime, priced conservatively)."""
+    run them; without, both wait for the last backward (pipecut's runtime, priced conservatively).
+    ``distributed_optimizer`` (ZeRO-1 as Megatron runs it): the fp32 main gradients
+    reduce-scattered and the updated bf16 weights all-gathered, one ring pass each."""
     if d <= 1:
         return 0.0, 0.0
     if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1):
-        # all-reduce = reduce-scatter + all-gather; ZeRO-1 then gathers the fp32 weights each owner updated
-        reduce = [2 * ring_ms(p, d, link) for p in st.param_bytes]
-        weights = [ring_ms(p * REDUCE_BYTES_PER_PARAM / 2, d, link) for p in st.param_bytes] \
-            if kind is DataParallelKind.ZERO1 else []
+        reduce, weights = _replica_collectives(st, d, link, kind, distributed_optimizer)
         if not overlapped:
             return 0.0, sum(reduce) + sum(weights)
         back = [b + r for b, r in zip(st.backward_ms, st.recompute_ms)][::-1]
@@ -160,6 +169,21 @@ def fsdp_exposed(st: StageWork, d: int, link: Link, ranks: int, kind: DataParall
         return fwd + bwd, 0.0
     # K > 1: gathered once before the first forward, reduced once after the last backward
     return 0.0, exposed_ms(gather, st.forward_ms) + exposed_ms(scatter[::-1], back)
+
+
+def _replica_collectives(st: StageWork, d: int, link: Link, kind: DataParallelKind,
+                         distributed_optimizer: bool) -> tuple[list[float], list[float]]:
+    """Per unit, the ms of the gradients' reduction and of the updated weights' gather of DDP
+    (an all-reduce, no gather) or ZeRO-1 (pipecut's: the all-reduce, then each owner's fp32
+    weights gathered; Megatron's distributed optimizer: the fp32 gradients reduce-scattered,
+    the bf16 weights gathered)."""
+    if kind is DataParallelKind.ZERO1 and distributed_optimizer:
+        return ([ring_ms(p * REDUCE_BYTES_PER_PARAM / 2, d, link) for p in st.param_bytes],
+                [ring_ms(p, d, link) for p in st.param_bytes])
+    reduce = [2 * ring_ms(p, d, link) for p in st.param_bytes]  # all-reduce = reduce-scatter + all-gather
+    if kind is DataParallelKind.DDP:
+        return reduce, []
+    return reduce, [ring_ms(p * REDUCE_BYTES_PER_PARAM / 2, d, link) for p in st.param_bytes]
 
 
 def merged(stages: Sequence[StageWork]) -> StageWork:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pipecut.core.kinds import AttentionKernel, NodeOp
@@ -74,3 +76,32 @@ def test_a_bf16_product_with_an_unaligned_width_runs_at_the_misaligned_fraction(
     assert odd[1] == pytest.approx(padded[1] / factor, rel=0.02)
     # fp32 is not penalised (the factor was measured on bf16)
     assert head(50257, "torch.float32")[0] == pytest.approx(head(50304, "torch.float32")[0], rel=0.01)
+
+
+def test_an_fp8_product_runs_at_the_fp8_peak_and_pays_its_recipe_s_casts() -> None:
+    """A framework's FP8 linear: the FP8 dense peak times the bf16 efficiency times the family's
+    fp8_gemm_vs_bf16, plus the casts (one bf16 read per cast under delayed scaling, two under
+    current, then the FP8 copy and its transpose written), forward for the input and backward
+    for the output's gradient."""
+    from pipecut.core.kinds import Fp8Recipe
+
+    row = NodeCost(name="up", op=NodeOp.CALL_FUNCTION, target="linear", shape=(8192, 16384), dtype="bfloat16")
+    w = NodeWork(forward_flops=2 * 8192 * 4096 * 16384, backward_flops=4 * 8192 * 4096 * 16384)
+    bf16 = hardware_model(989.5e12, 3.35e12, "hopper", residual=0.6)
+    delayed = hardware_model(989.5e12, 3.35e12, "hopper", residual=0.6, fp8_rows=frozenset({"up"}),
+                             fp8_peak_flops=1979e12)
+    current = hardware_model(989.5e12, 3.35e12, "hopper", residual=0.6, fp8_rows=frozenset({"up"}),
+                             fp8_peak_flops=1979e12, fp8_recipe=Fp8Recipe.CURRENT)
+    ratio = family_figures("hopper")["fp8_gemm_vs_bf16"].value
+    bw = 3.35e12 * family_figures("hopper")["memory_bandwidth_fraction"].value
+    launch = family_figures("hopper")["launch_us"].value * 1e-3
+    (f16, b16), (f8, b8), (fc, bc) = (m.node_ms(row, w) for m in (bf16, delayed, current))
+    fwd_cast = (2 + 2) * 8192 * 4096 / bw * 1e3 + launch  # the input: one bf16 read, FP8 copy and transpose written
+    assert f8 == pytest.approx((f16 - launch) / (2 * ratio) + launch + fwd_cast, rel=1e-6)
+    assert b8 == pytest.approx((b16 - 2 * launch) / (2 * ratio) + 2 * launch + (2 + 2) * 8192 * 16384 / bw * 1e3 + launch,
+                               rel=1e-6)
+    assert fc - f8 == pytest.approx(2 * 8192 * 4096 / bw * 1e3) and bc > b8  # current scaling: a second read
+    other = dataclasses.replace(row, name="head")
+    assert delayed.node_ms(other, w) == bf16.node_ms(other, w)  # only the rows named run in FP8
+    with pytest.raises(InputError, match="FP8 products on the ampere family need its fp8_gemm_vs_bf16"):
+        hardware_model(312e12, 2.039e12, "ampere", residual=0.6, fp8_rows=frozenset({"up"}), fp8_peak_flops=624e12)

@@ -119,6 +119,29 @@ def test_memory_fsdp_with_stages_keeps_the_stage_unsharded_with_fp32_gradients()
     assert dict(two.memory_parts)["state"] == pytest.approx(shard + unsharded)
 
 
+def test_zero1_as_megatron_s_distributed_optimizer_holds_and_moves_less_than_pipecut_s() -> None:
+    """pipecut's ZeRO-1 (torch's ZeroRedundancyOptimizer: 8 + 8/D bytes per parameter, an
+    all-reduce then the fp32 weights gathered) against Megatron's distributed optimizer (6 +
+    12/D, the fp32 gradients reduce-scattered and the bf16 weights gathered), and either's
+    collectives hidden unit by unit where the framework overlaps them."""
+    work = chain(4, params=2 * 10**6, act=100, ms=5.0)
+    c = cluster(2, 1)  # the two replicas on two nodes: the ring crosses the network
+    ours = run(work, c, 2, 1, batch_size=2, sharding=DataParallelKind.ZERO1)
+    megatron = run(work, c, 2, 1, batch_size=2, sharding=DataParallelKind.ZERO1, distributed_optimizer=True)
+    params = 4 * 2 * 10**6 / 2
+    assert dict(ours.memory_parts)["state"] == pytest.approx(params * (8 + 8 / 2))
+    assert dict(megatron.memory_parts)["state"] == pytest.approx(params * (6 + 12 / 2))
+    bf16, fp32 = ring_ms(2 * 10**6, 2, NET), ring_ms(4 * 10**6, 2, NET)  # one ring pass of one unit's weights
+    assert ours.exposed_comm_ms == pytest.approx(4 * (2 * bf16 + fp32))  # all-reduce, then the fp32 weights gathered
+    assert megatron.exposed_comm_ms == pytest.approx(4 * (fp32 + bf16))  # fp32 gradients scattered, bf16 weights gathered
+    hidden = run(work, c, 2, 1, batch_size=2, sharding=DataParallelKind.ZERO1, distributed_optimizer=True,
+                 overlapped_reduction=True)
+    # each unit's reduction under the next unit's backward, its gather under the next forward: the first of each shows
+    back, fwd = 2 * 5.0, 5.0
+    assert hidden.exposed_comm_ms == pytest.approx(fp32 + 3 * max(0.0, fp32 - back) + bf16 + 3 * max(0.0, bf16 - fwd))
+    assert hidden.exposed_comm_ms < megatron.exposed_comm_ms and hidden.step_ms < megatron.step_ms
+
+
 def test_memory_checkpointing_keeps_block_inputs() -> None:
     work = dataclasses.replace(chain(4, act=1000, cut=10), cut_forward_bytes=(10,) * 5)
     full = run(work, cluster(1, 1), 1, 1, batch_size=1, recompute=Recompute.FULL)
