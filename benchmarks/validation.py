@@ -20,6 +20,7 @@ tensor-parallel collective under its product (``shard_table(..., overlapped=True
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -43,13 +44,18 @@ def load() -> dict[str, Any]:
 
 
 def transformer_rows(m: dict[str, Any], *, samples: int, seq: int, attention: str, dropout: bool,
-                     loss_fp32: bool, head_params: bool) -> tuple[tuple[NodeCost, ...], dict[str, NodeWork]]:
+                     loss_fp32: bool, head_params: bool, kv_seq: int | None = None,
+                     ) -> tuple[tuple[NodeCost, ...], dict[str, NodeWork]]:
     """The cost table (times unset) and the work of a GPT (LayerNorm, GELU MLP, learned
     positions) or Llama (RMSNorm, SwiGLU, GQA) decoder at ``samples`` × ``seq`` tokens, bf16/fp16.
     ``attention``: "flash" (one SDPA node, causal: half the token pairs) or "eager" (score
     product, softmax, dropout, value product: what Megatron's default attention runs).
-    ``head_params``: the output head holds its own weights (untied, or tied across stages)."""
+    ``head_params``: the output head holds its own weights (untied, or tied across stages).
+    ``kv_seq``: the keys each query attends (context parallelism: the whole sequence, while a
+    rank holds ``seq`` of its tokens; flash attention only)."""
     x, d, f, s, h, v = samples * seq, m["hidden"], m["ffn"], seq, m["heads"], m["vocab"]
+    keys = kv_seq or seq
+    assert keys == seq or attention == "flash", "context parallelism is priced on flash attention"
     kv = m.get("kv_heads", h) * d // h
     llama = m["arch"] == "llama"
     rows: list[NodeCost] = [NodeCost(name="input_ids", op=NodeOp.PLACEHOLDER, target="input_ids",
@@ -77,7 +83,7 @@ def transformer_rows(m: dict[str, Any], *, samples: int, seq: int, attention: st
 
     act = (samples, seq, d)
     add("embedding", "model.embed_tokens", "embedding", shape=act, saved=0,
-        params=v * d + (0 if llama else s * d), moved=2 * 2 * x * d)
+        params=v * d + (0 if llama else keys * d), moved=2 * 2 * x * d)
     for i in range(m["layers"]):
         b = f"model.layers.{i}"
         norm = "rms_norm" if llama else "layer_norm"
@@ -99,7 +105,7 @@ def transformer_rows(m: dict[str, Any], *, samples: int, seq: int, attention: st
         else:  # flash: q, k, v, out and the fp32 log-sum-exp saved; FLOPs as torch counts them
             # (every token pair; the model prices the causal half), backward 2.5x forward
             add(f"l{i}_sdpa", f"{b}.attn", "scaled_dot_product_attention", shape=act,
-                saved=2 * x * (2 * d + 2 * kv) + 4 * x * h, flops=4 * x * s * d, bwd_flops=10 * x * s * d,
+                saved=2 * x * (2 * d + 2 * kv) + 4 * x * h, flops=4 * x * keys * d, bwd_flops=10 * x * keys * d,
                 moved=2 * x * (2 * d + 2 * kv))
         add(f"l{i}_o", f"{b}.attn.o", "linear", shape=act, saved=2 * x * d, flops=2 * x * d * d, params=d * d)
         if dropout:
@@ -202,10 +208,10 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
     profile = device_profile(cluster.device)
     if bound is not FigureEnd.VALUE:  # links at the same end of their range as the kernels
         cluster = cluster_at(cluster, profile, bound)
-    tp, sp = run.get("tp", 1), run.get("sequence_parallel", False)
-    replicas = cluster.gpus // (run["pp"] * tp)
+    tp, sp, cp = run.get("tp", 1), run.get("sequence_parallel", False), run.get("cp", 1)
+    replicas = cluster.gpus // (run["pp"] * tp)  # with context parallelism D x CP ranks, each 1/CP of a sample
     samples = run["microbatch_size"] * replicas  # the cost table is at one microbatch of the global batch
-    rows, work = transformer_rows(model, samples=samples, seq=run["seq"], attention=run["attention"],
+    rows, work = transformer_rows(model, samples=samples, seq=run["seq"] // cp, kv_seq=run["seq"], attention=run["attention"],
                                   dropout=run.get("dropout", run["framework"] == "megatron"), loss_fp32=run["loss_fp32"],
                                   head_params=not model["tied"] or run["pp"] > 1)
     ran = framework(run["framework"])  # its kernels' figure (fitted on the split's run), its runtime, its memory counts
@@ -220,12 +226,15 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
     assert hw is not None, f"no hardware figures for {profile.name}"
     nodes = hw.price(rows, work)
     flops = model_flops_per_token(nodes, layers=model["layers"], hidden=model["hidden"], seq=run["seq"])
+    ring = _context_ring(run, model, cluster, rows, work, replicas) if cp > 1 else None
+    if ring is not None:
+        nodes = ring(nodes, 1)
     # The planner's layout must fit the GPU as a run fills it (CUDA context, NCCL's buffers, the
     # allocator's reserve), as plan_cluster checks it; the published layout ran, so it is priced alone.
     over = memory_overheads(1.0, bound=bound)
     fixed = math.ceil(over["context"] + over["nccl"]) if planner else 0
     shape = RunShape(batch_size=samples * run["microbatches"], microbatches=run["microbatches"],
-                     tokens_per_sample=run["seq"], model_flops_per_token=flops,
+                     tokens_per_sample=run["seq"] // cp, model_flops_per_token=flops,
                      schedule=ScheduleKind(run["schedule"]), stages_per_rank=run["stages_per_rank"],
                      recompute=Recompute(run["recompute"]),
                      sharding=DataParallelKind.DDP if run["dp"] == "none" else DataParallelKind(run["dp"]),
@@ -237,6 +246,8 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
         if planner else (tp,)
     sharded = sharded_tables(nodes, sizes, cluster, sequence_parallel=sp, model=hw, counted=(rows, work),
                              overlapped=run.get("async_tp", False))
+    if ring is not None:  # the per-GPU tables priced again from the rows: their rings again, at 1/T of the chunk
+        sharded = {t: dataclasses.replace(table, nodes=ring(table.nodes, t)) for t, table in sharded.items()}
     best, _, _ = predict_run(nodes, cluster, shape, replicas=None if planner else replicas, schedules=(shape.schedule,),
                              tensor_parallel=sizes, sharded=sharded)
     counted = ran.memory_counts
@@ -246,6 +257,27 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
         return best, sum(parts.get(k, 0) for k in kept) / 2**30
     extra = sum(b for k, b in memory_overheads(best.peak_memory_bytes, bound=bound).items() if k in counted)
     return best, (best.peak_memory_bytes + extra) / 2**30
+
+
+def _context_ring(run: dict[str, Any], model: dict[str, Any], cluster: Any, rows: Any, work: Any,
+                  replicas: int) -> Any:
+    """The ring of a context-parallel run: ``(nodes, T) -> nodes`` with each attention's exposed
+    ring added (:func:`pipecut.planning.cluster.context.with_context_parallel`). One rank's key
+    and value chunk: its ``seq / CP`` tokens of its microbatch, the KV heads' width over T, bf16.
+    The CP group's link: NVLink where T x CP GPUs fit in a node (Megatron orders TP, then CP),
+    else the network."""
+    from pipecut.planning.cluster.context import with_context_parallel
+
+    cp, tp = run["cp"], run.get("tp", 1)
+    kv = model.get("kv_heads", model["heads"]) * model["hidden"] // model["heads"]
+    link = cluster.intra if tp * cp <= cluster.gpus_per_node else cluster.inter
+    tokens = run["microbatch_size"] * run["seq"] // cp
+    names = [r.name for r in rows if r.target == "scaled_dot_product_attention"]
+
+    def ring(nodes: Any, t: int) -> Any:
+        chunk = 2 * 2 * tokens * kv / t  # K and V, bf16
+        return with_context_parallel(nodes, work, cp, link, dict.fromkeys(names, chunk), replicas=replicas)
+    return ring
 
 
 def _dominant(best: Any) -> str:

@@ -68,9 +68,11 @@ from pipecut.profile.nodes import LossFn
 __all__ = ["NOT_MODELLED", "SCHEDULES", "model_flops_per_token", "plan_asked_cluster", "plan_cluster", "tensor_note"]
 
 NOT_MODELLED = (
-    "context and expert parallelism are not planned",
+    "context and expert parallelism are not planned (context parallelism is priced for published runs: "
+    "pipecut.planning.cluster.context)",
     "ZeRO-2 (gradients reduce-scattered as well as the optimizer state sharded, parameters whole) is "
-    f"not one of pipecut's data-parallel kinds ({', '.join(k.value for k in DataParallelKind)}): not planned",
+    f"not one of pipecut's data-parallel kinds ({', '.join(k.value for k in DataParallelKind)}): not planned; "
+    "Megatron's distributed optimizer is priced as the megatron framework's zero1",
 )
 
 SCHEDULES = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED_1F1B,

@@ -24,7 +24,7 @@ def test_plan_cluster_records_cluster_placement_and_run_and_round_trips() -> Non
     assert sorted(plan.placement.grid()) == sorted((r, s) for r in range(d) for s in range(k))
     assert plan.run.tokens_per_s_per_gpu > 0 and 0 < plan.run.mfu < 1 and plan.run.peak_memory_bytes > 0
     # one KV head: no tensor-parallel size but 1 splits it
-    assert plan.placement.tensor_parallel == 1 and any("context and expert parallelism" in n for n in plan.run.notes)
+    assert plan.placement.tensor_parallel == 1 and any("context and expert parallelism are not planned" in n for n in plan.run.notes)
     chosen = [c for c in plan.replica_candidates if c.note == "chosen"]
     assert len(chosen) == 1 and chosen[0].layout is plan.placement.layout
     again = Plan.from_json(plan.to_json())
