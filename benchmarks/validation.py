@@ -360,9 +360,9 @@ def fit(run_name: str, lo: float = 0.3, hi: float = 0.95, steps: int = 14) -> fl
     return round((lo + hi) / 2, 3)
 
 
-def summary(preds: list[Prediction]) -> dict[str, float]:
-    """Issue 29's figures over its unfitted rows (the issue-28 rows are reported apart)."""
-    unfitted = [p for p in preds if not p.fitted and p.issue == 29]
+def summary(preds: list[Prediction], issue: int = 29) -> dict[str, float]:
+    """Issue 29's figures over an issue's unfitted rows (each issue's rows are reported apart)."""
+    unfitted = [p for p in preds if not p.fitted and p.issue == issue]
     errs = [abs(p.error) for p in unfitted]
     mems = [abs(p.memory_error) for p in unfitted if p.memory_error is not None]
     return {"median_abs_error": statistics.median(errs), "worst_abs_error": max(errs),

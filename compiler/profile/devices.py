@@ -291,12 +291,16 @@ def estimate_captured(
     """:func:`estimate_costs` and the capture it made (for the plan's fingerprint, without
     capturing a large model twice)."""
     prof = device_profile(device)
+    whole = [p.value for p in Precision if p is not Precision.FP8]  # what every op of a model can run in
     try:
         prec = Precision(precision) if precision is not None else _precision(model)
     except ValueError:
+        raise InputError(f"unknown precision {precision!r}; choose one of {whole}") from None
+    if prec is Precision.FP8:
         raise InputError(
-            f"unknown precision {precision!r}; choose one of {[p.value for p in Precision]}"
-        ) from None
+            "precision 'fp8' prices only a framework's FP8 linears (HardwareModel.fp8_rows, for published runs); "
+            f"an estimate runs every op of the model in one precision: choose one of {whole}"
+        )
     prof.peak_flops(prec)  # fail before running anything
     if not isinstance(example_inputs, (tuple, list, Mapping)):
         raise InputError(

@@ -74,8 +74,11 @@ def test_plan_eight_a100s_from_estimated_costs(tmp_path):
 
 
 def test_bad_precision_is_refused_before_running():
-    with pytest.raises(InputError, match="unknown precision 'fp8'"):
-        pipecut.estimate_costs(torch.nn.Linear(2, 2), (torch.randn(2, 2),), precision="fp8")
+    with pytest.raises(InputError, match="unknown precision 'int4'"):
+        pipecut.estimate_costs(torch.nn.Linear(2, 2), (torch.randn(2, 2),), precision="int4")
+    # FP8 prices a framework's FP8 linears, not a whole model
+    with pytest.raises(InputError, match="precision 'fp8' prices only a framework's FP8 linears"):
+        pipecut.estimate_costs(torch.nn.Linear(2, 2), (torch.randn(2, 2),), "H100-SXM", precision="fp8")
     with pytest.raises(InputError, match="T4 has no bf16"):
         pipecut.estimate_costs(torch.nn.Linear(2, 2), (torch.randn(2, 2),), "T4", precision="bf16")
 
