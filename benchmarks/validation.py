@@ -21,6 +21,7 @@ tensor-parallel collective under its product (``shard_table(..., overlapped=True
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -249,7 +250,7 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
     if ring is not None:  # the per-GPU tables priced again from the rows: their rings again, at 1/T of the chunk
         sharded = {t: dataclasses.replace(table, nodes=ring(table.nodes, t)) for t, table in sharded.items()}
     best, _, _ = predict_run(nodes, cluster, shape, replicas=None if planner else replicas, schedules=(shape.schedule,),
-                             tensor_parallel=sizes, sharded=sharded)
+                             tensor_parallel=sizes, sharded=sharded, search_wider=False)
     counted = ran.memory_counts
     if planner:  # its peak holds every overhead: keep those the source counts
         parts = dict(best.memory_parts)
@@ -330,6 +331,7 @@ def table() -> list[Prediction]:
     return [predict(r, data["models"]) for r in data["runs"] if not r.get("refused_by_pipecut")]
 
 
+@functools.cache
 def refusals() -> dict[str, str]:
     """The runs that trained but pipecut's model refuses (``refused_by_pipecut``): name → the
     refusal (a wrong fit / out-of-memory outcome, each explained in its row)."""

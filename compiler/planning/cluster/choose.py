@@ -32,14 +32,15 @@ __all__ = ["fastest_engine", "predict_run"]
 def predict_run(
     nodes: Sequence[NodeCost], cluster: Cluster, shape: RunShape, *, replicas: int | None = None,
     schedules: tuple[ScheduleKind, ...] | None = None, tensor_parallel: Sequence[int] = (1,),
-    sharded: Mapping[int, ShardedTable] | None = None,
+    sharded: Mapping[int, ShardedTable] | None = None, search_wider: bool = True,
 ) -> tuple[RunCandidate, RunChoice, Workload]:
     """The fastest fitting D × T × K × layout (× schedule of ``schedules``, default
     ``shape.schedule``, × stages per rank) for a cost table at microbatch ``B / M``, for each T
     of ``tensor_parallel`` (T > 1 on one GPU's share of the table: ``sharded[T]``, else the
     table's work divided by T, :func:`~pipecut.passes.parallel.tensor.shard_table`); refuses,
     with the memory needed per GPU and the smallest cluster of that device that fits, when none
-    fits."""
+    fits (``search_wider=False``: no larger cluster is tried, for a caller that only needs the
+    refusal)."""
     works = {t: _work_of(nodes, t, cluster, shape, sharded) for t in tensor_parallel}
     blocks = block_of(works[tensor_parallel[0]].modules or ("",) * works[tensor_parallel[0]].units)
 
@@ -58,13 +59,14 @@ def predict_run(
         reasons = "; ".join(f"D={s.replicas} K={s.stages} T={s.tensor_parallel}: {s.reason}" for s in choice.skipped)
         raise PartitionError(f"no D × T × K shape can run on {cluster.spec} ({reasons})")
     bigger = None
-    for factor in (2, 4, 8, 16, 32, 64):
+    for factor in (2, 4, 8, 16, 32, 64) if search_wider else ():
         wider = dataclasses.replace(cluster, nodes=cluster.nodes * factor)
         if choose(wider, (Layout.STAGES_INSIDE_NODES,)).best is not None:
             bigger = wider.spec
             break
     hint = f"the smallest {cluster.device} cluster that fits is {bigger}" if bigger else (
-        f"no cluster up to {cluster.nodes * 64} nodes of {cluster.device} fits")
+        f"no cluster up to {cluster.nodes * 64} nodes of {cluster.device} fits" if search_wider else
+        "larger clusters not tried")
     raise PartitionError(
         f"the model does not fit on {cluster.spec} with {ways}: it needs at least "
         f"{need / 2**30:.1f} GiB per GPU, a {cluster.device} has {cluster.memory_bytes / 2**30:.1f} "
