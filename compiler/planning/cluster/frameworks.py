@@ -2,17 +2,18 @@
 runtime holds beyond pipecut's own, and what its published memory figures count.
 
 The hardware (``hardware_figures.json``, :mod:`pipecut.profile.hardware`) says what a GPU and its
-links can do. ``frameworks.json`` says what an framework does with them:
+links can do. ``frameworks.json`` says what a framework does with them:
 
 * **kernels** (:class:`~pipecut.core.kinds.KernelsKind`): per device family, the one constant
   fitted end to end, the fraction of the dense bf16 peak a large product reaches inside a run on
   those kernels. It belongs to the kernels, so frameworks that run the same kernels share it.
-* **frameworks** (:class:`~pipecut.core.kinds.FrameworkKind`): the kernels, the runtime's own memory
-  (:class:`~pipecut.planning.cluster.foreign.RuntimeTerm`) and what its memory figure counts
-  beyond tensors (parts of :func:`pipecut.profile.hardware.memory_overheads`).
+* **frameworks** (:class:`~pipecut.core.kinds.FrameworkKind`): the kernels, the runtime's own
+  memory (:class:`~pipecut.planning.cluster.foreign.RuntimeTerm`), what its memory figure counts
+  beyond tensors (parts of :func:`pipecut.profile.hardware.memory_overheads`), its ZeRO-1 and
+  the communication it can overlap (:class:`Overlap`).
 
-A prediction names its framework (``RunPrediction.framework``); an framework whose kernels have no figure
-for a family is refused there, by name, rather than priced with another's.
+A prediction names its framework (``RunPrediction.framework``); a framework whose kernels have no
+figure for a family is refused there, by name, rather than priced with another's.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def test_every_framework_kind_is_in_the_data_with_its_kernels_and_terms() -> Non
 
 
 def test_each_kernels_figure_is_fitted_on_the_run_the_validation_split_names() -> None:
-    """One constant per kernels and family, fitted on one declared run of an framework on those
+    """One constant per kernels and family, fitted on one declared run of a framework on those
     kernels, and below what one product reaches alone on that hardware."""
     data = json.loads(RUNS.read_text())
     split = {name for key, name in data["split"].items() if not key.startswith("declared")}
