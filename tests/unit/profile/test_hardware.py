@@ -22,7 +22,7 @@ def test_every_figure_has_a_source_and_a_range_around_its_value() -> None:
 
 
 def test_the_hardware_figures_hold_no_engine_constant() -> None:
-    """What a product reaches inside a run is an engine's kernels' figure (engines.json), not the
+    """What a product reaches inside a run is a framework's kernels' figure (frameworks.json), not the
     hardware's: the hardware keeps what one product reaches alone."""
     for family in ("ampere", "hopper"):
         figs = family_figures(family)
