@@ -10,7 +10,7 @@ root unit (-1).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pipecut.cluster import Link
@@ -155,9 +155,11 @@ def fsdp_exposed(st: StageWork, d: int, link: Link, ranks: int, kind: DataParall
     if d <= 1:
         return 0.0, 0.0
     if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1):
-        reduce, weights = _replica_collectives(st, d, link, kind, distributed_optimizer)
-        if not overlapped:
+        if not overlapped:  # one collective of the stage's bytes after its last backward, as before
+            reduce, weights = _replica_collectives(replace(st, param_bytes=(sum(st.param_bytes),)), d, link, kind,
+                                                   distributed_optimizer)
             return 0.0, sum(reduce) + sum(weights)
+        reduce, weights = _replica_collectives(st, d, link, kind, distributed_optimizer)
         back = [b + r for b, r in zip(st.backward_ms, st.recompute_ms)][::-1]
         return 0.0, exposed_ms(reduce[::-1], back) + exposed_ms(weights, st.forward_ms)
     gather = [ring_ms(p, d, link) for p in st.param_bytes]

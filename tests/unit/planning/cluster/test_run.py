@@ -132,8 +132,10 @@ def test_zero1_as_megatron_s_distributed_optimizer_holds_and_moves_less_than_pip
     assert dict(ours.memory_parts)["state"] == pytest.approx(params * (8 + 8 / 2))
     assert dict(megatron.memory_parts)["state"] == pytest.approx(params * (6 + 12 / 2))
     bf16, fp32 = ring_ms(2 * 10**6, 2, NET), ring_ms(4 * 10**6, 2, NET)  # one ring pass of one unit's weights
-    assert ours.exposed_comm_ms == pytest.approx(4 * (2 * bf16 + fp32))  # all-reduce, then the fp32 weights gathered
-    assert megatron.exposed_comm_ms == pytest.approx(4 * (fp32 + bf16))  # fp32 gradients scattered, bf16 weights gathered
+    # not overlapped: one collective of the stage's bytes each (the four units' 8e6 bytes)
+    bf16_all, fp32_all = ring_ms(8 * 10**6, 2, NET), ring_ms(16 * 10**6, 2, NET)
+    assert ours.exposed_comm_ms == pytest.approx(2 * bf16_all + fp32_all)  # all-reduce, then the fp32 weights gathered
+    assert megatron.exposed_comm_ms == pytest.approx(fp32_all + bf16_all)  # fp32 gradients scattered, bf16 weights gathered
     hidden = run(work, c, 2, 1, batch_size=2, sharding=DataParallelKind.ZERO1, distributed_optimizer=True,
                  overlapped_reduction=True)
     # each unit's reduction under the next unit's backward, its gather under the next forward: the first of each shows
