@@ -21,7 +21,6 @@ tensor-parallel collective under its product (``shard_table(..., overlapped=True
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import statistics
@@ -31,11 +30,11 @@ from typing import Any
 
 from pipecut.core.kinds import AttentionKernel, Fp8Recipe, LeafKind, NodeOp
 from pipecut.ir import Leaf, NodeCost
-from pipecut.planning.cluster.frameworks import Overlap, framework
+from pipecut.planning.cluster.frameworks import Overlap, fp8_saved, framework
 from pipecut.profile.flops import NodeWork
 from pipecut.profile.hardware import FigureEnd
 
-__all__ = ["Choice", "Prediction", "load", "planner_choice", "predict", "refusals", "table", "transformer_rows"]
+__all__ = ["Choice", "Prediction", "load", "planner_choice", "predict", "table", "transformer_rows"]
 
 DATA = Path(__file__).with_name("validation_runs.json")
 _TENSOR = '[1, {"type": null, "context": null, "children_spec": []}]'
@@ -220,9 +219,10 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
                                                 (Overlap.DATA_PARALLEL, run.get("overlapped_reduction", False))) if asked),
                        run["name"])
     fp8 = run["precision"] == "fp8"  # the blocks' linears in FP8 (Transformer Engine's), the output layer in bf16
+    fp8_rows = frozenset(r.name for r in rows if r.target == "linear" and r.name != "lm_head") if fp8 else frozenset()
+    rows = fp8_saved(rows, fp8_rows)  # their inputs kept for the backward in FP8
     hw = family_model(profile, attention=AttentionKernel.FLASH if run["attention"] == "flash" else AttentionKernel.EFFICIENT, bound=bound,
-                      residual=residual, framework_kind=ran.kind,
-                      fp8_rows=frozenset(r.name for r in rows if r.target == "linear" and r.name != "lm_head") if fp8 else frozenset(),
+                      residual=residual, framework_kind=ran.kind, fp8_rows=fp8_rows,
                       fp8_recipe=Fp8Recipe(run.get("fp8_recipe", "delayed")))
     assert hw is not None, f"no hardware figures for {profile.name}"
     nodes = hw.price(rows, work)
@@ -242,11 +242,12 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
                      sequence_parallel=sp, fixed_memory_bytes=fixed, runtime_terms=ran.runtime_terms,
                      overlapped_reduction=run.get("overlapped_reduction", False),
                      distributed_optimizer=ran.distributed_optimizer,
+                     bf16_gradients=not run.get("grad_reduce_in_fp32", True),
                      reserve_fraction=over["fragmentation"] if planner else 0.0)
     sizes = tensor_sizes(cluster.gpus_per_node, (model["heads"], model.get("kv_heads", model["heads"]))) \
         if planner else (tp,)
     sharded = sharded_tables(nodes, sizes, cluster, sequence_parallel=sp, model=hw, counted=(rows, work),
-                             overlapped=run.get("async_tp", False))
+                             overlapped=run.get("async_tp", False), regather=ran.regathers)
     if ring is not None:  # the per-GPU tables priced again from the rows: their rings again, at 1/T of the chunk
         sharded = {t: dataclasses.replace(table, nodes=ring(table.nodes, t)) for t, table in sharded.items()}
     best, _, _ = predict_run(nodes, cluster, shape, replicas=None if planner else replicas, schedules=(shape.schedule,),
@@ -326,28 +327,10 @@ def planner_choice(run: dict[str, Any], models: dict[str, Any]) -> Choice:
 
 
 def table() -> list[Prediction]:
-    """Every run priced, but those pipecut refuses as not fitting (:func:`refusals`)."""
+    """Every run priced at its published layout. Each of them trained, so each must fit: a row the
+    model finds over its GPU's memory raises (a wrong fit / out-of-memory outcome)."""
     data = load()
-    return [predict(r, data["models"]) for r in data["runs"] if not r.get("refused_by_pipecut")]
-
-
-@functools.cache
-def refusals() -> dict[str, str]:
-    """The runs that trained but pipecut's model refuses (``refused_by_pipecut``): name → the
-    refusal (a wrong fit / out-of-memory outcome, each explained in its row)."""
-    from pipecut.errors import PartitionError
-
-    data = load()
-    out = {}
-    for r in data["runs"]:
-        if r.get("refused_by_pipecut"):
-            try:
-                predict(r, data["models"])
-            except PartitionError as e:
-                out[r["name"]] = str(e)
-            else:
-                out[r["name"]] = ""
-    return out
+    return [predict(r, data["models"]) for r in data["runs"]]
 
 
 def fit(run_name: str, lo: float = 0.3, hi: float = 0.95, steps: int = 14) -> float:

@@ -257,12 +257,14 @@ def split_outputs(kinds: Mapping[str, TensorShard], nodes: Sequence[NodeCost], *
 
 
 def collectives(nodes: Sequence[NodeCost], kinds: Mapping[str, TensorShard], tp: int, link: Link, *,
-                sequence_parallel: bool) -> dict[str, tuple[float, float]]:
+                sequence_parallel: bool, regather: bool = False) -> dict[str, tuple[float, float]]:
     """Per node, the (forward, backward) ms of the group's collectives it waits for, on ``link``
     (a ring of ``tp`` GPUs, the full buffer's bytes from the unsharded table): ``g`` after each
     ROW and VOCAB node; ``f`` on each replicated value that COLUMN nodes read, once however many
     read it (q, k and v share one), charged to the first of them. All-reduce = reduce-scatter +
-    all-gather: twice :func:`~pipecut.planning.cluster.stage.ring_ms`."""
+    all-gather: twice :func:`~pipecut.planning.cluster.stage.ring_ms`. ``regather`` (with
+    sequence parallelism): ``f``'s input kept as its shard and all-gathered again in the
+    backward, one more all-gather there (:func:`shard_table`)."""
     if tp <= 1:
         return {}
     by_name = {n.name: n for n in nodes}
@@ -279,7 +281,7 @@ def collectives(nodes: Sequence[NodeCost], kinds: Mapping[str, TensorShard], tp:
             add(n.name, *((size, size) if sequence_parallel else (2 * size, 0.0)))
     for value, reader in gathered_inputs(nodes, kinds).items():  # f, charged to its first reader
         size = half(by_name[value].output_bytes)
-        add(reader, *((size, size) if sequence_parallel else (0.0, 2 * size)))
+        add(reader, *((size, 2 * size if regather else size) if sequence_parallel else (0.0, 2 * size)))
     return out
 
 
@@ -311,7 +313,8 @@ class ShardedTable:
 
 
 def shard_table(nodes: Sequence[NodeCost], tp: int, link: Link, *, sequence_parallel: bool,
-                times: Mapping[str, tuple[float, float]] | None = None, overlapped: bool = False) -> ShardedTable:
+                times: Mapping[str, tuple[float, float]] | None = None, overlapped: bool = False,
+                regather: bool = False) -> ShardedTable:
     """``nodes`` (the full table, one microbatch) as one GPU of a ``tp``-way group runs them.
 
     ``times``: the (forward, backward) ms of each node of :func:`split_work` at its 1/T share,
@@ -319,7 +322,13 @@ def shard_table(nodes: Sequence[NodeCost], tp: int, link: Link, *, sequence_para
     given, its times are divided by T. Weights read by COLUMN, ROW and VOCAB nodes are divided
     by T; so are the outputs and kept bytes of :func:`split_outputs`. The collectives of
     :func:`collectives` are added to the times of the node they follow; ``overlapped`` (async
-    tensor parallelism): only what each takes beyond that node's own product, which hides it."""
+    tensor parallelism): only what each takes beyond that node's own product, which hides it.
+
+    With sequence parallelism a column product's input is all-gathered. DTensor's redistribute
+    is an op of the graph, so autograd keeps the gathered copy, whole on every GPU (pipecut's
+    runtime and torchtitan). ``regather``: the copy is not kept; the shard is, and the backward
+    gathers it again (Megatron-LM's and Transformer Engine's column-parallel linears), so its
+    saved bytes are divided by T and its backward waits for one more all-gather."""
     kinds = shard_kinds(nodes)
     if tp <= 1:
         return ShardedTable(tensor_parallel=1, sequence_parallel=False, nodes=tuple(nodes), kinds=kinds)
@@ -328,11 +337,8 @@ def shard_table(nodes: Sequence[NodeCost], tp: int, link: Link, *, sequence_para
     outs = split_outputs(kinds, nodes, sequence_parallel=sequence_parallel)
     weights = {w for n in nodes if kinds[n.name] in (TensorShard.COLUMN, TensorShard.ROW, TensorShard.VOCAB)
                for w in _weights(n, by_name)}
-    comm = collectives(nodes, kinds, tp, link, sequence_parallel=sequence_parallel)
-    # With sequence parallelism a column product's input is all-gathered, and autograd keeps the
-    # gathered copy, whole on every GPU (DTensor's redistribute is an op of the graph; Megatron-LM
-    # keeps the shard and gathers again in backward, which is not modelled).
-    whole_saved = set(gathered_inputs(nodes, kinds)) if sequence_parallel else set()
+    comm = collectives(nodes, kinds, tp, link, sequence_parallel=sequence_parallel, regather=regather)
+    whole_saved = set(gathered_inputs(nodes, kinds)) if sequence_parallel and not regather else set()
     given = times or {}
     rows = []
     exposed: dict[str, tuple[float, float]] = {}

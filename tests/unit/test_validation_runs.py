@@ -98,52 +98,51 @@ def test_every_prediction_carries_a_range_around_it(table: dict[str, validation.
 def test_megatron_core_h100_rows_are_priced_with_megatron_s_kernels_and_each_miss_is_explained(
         table: dict[str, validation.Prediction]) -> None:
     """Issue 43's Megatron-Core rows (the Megatron-LM README's H100 weak scaling): one fitted,
-    the others checks, priced with Megatron's distributed optimizer and overlaps. Not yet at
-    issue 43's targets: every miss beyond 10% is said, none beyond 25%, and the two rows pipecut
-    refuses are refused for memory, under the declared assumption of no recomputation."""
+    the others checks, priced with Megatron's distributed optimizer, overlaps and
+    sequence-parallel inputs. Not yet at issue 43's worst-case target: every miss beyond 10% is
+    said, none beyond 25%; every row, having trained, is priced as fitting (the 314B and 462B
+    rows did not fit while the gathered inputs were priced whole)."""
     runs = {r["name"]: r for r in validation.load()["runs"] if r["source"] == "megatron-core-h100"}
     assert len(runs) == 9 and all(r["framework"] == "megatron" and r["overlapped_reduction"] for r in runs.values())
-    priced = [table[n] for n in runs if n in table]
-    assert len(priced) == 7 and sum(p.fitted for p in priced) == 1
+    priced = [table[n] for n in runs]
+    assert sum(p.fitted for p in priced) == 1
     for p in priced:
         assert abs(p.error) <= 0.10 or "not traced" in p.explained, p.name
         assert abs(p.error) <= 0.25, (p.name, p.error)
-    refused = validation.refusals()
-    assert {n for n in refused if n in runs} == {n for n in runs if n not in table}
-    for name in (n for n in refused if n in runs):
-        assert "does not fit" in refused[name] and "recomputation" in runs[name]["explained"], name
+        assert p.memory_gib < 80e9 / 2**30, (p.name, p.memory_gib)
 
 
 def test_fp8_rows_are_priced_from_the_fp8_peak_and_each_miss_is_explained(
         table: dict[str, validation.Prediction]) -> None:
     """Issue 43's FP8 rows (NeMo 24.07, Megatron-Bridge 25.09 / 25.11 on H100): nothing fitted on
-    them; the blocks' linears at the FP8 peak with the recipe's casts. Every priced row within
-    15%, a miss beyond 10% said; the rows refused are refused for memory under the declared
-    assumption of no recomputation."""
+    them; the blocks' linears at the FP8 peak with the recipe's casts, their inputs kept in FP8.
+    Every row priced (each trained: each fits) within 15%, a miss beyond 10% said."""
     runs = {r["name"]: r for r in validation.load()["runs"] if r["precision"] == "fp8" and r.get("cp", 1) == 1}
     assert len(runs) == 9 and not any(r["fitted"] for r in runs.values())
     assert {r["fp8_recipe"] for r in runs.values()} == {"delayed", "current"}
-    priced = [table[n] for n in runs if n in table]
-    assert len(priced) == 5
-    for p in priced:
+    for name in runs:
+        p = table[name]
         assert abs(p.error) <= 0.15, (p.name, p.error)
         assert abs(p.error) <= 0.10 or p.explained, (p.name, p.error)
-    refused = validation.refusals()
-    for name in (n for n in runs if n not in table):
-        assert "does not fit" in refused[name] and "no recomputation" in runs[name]["explained"], name
+
+
+def test_nvidia_recipes_bf16_gradients_are_declared_and_priced(table: dict[str, validation.Prediction]) -> None:
+    """The rows whose recipe reduces gradients in bf16 say so, with the script that sets it, and
+    each is a distributed-optimizer run (the only one priced that way)."""
+    runs = [r for r in validation.load()["runs"] if r.get("grad_reduce_in_fp32") is False]
+    assert len(runs) == 11
+    for r in runs:
+        assert r["dp"] == "zero1" and r["framework"] == "megatron", r["name"]
+        assert any("grad_reduce_in_fp32" in a and "scripts/performance" in a for a in r["assumed"]), r["name"]
+        assert r["name"] in table
 
 
 def test_context_parallel_rows_are_priced_as_a_ring_and_each_miss_is_explained(
         table: dict[str, validation.Prediction]) -> None:
-    """Issue 43's CP 2 rows: nothing fitted on them. Each is priced within 15% with its miss
-    said, or refused for memory with why."""
+    """Issue 43's CP 2 rows: nothing fitted on them. Each is priced (each trained: each fits)
+    within issue 43's 20%, a miss beyond 10% said."""
     runs = {r["name"]: r for r in validation.load()["runs"] if r.get("cp", 1) > 1}
     assert len(runs) == 4 and not any(r["fitted"] for r in runs.values())
-    refused = validation.refusals()
-    for name, r in runs.items():
-        if name in table:
-            p = table[name]
-            assert abs(p.error) <= 0.15 and (abs(p.error) <= 0.10 or p.explained), (name, p.error)
-        else:
-            assert "does not fit" in refused[name] and "recomputation" in r["explained"], name
-    assert any(name in table for name in runs)
+    for name in runs:
+        p = table[name]
+        assert abs(p.error) <= 0.20 and (abs(p.error) <= 0.10 or p.explained), (name, p.error)

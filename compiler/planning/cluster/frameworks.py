@@ -9,8 +9,10 @@ links can do. ``frameworks.json`` says what a framework does with them:
   those kernels. It belongs to the kernels, so frameworks that run the same kernels share it.
 * **frameworks** (:class:`~pipecut.core.kinds.FrameworkKind`): the kernels, the runtime's own
   memory (:class:`~pipecut.planning.cluster.foreign.RuntimeTerm`), what its memory figure counts
-  beyond tensors (parts of :func:`pipecut.profile.hardware.memory_overheads`), its ZeRO-1 and
-  the communication it can overlap (:class:`Overlap`).
+  beyond tensors (parts of :func:`pipecut.profile.hardware.memory_overheads`), its ZeRO-1, what
+  it keeps of sequence parallelism's gathered inputs, and the communication it can overlap
+  (:class:`Overlap`).
+* **FP8 activations** (:func:`fp8_saved`): what a run's FP8 products keep for their backward.
 
 A prediction names its framework (``RunPrediction.framework``); a framework whose kernels have no
 figure for a family is refused there, by name, rather than priced with another's.
@@ -22,15 +24,23 @@ import dataclasses
 import enum
 import functools
 import json
+import math
+from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
 from pipecut.core.kinds import FrameworkKind, KernelsKind
 from pipecut.errors import InputError
+from pipecut.ir import NodeCost
 from pipecut.planning.cluster.foreign import RuntimeTerm
 from pipecut.profile.hardware import Figure
 
-__all__ = ["Framework", "Overlap", "framework", "frameworks", "kernels_figure"]
+__all__ = ["FP8_SAVED_FRACTION", "Framework", "Overlap", "fp8_saved", "framework", "frameworks", "kernels_figure"]
+
+FP8_SAVED_FRACTION = 0.5
+"""What an FP8 linear keeps of its input for the weight gradient, against a bf16 one: its FP8
+copy, one byte an element instead of two (Transformer Engine casts the input once for the
+forward product and saves that cast, not the bf16 tensor)."""
 
 
 class Overlap(enum.Enum):
@@ -60,6 +70,11 @@ class Framework:
     distributed_optimizer: bool = False
     """Its ZeRO-1 is Megatron's distributed optimizer (``RunShape.distributed_optimizer``), not
     torch's ``ZeroRedundancyOptimizer``."""
+    regathers: bool = False
+    """With sequence parallelism, its column products keep their input's shard and gather it
+    again in the backward (Megatron's, Transformer Engine's), rather than keeping the gathered
+    copy as autograd does over DTensor's redistribute
+    (:func:`~pipecut.passes.parallel.tensor.shard_table`'s ``regather``)."""
 
     def run_terms(self) -> dict[str, Any]:
         """The :class:`~pipecut.planning.cluster.run.RunShape` fields that price a run as this
@@ -91,7 +106,8 @@ def framework(kind: FrameworkKind | str) -> Framework:
                   runtime_terms=tuple(RuntimeTerm(t) for t in raw["runtime_terms"]),
                   memory_counts=tuple(raw["memory_counts"]), why_these_kernels=raw.get("why_these_kernels", ""),
                   overlaps=tuple(Overlap(o) for o in raw["overlaps"]),
-                  distributed_optimizer=raw["zero1"] == "distributed-optimizer")
+                  distributed_optimizer=raw["zero1"] == "distributed-optimizer",
+                  regathers=raw["sequence_parallel_inputs"] == "regathered")
 
 
 def frameworks() -> tuple[Framework, ...]:
@@ -113,3 +129,19 @@ def kernels_figure(kernels: KernelsKind, family: str, *, framework_kind: Framewo
         )
     f = raw[family]
     return Figure(value=float(f["value"]), low=float(f["low"]), high=float(f["high"]), source=f["source"]), f["fitted_on"]
+
+
+def fp8_saved(rows: Sequence[NodeCost], fp8_rows: frozenset[str]) -> tuple[NodeCost, ...]:
+    """``rows`` as a run with ``fp8_rows`` in FP8 keeps them: each of those products' saved input
+    at :data:`FP8_SAVED_FRACTION` of its bf16 bytes (a table row's ``saved_bytes`` of a product
+    is its input), every other row as it is.
+
+    Raises:
+        InputError: a name of ``fp8_rows`` is not a row.
+    """
+    names = {r.name for r in rows}
+    missing = sorted(fp8_rows - names)
+    if missing:
+        raise InputError(f"fp8_rows {missing} are not rows of the cost table; name its products' rows")
+    return tuple(dataclasses.replace(r, saved_bytes=math.ceil(r.saved_bytes * FP8_SAVED_FRACTION))
+                 if r.name in fp8_rows and r.saved_bytes is not None else r for r in rows)

@@ -52,6 +52,7 @@ from pipecut.options import (
 )
 from pipecut.passes.costs.workload import workload
 from pipecut.passes.parallel.hybrid import ShapeSkipped
+from pipecut.passes.parallel.tensor import ShardedTable
 from pipecut.passes.partition.rebuild import mark_rebuilt
 from pipecut.planning.asked import NO_REPLICAS, Context, resolve
 from pipecut.planning.cluster.choose import fastest_engine
@@ -158,8 +159,7 @@ def plan_asked_cluster(model: torch.nn.Module, example_inputs: Inputs, cluster: 
     size, first = first_microbatch(example_inputs, microbatches)
     whole = _priced_table(model, example_inputs, target, figures, microbatches, loss_fn)
     sizes = tensor_parallel_sizes(tensor_parallel, whole.nodes, figures.cluster, head_counts(model))
-    sharded = sharded_tables(whole.nodes, sizes, figures.cluster, sequence_parallel=sequence_parallel,
-                             model=figures.model, counted=whole.counted, overlapped=figures.tensor_overlapped)
+    sharded = _sharded(whole.nodes, sizes, figures, whole.counted, sequence_parallel)
     shape = dataclasses.replace(  # as the framework runs it: pipecut's own runtime changes nothing
         _run_shape(model, whole.nodes, first, size, microbatches, schedule=kinds[0], stages_per_rank=stages_per_rank,
                    recompute=rec, sequence_parallel=sequence_parallel), **figures.framework.run_terms())
@@ -173,9 +173,7 @@ def plan_asked_cluster(model: torch.nn.Module, example_inputs: Inputs, cluster: 
                           figures, microbatches, loss_fn)  # the graph a replica captures: the plan replays on it
     share_rows = share.nodes
     if t > 1:  # the plan's table is one GPU's share, as the run's
-        share_rows = sharded_tables(share_rows, (t,), figures.cluster, sequence_parallel=sequence_parallel,
-                                    model=figures.model, counted=share.counted,
-                                    overlapped=figures.tensor_overlapped)[t].nodes
+        share_rows = _sharded(share_rows, (t,), figures, share.counted, sequence_parallel)[t].nodes
     planned = plan_of_run(share_rows, sharded[t].nodes if t > 1 else whole.nodes, best, cluster=figures.cluster,
                           captured=share.captured, microbatches=microbatches, batch_size=size // d, recompute=rec,
                           sharding=shard)
@@ -248,6 +246,15 @@ def _overheads() -> dict[str, Any]:
     return {"fixed_memory_bytes": math.ceil(per["context"] + per["nccl"]), "reserve_fraction": per["fragmentation"]}
 
 
+def _sharded(rows: Sequence[NodeCost], sizes: Sequence[int], figures: Figures, counted: Any,
+             sequence_parallel: bool) -> dict[int, ShardedTable]:
+    """``rows`` at one GPU's share of each T in ``sizes``, on ``figures`` and as their framework
+    runs tensor parallelism (async or not; sequence parallelism's inputs kept gathered or gathered
+    again: :func:`~pipecut.planning.cluster.tables.sharded_tables`)."""
+    return sharded_tables(rows, sizes, figures.cluster, sequence_parallel=sequence_parallel, model=figures.model,
+                          counted=counted, overlapped=figures.tensor_overlapped, regather=figures.framework.regathers)
+
+
 def _step_at(figures: Figures, table: _Table, best: RunCandidate, shape: RunShape) -> float:
     """The step of ``best`` (its split, layout, schedule and stages per rank) on ``figures`` (one
     end of their range): the cost table priced again, the links at that end."""
@@ -256,8 +263,7 @@ def _step_at(figures: Figures, table: _Table, best: RunCandidate, shape: RunShap
     rows = tuple(dataclasses.replace(r, rebuilt=rebuilt.get(r.name, r.rebuilt)) for r in figures.model.price(*table.counted))
     on = figures.cluster
     d, k, v, t = best.placement.replicas, best.placement.stages, best.stages_per_rank, best.placement.tensor_parallel
-    tables = sharded_tables(rows, (t,), on, sequence_parallel=shape.sequence_parallel, model=figures.model,
-                            counted=table.counted, overlapped=figures.tensor_overlapped)
+    tables = _sharded(rows, (t,), figures, table.counted, shape.sequence_parallel)
     work = workload(tables[t].nodes, tables[t].collectives) if t > 1 else workload(rows)
     run = dataclasses.replace(shape, schedule=best.schedule, stages_per_rank=v, tensor_parallel=t)
     again = evaluate_run(work, block_of(work.modules or ("",) * work.units), run, on,

@@ -180,6 +180,10 @@ class RunShape:
     """ZeRO-1 as Megatron's distributed optimizer runs it (6 + 12/D bytes per parameter, the
     gradients reduce-scattered and the weights gathered) rather than as pipecut's
     ``ZeroRedundancyOptimizer`` (8 + 8/D, an all-reduce and an fp32 gather): a framework's run."""
+    bf16_gradients: bool = False
+    """With ``distributed_optimizer``: the gradients accumulated and reduce-scattered in bf16
+    (Megatron's ``grad_reduce_in_fp32=False``, which NVIDIA's performance recipes set): 4 + 16/D
+    bytes per parameter, half the reduce-scatter's bytes."""
 
     def __post_init__(self) -> None:
         if self.fixed_memory_bytes < 0 or not 0 <= self.reserve_fraction < 1:
@@ -189,6 +193,9 @@ class RunShape:
             )
         if self.tensor_parallel < 1:
             raise InputError(f"tensor_parallel={self.tensor_parallel}: give a size ≥ 1")
+        if self.bf16_gradients and not self.distributed_optimizer:
+            raise InputError("bf16_gradients=True prices Megatron's distributed optimizer with 16-bit gradients: "
+                             "set distributed_optimizer=True as well (pipecut's own replicas reduce in fp32)")
         v, kind = self.stages_per_rank, self.schedule
         fixed = kind.fixed_stages_per_rank or 1
         if v is not None and (v < 1 or (kind is not ScheduleKind.INTERLEAVED_1F1B and v not in (1, fixed))):
@@ -361,7 +368,7 @@ def _priced(work: Workload, bounds: tuple[int, ...], sts: Sequence[StageWork], s
     mine = [[s for s in range(n) if rank[s] == r] for r in range(k)]
     rings = tuple(cluster.ring_link(place.replica_group(r)) for r in range(k))
     exposed = [fsdp_exposed(merged([sts[s] for s in mine[r]]), d, rings[r], k, shape.sharding,
-                            shape.overlapped_reduction, shape.distributed_optimizer)
+                            shape.overlapped_reduction, shape.distributed_optimizer, shape.bf16_gradients)
                for r in range(k)]
     half = [exposed[rank[s]][0] / 2 for s in range(n)]  # per microbatch: only with one rank
     f_ms = [sum(st.forward_ms) + half[s] for s, st in enumerate(sts)]
@@ -470,7 +477,8 @@ def _memory(schedule: Schedule, sts: Sequence[StageWork], d: int, k: int,
                             [st.left_bytes for st in sts])
     state = [math.ceil(state_memory(st, replicas=d, ranks=k, sharding=shape.sharding,
                                     param_dtype_bytes=shape.param_dtype_bytes,
-                                    distributed_optimizer=shape.distributed_optimizer)) for st in sts]
+                                    distributed_optimizer=shape.distributed_optimizer,
+                                    bf16_gradients=shape.bf16_gradients)) for st in sts]
     return state, [math.ceil(x + st.standing_bytes) for x, st in zip(live, sts)]
 
 

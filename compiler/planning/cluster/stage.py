@@ -42,6 +42,10 @@ DISTRIBUTED_OPTIMIZER_SHARDED_BYTES = 12
 parameter, the bf16 weight and the fp32 main gradient whole, the fp32 main weight and AdamW's
 two moments sharded over the D replicas (Megatron-LM ``docs/source/api-guide/dist_optimizer.md``,
 its table of bytes per parameter)."""
+DISTRIBUTED_OPTIMIZER_BF16_GRADIENTS = (4, 16)
+"""The same with 16-bit gradients (``grad_reduce_in_fp32=False``): 4 + 16/D, the bf16 weight and
+gradient whole, the fp32 main weight, main gradient and two moments sharded (the same table's
+16-bit-gradient row); the reduce-scatter moves 2 bytes a parameter instead of 4."""
 
 
 def exposed_ms(comm: Sequence[float], compute: Sequence[float]) -> float:
@@ -119,15 +123,19 @@ def stage_work(work: Workload, blocks: tuple[int, ...], start: int, end: int, d:
 
 
 def state_memory(stage: StageWork, *, replicas: int, ranks: int, sharding: DataParallelKind,
-                 param_dtype_bytes: int, distributed_optimizer: bool = False) -> float:
+                 param_dtype_bytes: int, distributed_optimizer: bool = False, bf16_gradients: bool = False) -> float:
     """One GPU's bytes for a stage's parameters: its share of the sharded state and the working
     copies it gathers (activations aside); ``param_dtype_bytes`` per parameter of the cost
     table's ``param_bytes``. ``distributed_optimizer``: ZeRO-1 as Megatron's distributed
     optimizer holds it (:data:`DISTRIBUTED_OPTIMIZER_SHARDED_BYTES`), not as pipecut's
-    ``ZeroRedundancyOptimizer`` does."""
+    ``ZeroRedundancyOptimizer`` does; ``bf16_gradients``: its 16-bit-gradient row
+    (:data:`DISTRIBUTED_OPTIMIZER_BF16_GRADIENTS`)."""
     params = sum(stage.param_bytes) / param_dtype_bytes
     if sharding is DataParallelKind.DDP:
         return STATE_BYTES_PER_PARAM * params
+    if sharding is DataParallelKind.ZERO1 and distributed_optimizer and bf16_gradients:
+        whole, sharded = DISTRIBUTED_OPTIMIZER_BF16_GRADIENTS
+        return whole * params + sharded * params / replicas
     if sharding is DataParallelKind.ZERO1 and distributed_optimizer:
         return DISTRIBUTED_OPTIMIZER_WHOLE_BYTES * params + DISTRIBUTED_OPTIMIZER_SHARDED_BYTES * params / replicas
     if sharding is DataParallelKind.ZERO1:  # weights and gradients whole, the moments a D-th
@@ -144,22 +152,24 @@ def state_memory(stage: StageWork, *, replicas: int, ranks: int, sharding: DataP
 
 
 def fsdp_exposed(st: StageWork, d: int, link: Link, ranks: int, kind: DataParallelKind,
-                  overlapped: bool = False, distributed_optimizer: bool = False) -> tuple[float, float]:
+                  overlapped: bool = False, distributed_optimizer: bool = False,
+                  bf16_gradients: bool = False) -> tuple[float, float]:
     """Exposed collective ms of one GPU's stages (merged in execution order): (per microbatch,
     once at the end of the step). ``overlapped`` (DDP and ZeRO-1): each unit's gradient
     reduction runs under the next unit's backward of the last microbatch, and ZeRO-1's weights
     gather under the forward, as Megatron-Core's ``--overlap-grad-reduce --overlap-param-gather``
     run them; without, both wait for the last backward (pipecut's runtime, priced conservatively).
     ``distributed_optimizer`` (ZeRO-1 as Megatron runs it): the fp32 main gradients
-    reduce-scattered and the updated bf16 weights all-gathered, one ring pass each."""
+    reduce-scattered (bf16 with ``bf16_gradients``) and the updated bf16 weights all-gathered,
+    one ring pass each."""
     if d <= 1:
         return 0.0, 0.0
     if kind in (DataParallelKind.DDP, DataParallelKind.ZERO1):
         if not overlapped:  # one collective of the stage's bytes after its last backward, as before
             reduce, weights = _replica_collectives(replace(st, param_bytes=(sum(st.param_bytes),)), d, link, kind,
-                                                   distributed_optimizer)
+                                                   distributed_optimizer, bf16_gradients)
             return 0.0, sum(reduce) + sum(weights)
-        reduce, weights = _replica_collectives(st, d, link, kind, distributed_optimizer)
+        reduce, weights = _replica_collectives(st, d, link, kind, distributed_optimizer, bf16_gradients)
         back = [b + r for b, r in zip(st.backward_ms, st.recompute_ms)][::-1]
         return 0.0, exposed_ms(reduce[::-1], back) + exposed_ms(weights, st.forward_ms)
     gather = [ring_ms(p, d, link) for p in st.param_bytes]
@@ -174,13 +184,14 @@ def fsdp_exposed(st: StageWork, d: int, link: Link, ranks: int, kind: DataParall
 
 
 def _replica_collectives(st: StageWork, d: int, link: Link, kind: DataParallelKind,
-                         distributed_optimizer: bool) -> tuple[list[float], list[float]]:
+                         distributed_optimizer: bool, bf16_gradients: bool = False) -> tuple[list[float], list[float]]:
     """Per unit, the ms of the gradients' reduction and of the updated weights' gather of DDP
     (an all-reduce, no gather) or ZeRO-1 (pipecut's: the all-reduce, then each owner's fp32
     weights gathered; Megatron's distributed optimizer: the fp32 gradients reduce-scattered,
-    the bf16 weights gathered)."""
+    the bf16 weights gathered; bf16 gradients with ``bf16_gradients``)."""
     if kind is DataParallelKind.ZERO1 and distributed_optimizer:
-        return ([ring_ms(p * REDUCE_BYTES_PER_PARAM / 2, d, link) for p in st.param_bytes],
+        width = 2 if bf16_gradients else REDUCE_BYTES_PER_PARAM
+        return ([ring_ms(p * width / 2, d, link) for p in st.param_bytes],
                 [ring_ms(p, d, link) for p in st.param_bytes])
     reduce = [2 * ring_ms(p, d, link) for p in st.param_bytes]  # all-reduce = reduce-scatter + all-gather
     if kind is DataParallelKind.DDP:

@@ -60,13 +60,15 @@ def tensor_parallel_sizes(asked: str | int, nodes: Sequence[NodeCost], cluster: 
 def sharded_tables(
     nodes: Sequence[NodeCost], sizes: Sequence[int], cluster: Cluster, *, sequence_parallel: bool,
     model: HardwareModel | None = None, counted: tuple[Sequence[NodeCost], Mapping[str, NodeWork]] | None = None,
-    overlapped: bool = False,
+    overlapped: bool = False, regather: bool = False,
 ) -> dict[int, ShardedTable]:
     """Per size T > 1 of ``sizes``: ``nodes`` as one GPU of a T-way group on the cluster's
     NVLink runs them. With the per-op ``model`` and the rows and work it priced ``nodes`` from
     (``counted``), every divided node is priced again at 1/T of its FLOPs and bytes, a column
     product at 1/T of its output features; without, its times are divided by T. ``overlapped``:
-    the collectives as async tensor parallelism hides them (:func:`shard_table`)."""
+    the collectives as async tensor parallelism hides them; ``regather``: sequence parallelism's
+    gathered inputs kept as their shards and gathered again in the backward, as Megatron runs it
+    (both :func:`shard_table`)."""
     kinds = shard_kinds(nodes)
     out = {}
     for t in sizes:
@@ -77,7 +79,7 @@ def sharded_tables(
             divided = split_work(kinds, nodes, sequence_parallel=sequence_parallel)
             times = _priced_share(model, counted, divided, kinds, t)
         out[t] = shard_table(nodes, t, cluster.intra, sequence_parallel=sequence_parallel, times=times,
-                             overlapped=overlapped)
+                             overlapped=overlapped, regather=regather)
     return out
 
 

@@ -123,6 +123,26 @@ def test_one_gpus_share_divides_weights_activations_and_time() -> None:
     assert seq["emb"].forward_ms == pytest.approx(1.0 + table.collectives["emb"][0] / 2)  # the lookup stays whole
 
 
+def test_regathered_inputs_are_kept_as_shards_and_gathered_again_in_the_backward() -> None:
+    """Megatron's and Transformer Engine's column products keep their input's shard under
+    sequence parallelism and all-gather it again in the backward: its saved bytes are divided
+    by T, and its first reader's backward waits for one more all-gather."""
+    rows = _block()
+    by = {n.name: n for n in rows}
+    kept = shard_table(rows, 2, NVLINK, sequence_parallel=True)
+    again = shard_table(rows, 2, NVLINK, sequence_parallel=True, regather=True)
+    got = {n.name: n for n in again.nodes}
+    assert got["norm1"].saved_bytes == by["norm1"].saved_bytes // 2
+    assert got["norm2"].saved_bytes == by["norm2"].saved_bytes // 2
+    one = ring_ms(ACT, 2, NVLINK)
+    assert again.collectives["q"] == pytest.approx((one, 2 * one))
+    assert kept.collectives["q"] == pytest.approx((one, one))
+    assert again.collectives["o"] == kept.collectives["o"]  # a row product's collective is as before
+    # without sequence parallelism nothing is gathered: the flag changes nothing
+    assert shard_table(rows, 2, NVLINK, sequence_parallel=False, regather=True) == shard_table(
+        rows, 2, NVLINK, sequence_parallel=False)
+
+
 def test_caller_priced_times_replace_the_division() -> None:
     rows = _block()
     table = shard_table(rows, 2, NVLINK, sequence_parallel=False, times={"q": (0.7, 1.6)})

@@ -8,10 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from pipecut.core.kinds import FrameworkKind, KernelsKind
+from pipecut.core.kinds import FrameworkKind, KernelsKind, NodeOp
 from pipecut.errors import InputError
+from pipecut.ir import NodeCost
 from pipecut.planning.cluster.foreign import RuntimeTerm
-from pipecut.planning.cluster.frameworks import framework, frameworks, kernels_figure
+from pipecut.planning.cluster.frameworks import (
+    FP8_SAVED_FRACTION,
+    fp8_saved,
+    framework,
+    frameworks,
+    kernels_figure,
+)
 from pipecut.profile.hardware import family_figures, memory_overheads
 
 RUNS = Path(__file__).parents[4] / "benchmarks" / "validation_runs.json"
@@ -58,3 +65,22 @@ def test_an_unknown_engine_is_refused_with_the_engines() -> None:
     with pytest.raises(InputError, match="no framework runs megatron kernels, and no published run on them is fitted "
                                          "for the volta family"):
         kernels_figure(KernelsKind.MEGATRON, "volta")
+
+
+def test_only_megatron_regathers_sequence_parallel_inputs() -> None:
+    """Megatron's column-parallel linears keep their input's shard and gather it again in the
+    backward; pipecut's runtime and torchtitan run DTensor, whose autograd keeps the gathered copy."""
+    assert {e.kind for e in frameworks() if e.regathers} == {FrameworkKind.MEGATRON}
+
+
+def test_fp8_products_keep_their_inputs_in_fp8_and_nothing_else_changes() -> None:
+    rows = (NodeCost(name="x", op=NodeOp.PLACEHOLDER, target="x", output_bytes=64),
+            NodeCost(name="up", op=NodeOp.CALL_FUNCTION, target="linear", inputs=("x",), saved_bytes=64),
+            NodeCost(name="act", op=NodeOp.CALL_FUNCTION, target="silu", inputs=("up",), saved_bytes=128),
+            NodeCost(name="head", op=NodeOp.CALL_FUNCTION, target="linear", inputs=("act",), saved_bytes=64))
+    got = {r.name: r for r in fp8_saved(rows, frozenset({"up"}))}
+    assert got["up"].saved_bytes == 64 * FP8_SAVED_FRACTION == 32
+    assert got["act"] == rows[2] and got["head"] == rows[3] and got["x"] == rows[0]
+    assert fp8_saved(rows, frozenset()) == rows
+    with pytest.raises(InputError, match=r"\['down'\] are not rows"):
+        fp8_saved(rows, frozenset({"down"}))

@@ -8,6 +8,7 @@ import pytest
 
 from pipecut.cluster import Cluster, Layout, Link
 from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
+from pipecut.errors import InputError
 from pipecut.passes.costs.workload import Workload
 from pipecut.planning.cluster.run import (
     RunCandidate,
@@ -142,6 +143,23 @@ def test_zero1_as_megatron_s_distributed_optimizer_holds_and_moves_less_than_pip
     back, fwd = 2 * 5.0, 5.0
     assert hidden.exposed_comm_ms == pytest.approx(fp32 + 3 * max(0.0, fp32 - back) + bf16 + 3 * max(0.0, bf16 - fwd))
     assert hidden.exposed_comm_ms < megatron.exposed_comm_ms and hidden.step_ms < megatron.step_ms
+
+
+def test_megatron_s_distributed_optimizer_with_bf16_gradients_holds_4_plus_16_over_d() -> None:
+    """Megatron's 16-bit-gradient row (4 + 16/D bytes per parameter) and its reduce-scatter at
+    half the bytes; refused without the distributed optimizer, which alone is priced that way."""
+    work = chain(4, params=2 * 10**6, act=100, ms=5.0)
+    c = cluster(2, 1)
+    fp32 = run(work, c, 2, 1, batch_size=2, sharding=DataParallelKind.ZERO1, distributed_optimizer=True)
+    bf16 = run(work, c, 2, 1, batch_size=2, sharding=DataParallelKind.ZERO1, distributed_optimizer=True,
+               bf16_gradients=True)
+    params = 4 * 2 * 10**6 / 2
+    assert dict(bf16.memory_parts)["state"] == pytest.approx(params * (4 + 16 / 2))
+    assert dict(fp32.memory_parts)["state"] == pytest.approx(params * (6 + 12 / 2))
+    whole = ring_ms(8 * 10**6, 2, NET)  # the stage's bf16 bytes, one ring pass
+    assert bf16.exposed_comm_ms == pytest.approx(whole + whole)  # bf16 gradients scattered, bf16 weights gathered
+    with pytest.raises(InputError, match="distributed_optimizer=True"):
+        run(work, c, 2, 1, batch_size=2, sharding=DataParallelKind.ZERO1, bf16_gradients=True)
 
 
 def test_memory_checkpointing_keeps_block_inputs() -> None:
