@@ -37,8 +37,6 @@ EXEMPT: dict[str, tuple[str, str]] = {
         "tests/multiprocess/test_parity.py", "compile()'s build/materialise/sync steps: need a process group"),
     "pipecut.planning.cluster.stage": (
         "tests/unit/planning/cluster/test_schedule.py", "a cluster run's per-stage costs: checked through the runs they price"),
-    "pipecut.planning.cluster.run_plan": (
-        "tests/unit/planning/cluster/test_schedule.py", "the plan of the chosen cluster run: its stages agree with the run line"),
     "pipecut.runtime.pipeline": (
         "tests/multiprocess/test_training_loop.py", "the Pipeline object only runs across processes: the README's loop"),
 }

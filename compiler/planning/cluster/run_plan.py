@@ -19,6 +19,7 @@ where any crosses nodes; a note says so when some cuts stay on NVLink).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -99,16 +100,25 @@ def mixed_links_note(cluster: Cluster, run: RunCandidate) -> str:
 
 
 def _aligned(nodes: Sequence[NodeCost], units: Sequence[str], whole: Sequence[NodeCost]) -> Callable[[int], int]:
-    """Unit i of the whole batch's table as a position in the share's (``units``): the same
-    position where both chains are the same ops of the same modules in the same order, else
-    the position of the first unit from i on that both tables name alike (a capture at another
-    batch size may add or drop shape nodes, ``sym_size`` and the like, which cost nothing)."""
+    """Unit i of the whole batch's table as a position in the share's (``units``): the two unit
+    chains matched as sequences of ops of modules (``difflib``), unit i going to the share's unit
+    it matches, or, where the share's capture has no such unit, to the next one that matches. A
+    capture at another batch size adds or drops shape nodes (``sym_size``, a batch-1 capture's
+    ``slice`` and ``expand`` folded away), which cost nothing, and numbers the rest anew, so the
+    names of the two tables do not say which nodes are the same. Never decreasing in i."""
     names = liveness(whole).units
     share, full = {n.name: n for n in nodes}, {n.name: n for n in whole}
-    if [(share[u].target, share[u].module) for u in units] == [(full[u].target, full[u].module) for u in names]:
+    ops = [(share[u].target, share[u].module) for u in units]
+    whole_ops = [(full[u].target, full[u].module) for u in names]
+    if ops == whole_ops:
         return lambda i: i
-    index = {u: i for i, u in enumerate(units)}
-    return lambda i: next((index[u] for u in names[i:] if u in index), len(units))
+    position = [len(units)] * (len(names) + 1)
+    for block in difflib.SequenceMatcher(None, whole_ops, ops, autojunk=False).get_matching_blocks():
+        for j in range(block.size):
+            position[block.a + j] = block.b + j
+    for i in range(len(names) - 1, -1, -1):  # an unmatched unit: the next matched one's place
+        position[i] = min(position[i], position[i + 1])
+    return lambda i: position[min(i, len(names))]
 
 
 def _link_of(cluster: Cluster, run: RunCandidate) -> Link:
