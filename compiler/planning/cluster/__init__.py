@@ -7,10 +7,12 @@ Read top to bottom; each module hands data down and none calls back up:
 2. :mod:`~pipecut.planning.cluster.figures` — the hardware and its links: the cluster text read,
    and the cluster with its device's per-op model resolved once into :class:`Figures` at one end
    of the figures' range; everything below takes that record.
-3. :mod:`~pipecut.planning.cluster.tables` — the cost table at one GPU's share of a T-way
-   tensor group.
+3. :mod:`~pipecut.planning.cluster.tables` — the cost table: captured and priced for the device
+   (at the figures' values and again at either end), and at one GPU's share of a T-way tensor
+   group.
 4. :mod:`~pipecut.planning.cluster.choose` — every D × T × K × layout × schedule evaluated under
-   each engine of the replicas, the fastest that fits kept (or the refusal, with what would fit).
+   each engine of the replicas, the fastest that fits kept (or the refusal, with what would fit),
+   and the chosen run at both ends of the figures.
 5. :mod:`~pipecut.planning.cluster.run` — the cost model of one training run, pure numbers:
    D replicas × K stages laid onto nodes, priced link by link, with
    :mod:`~pipecut.planning.cluster.stage` (one stage: FSDP units, checkpointing, state,

@@ -1,5 +1,6 @@
 """Evaluate runs and choose: every D × T × K × layout × schedule of a cost table under each
-engine of the replicas, the fastest that fits kept, or the refusal with what would fit.
+engine of the replicas, the fastest that fits kept, or the refusal with what would fit; and the
+chosen run's step on its table priced at another end of the figures (:func:`step_at`).
 
 The runs are priced by :mod:`pipecut.planning.cluster.run`; the tables at each T's share come from
 :mod:`pipecut.planning.cluster.tables`.
@@ -16,6 +17,7 @@ from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.errors import PartitionError
 from pipecut.ir import NodeCost
 from pipecut.passes.costs.workload import Workload, workload
+from pipecut.passes.parallel.hybrid import ShapeSkipped
 from pipecut.passes.parallel.tensor import ShardedTable, shard_table
 from pipecut.planning.cluster.run import (
     RunCandidate,
@@ -23,10 +25,11 @@ from pipecut.planning.cluster.run import (
     RunShape,
     block_of,
     choose_run,
+    evaluate_run,
     merged_choices,
 )
 
-__all__ = ["fastest_engine", "predict_run"]
+__all__ = ["fastest_engine", "predict_run", "step_at"]
 
 
 def predict_run(
@@ -109,3 +112,16 @@ def fastest_engine(nodes: Sequence[NodeCost], cluster: Cluster, shape: RunShape,
         f"sharding={k.value!r}: {e}" for k, e in zip(engines, errors)))
 
 
+
+
+def step_at(best: RunCandidate, shape: RunShape, nodes: Sequence[NodeCost], sharded: Mapping[int, ShardedTable],
+            cluster: Cluster) -> float:
+    """The step of ``best`` (its split, layout, schedule, stages per rank and T) on ``nodes`` (and
+    their T-way shares ``sharded``) and ``cluster``'s links, all priced at one end of the figures'
+    range; ``best``'s own step where that run does not run there."""
+    d, k, v, t = best.placement.replicas, best.placement.stages, best.stages_per_rank, best.placement.tensor_parallel
+    work = _work_of(nodes, t, cluster, shape, sharded)
+    run = dataclasses.replace(shape, schedule=best.schedule, stages_per_rank=v, tensor_parallel=t)
+    again = evaluate_run(work, block_of(work.modules or ("",) * work.units), run, cluster,
+                         replicas=d, stages=k, layout=best.placement.layout, splits={(d, v * k): best.bounds})
+    return best.step_ms if isinstance(again, ShapeSkipped) else again.step_ms

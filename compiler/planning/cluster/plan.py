@@ -5,15 +5,15 @@ result down:
 
 1. **resolve the figures** (:func:`~pipecut.planning.cluster.figures.figures_of`): the cluster,
    its links and its device's per-op model, once;
-2. **price the table** (:func:`_priced_table`): the model's cost table estimated for the device
-   (:func:`pipecut.profile.devices.estimate_captured`; the model may be on meta), at one
-   microbatch of the global batch;
+2. **price the table** (:func:`~pipecut.planning.cluster.tables.priced_table`): the model's
+   cost table estimated for the device (the model may be on meta), at one microbatch of the
+   global batch, at the figures' values and again at both ends of their range;
 3. **shard by T** (:mod:`~pipecut.planning.cluster.tables`): the sizes T the model and a node
-   allow, and each size's table at one GPU's share;
+   allow, and each size's table at one GPU's share, at each end;
 4. **evaluate runs and choose** (:mod:`~pipecut.planning.cluster.choose`): every D × T × K ×
    layout × schedule × engine on the training-run model of :mod:`~pipecut.planning.cluster.run`
    (bf16 with fp32 AdamW state, activation checkpointing, the link each cut and ring crosses),
-   the fastest that fits;
+   the fastest that fits, and its step at both ends;
 5. **make the plan** (:mod:`~pipecut.planning.cluster.run_plan`): one replica of the chosen run,
    its stages the run's, with the cluster, the placement and the run's prediction (step at the
    figures' value and at both ends of their spread, bubble, tokens/s per GPU, MFU, memory).
@@ -39,7 +39,7 @@ from pipecut.cluster import Cluster, MemoryPart, RunPrediction, StepPart
 from pipecut.core.batching import first_microbatch, split_microbatches
 from pipecut.core.choices import enum_choice
 from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
-from pipecut.core.program import Captured, Inputs
+from pipecut.core.program import Inputs
 from pipecut.ir import NodeCost, Plan, ReplicaCandidate, ScheduleCandidate
 from pipecut.options import (
     AUTO,
@@ -50,20 +50,21 @@ from pipecut.options import (
     ScheduleOptions,
     TensorParallelOptions,
 )
-from pipecut.passes.costs.workload import workload
-from pipecut.passes.parallel.hybrid import ShapeSkipped
 from pipecut.passes.parallel.tensor import ShardedTable
-from pipecut.passes.partition.rebuild import mark_rebuilt
 from pipecut.planning.asked import NO_REPLICAS, Context, resolve
-from pipecut.planning.cluster.choose import fastest_engine
+from pipecut.planning.cluster.choose import fastest_engine, step_at
 from pipecut.planning.cluster.figures import Figures, figures_of
-from pipecut.planning.cluster.run import RunCandidate, RunChoice, RunShape, block_of, evaluate_run
+from pipecut.planning.cluster.run import RunCandidate, RunChoice, RunShape
 from pipecut.planning.cluster.run_plan import mixed_links_note, plan_of_run
-from pipecut.planning.cluster.tables import sharded_tables, tensor_parallel_sizes
+from pipecut.planning.cluster.tables import (
+    priced_at,
+    priced_table,
+    sharded_tables,
+    tensor_parallel_sizes,
+)
 from pipecut.planning.replicas import ENGINES
 from pipecut.planning.tensor_parallel import head_counts
-from pipecut.profile.devices import Precision, estimate_captured
-from pipecut.profile.hardware import FigureEnd, HardwareModel, memory_overheads
+from pipecut.profile.hardware import FigureEnd, memory_overheads
 from pipecut.profile.nodes import LossFn
 
 __all__ = ["NOT_MODELLED", "SCHEDULES", "model_flops_per_token", "plan_asked_cluster", "plan_cluster", "tensor_note"]
@@ -72,7 +73,8 @@ NOT_MODELLED = (
     "context and expert parallelism are not planned (context parallelism is priced for published runs: "
     "pipecut.planning.cluster.context)",
     "ZeRO-2 (gradients reduce-scattered as well as the optimizer state sharded, parameters whole) is "
-    f"not one of pipecut's data-parallel kinds ({', '.join(k.value for k in DataParallelKind)}): not planned; "
+    f"not one of pipecut's data-parallel kinds ({', '.join(k.value for k in DataParallelKind)}): not planned "
+    "(with pipeline stages it costs a reduce-scatter per microbatch; DeepSpeed's pipeline engine refuses it); "
     "Megatron's distributed optimizer is priced as the megatron framework's zero1",
 )
 
@@ -153,13 +155,18 @@ def plan_asked_cluster(model: torch.nn.Module, example_inputs: Inputs, cluster: 
     sequence_parallel = asked.sequence_parallel
     stages_per_rank = None if asked.stages_per_rank == AUTO else asked.stages_per_rank
     assert isinstance(microbatches, int) and recompute != AUTO  # resolve: a cluster plan fixes both
-    tensor_parallel = options.tensor_parallel.size or AUTO
-    figures = figures_of(cluster, asked.framework)
     kinds, rec, engines = _choices(schedule, recompute, asked.data_parallel)
     size, first = first_microbatch(example_inputs, microbatches)
-    whole = _priced_table(model, example_inputs, target, figures, microbatches, loss_fn)
-    sizes = tensor_parallel_sizes(tensor_parallel, whole.nodes, figures.cluster, head_counts(model))
+    # 1. resolve the figures: the cluster and its device at their values, and at both ends
+    figures = figures_of(cluster, asked.framework)
+    ends = tuple(figures.at(end) for end in (FigureEnd.FAST, FigureEnd.SLOW)) if figures.model is not None else ()
+    # 2. price the table, and 3. shard it by T: at the figures' values and at both ends
+    whole = priced_table(model, example_inputs, target, figures, microbatches, loss_fn)
+    sizes = tensor_parallel_sizes(options.tensor_parallel.size or AUTO, whole.nodes, figures.cluster, head_counts(model))
     sharded = _sharded(whole.nodes, sizes, figures, whole.counted, sequence_parallel)
+    spread = [(f, rows, _sharded(rows, sizes, f, whole.counted, sequence_parallel))
+              for f, rows in ((f, priced_at(whole, f.model)) for f in ends if f.model is not None and whole.counted)]
+    # 4. evaluate runs and choose; the chosen run at both ends
     shape = dataclasses.replace(  # as the framework runs it: pipecut's own runtime changes nothing
         _run_shape(model, whole.nodes, first, size, microbatches, schedule=kinds[0], stages_per_rank=stages_per_rank,
                    recompute=rec, sequence_parallel=sequence_parallel), **figures.framework.run_terms())
@@ -167,10 +174,12 @@ def plan_asked_cluster(model: torch.nn.Module, example_inputs: Inputs, cluster: 
                                          tensor_parallel=sizes, sharded=sharded,
                                          replicas=options.data_parallel.replicas)
     shape = dataclasses.replace(shape, sharding=shard)
+    steps = [step_at(best, shape, rows, tables, f.cluster) for f, rows, tables in spread]
+    # 5. make the plan: one replica's share captured and priced (the plan replays on its graph), cut as the run is
     d, t = best.placement.replicas, best.placement.tensor_parallel
-    share = _priced_table(model, split_microbatches(example_inputs, d, size, "example_inputs")[0],
-                          split_microbatches(target, d, size, "target")[0] if target is not None else None,
-                          figures, microbatches, loss_fn)  # the graph a replica captures: the plan replays on it
+    share = priced_table(model, split_microbatches(example_inputs, d, size, "example_inputs")[0],
+                         split_microbatches(target, d, size, "target")[0] if target is not None else None,
+                         figures, microbatches, loss_fn)
     share_rows = share.nodes
     if t > 1:  # the plan's table is one GPU's share, as the run's
         share_rows = _sharded(share_rows, (t,), figures, share.counted, sequence_parallel)[t].nodes
@@ -179,50 +188,11 @@ def plan_asked_cluster(model: torch.nn.Module, example_inputs: Inputs, cluster: 
                           sharding=shard)
     run = _run_prediction(best, figures, rec, shard, has_config=bool(_attention_dims(model)[0]),
                           sequence_parallel=sequence_parallel and t > 1)
-    if whole.counted is not None:  # the same run at both ends of the figures' spread
-        low, high = (_step_at(figures.at(end), whole, best, shape) for end in (FigureEnd.FAST, FigureEnd.SLOW))
-        run = dataclasses.replace(run, step_low_ms=min(low, best.step_ms), step_high_ms=max(high, best.step_ms))
+    if steps:  # the same run at both ends of the figures' spread
+        run = dataclasses.replace(run, step_low_ms=min(steps[0], best.step_ms), step_high_ms=max(steps[1], best.step_ms))
     return dataclasses.replace(planned, cluster=figures.cluster, placement=best.placement, run=run,
                                replica_candidates=_candidates(choice, best),
                                candidates=_schedule_candidates(choice, best, kinds, microbatches))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Table:
-    """A cost table priced for the cluster's device, with the graph it was captured from."""
-
-    captured: Captured
-    nodes: tuple[NodeCost, ...]
-    counted: tuple[tuple[NodeCost, ...], Any] | None
-    """The rows and work the per-op model priced (None: a family priced by the roofline), so the
-    chosen run can be priced again at either end of the figures without capturing again."""
-
-
-@dataclasses.dataclass
-class _Recording:
-    """A per-op model that keeps the rows and work it prices."""
-
-    model: HardwareModel
-    seen: list[tuple[tuple[NodeCost, ...], Any]] = dataclasses.field(default_factory=list)
-
-    def price(self, rows: tuple[NodeCost, ...], work: Any) -> tuple[NodeCost, ...]:
-        self.seen.append((rows, work))
-        return self.model.price(rows, work)
-
-
-def _priced_table(model: torch.nn.Module, inputs: Inputs, target: Any, figures: Figures, microbatches: int,
-                  loss_fn: LossFn | None) -> _Table:
-    """The cost table of ``model`` at one microbatch of ``inputs``, priced on ``figures``."""
-    recording = _Recording(figures.model) if figures.model is not None else None
-    captured, rows = estimate_captured(model, inputs, figures.profile, precision=Precision.BF16,
-                                       microbatches=microbatches, loss_fn=loss_fn, target=target,
-                                       compute_efficiency=figures.efficiency, cost_model=recording)
-    c = figures.cluster
-    # Weighed against the slowest link a cut may cross (the network between nodes where
-    # there are several): where sending costs less, on NVLink, both are a fraction of a ms,
-    # while a mask sent between nodes costs 1.5 ms per microbatch at 8k tokens.
-    nodes = mark_rebuilt(rows, c.inter if c.nodes > 1 else c.intra)
-    return _Table(captured=captured, nodes=nodes, counted=recording.seen[0] if recording and recording.seen else None)
 
 
 def _run_shape(model: torch.nn.Module, nodes: Sequence[NodeCost], first: Inputs, size: int, microbatches: int, *,
@@ -253,22 +223,6 @@ def _sharded(rows: Sequence[NodeCost], sizes: Sequence[int], figures: Figures, c
     again: :func:`~pipecut.planning.cluster.tables.sharded_tables`)."""
     return sharded_tables(rows, sizes, figures.cluster, sequence_parallel=sequence_parallel, model=figures.model,
                           counted=counted, overlapped=figures.tensor_overlapped, regather=figures.framework.regathers)
-
-
-def _step_at(figures: Figures, table: _Table, best: RunCandidate, shape: RunShape) -> float:
-    """The step of ``best`` (its split, layout, schedule and stages per rank) on ``figures`` (one
-    end of their range): the cost table priced again, the links at that end."""
-    assert figures.model is not None and table.counted is not None
-    rebuilt = {n.name: n.rebuilt for n in table.nodes}
-    rows = tuple(dataclasses.replace(r, rebuilt=rebuilt.get(r.name, r.rebuilt)) for r in figures.model.price(*table.counted))
-    on = figures.cluster
-    d, k, v, t = best.placement.replicas, best.placement.stages, best.stages_per_rank, best.placement.tensor_parallel
-    tables = _sharded(rows, (t,), figures, table.counted, shape.sequence_parallel)
-    work = workload(tables[t].nodes, tables[t].collectives) if t > 1 else workload(rows)
-    run = dataclasses.replace(shape, schedule=best.schedule, stages_per_rank=v, tensor_parallel=t)
-    again = evaluate_run(work, block_of(work.modules or ("",) * work.units), run, on,
-                         replicas=d, stages=k, layout=best.placement.layout, splits={(d, v * k): best.bounds})
-    return best.step_ms if isinstance(again, ShapeSkipped) else again.step_ms
 
 
 def _choices(

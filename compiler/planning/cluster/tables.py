@@ -1,5 +1,10 @@
-"""The cost table at one GPU's share of a T-way tensor group, for a cluster plan: which sizes T a
-model and a node allow, and each size's table, its products priced again at their smaller shapes.
+"""The cost table of a cluster plan: the model's table priced for the cluster's device (and again
+at either end of the figures' range), which sizes T of a tensor group the model and a node allow,
+and each size's table at one GPU's share, its products priced again at their smaller shapes.
+
+:func:`priced_table` captures and prices (:func:`pipecut.profile.devices.estimate_captured`; the
+model may be on meta), keeping the rows and work the per-op model priced, so that
+:func:`priced_at` prices them again at another end of the figures without capturing again.
 
 The regions, collectives and divided bytes are the pass's (:mod:`pipecut.passes.parallel.tensor`);
 this module adds what needs the front end: the model's attention heads (a group splits whole
@@ -14,9 +19,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
 
 from pipecut.cluster import Cluster
 from pipecut.core.kinds import TensorShard
+from pipecut.core.program import Captured, Inputs
 from pipecut.errors import InputError
 from pipecut.ir import NodeCost
 from pipecut.passes.parallel.tensor import (
@@ -28,10 +37,60 @@ from pipecut.passes.parallel.tensor import (
     split_work,
     tensor_sizes,
 )
+from pipecut.passes.partition.rebuild import mark_rebuilt
+from pipecut.planning.cluster.figures import Figures
+from pipecut.profile.devices import Precision, estimate_captured
 from pipecut.profile.flops import NodeWork
 from pipecut.profile.hardware import HardwareModel
+from pipecut.profile.nodes import LossFn
 
-__all__ = ["sharded_tables", "tensor_parallel_sizes"]
+__all__ = ["PricedTable", "priced_at", "priced_table", "sharded_tables", "tensor_parallel_sizes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PricedTable:
+    """A cost table priced for the cluster's device, with the graph it was captured from."""
+
+    captured: Captured
+    nodes: tuple[NodeCost, ...]
+    counted: tuple[tuple[NodeCost, ...], Any] | None
+    """The rows and work the per-op model priced (None: a family priced by the roofline), so the
+    table can be priced again at either end of the figures without capturing again."""
+
+
+@dataclasses.dataclass
+class _Recording:
+    """A per-op model that keeps the rows and work it prices."""
+
+    model: HardwareModel
+    seen: list[tuple[tuple[NodeCost, ...], Any]] = dataclasses.field(default_factory=list)
+
+    def price(self, rows: tuple[NodeCost, ...], work: Any) -> tuple[NodeCost, ...]:
+        self.seen.append((rows, work))
+        return self.model.price(rows, work)
+
+
+def priced_table(model: torch.nn.Module, inputs: Inputs, target: Any, figures: Figures, microbatches: int,
+                 loss_fn: LossFn | None) -> PricedTable:
+    """The cost table of ``model`` at one microbatch of ``inputs``, priced on ``figures``."""
+    recording = _Recording(figures.model) if figures.model is not None else None
+    captured, rows = estimate_captured(model, inputs, figures.profile, precision=Precision.BF16,
+                                       microbatches=microbatches, loss_fn=loss_fn, target=target,
+                                       compute_efficiency=figures.efficiency, cost_model=recording)
+    c = figures.cluster
+    # Weighed against the slowest link a cut may cross (the network between nodes where
+    # there are several): where sending costs less, on NVLink, both are a fraction of a ms,
+    # while a mask sent between nodes costs 1.5 ms per microbatch at 8k tokens.
+    nodes = mark_rebuilt(rows, c.inter if c.nodes > 1 else c.intra)
+    return PricedTable(captured=captured, nodes=nodes, counted=recording.seen[0] if recording and recording.seen else None)
+
+
+def priced_at(table: PricedTable, model: HardwareModel) -> tuple[NodeCost, ...]:
+    """``table``'s rows priced again by ``model`` (the device's per-op model at another end of
+    the figures' range), with the rows it marked as rebuilt kept."""
+    assert table.counted is not None, "a table priced by the roofline has no per-op work to price again"
+    rebuilt = {n.name: n.rebuilt for n in table.nodes}
+    return tuple(dataclasses.replace(r, rebuilt=rebuilt.get(r.name, r.rebuilt)) for r in model.price(*table.counted))
 
 
 def tensor_parallel_sizes(asked: str | int, nodes: Sequence[NodeCost], cluster: Cluster,

@@ -65,3 +65,21 @@ def test_zero1_is_priced_between_ddp_and_fsdp_and_weighed_by_default() -> None:
     assert best.step_ms == min(r.step_ms for r in runs.values())
     with pytest.raises(PartitionError, match=r"under no engine of the replicas: sharding=.ddp.: .*sharding=.zero1."):
         fastest_engine(rows, parse_cluster("1x1xH100-SXM"), shape, (DataParallelKind.DDP, DataParallelKind.ZERO1))
+
+
+def test_step_at_prices_the_chosen_run_again_on_another_table_and_links() -> None:
+    """The chosen run's split, layout and schedule kept: on its own table and links the step is
+    the run's; on a table twice as slow it grows; a run that does not
+    run there (the split no longer one of that table's) keeps the run's step."""
+    from pipecut.planning.cluster.choose import step_at
+
+    rows = _heavy_rows(8, 10**6)
+    cluster = parse_cluster("1x2xH100-SXM")
+    shape = RunShape(batch_size=8, microbatches=1, tokens_per_sample=1, model_flops_per_token=1.0)
+    best, _, _ = predict_run(rows, cluster, shape)
+    assert best.placement.replicas == 2
+    assert step_at(best, shape, rows, {}, cluster) == pytest.approx(best.step_ms)
+    slow = tuple(dataclasses.replace(r, forward_ms=2 * r.forward_ms, backward_ms=2 * r.backward_ms) for r in rows)
+    assert step_at(best, shape, slow, {}, cluster) > 1.5 * best.step_ms
+    wide = dataclasses.replace(cluster, nodes=2)  # 4 GPUs: not the run's 2
+    assert step_at(best, shape, rows, {}, wide) == best.step_ms

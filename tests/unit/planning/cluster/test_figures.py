@@ -56,7 +56,7 @@ def test_figures_resolve_the_cluster_and_its_device_once_and_move_to_either_end(
     assert figures.at(FigureEnd.VALUE) is figures
     for end in (FigureEnd.FAST, FigureEnd.SLOW):
         moved = figures.at(end)
-        # what _step_at worked out for itself before: the links and the per-op model at that end
+        # what the planner prices the chosen run on at each end: the links and the per-op model at that end
         assert moved.cluster == cluster_at(figures.cluster, figures.profile, end) and moved.end is end
         assert moved.model == family_model(figures.profile, bound=end)
         assert (moved.profile, moved.efficiency, moved.source, moved.framework) == (

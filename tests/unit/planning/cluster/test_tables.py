@@ -180,3 +180,24 @@ def test_plan_with_a_cluster_takes_sequence_parallel_from_the_options() -> None:
     assert direct.run == runs[None]
     with pytest.raises(InputError, match="sequence_parallel='yes'"):
         pipecut.TensorParallelOptions(sequence_parallel="yes")  # type: ignore[arg-type]
+
+
+def test_a_priced_table_prices_again_at_either_end_without_capturing() -> None:
+    """The rows the per-op model priced are kept: priced again by the same model they come back
+    as the table's, with its rebuilt marks; by the fast end's model no row is slower."""
+    from pipecut.planning.cluster.figures import figures_of
+    from pipecut.planning.cluster.tables import priced_at, priced_table
+    from pipecut.profile.hardware import FigureEnd
+    from tests.unit.tiny import tiny_llama
+
+    model, batch = tiny_llama()
+    figures = figures_of("1x8xH100-SXM")
+    table = priced_table(model, batch, None, figures, 2, None)
+    assert table.counted is not None and figures.model is not None
+    assert priced_at(table, figures.model) == table.nodes
+    fast = figures.at(FigureEnd.FAST).model
+    assert fast is not None
+    again = priced_at(table, fast)
+    assert [r.name for r in again] == [r.name for r in table.nodes]
+    assert all(a.forward_ms <= r.forward_ms + 1e-12 for a, r in zip(again, table.nodes))
+    assert sum(a.forward_ms for a in again) < sum(r.forward_ms for r in table.nodes)
