@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from pipecut.assemble.choice import (
     capture_and_broadcast_plan,
-    refuse_tensor_parallel,
+    check_tensor_group,
     runnable_schedule,
 )
 from pipecut.assemble.context import Place, connect
@@ -147,15 +147,16 @@ def compile(
         InputError: An argument is not valid (an unknown option, devices that do not match the
             process group, ``data_parallel`` without replicas).
         PlanError: ``plan=`` was made for another model or world size, or an argument
-            contradicts it, or it splits stages over a tensor-parallel group (planned for a
-            cluster: run it over a DeviceMesh with a "tp" dimension instead), or it asks what
-            tensor-parallel stages do not run (a split backward, DDP, compiled stages).
+            contradicts it, or it splits stages over tensor-parallel groups of T GPUs (a cluster
+            plan) and ``devices`` is not a DeviceMesh with a "tp" dimension of T, or it asks what
+            tensor-parallel stages do not run (compiled stages; DDP on a torch without FSDP2's
+            replicate).
         CaptureError: The model cannot be captured (raised when the failing mode is used).
         PipelineRuntimeError: Another rank failed while planning or building.
     """
     given = None if plan is None else plan if isinstance(plan, Plan) else Plan.from_json(plan)
     if given is not None:
-        refuse_tensor_parallel(given)
+        check_tensor_group(given, devices)
     carried, unasked = replay_groups(given, capture=capture, runtime=runtime, tensor_parallel=tensor_parallel)
     groups = requested(  # a replayed plan carries how it was captured and run
         microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,

@@ -9,6 +9,7 @@ and what the runtime can run, before any stage is built.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch.distributed as dist
 
@@ -30,7 +31,7 @@ from pipecut.runtime.comm.p2p import wiring
 from pipecut.runtime.grads.data_parallel import check_supported
 from pipecut.schedules.format import Schedule, validate
 
-__all__ = ["Chosen", "capture_and_broadcast_plan", "check_fingerprint", "refuse_tensor_parallel", "runnable_schedule"]
+__all__ = ["Chosen", "capture_and_broadcast_plan", "check_fingerprint", "check_tensor_group", "runnable_schedule"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,20 +88,26 @@ def _on_rank0(request: Request, place: Place, settings: Resolved, captured: Capt
     return plan_from_rank0(lambda: dataclasses.replace(plan_asked(planning, captured), options=request.options))
 
 
-def refuse_tensor_parallel(plan: Plan) -> None:
-    """PlanError for a cluster plan whose stages are split over a tensor-parallel group
-    (``plan(..., cluster=..., tensor_parallel=...)``): its D x T x K placement is GPUs of a cluster,
-    which ``compile`` does not replay; compile runs tensor parallelism over a DeviceMesh with a
-    "tp" dimension (:mod:`pipecut.assemble.tensor`)."""
+def check_tensor_group(plan: Plan, devices: Any) -> None:
+    """PlanError for a cluster plan whose stages are split over tensor-parallel groups of T GPUs
+    (``plan(..., cluster=...)`` with ``placement.tensor_parallel`` = T > 1) given devices
+    without a "tp" dimension of T: ``compile`` replays it over a DeviceMesh with dimensions
+    ("dp", "pp", "tp") of (D, K, T) (:mod:`pipecut.assemble.tensor` splits each stage as DTensors),
+    and its stages were priced at one GPU's share of that split."""
     t = plan.placement.tensor_parallel if plan.placement is not None else 1
-    if t > 1:
+    names = getattr(devices, "mesh_dim_names", None) or ()
+    given = int(devices["tp"].size()) if "tp" in names else 1
+    if t > 1 and given != t:
+        place = plan.placement
+        assert place is not None
         asked = plan.options is None or plan.options.tensor_parallel.size is not None
         chosen = "" if asked else f", chosen by tensor_parallel={AUTO!r}, plan()'s default"
+        has = f"a 'tp' dimension of {given}" if "tp" in names else "no 'tp' dimension"
         raise PlanError(
             f"this cluster plan splits its stages over tensor-parallel groups of {t} GPUs "
-            f"(placement.tensor_parallel={t}{chosen}), which pipecut.compile does not replay; re-plan with "
-            f"tensor_parallel=1 (CLI --tensor-parallel 1), or compile the model over a DeviceMesh with "
-            f"dimensions ('dp', 'pp', 'tp') and tp={t}, which splits each stage as DTensors"
+            f"(placement.tensor_parallel={t}{chosen}), but the devices have {has}; compile it over "
+            f"init_device_mesh(..., ({place.replicas}, {place.stages}, {t}), mesh_dim_names=('dp', 'pp', 'tp')), "
+            f"or re-plan with tensor_parallel=1 (CLI --tensor-parallel 1)"
         )
 
 

@@ -116,7 +116,10 @@ def _schedule(facts: Facts) -> tuple[Any, str]:
 
 
 def _recorded_sequence(facts: Facts) -> tuple[Any, str]:
-    recorded = facts.plan.options if facts.plan is not None else None
+    plan = facts.plan
+    if plan is not None and plan.run is not None and plan.placement is not None and plan.placement.tensor_parallel > 1:
+        return plan.run.sequence_parallel, "the replayed cluster plan's run"  # what its stages were priced with
+    recorded = plan.options if plan is not None else None
     if recorded is None or recorded.tensor_parallel.sequence_parallel is None:
         return False, "the default"
     return recorded.tensor_parallel.sequence_parallel, "recorded in the replayed plan's options"
@@ -164,7 +167,8 @@ DEFAULTS: tuple[Default, ...] = (
             _const(Recompute.SELECTIVE, f"the default for recompute={AUTO!r}"))),
     *_rows("sequence_parallel",
            (_BOTH, "off", _const(False, "the default")),
-           ((Context.REPLAY,), "recorded in the plan's options, else off", _recorded_sequence),
+           ((Context.REPLAY,), "a cluster plan's run's (`plan.run.sequence_parallel`), else recorded in the "
+            "plan's options, else off", _recorded_sequence),
            ((Context.CLUSTER,), "on (torchtitan's default)", _const(True, "the default for a cluster plan"))),
     *_rows("data_parallel",
            ((Context.PLAN,), "none: one pipeline", _const(NO_REPLICAS, "")),

@@ -189,7 +189,29 @@ def _pp_tp(rank: int, world: int) -> dict[str, Any]:
             *MODELS[name](batch_size=BATCH), mesh, schedule=schedule,
             tensor_parallel=pipecut.TensorParallelOptions(sequence_parallel=sp),
             scheduling=pipecut.ScheduleOptions(stages_per_rank=2 if schedule == "zbv" else 1))
+    for name, schedule in CLUSTER_PLANS:
+        box = [_cluster_plan(name, schedule).to_json() if rank == 0 else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        plan = pipecut.Plan.from_json(box[0])
+        out[f"cluster {name} {schedule}"] = {
+            **_one_step(*MODELS[name](batch_size=BATCH), mesh, schedule=schedule, plan=plan),
+            "planned": [s.recompute.value for s in plan.stages]}
     return out
+
+
+CLUSTER_PLANS = [("llama", "zero-bubble"), ("gpt2", "zbv")]
+"""Cluster plans of a node of four H100s at T = 2, D = 1, K = 2 (the cluster plan's defaults:
+sequence parallelism, selective recompute), replayed over this ("pp", "tp") mesh: the stages
+as planned, the weight pass over DTensor parameters, the residual stream's token shards."""
+
+
+def _cluster_plan(name: str, schedule: str) -> pipecut.Plan:
+    from pipecut.planning.cluster.plan import plan_cluster
+
+    model, inputs, loss_fn, target = MODELS[name](batch_size=BATCH)
+    return plan_cluster(model, inputs, "1x4xH100-SXM", microbatches=MICROBATCHES, schedule=schedule,
+                        tensor_parallel=2, data_parallel=pipecut.DataParallelOptions(replicas=1),
+                        loss_fn=loss_fn, target=target)
 
 
 SPLIT_BACKWARD = [("llama", "zero-bubble", False), ("llama", "zbv", True), ("gpt2", "zbv", False),
@@ -229,6 +251,24 @@ def test_zero_bubble_and_zbv_over_tensor_parallel_stages_match_the_plain_model(
     _check(_reference(*MODELS[name](batch_size=BATCH)), got)
     assert all(r["split"] for r in got), "no parameter was split"
     assert all((r["token_shards"] >= 2) == sp for r in got), [r["token_shards"] for r in got]
+
+
+@pytest.mark.timeout(860)
+@pytest.mark.parametrize("case", CLUSTER_PLANS, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_a_cluster_plan_with_tensor_parallelism_replays_over_a_tp_mesh_at_parity(
+        pp2_tp2: list[dict[str, Any]], case: tuple[str, str]) -> None:
+    """plan(cluster=...) at T = 2 is compile's to run (it was refused as "not replayed"): its
+    stages, schedule and recompute as planned, sequence parallelism from its run, at parity."""
+    name, schedule = case
+    plan = _cluster_plan(name, schedule)
+    assert plan.placement is not None and plan.placement.tensor_parallel == 2 and plan.run is not None
+    assert plan.run.sequence_parallel and plan.schedule.value == schedule
+    got = [r[f"cluster {name} {schedule}"] for r in pp2_tp2]
+    _check(_reference(*MODELS[name](batch_size=BATCH)), got)
+    assert all(r["split"] for r in got), "no parameter was split"
+    assert all(r["token_shards"] >= 2 for r in got), [r["token_shards"] for r in got]
+    assert all(r["recompute"] == r["planned"] for r in got)
+    assert "selective" in got[0]["planned"], got[0]["planned"]
 
 
 @pytest.mark.timeout(860)

@@ -61,6 +61,7 @@ from pipecut.planning.cluster.tables import (
     priced_table,
     sharded_tables,
     tensor_parallel_sizes,
+    with_whole_shapes,
 )
 from pipecut.planning.replicas import ENGINES
 from pipecut.planning.tensor_parallel import head_counts
@@ -181,8 +182,9 @@ def plan_asked_cluster(model: torch.nn.Module, example_inputs: Inputs, cluster: 
                          split_microbatches(target, d, size, "target")[0] if target is not None else None,
                          figures, microbatches, loss_fn)
     share_rows = share.nodes
-    if t > 1:  # the plan's table is one GPU's share, as the run's
-        share_rows = _sharded(share_rows, (t,), figures, share.counted, sequence_parallel)[t].nodes
+    if t > 1:  # the plan's table is one GPU's share, as the run's, at the captured shapes compile wires
+        share_rows = with_whole_shapes(_sharded(share_rows, (t,), figures, share.counted, sequence_parallel)[t].nodes,
+                                       share.nodes)
     planned = plan_of_run(share_rows, sharded[t].nodes if t > 1 else whole.nodes, best, cluster=figures.cluster,
                           captured=share.captured, microbatches=microbatches, batch_size=size // d, recompute=rec,
                           sharding=shard)
@@ -262,16 +264,15 @@ def _run_prediction(
 
 
 def tensor_note(t: int, cluster: Cluster, sequence_parallel: bool, overlapped: bool = False) -> str:
-    """What the plan assumes of its T-way tensor parallelism, and that compile does not replay it."""
+    """What the plan assumes of its T-way tensor parallelism, and how compile replays it."""
     how = ("reduce-scatter and all-gather (sequence parallel: norms and residuals split too)"
            if sequence_parallel else "all-reduce")
     hidden = ("hidden under its product (the framework's async tensor parallelism)" if overlapped else
               "exposed (not hidden by async tensor parallelism: a run that uses it is faster)")
     return (f"tensor parallel {t} inside each node (Megatron's pairing: q/k/v, gate/up and the LM head "
             f"column-wise, o and down row-wise, the embedding by vocabulary): two collectives forward "
-            f"and two backward per block, {how}, on {cluster.intra.name}, {hidden}; pipecut.compile does not "
-            f"run this cluster plan: it predicts a "
-            f"run by torchtitan or Megatron-LM, or by pipecut.compile over a ('dp', 'pp', 'tp') DeviceMesh")
+            f"and two backward per block, {how}, on {cluster.intra.name}, {hidden}; pipecut.compile runs "
+            f"this plan over a DeviceMesh with dimensions ('dp', 'pp', 'tp') and tp={t}")
 
 
 def _memory_term(name: str, shard: DataParallelKind, replicas: int, tp: int = 1) -> str:

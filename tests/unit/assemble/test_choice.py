@@ -4,11 +4,13 @@ capture, plan and broadcast step itself runs across processes (tests/multiproces
 from __future__ import annotations
 
 import dataclasses
+import types
+from typing import Any
 
 import pytest
 import torch
 
-from pipecut.assemble.choice import refuse_tensor_parallel, runnable_schedule
+from pipecut.assemble.choice import check_tensor_group, runnable_schedule
 from pipecut.assemble.context import Place
 from pipecut.assemble.layout import RankGroups
 from pipecut.cluster import ClusterPlacement, Layout
@@ -18,22 +20,36 @@ from pipecut.passes.partition.solve import DEFAULT_LINK
 from tests.unit.tiny import mlp_plan
 
 
-def test_a_cluster_plans_tensor_groups_are_named_as_autos_choice_where_it_chose_them() -> None:
-    """plan(cluster=...) weighs T by default (tensor_parallel="auto"): the refusal says so; a T
-    the user fixed is named as theirs."""
+class _Mesh:
+    """A DeviceMesh's names and sizes, as check_tensor_group reads them (no process group)."""
+
+    def __init__(self, **sizes: int) -> None:
+        self.mesh_dim_names, self._sizes = tuple(sizes), sizes
+
+    def __getitem__(self, name: str) -> Any:
+        return types.SimpleNamespace(size=lambda: self._sizes[name])
+
+
+def test_a_cluster_plans_tensor_groups_need_a_tp_dimension_of_their_size() -> None:
+    """A cluster plan split over T GPUs (plan(cluster=...) weighs T by default) replays over a
+    ("dp", "pp", "tp") mesh of (D, K, T); other devices are refused, naming the mesh to make, and
+    T as auto's choice where it chose it, the user's where they fixed it."""
     plan = mlp_plan(3)
     assert plan.options is not None and plan.options.tensor_parallel.size is None  # plan()'s "auto"
     split = dataclasses.replace(plan, placement=ClusterPlacement(
         layout=Layout.STAGES_INSIDE_NODES, replicas=1, stages=3, tensor_parallel=2))
     with pytest.raises(PlanError, match=r"groups of 2 GPUs \(placement.tensor_parallel=2, chosen by tensor_parallel='auto', "
-                                        r"plan\(\)'s default\), which pipecut.compile does not replay; re-plan with "
-                                        r"tensor_parallel=1"):
-        refuse_tensor_parallel(split)
+                                        r"plan\(\)'s default\), but the devices have no 'tp' dimension; compile it over "
+                                        r"init_device_mesh\(..., \(1, 3, 2\), mesh_dim_names=\('dp', 'pp', 'tp'\)\)"):
+        check_tensor_group(split, 6)
     asked = dataclasses.replace(split, options=dataclasses.replace(
         plan.options, tensor_parallel=TensorParallelOptions(size=2)))
-    with pytest.raises(PlanError, match=r"groups of 2 GPUs \(placement.tensor_parallel=2\), which pipecut.compile"):
-        refuse_tensor_parallel(asked)
-    refuse_tensor_parallel(plan)  # no placement: a pipeline's plan
+    with pytest.raises(PlanError, match=r"groups of 2 GPUs \(placement.tensor_parallel=2\), but the devices have a "
+                                        r"'tp' dimension of 4"):
+        check_tensor_group(asked, _Mesh(pp=3, tp=4))
+    check_tensor_group(split, _Mesh(dp=1, pp=3, tp=2))
+    check_tensor_group(plan, 3)  # no placement: a pipeline's plan
+    check_tensor_group(plan, _Mesh(pp=3, tp=2))  # a pipeline's plan, split over the mesh's tensor groups at build
 
 
 def _place(engine_origin: str) -> Place:

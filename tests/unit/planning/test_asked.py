@@ -119,6 +119,26 @@ def test_a_replay_takes_the_plans_values(plan: pipecut.Plan) -> None:
         resolve(Options(), Context.REPLAY)
 
 
+def test_a_replayed_cluster_plan_split_over_t_runs_sequence_parallelism_as_its_run_was_priced(
+        plan: pipecut.Plan) -> None:
+    """A cluster plan's options are what was asked (sequence_parallel None: the cluster's default,
+    on); its run says what was priced, and the replay runs that, unless the call says otherwise."""
+    from pipecut.cluster import ClusterPlacement, Layout, RunPrediction
+
+    assert plan.options is not None
+    asked_ = dataclasses.replace(plan.options, tensor_parallel=TensorParallelOptions())
+    run = RunPrediction(step_ms=1.0, bubble_fraction=0.0, tokens_per_s_per_gpu=1.0, mfu=0.1, peak_memory_bytes=1,
+                        sequence_parallel=True)
+    split = dataclasses.replace(plan, options=asked_, run=run, placement=ClusterPlacement(
+        layout=Layout.STAGES_INSIDE_NODES, replicas=1, stages=2, tensor_parallel=2))
+    r = resolve(Options(), Context.REPLAY, plan=split)
+    assert r.sequence_parallel is True and r.origin("sequence_parallel") == "the replayed cluster plan's run"
+    off = Options(tensor_parallel=TensorParallelOptions(sequence_parallel=False))
+    assert resolve(off, Context.REPLAY, plan=split).sequence_parallel is False
+    unsplit = dataclasses.replace(split, placement=dataclasses.replace(split.placement, tensor_parallel=1))
+    assert resolve(Options(), Context.REPLAY, plan=unsplit).sequence_parallel is False  # nothing split: none
+
+
 def test_a_replay_fills_the_groups_left_out_from_the_plan(plan: pipecut.Plan) -> None:
     capture = pipecut.CaptureOptions(method="export")
     groups, whence = asked.replay_groups(plan, capture=capture, runtime=None, tensor_parallel=None)

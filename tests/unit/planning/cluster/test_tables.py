@@ -11,7 +11,7 @@ import pytest
 import pipecut
 from benchmarks import validation
 from pipecut import Plan, summary
-from pipecut.assemble.choice import refuse_tensor_parallel
+from pipecut.assemble.choice import check_tensor_group
 from pipecut.cluster import ClusterPlacement, Layout
 from pipecut.core.kinds import Recompute, TensorShard
 from pipecut.errors import InputError, PartitionError, PlanError
@@ -109,17 +109,24 @@ def test_a_tp_plan_records_t_and_its_groups_and_round_trips() -> None:
     assert place is not None and plan.run is not None
     assert (place.replicas, place.stages, place.tensor_parallel) == (1, 2, 2)
     assert place.tensor_groups() == ((0, 1), (2, 3)) and place.grid() == ((0, 0), (0, 0), (0, 1), (0, 1))
-    assert plan.run.sequence_parallel and any("not yet run" in n or "does not run" in n for n in plan.run.notes)
+    assert plan.run.sequence_parallel and any("pipecut.compile runs this plan over a DeviceMesh with dimensions "
+                                              "('dp', 'pp', 'tp') and tp=2" in n for n in plan.run.notes)
     again = Plan.from_json(plan.to_json())
     assert again == plan and again.placement == place
     text = summary(plan)
     assert "1 replicas x 2 stages x tensor parallel 2" in text and "GPUs 0-1 (r0 s0), 2-3 (r0 s1)" in text
     page = render_html(plan)
     assert 'id="tensor-groups"' in page and "GPUs 0–1; GPUs 2–3" in page and "tensor rank 1 of 2" in page
-    with pytest.raises(PlanError, match=r"groups of 2 GPUs \(placement.tensor_parallel=2\), which pipecut.compile "
-                                        r"does not replay; re-plan with tensor_parallel=1.*\('dp', 'pp', 'tp'\)"):
-        refuse_tensor_parallel(plan)
-    refuse_tensor_parallel(dataclasses.replace(plan, placement=dataclasses.replace(place, tensor_parallel=1)))
+    with pytest.raises(PlanError, match=r"groups of 2 GPUs \(placement.tensor_parallel=2\), but the devices have no "
+                                        r"'tp' dimension; compile it over init_device_mesh\(..., \(1, 2, 2\)"):
+        check_tensor_group(plan, 4)
+    check_tensor_group(dataclasses.replace(plan, placement=dataclasses.replace(place, tensor_parallel=1)), 2)
+    # the plan's rows keep the captured shapes, which compile's wiring reads; the times are one GPU's
+    whole = pipecut.plan(model, batch, 2, microbatches=2, schedule="1f1b", measure=pipecut.MeasureOptions(estimate="H100-SXM"))
+    shapes = {n.name: (n.shape, n.leaves) for n in whole.nodes}
+    common = [n for n in plan.nodes if n.name in shapes]
+    assert len(common) > len(plan.nodes) // 2
+    assert all(shapes[n.name] == (n.shape, n.leaves) for n in common), [n.name for n in common if shapes[n.name] != (n.shape, n.leaves)][:5]
     with pytest.raises(InputError, match="tensor_parallel=3 must divide"):
         plan_cluster(model, batch, "1x4xH100-SXM", microbatches=2, tensor_parallel=3)
 
