@@ -43,7 +43,7 @@ from pipecut.assemble.workers import (
 from pipecut.capture.modes import Adapt, Modes, derive_other_mode
 from pipecut.core.kinds import DataParallelKind, ScheduleKind
 from pipecut.core.program import Captured, Inputs
-from pipecut.errors import CaptureError, InputError, PipecutError, PlanError
+from pipecut.errors import CaptureError, PipecutError, PlanError
 from pipecut.ir import Plan
 from pipecut.options import (
     AUTO,
@@ -60,7 +60,7 @@ from pipecut.options import (
 )
 from pipecut.passes.costs.stages import predicted_timeline
 from pipecut.passes.partition.solve import Devices
-from pipecut.planning.asked import replay_groups
+from pipecut.planning.asked import replanned, replay_groups, tensor_group
 from pipecut.planning.request import Request
 from pipecut.profile.compiled import check_auto, measure_and_choose
 from pipecut.profile.live import measure_stages, recalibrate
@@ -162,7 +162,7 @@ def compile(
         microbatches=microbatches, schedule=schedule, data_parallel=data_parallel,
         groups={"capture": carried["capture"], "measure": measure, "partition": partition, "scheduling": scheduling,
                 "runtime": carried["runtime"], "weights": _weight_options(weights),
-                "tensor_parallel": _tensor_group(carried["tensor_parallel"], devices)})
+                "tensor_parallel": tensor_group(carried["tensor_parallel"], devices)})
     request = Request(model=model, devices=devices, example_inputs=example_inputs, loss_fn=loss_fn,
                       target=target, options=options_of(groups), weights=groups["weights"], given=given,
                       unasked=unasked)
@@ -174,7 +174,7 @@ def compile(
     if isinstance(moved, Plan):  # one build alive at a time: two would double every rank's peak memory
         del built
         gc.collect()
-        replay = _replaying(request)
+        replay = replanned(request.options)
         request = dataclasses.replace(request, given=moved, remeasure=True, options=replay)
         built, place = _build(request)
         back, request, _ = _time_stages_and_replan(request, built, place, first)
@@ -328,33 +328,12 @@ def _with_replicas(request: Request) -> Request:
     """data_parallel="auto": the layout rank 0 chose (D × K), to replay on this rank's share."""
     chosen, (share, share_target) = auto_layout(request)
     options = dataclasses.replace(
-        _replaying(request),
+        replanned(request.options),
         data_parallel=DataParallelOptions(kind=None if chosen.mesh is None else chosen.kind))
     return dataclasses.replace(
         request, devices=chosen.mesh if chosen.mesh is not None else chosen.plan.num_ranks,
         example_inputs=share, target=share_target, given=chosen.plan, options=options,
         unasked=(*request.unasked, ("data_parallel", f"chosen by data_parallel={AUTO!r}")))
-
-
-def _replaying(request: Request) -> Any:
-    """The request's options for replaying ``plan``: its scheduling and link are the plan's."""
-    measure = dataclasses.replace(request.options.measure, link=None)
-    return dataclasses.replace(request.options, microbatches=None, schedule=None, scheduling=ScheduleOptions(),
-                               measure=measure)
-
-
-def _tensor_group(options: TensorParallelOptions | None, devices: Any) -> TensorParallelOptions:
-    """The options with the size of the mesh's "tp" dimension recorded (None without one)."""
-    options = options or TensorParallelOptions()
-    names = getattr(devices, "mesh_dim_names", None) or ()
-    size = int(devices["tp"].size()) if "tp" in names else None
-    if options.size is not None and options.size != size:
-        raise InputError(f"TensorParallelOptions(size={options.size}) but the devices give "
-                         f"{'no tp dimension' if size is None else f'a tp dimension of {size}'}; compile reads "
-                         f"the size from the DeviceMesh: leave size out or match it")
-    if options.plan and size is None:
-        raise InputError("TensorParallelOptions(plan=...) needs a DeviceMesh with a 'tp' dimension as devices")
-    return dataclasses.replace(options, size=size)
 
 
 def _weight_options(weights: Any) -> WeightOptions | None:

@@ -23,7 +23,7 @@ from pipecut.errors import PlanError
 from pipecut.ir import Plan
 from pipecut.options import AUTO, DataParallelOptions, RuntimeOptions, ScheduleOptions
 from pipecut.passes.costs.stages import plan_schedule
-from pipecut.planning.asked import Resolved
+from pipecut.planning.asked import Resolved, mesh_sizes
 from pipecut.planning.planner import plan_asked
 from pipecut.planning.request import Request, warn_if_sequential
 from pipecut.runtime.comm.nccl import check_nccl
@@ -95,14 +95,14 @@ def check_tensor_group(plan: Plan, devices: Any) -> None:
     ("dp", "pp", "tp") of (D, K, T) (:mod:`pipecut.assemble.tensor` splits each stage as DTensors),
     and its stages were priced at one GPU's share of that split."""
     t = plan.placement.tensor_parallel if plan.placement is not None else 1
-    names = getattr(devices, "mesh_dim_names", None) or ()
-    given = int(devices["tp"].size()) if "tp" in names else 1
+    sizes = mesh_sizes(devices)
+    given = sizes.get("tp", 1)
     if t > 1 and given != t:
         place = plan.placement
         assert place is not None
         asked = plan.options is None or plan.options.tensor_parallel.size is not None
         chosen = "" if asked else f", chosen by tensor_parallel={AUTO!r}, plan()'s default"
-        has = f"a 'tp' dimension of {given}" if "tp" in names else "no 'tp' dimension"
+        has = f"a 'tp' dimension of {given}" if "tp" in sizes else "no 'tp' dimension"
         raise PlanError(
             f"this cluster plan splits its stages over tensor-parallel groups of {t} GPUs "
             f"(placement.tensor_parallel={t}{chosen}), but the devices have {has}; compile it over "

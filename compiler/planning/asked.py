@@ -35,11 +35,11 @@ from pipecut.core.kinds import (
 )
 from pipecut.errors import InputError
 from pipecut.ir import Plan
-from pipecut.options import AUTO, Options, TensorParallelOptions
+from pipecut.options import AUTO, Options, ScheduleOptions, TensorParallelOptions
 from pipecut.passes.partition.solve import DEFAULT_LINK, as_schedule
 
-__all__ = ["DEFAULTS", "FIELDS", "NO_REPLICAS", "Context", "Default", "Resolved", "defaults_table", "mesh_sizes",
-           "replay_groups", "resolve"]
+__all__ = ["DEFAULTS", "FIELDS", "NO_REPLICAS", "Context", "Default", "Resolved", "defaults_table", "mesh_sizes", "replanned",
+           "replay_groups", "resolve", "tensor_group"]
 
 NO_REPLICAS: Literal["none"] = "none"
 """A resolved ``data_parallel``: one replica, no engine to keep replicas in step."""
@@ -276,6 +276,32 @@ def replay_groups(plan: Plan | None, **given: Any) -> tuple[dict[str, Any], tupl
     whence = tuple((name, "recorded in the replayed plan's options") for name, value in given.items()
                    if value is None and carried[name] is not None)
     return out, whence
+
+
+def tensor_group(options: TensorParallelOptions | None, devices: Any) -> TensorParallelOptions:
+    """``compile``'s ``tensor_parallel=`` with the size of the mesh's "tp" dimension recorded
+    (None without one): compile reads T from its devices.
+
+    Raises:
+        InputError: A size that is not the mesh's, or a split ``plan`` without a "tp" dimension.
+    """
+    options = options or TensorParallelOptions()
+    size = mesh_sizes(devices).get("tp")
+    if options.size is not None and options.size != size:
+        raise InputError(f"TensorParallelOptions(size={options.size}) but the devices give "
+                         f"{'no tp dimension' if size is None else f'a tp dimension of {size}'}; compile reads "
+                         f"the size from the DeviceMesh: leave size out or match it")
+    if options.plan and size is None:
+        raise InputError("TensorParallelOptions(plan=...) needs a DeviceMesh with a 'tp' dimension as devices")
+    return dataclasses.replace(options, size=size)
+
+
+def replanned(options: Options) -> Options:
+    """``options`` for replaying a plan ``compile`` made itself (after its timed steps, or D × K
+    chosen by ``data_parallel="auto"``): the microbatches, schedule, stages per rank and link are
+    the plan's, so they are left out (None, or not given)."""
+    return dataclasses.replace(options, microbatches=None, schedule=None, scheduling=ScheduleOptions(),
+                               measure=dataclasses.replace(options.measure, link=None))
 
 
 def defaults_table() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pipecut
 from examples import mlp
@@ -46,3 +47,14 @@ def tiny_llama(heads: int = 2, kv_heads: int = 1, batch: int = 8, seq: int = 16,
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, vocab_size=vocab, use_cache=False)
     return LlamaForCausalLM(cfg).to(torch.bfloat16), {"input_ids": torch.zeros(batch, seq, dtype=torch.long)}
+
+
+class Mesh:
+    """Stands for a DeviceMesh: its named dimensions and their sizes (no process group)."""
+
+    def __init__(self, **sizes: int) -> None:
+        self.mesh_dim_names = tuple(sizes)
+        self._sizes = sizes
+
+    def __getitem__(self, name: str) -> Any:
+        return type("Dim", (), {"size": lambda _self: self._sizes[name]})()

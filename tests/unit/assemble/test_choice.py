@@ -4,8 +4,6 @@ capture, plan and broadcast step itself runs across processes (tests/multiproces
 from __future__ import annotations
 
 import dataclasses
-import types
-from typing import Any
 
 import pytest
 import torch
@@ -17,17 +15,7 @@ from pipecut.cluster import ClusterPlacement, Layout
 from pipecut.errors import PlanError
 from pipecut.options import DataParallelOptions, TensorParallelOptions
 from pipecut.passes.partition.solve import DEFAULT_LINK
-from tests.unit.tiny import mlp_plan
-
-
-class _Mesh:
-    """A DeviceMesh's names and sizes, as check_tensor_group reads them (no process group)."""
-
-    def __init__(self, **sizes: int) -> None:
-        self.mesh_dim_names, self._sizes = tuple(sizes), sizes
-
-    def __getitem__(self, name: str) -> Any:
-        return types.SimpleNamespace(size=lambda: self._sizes[name])
+from tests.unit.tiny import Mesh, mlp_plan
 
 
 def test_a_cluster_plans_tensor_groups_need_a_tp_dimension_of_their_size() -> None:
@@ -46,10 +34,10 @@ def test_a_cluster_plans_tensor_groups_need_a_tp_dimension_of_their_size() -> No
         plan.options, tensor_parallel=TensorParallelOptions(size=2)))
     with pytest.raises(PlanError, match=r"groups of 2 GPUs \(placement.tensor_parallel=2\), but the devices have a "
                                         r"'tp' dimension of 4"):
-        check_tensor_group(asked, _Mesh(pp=3, tp=4))
-    check_tensor_group(split, _Mesh(dp=1, pp=3, tp=2))
+        check_tensor_group(asked, Mesh(pp=3, tp=4))
+    check_tensor_group(split, Mesh(dp=1, pp=3, tp=2))
     check_tensor_group(plan, 3)  # no placement: a pipeline's plan
-    check_tensor_group(plan, _Mesh(pp=3, tp=2))  # a pipeline's plan, split over the mesh's tensor groups at build
+    check_tensor_group(plan, Mesh(pp=3, tp=2))  # a pipeline's plan, split over the mesh's tensor groups at build
 
 
 def _place(engine_origin: str) -> Place:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -26,19 +25,9 @@ from pipecut.options import (
 from pipecut.passes.partition.solve import DEFAULT_LINK
 from pipecut.planning import asked
 from pipecut.planning.asked import DEFAULTS, FIELDS, NO_REPLICAS, Context, defaults_table, resolve
+from tests.unit.tiny import Mesh
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-class Mesh:
-    """Stands for a DeviceMesh: its named dimensions and their sizes."""
-
-    def __init__(self, **sizes: int) -> None:
-        self.mesh_dim_names = tuple(sizes)
-        self._sizes = sizes
-
-    def __getitem__(self, name: str) -> Any:
-        return type("Dim", (), {"size": lambda _self: self._sizes[name]})()
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +126,25 @@ def test_a_replayed_cluster_plan_split_over_t_runs_sequence_parallelism_as_its_r
     assert resolve(off, Context.REPLAY, plan=split).sequence_parallel is False
     unsplit = dataclasses.replace(split, placement=dataclasses.replace(split.placement, tensor_parallel=1))
     assert resolve(Options(), Context.REPLAY, plan=unsplit).sequence_parallel is False  # nothing split: none
+
+
+def test_compile_reads_t_from_the_mesh_and_refuses_a_size_or_split_it_does_not_give() -> None:
+    assert asked.tensor_group(None, Mesh(pp=2, tp=2)) == TensorParallelOptions(size=2)
+    assert asked.tensor_group(TensorParallelOptions(sequence_parallel=True), 4) == TensorParallelOptions(
+        sequence_parallel=True)
+    with pytest.raises(InputError, match=r"size=4\) but the devices give a tp dimension of 2"):
+        asked.tensor_group(TensorParallelOptions(size=4), Mesh(pp=2, tp=2))
+    with pytest.raises(InputError, match=r"plan=\.\.\.\) needs a DeviceMesh with a 'tp' dimension"):
+        asked.tensor_group(TensorParallelOptions(plan={"lin": "column"}), Mesh(dp=2, pp=2))
+
+
+def test_replanning_leaves_out_what_the_plan_fixes() -> None:
+    given = Options(microbatches=4, schedule="1f1b", scheduling=pipecut.ScheduleOptions(stages_per_rank=2),
+                    measure=pipecut.MeasureOptions(repeats=3, link=DEFAULT_LINK))
+    again = asked.replanned(given)
+    assert (again.microbatches, again.schedule, again.scheduling, again.measure.link) == (
+        None, None, pipecut.ScheduleOptions(), None)
+    assert again.measure.repeats == 3 and given.microbatches == 4  # the rest kept; the input unchanged
 
 
 def test_a_replay_fills_the_groups_left_out_from_the_plan(plan: pipecut.Plan) -> None:
