@@ -190,9 +190,7 @@ def _pp_tp(rank: int, world: int) -> dict[str, Any]:
             tensor_parallel=pipecut.TensorParallelOptions(sequence_parallel=sp),
             scheduling=pipecut.ScheduleOptions(stages_per_rank=2 if schedule == "zbv" else 1))
     for name, schedule in CLUSTER_PLANS:
-        box = [_cluster_plan(name, schedule).to_json() if rank == 0 else None]
-        torch.distributed.broadcast_object_list(box, src=0)
-        plan = pipecut.Plan.from_json(box[0])
+        plan = _broadcast_plan(lambda name=name, schedule=schedule: _cluster_plan(name, schedule))
         out[f"cluster {name} {schedule}"] = {
             **_one_step(*MODELS[name](batch_size=BATCH), mesh, schedule=schedule, plan=plan),
             "planned": [s.recompute.value for s in plan.stages]}
@@ -205,13 +203,22 @@ sequence parallelism, selective recompute), replayed over this ("pp", "tp") mesh
 as planned, the weight pass over DTensor parameters, the residual stream's token shards."""
 
 
-def _cluster_plan(name: str, schedule: str) -> pipecut.Plan:
+def _cluster_plan(name: str, schedule: str, replicas: int = 1) -> pipecut.Plan:
+    """The cluster plan of ``name`` at T = 2, K = 2 and D = ``replicas`` on one node of 4 × D
+    H100s, for a batch of ``BATCH`` samples per replica (one replica's share is what it plans)."""
     from pipecut.planning.cluster.plan import plan_cluster
 
-    model, inputs, loss_fn, target = MODELS[name](batch_size=BATCH)
-    return plan_cluster(model, inputs, "1x4xH100-SXM", microbatches=MICROBATCHES, schedule=schedule,
-                        tensor_parallel=2, data_parallel=pipecut.DataParallelOptions(replicas=1),
+    model, inputs, loss_fn, target = MODELS[name](batch_size=BATCH * replicas)
+    return plan_cluster(model, inputs, f"1x{4 * replicas}xH100-SXM", microbatches=MICROBATCHES, schedule=schedule,
+                        tensor_parallel=2, data_parallel=pipecut.DataParallelOptions(replicas=replicas),
                         loss_fn=loss_fn, target=target)
+
+
+def _broadcast_plan(make: Any) -> pipecut.Plan:
+    """Rank 0's plan on every rank (planning here is deterministic, but one plan is what compile replays)."""
+    box = [make().to_json() if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return pipecut.Plan.from_json(box[0])
 
 
 SPLIT_BACKWARD = [("llama", "zero-bubble", False), ("llama", "zbv", True), ("gpt2", "zbv", False),
@@ -301,26 +308,35 @@ def _dp_pp_tp(rank: int, world: int) -> dict[str, Any]:
         tokens = pipecut.TensorParallelOptions(sequence_parallel=kind == "ddp")
         out[(kind, schedule)] = _one_step(model, local[0], loss_fn, local[1], mesh, data_parallel=kind,
                                           tensor_parallel=tokens, schedule=schedule)
+    plan = _broadcast_plan(lambda: _cluster_plan("llama", "zero-bubble", replicas=2))
+    model, _, loss_fn, _ = zoo.llama(batch_size=2 * BATCH)
+    out[CLUSTER_DTK] = {**_one_step(model, local[0], loss_fn, local[1], mesh, schedule="zero-bubble", plan=plan),
+                        "data_parallel": plan.data_parallel}
     return out
 
 
 DP_TP = [("fsdp", "1f1b"), ("ddp", "1f1b"), ("fsdp", "zero-bubble"), ("ddp", "zero-bubble")]
+CLUSTER_DTK = ("cluster plan", "zero-bubble")
+"""The cluster plan of the zoo's Llama on a node of 8 H100s at D 2 × T 2 × K 2 (FSDP2, sequence
+parallelism and selective recompute, the planner's choices), replayed over this mesh."""
 
 
 @pytest.mark.timeout(600)
 def test_dp2_tp2_pp2_with_fsdp_and_ddp_matches_the_whole_batch() -> None:
     """8 ranks: 2 replicas (FSDP2, then DDP with sequence parallelism, over "dp") x 2 stages x
     2-way tensor groups, under 1F1B and zero-bubble (whose weight pass writes the DTensor
-    gradients that the replicas then reduce). Gradients are averaged over the replicas, so they equal the plain
+    gradients that the replicas then reduce), and a cluster plan of that D x T x K replayed. Gradients are averaged over the replicas, so they equal the plain
     model's over the whole batch in 4 microbatches; each replica's loss is its half's."""
     ranks = run_ranks(_dp_pp_tp, 8, timeout=560, collective_timeout=120)
     model, inputs, loss_fn, target = zoo.llama(batch_size=2 * BATCH)
     want = _reference(model, inputs, loss_fn, target, microbatches=2 * MICROBATCHES)
-    for case in DP_TP:
+    for case in (*DP_TP, CLUSTER_DTK):
         losses = {r["replica"]: r[case]["loss"] for r in ranks}
         torch.testing.assert_close((losses[0] + losses[1]) / 2, want["loss"], atol=ATOL, rtol=RTOL, msg=str(case))
         _check({**want, "loss": None}, [r[case] for r in ranks])
-        assert all((r[case]["token_shards"] >= 2) == (case[0] == "ddp") for r in ranks), case
+        assert all((r[case]["token_shards"] >= 2) == (case[0] != "fsdp") for r in ranks), case
+    assert ranks[0][CLUSTER_DTK]["data_parallel"] == pipecut.DataParallelOptions(kind="fsdp", replicas=2)
+    assert "selective" in ranks[0][CLUSTER_DTK]["recompute"], ranks[0][CLUSTER_DTK]["recompute"]
 
 
 # --- compositions: no_sync, clipping, save_pretrained, DCP checkpoints, full and selective recompute and
