@@ -28,6 +28,7 @@ from pipecut.assemble.layout import auto_layout
 from pipecut.assemble.replay import settings_of
 from pipecut.assemble.resolve import WireSpecs, schedules
 from pipecut.assemble.tensor import (
+    COMPILED_DTENSORS,
     check_composable,
     copy_group,
     split_over_tensor_group,
@@ -265,19 +266,22 @@ def _time_stages_and_replan(request: Request, built: BuiltPipeline, place: Place
     if not _calibrates(request):
         return built, request, None
     pipe = Pipeline(built)  # run for timing only; the pipeline returned to the user is made afresh
-    steps, choice = request.options.measure.calibration_steps, None
-    if request.options.runtime.compile_stages == AUTO:
+    steps, note = request.options.measure.calibration_steps, ""
+    if request.options.runtime.compile_stages == AUTO and not place.tensor_parallel:
         choice, times = measure_and_choose(pipe, request.example_inputs, request.target, steps)
-        runtime = dataclasses.replace(request.options.runtime, compile_stages=choice.compiled)
-        request = dataclasses.replace(request, options=dataclasses.replace(request.options, runtime=runtime))
+        request, note = _chosen_mode(request, choice.compiled), choice.note()
     else:
         times = measure_stages(pipe, request.example_inputs, request.target, steps)  # before FSDP changes the modules
+        if request.options.runtime.compile_stages == AUTO:  # only eager stages run split over a tensor group
+            request, note = _chosen_mode(request, False), (
+                f"eager stages kept by compile_stages={AUTO!r}: they are split over tensor-parallel groups, and "
+                f"{COMPILED_DTENSORS} on torch {torch.__version__}")
     again: list[Any] = [None, None]
     measured: _FirstSplit | None = None
     if dist.get_rank() == 0:
         made = recalibrate(pipe.plan, times, place.replication, moved=request.remeasure)
-        if choice is not None:  # the plan replays with the mode chosen, and says why
-            made = dataclasses.replace(made.noted(choice.note()), options=request.options)
+        if note:  # the plan replays with the mode chosen, and says why
+            made = dataclasses.replace(made.noted(note), options=request.options)
         again[0] = made.to_json()
         if first is not None and times.step_ms > first.step_ms * (1 + REVERT_MARGIN):
             again[1] = first.plan.noted(f"calibration moved the split to stages of {_sizes(made)} nodes, which "
@@ -294,6 +298,12 @@ def _time_stages_and_replan(request: Request, built: BuiltPipeline, place: Place
         return recosted(built, recalibrated, runnable_schedule(recalibrated, place), schedules(recalibrated),
                         predicted_timeline(recalibrated)), request, None
     return recalibrated, request, measured
+
+
+def _chosen_mode(request: Request, compiled: bool) -> Request:
+    """``request`` with compile_stages="auto" resolved to the mode chosen."""
+    runtime = dataclasses.replace(request.options.runtime, compile_stages=compiled)
+    return dataclasses.replace(request, options=dataclasses.replace(request.options, runtime=runtime))
 
 
 def _sizes(plan: Plan) -> str:

@@ -117,12 +117,12 @@ def test_the_probe_names_the_node_inside_a_recomputed_run_that_fails() -> None:
     assert run.at is not None and run.at.name == "refused"
 
 
-def _tp_request(**carried: str) -> Any:
+def _tp_request(compiled: Any = True, **carried: str) -> Any:
     from pipecut.options import Options, RuntimeOptions
     from pipecut.planning.request import Request
 
     return Request(model=torch.nn.Linear(2, 2), example_inputs=(torch.ones(2, 2),), target=None, loss_fn=None,
-                   devices=None, options=Options(runtime=RuntimeOptions(compile_stages=True)),
+                   devices=None, options=Options(runtime=RuntimeOptions(compile_stages=compiled)),
                    unasked=tuple(carried.items()))
 
 
@@ -148,6 +148,8 @@ def test_compiled_stages_carried_by_a_replayed_plan_are_refused_as_the_plans() -
                                         r"recorded in the replayed plan's options: pass "
                                         r"runtime=RuntimeOptions\(compile_stages=False\)\)$"):
         check_composable(mlp_plan(2), place, {}, model, _tp_request(runtime="recorded in the replayed plan's options"))
+    check_composable(mlp_plan(2), place, {}, model, _tp_request("auto"))  # "auto" chooses eager stages here
+    check_composable(mlp_plan(2), place, {}, model, _tp_request(False))
 
 
 class _Attends(torch.nn.Module):
