@@ -289,7 +289,8 @@ def _time_stages_and_replan(request: Request, built: BuiltPipeline, place: Place
                                           f"for this split: this split kept").to_json()
         elif not request.remeasure and not made.runs_like(pipe.plan):
             kept = recalibrate(pipe.plan, times, place.replication, keep_split=True)
-            measured = _FirstSplit(dataclasses.replace(kept, options=made.options), times.step_ms)
+            # the first split, should the moved one measure slower, says how its stages run too
+            measured = _FirstSplit(dataclasses.replace(kept.noted(note), options=made.options), times.step_ms)
     dist.broadcast_object_list(again, src=0)
     if again[1] is not None:
         return Plan.from_json(again[1]), request, None
