@@ -43,12 +43,13 @@ __all__ = [
     "TiedGroup",
 ]
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 """2 added ``options``; 3 records ``options.partition.recompute`` as a ``Recompute`` level or
 "auto"; 4 records the microbatches and schedule asked as ``options.microbatches`` and
 ``options.schedule`` (they were ``options.scheduling.microbatches``/``kind``); 5 writes "auto"
-where ``options.capture.method`` and ``options.partition.partitioner`` were null. Older plans
-are read as version 5 (:func:`pipecut.schema.upgraded`)."""
+where ``options.capture.method`` and ``options.partition.partitioner`` were null; 6 writes
+"unbounded" where ``options.capture.time_limit`` was null. Older plans are read as version 6
+(:func:`pipecut.schema.upgraded`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

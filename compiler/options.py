@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from pipecut.errors import InputError
 __all__ = [
     "AUTO",
     "EXPORT_TIME_LIMIT",
+    "UNBOUNDED",
     "CaptureOptions",
     "DataParallelOptions",
     "IlpSolver",
@@ -59,6 +61,7 @@ __all__ = [
     "TensorParallelOptions",
     "WeightOptions",
     "leaf_name",
+    "limit_seconds",
     "options_of",
     "requested",
     "schedule_origin",
@@ -66,6 +69,10 @@ __all__ = [
 
 AUTO: Literal["auto"] = "auto"
 """The value that asks the planner to choose (microbatches, schedule, data parallelism)."""
+
+UNBOUNDED: Literal["unbounded"] = "unbounded"
+"""``CaptureOptions.time_limit`` for no bound: the symbolic-shape export may take as long as it
+needs (a word, not None: None in these options only ever means "not given")."""
 
 
 class IlpSolver(enum.Enum):
@@ -115,6 +122,25 @@ the models of ``examples/zoo.py`` export in 2.5-8 s on a loaded 2-core CPU, a Sw
 with symbolic image sizes did not in 10 minutes."""
 
 
+def limit_seconds(limit: float | Literal["unbounded"]) -> float:
+    """A ``time_limit`` as the seconds of a deadline, ``math.inf`` for :data:`UNBOUNDED` (a
+    deadline never due), so that the capture code reasons over numbers only.
+
+    >>> limit_seconds(5), limit_seconds(UNBOUNDED)
+    (5.0, inf)
+
+    Raises:
+        InputError: Anything but finite seconds > 0 or "unbounded" (None included: no bound
+            is asked for by name).
+    """
+    if limit == UNBOUNDED:
+        return math.inf
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < math.inf:
+        raise InputError(f"CaptureOptions(time_limit={limit!r}): give seconds > 0, or "
+                         f"{UNBOUNDED!r} for no bound")
+    return float(limit)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CaptureOptions:
     """How ``plan`` and ``compile`` capture the model's graph (``capture=``).
@@ -124,10 +150,12 @@ class CaptureOptions:
             "auto" tries both.
         leaf_modules: Module classes, or their ``module.QualName``, captured as one call.
         dynamic_shapes: Export with symbolic dimensions.
-        time_limit: Seconds the symbolic-shape export may take; None: no bound.
+        time_limit: Seconds the symbolic-shape export may take, or "unbounded"
+            (:data:`UNBOUNDED`).
 
     Raises:
-        InputError: An unknown method, or a time limit that is not seconds > 0.
+        InputError: An unknown method, or a time limit that is neither seconds > 0 nor
+            "unbounded".
     """
 
     method: CaptureMethod | Literal["auto"] = AUTO
@@ -138,21 +166,18 @@ class CaptureOptions:
     """``torch.export`` with symbolic dimensions, so one graph serves smaller microbatches and
     shorter sequences; False: exported at the example's shapes only (faster, and the plan then
     accepts only the planned shapes, checked at every step)."""
-    time_limit: float | None = EXPORT_TIME_LIMIT
+    time_limit: float | Literal["unbounded"] = EXPORT_TIME_LIMIT
     """Seconds the symbolic-shape export may take; past them capture logs a warning and exports
-    at static shapes instead (as with ``dynamic_shapes=False``). None: no bound. Enforced with
-    ``SIGALRM``, so only where capture runs on the main thread (elsewhere: unbounded, with a
-    warning)."""
+    at static shapes instead (as with ``dynamic_shapes=False``). "unbounded" (:data:`UNBOUNDED`):
+    no bound, so the graph does not depend on the machine's load. Enforced with ``SIGALRM``, so
+    only where capture runs on the main thread (elsewhere: unbounded, with a warning)."""
 
     def __post_init__(self) -> None:
         if self.method != AUTO:
             _set(self, "method", enum_choice(CaptureMethod, self.method, "capture method", auto=True))
         _set(self, "leaf_modules", tuple(leaf_name(c) for c in self.leaf_modules))
-        limit = self.time_limit
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
-            raise InputError(f"CaptureOptions(time_limit={limit!r}): give seconds > 0, or None for no bound")
-        if limit is not None:
-            _set(self, "time_limit", float(limit))
+        if self.time_limit != UNBOUNDED:
+            _set(self, "time_limit", limit_seconds(self.time_limit))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

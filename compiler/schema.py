@@ -136,7 +136,7 @@ def dump_plan(plan: Plan) -> str:
 
 def load_plan(text: str | bytes) -> Plan:
     """Parse, check and build a plan from JSON text in one pass; :class:`PlanError` names the
-    JSON path of a bad field. A plan of version 1 to 4 is read as version 5 (:func:`upgraded`)."""
+    JSON path of a bad field. A plan of version 1 to 5 is read as version 6 (:func:`upgraded`)."""
     text = upgraded(text)
     try:
         return typing.cast(Plan, _validator().validate_json(text))
@@ -144,28 +144,32 @@ def load_plan(text: str | bytes) -> Plan:
         raise PlanError(_describe(e, text)) from None
 
 
-_OLD_VERSION = re.compile(rb'"format_version"\s*:\s*[1234]\b')
+_OLD_VERSION = re.compile(rb'"format_version"\s*:\s*[12345]\b')
 _RECOMPUTE_2 = {None: "auto", True: "full", False: "none"}
 """Version 2 recorded ``PartitionOptions.recompute`` as None (auto), True or False."""
 
 
 def upgraded(text: str | bytes) -> str | bytes:
-    """A plan of format version 1 to 4 as version 5. Version 2 added ``options`` (what was
+    """A plan of format version 1 to 5 as version 6. Version 2 added ``options`` (what was
     asked; absent, None, in a version 1 plan); version 3 records the options' recompute as the
     ``Recompute`` level or "auto" instead of None/True/False; version 4 moves the microbatches
     and schedule asked out of ``options.scheduling`` (``microbatches``, ``kind``) to
     ``options.microbatches`` and ``options.schedule``; version 5 writes "auto" for the capture
-    method and the partitioner where they were null. Other text is returned as it is.
+    method and the partitioner where they were null; version 6 writes "unbounded" for the
+    capture time limit where it was null (None only ever means "not given"). Other text is
+    returned as it is.
 
     >>> import json
     >>> json.loads(upgraded('{"format_version": 1, "microbatches": 4}'))
-    {'format_version': 5, 'microbatches': 4}
+    {'format_version': 6, 'microbatches': 4}
     >>> upgraded('{"format_version": 2, "options": {"partition": {"recompute": true}}}')
-    '{"format_version": 5, "options": {"partition": {"recompute": "full"}}}'
+    '{"format_version": 6, "options": {"partition": {"recompute": "full"}}}'
     >>> upgraded('{"format_version": 3, "options": {"scheduling": {"kind": "1f1b", "microbatches": 4}}}')
-    '{"format_version": 5, "options": {"scheduling": {}, "schedule": "1f1b", "microbatches": 4}}'
+    '{"format_version": 6, "options": {"scheduling": {}, "schedule": "1f1b", "microbatches": 4}}'
     >>> upgraded('{"format_version": 4, "options": {"capture": {"method": null}, "partition": {"partitioner": null}}}')
-    '{"format_version": 5, "options": {"capture": {"method": "auto"}, "partition": {"partitioner": "auto"}}}'
+    '{"format_version": 6, "options": {"capture": {"method": "auto"}, "partition": {"partitioner": "auto"}}}'
+    >>> upgraded('{"format_version": 5, "options": {"capture": {"time_limit": null}}}')
+    '{"format_version": 6, "options": {"capture": {"time_limit": "unbounded"}}}'
     """
     if not _OLD_VERSION.search(text if isinstance(text, bytes) else text.encode()):
         return text  # the current version: no second parse of a large plan
@@ -173,7 +177,7 @@ def upgraded(text: str | bytes) -> str | bytes:
         data = json.loads(text)
     except ValueError:
         return text  # the validator says what is wrong with it
-    if not isinstance(data, dict) or data.get("format_version") not in (1, 2, 3, 4):
+    if not isinstance(data, dict) or data.get("format_version") not in (1, 2, 3, 4, 5):
         return text
     options = data.get("options") or {}
     partition = options.get("partition")
@@ -188,6 +192,9 @@ def upgraded(text: str | bytes) -> str | bytes:
         values = options.get(group)
         if isinstance(values, dict) and field in values and values[field] is None:
             values[field] = "auto"
+    capture = options.get("capture")
+    if isinstance(capture, dict) and "time_limit" in capture and capture["time_limit"] is None:
+        capture["time_limit"] = "unbounded"
     return json.dumps({**data, "format_version": FORMAT_VERSION})
 
 

@@ -23,7 +23,7 @@ from pipecut.core.kinds import CaptureMethod
 from pipecut.core.program import Captured, Inputs, Shapes
 from pipecut.errors import CaptureError
 from pipecut.ir import Plan
-from pipecut.options import AUTO, CaptureOptions
+from pipecut.options import AUTO, UNBOUNDED, CaptureOptions, limit_seconds
 
 __all__ = ["REPLAY_SLACK", "capture_for_plan", "static_plan"]
 
@@ -72,8 +72,9 @@ model and these inputs, so a rank that is merely slower (a loaded machine) still
 while one that never would is still stopped."""
 
 
-def _limit(options: CaptureOptions, *, replaying: bool) -> float | None:
-    if options.time_limit is None or not replaying:
+def _limit(options: CaptureOptions, *, replaying: bool) -> float | Literal["unbounded"]:
+    """The time limit of one attempt, as an option's value (the attempt is made with options)."""
+    if options.time_limit == UNBOUNDED or not replaying:
         return options.time_limit
     return options.time_limit * REPLAY_SLACK
 
@@ -87,8 +88,8 @@ def _refuse_timed_out(tried: Sequence[Captured], plan: Plan, options: CaptureOpt
         raise CaptureError(
             f"this rank's graph at static shapes is not the plan's (fingerprint {plan.fingerprint}): "
             f"that is torch.export's with symbolic shapes (or another model's), and here that export "
-            f"ran past {_limit(options, replaying=True):g} s ({REPLAY_SLACK:g} x "
-            f"CaptureOptions(time_limit={options.time_limit:g})); plan and compile with "
+            f"ran past {limit_seconds(_limit(options, replaying=True)):g} s ({REPLAY_SLACK:g} x "
+            f"CaptureOptions(time_limit={limit_seconds(options.time_limit):g})); plan and compile with "
             f"CaptureOptions(dynamic_shapes=False) (every rank then exports at static shapes) or with "
             f"a larger time_limit"
         )

@@ -23,6 +23,7 @@ handler still runs at its own deadline, and its remaining time is re-armed after
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import threading
 import time
@@ -57,8 +58,8 @@ class Expired(BaseException):
 class Bound:
     """What :func:`time_bound` could arm."""
 
-    seconds: float | None
-    """The bound asked for (None: unbounded)."""
+    seconds: float
+    """The bound asked for (``math.inf``: unbounded)."""
     armed: bool
     """Whether it is enforced (False: unbounded, asked so or unable to)."""
 
@@ -69,17 +70,18 @@ def can_bound() -> bool:
 
 
 @contextlib.contextmanager
-def time_bound(seconds: float | None) -> Iterator[Bound]:
+def time_bound(seconds: float) -> Iterator[Bound]:
     """Raise :class:`Expired` in the block once ``seconds`` of wall-clock time have passed.
 
-    ``seconds`` None, or a thread that cannot arm the timer (see :func:`can_bound`): the block
-    runs unbounded and the :class:`Bound` yielded says ``armed=False``.
+    ``seconds`` ``math.inf`` (a deadline never due), or a thread that cannot arm the timer (see
+    :func:`can_bound`): the block runs unbounded and the :class:`Bound` yielded says
+    ``armed=False``.
 
-    >>> with time_bound(None) as b:
+    >>> with time_bound(math.inf) as b:
     ...     b.armed
     False
     """
-    if seconds is None or not can_bound():
+    if seconds == math.inf or not can_bound():
         yield Bound(seconds=seconds, armed=False)
         return
     previous = signal.getsignal(signal.SIGALRM)
@@ -183,5 +185,5 @@ def check_unchanged(before: dict[str, Any], what: str) -> None:
             f"capturing {what}: interrupting torch.export at its time limit left torch's state "
             f"changed ({', '.join(changed)}), so this process cannot trace again safely; pass "
             f"CaptureOptions(dynamic_shapes=False) to export at static shapes without the wait, "
-            f"or time_limit=None to let the symbolic export finish"
+            f"or time_limit='unbounded' to let the symbolic export finish"
         )

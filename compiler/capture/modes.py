@@ -32,6 +32,7 @@ from pipecut.core.program import Captured, Inputs, StageProgram
 from pipecut.core.torch_private import FakeTensorMode, reparametrize_module
 from pipecut.errors import InputError
 from pipecut.ir import NodeCost, Plan
+from pipecut.options import UNBOUNDED
 from pipecut.passes.rewrite.eval_graph import map_stages
 from pipecut.passes.rewrite.split import split_stage
 from pipecut.runtime.execution.stage import StageWorker
@@ -95,7 +96,7 @@ def capture_in_mode(
     model.train(training)
     try:
         return capture(model, inputs, method=like.method, leaf_modules=leaf_modules,
-                       dynamic_shapes=not like.static_shapes, time_limit=None)
+                       dynamic_shapes=not like.static_shapes, time_limit=UNBOUNDED)
     finally:
         _set_modes(model, before)
 

@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import inspect
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +36,7 @@ from pipecut.core.names import model_names
 from pipecut.core.program import NO_DEFAULT, Captured, Inputs, Shapes, split_args
 from pipecut.core.torch_private import pytree
 from pipecut.errors import CaptureError, InputError
-from pipecut.options import AUTO, EXPORT_TIME_LIMIT, CaptureOptions, leaf_name
+from pipecut.options import AUTO, EXPORT_TIME_LIMIT, CaptureOptions, leaf_name, limit_seconds
 
 __all__ = ["capture", "capture_as", "fingerprint"]
 
@@ -69,7 +70,7 @@ def capture(
     method: CaptureMethod | Literal["auto"] = AUTO,
     leaf_modules: Sequence[type | str] = (),
     dynamic_shapes: bool = True,
-    time_limit: float | None = EXPORT_TIME_LIMIT,
+    time_limit: float | Literal["unbounded"] = EXPORT_TIME_LIMIT,
 ) -> Captured:
     """Capture ``model``; try symbolic_trace, then torch.export ("auto"), unless ``method`` forces one.
     ``leaf_modules``: module classes (or their ``module.QualName``) symbolic_trace keeps whole.
@@ -85,7 +86,8 @@ def capture(
     check_inputs(example_inputs, "example_inputs")
     if method != AUTO:
         method = enum_choice(CaptureMethod, method, "capture method", auto=True)
-    captured = _capture(model, example_inputs, method, leaf_modules, _Shapes(dynamic_shapes, time_limit))
+    shapes = _Shapes(dynamic_shapes, limit_seconds(time_limit))
+    captured = _capture(model, example_inputs, method, leaf_modules, shapes)
     check_input_writes(captured.gm, captured.input_names, captured.flatten_inputs(example_inputs))
     return dataclasses.replace(captured, names=model_names(captured.gm, model),
                                config=getattr(model, "config", None))
@@ -105,7 +107,8 @@ class _Shapes:
     """How torch.export is asked to treat shapes (the capture options' two fields)."""
 
     dynamic: bool
-    time_limit: float | None
+    time_limit: float
+    """Seconds; ``math.inf`` where the options say "unbounded"."""
 
 
 def _untouched(model: torch.nn.Module, trace: Callable[[], fx.GraphModule]) -> tuple[fx.GraphModule, list[str]]:
@@ -252,7 +255,7 @@ def _export_symbolic(
             for arg, value in bound.items()
         }
         with time_bound(shapes.time_limit) as timer:
-            if shapes.time_limit is not None and not timer.armed:
+            if shapes.time_limit < math.inf and not timer.armed:
                 log.warning(
                     "capturing %s: torch.export with symbolic shapes runs without its %g s bound here "
                     "(capture is not on the main thread, where SIGALRM can interrupt it); call plan/"
@@ -268,7 +271,7 @@ def _export_symbolic(
         log.warning(
             "capturing %s: torch.export with symbolic shapes ran past %g s (CaptureOptions.time_limit); "
             "exporting at the example's shapes instead: the plan accepts only the planned shapes "
-            "(CaptureOptions(dynamic_shapes=False) skips the wait; time_limit=None waits for it)",
+            "(CaptureOptions(dynamic_shapes=False) skips the wait; time_limit='unbounded' waits for it)",
             name, shapes.time_limit)
         return None, Shapes.TIMED_OUT
     except Exception as e:

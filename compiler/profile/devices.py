@@ -264,7 +264,8 @@ def estimate_costs(
     ``cost_model``: price the nodes with a per-op model
     (:class:`pipecut.profile.hardware.HardwareModel`) instead of the roofline. ``capture``: how
     the model is captured (default ``CaptureOptions()``: torch.export's symbolic shapes within
-    its time bound; ``time_limit=None`` waits, so the graph does not depend on the machine's load).
+    its time bound; ``time_limit="unbounded"`` waits, so the graph does not depend on the
+    machine's load).
     """
     return estimate_captured(
         model, example_inputs, device, precision=precision, microbatches=microbatches,

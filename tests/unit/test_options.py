@@ -15,6 +15,7 @@ from pipecut.core.kinds import CaptureMethod, DataParallelKind, Partitioner, Rec
 from pipecut.errors import InputError
 from pipecut.ir import FORMAT_VERSION, Plan
 from pipecut.options import (
+    UNBOUNDED,
     CaptureOptions,
     DataParallelOptions,
     MeasureOptions,
@@ -95,6 +96,22 @@ def test_the_plan_carries_its_options_through_json_and_reads_versions_1_to_3() -
     scheduling = v3["options"]["scheduling"]
     scheduling["microbatches"], scheduling["kind"] = v3["options"].pop("microbatches"), v3["options"].pop("schedule")
     assert Plan.from_json(json.dumps(v3)) == plan  # version 3 kept them in options.scheduling
+
+
+def test_a_version_5_plan_with_no_time_limit_reads_as_unbounded() -> None:
+    """Version 5 wrote ``CaptureOptions(time_limit=None)`` (no bound) as null; version 6 names
+    it "unbounded", None in the options only ever meaning "not given"."""
+    plan = mlp_plan()
+    v5 = json.loads(plan.to_json())
+    v5["format_version"] = 5
+    v5["options"]["capture"]["time_limit"] = None
+    read = Plan.from_json(json.dumps(v5))
+    assert read.options.capture.time_limit == UNBOUNDED and read.format_version == FORMAT_VERSION
+    unbounded = dataclasses.replace(plan.options.capture, time_limit=UNBOUNDED)
+    assert read == dataclasses.replace(plan, options=dataclasses.replace(plan.options, capture=unbounded))
+    assert Plan.from_json(read.to_json()) == read  # and version 6 writes it by name
+    v5["options"]["capture"]["time_limit"] = 12.0  # seconds are read as they were
+    assert Plan.from_json(json.dumps(v5)).options.capture.time_limit == 12.0
 
 
 def test_the_options_page_runs() -> None:

@@ -11,6 +11,7 @@ that never ends (a stand-in for sympy), so they are fast and do not depend on ti
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -27,6 +28,7 @@ from pipecut.core.kinds import CaptureMethod
 from pipecut.core.program import Shapes
 from pipecut.core.shapes import check_microbatch
 from pipecut.errors import CaptureError, InputError
+from pipecut.options import UNBOUNDED
 from pipecut.planning.autoplan import accepts
 
 
@@ -59,7 +61,7 @@ def test_a_bound_interrupts_pure_python_and_puts_the_signal_back() -> None:
     assert signal.getsignal(signal.SIGALRM) is handler
     with time_bound(5.0) as bound:  # a block that ends in time is left alone
         assert bound.armed
-    with time_bound(None) as bound:
+    with time_bound(math.inf) as bound:  # "unbounded": a deadline never due
         assert not bound.armed
 
 
@@ -223,12 +225,21 @@ def test_a_plan_captured_after_the_time_limit_accepts_only_its_shapes_and_steps_
         check_microbatch(plan, plan.inputs, [x[:3]])
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, "60", True])
-def test_a_time_limit_must_be_positive_seconds_or_none(bad: Any) -> None:
-    with pytest.raises(InputError, match=r"CaptureOptions\(time_limit=.*\): give seconds > 0, or None"):
+@pytest.mark.parametrize("bad", [0, -1.0, "60", True, math.inf, math.nan])
+def test_a_time_limit_must_be_positive_seconds_or_unbounded(bad: Any) -> None:
+    with pytest.raises(InputError, match=r"CaptureOptions\(time_limit=.*\): give seconds > 0, or 'unbounded'"):
         pipecut.CaptureOptions(time_limit=bad)
-    assert pipecut.CaptureOptions(time_limit=None).time_limit is None
+    assert pipecut.CaptureOptions(time_limit=UNBOUNDED).time_limit == "unbounded"
     assert pipecut.CaptureOptions(time_limit=5).time_limit == 5.0
+
+
+def test_none_is_not_a_time_limit() -> None:
+    """None in the options only ever means "not given": no bound is asked for by name."""
+    with pytest.raises(InputError, match=r"CaptureOptions\(time_limit=None\): give seconds > 0, or 'unbounded' "
+                                         r"for no bound"):
+        pipecut.CaptureOptions(time_limit=None)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match=r"time_limit=None\): give seconds > 0, or 'unbounded'"):
+        capture(torch.nn.Linear(2, 2), (torch.randn(1, 2),), time_limit=None)  # type: ignore[arg-type]
 
 
 def test_auto_planning_waits_for_the_symbolic_export_once(slow_symbolic_export: list[bool]) -> None:

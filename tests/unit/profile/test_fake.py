@@ -20,6 +20,7 @@ from pipecut.core.batching import first_microbatch
 from pipecut.core.kinds import CostSource
 from pipecut.core.meta import to_meta
 from pipecut.errors import InputError
+from pipecut.options import UNBOUNDED
 from pipecut.profile.devices import count_costs
 from pipecut.profile.fake import fake_work
 
@@ -58,7 +59,7 @@ def _counted(built: Any, microbatches: int = 2, real: bool = False, **kwargs: An
     _, first = first_microbatch(inputs, microbatches)
     size = len(pytree.tree_leaves(inputs)[0])
     first_target = target[: size // microbatches] if target is not None else None
-    captured = capture(model, first, time_limit=None)  # no bound: two captures give one graph under any load
+    captured = capture(model, first, time_limit=UNBOUNDED)  # no bound: two captures give one graph under any load
     flat = captured.flatten_inputs(first)
     if real:
         return count_costs(captured, flat, loss_fn=loss_fn, target=first_target, real=True)
@@ -99,7 +100,7 @@ def test_estimate_costs_of_a_meta_llama_equals_the_real_llamas_reference() -> No
     with torch.device("meta"):
         meta = type(plain)(plain.config)
     kw: dict[str, Any] = dict(microbatches=2, loss_fn=loss_fn, target=target,
-                              capture=pipecut.CaptureOptions(time_limit=None))  # one graph under any load
+                              capture=pipecut.CaptureOptions(time_limit=UNBOUNDED))  # one graph under any load
     got = pipecut.estimate_costs(meta, inputs, "H100-SXM", **kw)
     want = pipecut.estimate_costs(plain, inputs, "H100-SXM", real=True, **kw)
     assert got == want
@@ -218,7 +219,7 @@ def test_a_count_for_a_gpu_keeps_its_dropout_masks_at_a_byte_an_element(method: 
     keeps 8 x 16 x (4 - 1) = 384 bytes fewer than on the CPU (fp32 noise there, a bool mask on a
     GPU); every other row and all work are the CPU's."""
     model, x = Dropouts(), torch.randn(8, 8)
-    captured = capture(model, (x,), method=method, time_limit=None)
+    captured = capture(model, (x,), method=method, time_limit=UNBOUNDED)
     flat = captured.flatten_inputs((x,))
     cpu_rows, cpu_work = fake_work(captured, flat)
     gpu_rows, gpu_work = fake_work(captured, flat, gpu=True)

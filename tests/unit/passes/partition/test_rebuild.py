@@ -13,6 +13,7 @@ from pipecut.cluster import Link
 from pipecut.core.graph import canonical_names
 from pipecut.core.kinds import LeafKind, NodeOp
 from pipecut.ir import Leaf, NodeCost
+from pipecut.options import UNBOUNDED
 from pipecut.passes.partition.chain import liveness
 from pipecut.passes.partition.rebuild import mark_rebuilt, rebuildable
 from pipecut.passes.rewrite.split import split, verify
@@ -79,14 +80,14 @@ def test_a_llama_sends_only_the_hidden_state_and_its_stages_chained_are_the_mode
     plan = pipecut.plan(model, inputs, len(starts) + 1, loss_fn=loss_fn, target=target, microbatches=1,
                         schedule="gpipe", measure=pipecut.MeasureOptions(estimate="A100-80GB"),
                         partition=pipecut.PartitionOptions(split=starts),
-                        capture=pipecut.CaptureOptions(time_limit=None))
+                        capture=pipecut.CaptureOptions(time_limit=UNBOUNDED))
     assert any(n.rebuilt for n in plan.nodes)
     for stage in plan.stages[1:]:
         tensors = [leaf for name in stage.inputs for leaf in plan.node(name).leaves if leaf.kind is LeafKind.TENSOR]
         assert len(tensors) == 1, (stage.index, stage.inputs)
     assert all(not plan.node(e.src_node).rebuilt for e in plan.edges)
     assert pipecut.Plan.from_json(plan.to_json()) == plan  # the choice is recorded in the plan
-    cap = capture(model, inputs, time_limit=None)
+    cap = capture(model, inputs, time_limit=UNBOUNDED)
     programs = split(cap.gm, plan)
     verify(cap.gm, programs, plan)
     assert any(n.name in {r.name for r in plan.nodes if r.rebuilt}
