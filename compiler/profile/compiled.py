@@ -28,7 +28,7 @@ from pipecut.ir import Plan
 from pipecut.options import AUTO
 from pipecut.profile.calibrate import stage_times
 from pipecut.profile.live import LiveTimes, measure_stages
-from pipecut.runtime.execution.compiled import CompileStats, compile_stage
+from pipecut.runtime.execution.compiled import CompileStats, compile_program
 
 __all__ = ["AMORTIZED_STEPS", "CompileChoice", "check_auto", "choose_compiled", "compiled_stage_times", "measure_and_choose"]
 
@@ -94,7 +94,7 @@ def compiled_stage_times(
     stats: list[CompileStats] = []
 
     def compiled(program: Any) -> None:
-        stats.append(compile_stage(program.module, program.index))
+        stats.append(compile_program(program.module, program.index)[0])
 
     times = stage_times(captured, plan, inputs, loss_fn, target, repeats=repeats, prepare=compiled)
     return times, sum(s.seconds for s in stats)

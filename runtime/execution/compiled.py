@@ -20,6 +20,10 @@ system's temporary directory) is shared by every process of a host: a stage whos
 graph is the same as another's (the middle blocks of a transformer at K = 4) is compiled once
 and read from the cache by the other ranks, and a second run starts warm.
 
+A stage compiled whole returns its outputs as fresh tensors (:func:`copied_outputs`): where an
+output is a view, AOTAutograd regenerates it from its base by recorded view ops, which its cache
+stores wrong on torch 2.13.
+
 Zero-bubble and ZBV split each backward into an input pass and a weight pass
 (:mod:`pipecut.runtime.execution.backward_split`), which find each weight's gradient at the
 autograd node of the op that reads the weight. A stage compiled whole has one fused autograd node
@@ -47,7 +51,8 @@ import torch.fx as fx
 from pipecut.core.graph import node_parameters
 from pipecut.core.torch_private import inductor_backend, inductor_cache_hits, kept_saved_tensors
 
-__all__ = ["CompileStats", "compile_apart", "compile_stage", "uncompile_stage", "weightless_runs"]
+__all__ = ["CompileStats", "compile_apart", "compile_program", "compile_stage", "copied_outputs", "uncompile_stage",
+           "weightless_runs"]
 
 
 @dataclass
@@ -105,10 +110,66 @@ def compile_stage(module: torch.nn.Module, stage: int, *, dynamic: bool | None =
     return stats
 
 
+def compile_program(module: fx.GraphModule, stage: int, *, dynamic: bool | None = None) -> tuple[CompileStats, fx.Graph]:
+    """A stage program compiled whole, as ``compile_stages=True`` runs it: :func:`copied_outputs`,
+    then :func:`compile_stage`. Returns the stats and the graph it had (for :func:`uncompile_stage`)."""
+    graph = copied_outputs(module)
+    return compile_stage(module, stage, dynamic=dynamic), graph
+
+
+def copied_outputs(module: fx.GraphModule) -> fx.Graph:
+    """Make ``module`` return a copy of each tensor output that is, or may be, a view of another
+    value, in place; returns the graph it had.
+
+    AOTAutograd gives a compiled graph's output that aliases an intermediate, an input or another
+    output back as a view regenerated from its base by the recorded view ops, and its cache
+    (``torch._functorch.config.enable_autograd_cache``, on by default) stores those ops wrong:
+    on torch 2.13, a cache hit on the Llama's first stage cut inside its attention (the outputs
+    ``transpose(view(q_proj(x), [1, s, -1, 16]))`` and a slice of it) regenerated it at sizes
+    ``[94532436039015, 427572148184147232, 64]`` in every process after the first, and a rank
+    that read the entry while another wrote it died. A stage's outputs are sent to another stage
+    or reach the loss, which never rely on their aliasing, so each comes back fresh and no view
+    is regenerated. Which outputs: those of a torch op whose schema returns an alias (``view``,
+    ``transpose``, ``slice``, ``expand``, ``to``…), and those of calls with no schema (a
+    ``symbolic_trace`` graph's ``x.view``), which may alias; an op's fresh result is left alone."""
+    original = module.graph
+    graph = fx.Graph()
+    graph._codegen = original._codegen
+    env: dict[fx.Node, fx.Node] = {}
+    for node in original.nodes:
+        if node.op == "output":
+            graph.output(fx.node.map_arg(node.args[0], lambda a: _copy_of(graph, env[a], a)))
+        else:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    module.graph = graph
+    module.recompile()
+    return original
+
+
+def _copy_of(graph: fx.Graph, value: fx.Node, node: fx.Node) -> fx.Node:
+    """``value`` (the copy of ``node``), or a call that copies it where ``node`` may be a view."""
+    target = node.target
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and not any(
+            r.alias_info is not None for r in target._schema.returns):
+        return value  # a fresh result
+    if node.op == "call_function" and target is operator.getitem and isinstance(node.args[0], fx.Node) and (
+            node.args[0].op == "call_function" and isinstance(node.args[0].target, torch._ops.OpOverload)
+            and not any(r.alias_info is not None for r in node.args[0].target._schema.returns)):
+        return value  # one of a fresh tuple's results (an op with several outputs)
+    return graph.call_function(_fresh, (value,))
+
+
+def _fresh(value: Any) -> Any:
+    """A copy of a tensor (what a compiled stage returns for an output that may alias); anything
+    else, such as a size, as it is."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
 def uncompile_stage(module: torch.nn.Module, graph: fx.Graph | None = None) -> None:
     """Undo :func:`compile_stage`: calls of ``module`` run eagerly again. ``nn.Module.compile``
     keeps the compiled callable in ``_compiled_call_impl``, which ``__call__`` prefers when set;
-    torch has no public inverse. ``graph``: undo :func:`compile_apart`, whose stage graph it was."""
+    torch has no public inverse. ``graph``: undo :func:`compile_program` or :func:`compile_apart`,
+    whose stage graph it was."""
     module._compiled_call_impl = None
     if graph is not None:
         assert isinstance(module, fx.GraphModule)

@@ -33,7 +33,7 @@ from pipecut.runtime.execution.backward_split import split_backward
 from pipecut.runtime.execution.compiled import (
     CompileStats,
     compile_apart,
-    compile_stage,
+    compile_program,
     uncompile_stage,
 )
 from pipecut.runtime.execution.forward import check_grad_flags
@@ -148,7 +148,7 @@ class StageWorker:
         """With ``compile_stages``: what compiling the stage module cost (see
         :mod:`pipecut.runtime.execution.compiled`); None when it runs eagerly."""
         self._eager_graph: torch.fx.Graph | None = None
-        """The stage graph before :func:`compile_apart` swapped it (None: not compiled apart)."""
+        """The stage graph before compiling swapped it (None: not compiled)."""
         self.grad_sync: GradSync = _NoSync()
         """Data parallelism: the wrapper, told of each backward pass (it reduces in the last)."""
         self.reduce_grads = True
@@ -180,7 +180,8 @@ class StageWorker:
         for hook in self._segment_hooks:
             hook.remove()
         self._segment_hooks = []
-        self.compiled = compile_stage(self.program.module, self.stage)
+        assert isinstance(self.program.module, torch.fx.GraphModule)
+        self.compiled, self._eager_graph = compile_program(self.program.module, self.stage)
 
     def uncompile(self) -> None:
         """Back to eager calls of the stage module (``compile_stages="auto"`` chose eager)."""
@@ -347,7 +348,7 @@ class StageWorker:
         """Around a split backward's passes: the input pass keeps the graph for the weight pass,
         which a compiled run's backward allows only with donated buffers off (also when it runs:
         AOTAutograd checks the flag then)."""
-        return kept_saved_tensors() if self._eager_graph is not None else contextlib.nullcontext()
+        return kept_saved_tensors() if self.compiled is not None else contextlib.nullcontext()  # compiled apart
 
     def backward_weight(self, mb: int) -> None:
         """The weight-gradient part of a backward whose input part has run."""
