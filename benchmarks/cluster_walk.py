@@ -55,36 +55,54 @@ def floor(m: str) -> int:
         return 30
     return 40  # data
 
-edges: dict[tuple[str, str], int] = {}
-top: list[str] = []
 ENTRY = ("pipecut.planning.cluster.plan", "pipecut.planning.clusters")
-def prof(frame, event, arg):  # type: ignore[no-untyped-def]
-    if event != 'call':
-        return
-    mod = frame.f_globals.get('__name__', '')
-    caller = frame.f_back.f_globals.get('__name__', '') if frame.f_back else ''
-    if not mod.startswith('pipecut') or not caller.startswith('pipecut') or mod == caller or mod == 'pipecut.cluster':
-        return
-    code = frame.f_code
-    names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
-    if any(holds(frame.f_locals.get(n)) for n in names if n != 'self'):
-        edges[(caller, mod)] = edges.get((caller, mod), 0) + 1
-        if caller in ENTRY and (not top or top[-1] != mod):
-            top.append(mod)
+
+
+def walk() -> tuple[list[str], dict[tuple[str, str], int]]:
+    """One small plan traced: the planner's own steps in time (consecutive calls to one module
+    merged) and every caller -> callee edge that hands the cluster or its figures down, with
+    its calls."""
+    edges: dict[tuple[str, str], int] = {}
+    top: list[str] = []
+
+    def prof(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event != 'call':
+            return
+        mod = frame.f_globals.get('__name__', '')
+        caller = frame.f_back.f_globals.get('__name__', '') if frame.f_back else ''
+        if not mod.startswith('pipecut') or not caller.startswith('pipecut') or mod == caller or mod == 'pipecut.cluster':
+            return
+        code = frame.f_code
+        names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+        if any(holds(frame.f_locals.get(n)) for n in names if n != 'self'):
+            edges[(caller, mod)] = edges.get((caller, mod), 0) + 1
+            if caller in ENTRY and (not top or top[-1] != mod):
+                top.append(mod)
+
+    model, ids = tiny_llama()
+    sys.setprofile(prof)
+    try:
+        plan_cluster(model, ids, "2x4xH100-SXM", microbatches=2)
+    finally:
+        sys.setprofile(None)
+    return top, edges
+
+
+def going_up(edges: dict[tuple[str, str], int]) -> list[tuple[str, str]]:
+    """The edges whose callee sits on a higher floor than its caller."""
+    return [(a, b) for a, b in edges if floor(b) < floor(a)]
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).with_name("cluster_walk.json")))
     args = ap.parse_args()
-    model, ids = tiny_llama()
-    sys.setprofile(prof)
-    plan_cluster(model, ids, "2x4xH100-SXM", microbatches=2)
-    sys.setprofile(None)
+    top, edges = walk()
     print("the planner's own steps, in time (consecutive calls to one module merged):")
     print("  " + " -> ".join(m.removeprefix("pipecut.") for m in top))
     print(f"  {len(top)} entries into {len(set(top))} modules")
     rooms = sorted({m for e in edges for m in e})
-    up = [(a, b) for a, b in edges if floor(b) < floor(a)]
+    up = going_up(edges)
     print(f"{len(rooms)} modules, {len(edges)} caller->callee edges, {len(up)} going up a floor")
     for (a, b), n in sorted(edges.items(), key=lambda e: (floor(e[0][0]), floor(e[0][1]))):
         print(f"  {'UP ' if (a, b) in up else '   '}{a.removeprefix('pipecut.')} -> {b.removeprefix('pipecut.')} ({n} calls)")

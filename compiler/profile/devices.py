@@ -51,6 +51,7 @@ __all__ = [
     "MEMORY_EFFICIENCY",
     "DeviceProfile",
     "Precision",
+    "count_captured",
     "count_costs",
     "device_link",
     "device_profile",
@@ -303,6 +304,21 @@ def estimate_captured(
             f"an estimate runs every op of the model in one precision: choose one of {whole}"
         )
     prof.peak_flops(prec)  # fail before running anything
+    captured, rows, work = count_captured(model, example_inputs, microbatches=microbatches, loss_fn=loss_fn,
+                                          target=target, real=real, capture=capture)
+    return captured, estimate_rows(
+        rows, work, prof, prec, compute_efficiency=compute_efficiency,
+        memory_efficiency=memory_efficiency, cost_model=cost_model,
+    )
+
+
+def count_captured(
+    model: torch.nn.Module, example_inputs: Inputs, *, microbatches: int = 1, loss_fn: LossFn | None = None,
+    target: Any = None, real: bool = False, capture: CaptureOptions | None = None,
+) -> tuple[Captured, tuple[NodeCost, ...], dict[str, NodeWork]]:
+    """``model`` captured at the first of ``microbatches`` microbatches of ``example_inputs``, and
+    its rows and work counted there (:func:`count_costs`, a GPU's saved bytes): every figure of a
+    cost table but the times, which no device has priced yet."""
     if not isinstance(example_inputs, (tuple, list, Mapping)):
         raise InputError(
             f"example_inputs must be a tuple of positional tensors or a dict of keyword tensors, "
@@ -318,7 +334,4 @@ def estimate_captured(
     captured = capture_as(model, first_inputs, capture or CaptureOptions())
     flat = captured.flatten_inputs(first_inputs)
     rows, work = count_costs(captured, flat, loss_fn=loss_fn, target=first_target, real=real, gpu=True)
-    return captured, estimate_rows(
-        rows, work, prof, prec, compute_efficiency=compute_efficiency,
-        memory_efficiency=memory_efficiency, cost_model=cost_model,
-    )
+    return captured, rows, work

@@ -15,8 +15,10 @@ result down:
    (bf16 with fp32 AdamW state, activation checkpointing, the link each cut and ring crosses),
    the fastest that fits, and its step at both ends;
 5. **make the plan** (:mod:`~pipecut.planning.cluster.run_plan`): one replica of the chosen run,
-   its stages the run's, with the cluster, the placement and the run's prediction (step at the
-   figures' value and at both ends of their spread, bubble, tokens/s per GPU, MFU, memory).
+   on the replica's graph (captured and counted at its share of the batch, which ``compile``
+   replays; its nodes priced as the run prices a replica, not priced again), its stages the
+   run's, with the cluster, the placement and the run's prediction (step at the figures' value
+   and at both ends of their spread, bubble, tokens/s per GPU, MFU, memory).
 
 Costs: the per-op model of :mod:`pipecut.profile.hardware` (matrix products by shape, attention by
 kernel, memory-bound ops, launch overhead, NCCL bus bandwidth and latency per link), each figure
@@ -61,10 +63,10 @@ from pipecut.planning.cluster.tables import (
     priced_table,
     sharded_tables,
     tensor_parallel_sizes,
-    with_whole_shapes,
 )
 from pipecut.planning.replicas import ENGINES
 from pipecut.planning.tensor_parallel import head_counts
+from pipecut.profile.devices import count_captured
 from pipecut.profile.hardware import FigureEnd, memory_overheads
 from pipecut.profile.nodes import LossFn
 
@@ -176,17 +178,14 @@ def plan_asked_cluster(model: torch.nn.Module, example_inputs: Inputs, cluster: 
                                          replicas=options.data_parallel.replicas)
     shape = dataclasses.replace(shape, sharding=shard)
     steps = [step_at(best, shape, rows, tables, f.cluster) for f, rows, tables in spread]
-    # 5. make the plan: one replica's share captured and priced (the plan replays on its graph), cut as the run is
+    # 5. make the plan: one replica's graph, captured and counted at its share (compile replays it),
+    # cut as the run is and priced as the run prices a replica (not priced again)
     d, t = best.placement.replicas, best.placement.tensor_parallel
-    share = priced_table(model, split_microbatches(example_inputs, d, size, "example_inputs")[0],
-                         split_microbatches(target, d, size, "target")[0] if target is not None else None,
-                         figures, microbatches, loss_fn)
-    share_rows = share.nodes
-    if t > 1:  # the plan's table is one GPU's share, as the run's, at the captured shapes compile wires
-        share_rows = with_whole_shapes(_sharded(share_rows, (t,), figures, share.counted, sequence_parallel)[t].nodes,
-                                       share.nodes)
-    planned = plan_of_run(share_rows, sharded[t].nodes if t > 1 else whole.nodes, best, cluster=figures.cluster,
-                          captured=share.captured, microbatches=microbatches, batch_size=size // d, recompute=rec,
+    captured, counted, _ = count_captured(
+        model, split_microbatches(example_inputs, d, size, "example_inputs")[0], microbatches=microbatches,
+        loss_fn=loss_fn, target=split_microbatches(target, d, size, "target")[0] if target is not None else None)
+    planned = plan_of_run(counted, sharded[t].nodes if t > 1 else whole.nodes, best, cluster=figures.cluster,
+                          captured=captured, microbatches=microbatches, batch_size=size // d, recompute=rec,
                           sharding=shard)
     run = _run_prediction(best, figures, rec, shard, has_config=bool(_attention_dims(model)[0]),
                           sequence_parallel=sequence_parallel and t > 1)

@@ -8,9 +8,12 @@ each stage's times and memory are the run's (:class:`~pipecut.planning.cluster.r
 so the stage table, the memory bars and the Gantt chart show the run the summary's run line
 describes, not a second plan priced by other rules.
 
-What comes from the cost table at one replica's share (``nodes``): the stages' nodes, parameters,
+What comes from the replica's graph, captured and counted at its share of the batch (the graph
+``compile`` replays): the nodes' names, shapes, inputs and parameters, so the stages' nodes,
 inputs and outputs, the cut edges and tied parameters (:func:`pipecut.passes.costs.stages.build_stages`).
-What comes from the run: the split, the recompute, the schedule, per stage forward, backward
+What comes from the run: each node's times and bytes, those of its twin in the table the run was
+priced on over the D replicas, as the run prices a replica's share (:func:`replica_rows`; the
+share is not priced again); the split, the recompute, the schedule, per stage forward, backward
 (recompute included), weight-pass and transfer times, activations and peak memory, and the
 predicted step and bubble. The plan's single link is the one the run's cuts cross (the network
 where any crosses nodes; a note says so when some cuts stay on NVLink).
@@ -21,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -30,24 +34,26 @@ from pipecut.cluster import Cluster, Link
 from pipecut.core.kinds import DataParallelKind, Partitioner, Recompute
 from pipecut.core.program import Captured
 from pipecut.errors import PartitionError
-from pipecut.ir import DeviceSpec, NodeCost, Plan, Solver, Stage
+from pipecut.ir import CostSource, DeviceSpec, NodeCost, Plan, Solver, Stage
 from pipecut.options import DataParallelOptions
 from pipecut.passes.costs.stages import build_stages
 from pipecut.passes.partition.chain import liveness
 from pipecut.planning.cluster.run import RunCandidate, RunStage
 from pipecut.version import __version__
 
-__all__ = ["mixed_links_note", "plan_of_run"]
+__all__ = ["mixed_links_note", "plan_of_run", "replica_rows"]
 
 
 def plan_of_run(
-    nodes: Sequence[NodeCost], whole: Sequence[NodeCost], run: RunCandidate, *, cluster: Cluster, captured: Captured,
+    counted: Sequence[NodeCost], whole: Sequence[NodeCost], run: RunCandidate, *, cluster: Cluster, captured: Captured,
     microbatches: int, batch_size: int, recompute: Recompute, sharding: DataParallelKind,
 ) -> Plan:
-    """One replica's plan of ``run``: ``nodes`` is the cost table at the replica's share (batch
-    ``batch_size``), ``whole`` the table ``run`` was priced on (the whole batch), ``captured``
-    the graph ``nodes`` were counted on, which the plan names (its fingerprint, capture method
-    and inputs), so that ``compile(plan=...)`` replays it on the model."""
+    """One replica's plan of ``run``: ``counted`` is the replica's graph counted at its share
+    (batch ``batch_size``; no times), ``whole`` the table ``run`` was priced on (the whole batch,
+    at one GPU's share of a tensor group), ``captured`` the graph ``counted`` came from, which the
+    plan names (its fingerprint, capture method and inputs), so that ``compile(plan=...)``
+    replays it on the model."""
+    nodes = replica_rows(counted, whole, run.placement.replicas)
     live = liveness(nodes)
     at = _aligned(nodes, live.units, whole)
     bounds = [*(at(b) for b in run.bounds[:-1]), len(live.units)]
@@ -88,6 +94,49 @@ def plan_of_run(
     )
 
 
+def replica_rows(counted: Sequence[NodeCost], priced: Sequence[NodeCost], replicas: int) -> tuple[NodeCost, ...]:
+    """The plan's rows: each row of ``counted`` (the replica's graph: its names, inputs, shapes,
+    parameters) with the times, bytes and marks of its twin in ``priced`` (the table the run was
+    priced on), the times and activation bytes over ``replicas``, as the run model prices one
+    replica's share (:mod:`~pipecut.planning.cluster.run`: ``B / (M·D)`` samples a microbatch),
+    and the parameter bytes as they are (one GPU's share of a tensor group where ``priced`` is
+    sharded). Twins are found as in :func:`_aligned`, as sequences of ops of modules; a row the
+    priced graph has none for (a shape node that a capture at another batch size adds) costs
+    nothing."""
+    twin = _twins(priced, counted)
+    rows = []
+    for row, i in zip(counted, twin):
+        if i is None:
+            rows.append(dataclasses.replace(row, forward_ms=0.0, backward_ms=0.0, source=CostSource.ESTIMATED))
+            continue
+        p = priced[i]
+        rows.append(dataclasses.replace(
+            row, forward_ms=p.forward_ms / replicas, backward_ms=p.backward_ms / replicas,
+            output_bytes=math.ceil(p.output_bytes / replicas),
+            saved_bytes=None if p.saved_bytes is None else math.ceil(p.saved_bytes / replicas),
+            param_bytes=p.param_bytes, source=p.source, rebuilt=p.rebuilt))
+    return tuple(rows)
+
+
+def _twins(a: Sequence[NodeCost], b: Sequence[NodeCost]) -> list[int | None]:
+    """For each row of ``b``, the index of the row of ``a`` it matches as a sequence of (op,
+    target, module), or None."""
+    twin: list[int | None] = [None] * len(b)
+    for i, j in _pairs([(n.op, n.target, n.module) for n in a], [(n.op, n.target, n.module) for n in b]):
+        twin[j] = i
+    return twin
+
+
+def _pairs(a: Sequence[object], b: Sequence[object]) -> list[tuple[int, int]]:
+    """The positions (i in ``a``, j in ``b``) where the two sequences match (``difflib``'s
+    matching blocks, junk not guessed), in order."""
+    if a == b:
+        return [(i, i) for i in range(len(a))]
+    return [(block.a + k, block.b + k)
+            for block in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks()
+            for k in range(block.size)]
+
+
 def mixed_links_note(cluster: Cluster, run: RunCandidate) -> str:
     """A note when the run's cuts cross both links (the plan can name only one), else ""."""
     crossed = set(run.cut_links) - {"same GPU"}
@@ -113,9 +162,8 @@ def _aligned(nodes: Sequence[NodeCost], units: Sequence[str], whole: Sequence[No
     if ops == whole_ops:
         return lambda i: i
     position = [len(units)] * (len(names) + 1)
-    for block in difflib.SequenceMatcher(None, whole_ops, ops, autojunk=False).get_matching_blocks():
-        for j in range(block.size):
-            position[block.a + j] = block.b + j
+    for i, j in _pairs(whole_ops, ops):
+        position[i] = j
     for i in range(len(names) - 1, -1, -1):  # an unmatched unit: the next matched one's place
         position[i] = min(position[i], position[i + 1])
     return lambda i: position[min(i, len(names))]

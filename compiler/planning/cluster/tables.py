@@ -44,7 +44,7 @@ from pipecut.profile.flops import NodeWork
 from pipecut.profile.hardware import HardwareModel
 from pipecut.profile.nodes import LossFn
 
-__all__ = ["PricedTable", "priced_at", "priced_table", "sharded_tables", "tensor_parallel_sizes", "with_whole_shapes"]
+__all__ = ["PricedTable", "priced_at", "priced_table", "sharded_tables", "tensor_parallel_sizes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,15 +91,6 @@ def priced_at(table: PricedTable, model: HardwareModel) -> tuple[NodeCost, ...]:
     assert table.counted is not None, "a table priced by the roofline has no per-op work to price again"
     rebuilt = {n.name: n.rebuilt for n in table.nodes}
     return tuple(dataclasses.replace(r, rebuilt=rebuilt.get(r.name, r.rebuilt)) for r in model.price(*table.counted))
-
-
-def with_whole_shapes(share: Sequence[NodeCost], whole: Sequence[NodeCost]) -> tuple[NodeCost, ...]:
-    """``share`` (one GPU's rows of a sharded table) with ``whole``'s shapes and leaves: the
-    plan's rows, which ``compile`` replays over a "tp" mesh dimension. Its wiring reads the
-    captured graph's shapes (:func:`pipecut.passes.parallel.tensor.rank_share` keeps them whole
-    too); the times and the bytes stay one GPU's."""
-    by_name = {w.name: w for w in whole}
-    return tuple(dataclasses.replace(r, shape=by_name[r.name].shape, leaves=by_name[r.name].leaves) for r in share)
 
 
 def tensor_parallel_sizes(asked: str | int, nodes: Sequence[NodeCost], cluster: Cluster,
