@@ -29,6 +29,9 @@ Imported once, no fallback (an ImportError naming the torch version if any is mi
 - ``torch.nn.utils.stateless._reparametrize_module`` (:data:`reparametrize_module`): running a
   graph on fake copies of its parameters (``torch.func.functional_call`` does the same only
   around one call of ``forward``, not around an fx interpreter's run).
+- ``torch._ops.OpOverload`` (:data:`OpOverload`): telling an aten op overload, whose schema says
+  whether a result aliases an input, from any other node target (a compiled stage copies the
+  outputs that may be views).
 
 Behind a check, with a fallback:
 
@@ -88,6 +91,7 @@ __all__ = [
     "DynamicOutputShapeException",
     "FakeTensor",
     "FakeTensorMode",
+    "OpOverload",
     "TorchDispatchMode",
     "cuda_sleep",
     "default_store",
@@ -123,6 +127,7 @@ def _unsupported(what: str) -> ImportError:
 
 try:
     import torch.utils._pytree as pytree
+    from torch._ops import OpOverload
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
         DynamicOutputShapeException,

@@ -49,7 +49,12 @@ import torch
 import torch.fx as fx
 
 from pipecut.core.graph import node_parameters
-from pipecut.core.torch_private import inductor_backend, inductor_cache_hits, kept_saved_tensors
+from pipecut.core.torch_private import (
+    OpOverload,
+    inductor_backend,
+    inductor_cache_hits,
+    kept_saved_tensors,
+)
 
 __all__ = ["CompileStats", "compile_apart", "compile_program", "compile_stage", "copied_outputs", "uncompile_stage",
            "weightless_runs"]
@@ -149,11 +154,11 @@ def copied_outputs(module: fx.GraphModule) -> fx.Graph:
 def _copy_of(graph: fx.Graph, value: fx.Node, node: fx.Node) -> fx.Node:
     """``value`` (the copy of ``node``), or a call that copies it where ``node`` may be a view."""
     target = node.target
-    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and not any(
+    if node.op == "call_function" and isinstance(target, OpOverload) and not any(
             r.alias_info is not None for r in target._schema.returns):
         return value  # a fresh result
     if node.op == "call_function" and target is operator.getitem and isinstance(node.args[0], fx.Node) and (
-            node.args[0].op == "call_function" and isinstance(node.args[0].target, torch._ops.OpOverload)
+            node.args[0].op == "call_function" and isinstance(node.args[0].target, OpOverload)
             and not any(r.alias_info is not None for r in node.args[0].target._schema.returns)):
         return value  # one of a fresh tuple's results (an op with several outputs)
     return graph.call_function(_fresh, (value,))
