@@ -1,11 +1,12 @@
 """Compiled against eager stages, timed in alternation on one pair of ranks (issue 22).
 
-    .venv/bin/python benchmarks/compiled.py [--models hf_gpt2,gpt] [--rounds 5] [--steps 2] [--schedule 1f1b]
+    .venv/bin/python benchmarks/compiled.py [--models hf_gpt2,gpt] [--rounds 5] [--steps 2] [--schedule 1f1b] [--tensor 1]
 
 Two forked CPU ranks on gloo, one thread each; batch 16 in 8 microbatches, 1F1B or
 ``--schedule`` (under zero-bubble and ZBV the stages compile apart from their weight ops; the
-models of
-``benchmarks/runtime.py``). In one fork: pipecut with eager stages and pipecut with
+models of ``benchmarks/runtime.py``). ``--tensor 2``: each stage split over two ranks (a
+("pp", "tp") mesh, DTensor, stages compiled apart from their parameter ops and region ends), so
+four ranks share the two cores. In one fork: pipecut with eager stages and pipecut with
 ``compile_stages=True`` (each planned and calibrated on the running ranks as ``compile`` does,
 so each prediction is of the stages it runs), and on rank 0 the plain model eager and compiled
 (``model.compile()``), the other rank idle. Round after round every runner takes ``--steps``
@@ -39,14 +40,18 @@ from benchmarks.runtime import MICROBATCHES, MODELS, WORLD, _call, _timed, _time
 from tests.harness import run_ranks
 
 
-def _rank(rank: int, world: int, name: str, rounds: int, steps: int, schedule: str) -> dict[str, Any]:
+def _rank(rank: int, world: int, name: str, rounds: int, steps: int, schedule: str, tensor: int = 1) -> dict[str, Any]:
     model, inputs, loss_fn, target = MODELS[name]()
+    devices: Any = world
+    if tensor > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        devices = init_device_mesh("cpu", (world // tensor, tensor), mesh_dim_names=("pp", "tp"))
     kw: dict[str, Any] = dict(example_inputs=inputs, loss_fn=loss_fn, target=target,
                               microbatches=MICROBATCHES, schedule=schedule)
-    eager = pipecut.compile(model, devices=world, runtime=pipecut.RuntimeOptions(timeout=600), **kw)
+    eager = pipecut.compile(model, devices=devices, runtime=pipecut.RuntimeOptions(timeout=600), **kw)
     start = time.perf_counter()
     compiled = pipecut.compile(
-        MODELS[name]()[0], devices=world, runtime=pipecut.RuntimeOptions(timeout=600, compile_stages=True), **kw,
+        MODELS[name]()[0], devices=devices, runtime=pipecut.RuntimeOptions(timeout=600, compile_stages=True), **kw,
     )
     build_s = time.perf_counter() - start  # capture, plan, calibration steps (which compile)
 
@@ -95,11 +100,11 @@ def _rank(rank: int, world: int, name: str, rounds: int, steps: int, schedule: s
     }
 
 
-def run(name: str, rounds: int, steps: int, schedule: str = "1f1b") -> dict[str, Any]:
-    res = run_ranks(_rank, WORLD, name, rounds, steps, schedule, timeout=3000, collective_timeout=1200)
+def run(name: str, rounds: int, steps: int, schedule: str = "1f1b", tensor: int = 1) -> dict[str, Any]:
+    res = run_ranks(_rank, WORLD * tensor, name, rounds, steps, schedule, tensor, timeout=3000, collective_timeout=1200)
     ms, predicted = res[0]["ms"], res[0]["predicted_ms"]
     row = {
-        "model": name, "schedule": schedule, "ms": ms, "predicted_ms": predicted,
+        "model": name, "schedule": schedule, "tensor_parallel": tensor, "ms": ms, "predicted_ms": predicted,
         "prediction_error": {k: (predicted[k] - ms[k]) / ms[k] for k in predicted},
         "compiled_over_eager_pipecut": ms["pipecut eager"] / ms["pipecut compiled"],
         "compiled_pipecut_over_one_compiled_process": ms["one process compiled"] / ms["pipecut compiled"],
@@ -130,12 +135,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--models", default="hf_gpt2,gpt")
     parser.add_argument("--schedule", default="1f1b", choices=[k.value for k in pipecut.ScheduleKind])
+    parser.add_argument("--tensor", type=int, default=1, help="T: ranks that split each stage (DTensor)")
     parser.add_argument("--out", default=str(Path(__file__).with_name("compiled.json")))
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="pipecut-inductor-")
-    rows = [run(name, args.rounds, args.steps, args.schedule) for name in args.models.split(",")]
-    Path(args.out).write_text(json.dumps({"batch": 16, "microbatches": MICROBATCHES, "ranks": WORLD,
+    rows = [run(name, args.rounds, args.steps, args.schedule, args.tensor) for name in args.models.split(",")]
+    Path(args.out).write_text(json.dumps({"batch": 16, "microbatches": MICROBATCHES, "ranks": WORLD * args.tensor,
                                           "torch": torch.__version__, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 

@@ -28,7 +28,6 @@ from pipecut.assemble.layout import auto_layout
 from pipecut.assemble.replay import settings_of
 from pipecut.assemble.resolve import WireSpecs, schedules
 from pipecut.assemble.tensor import (
-    COMPILED_DTENSORS,
     check_composable,
     copy_group,
     split_over_tensor_group,
@@ -150,8 +149,7 @@ def compile(
         PlanError: ``plan=`` was made for another model or world size, or an argument
             contradicts it, or it splits stages over tensor-parallel groups of T GPUs (a cluster
             plan) and ``devices`` is not a DeviceMesh with a "tp" dimension of T, or it asks what
-            tensor-parallel stages do not run (compiled stages; DDP on a torch without FSDP2's
-            replicate).
+            tensor-parallel stages do not run (DDP on a torch without FSDP2's replicate).
         CaptureError: The model cannot be captured (raised when the failing mode is used).
         PipelineRuntimeError: Another rank failed while planning or building.
     """
@@ -200,11 +198,12 @@ def _build(request: Request) -> tuple[BuiltPipeline, Place]:
     sched = runnable_schedule(chosen.plan, place)
     derived = other_mode(request.model, chosen.first, chosen.captured, chosen.plan, request.options.capture.leaf_modules)
     make = worker_factory(request, place)
+    flat = worker_factory(request, place, to_split=True) if place.tensor_parallel else make
     shards = None
     if place.tensor_parallel:  # refused before any tensor is made
         shards = tensor_shards(request.model, chosen.plan, request.options.tensor_parallel)
-        check_composable(chosen.plan, place, shards, request.model, request)
-    captured, workers = build_workers(request, place, chosen.captured, chosen.plan, source, make)
+        check_composable(chosen.plan, place, shards, request.model)
+    captured, workers = build_workers(request, place, chosen.captured, chosen.plan, source, flat)
     sync_weights(request, place, captured, chosen.plan, workers)
     if shards is not None:
         workers = split_over_tensor_group(place, chosen.plan, captured, chosen.first, workers, shards, make,
@@ -221,7 +220,7 @@ def _build(request: Request) -> tuple[BuiltPipeline, Place]:
         plan=chosen.plan, captured=captured, workers=workers, schedule=sched, rank=place.rank,
         ranks=tuple(place.ranks), groups=groups, aliases=parameter_aliases(captured),
         loss_reduction=request.options.runtime.loss_reduction,
-        modes=_modes(request, place, workers, derived, make, None if shards is None else functools.partial(
+        modes=_modes(request, place, workers, derived, flat, None if shards is None else functools.partial(
             _split_other_mode, place, chosen.first, shards, make, settings.sequence_parallel,
             request.whence("tensor_parallel"))),
         wire=WireSpecs(captured.gm, chosen.plan, place.device),
@@ -267,15 +266,11 @@ def _time_stages_and_replan(request: Request, built: BuiltPipeline, place: Place
         return built, request, None
     pipe = Pipeline(built)  # run for timing only; the pipeline returned to the user is made afresh
     steps, note = request.options.measure.calibration_steps, ""
-    if request.options.runtime.compile_stages == AUTO and not place.tensor_parallel:
+    if request.options.runtime.compile_stages == AUTO:
         choice, times = measure_and_choose(pipe, request.example_inputs, request.target, steps)
         request, note = _chosen_mode(request, choice.compiled), choice.note()
     else:
         times = measure_stages(pipe, request.example_inputs, request.target, steps)  # before FSDP changes the modules
-        if request.options.runtime.compile_stages == AUTO:  # only eager stages run split over a tensor group
-            request, note = _chosen_mode(request, False), (
-                f"eager stages kept by compile_stages={AUTO!r}: they are split over tensor-parallel groups, and "
-                f"{COMPILED_DTENSORS} on torch {torch.__version__}")
     again: list[Any] = [None, None]
     measured: _FirstSplit | None = None
     if dist.get_rank() == 0:

@@ -45,7 +45,6 @@ from pipecut.passes.parallel.tensor import ParameterShard, parameter_shards, ten
 from pipecut.passes.rewrite.segments import checkpoint_segments
 from pipecut.passes.rewrite.split import split_stage
 from pipecut.passes.rewrite.tensor_regions import ATTENTION, region_nodes, shard_regions
-from pipecut.planning.request import Request
 from pipecut.planning.tensor_parallel import head_counts
 from pipecut.runtime.comm.teardown import close_at_exit
 from pipecut.runtime.execution.stage import StageWorker
@@ -58,7 +57,7 @@ from pipecut.runtime.execution.tensor_parallel import (
 from pipecut.runtime.grads.data_parallel import can_replicate_dtensors
 from pipecut.runtime.state.materialize import raise_together
 
-__all__ = ["COMPILED_DTENSORS", "MODEL_STYLES", "check_composable", "copy_group", "split_over_tensor_group", "tensor_shards", "token_cuts"]
+__all__ = ["MODEL_STYLES", "check_composable", "copy_group", "split_over_tensor_group", "tensor_shards", "token_cuts"]
 
 MODEL_STYLES: Mapping[str, TensorShard] = {
     "colwise": TensorShard.COLUMN, "colwise_gather_output": TensorShard.COLUMN, "local_colwise": TensorShard.COLUMN,
@@ -116,26 +115,9 @@ def tensor_shards(model: torch.nn.Module, plan: Plan, options: TensorParallelOpt
     return {fqn: s for fqn, s in parameter_shards(plan.nodes, classes).items() if fqn in params}
 
 
-COMPILED_DTENSORS = (
-    "torch.compile of stages holding DTensors failed here three ways (a vocabulary-split embedding's "
-    "masked partial sum under fake tensors; guards on DTensor specs across a graph break; as_strided on "
-    "DTensor activations in the compiled runs)")
-"""Why tensor-parallel stages run eager (last tried on torch 2.13, 2026-12-03: the first still fails)."""
-
-
-def check_composable(plan: Plan, place: Place, shards: Mapping[str, ParameterShard], model: torch.nn.Module,
-                     request: Request) -> None:
+def check_composable(plan: Plan, place: Place, shards: Mapping[str, ParameterShard], model: torch.nn.Module) -> None:
     """Refuse, before anything is split, what tensor parallelism does not run (yet)."""
     t = place.layout.tensor_parallel
-    compiled = request.options.runtime.compile_stages
-    if compiled is True:  # "auto" chooses eager stages here (compile's calibration says why)
-        origin = request.whence("runtime")
-        raise PlanError(
-            "RuntimeOptions(compile_stages=...) with tensor parallelism does not run on torch "
-            f"{torch.__version__}: {COMPILED_DTENSORS}; use "
-            "compile_stages=False with a 'tp' dimension" + (
-                f" (compile_stages={compiled!r} here is {origin}: pass runtime=RuntimeOptions(compile_stages=False))"
-                if origin else ""))
     if (place.replication is not None and place.replication.resolved_kind is not DataParallelKind.FSDP
             and not can_replicate_dtensors()):
         raise PlanError(f"data_parallel={place.replication.resolved_kind.value!r} with tensor parallelism needs torch's FSDP2-based replicate "

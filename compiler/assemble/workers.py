@@ -39,15 +39,20 @@ WorkerFactory = Callable[[StageProgram, Plan, Callable[[Any], Any]], StageWorker
 """``(program, plan, unflatten_output) -> worker`` on this rank: the eval mode builds its own."""
 
 
-def worker_factory(request: Request, place: Place) -> WorkerFactory:
+def worker_factory(request: Request, place: Place, *, to_split: bool = False) -> WorkerFactory:
     """Workers of this rank, compiled where ``RuntimeOptions.compile_stages`` is True ("auto"
-    compiles them after the calibration steps timed them eager)."""
+    compiles them after the calibration steps timed them eager). With tensor parallelism a stage
+    compiles apart from its parameter ops (see :mod:`pipecut.runtime.execution.compiled`), and
+    only once split: ``to_split`` makes the flat workers that
+    :func:`pipecut.assemble.tensor.split_over_tensor_group` replaces, never compiled (compiling
+    swaps the graph whose regions the split reads)."""
     def make(program: StageProgram, for_plan: Plan, unflatten: Callable[[Any], Any]) -> StageWorker:
         worker = StageWorker(
             program, for_plan, rank=place.rank, ranks=list(place.ranks), group=place.group,
             device=place.device, loss_fn=request.loss_fn, unflatten_output=unflatten, timeout=request.wait,
+            apart=place.tensor_parallel,
         )
-        if request.options.runtime.compile_stages is True:
+        if request.options.runtime.compile_stages is True and not to_split:
             worker.compile()
         return worker
     return make

@@ -9,7 +9,13 @@ import torch.fx as fx
 
 from pipecut.core.torch_private import qualified_name
 
-__all__ = ["attr_tensor", "canonical_names", "module_path", "mutates_first_arg", "node_parameters", "target_name"]
+__all__ = ["EAGER", "attr_tensor", "canonical_names", "module_path", "mutates_first_arg", "node_parameters", "target_name"]
+
+EAGER = "pipecut_eager"
+"""The ``node.meta`` key of a node that runs eagerly when its stage is compiled apart
+(:func:`pipecut.runtime.execution.compiled.compile_apart`): a tensor group's region end
+(:mod:`pipecut.passes.rewrite.tensor_regions`), a change of DTensor placements that Dynamo
+fails to trace (a vocabulary-split embedding's masked partial sum made whole, under fake tensors)."""
 
 _INPLACE_FUNCTIONS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,

@@ -37,6 +37,9 @@ rank's tokens and the next stage's placeholder receives them as the same shard (
 its readers are spread nodes). Only what the last stage returns to the loss is made whole; a
 closing value returned and read by nothing else (the head's logits) is made whole at once.
 
+Each inserted call is marked :data:`~pipecut.core.graph.EAGER`: a stage compiled apart runs it
+eagerly, between its compiled runs.
+
 The input graph is not modified: the pass returns a new GraphModule over the same submodules.
 """
 
@@ -51,7 +54,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from pipecut.core.graph import node_parameters
+from pipecut.core.graph import EAGER, node_parameters
 from pipecut.passes.parallel.tensor import ParameterShard
 
 __all__ = ["ATTENTION", "Regions", "region_nodes", "shard_regions"]
@@ -143,14 +146,14 @@ def shard_regions(gm: fx.GraphModule, shards: Mapping[str, ParameterShard], *,
                 return value  # a token shard
             if a not in joined:  # a token shard, or a plain value (a parameter, a shape's tensor)
                 assert join is not None
-                joined[a] = graph.call_function(join, (value,))
+                joined[a] = _end(graph, join, value)
             return joined[a]
         if by.name not in inside or (a.name in inside and a.name not in closing):
             return value
         if a.op == "get_attr" and a.name in inside:
             return value
         if a not in entered:
-            entered[a] = graph.call_function(enter, (value,))
+            entered[a] = _end(graph, enter, value)
         return entered[a]
 
     # a closing value only returned whole (the head's logits, to the loss) is made whole at once:
@@ -163,7 +166,7 @@ def shard_regions(gm: fx.GraphModule, shards: Mapping[str, ParameterShard], *,
             return left[a]
         if sends_tokens and a.name in closing | spread:
             return left.get(a, env[a])
-        return graph.call_function(out, (left.get(a, env[a]),)) if a.name in inside | spread else env[a]
+        return _end(graph, out, left.get(a, env[a])) if a.name in inside | spread else env[a]
 
     for node in gm.graph.nodes:
         if node.op == "output":
@@ -175,6 +178,13 @@ def shard_regions(gm: fx.GraphModule, shards: Mapping[str, ParameterShard], *,
         if heads is not None and node.name in inside and node.target in ATTENTION:
             env[node].target = heads(node.target)
         if node.name in closing:
-            left[node] = graph.call_function(out if node in direct else leave, (env[node],))
+            left[node] = _end(graph, out if node in direct else leave, env[node])
     graph.lint()
     return fx.GraphModule(gm, graph, gm.__class__.__name__)
+
+
+def _end(graph: fx.Graph, end: Callable[[object], object], value: fx.Node) -> fx.Node:
+    """A call of a region end on ``value``, marked to run eagerly in a stage compiled apart."""
+    node = graph.call_function(end, (value,))
+    node.meta[EAGER] = True
+    return node

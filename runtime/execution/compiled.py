@@ -20,9 +20,10 @@ system's temporary directory) is shared by every process of a host: a stage whos
 graph is the same as another's (the middle blocks of a transformer at K = 4) is compiled once
 and read from the cache by the other ranks, and a second run starts warm.
 
-A stage compiled whole returns its outputs as fresh tensors (:func:`copied_outputs`): where an
-output is a view, AOTAutograd regenerates it from its base by recorded view ops, which its cache
-stores wrong on torch 2.13.
+A stage compiled whole, and each run compiled apart (below), returns its outputs as fresh
+tensors (:func:`copied_outputs`): where an output is a view, AOTAutograd regenerates it from its
+base by recorded view ops, which its cache stores wrong on torch 2.13, and by ``as_strided``
+where the base is an input, which a DTensor refuses.
 
 Zero-bubble and ZBV split each backward into an input pass and a weight pass
 (:mod:`pipecut.runtime.execution.backward_split`), which find each weight's gradient at the
@@ -35,6 +36,16 @@ recomputed segment) run eagerly between them. The compiled runs' backwards are i
 only, which the input pass needs anyway; each weight's product keeps its own autograd node, which
 the weight pass runs later, as Megatron's zero-bubble defers only the weight GEMMs. What inductor
 fuses is then the elementwise work between the products, not the products with their epilogues.
+
+A stage split over a tensor group (its parameters DTensors: :mod:`pipecut.assemble.tensor`) is
+compiled apart too, under every schedule, and its region ends (the nodes marked
+:data:`~pipecut.core.graph.EAGER`: a value entering or leaving DTensor computation, a collective)
+end a run and run eagerly: torch.compile of a whole stage holding DTensors failed on torch 2.13
+(a vocabulary-split embedding's masked partial sum made whole under fake tensors, as in
+pytorch#160697; guards on DTensor specs across a graph break; ``as_strided`` on a DTensor where
+AOTAutograd regenerates a view). Apart, the parameter ops and the region ends are eager DTensor
+code and the runs between them compile: inside a region on DTensor activations (an activation
+function on the hidden features, attention on each rank's heads), outside on plain tensors.
 """
 
 from __future__ import annotations
@@ -48,7 +59,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from pipecut.core.graph import node_parameters
+from pipecut.core.graph import EAGER, node_parameters
 from pipecut.core.torch_private import (
     OpOverload,
     inductor_backend,
@@ -190,13 +201,15 @@ def weightless_runs(gm: fx.GraphModule) -> list[list[fx.Node]]:
     """The maximal runs of consecutive ``call_function``/``call_method`` nodes of ``gm`` that read
     no parameter, in graph order (placeholders and ``get_attr`` nodes between them do not end a
     run: they only name values; a ``call_module`` does: a module or a recomputed segment runs
-    eagerly). Runs of fewer than :data:`MIN_RUN` nodes are left out."""
+    eagerly, and so does a node marked :data:`~pipecut.core.graph.EAGER`). Runs of fewer than
+    :data:`MIN_RUN` nodes are left out."""
     params = {n for n in gm.graph.nodes if n.op == "get_attr" and node_parameters(n, gm)}
     runs: list[list[fx.Node]] = [[]]
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             continue
-        if node.op in ("call_function", "call_method") and not params.intersection(node.all_input_nodes):
+        if (node.op in ("call_function", "call_method") and not node.meta.get(EAGER)
+                and not params.intersection(node.all_input_nodes)):
             runs[-1].append(node)
         elif runs[-1]:
             runs.append([])
@@ -220,6 +233,7 @@ def compile_apart(module: fx.GraphModule, stage: int, *, dynamic: bool | None = 
         if node in last:
             run = last[node]
             sub, inputs, outputs = _extract(run)
+            copied_outputs(sub)  # no view of an input or intermediate is regenerated (a DTensor cannot be)
             call = graph.call_function(_timed(torch.compile(sub, backend=backend, dynamic=dynamic), stats),
                                        tuple(env[a] for a in inputs))
             for i, out in enumerate(outputs):

@@ -94,6 +94,7 @@ class StageWorker:
         loss_fn: LossFn | None,
         unflatten_output: Callable[[Any], Any],
         timeout: datetime.timedelta,
+        apart: bool = False,
     ) -> None:
         self.program = program
         self.plan = plan
@@ -144,6 +145,11 @@ class StageWorker:
         """A GradScaler's ``scale``: backward starts from the scaled loss (set per step)."""
         self.call: Callable[..., Any] = program.module
         """What a forward calls: the stage module, or its data-parallel wrapper."""
+        self.apart = apart or plan.schedule.splits_backward
+        """:meth:`compile` leaves the ops that read parameters eager: under a split backward
+        (the weight pass needs their autograd nodes), or asked (``apart``: a stage split
+        over a tensor group, whose DTensor parameter ops Dynamo fails on: see
+        :mod:`pipecut.runtime.execution.compiled`)."""
         self.compiled: CompileStats | None = None
         """With ``compile_stages``: what compiling the stage module cost (see
         :mod:`pipecut.runtime.execution.compiled`); None when it runs eagerly."""
@@ -168,12 +174,12 @@ class StageWorker:
 
     def compile(self) -> None:
         """Run the stage module through ``torch.compile`` from its next call on (see
-        :mod:`pipecut.runtime.execution.compiled`): whole, or under a split backward apart from
-        the ops that read parameters, whose autograd nodes the weight pass needs. Compiled
-        whole, the segments' inputs are among the compiled graph's saved tensors, which the
-        meter counts already: their hooks go (a hook inside the compiled region would also
-        break its graph); compiled apart, the segments run eagerly and keep them."""
-        if self.plan.schedule.splits_backward:
+        :mod:`pipecut.runtime.execution.compiled`): whole, or apart from the ops that read
+        parameters (:attr:`apart`). Compiled whole, the segments' inputs are among the compiled
+        graph's saved tensors, which the meter counts already: their hooks go (a hook inside
+        the compiled region would also break its graph); compiled apart, the segments run
+        eagerly and keep them."""
+        if self.apart:
             assert isinstance(self.program.module, torch.fx.GraphModule)
             self.compiled, self._eager_graph = compile_apart(self.program.module, self.stage)
             return

@@ -117,41 +117,6 @@ def test_the_probe_names_the_node_inside_a_recomputed_run_that_fails() -> None:
     assert run.at is not None and run.at.name == "refused"
 
 
-def _tp_request(compiled: Any = True, **carried: str) -> Any:
-    from pipecut.options import Options, RuntimeOptions
-    from pipecut.planning.request import Request
-
-    return Request(model=torch.nn.Linear(2, 2), example_inputs=(torch.ones(2, 2),), target=None, loss_fn=None,
-                   devices=None, options=Options(runtime=RuntimeOptions(compile_stages=compiled)),
-                   unasked=tuple(carried.items()))
-
-
-def test_compiled_stages_carried_by_a_replayed_plan_are_refused_as_the_plans() -> None:
-    """compile_stages=True with a "tp" dimension: refused as asked, or, where a replayed plan's
-    recorded runtime options brought it, named as the plan's with what to pass instead."""
-    from types import SimpleNamespace
-
-    from pipecut.assemble.context import Place
-    from pipecut.assemble.layout import RankGroups
-    from pipecut.assemble.tensor import check_composable
-    from pipecut.errors import PlanError
-    from pipecut.passes.partition.solve import DEFAULT_LINK
-
-    tp = SimpleNamespace(size=lambda: 2)  # a "tp" mesh of two ranks, as far as the check reads it
-    place = Place(device=torch.device("cpu"), layout=RankGroups(None, None, None, ((0,),), 1, tp_mesh=tp), rank=0,
-                  ranks=(0,), specs=(), link=DEFAULT_LINK, replication=None)
-    model, _, _, _ = _mlp()
-    with pytest.raises(PlanError, match=r"RuntimeOptions\(compile_stages=...\) with tensor parallelism does not run on "
-                                        r"torch .*; use compile_stages=False with a 'tp' dimension$"):
-        check_composable(mlp_plan(2), place, {}, model, _tp_request())
-    with pytest.raises(PlanError, match=r"use compile_stages=False with a 'tp' dimension \(compile_stages=True here is "
-                                        r"recorded in the replayed plan's options: pass "
-                                        r"runtime=RuntimeOptions\(compile_stages=False\)\)$"):
-        check_composable(mlp_plan(2), place, {}, model, _tp_request(runtime="recorded in the replayed plan's options"))
-    check_composable(mlp_plan(2), place, {}, model, _tp_request("auto"))  # "auto" chooses eager stages here
-    check_composable(mlp_plan(2), place, {}, model, _tp_request(False))
-
-
 class _Attends(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.scaled_dot_product_attention(x, x, x)

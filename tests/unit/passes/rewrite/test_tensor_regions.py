@@ -13,6 +13,7 @@ from torch import nn
 
 import pipecut
 from pipecut.assemble.tensor import _from_styles, model_tp_plan
+from pipecut.core.graph import EAGER
 from pipecut.core.kinds import TensorShard
 from pipecut.errors import InputError
 from pipecut.ir import Plan
@@ -84,6 +85,8 @@ def test_sequence_parallel_keeps_the_residual_stream_on_token_shards_between_reg
     # norm reads the add's shard (joined: it might have been plain), the stage returns it whole
     assert calls == [("enter", "ids"), ("leave", "embed"), ("enter", "leave"), ("leave", "down"),
                      ("join", "add"), ("whole", "norm")]
+    # every end, and nothing else, runs eagerly in a stage compiled apart
+    assert {n.name for n in out.graph.nodes if n.meta.get(EAGER)} == {n.name for n in out.graph.nodes if n.target in ends}
     ids = torch.randint(0, 16, (2, 3))
     torch.testing.assert_close(out(ids), gm(ids))
 

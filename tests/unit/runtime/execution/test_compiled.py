@@ -117,3 +117,47 @@ def test_a_stage_compiled_whole_returns_its_views_as_fresh_tensors(aot_backend: 
     assert len({t.untyped_storage().data_ptr() for t in got[1:]}) == 3
     uncompile_stage(gm, graph)
     assert gm.code == eager_code
+
+
+class Split(nn.Module):
+    """Heads cut from a product's output and transposed (a view of the run's input), then a
+    product over them; ``ends`` marks a node as a tensor group's region ends are marked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(16, 16) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(4, 4) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = (x @ self.w1).view(2, 8, 4, 4).transpose(1, 2)
+        return torch.sigmoid(torch.tanh(heads @ self.w2)).sum()
+
+
+def test_a_run_compiled_apart_returns_fresh_tensors_and_stops_at_a_marked_node(aot_backend: None) -> None:
+    """The runs' view outputs come back as copies (AOTAutograd regenerates an output that views
+    its input by ``as_strided``, which a DTensor refuses), and a node marked EAGER (a region end
+    of a tensor-parallel stage) ends a run and runs eagerly."""
+    from pipecut.core.graph import EAGER
+
+    torch.manual_seed(0)
+    gm = fx.symbolic_trace(Split())
+    x = torch.randn(2, 8, 16)
+    want = gm(x)
+    assert [[n.name for n in run] for run in weightless_runs(gm)] == [["view", "transpose"], ["tanh", "sigmoid", "sum_1"]]
+    (view,) = [n for n in gm.graph.nodes if n.name == "view"]
+    view.meta[EAGER] = True
+    assert [[n.name for n in run] for run in weightless_runs(gm)] == [["tanh", "sigmoid", "sum_1"]]  # a lone transpose stays eager
+    del view.meta[EAGER]
+    seen: list[torch.Tensor] = []
+
+    def recorded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        seen.append(a)
+        return operator.matmul(a, b)
+
+    stats, graph = compile_apart(gm, 0)
+    (product,) = [n for n in gm.graph.nodes if n.name == "matmul_1"]  # eager, it reads the first run's output
+    product.target = recorded
+    gm.recompile()
+    torch.testing.assert_close(gm(x), want)
+    assert stats.graphs == 2 and seen[0]._base is None  # not regenerated as a view of the product
+    uncompile_stage(gm, graph)
