@@ -11,12 +11,12 @@ GPT example (``examples/gpt.py``, 4 blocks) and the transformers Llama of the zo
 - T: 1 or 2 (each stage split over 2 ranks, DTensor; sequence parallelism off);
 - recompute: none, or selective (each stage recomputes its first block);
 - stages: eager, or compiled (``compile_stages=True``: whole, or apart from the weight ops under
-  zero-bubble and ZBV).
+  zero-bubble and ZBV and wherever T = 2).
 
 K = 2, so a cell runs on D x 2 x T ranks (up to 8 on this 2-core machine). Plans are the fixed
 cost table's (``examples.pinned``), the same on every run. A cell reads as in the zoo matrix
-(``pass``, ``FAIL``, ``refused(Class)``, ``error(Class)``, ``timeout``); a refusal is expected
-where its reason is named in docs (compiled stages with T = 2).
+(``pass``, ``FAIL``, ``refused(Class)``, ``error(Class)``, ``timeout``); every cell is expected
+to pass (compiled stages with T = 2, refused until 2026-12-07, among them).
 
     .venv/bin/python benchmarks/composition_matrix.py                       # all 240 cells (hours)
     .venv/bin/python benchmarks/composition_matrix.py --models gpt --replicas none ddp --tensor 1
