@@ -28,7 +28,7 @@ from pipecut.ir import Plan
 from pipecut.options import AUTO
 from pipecut.profile.calibrate import stage_times
 from pipecut.profile.live import LiveTimes, measure_stages
-from pipecut.runtime.execution.compiled import CompileStats, compile_program
+from pipecut.runtime.execution.compiled import MIN_RUN, CompileStats, compile_program
 
 __all__ = ["AMORTIZED_STEPS", "CompileChoice", "check_auto", "choose_compiled", "compiled_stage_times", "measure_and_choose"]
 
@@ -50,19 +50,28 @@ class CompileChoice:
     source: str = "measured"
     """Where the step times come from: "measured" on the running pipeline, "predicted" by a
     plan from stage times taken in one process."""
+    graphs: int | None = None
+    """The most graphs one rank compiled (None: not counted, as in a prediction). 0: nothing
+    compiled (every stage compiled apart without a run of ops to compile), so eager is kept
+    whatever the clock said: the "compiled" steps ran eagerly too."""
 
     def note(self) -> str:
+        if self.graphs == 0:
+            return (f"eager stages kept: no stage compiled a graph (each compiled apart from its parameter ops, "
+                    f"no run of {MIN_RUN} or more other ops is left to compile)")
         kept = "compiled" if self.compiled else "eager"
         return (f"{kept} stages kept: {self.source} step {self.compiled_step_ms:.1f} ms compiled, "
                 f"{self.eager_step_ms:.1f} ms eager; compiling took {self.compile_s:.1f} s "
                 f"(kept compiled iff the saving over {AMORTIZED_STEPS} steps exceeds it)")
 
 
-def choose_compiled(eager: LiveTimes, compiled: LiveTimes, compile_s: float, steps: int = AMORTIZED_STEPS) -> CompileChoice:
-    """The rule above, on measured steps."""
+def choose_compiled(eager: LiveTimes, compiled: LiveTimes, compile_s: float, steps: int = AMORTIZED_STEPS,
+                    graphs: int | None = None) -> CompileChoice:
+    """The rule above, on measured steps; eager wherever ``graphs`` (the most one rank
+    compiled) is 0."""
     saving_s = (eager.step_ms - compiled.step_ms) * steps / 1e3
-    return CompileChoice(compiled=saving_s > compile_s, eager_step_ms=eager.step_ms,
-                         compiled_step_ms=compiled.step_ms, compile_s=compile_s)
+    return CompileChoice(compiled=saving_s > compile_s and graphs != 0, eager_step_ms=eager.step_ms,
+                         compiled_step_ms=compiled.step_ms, compile_s=compile_s, graphs=graphs)
 
 
 def measure_and_choose(pipe: Any, inputs: Any, target: Any, steps: int) -> tuple[CompileChoice, LiveTimes]:
@@ -74,9 +83,10 @@ def measure_and_choose(pipe: Any, inputs: Any, target: Any, steps: int) -> tuple
     for w in workers:
         w.compile()
     compiled = measure_stages(pipe, inputs, target, steps)
-    seconds = torch.tensor([sum(s.seconds for s in pipe.compile_stats)], dtype=torch.float64)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    decided: list[Any] = [choose_compiled(eager, compiled, float(seconds.item()))]
+    stats = pipe.compile_stats
+    slowest = torch.tensor([sum(s.seconds for s in stats), sum(s.graphs for s in stats)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    decided: list[Any] = [choose_compiled(eager, compiled, float(slowest[0]), graphs=int(slowest[1]))]
     dist.broadcast_object_list(decided, src=0)
     choice: CompileChoice = decided[0]
     if not choice.compiled:

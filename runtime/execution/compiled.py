@@ -60,6 +60,7 @@ import torch
 import torch.fx as fx
 
 from pipecut.core.graph import EAGER, node_parameters
+from pipecut.core.segment import Segment
 from pipecut.core.torch_private import (
     OpOverload,
     inductor_backend,
@@ -87,6 +88,10 @@ class CompileStats:
     shapes: list[str] = field(default_factory=list)
     """The input shapes of the call that compiled each graph, in order (a graph compiled with
     dynamic sizes serves other sizes too)."""
+    runs: int | None = None
+    """Compiled apart (:func:`compile_apart`): the runs it calls compiled; 0 where the stage has
+    none (every op reads a parameter, is a region end, or stands alone) and runs eagerly.
+    None: compiled whole."""
 
 
 class _CountingBackend:
@@ -198,22 +203,34 @@ MIN_RUN = 2
 
 
 def weightless_runs(gm: fx.GraphModule) -> list[list[fx.Node]]:
-    """The maximal runs of consecutive ``call_function``/``call_method`` nodes of ``gm`` that read
-    no parameter, in graph order (placeholders and ``get_attr`` nodes between them do not end a
-    run: they only name values; a ``call_module`` does: a module or a recomputed segment runs
-    eagerly, and so does a node marked :data:`~pipecut.core.graph.EAGER`). Runs of fewer than
-    :data:`MIN_RUN` nodes are left out."""
+    """The maximal runs of consecutive nodes of ``gm`` that read no parameter, in graph order:
+    ``call_function`` and ``call_method`` nodes, and calls of leaf modules without parameters
+    (an ``nn.GELU`` or ``nn.Dropout`` of a ``symbolic_trace`` capture). Placeholders and
+    ``get_attr`` nodes between them do not end a run: they only name values. A call of a module
+    with parameters ends one, and so do a recomputed segment (it runs its checkpoint eagerly)
+    and a node marked :data:`~pipecut.core.graph.EAGER`. Runs of fewer than :data:`MIN_RUN`
+    nodes are left out."""
     params = {n for n in gm.graph.nodes if n.op == "get_attr" and node_parameters(n, gm)}
     runs: list[list[fx.Node]] = [[]]
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             continue
-        if (node.op in ("call_function", "call_method") and not node.meta.get(EAGER)
-                and not params.intersection(node.all_input_nodes)):
+        if _weightless(node, gm) and not node.meta.get(EAGER) and not params.intersection(node.all_input_nodes):
             runs[-1].append(node)
         elif runs[-1]:
             runs.append([])
     return [run for run in runs if len(run) >= MIN_RUN]
+
+
+def _weightless(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """An op, or a call of a leaf module that holds no parameter and is no recomputed segment."""
+    if node.op in ("call_function", "call_method"):
+        return True
+    if node.op != "call_module":
+        return False
+    module = gm.get_submodule(str(node.target))
+    return (not isinstance(module, Segment) and next(module.children(), None) is None
+            and next(module.parameters(), None) is None)
 
 
 def compile_apart(module: fx.GraphModule, stage: int, *, dynamic: bool | None = None) -> tuple[CompileStats, fx.Graph]:
@@ -221,18 +238,19 @@ def compile_apart(module: fx.GraphModule, stage: int, *, dynamic: bool | None = 
     ``torch.compile`` (inductor), its ops that read parameters eagerly, in place: its graph is
     swapped for one that calls a compiled function per run (see the module docstring). Returns
     the stats its compiles fill and the graph it had (for :func:`uncompile_stage`)."""
-    stats = CompileStats(stage=stage)
+    runs = weightless_runs(module)
+    stats = CompileStats(stage=stage, runs=len(runs))
     backend = _CountingBackend(stats)
     original = module.graph
     graph = fx.Graph()
     graph._codegen = original._codegen
     env: dict[fx.Node, fx.Node] = {}
-    last = {run[-1]: run for run in weightless_runs(module)}
+    last = {run[-1]: run for run in runs}
     inside = {n for run in last.values() for n in run}
     for node in original.nodes:
         if node in last:
             run = last[node]
-            sub, inputs, outputs = _extract(run)
+            sub, inputs, outputs = _extract(run, module)
             copied_outputs(sub)  # no view of an input or intermediate is regenerated (a DTensor cannot be)
             call = graph.call_function(_timed(torch.compile(sub, backend=backend, dynamic=dynamic), stats),
                                        tuple(env[a] for a in inputs))
@@ -261,9 +279,9 @@ def _timed(compiled: Callable[..., Any], stats: CompileStats) -> Callable[..., A
     return compiled_run
 
 
-def _extract(run: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+def _extract(run: list[fx.Node], root: fx.GraphModule) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
     """The run as a graph of its own: the values it reads from outside as placeholders, the
-    values read after it as outputs."""
+    values read after it as outputs, the modules it calls shared with ``root``."""
     members = set(run)
     inputs = list(dict.fromkeys(a for n in run for a in n.all_input_nodes if a not in members))
     outputs = [n for n in run if any(u not in members for u in n.users)]
@@ -272,4 +290,4 @@ def _extract(run: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx
     for n in run:
         env[n] = graph.node_copy(n, lambda a: env[a])
     graph.output(tuple(env[o] for o in outputs))
-    return fx.GraphModule(torch.nn.Module(), graph), inputs, outputs
+    return fx.GraphModule(root, graph), inputs, outputs

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -31,6 +32,7 @@ from pipecut.runtime.comm.p2p import Direction, Op, Transfer
 from pipecut.runtime.comm.wire import Peer, TensorLeaf, WireSpec, pack, unpack
 from pipecut.runtime.execution.backward_split import split_backward
 from pipecut.runtime.execution.compiled import (
+    MIN_RUN,
     CompileStats,
     compile_apart,
     compile_program,
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
 __all__ = ["GradSync", "LossFn", "StageWorker", "tree_to"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+log = logging.getLogger(__name__)
 
 
 class GradSync(Protocol):
@@ -182,6 +186,10 @@ class StageWorker:
         if self.apart:
             assert isinstance(self.program.module, torch.fx.GraphModule)
             self.compiled, self._eager_graph = compile_apart(self.program.module, self.stage)
+            if self.compiled.runs == 0:
+                log.warning("stage %d (rank %d) compiles nothing: compiled apart from the ops that read "
+                            "parameters, it has no run of %d or more other ops; it runs eagerly",
+                            self.stage, self.rank, MIN_RUN)
             return
         for hook in self._segment_hooks:
             hook.remove()

@@ -624,12 +624,12 @@ def test_what_cannot_be_split_is_refused_by_name_before_any_step(tmp_path: Any) 
                          r"node grouped_mm\w* \(.*\), on the residual stream's token shards \(sequence parallelism\),"
                          r" failed on DTensors: .* leave TensorParallelOptions\(sequence_parallel=False\)", r["sequence"]), \
             r["sequence"]
-    for r in ranks:  # compile_stages="auto" weighs compiled stages under tensor parallelism, and says which it kept
+    for r in ranks:  # compile_stages="auto" weighs compiled stages under tensor parallelism, and says which it kept:
+        # compiled apart, the Mlp's stages have nothing to compile (a lone GELU between its products, a lone
+        # residual add after each region end), so eager stays whatever the clock said, and the note says why
         mode, detail, loss, graphs = r["auto"]
-        kept = "compiled" if mode else "eager"
-        assert mode in (True, False) and re.search(rf"{kept} stages kept: measured step [\d.]+ ms compiled, [\d.]+ ms "
-                                                   r"eager; compiling took", detail), detail
-        assert torch.isfinite(loss), graphs  # the graphs compiled are not asserted: see the 12-07 closing note
+        assert (mode, graphs) == (False, []) and "eager stages kept: no stage compiled a graph" in detail, detail
+        assert torch.isfinite(loss)
     for r in ranks:  # refused from the graph, before the probe runs anything
         assert re.search(r"stage [01] \(rank [0-3]\) cannot run split over its tensor-parallel group: node "
                          r"scaled_dot_product_attention\w* .*an attention outside every split region", r["attention"]), \

@@ -31,6 +31,15 @@ def test_compiled_kept_when_the_saving_over_the_amortized_steps_exceeds_the_comp
     assert choose_compiled(_times(110.0), _times(100.0), compile_s=11.0, steps=2000).compiled
 
 
+def test_eager_is_kept_where_no_rank_compiled_a_graph() -> None:
+    # the "compiled" steps ran eagerly too (stages compiled apart with nothing to compile): the
+    # clock's difference is noise, and the note says why eager stays
+    nothing = choose_compiled(_times(110.0), _times(100.0), compile_s=0.0, graphs=0)
+    assert not nothing.compiled
+    assert nothing.note().startswith("eager stages kept: no stage compiled a graph")
+    assert choose_compiled(_times(110.0), _times(100.0), compile_s=0.0, graphs=1).compiled
+
+
 def test_the_choice_reads_as_a_note() -> None:
     note = CompileChoice(compiled=True, eager_step_ms=110.0, compiled_step_ms=100.0, compile_s=9.0).note()
     assert note.startswith("compiled stages kept: measured step 100.0 ms compiled, 110.0 ms eager")

@@ -52,6 +52,45 @@ def test_the_runs_are_the_nodes_between_the_weight_ops() -> None:
                                                                       ["add_1", "tanh", "mul_2"]]
 
 
+class Modules(nn.Module):
+    """A module-built MLP, as ``symbolic_trace`` leaves it: its products and norm are calls of
+    modules with parameters, its activation and dropout calls of modules without."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.drop = nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.0)
+        self.down, self.norm = nn.Linear(32, 16), nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.down(self.drop(self.act(self.up(x))) * 2))
+
+
+def test_a_module_without_parameters_joins_a_run_and_a_segment_does_not(aot_backend: None) -> None:
+    from pipecut.core.segment import Segment
+
+    torch.manual_seed(0)
+    gm = fx.symbolic_trace(Modules())
+    assert [[n.name for n in run] for run in weightless_runs(gm)] == [["act", "drop", "mul"]]
+    x = torch.randn(4, 16)
+    want = gm(x)
+    stats, graph = compile_apart(gm, 0)
+    torch.testing.assert_close(gm(x), want)
+    assert (stats.runs, stats.graphs) == (1, 1)
+    uncompile_stage(gm, graph)
+    segment = Segment(gm, fx.Graph(), ("act",))  # a recomputed segment holds no parameter, yet runs eagerly
+    gm.act = segment
+    assert [[n.name for n in run] for run in weightless_runs(gm)] == [["drop", "mul"]]
+    gm.act = nn.Sequential(nn.GELU())  # nor does a module with children join (it may hold a segment)
+    assert [[n.name for n in run] for run in weightless_runs(gm)] == [["drop", "mul"]]
+
+
+def test_a_stage_with_nothing_to_compile_counts_no_run(aot_backend: None) -> None:
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4)))  # a lone GELU stays eager
+    stats, _ = compile_apart(gm, 2)
+    gm(torch.randn(2, 4))
+    assert (stats.runs, stats.graphs) == (0, 0)
+
+
 def test_a_stage_compiled_apart_splits_its_backward_at_each_weight(aot_backend: None) -> None:
     torch.manual_seed(0)
     gm = fx.symbolic_trace(Block())
@@ -63,6 +102,7 @@ def test_a_stage_compiled_apart_splits_its_backward_at_each_weight(aot_backend: 
     eager_code = gm.code
 
     stats, graph = compile_apart(gm, 3)
+    assert stats.runs == 2
     calls = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "compiled_run"]
     assert len(calls) == 2
     eager = [n.name for n in gm.graph.nodes if n.target in (operator.matmul, operator.mul)]
