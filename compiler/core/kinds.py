@@ -146,6 +146,9 @@ class FrameworkKind(enum.Enum):
     MEGATRON = "megatron"
     """Megatron-LM and Megatron-Core (and code built on it, as the Zero Bubble paper's): fused
     kernels, its own pipeline and distributed optimizer."""
+    MEGATRON_DEEPSPEED = "megatron-deepspeed"
+    """BigScience's Megatron-DeepSpeed (BLOOM's): Megatron-LM's fused kernels and tensor
+    parallelism, DeepSpeed's pipeline engine and ZeRO-1."""
 
 
 class Fp8Recipe(enum.Enum):
