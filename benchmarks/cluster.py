@@ -86,22 +86,34 @@ def validation_table(out: str) -> int:  # pragma: no cover
             print(f"    {run['planner_note']}")
     for p in (p for p in preds if p.issue == 28 and p.explained):
         print(f"  why {p.name}: {p.explained}")
-    print("issue 43: frameworks pipecut was not fitted on (Megatron-Core, NeMo, Megatron-Bridge; FP8, CP), "
-          "each priced as its framework runs it")
+    print("issue 43: frameworks pipecut was not fitted on (Megatron-Core, NeMo, Megatron-Bridge, Megatron-DeepSpeed; "
+          "FP8, CP), each priced as its framework runs it; outcome: published / predicted (fits or OOM)")
     for p in (p for p in preds if p.issue == 43):
         run = runs[p.name]
         what = "/".join(x for x in (run["precision"], f"cp{run['cp']}" if run.get("cp", 1) > 1 else "") if x)
         shape = f"{p.replicas}×{p.tensor_parallel}×{p.stages}"
-        print(f"{p.name:44} {'yes' if p.fitted else '':>3} {shape:>9} {p.published_tokens:>9.1f} {p.tokens:>9.1f} "
-              f"{p.tokens_low:>7.1f}-{p.tokens_high:<7.1f} {p.error:>+7.1%}  {what}")
+        published = "OOM" if p.published_tokens is None else f"{p.published_tokens:.1f}"
+        error = "" if p.published_tokens is None else f"{p.error:+.1%}"
+        mem_err = "" if p.memory_error is None else f"{p.memory_error:+.1%}"
+        pub_mem = "-" if p.published_memory_gib is None else f"{p.published_memory_gib:g}"
+        outcome = "" if p.published_fits is None else \
+            f"{'fits' if p.published_fits else 'OOM'}/{'fits' if p.fits else 'OOM'} ({p.needs_gib:.1f} GiB)"
+        print(f"{p.name:44} {'yes' if p.fitted else '':>3} {shape:>9} {published:>9} {p.tokens:>9.1f} "
+              f"{p.tokens_low:>7.1f}-{p.tokens_high:<7.1f} {error:>7} {pub_mem:>7} {p.memory_gib:>5.1f} {mem_err:>7}  "
+              f"{what} {outcome}")
     s = validation.summary(preds)
     print(f"issue 29's unfitted rows: median |error| {s['median_abs_error']:.1%} (target <= 10%), worst "
           f"{s['worst_abs_error']:.1%} (<= 20%), worst |memory error| {s['worst_abs_memory_error']:.1%} (<= 15%)")
     s43 = validation.summary(preds, issue=43)
+    s43["bloom_sweep_spearman"] = validation.sweep_rank(preds, "bigscience-prequel")
     print(f"issue 43's unfitted rows priced: median |error| {s43['median_abs_error']:.1%} (target <= 10%), worst "
-          f"{s43['worst_abs_error']:.1%} (<= 20%); the fit outcome right on all {sum(p.issue == 43 for p in preds)} "
-          f"(each trained, and each is priced as fitting its GPU: a row that did not would have raised)")
-    rows = [{**{k: getattr(p, k) for k in p.__dataclass_fields__}, "error": p.error, "memory_error": p.memory_error,
+          f"{s43['worst_abs_error']:.1%} (<= 20%); memory on {s43['memory_rows']:.0f} rows: median |error| "
+          f"{s43['median_abs_memory_error']:.1%}, worst {s43['worst_abs_memory_error']:.1%} (<= 15%); the fit / OOM "
+          f"outcome right on {s43['outcomes_right']:.0f} of the {s43['outcomes']:.0f} rows that publish one (the others "
+          f"trained and are priced as fitting: a row over its GPU would have raised); BLOOM's layout sweep ranked at "
+          f"Spearman {s43['bloom_sweep_spearman']:+.2f} (>= 0.9)")
+    rows = [{**{k: getattr(p, k) for k in p.__dataclass_fields__}, "error": None if p.published_tokens is None else p.error,
+             "memory_error": p.memory_error,
              **({"planner": {k: getattr(choices[p.name], k) for k in ("replicas", "tensor_parallel", "stages", "tokens",
                                                                        "memory_gib")}}
                 if p.name in choices else {})}

@@ -37,6 +37,8 @@ from pipecut.profile.hardware import FigureEnd
 __all__ = ["Choice", "Prediction", "load", "planner_choice", "predict", "table", "transformer_rows"]
 
 DATA = Path(__file__).with_name("validation_runs.json")
+UNBOUNDED_BYTES = 2**60
+"""The GPU memory a run with a published outcome is priced at: none refused, each peak read."""
 _TENSOR = '[1, {"type": null, "context": null, "children_spec": []}]'
 
 def load() -> dict[str, Any]:
@@ -142,7 +144,8 @@ def _prod(shape: tuple[int, ...]) -> int:
 class Prediction:
     name: str
     fitted: bool
-    published_tokens: float
+    published_tokens: float | None
+    """None: the run did not fit its GPUs (published out of memory), so no throughput."""
     tokens: float
     tokens_low: float
     tokens_high: float
@@ -159,23 +162,44 @@ class Prediction:
     reported with each miss explained)."""
     explained: str = ""
     """Why the prediction misses the published figure (the run's ``explained``), where it does."""
+    published_fits: bool | None = None
+    """The run's published outcome where its source prints one: it fit its GPUs (it trained),
+    or it ran out of memory; None: not published as an outcome (the row trained, and is priced
+    as fitting, a row over its GPU's memory raising)."""
+    fits: bool | None = None
+    """The predicted outcome of a row with a published one: its peak with every overhead a
+    process holds (the CUDA context, NCCL's buffers, the allocator's reserve) within the
+    GPU's memory; the row is priced with the memory unbounded, so a wrong outcome shows."""
+    needs_gib: float | None = None
+    """That peak, where the outcome is predicted."""
 
     @property
     def error(self) -> float:
+        assert self.published_tokens is not None, f"{self.name} ran out of memory: it has no throughput"
         return self.tokens / self.published_tokens - 1
+
+    @property
+    def outcome_right(self) -> bool | None:
+        return None if self.published_fits is None else self.published_fits == self.fits
 
     @property
     def memory_error(self) -> float | None:
         return None if self.published_memory_gib is None else self.memory_gib / self.published_memory_gib - 1
 
 
-def _published_tokens(run: dict[str, Any], model: dict[str, Any]) -> float:
-    """Tokens/s per GPU as published, or from samples/s, or from Megatron's teraFLOP/s per GPU
+def _published_tokens(run: dict[str, Any], model: dict[str, Any]) -> float | None:
+    """Tokens/s per GPU as published, or from seconds per iteration of a global batch, or from
+    samples/s, or from Megatron's teraFLOP/s per GPU
     with its own count: ``F = 96 B s l h² (1 + s/6h + V/16lh)`` per iteration of B sequences
     (Narayanan et al. 2021, the recomputed forward included), so a token costs F / (B s); or
     from Megatron-Core's model teraFLOP/s, ``72 B s l h² (1 + s/6h + V/12lh)`` (nothing
     recomputed counted)."""
     p = run["published"]
+    if p.get("outcome") == "oom":
+        return None
+    if "seconds_per_iteration" in p:
+        gpus = _gpus(run["cluster"])
+        return float(p["global_batch"]) * run["seq"] / (float(p["seconds_per_iteration"]) * gpus)
     if "tokens_per_s_per_gpu" in p:
         return float(p["tokens_per_s_per_gpu"])
     if "model_tflops_per_gpu" in p:  # Megatron-Core's count, without the recomputed forward
@@ -189,11 +213,18 @@ def _published_tokens(run: dict[str, Any], model: dict[str, Any]) -> float:
     return float(p["samples_per_s_per_gpu"]) * run["seq"]
 
 
+def _gpus(spec: str) -> int:
+    nodes, per_node, _ = spec.split("x", 2)
+    return int(nodes) * int(per_node)
+
+
 def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residual: float | None,
          planner: bool = False) -> tuple[Any, float]:
     """The run priced at ``bound``: its best candidate and its memory as the source counts it.
     ``planner``: instead of the run's own D × T × K, the planner's choice for the same cluster,
-    batch, microbatches, schedule and checkpointing (every D and every T the heads allow)."""
+    batch, microbatches, schedule and checkpointing (every D and every T the heads allow). A run
+    with a published outcome (fit or out of memory) is priced with its GPUs' memory unbounded:
+    whether it fits is then read from its peak (:func:`predict`)."""
     from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
     from pipecut.passes.parallel.tensor import tensor_sizes
     from pipecut.planning.cluster.choose import predict_run
@@ -204,10 +235,12 @@ def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residu
     from pipecut.profile.devices import device_profile
     from pipecut.profile.hardware import memory_overheads
 
-    cluster = parse_cluster(run["cluster"])
+    cluster = parse_cluster(run["cluster"], inter_bytes_per_s=run.get("inter_bytes_per_s"))
     profile = device_profile(cluster.device)
     if bound is not FigureEnd.VALUE:  # links at the same end of their range as the kernels
         cluster = cluster_at(cluster, profile, bound)
+    if "outcome" in run["published"]:
+        cluster = dataclasses.replace(cluster, memory_bytes=UNBOUNDED_BYTES)
     tp, sp, cp = run.get("tp", 1), run.get("sequence_parallel", False), run.get("cp", 1)
     replicas = cluster.gpus // (run["pp"] * tp)  # with context parallelism D x CP ranks, each 1/CP of a sample
     samples = run["microbatch_size"] * replicas  # the cost table is at one microbatch of the global batch
@@ -289,11 +322,19 @@ def _dominant(best: Any) -> str:
 
 
 def predict(run: dict[str, Any], models: dict[str, Any], *, residual: float | None = None) -> Prediction:
+    from pipecut.profile.devices import device_profile
+    from pipecut.profile.hardware import memory_overheads
+
     model = models[run["model"]]
     best, mem = _one(run, model, bound=FigureEnd.VALUE, residual=residual)
     fast, mem_lo = _one(run, model, bound=FigureEnd.FAST, residual=residual)
     slow, mem_hi = _one(run, model, bound=FigureEnd.SLOW, residual=residual)
     pub_mem = run["published"].get("memory_gib")
+    outcome = run["published"].get("outcome")
+    needs = None
+    if outcome is not None:
+        needs = (best.peak_memory_bytes + sum(memory_overheads(best.peak_memory_bytes).values())) / 2**30
+    device_gib = device_profile(run["cluster"].split("x", 2)[2]).memory_bytes / 2**30
     return Prediction(
         name=run["name"], fitted=run["fitted"], published_tokens=_published_tokens(run, model),
         tokens=best.tokens_per_s_per_gpu, tokens_low=min(t.tokens_per_s_per_gpu for t in (best, fast, slow)),
@@ -301,6 +342,8 @@ def predict(run: dict[str, Any], models: dict[str, Any], *, residual: float | No
         published_memory_gib=None if pub_mem is None else float(pub_mem), memory_gib=mem,
         memory_low_gib=min(mem, mem_lo, mem_hi), memory_high_gib=max(mem, mem_lo, mem_hi), dominant=_dominant(best), stages=best.placement.stages, replicas=best.placement.replicas,
         tensor_parallel=best.placement.tensor_parallel, issue=run.get("issue", 29), explained=run.get("explained", ""),
+        published_fits=None if outcome is None else outcome == "fits",
+        fits=None if needs is None else needs <= device_gib, needs_gib=needs,
     )
 
 
@@ -346,9 +389,38 @@ def fit(run_name: str, lo: float = 0.3, hi: float = 0.95, steps: int = 14) -> fl
 
 
 def summary(preds: list[Prediction], issue: int = 29) -> dict[str, float]:
-    """Issue 29's figures over an issue's unfitted rows (each issue's rows are reported apart)."""
+    """Issue 29's figures over an issue's unfitted rows (each issue's rows are reported apart),
+    and where rows publish them: the median memory error, the outcomes predicted right."""
     unfitted = [p for p in preds if not p.fitted and p.issue == issue]
-    errs = [abs(p.error) for p in unfitted]
+    errs = [abs(p.error) for p in unfitted if p.published_tokens is not None]
     mems = [abs(p.memory_error) for p in unfitted if p.memory_error is not None]
+    outcomes = [p.outcome_right for p in unfitted if p.outcome_right is not None]
     return {"median_abs_error": statistics.median(errs), "worst_abs_error": max(errs),
-            "worst_abs_memory_error": max(mems) if mems else 0.0}
+            "worst_abs_memory_error": max(mems) if mems else 0.0,
+            "median_abs_memory_error": statistics.median(mems) if mems else 0.0,
+            "memory_rows": len(mems), "outcomes": len(outcomes), "outcomes_right": sum(outcomes)}
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (ties ranked by their mean rank)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    return statistics.correlation(ranks(xs), ranks(ys))
+
+
+def sweep_rank(preds: list[Prediction], source: str) -> float:
+    """Spearman between the predicted and the published throughput of a source's rows that
+    trained (one layout sweep on one model)."""
+    names = {r["name"] for r in load()["runs"] if r["source"] == source}
+    rows = [p for p in preds if p.name in names and p.published_tokens is not None]
+    return spearman([p.tokens for p in rows], [p.published_tokens for p in rows if p.published_tokens is not None])

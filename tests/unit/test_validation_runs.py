@@ -127,9 +127,9 @@ def test_fp8_rows_are_priced_from_the_fp8_peak_and_each_miss_is_explained(
 
 
 def test_nvidia_recipes_bf16_gradients_are_declared_and_priced(table: dict[str, validation.Prediction]) -> None:
-    """The rows whose recipe reduces gradients in bf16 say so, with the script that sets it, and
-    each is a distributed-optimizer run (the only one priced that way)."""
-    runs = [r for r in validation.load()["runs"] if r.get("grad_reduce_in_fp32") is False]
+    """The Megatron rows whose recipe reduces gradients in bf16 say so, with the script that sets
+    it, and each is a distributed-optimizer run (the only one priced that way)."""
+    runs = [r for r in validation.load()["runs"] if r.get("grad_reduce_in_fp32") is False and r["framework"] == "megatron"]
     assert len(runs) == 11
     for r in runs:
         assert r["dp"] == "zero1" and r["framework"] == "megatron", r["name"]
@@ -146,3 +146,31 @@ def test_context_parallel_rows_are_priced_as_a_ring_and_each_miss_is_explained(
     for name in runs:
         p = table[name]
         assert abs(p.error) <= 0.20 and (abs(p.error) <= 0.10 or p.explained), (name, p.error)
+
+
+def test_bloom_s_layout_sweep_predicts_every_fit_and_out_of_memory_outcome(table: dict[str, validation.Prediction]) -> None:
+    """BLOOM's pre-training sweep (a 181B GPT on 384 A100, Megatron-DeepSpeed with ZeRO-1; the
+    rows committed before they were priced, nothing fitted on them): priced with the memory
+    unbounded, each layout's peak with the process's overheads says whether it fits an 80 GB
+    A100, and that is right on all 17 (3 published out of memory). The throughput and memory
+    are not at issue 43's targets: every row says so (its ``explained``), and the misses stay
+    bounded (throughput within 50%, memory within 25%) so a change that widens them shows."""
+    runs = {r["name"]: r for r in validation.load()["runs"] if r["source"] == "bigscience-prequel"}
+    assert len(runs) == 17 and not any(r["fitted"] for r in runs.values())
+    assert all(r["framework"] == "megatron-deepspeed" and r["dp"] == "zero1" for r in runs.values())
+    priced = [table[n] for n in runs]
+    assert sum(p.published_fits is False for p in priced) == 3
+    for p in priced:
+        assert p.fits == p.published_fits and p.needs_gib is not None, (p.name, p.needs_gib)
+        assert (p.needs_gib <= 80e9 / 2**30) == p.published_fits, (p.name, p.needs_gib)
+        if p.published_fits:
+            assert p.explained and abs(p.error) <= 0.50, (p.name, p.error)
+            assert p.memory_error is not None and abs(p.memory_error) <= 0.25, (p.name, p.memory_error)
+    s = validation.summary(list(table.values()), issue=43)
+    assert (s["outcomes"], s["outcomes_right"], s["memory_rows"]) == (17, 17, 14)
+
+
+def test_spearman_ranks_ties_by_their_mean_rank() -> None:
+    assert validation.spearman([1.0, 2.0, 3.0], [10.0, 20.0, 30.0]) == 1.0
+    assert validation.spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == -1.0
+    assert validation.spearman([1.0, 1.0, 2.0], [5.0, 5.0, 9.0]) == 1.0

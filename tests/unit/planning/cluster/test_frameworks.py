@@ -67,10 +67,11 @@ def test_an_unknown_engine_is_refused_with_the_engines() -> None:
         kernels_figure(KernelsKind.MEGATRON, "volta")
 
 
-def test_only_megatron_regathers_sequence_parallel_inputs() -> None:
-    """Megatron's column-parallel linears keep their input's shard and gather it again in the
-    backward; pipecut's runtime and torchtitan run DTensor, whose autograd keeps the gathered copy."""
-    assert {e.kind for e in frameworks() if e.regathers} == {FrameworkKind.MEGATRON}
+def test_only_megatron_s_linears_regather_sequence_parallel_inputs() -> None:
+    """Megatron's column-parallel linears (Megatron-DeepSpeed's are Megatron-LM's) keep their
+    input's shard and gather it again in the backward; pipecut's runtime and torchtitan run
+    DTensor, whose autograd keeps the gathered copy."""
+    assert {e.kind for e in frameworks() if e.regathers} == {FrameworkKind.MEGATRON, FrameworkKind.MEGATRON_DEEPSPEED}
 
 
 def test_fp8_products_keep_their_inputs_in_fp8_and_nothing_else_changes() -> None:
