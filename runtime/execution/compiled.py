@@ -204,7 +204,7 @@ MIN_RUN = 2
 
 def weightless_runs(gm: fx.GraphModule) -> list[list[fx.Node]]:
     """The maximal runs of consecutive nodes of ``gm`` that read no parameter, in graph order:
-    ``call_function`` and ``call_method`` nodes, and calls of leaf modules without parameters
+    ``call_function`` and ``call_method`` nodes, and calls of leaf modules that hold no tensor
     (an ``nn.GELU`` or ``nn.Dropout`` of a ``symbolic_trace`` capture). Placeholders and
     ``get_attr`` nodes between them do not end a run: they only name values. A call of a module
     with parameters ends one, and so do a recomputed segment (it runs its checkpoint eagerly)
@@ -223,14 +223,15 @@ def weightless_runs(gm: fx.GraphModule) -> list[list[fx.Node]]:
 
 
 def _weightless(node: fx.Node, gm: fx.GraphModule) -> bool:
-    """An op, or a call of a leaf module that holds no parameter and is no recomputed segment."""
+    """An op, or a call of a leaf module that holds no tensor (no parameter, and no buffer a
+    BatchNorm-like module would update as it runs) and is no recomputed segment."""
     if node.op in ("call_function", "call_method"):
         return True
     if node.op != "call_module":
         return False
     module = gm.get_submodule(str(node.target))
     return (not isinstance(module, Segment) and next(module.children(), None) is None
-            and next(module.parameters(), None) is None)
+            and next(module.parameters(), None) is None and next(module.buffers(), None) is None)
 
 
 def compile_apart(module: fx.GraphModule, stage: int, *, dynamic: bool | None = None) -> tuple[CompileStats, fx.Graph]:

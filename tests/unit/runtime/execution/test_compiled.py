@@ -82,6 +82,8 @@ def test_a_module_without_parameters_joins_a_run_and_a_segment_does_not(aot_back
     assert [[n.name for n in run] for run in weightless_runs(gm)] == [["drop", "mul"]]
     gm.act = nn.Sequential(nn.GELU())  # nor does a module with children join (it may hold a segment)
     assert [[n.name for n in run] for run in weightless_runs(gm)] == [["drop", "mul"]]
+    gm.act = nn.BatchNorm1d(32, affine=False)  # nor one with buffers it updates as it runs
+    assert [[n.name for n in run] for run in weightless_runs(gm)] == [["drop", "mul"]]
 
 
 def test_a_stage_with_nothing_to_compile_counts_no_run(aot_backend: None) -> None:
