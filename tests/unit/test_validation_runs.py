@@ -15,6 +15,7 @@ import pytest
 
 from benchmarks import validation
 from pipecut.planning.cluster.frameworks import framework
+from pipecut.profile.devices import device_profile
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +163,7 @@ def test_bloom_s_layout_sweep_predicts_every_fit_and_out_of_memory_outcome(table
     assert sum(p.published_fits is False for p in priced) == 3
     for p in priced:
         assert p.fits == p.published_fits and p.needs_gib is not None, (p.name, p.needs_gib)
-        assert (p.needs_gib <= 80e9 / 2**30) == p.published_fits, (p.name, p.needs_gib)
+        assert (p.needs_gib <= device_profile("A100-80GB").memory_bytes / 2**30) == p.published_fits, (p.name, p.needs_gib)
         if p.published_fits:
             assert p.explained and abs(p.error) <= 0.50, (p.name, p.error)
             assert p.memory_error is not None and abs(p.memory_error) <= 0.25, (p.name, p.memory_error)
