@@ -198,7 +198,9 @@ def _published_tokens(run: dict[str, Any], model: dict[str, Any]) -> float | Non
     if p.get("outcome") == "oom":
         return None
     if "seconds_per_iteration" in p:
-        gpus = _gpus(run["cluster"])
+        from pipecut.planning.cluster.figures import parse_cluster
+
+        gpus = parse_cluster(run["cluster"]).gpus
         return float(p["global_batch"]) * run["seq"] / (float(p["seconds_per_iteration"]) * gpus)
     if "tokens_per_s_per_gpu" in p:
         return float(p["tokens_per_s_per_gpu"])
@@ -211,11 +213,6 @@ def _published_tokens(run: dict[str, Any], model: dict[str, Any]) -> float | Non
         per_token = 96 * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
         return float(p["tflops_per_gpu"]) * 1e12 / per_token
     return float(p["samples_per_s_per_gpu"]) * run["seq"]
-
-
-def _gpus(spec: str) -> int:
-    nodes, per_node, _ = spec.split("x", 2)
-    return int(nodes) * int(per_node)
 
 
 def _one(run: dict[str, Any], model: dict[str, Any], *, bound: FigureEnd, residual: float | None,
@@ -322,7 +319,7 @@ def _dominant(best: Any) -> str:
 
 
 def predict(run: dict[str, Any], models: dict[str, Any], *, residual: float | None = None) -> Prediction:
-    from pipecut.profile.devices import device_profile
+    from pipecut.planning.cluster.figures import parse_cluster
     from pipecut.profile.hardware import memory_overheads
 
     model = models[run["model"]]
@@ -331,10 +328,10 @@ def predict(run: dict[str, Any], models: dict[str, Any], *, residual: float | No
     slow, mem_hi = _one(run, model, bound=FigureEnd.SLOW, residual=residual)
     pub_mem = run["published"].get("memory_gib")
     outcome = run["published"].get("outcome")
-    needs = None
-    if outcome is not None:
+    needs = fits = None
+    if outcome is not None:  # the GPU's capacity is read only where an outcome is predicted against it
         needs = (best.peak_memory_bytes + sum(memory_overheads(best.peak_memory_bytes).values())) / 2**30
-    device_gib = device_profile(run["cluster"].split("x", 2)[2]).memory_bytes / 2**30
+        fits = needs <= parse_cluster(run["cluster"]).memory_bytes / 2**30
     return Prediction(
         name=run["name"], fitted=run["fitted"], published_tokens=_published_tokens(run, model),
         tokens=best.tokens_per_s_per_gpu, tokens_low=min(t.tokens_per_s_per_gpu for t in (best, fast, slow)),
@@ -343,7 +340,7 @@ def predict(run: dict[str, Any], models: dict[str, Any], *, residual: float | No
         memory_low_gib=min(mem, mem_lo, mem_hi), memory_high_gib=max(mem, mem_lo, mem_hi), dominant=_dominant(best), stages=best.placement.stages, replicas=best.placement.replicas,
         tensor_parallel=best.placement.tensor_parallel, issue=run.get("issue", 29), explained=run.get("explained", ""),
         published_fits=None if outcome is None else outcome == "fits",
-        fits=None if needs is None else needs <= device_gib, needs_gib=needs,
+        fits=fits, needs_gib=needs,
     )
 
 
@@ -422,5 +419,5 @@ def sweep_rank(preds: list[Prediction], source: str) -> float:
     """Spearman between the predicted and the published throughput of a source's rows that
     trained (one layout sweep on one model)."""
     names = {r["name"] for r in load()["runs"] if r["source"] == source}
-    rows = [p for p in preds if p.name in names and p.published_tokens is not None]
-    return spearman([p.tokens for p in rows], [p.published_tokens for p in rows if p.published_tokens is not None])
+    pairs = [(p.tokens, p.published_tokens) for p in preds if p.name in names and p.published_tokens is not None]
+    return spearman([x for x, _ in pairs], [y for _, y in pairs])

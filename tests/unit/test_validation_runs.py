@@ -101,14 +101,15 @@ def test_megatron_core_h100_rows_are_priced_with_megatron_s_kernels_and_each_mis
     """Issue 43's Megatron-Core rows (the Megatron-LM README's H100 weak scaling): one fitted,
     the others checks, priced with Megatron's distributed optimizer, overlaps and
     sequence-parallel inputs. Not yet at issue 43's worst-case target: every miss beyond 10% is
-    said, none beyond 25%; every row, having trained, is priced as fitting (the 314B and 462B
+    said in its direction (the PP 1 rows' traced to the data-parallel link their assumed
+    microbatches leave exposed), none beyond 25%; every row, having trained, is priced as fitting (the 314B and 462B
     rows did not fit while the gathered inputs were priced whole)."""
     runs = {r["name"]: r for r in validation.load()["runs"] if r["source"] == "megatron-core-h100"}
     assert len(runs) == 9 and all(r["framework"] == "megatron" and r["overlapped_reduction"] for r in runs.values())
     priced = [table[n] for n in runs]
     assert sum(p.fitted for p in priced) == 1
     for p in priced:
-        assert abs(p.error) <= 0.10 or "not traced" in p.explained, p.name
+        assert abs(p.error) <= 0.10 or p.explained.startswith("under" if p.error < 0 else "over"), p.name
         assert abs(p.error) <= 0.25, (p.name, p.error)
         assert p.memory_gib < 80e9 / 2**30, (p.name, p.memory_gib)
 
