@@ -2,7 +2,7 @@
 Llama-3.1 8B, 70B and 405B.
 
     .venv/bin/python benchmarks/sharding_choice.py [--sizes 8b 70b 405b] [--shardings fsdp auto]
-        [--frameworks pipecut megatron] [--out benchmarks/sharding_choice.json]
+        [--frameworks pipecut megatron] [--recompute selective|full|none] [--out benchmarks/sharding_choice.json]
 
 Each model (``examples/llama_meta.py``, built on meta) is planned for its cluster with
 ``plan_cluster(..., tensor_parallel="auto", schedule="1f1b")`` twice: with
@@ -11,7 +11,8 @@ with ``sharding="auto"`` (DDP, ZeRO-1 and FSDP2 weighed, the fastest run that fi
 table gives both choices: D × T × K, the engine, the predicted step, tokens/s per GPU, MFU and the
 peak memory per GPU. ``--frameworks`` prices each run as that framework runs it
 (``MeasureOptions(framework=...)``, ``compiler/frameworks.json``: its kernels' figure, its
-ZeRO-1, the communication it overlaps); pipecut's own runtime by default. A prediction of
+ZeRO-1, the communication it overlaps); pipecut's own runtime by default. ``--recompute``: every
+stage's activation checkpointing (default: the cluster plan's, selective). A prediction of
 pipecut's cost model, not a measurement.
 """
 
@@ -37,7 +38,8 @@ CASES = {
 """Per size: the cluster, the global batch (sequences of 8,192 tokens) and the microbatches."""
 
 
-def choice(size: str, sharding: str, framework: str = "pipecut") -> dict[str, object]:  # pragma: no cover
+def choice(size: str, sharding: str, framework: str = "pipecut",
+           recompute: str | None = None) -> dict[str, object]:  # pragma: no cover
     from examples.llama_meta import build
     from pipecut.planning.cluster.plan import plan_cluster
 
@@ -47,10 +49,12 @@ def choice(size: str, sharding: str, framework: str = "pipecut") -> dict[str, ob
     plan = plan_cluster(model, inputs, str(case["cluster"]), microbatches=int(case["microbatches"]),
                         schedule="1f1b",
                         data_parallel=pipecut.DataParallelOptions(kind=sharding), loss_fn=loss_fn, target=target,
-                        measure=pipecut.MeasureOptions(framework=framework))
+                        measure=pipecut.MeasureOptions(framework=framework),
+                        partition=None if recompute is None else pipecut.PartitionOptions(recompute=recompute))
     run, place = plan.run, plan.placement
     assert run is not None and place is not None
     return {"size": size, "asked": sharding, "framework": run.framework.value, **case, "engine": run.sharding,
+            "recompute": run.recompute,
             "replicas": place.replicas, "tensor_parallel": place.tensor_parallel, "stages": plan.num_stages,
             "step_ms": round(run.step_ms, 1), "tokens_per_s_per_gpu": round(run.tokens_per_s_per_gpu, 1),
             "mfu": round(run.mfu, 4), "peak_gib": round(run.peak_memory_bytes / 2**30, 2),
@@ -62,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover
     ap.add_argument("--sizes", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--shardings", nargs="+", default=["fsdp", "auto"], choices=["ddp", "zero1", "fsdp", "auto"])
     ap.add_argument("--frameworks", nargs="+", default=["pipecut"])
+    ap.add_argument("--recompute", choices=["none", "selective", "full"], default=None)
     ap.add_argument("--out", default=str(Path(__file__).with_name("sharding_choice.json")))
     args = ap.parse_args(argv)
     rows = []
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover
           f"{'tok/s/GPU':>9} {'MFU':>6} {'GiB':>6}")
     for size in args.sizes:
         for framework, sharding in ((f, s) for f in args.frameworks for s in args.shardings):
-            r = choice(size, sharding, framework)
+            r = choice(size, sharding, framework, args.recompute)
             rows.append(r)
             Path(args.out).write_text(json.dumps({"rows": rows}, indent=2, sort_keys=True) + "\n")  # kept if stopped
             shape = f"{r['replicas']}x{r['tensor_parallel']}x{r['stages']}"

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pipecut.cluster import Cluster, Layout
+from pipecut.cluster import Cluster, Layout, Link
 from pipecut.core.kinds import DataParallelKind, Recompute, ScheduleKind
 from pipecut.errors import PartitionError
 from pipecut.ir import NodeCost
@@ -23,6 +23,7 @@ from pipecut.planning.cluster.run import (
     RunCandidate,
     RunChoice,
     RunShape,
+    Splits,
     block_of,
     choose_run,
     evaluate_run,
@@ -36,6 +37,7 @@ def predict_run(
     nodes: Sequence[NodeCost], cluster: Cluster, shape: RunShape, *, replicas: int | None = None,
     schedules: tuple[ScheduleKind, ...] | None = None, tensor_parallel: Sequence[int] = (1,),
     sharded: Mapping[int, ShardedTable] | None = None, search_wider: bool = True,
+    splits: dict[tuple[int, Link], Splits] | None = None,
 ) -> tuple[RunCandidate, RunChoice, Workload]:
     """The fastest fitting D × T × K × layout (× schedule of ``schedules``, default
     ``shape.schedule``, × stages per rank) for a cost table at microbatch ``B / M``, for each T
@@ -43,16 +45,16 @@ def predict_run(
     table's work divided by T, :func:`~pipecut.passes.parallel.tensor.shard_table`); refuses,
     with the memory needed per GPU and the smallest cluster of that device that fits, when none
     fits (``search_wider=False``: no larger cluster is tried, for a caller that only needs the
-    refusal)."""
+    refusal). ``splits``: the min-bottleneck splits found so far, by T and the link inside a node,
+    shared between calls on the same ``nodes`` (:func:`fastest_engine`'s engines); found ones
+    are added."""
     works = {t: _work_of(nodes, t, cluster, shape, sharded) for t in tensor_parallel}
     blocks = block_of(works[tensor_parallel[0]].modules or ("",) * works[tensor_parallel[0]].units)
-
-    def choose(on: Cluster, layouts: tuple[Layout, ...] = tuple(Layout)) -> RunChoice:
-        return merged_choices([choose_run(w, blocks, dataclasses.replace(shape, tensor_parallel=t), on,
-                                          replicas=replicas, layouts=layouts, schedules=schedules)
-                               for t, w in works.items()])
-
-    choice = choose(cluster)
+    found: dict[tuple[int, Link], Splits] = {} if splits is None else splits
+    choice = merged_choices([choose_run(w, blocks, dataclasses.replace(shape, tensor_parallel=t), cluster,
+                                        replicas=replicas, schedules=schedules,
+                                        splits=found.setdefault((t, cluster.intra), {}))
+                             for t, w in works.items()])
     if choice.best is not None:
         return choice.best, choice, works[choice.best.placement.tensor_parallel]
     need = choice.smallest_memory_bytes
@@ -64,7 +66,7 @@ def predict_run(
     bigger = None
     for factor in (2, 4, 8, 16, 32, 64) if search_wider else ():
         wider = dataclasses.replace(cluster, nodes=cluster.nodes * factor)
-        if choose(wider, (Layout.STAGES_INSIDE_NODES,)).best is not None:
+        if _any_fits(works, blocks, shape, wider, replicas=replicas, schedules=schedules, splits=found):
             bigger = wider.spec
             break
     hint = f"the smallest {cluster.device} cluster that fits is {bigger}" if bigger else (
@@ -78,6 +80,18 @@ def predict_run(
         + (", or tensor_parallel='auto'" if max(works) == 1 and cluster.gpus_per_node > 1 else "") + ")"
         + ("" if replicas is None else f"; with data_parallel={replicas} fixed")
     )
+
+
+def _any_fits(works: Mapping[int, Workload], blocks: tuple[int, ...], shape: RunShape, cluster: Cluster, *,
+              replicas: int | None, schedules: tuple[ScheduleKind, ...] | None,
+              splits: dict[tuple[int, Link], Splits]) -> bool:
+    """Whether any run fits ``cluster`` (one layout: memory does not depend on it), the largest T
+    first (the least memory per GPU), stopping at the first that does; ``splits`` as
+    :func:`predict_run`'s."""
+    return any(choose_run(works[t], blocks, dataclasses.replace(shape, tensor_parallel=t), cluster, replicas=replicas,
+                          layouts=(Layout.STAGES_INSIDE_NODES,), schedules=schedules,
+                          splits=splits.setdefault((t, cluster.intra), {}), first_fit=True).best is not None
+               for t in sorted(works, reverse=True))
 
 
 def _work_of(nodes: Sequence[NodeCost], t: int, cluster: Cluster, shape: RunShape,
@@ -94,12 +108,15 @@ def fastest_engine(nodes: Sequence[NodeCost], cluster: Cluster, shape: RunShape,
                     ) -> tuple[RunCandidate, RunChoice, DataParallelKind]:
     """:func:`predict_run` under each of the replicas' ``engines``: the fastest run that fits
     (the earliest engine on a tie), with its engine; PartitionError naming each engine's
-    reason where none fits."""
+    reason where none fits. The engines share their splits: the time of a split does not depend
+    on the engine, and each engine's memory is checked on it after."""
     found: list[tuple[RunCandidate, RunChoice, DataParallelKind]] = []
     errors: list[PartitionError] = []
+    splits: dict[tuple[int, Link], Splits] = {}
     for kind in engines:
         try:
-            best, choice, _ = predict_run(nodes, cluster, dataclasses.replace(shape, sharding=kind), **kwargs)
+            best, choice, _ = predict_run(nodes, cluster, dataclasses.replace(shape, sharding=kind), splits=splits,
+                                          **kwargs)
         except PartitionError as e:
             errors.append(e)
             continue

@@ -109,6 +109,7 @@ __all__ = [
     "RunShape",
     "RunSkipped",
     "RunStage",
+    "Splits",
     "block_of",
     "choose_run",
     "evaluate_run",
@@ -506,7 +507,7 @@ class RunChoice:
 def choose_run(
     work: Workload, blocks: tuple[int, ...], shape: RunShape, cluster: Cluster, *,
     replicas: int | None = None, layouts: tuple[Layout, ...] = tuple(Layout),
-    schedules: tuple[ScheduleKind, ...] | None = None,
+    schedules: tuple[ScheduleKind, ...] | None = None, splits: Splits | None = None, first_fit: bool = False,
 ) -> RunChoice:
     """Every factorisation of the cluster's GPUs into D × K × ``shape.tensor_parallel`` (or K = N
     / (T · ``replicas``) only), in
@@ -514,7 +515,11 @@ def choose_run(
     per rank (``shape.stages_per_rank``, or where None its
     :func:`~pipecut.planning.cluster.schedule.chunk_options`), ranked by predicted step;
     over-memory runs are skipped with their need. (Memory does not depend on the layout: one
-    layout answers "does anything fit".)"""
+    layout answers "does anything fit".) ``splits``: the splits of ``work`` already found, shared
+    with the caller (a split depends on the work, D, the stages and the link inside a node, not
+    on the replicas' engine, the schedule or the cluster's size); found ones are added.
+    ``first_fit``: stop at the first run that fits (its choice holds that one run), for a caller
+    that asks only whether any does."""
     t = shape.tensor_parallel
     n = cluster.gpus // t if cluster.gpus % t == 0 else 0
     shapes = [(n // k, k) for k in range(1, n + 1) if n % k == 0 and k <= work.units]
@@ -523,7 +528,7 @@ def choose_run(
     found: list[RunCandidate] = []
     skipped: list[RunSkipped] = []
     least: int | None = None
-    splits: Splits = {}
+    splits = {} if splits is None else splits
     for kind in schedules or (shape.schedule,):
         for d, k in shapes:
             for v in _chunks(shape, kind, k, blocks):
@@ -543,6 +548,8 @@ def choose_run(
                             f"{cluster.device} has {cluster.memory_bytes / 2**30:.1f} GiB")))
                         continue
                     found.append(c)
+                    if first_fit:
+                        return RunChoice(candidates=(c,), skipped=tuple(skipped), smallest_memory_bytes=least)
     found.sort(key=_rank)
     return RunChoice(candidates=tuple(found), skipped=tuple(skipped), smallest_memory_bytes=least)
 

@@ -7,13 +7,13 @@ import dataclasses
 
 import pytest
 
-from pipecut.cluster import Cluster, Layout
+from pipecut.cluster import Cluster, Layout, Link
 from pipecut.core.kinds import DataParallelKind, NodeOp
 from pipecut.errors import PartitionError
 from pipecut.ir import NodeCost
 from pipecut.planning.cluster.choose import predict_run
 from pipecut.planning.cluster.figures import parse_cluster
-from pipecut.planning.cluster.run import RunShape
+from pipecut.planning.cluster.run import RunShape, Splits
 
 
 def _heavy_rows(blocks: int, param_bytes: int) -> tuple[NodeCost, ...]:
@@ -83,3 +83,35 @@ def test_step_at_prices_the_chosen_run_again_on_another_table_and_links() -> Non
     assert step_at(best, shape, slow, {}, cluster) > 1.5 * best.step_ms
     wide = dataclasses.replace(cluster, nodes=2)  # 4 GPUs: not the run's 2
     assert step_at(best, shape, rows, {}, wide) == best.step_ms
+
+
+def test_engines_share_their_splits_and_the_wider_search_stops_at_the_first_fit() -> None:
+    """A split's time does not depend on the replicas' engine: planned under DDP, FSDP finds every
+    split it needs in the shared cache (the cache does not grow) and chooses as it does alone. The
+    refusal's wider search asks only whether a run fits: ``first_fit`` returns the first fitting
+    run of the full choice, and the refusal names the same smallest cluster."""
+    from pipecut.passes.costs.workload import workload
+    from pipecut.planning.cluster.run import block_of, choose_run
+
+    rows = _heavy_rows(8, 10**6)
+    cluster = parse_cluster("1x4xH100-SXM")
+    shape = RunShape(batch_size=8, microbatches=2, tokens_per_sample=1, model_flops_per_token=1.0)
+    splits: dict[tuple[int, Link], Splits] = {}
+    predict_run(rows, cluster, dataclasses.replace(shape, sharding=DataParallelKind.DDP), splits=splits)
+    kept = {key: dict(found) for key, found in splits.items()}
+    assert kept and all(kept.values())
+    fsdp = dataclasses.replace(shape, sharding=DataParallelKind.FSDP)
+    shared, _, _ = predict_run(rows, cluster, fsdp, splits=splits)
+    alone, _, _ = predict_run(rows, cluster, fsdp)
+    assert {key: dict(found) for key, found in splits.items()} == kept
+    assert (shared.bounds, shared.placement, shared.step_ms) == (alone.bounds, alone.placement, alone.step_ms)
+
+    work = workload(rows)
+    full = choose_run(work, block_of(work.modules), shape, cluster)
+    first = choose_run(work, block_of(work.modules), shape, cluster, first_fit=True)
+    assert len(first.candidates) == 1 and first.candidates[0] in full.candidates
+    assert first.candidates[0].peak_memory_bytes <= cluster.memory_bytes
+    heavy = _heavy_rows(4, 3 * 10**9)
+    one = RunShape(batch_size=2, microbatches=1, tokens_per_sample=1, model_flops_per_token=1.0)
+    with pytest.raises(PartitionError, match="smallest H100-SXM cluster that fits is 2x1xH100-SXM"):
+        predict_run(heavy, parse_cluster("1x1xH100-SXM"), one, splits={})
