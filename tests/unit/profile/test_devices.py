@@ -50,7 +50,7 @@ def test_roofline_by_hand():
     assert roofline_ms(1e9, 1e8, p, Precision.FP32, compute_efficiency=1, memory_efficiency=1) == pytest.approx(1.0)
     assert roofline_ms(0, 1e9, p, Precision.FP32, compute_efficiency=1, memory_efficiency=0.5) == pytest.approx(2.0)
     assert device_link("H100-SXM").bandwidth_bytes_per_ms == 450e6
-    assert [d.memory_bytes for d in device_specs("L4", 3)] == [24 * 10**9] * 3
+    assert [d.memory_bytes for d in device_specs("L4", 3)] == [23034 * 2**20] * 3  # nvidia-smi's total (memory_source)
 
 
 def test_plan_eight_a100s_from_estimated_costs(tmp_path):
