@@ -105,20 +105,25 @@ def validation_table(out: str) -> int:  # pragma: no cover
     print(f"issue 29's unfitted rows: median |error| {s['median_abs_error']:.1%} (target <= 10%), worst "
           f"{s['worst_abs_error']:.1%} (<= 20%), worst |memory error| {s['worst_abs_memory_error']:.1%} (<= 15%)")
     s43 = validation.summary(preds, issue=43)
-    s43["bloom_sweep_spearman"] = validation.sweep_rank(preds, "bigscience-prequel")
+    ranked = validation.sweeps(preds)
+    s43["bloom_sweep_spearman"] = next(w.spearman for w in ranked if w.source == "bigscience-prequel")
     print(f"issue 43's unfitted rows priced: median |error| {s43['median_abs_error']:.1%} (target <= 10%), worst "
           f"{s43['worst_abs_error']:.1%} (<= 20%); memory on {s43['memory_rows']:.0f} rows: median |error| "
           f"{s43['median_abs_memory_error']:.1%}, worst {s43['worst_abs_memory_error']:.1%} (<= 15%); the fit / OOM "
           f"outcome right on {s43['outcomes_right']:.0f} of the {s43['outcomes']:.0f} rows that publish one (the others "
           f"trained and are priced as fitting: a row over its GPU would have raised); BLOOM's layout sweep ranked at "
           f"Spearman {s43['bloom_sweep_spearman']:+.2f} (>= 0.9)")
+    print("sweeps of unfitted rows on one model and cluster, ranked (Spearman of predicted against published): " +
+          "; ".join(f"{w.source} {w.model} on {w.cluster} (issue {w.issue}), {w.rows} rows: {w.spearman:+.2f}"
+                    for w in ranked))
     rows = [{**{k: getattr(p, k) for k in p.__dataclass_fields__}, "error": None if p.published_tokens is None else p.error,
              "memory_error": p.memory_error,
              **({"planner": {k: getattr(choices[p.name], k) for k in ("replicas", "tensor_parallel", "stages", "tokens",
                                                                        "memory_gib")}}
                 if p.name in choices else {})}
             for p in preds]
-    Path(out).write_text(json.dumps({"rows": rows, "summary": s, "summary_issue_43": s43}, indent=1) + "\n")
+    Path(out).write_text(json.dumps({"rows": rows, "summary": s, "summary_issue_43": s43,
+                                     "sweeps": [dataclasses.asdict(w) for w in ranked]}, indent=1) + "\n")
     return 0
 
 

@@ -415,9 +415,28 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return statistics.correlation(ranks(xs), ranks(ys))
 
 
-def sweep_rank(preds: list[Prediction], source: str) -> float:
-    """Spearman between the predicted and the published throughput of a source's rows that
-    trained (one layout sweep on one model)."""
-    names = {r["name"] for r in load()["runs"] if r["source"] == source}
-    pairs = [(p.tokens, p.published_tokens) for p in preds if p.name in names and p.published_tokens is not None]
-    return spearman([x for x, _ in pairs], [y for _, y in pairs])
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Sweep:
+    """Unfitted rows of one source on one model and cluster that trained: one sweep of layouts
+    or schedules, and how its predictions rank them."""
+    source: str
+    model: str
+    cluster: str
+    issue: int
+    rows: int
+    spearman: float
+    """Between the predicted and the published throughput (1: ranked as measured)."""
+
+
+def sweeps(preds: list[Prediction], least: int = 3) -> list[Sweep]:
+    """Every sweep of at least ``least`` rows, in the table's order."""
+    runs = {r["name"]: r for r in load()["runs"]}
+    groups: dict[tuple[str, str, str], list[Prediction]] = {}
+    for p in preds:
+        r = runs[p.name]
+        if not p.fitted and p.published_tokens is not None:
+            groups.setdefault((r["source"], r["model"], r["cluster"]), []).append(p)
+    return [Sweep(source=source, model=model, cluster=cluster, issue=rows[0].issue, rows=len(rows),
+                  spearman=spearman([p.tokens for p in rows], [p.published_tokens for p in rows
+                                                               if p.published_tokens is not None]))
+            for (source, model, cluster), rows in groups.items() if len(rows) >= least]

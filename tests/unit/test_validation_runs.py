@@ -176,3 +176,18 @@ def test_spearman_ranks_ties_by_their_mean_rank() -> None:
     assert validation.spearman([1.0, 2.0, 3.0], [10.0, 20.0, 30.0]) == 1.0
     assert validation.spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == -1.0
     assert validation.spearman([1.0, 1.0, 2.0], [5.0, 5.0, 9.0]) == 1.0
+
+
+def test_every_sweep_of_unfitted_rows_is_ranked(table: dict[str, validation.Prediction]) -> None:
+    """A sweep is one source's unfitted rows that trained on one model and cluster: zero bubble's
+    schedules and microbatch counts on its 1.5B and 6.2B GPTs (issue 29) and BLOOM's layouts
+    (issue 43). Each is ranked; the zero-bubble sweeps are ranked nearly as measured (one pair
+    swapped each), BLOOM's is not (issue 43's target 0.9, not met, said in RESULTS.md), and the
+    check holds each where it is so a change that reorders one shows."""
+    ranked = {(w.source, w.model): w for w in validation.sweeps(list(table.values()))}
+    assert set(ranked) == {("zb", "zb-1.5b"), ("zb", "zb-6.2b"), ("bigscience-prequel", "bloom-prequel-181b")}
+    bloom = ranked["bigscience-prequel", "bloom-prequel-181b"]
+    assert (ranked["zb", "zb-1.5b"].rows, ranked["zb", "zb-6.2b"].rows, bloom.rows) == (5, 4, 14)
+    assert ranked["zb", "zb-1.5b"].spearman >= 0.8 - 1e-9 and ranked["zb", "zb-6.2b"].spearman >= 0.8 - 1e-9
+    assert -0.5 < bloom.spearman < 0.5
+    assert validation.sweeps(list(table.values()), least=len(table) + 1) == []
