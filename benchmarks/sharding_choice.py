@@ -74,7 +74,14 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover
           f"{'tok/s/GPU':>9} {'MFU':>6} {'GiB':>6}")
     for size in args.sizes:
         for framework, sharding in ((f, s) for f in args.frameworks for s in args.shardings):
-            r = choice(size, sharding, framework, args.recompute)
+            try:
+                r = choice(size, sharding, framework, args.recompute)
+            except pipecut.PartitionError as e:  # a refusal is a result: kept with its reason
+                rows.append({"size": size, "asked": sharding, "framework": framework, **CASES[size],
+                             "recompute": args.recompute, "refused": str(e)})  # None: the cluster plan's default
+                Path(args.out).write_text(json.dumps({"rows": rows}, indent=2, sort_keys=True) + "\n")
+                print(f"{size:6} {CASES[size]['cluster']:14} {framework:10} {sharding:6} refused: {e}", flush=True)
+                continue
             rows.append(r)
             Path(args.out).write_text(json.dumps({"rows": rows}, indent=2, sort_keys=True) + "\n")  # kept if stopped
             shape = f"{r['replicas']}x{r['tensor_parallel']}x{r['stages']}"
