@@ -102,8 +102,8 @@ def test_megatron_core_h100_rows_are_priced_with_megatron_s_kernels_and_each_mis
     the others checks, priced with Megatron's distributed optimizer, overlaps and
     sequence-parallel inputs. Not yet at issue 43's worst-case target: every miss beyond 10% is
     said in its direction (the PP 1 rows' traced to the data-parallel link their assumed
-    microbatches leave exposed), none beyond 25%; every row, having trained, is priced as fitting (the 314B and 462B
-    rows did not fit while the gathered inputs were priced whole)."""
+    microbatches leave exposed), none beyond 25%; every row, having trained, is priced as
+    fitting (the 314B and 462B rows did not fit while the gathered inputs were priced whole)."""
     runs = {r["name"]: r for r in validation.load()["runs"] if r["source"] == "megatron-core-h100"}
     assert len(runs) == 9 and all(r["framework"] == "megatron" and r["overlapped_reduction"] for r in runs.values())
     priced = [table[n] for n in runs]
@@ -181,8 +181,8 @@ def test_spearman_ranks_ties_by_their_mean_rank() -> None:
 def test_every_sweep_of_unfitted_rows_is_ranked(table: dict[str, validation.Prediction]) -> None:
     """A sweep is one source's unfitted rows that trained on one model and cluster: zero bubble's
     schedules and microbatch counts on its 1.5B and 6.2B GPTs (issue 29) and BLOOM's layouts
-    (issue 43). Each is ranked; the zero-bubble sweeps are ranked nearly as measured (one pair
-    swapped each), BLOOM's is not (issue 43's target 0.9, not met, said in RESULTS.md), and the
+    (issue 43). Each is ranked; the zero-bubble sweeps are ranked nearly as measured (neighbours
+    swapped: two pairs in the 1.5B, one in the 6.2B), BLOOM's is not (issue 43's target 0.9, not met, said in RESULTS.md), and the
     check holds each where it is so a change that reorders one shows."""
     ranked = {(w.source, w.model): w for w in validation.sweeps(list(table.values()))}
     assert set(ranked) == {("zb", "zb-1.5b"), ("zb", "zb-6.2b"), ("bigscience-prequel", "bloom-prequel-181b")}

@@ -30,14 +30,18 @@ from pipecut.planning.cluster.run import (
     merged_choices,
 )
 
-__all__ = ["fastest_engine", "predict_run", "step_at"]
+__all__ = ["TableSplits", "fastest_engine", "predict_run", "step_at"]
+
+TableSplits = dict[tuple[int, Link], Splits]
+"""The min-bottleneck splits of one cost table, by T and the link inside a node (each T's share
+is its own workload; a split depends on nothing else the engines or clusters change)."""
 
 
 def predict_run(
     nodes: Sequence[NodeCost], cluster: Cluster, shape: RunShape, *, replicas: int | None = None,
     schedules: tuple[ScheduleKind, ...] | None = None, tensor_parallel: Sequence[int] = (1,),
     sharded: Mapping[int, ShardedTable] | None = None, search_wider: bool = True,
-    splits: dict[tuple[int, Link], Splits] | None = None,
+    splits: TableSplits | None = None,
 ) -> tuple[RunCandidate, RunChoice, Workload]:
     """The fastest fitting D × T × K × layout (× schedule of ``schedules``, default
     ``shape.schedule``, × stages per rank) for a cost table at microbatch ``B / M``, for each T
@@ -50,7 +54,7 @@ def predict_run(
     are added."""
     works = {t: _work_of(nodes, t, cluster, shape, sharded) for t in tensor_parallel}
     blocks = block_of(works[tensor_parallel[0]].modules or ("",) * works[tensor_parallel[0]].units)
-    found: dict[tuple[int, Link], Splits] = {} if splits is None else splits
+    found: TableSplits = {} if splits is None else splits
     choice = merged_choices([choose_run(w, blocks, dataclasses.replace(shape, tensor_parallel=t), cluster,
                                         replicas=replicas, schedules=schedules,
                                         splits=found.setdefault((t, cluster.intra), {}))
@@ -84,7 +88,7 @@ def predict_run(
 
 def _any_fits(works: Mapping[int, Workload], blocks: tuple[int, ...], shape: RunShape, cluster: Cluster, *,
               replicas: int | None, schedules: tuple[ScheduleKind, ...] | None,
-              splits: dict[tuple[int, Link], Splits]) -> bool:
+              splits: TableSplits) -> bool:
     """Whether any run fits ``cluster`` (one layout: memory does not depend on it), the largest T
     first (the least memory per GPU), stopping at the first that does; ``splits`` as
     :func:`predict_run`'s."""
@@ -112,7 +116,7 @@ def fastest_engine(nodes: Sequence[NodeCost], cluster: Cluster, shape: RunShape,
     on the engine, and each engine's memory is checked on it after."""
     found: list[tuple[RunCandidate, RunChoice, DataParallelKind]] = []
     errors: list[PartitionError] = []
-    splits: dict[tuple[int, Link], Splits] = {}
+    splits: TableSplits = {}
     for kind in engines:
         try:
             best, choice, _ = predict_run(nodes, cluster, dataclasses.replace(shape, sharding=kind), splits=splits,

@@ -7,13 +7,13 @@ import dataclasses
 
 import pytest
 
-from pipecut.cluster import Cluster, Layout, Link
+from pipecut.cluster import Cluster, Layout
 from pipecut.core.kinds import DataParallelKind, NodeOp
 from pipecut.errors import PartitionError
 from pipecut.ir import NodeCost
-from pipecut.planning.cluster.choose import predict_run
+from pipecut.planning.cluster.choose import TableSplits, predict_run
 from pipecut.planning.cluster.figures import parse_cluster
-from pipecut.planning.cluster.run import RunShape, Splits
+from pipecut.planning.cluster.run import RunShape
 
 
 def _heavy_rows(blocks: int, param_bytes: int) -> tuple[NodeCost, ...]:
@@ -96,7 +96,7 @@ def test_engines_share_their_splits_and_the_wider_search_stops_at_the_first_fit(
     rows = _heavy_rows(8, 10**6)
     cluster = parse_cluster("1x4xH100-SXM")
     shape = RunShape(batch_size=8, microbatches=2, tokens_per_sample=1, model_flops_per_token=1.0)
-    splits: dict[tuple[int, Link], Splits] = {}
+    splits: TableSplits = {}
     predict_run(rows, cluster, dataclasses.replace(shape, sharding=DataParallelKind.DDP), splits=splits)
     kept = {key: dict(found) for key, found in splits.items()}
     assert kept and all(kept.values())
